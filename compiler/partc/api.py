@@ -1,0 +1,218 @@
+"""The pipeline of stages as one call: load, schema, family, bind, plan, emit."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from partc.bind import BoundArchitecture, bind_family
+from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.family import FamilyDecl, build_family
+from partc.load import RawDocument, load_document, load_json
+from partc.plan import PipelineActivationDtype, Plan, Topology, realize_plan
+from partc.schema import validate_document
+
+if TYPE_CHECKING:
+    from partc.checkpoint import Checkpoint
+    from partc.parallel import ShardingPolicy
+
+BUILTIN_PREFIX = "architectures/"
+"""How built-in family files are named in messages and plan sources."""
+
+
+def _raise_all(errors: Sequence[PartcError]) -> None:
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise PartcErrors(list(errors))
+
+
+@cache
+def builtin_families() -> dict[str, str]:
+    """Built-in family files by every model type they describe (file name values)."""
+    found: dict[str, str] = {}
+    root = resources.files("partc.architectures")
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith((".yaml", ".yml", ".toml")):
+            continue
+        document = load_document(entry.name, text=entry.read_text(encoding="utf-8"))
+        data = document.data if isinstance(document.data, dict) else {}
+        for model_type in data.get("model_types", []):
+            found.setdefault(str(model_type), entry.name)
+        if isinstance(data.get("family"), str):
+            found.setdefault(data["family"], entry.name)
+    return found
+
+
+def read_family_source(spec: str | Path) -> tuple[str, str]:
+    """(display name, text) of a family given as a file path or a built-in model type."""
+    path = Path(spec)
+    if path.suffix.lower() in (".yaml", ".yml", ".toml") or path.exists():
+        try:
+            return str(spec), path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LoadError(f"cannot read family file: {getattr(exc, 'strerror', None) or exc}",
+                            location=SourceLocation(str(spec))) from None
+    families = builtin_families()
+    name = families.get(str(spec))
+    if name is None:
+        raise LoadError(f"no family file {spec!r} and no built-in family for model type "
+                        f"{spec!r}; built-in: {', '.join(sorted(families))}",
+                        location=SourceLocation(str(spec)))
+    text = resources.files("partc.architectures").joinpath(name).read_text(encoding="utf-8")
+    return BUILTIN_PREFIX + name, text
+
+
+def load_family(spec: str | Path) -> tuple[FamilyDecl, str]:
+    """Load, schema-check and build a family; returns it with the sha256 of its text."""
+    label, text = read_family_source(spec)
+    document = load_document(label, text=text)
+    _raise_all(validate_document(document))
+    family, errors = build_family(document)
+    _raise_all(errors)
+    assert family is not None
+    return family, hashlib.sha256(text.encode()).hexdigest()
+
+
+def family_for_config(config: RawDocument) -> str:
+    """The built-in family name for a config's `model_type`."""
+    model_type = config.data.get("model_type")
+    families = builtin_families()
+    if not isinstance(model_type, str) or model_type not in families:
+        raise LoadError(f"config model_type {model_type!r} has no built-in family; known: "
+                        f"{', '.join(sorted(families))}", location=config.locate("/model_type"),
+                        pointer="/model_type")
+    return model_type
+
+
+@dataclass(frozen=True, slots=True)
+class CompileResult:
+    """The plan of a compile, the rendered files and where they were written."""
+
+    plan: Plan
+    """The plan IR."""
+    files: dict[str, str] = field(repr=False)
+    """Rendered files by relative path."""
+    out: Path | None
+    """Output folder (None when nothing was written)."""
+
+
+def bind(family: str | Path | None, config: str | Path) -> tuple[BoundArchitecture, FamilyDecl,
+                                                                  tuple[tuple[str, str], ...]]:
+    """Load a family (default: the built-in one for the config) and bind it to `config`."""
+    config_doc = load_json(config, "config.json")
+    spec = family if family is not None else family_for_config(config_doc)
+    decl, family_hash = load_family(spec)
+    bound = bind_family(decl, config_doc)
+    config_hash = hashlib.sha256(Path(config).read_bytes()).hexdigest()
+    label = Path(str(spec)).name if Path(str(spec)).suffix else f"{decl.name} (built-in)"
+    sources = tuple(sorted([(label, family_hash), (Path(config).name, config_hash)]))
+    return bound, decl, sources
+
+
+def _locator(decl: FamilyDecl, bound: BoundArchitecture):  # type: ignore[no-untyped-def]
+    pointers = dict(bound.group_pointers)
+
+    def locate(error: PartcError, group: str) -> None:
+        if group in pointers:
+            decl.locate_error(error, pointers[group])
+    return locate
+
+
+def plan_family(family: str | Path | None, config: str | Path, topology: Topology, *,
+                checkpoint: str | Path | None = None) -> Plan:
+    """Bind and realize a family for `topology`; with `checkpoint`, also fingerprint its header."""
+    bound, decl, sources = bind(family, config)
+    fingerprint = None
+    if checkpoint is not None:
+        from partc.checkpoint import open_checkpoint
+        from partc.runtime import header_fingerprint
+
+        opened = open_checkpoint(Path(checkpoint))
+        _raise_all(checkpoint_errors(bound, opened))
+        fingerprint = header_fingerprint(opened)
+    return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
+                        group_location=_locator(decl, bound))
+
+
+def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[PartcError]:
+    """Ownership gaps and name/dtype/shape mismatches between a family and a checkpoint."""
+    errors: list[PartcError] = list(bound.description.check_targets(checkpoint.names))
+    for owned in bound.description.groups:
+        for member in owned.group.members:
+            if member.target not in checkpoint:
+                continue
+            header, entry = checkpoint.tensor(member.target)
+            where = SourceLocation(str(header.path))
+            if entry.dtype != member.dtype:
+                errors.append(CheckpointError(
+                    f"tensor `{member.target}` is {entry.dtype} in the checkpoint; the family "
+                    f"declares {member.dtype}", location=where, tensor=member.target))
+            if tuple(entry.shape) != member.shape:
+                errors.append(CheckpointError(
+                    f"tensor `{member.target}` has shape {list(entry.shape)} in the checkpoint; "
+                    f"the family declares {list(member.shape)}", location=where,
+                    tensor=member.target))
+    return sorted(errors, key=lambda e: (e.tensor or "", e.message))
+
+
+def compile_family(family: str | Path | None, config: str | Path, *,
+                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                   stage_units: Sequence[int] | None = None,
+                   policy: ShardingPolicy | None = None,
+                   activation_dtype: str = "bfloat16",
+                   checkpoint: str | Path | None = None,
+                   out: str | Path | None = None) -> CompileResult:
+    """Compile a family for a model config and topology; write the build to `out` if given.
+
+    Raises a PartcError (PartcErrors when several were found) and writes nothing on failure.
+    """
+    from partc.emit import render_package, write_atomically
+
+    try:
+        dtype = PipelineActivationDtype(activation_dtype)
+    except ValueError:
+        raise LoadError(f"activation dtype must be one of "
+                        f"{', '.join(d.value for d in PipelineActivationDtype)}, found "
+                        f"{activation_dtype!r}") from None
+    topology = Topology(tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size,
+                        stage_units=tuple(stage_units) if stage_units else None, policy=policy,
+                        activation_dtype=dtype)
+    plan = plan_family(family, config, topology, checkpoint=checkpoint)
+    files = render_package(plan)
+    written = None
+    if out is not None:
+        write_atomically(Path(out), files)
+        written = Path(out)
+    return CompileResult(plan=plan, files=files, out=written)
+
+
+def check_family(family: str | Path | None, config: str | Path | None = None,
+                 checkpoint: str | Path | None = None, *,
+                 topology: Topology | None = None) -> list[PartcError]:
+    """Validate a family (and, given them, its binding, a plan and a checkpoint); all errors."""
+    errors: list[PartcError] = []
+    try:
+        if config is None:
+            if family is None:
+                raise LoadError("check needs a family or a config")
+            load_family(family)
+            return errors
+        bound, decl, _ = bind(family, config)
+        if checkpoint is not None:
+            from partc.checkpoint import open_checkpoint
+
+            errors.extend(checkpoint_errors(bound, open_checkpoint(Path(checkpoint))))
+        if topology is not None:
+            realize_plan(bound, topology, group_location=_locator(decl, bound))
+    except PartcErrors as many:
+        errors.extend(many.errors)
+    except PartcError as one:
+        errors.append(one)
+    return errors

@@ -1,0 +1,432 @@
+"""Stage 4: bind a symbolic family to a model's config.json.
+
+Config fields are read (with types and defaults), every expression is evaluated, repeated groups
+are expanded over units and loop variables, and the result is a validated
+`ArchitectureParameterDescription` plus the boundary wire schema.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from partc.errors import ExpressionError, PartcError, SemanticError
+from partc.expr import Expression, Template, format_value
+from partc.load import join_pointer
+from partc.parallel import (
+    DTYPE_BITS,
+    TORCH_DTYPE_NAMES,
+    MemberSharding,
+    MemberShardingKind,
+    ParameterGroupSpec,
+    ParameterMemberSpec,
+    ProjectionSharding,
+    ShardingPolicy,
+    partitioned_projection_group,
+    segmented_projection_group,
+)
+from partc.partition import (
+    ArchitectureParameterDescription,
+    BoundaryTensorDimension,
+    BoundaryTensorDimensionKind,
+    BoundaryTensorDtype,
+    BoundaryTensorSpec,
+    BoundaryWireSchema,
+    ExecutionGraph,
+    ExecutionGroupSpec,
+    OwnedParameterGroupSpec,
+    ParameterGroupOwner,
+    StaticRoleSpec,
+)
+
+if TYPE_CHECKING:
+    from partc.family import FamilyDecl, GroupDecl, ModuleDecl, ParamDecl, ShardingDecl
+    from partc.load import RawDocument
+
+Value = Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundArchitecture:
+    """A family bound to one model config: concrete groups, owners, graph and boundary."""
+
+    family: str
+    """Family name."""
+    model_type: str
+    """The config's `model_type`."""
+    config_values: tuple[tuple[str, Value], ...]
+    """Every config field's value, sorted by name."""
+    description: ArchitectureParameterDescription
+    """Validated ownership of every parameter group."""
+    boundary: BoundaryWireSchema
+    """What crosses a pipeline cut."""
+    policy: ShardingPolicy | None
+    """The family's default sharding policy."""
+    group_pointers: tuple[tuple[str, str], ...]
+    """Each logical group name and the pointer of the declaration it came from, sorted."""
+
+
+class _Binder:
+    def __init__(self, family: FamilyDecl, config: RawDocument) -> None:
+        self.family = family
+        self.config = config
+        self.errors: list[PartcError] = []
+
+    def fail(self, message: str, pointer: str) -> SemanticError:
+        return SemanticError(message, location=self.family.document.locate(pointer),
+                             pointer=pointer)
+
+    def evaluate(self, expr: Expression, env: Mapping[str, Value], pointer: str) -> Value:
+        try:
+            return expr.evaluate(env)
+        except ExpressionError as exc:
+            exc.location = self.family.document.locate(pointer)
+            exc.pointer = pointer
+            raise
+
+    def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
+                minimum: int | None = None) -> int:
+        value = self.evaluate(expr, env, pointer)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(f"{what} `{expr.text}` must be an integer, found "
+                            f"{format_value(value)}", pointer)
+        if minimum is not None and value < minimum:
+            raise self.fail(f"{what} `{expr.text}` must be >= {minimum}, found {value}", pointer)
+        return value
+
+    def boolean(self, expr: Expression | None, env: Mapping[str, Value], pointer: str) -> bool:
+        if expr is None:
+            return True
+        value = self.evaluate(expr, env, pointer)
+        if not isinstance(value, bool):
+            raise self.fail(f"condition `{expr.text}` must be true or false, found "
+                            f"{format_value(value)}", pointer)
+        return value
+
+    def render(self, template: Template, env: Mapping[str, Value], pointer: str) -> str:
+        try:
+            return template.render(env)
+        except ExpressionError as exc:
+            exc.location = self.family.document.locate(pointer)
+            exc.pointer = pointer
+            raise
+
+
+# ---------------------------------------------------------------- config values
+
+
+def _lookup(data: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return node is not None, node
+
+
+def _check_type(kind: str, value: Any) -> Value | None:
+    """The value converted to the declared type, or None when it does not fit."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int":
+        return value if is_int else None
+    if kind == "bool":
+        return value if isinstance(value, bool) else None
+    if kind == "str":
+        return value if isinstance(value, str) else None
+    if kind == "float":
+        return value if (is_int or isinstance(value, float)) else None
+    if kind == "int_list":
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value):
+            return tuple(value)
+        return None
+    if kind == "str_list":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        return None
+    return tuple(value) if isinstance(value, list) else value
+
+
+def read_config_values(family: FamilyDecl, config: RawDocument) -> dict[str, Value]:
+    """Every declared config field's value: from config.json, else its default."""
+    binder = _Binder(family, config)
+    values: dict[str, Value] = {"model_type": config.data.get("model_type")}
+    pending = []
+    for field in family.config:
+        for source in field.sources:
+            present, raw = _lookup(config.data, source)
+            if present:
+                converted = _check_type(field.type, raw)
+                if converted is None:
+                    raise SemanticError(
+                        f"config field `{source}` must be {field.type}, found "
+                        f"{type(raw).__name__} {raw!r} (declared at "
+                        f"{family.document.locate(field.pointer)})",
+                        location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
+                values[field.name] = converted
+                break
+        else:
+            if field.default is None:
+                raise SemanticError(
+                    f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
+                    f"requires (declared as {field.type} with no default)",
+                    location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
+            pending.append(field)
+    while pending:
+        progressed = False
+        for field in list(pending):
+            assert field.default is not None
+            if any(n in {p.name for p in pending} for n in field.default.names):
+                continue
+            values[field.name] = binder.evaluate(field.default, values,
+                                                 join_pointer(field.pointer, "default"))
+            pending.remove(field)
+            progressed = True
+        if not progressed:
+            names = ", ".join(f"`{f.name}`" for f in pending)
+            raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
+                              pending[0].pointer)
+    return values
+
+
+def _default_dtype(config: RawDocument) -> str:
+    for key in ("dtype", "torch_dtype"):
+        value = config.data.get(key)
+        if isinstance(value, str):
+            if value not in TORCH_DTYPE_NAMES:
+                raise SemanticError(f"config `{key}` is {value!r}; expected one of "
+                                    f"{', '.join(sorted(TORCH_DTYPE_NAMES))}",
+                                    location=config.locate("/" + key), pointer="/" + key)
+            return TORCH_DTYPE_NAMES[value]
+    return "F32"
+
+
+# ---------------------------------------------------------------- group expansion
+
+
+def _dtype(binder: _Binder, param: ParamDecl, env: Mapping[str, Value], default: str) -> str:
+    if param.dtype is None:
+        return default
+    value = binder.evaluate(param.dtype, env, param.pointer)
+    if isinstance(value, str) and value in TORCH_DTYPE_NAMES:
+        return TORCH_DTYPE_NAMES[value]
+    if not isinstance(value, str) or value not in DTYPE_BITS:
+        raise binder.fail(f"dtype must be one of {', '.join(sorted(DTYPE_BITS))} (or a torch "
+                          f"name), found {format_value(value)}", param.pointer)
+    return value
+
+
+def _shape(binder: _Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple[int, ...]:
+    return tuple(binder.integer(d, env, param.pointer, "a shape dimension", minimum=0)
+                 for d in param.shape)
+
+
+def _member_sharding(binder: _Binder, decl: ShardingDecl, env: Mapping[str, Value],
+                     pointer: str) -> MemberSharding:
+    kind = MemberShardingKind(decl.kind)
+    segments = tuple(binder.integer(s, env, pointer, "a segment width", minimum=1)
+                     for s in decl.segments)
+    return MemberSharding(kind=kind, axis=decl.axis, segments=segments)
+
+
+def _params(binder: _Binder, module: ModuleDecl, env: Mapping[str, Value],
+            dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    out = {}
+    for param in module.params:
+        if binder.boolean(param.when, env, param.pointer):
+            out[binder.render(param.name, env, param.pointer)] = (
+                _shape(binder, param, env), _dtype(binder, param, env, dtype))
+    return out
+
+
+def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str,
+                 dtype: str) -> ParameterGroupSpec | None:
+    units = (binder.integer(decl.units, env, join_pointer(decl.pointer, "units"),
+                            "`units`", minimum=1) if decl.units is not None else None)
+    label = decl.units_text
+    if decl.form == "members":
+        members = []
+        for param in decl.members:
+            if not binder.boolean(param.when, env, param.pointer):
+                continue
+            assert param.sharding is not None
+            members.append(ParameterMemberSpec(
+                target=binder.render(param.name, env, param.pointer),
+                shape=_shape(binder, param, env),
+                sharding=_member_sharding(binder, param.sharding, env, param.pointer),
+                dtype=_dtype(binder, param, env, dtype)))
+        if not members:
+            return None
+        partitioned = any(m.sharding.is_partitioned for m in members)
+        return ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
+                                  units=units if partitioned else None, units_label=label,
+                                  policy=decl.policy)
+    if decl.form == "module":
+        assert decl.module is not None and decl.module_sharding is not None
+        module = binder.render(decl.module.module, env, decl.module.pointer)
+        sharding = _member_sharding(binder, decl.module_sharding, env, decl.pointer)
+        members = [ParameterMemberSpec(target=f"{module}.{p}", shape=shape, sharding=sharding,
+                                       dtype=pdtype)
+                   for p, (shape, pdtype) in _params(binder, decl.module, env, dtype).items()]
+        if not members:
+            return None
+        return ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
+                                  units=units if sharding.is_partitioned else None,
+                                  units_label=label, policy=decl.policy)
+    modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
+    rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
+                for m in modules]
+    if decl.form == "fused":
+        (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
+        segments = [binder.integer(s, env, fused.pointer, "a segment width", minimum=1)
+                    for s in fused.segments]
+        assert units is not None
+        group = segmented_projection_group(
+            name, decl.role, fused_module=fused_name, segments=segments,
+            fused_params={k: v[0] for k, v in fused_params.items()}, output_module=out_name,
+            output_params={k: v[0] for k, v in out_params.items()}, units=units, dtype=dtype,
+            units_label=label)
+        dtypes = {f"{fused_name}.{k}": v[1] for k, v in fused_params.items()}
+        dtypes.update({f"{out_name}.{k}": v[1] for k, v in out_params.items()})
+    else:
+        projections = [(mod, m.sharding or ProjectionSharding.REPLICATED,
+                        {k: v[0] for k, v in params.items()}) for mod, m, params in rendered]
+        dtypes = {f"{mod}.{k}": v[1] for mod, _, params in rendered for k, v in params.items()}
+        if units is None:
+            members = []
+            for mod, sharding, params in projections:
+                group = partitioned_projection_group(name, decl.role, [(mod, sharding, params)],
+                                                     1, dtype=dtype)
+                members.extend(_unpartition(m) for m in group.members)
+            if not members:
+                return None
+            group = ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
+                                       policy=decl.policy)
+        else:
+            group = partitioned_projection_group(name, decl.role, projections, units,
+                                                 dtype=dtype, units_label=label)
+    members = [m if dtypes.get(m.target, dtype) == m.dtype else
+               ParameterMemberSpec(target=m.target, shape=m.shape, sharding=m.sharding,
+                                   dtype=dtypes[m.target]) for m in group.members]
+    return ParameterGroupSpec(name=group.name, role=group.role, members=tuple(members),
+                              units=group.units, units_label=group.units_label,
+                              policy=decl.policy)
+
+
+def _unpartition(member: ParameterMemberSpec) -> ParameterMemberSpec:
+    """A projection member without a shared partition: Partitioned becomes Equal."""
+    if member.sharding.kind is MemberShardingKind.PARTITIONED:
+        assert member.sharding.axis is not None
+        return ParameterMemberSpec(target=member.target, shape=member.shape,
+                                   sharding=MemberSharding.equal(member.sharding.axis),
+                                   dtype=member.dtype)
+    return member
+
+
+def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
+               graph: ExecutionGraph) -> Iterator[tuple[dict[str, Value], int | None]]:
+    unit_owner = next((o for o in decl.owners if o.kind == "unit"), None)
+    units: list[int | None] = [None]
+    if unit_owner is not None:
+        assert unit_owner.group is not None
+        units = list(range(graph.group(unit_owner.group).units))
+    for unit in units:
+        local = dict(env)
+        if unit is not None:
+            local["unit"] = unit
+        counts = [range(binder.integer(count, local, join_pointer(join_pointer(
+            decl.pointer, "for"), var), f"the count of `{var}`", minimum=0))
+            for var, count in decl.loops]
+        for combo in itertools.product(*counts):
+            instance = dict(local)
+            instance.update({var: value for (var, _), value in zip(decl.loops, combo,
+                                                                  strict=True)})
+            yield instance, unit
+
+
+def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
+           unit: int | None) -> ParameterGroupOwner:
+    for choice in decl.owners:
+        if binder.boolean(choice.when, env, join_pointer(choice.pointer, "when")):
+            if choice.kind == "unit":
+                assert choice.group is not None and unit is not None
+                return ParameterGroupOwner.execution_unit(choice.group, unit)
+            if choice.kind == "static":
+                return ParameterGroupOwner.static_role(choice.roles[0])
+            return ParameterGroupOwner.static_any_of(choice.roles)
+    raise binder.fail("no owner choice applies: every `when` is false", decl.pointer)
+
+
+def bind_family(family: FamilyDecl, config: RawDocument) -> BoundArchitecture:
+    """Bind `family` to `config`; raises the first error found (a PartcError)."""
+    model_type = config.data.get("model_type")
+    if model_type not in family.model_types:
+        raise SemanticError(
+            f"config model_type is {model_type!r} but family `{family.name}` describes "
+            f"{', '.join(repr(t) for t in family.model_types)}",
+            location=config.locate("/model_type"), pointer="/model_type")
+    values = read_config_values(family, config)
+    binder = _Binder(family, config)
+    dtype = _default_dtype(config)
+    groups = []
+    for decl in family.graph:
+        count = binder.integer(decl.units, values, join_pointer(decl.pointer, "units"),
+                               "`units`", minimum=0)
+        paths = tuple(binder.render(decl.path, {**values, "unit": u},
+                                    join_pointer(decl.pointer, "path")) for u in range(count))
+        groups.append(ExecutionGroupSpec(name=decl.name, unit_paths=paths,
+                                         carries_state=decl.carries_state, dependencies=decl.after))
+    graph = _located(family, lambda: ExecutionGraph(groups=tuple(groups)), "/graph")
+    owned: list[OwnedParameterGroupSpec] = []
+    pointers: dict[str, str] = {}
+    for decl in family.groups:
+        for env, unit in _instances(binder, decl, values, graph):
+            if not binder.boolean(decl.when, env, join_pointer(decl.pointer, "when")):
+                continue
+            name = binder.render(decl.name, env, join_pointer(decl.pointer, "name"))
+            spec = _located(family, lambda d=decl, e=env, n=name: _build_group(
+                binder, d, e, n, dtype), decl.pointer)
+            if spec is None:
+                continue
+            if name in pointers:
+                raise binder.fail(f"parameter group name `{name}` is produced twice (also by "
+                                  f"{family.document.locate(pointers[name])}); names must be "
+                                  "unique, e.g. include `{unit}`", decl.pointer)
+            pointers[name] = decl.pointer
+            owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
+                                                                         unit)))
+    statics = tuple(StaticRoleSpec(name=n, side=s) for n, s in family.static_roles)
+    description = _located(family, lambda: ArchitectureParameterDescription(
+        graph=graph, static_roles=statics, groups=tuple(owned)), "/parameters")
+    boundary = _located(family, lambda: _boundary(binder, values), "/boundary")
+    return BoundArchitecture(
+        family=family.name, model_type=str(model_type),
+        config_values=tuple(sorted(values.items())), description=description, boundary=boundary,
+        policy=family.policy, group_pointers=tuple(sorted(pointers.items())))
+
+
+def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:
+    try:
+        return build()
+    except PartcError as error:
+        raise family.locate_error(error, pointer) from None
+
+
+def _boundary(binder: _Binder, values: Mapping[str, Value]) -> BoundaryWireSchema:
+    specs = []
+    for tensor in binder.family.boundary:
+        dims = []
+        for dim in tensor.shape:
+            if isinstance(dim, str):
+                dims.append(BoundaryTensorDimension(kind=BoundaryTensorDimensionKind(dim)))
+            else:
+                dims.append(BoundaryTensorDimension(
+                    kind=BoundaryTensorDimensionKind.FIXED,
+                    size=binder.integer(dim, values, tensor.pointer, "a boundary dimension",
+                                        minimum=1)))
+        specs.append(BoundaryTensorSpec(role=tensor.role, shape=tuple(dims),
+                                        dtype=BoundaryTensorDtype(tensor.dtype)))
+    return BoundaryWireSchema(identity=binder.family.boundary_identity, primary=specs[0],
+                              auxiliary=tuple(specs[1:]))

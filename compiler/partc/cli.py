@@ -1,0 +1,226 @@
+"""The `partc` command line: compile, check, demo and families."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+
+from partc import __version__
+from partc.errors import PartcError, PartcErrors
+
+EXIT_OK = 0
+"""Success."""
+EXIT_ERRORS = 1
+"""The input had errors; they were reported."""
+EXIT_USAGE = 2
+"""The command line itself was wrong."""
+EXIT_INTERNAL = 70
+"""A bug in partc."""
+
+
+def _stage_units(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated unit counts such as 3,5,4, found {text!r}") from None
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
+    return value
+
+
+def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument("--tp", type=_positive, default=None if not required else 1,
+                        help="tensor-parallel size T (default 1)")
+    parser.add_argument("--pp", type=_positive, default=None if not required else 1,
+                        help="pipeline-parallel size S (default 1)")
+    parser.add_argument("--pp-layers", type=_stage_units, default=None,
+                        help="explicit units per pipeline stage, e.g. 3,5,4")
+    parser.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
+                        help="what to do with shards illegal for the topology (default: the "
+                             "family's, else require)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="partc", description="Compile LLM family descriptions into rank-local loaders.")
+    parser.add_argument("--version", action="version", version=f"partc {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    compile_ = commands.add_parser("compile", help="write plan.json and the rank loader package")
+    compile_.add_argument("family", nargs="?", default=None,
+                          help="family file (.yaml/.toml) or built-in model type (default: from "
+                               "the config's model_type)")
+    compile_.add_argument("--config", required=True, help="the model's config.json")
+    _add_topology(compile_, required=True)
+    compile_.add_argument("--activation-dtype", default="bfloat16",
+                          choices=["float16", "bfloat16", "float32"],
+                          help="dtype of activations crossing pipeline cuts")
+    compile_.add_argument("--checkpoint", default=None,
+                          help="checkpoint to validate and fingerprint the plan against")
+    compile_.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    compile_.add_argument("--format", choices=["text", "json"], default="text")
+
+    check = commands.add_parser("check", help="validate without writing anything")
+    check.add_argument("family", nargs="?", default=None,
+                       help="family file or built-in model type")
+    check.add_argument("--config", default=None, help="a config.json to bind to")
+    check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
+    _add_topology(check, required=False)
+    check.add_argument("--format", choices=["text", "json"], default="text")
+
+    demo = commands.add_parser("demo", help="compile and load the embedded tiny Llama")
+    demo.add_argument("--tp", type=_positive, default=2)
+    demo.add_argument("--pp", type=_positive, default=2)
+    demo.add_argument("--out", default=None, help="where to write the build (default: temp)")
+
+    commands.add_parser("families", help="list the built-in families and their model types")
+    return parser
+
+
+def _policy(value: str | None):  # type: ignore[no-untyped-def]
+    from partc.parallel import ShardingPolicy
+
+    return None if value is None else ShardingPolicy(value.replace("-", "_"))
+
+
+def _report(errors: Sequence[PartcError], fmt: str) -> int:
+    ordered = sorted(errors, key=PartcError.sort_key)
+    if fmt == "json":
+        print(json.dumps({"ok": False, "errors": [e.to_json() for e in ordered]}, indent=1))
+    else:
+        for error in ordered:
+            print(f"error: {error}", file=sys.stderr)
+        print(f"partc: {len(ordered)} error(s)", file=sys.stderr)
+    return EXIT_ERRORS
+
+
+def _flatten(error: PartcError) -> list[PartcError]:
+    return list(error.errors) if isinstance(error, PartcErrors) else [error]
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from partc.api import compile_family
+
+    result = compile_family(
+        args.family, args.config, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+        stage_units=args.pp_layers, policy=_policy(args.policy),
+        activation_dtype=args.activation_dtype, checkpoint=args.checkpoint, out=args.out)
+    plan = result.plan
+    if args.format == "json":
+        print(json.dumps({"ok": True, "out": str(result.out), "plan_hash":
+                          plan.to_json()["plan_hash"], "files": sorted(result.files)}, indent=1))
+        return EXIT_OK
+    print(f"compiled {plan.family} ({plan.model_type}) for TP={plan.topology.tensor_parallel_size}"
+          f" x PP={plan.topology.pipeline_parallel_size} into {result.out}")
+    _print_ranks(plan)
+    return EXIT_OK
+
+
+def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
+    print(f"{'rank':>4} {'tp':>3} {'stage':>5} {'units':>13} {'tensors':>7} {'local MiB':>10} "
+          f"{'static roles'}")
+    for rank in plan.ranks:
+        part = rank.partition
+        units = ", ".join(f"{g.group}[{g.unit_range[0]}:{g.unit_range[1]}]" for g in part.groups)
+        line = (f"{rank.rank:>4} {rank.tensor_parallel_rank:>3} {rank.pipeline_stage:>5} "
+                f"{units:>13} {len(rank.layout):>7} "
+                f"{rank.info.local_parameter_bytes / 2**20:>10.3f} "
+                f"{', '.join(part.ownership.static_roles) or '-'}")
+        if loaded is not None:
+            line += f"  loaded {loaded[rank.rank]}"
+        print(line)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from partc.api import check_family
+    from partc.plan import Topology
+
+    topology = None
+    if args.tp is not None or args.pp is not None or args.pp_layers or args.policy:
+        topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
+                            stage_units=args.pp_layers, policy=_policy(args.policy))
+    errors = check_family(args.family, args.config, args.checkpoint, topology=topology)
+    if errors:
+        return _report(errors, args.format)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "errors": []}))
+    else:
+        what = ["family"] + (["config binding"] if args.config else []) + (
+            ["checkpoint"] if args.checkpoint else []) + (["topology"] if topology else [])
+        print(f"ok: {', '.join(what)} checked")
+    return EXIT_OK
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import importlib
+    import sys as _sys
+
+    from partc.api import compile_family
+
+    example = resources.files("partc.examples").joinpath("tiny-llama")
+    with resources.as_file(example) as folder, tempfile.TemporaryDirectory() as scratch:
+        out = Path(args.out) if args.out else Path(scratch) / "build"
+        result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
+                                pipeline_parallel_size=args.pp, out=out)
+        plan = result.plan
+        print(f"partc demo: embedded tiny Llama ({plan.config_values and dict(plan.config_values)['num_hidden_layers']} layers) "
+              f"at TP={args.tp} x PP={args.pp}, build in {out}")
+        from partc.emit import package_name
+
+        _sys.path.insert(0, str(out))
+        try:
+            package = importlib.import_module(package_name(plan))
+            loaded = {}
+            for rank in plan.ranks:
+                state = package.load(folder, rank=rank.rank)
+                total = sum(a.nbytes for a in state.tensors.values())
+                loaded[rank.rank] = f"{len(state.tensors)} arrays, {total} bytes"
+        finally:
+            _sys.path.remove(str(out))
+            for name in list(_sys.modules):
+                if name.startswith(package_name(plan)):
+                    del _sys.modules[name]
+        _print_ranks(plan, loaded)
+    return EXIT_OK
+
+
+def _families(_: argparse.Namespace) -> int:
+    from partc.api import builtin_families
+
+    for model_type, file in sorted(builtin_families().items()):
+        print(f"{model_type:<20} architectures/{file}")
+    return EXIT_OK
+
+
+_COMMANDS = {"compile": _compile, "check": _check, "demo": _demo, "families": _families}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    fmt = getattr(args, "format", "text")
+    try:
+        return _COMMANDS[args.command](args)
+    except PartcError as error:
+        return _report(_flatten(error), fmt)
+    except KeyboardInterrupt:
+        print("partc: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

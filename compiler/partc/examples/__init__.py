@@ -1,0 +1,1 @@
+"""The embedded tiny Llama the demo runs on (config and checkpoint data)."""
