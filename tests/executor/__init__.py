@@ -1,0 +1,33 @@
+"""Numpy reference executor for tiny Hugging Face checkpoints, whole or sharded.
+
+It reproduces HF's forward pass (eager attention, no cache) from safetensors weights, either
+from full tensors (:func:`forward`) or from per-rank tensor-parallel slices
+(:func:`forward_tensor_parallel`) and pipeline stages (:func:`forward_pipeline`), so that the
+slices a partc loader produces can be checked against HF's own logits.
+"""
+
+from .fixtures import FIXTURES, load_fixture, load_safetensors
+from .model import (
+    PipelineResult,
+    Result,
+    forward,
+    forward_pipeline,
+    forward_tensor_parallel,
+)
+from .quant import dequantize
+from .shard import RankShard, Selection, ShardingError
+
+__all__ = [
+    "FIXTURES",
+    "PipelineResult",
+    "RankShard",
+    "Result",
+    "Selection",
+    "ShardingError",
+    "dequantize",
+    "forward",
+    "forward_pipeline",
+    "forward_tensor_parallel",
+    "load_fixture",
+    "load_safetensors",
+]
