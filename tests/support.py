@@ -1,0 +1,73 @@
+"""Helpers shared by the test modules: fixture paths and compile-then-import of a build."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from partc.api import compile_family
+from partc.emit import package_name
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+HF = FIXTURES / "hf"
+QUANTIZED = FIXTURES / "quantized"
+FULLSIZE = FIXTURES / "fullsize"
+
+
+def hf(name: str) -> Path:
+    """Folder of one tiny HF fixture."""
+    return HF / name
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a single-file fixture checkpoint, read with safetensors itself."""
+    return load_file(str(folder / "model.safetensors"))
+
+
+def import_build(out: Path, plan: Any) -> Any:
+    """Import the generated package of a build folder (fresh, even if imported before)."""
+    name = package_name(plan)
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(out))
+
+
+def compile_and_import(family: str | Path | None, config: Path, out: Path, *, tp: int = 1,
+                       pp: int = 1, **options: Any) -> tuple[Any, Any]:
+    """Compile into `out` and import the generated package; returns (plan, package)."""
+    result = compile_family(family, config, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            out=out, **options)
+    return result.plan, import_build(out, result.plan)
+
+
+def reassemble(pieces: list[tuple[np.ndarray, int | None, tuple[tuple[int, int], ...]]],
+               shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Scatter rank-local arrays back into a global array; returns (array, ownership counts)."""
+    out = np.zeros(shape, dtype=dtype)
+    count = np.zeros(shape, dtype=np.int64)
+    for local, axis, ranges in pieces:
+        if axis is None:
+            out[...] = local
+            count += 1
+            continue
+        offset = 0
+        for start, end in ranges:
+            width = end - start
+            index = [slice(None)] * len(shape)
+            index[axis] = slice(start, end)
+            source = [slice(None)] * len(shape)
+            source[axis] = slice(offset, offset + width)
+            out[tuple(index)] = local[tuple(source)]
+            count[tuple(index)] += 1
+            offset += width
+    return out, count

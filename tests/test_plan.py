@@ -1,0 +1,176 @@
+"""The walking skeleton end to end on the real tiny Llamas: compile, load, reassemble."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+from support import checkpoint_tensors, compile_and_import, hf, reassemble
+
+from partc import LayoutError, ParallelPlanError
+from partc.api import compile_family
+from partc.parallel import PlacementKind, ShardingPolicy, balanced_contiguous_range
+from partc.partition import ArchitecturePartitionError
+from partc.schema import load_schema
+
+TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
+CASES = [("llama", t) for t in TOPOLOGIES] + [("llama_tied", t) for t in TOPOLOGIES + [(1, 4)]]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Every (fixture, T, S) of the issue compiled once and loaded on every rank."""
+    cache = {}
+
+    def get(name, tp, pp):
+        key = (name, tp, pp)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
+            plan, package = compile_and_import("llama", hf(name) / "config.json", out, tp=tp,
+                                               pp=pp)
+            states = [package.load(hf(name), rank=r) for r in range(tp * pp)]
+            cache[key] = (plan, states)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize(("name", "topology"), CASES)
+def test_tp_slices_of_every_stage_reassemble_every_checkpoint_tensor_exactly(builds, name,
+                                                                              topology):
+    tp, pp = topology
+    plan, states = builds(name, tp, pp)
+    full = checkpoint_tensors(hf(name))
+    seen = set()
+    for stage in range(pp):
+        ranks = states[stage * tp:(stage + 1) * tp]
+        targets = set(ranks[0].layout.targets)
+        assert all(set(r.layout.targets) == targets for r in ranks)
+        for target in targets:
+            pieces = []
+            for state in ranks:
+                axis, ranges = state.layout[target].selection
+                local = state.tensors[target]
+                assert local.shape == state.layout[target].local_shape
+                pieces.append((local, axis, ranges))
+            whole, count = reassemble(pieces, full[target].shape, full[target].dtype)
+            np.testing.assert_array_equal(whole, full[target])
+            replicated = state.layout[target].placement.kind in (PlacementKind.REPLICATED,
+                                                                 PlacementKind.LOCAL)
+            assert (count == (tp if replicated else 1)).all(), target
+            seen.add(target)
+    assert seen == set(full), "every checkpoint tensor is loaded by at least one stage"
+
+
+@pytest.mark.parametrize(("name", "topology"), CASES)
+def test_each_stage_holds_exactly_its_layers_and_static_roles(builds, name, topology):
+    tp, pp = topology
+    plan, states = builds(name, tp, pp)
+    layers = json.loads((hf(name) / "config.json").read_text())["num_hidden_layers"]
+    tied = name == "llama_tied"
+    for rank, state in enumerate(states):
+        stage = rank // tp
+        first, last = balanced_contiguous_range(layers, pp, stage)
+        held = {int(t.split(".")[2]) for t in state.layout.targets if t.startswith("model.layers.")}
+        assert held == set(range(first, last))
+        targets = set(state.layout.targets)
+        assert ("model.embed_tokens.weight" in targets) == (stage == 0 or (tied and
+                                                                             stage == pp - 1))
+        assert ("model.norm.weight" in targets) == (stage == pp - 1)
+        assert ("lm_head.weight" in targets) == (stage == pp - 1 and not tied)
+        partition = plan.ranks[rank].partition
+        assert partition.groups[0].unit_range == (first, last)
+        assert partition.state.global_range == (first, last)
+        assert partition.ownership.owns_input == (stage == 0)
+        assert partition.ownership.owns_output == (stage == pp - 1)
+
+
+def test_vocabulary_splits_unevenly_over_two_ranks(builds):
+    plan, states = builds("llama", 2, 1)
+    shapes = [s.tensors["model.embed_tokens.weight"].shape for s in states]
+    assert shapes == [(66, 64), (65, 64)]
+    assert states[1].layout["lm_head.weight"].selection == (0, ((66, 131),))
+
+
+def test_attention_query_heads_travel_with_their_kv_head(builds):
+    plan, states = builds("llama", 2, 1)
+    # 4 query heads, 2 KV heads, head_dim 16: rank 1 holds KV head 1 and query heads 2 and 3
+    layout = states[1].layout
+    assert layout["model.layers.0.self_attn.q_proj.weight"].selection == (0, ((32, 64),))
+    assert layout["model.layers.0.self_attn.k_proj.weight"].selection == (0, ((16, 32),))
+    assert layout["model.layers.0.self_attn.o_proj.weight"].selection == (1, ((32, 64),))
+    assert layout["model.layers.0.self_attn.q_proj.weight"].logical_range == (1, 2)
+    assert layout["model.layers.0.mlp.down_proj.weight"].selection == (1, ((64, 128),))
+
+
+def test_sharded_checkpoint_loads_identically_to_the_single_file(tmp_path):
+    plan, package = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "b",
+                                       tp=2, pp=2)
+    for rank in range(4):
+        single = package.load(hf("llama"), rank=rank)
+        sharded = package.load(hf("llama") / "sharded", rank=rank)
+        assert list(single.tensors) == list(sharded.tensors)
+        for target, array in single.tensors.items():
+            np.testing.assert_array_equal(sharded.tensors[target], array)
+        assert single.layout == sharded.layout
+
+
+def test_more_pipeline_stages_than_layers_is_refused_with_a_clear_error(tmp_path):
+    with pytest.raises(ArchitecturePartitionError) as caught:
+        compile_family("llama", hf("llama") / "config.json", pipeline_parallel_size=4,
+                       out=tmp_path / "build")
+    assert "pipeline_parallel_size 4 exceeds the 3 execution units" in str(caught.value)
+    assert "--pp 3 or fewer" in str(caught.value)
+    assert not (tmp_path / "build").exists()
+
+
+def test_four_ranks_over_two_kv_heads_fail_under_require_naming_group_units_and_fix(tmp_path):
+    with pytest.raises(ParallelPlanError) as caught:
+        compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4)
+    message = str(caught.value)
+    assert "group `layers.0.attention`" in message
+    assert "2 partition units (num_key_value_heads)" in message
+    assert "tensor_parallel_size is 4" in message
+    assert "--policy replicate-unsupported" in message
+    assert caught.value.location is not None
+    assert caught.value.location.file == "architectures/llama.yaml"
+    assert caught.value.location.line > 0
+    assert isinstance(caught.value, LayoutError)
+
+
+def test_replicate_unsupported_replicates_attention_and_records_the_fallback(tmp_path):
+    plan, package = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "b",
+                                       tp=4, policy=ShardingPolicy.REPLICATE_UNSUPPORTED)
+    full = checkpoint_tensors(hf("llama"))
+    for rank in range(4):
+        state = package.load(hf("llama"), rank=rank)
+        q = state.layout["model.layers.1.self_attn.q_proj.weight"]
+        assert q.fell_back_to_replication
+        assert q.placement.kind is PlacementKind.REPLICATED
+        np.testing.assert_array_equal(state.tensors[q.target], full[q.target])
+        mlp = state.layout["model.layers.1.mlp.up_proj.weight"]
+        assert not mlp.fell_back_to_replication
+        assert mlp.local_shape == (32, 64)
+
+
+def test_plan_json_validates_against_the_plan_schema(builds, tmp_path):
+    result = compile_family("llama", hf("llama_tied") / "config.json", tensor_parallel_size=2,
+                            pipeline_parallel_size=2)
+    document = json.loads(result.files["plan.json"])
+    jsonschema.Draft202012Validator(load_schema("plan.schema.json")).validate(document)
+    assert document["plan_hash"] == result.plan.to_json()["plan_hash"]
+    embed = next(t for t in document["tensors"] if t["target"] == "model.embed_tokens.weight")
+    assert embed["stages"] == [0, 1]
+    assert embed["owner"] == {"kind": "static_any_of", "roles": ["embedding", "output"]}
+
+
+def test_parallel_model_info_accounts_every_byte(builds):
+    plan, states = builds("llama", 2, 3)
+    payload = sum(a.nbytes for a in checkpoint_tensors(hf("llama")).values())
+    for state in states:
+        assert state.info.global_parameter_bytes == payload
+        assert state.info.local_parameter_bytes == sum(a.nbytes for a in state.tensors.values())
+    assert states[0].info.maximum_device_parameter_bytes == max(
+        s.info.local_parameter_bytes for s in states)
