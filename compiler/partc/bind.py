@@ -8,7 +8,7 @@ are expanded over units and loop variables, and the result is a validated
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -149,12 +149,23 @@ def _check_type(kind: str, value: Any) -> Value | None:
     return tuple(value) if isinstance(value, list) else value
 
 
-def read_config_values(family: FamilyDecl, config: RawDocument) -> dict[str, Value]:
-    """Every declared config field's value: from config.json, else its default."""
+def read_config_values(family: FamilyDecl, config: RawDocument,
+                       checkpoint_names: Collection[str] | None = None) -> dict[str, Value]:
+    """Every declared config field's value: from config.json, else its default.
+
+    A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
+    without checkpoint names it takes its default.
+    """
     binder = _Binder(family, config)
     values: dict[str, Value] = {"model_type": config.data.get("model_type")}
     pending = []
     for field in family.config:
+        if field.present is not None:
+            if checkpoint_names is not None or field.default is not None:
+                pending.append(field)
+                continue
+            raise binder.fail(f"config field `{field.name}` probes the checkpoint and has no "
+                              "default; give a checkpoint or declare a default", field.pointer)
         for source in field.sources:
             present, raw = _lookup(config.data, source)
             if present:
@@ -168,6 +179,9 @@ def read_config_values(family: FamilyDecl, config: RawDocument) -> dict[str, Val
                 values[field.name] = converted
                 break
         else:
+            if field.literal_default[0]:
+                values[field.name] = field.literal_default[1]
+                continue
             if field.default is None:
                 raise SemanticError(
                     f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
@@ -177,6 +191,15 @@ def read_config_values(family: FamilyDecl, config: RawDocument) -> dict[str, Val
     while pending:
         progressed = False
         for field in list(pending):
+            if field.present is not None and checkpoint_names is not None:
+                if any(n in {p.name for p in pending} for n in field.present.names):
+                    continue
+                target = binder.render(field.present, values,
+                                       join_pointer(field.pointer, "present"))
+                values[field.name] = target in checkpoint_names
+                pending.remove(field)
+                progressed = True
+                continue
             assert field.default is not None
             if any(n in {p.name for p in pending} for n in field.default.names):
                 continue
@@ -328,13 +351,16 @@ def _unpartition(member: ParameterMemberSpec) -> ParameterMemberSpec:
 def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
                graph: ExecutionGraph) -> Iterator[tuple[dict[str, Value], int | None]]:
     unit_owner = next((o for o in decl.owners if o.kind == "unit"), None)
-    units: list[int | None] = [None]
+    units: list[tuple[str, int, str] | None] = [None]
     if unit_owner is not None:
         assert unit_owner.group is not None
-        units = list(range(graph.group(unit_owner.group).units))
-    for unit in units:
+        units = [(name, u, path) for name in unit_owner.groups or (unit_owner.group,)
+                 for u, path in enumerate(graph.group(name).unit_paths)]
+    for where in units:
         local = dict(env)
-        if unit is not None:
+        unit = None
+        if where is not None:
+            local["group"], unit, local["path"] = where
             local["unit"] = unit
         counts = [range(binder.integer(count, local, join_pointer(join_pointer(
             decl.pointer, "for"), var), f"the count of `{var}`", minimum=0))
@@ -352,22 +378,28 @@ def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
         if binder.boolean(choice.when, env, join_pointer(choice.pointer, "when")):
             if choice.kind == "unit":
                 assert choice.group is not None and unit is not None
-                return ParameterGroupOwner.execution_unit(choice.group, unit)
+                return ParameterGroupOwner.execution_unit(str(env.get("group", choice.group)),
+                                                          unit)
             if choice.kind == "static":
                 return ParameterGroupOwner.static_role(choice.roles[0])
             return ParameterGroupOwner.static_any_of(choice.roles)
     raise binder.fail("no owner choice applies: every `when` is false", decl.pointer)
 
 
-def bind_family(family: FamilyDecl, config: RawDocument) -> BoundArchitecture:
-    """Bind `family` to `config`; raises the first error found (a PartcError)."""
+def bind_family(family: FamilyDecl, config: RawDocument,
+                checkpoint_names: Collection[str] | None = None) -> BoundArchitecture:
+    """Bind `family` to `config`; raises the first error found (a PartcError).
+
+    `checkpoint_names` (the checkpoint's tensor names) answers the config fields that probe the
+    checkpoint with `present`.
+    """
     model_type = config.data.get("model_type")
     if model_type not in family.model_types:
         raise SemanticError(
             f"config model_type is {model_type!r} but family `{family.name}` describes "
             f"{', '.join(repr(t) for t in family.model_types)}",
             location=config.locate("/model_type"), pointer="/model_type")
-    values = read_config_values(family, config)
+    values = read_config_values(family, config, checkpoint_names)
     binder = _Binder(family, config)
     dtype = _default_dtype(config)
     groups = []

@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 
 UNIT_VARIABLE = "unit"
 """The loop variable bound to the unit index of a unit-owned group."""
+UNIT_PATH_VARIABLE = "path"
+"""The variable bound to the unit's path (e.g. `model.layers.7`) in a unit-owned group."""
+UNIT_GROUP_VARIABLE = "group"
+"""The variable bound to the execution group's name in a unit-owned group."""
+UNIT_VARIABLES = (UNIT_VARIABLE, UNIT_PATH_VARIABLE, UNIT_GROUP_VARIABLE)
+"""Every variable a unit-owned group sees besides the config fields."""
 CONFIG_TYPES = ("int", "bool", "str", "float", "int_list", "str_list", "any")
 """Types a config field may declare."""
 
@@ -47,6 +53,10 @@ class ConfigFieldDecl:
     """Dotted paths in config.json, first present wins."""
     pointer: str
     """Where the field is declared."""
+    present: Template | None = None
+    """A bool field probing the checkpoint: true when it holds this tensor (None: no probe)."""
+    literal_default: tuple[bool, Any] = (False, None)
+    """(True, value) for a float default, which is kept as a value rather than an expression."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,11 +86,13 @@ class OwnerDecl:
     roles: tuple[str, ...]
     """Static role(s)."""
     group: str | None
-    """Execution group for 'unit'."""
+    """Execution group for 'unit' (the first, when several are listed)."""
     when: Expression | None
     """Condition, if any."""
     pointer: str
     """Where the choice is declared."""
+    groups: tuple[str, ...] = ()
+    """Every execution group for 'unit': the group is instantiated once per unit of each."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -343,8 +355,9 @@ def _owners(builder: _Builder, value: Any, pointer: str) -> tuple[OwnerDecl, ...
             out.append(OwnerDecl(kind="any_of", roles=tuple(choice["any_of"]), group=None,
                                  when=when, pointer=ptr))
         else:
-            out.append(OwnerDecl(kind="unit", roles=(), group=choice["unit"], when=when,
-                                 pointer=ptr))
+            groups = choice["unit"] if isinstance(choice["unit"], list) else [choice["unit"]]
+            out.append(OwnerDecl(kind="unit", roles=(), group=groups[0], when=when,
+                                 pointer=ptr, groups=tuple(groups)))
     return tuple(out)
 
 
@@ -430,6 +443,7 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
                                           pointer=ptr))
             continue
         default = None
+        literal: tuple[bool, Any] = (False, None)
         if "default" in spec:
             raw = spec["default"]
             if isinstance(raw, str) and spec["type"] in ("str", "str_list"):
@@ -439,13 +453,20 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
             elif raw is None:
                 default = constant(None)
             elif isinstance(raw, float):
-                default = constant(raw)
+                literal = (True, raw)  # floats never enter expressions; kept as the value
             else:
                 default = builder.expression(raw, join_pointer(ptr, "default"))
         sources = spec.get("from", name)
+        present = None
+        if "present" in spec:
+            present = builder.template(spec["present"], join_pointer(ptr, "present"))
+            if spec["type"] != "bool":
+                builder.error(f"config field `{name}` probes the checkpoint with `present`, so "
+                              f"its type must be bool, found {spec['type']}", ptr)
         config.append(ConfigFieldDecl(
             name=name, type=spec["type"], default=default,
-            sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr))
+            sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr,
+            present=present, literal_default=literal))
     graph = []
     for i, group in enumerate(data["graph"]):
         ptr = join_pointer("/graph", i)
@@ -537,9 +558,12 @@ def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
         if names:
             yield _name_error(family, names, scope, pointer, what)
 
+    probes = {f.name for f in family.config if f.present is not None}
     for f in family.config:
         yield from check(f.default, config_names - {f.name}, join_pointer(f.pointer, "default"),
                          f"the default of `{f.name}`")
+        yield from check(f.present, config_names - probes, join_pointer(f.pointer, "present"),
+                         f"the probe of `{f.name}`")
     for g in family.graph:
         if graph_names.count(g.name) > 1:
             yield SemanticError(f"execution group `{g.name}` is declared twice",
@@ -570,11 +594,16 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
     for owner in group.owners:
         if owner.kind == "unit":
             unit_owned = True
-            if owner.group not in graph_names:
-                yield SemanticError(
-                    f"owner names unknown execution group `{owner.group}`; declared: "
-                    f"{', '.join(sorted(graph_names))}", location=loc(owner.pointer),
-                    pointer=owner.pointer)
+            for name in owner.groups or (owner.group,):
+                if name not in graph_names:
+                    yield SemanticError(
+                        f"owner names unknown execution group `{name}`; declared: "
+                        f"{', '.join(sorted(graph_names))}", location=loc(owner.pointer),
+                        pointer=owner.pointer)
+            if len(set(owner.groups)) != len(owner.groups):
+                yield SemanticError(f"owner lists an execution group twice: "
+                                    f"{', '.join(owner.groups)}", location=loc(owner.pointer),
+                                    pointer=owner.pointer)
         for role in owner.roles:
             if role not in static_names:
                 yield SemanticError(
@@ -584,12 +613,17 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
     if unit_owned and any(o.kind != "unit" for o in group.owners):
         yield SemanticError("a group is either unit-owned or statically owned, not both",
                             location=loc(group.pointer), pointer=group.pointer)
+    if sum(o.kind == "unit" for o in group.owners) > 1:
+        yield SemanticError("a unit-owned group has one `unit` owner (list several execution "
+                            "groups in it, e.g. `unit: [decoder, mtp]`)",
+                            location=loc(group.pointer), pointer=group.pointer)
     scope = set(config_names)
     if unit_owned:
-        scope.add(UNIT_VARIABLE)
+        scope.update(UNIT_VARIABLES)
     for var, _ in group.loops:
-        if var in config_names or var == UNIT_VARIABLE:
-            yield SemanticError(f"loop variable `{var}` shadows a config field or `unit`",
+        if var in config_names or var in UNIT_VARIABLES:
+            yield SemanticError(f"loop variable `{var}` shadows a config field or one of "
+                                f"{', '.join(f'`{v}`' for v in UNIT_VARIABLES)}",
                                 location=loc(group.pointer), pointer=group.pointer)
     loop_scope = scope | {var for var, _ in group.loops}
 
