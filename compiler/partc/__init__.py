@@ -1,40 +1,58 @@
-"""partc: compile declarative LLM family descriptions into rank-local parallel loaders."""
+"""partc: compile declarative LLM family descriptions into rank-local parallel loaders.
+
+The public names below are imported lazily, so a generated rank module that imports
+`partc.runtime` does not pay for the compiler (jinja2, yaml, jsonschema).
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from partc.api import CompileResult, check_family, compile_family  # noqa: E402
-from partc.errors import (  # noqa: E402
-    CheckpointError,
-    EmitError,
-    LayoutError,
-    LoadError,
-    ParallelPlanError,
-    PartcError,
-    PartcErrors,
-    SchemaError,
-    SemanticError,
-    SourceLocation,
-)
-from partc.plan import Plan, RankPlan, Topology  # noqa: E402
+_EXPORTS = {
+    "CompileResult": "partc.api",
+    "check_family": "partc.api",
+    "compile_family": "partc.api",
+    "CheckpointError": "partc.errors",
+    "EmitError": "partc.errors",
+    "LayoutError": "partc.errors",
+    "LoadError": "partc.errors",
+    "ParallelPlanError": "partc.errors",
+    "PartcError": "partc.errors",
+    "PartcErrors": "partc.errors",
+    "SchemaError": "partc.errors",
+    "SemanticError": "partc.errors",
+    "SourceLocation": "partc.errors",
+    "Plan": "partc.plan",
+    "RankPlan": "partc.plan",
+    "Topology": "partc.plan",
+}
 
-__all__ = [
-    "CheckpointError",
-    "CompileResult",
-    "EmitError",
-    "LayoutError",
-    "LoadError",
-    "ParallelPlanError",
-    "PartcError",
-    "PartcErrors",
-    "Plan",
-    "RankPlan",
-    "SchemaError",
-    "SemanticError",
-    "SourceLocation",
-    "Topology",
-    "__version__",
-    "check_family",
-    "compile_family",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from partc.api import CompileResult, check_family, compile_family
+    from partc.errors import (
+        CheckpointError,
+        EmitError,
+        LayoutError,
+        LoadError,
+        ParallelPlanError,
+        PartcError,
+        PartcErrors,
+        SchemaError,
+        SemanticError,
+        SourceLocation,
+    )
+    from partc.plan import Plan, RankPlan, Topology
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'partc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
