@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from partc.bind import BoundArchitecture, bind_family
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
 from partc.family import FamilyDecl, build_family
-from partc.load import RawDocument, load_document, load_json
+from partc.load import RawDocument, load_document, load_json, read_text
 from partc.plan import PipelineActivationDtype, Plan, Topology, realize_plan
 from partc.schema import validate_document
 
@@ -51,13 +51,12 @@ def builtin_families() -> dict[str, str]:
 
 def read_family_source(spec: str | Path) -> tuple[str, str]:
     """(display name, text) of a family given as a file path or a built-in model type."""
+    if "\0" in str(spec):
+        raise LoadError("a family path cannot contain a NUL character",
+                        location=SourceLocation(repr(str(spec))))
     path = Path(spec)
     if path.suffix.lower() in (".yaml", ".yml", ".toml") or path.exists():
-        try:
-            return str(spec), path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise LoadError(f"cannot read family file: {getattr(exc, 'strerror', None) or exc}",
-                            location=SourceLocation(str(spec))) from None
+        return str(spec), read_text(path, "family file")  # bounded size, UTF-8, located errors
     families = builtin_families()
     name = families.get(str(spec))
     if name is None:
@@ -102,13 +101,17 @@ class CompileResult:
     """Output folder (None when nothing was written)."""
 
 
-def bind(family: str | Path | None, config: str | Path) -> tuple[BoundArchitecture, FamilyDecl,
-                                                                  tuple[tuple[str, str], ...]]:
-    """Load a family (default: the built-in one for the config) and bind it to `config`."""
+def bind(family: str | Path | None, config: str | Path, checkpoint: Checkpoint | None = None
+         ) -> tuple[BoundArchitecture, FamilyDecl, tuple[tuple[str, str], ...]]:
+    """Load a family (default: the built-in one for the config) and bind it to `config`.
+
+    With `checkpoint`, config fields that probe the checkpoint (`present`) see its tensor names.
+    """
     config_doc = load_json(config, "config.json")
     spec = family if family is not None else family_for_config(config_doc)
     decl, family_hash = load_family(spec)
-    bound = bind_family(decl, config_doc)
+    bound = bind_family(decl, config_doc,
+                        None if checkpoint is None else frozenset(checkpoint.names))
     config_hash = hashlib.sha256(Path(config).read_bytes()).hexdigest()
     label = Path(str(spec)).name if Path(str(spec)).suffix else f"{decl.name} (built-in)"
     sources = tuple(sorted([(label, family_hash), (Path(config).name, config_hash)]))
@@ -127,13 +130,16 @@ def _locator(decl: FamilyDecl, bound: BoundArchitecture):  # type: ignore[no-unt
 def plan_family(family: str | Path | None, config: str | Path, topology: Topology, *,
                 checkpoint: str | Path | None = None) -> Plan:
     """Bind and realize a family for `topology`; with `checkpoint`, also fingerprint its header."""
-    bound, decl, sources = bind(family, config)
-    fingerprint = None
+    opened = None
     if checkpoint is not None:
         from partc.checkpoint import open_checkpoint
-        from partc.runtime import header_fingerprint
 
         opened = open_checkpoint(Path(checkpoint))
+    bound, decl, sources = bind(family, config, opened)
+    fingerprint = None
+    if opened is not None:
+        from partc.runtime import header_fingerprint
+
         _raise_all(checkpoint_errors(bound, opened))
         fingerprint = header_fingerprint(opened)
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
@@ -143,6 +149,11 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
 def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[PartcError]:
     """Ownership gaps and name/dtype/shape mismatches between a family and a checkpoint."""
     errors: list[PartcError] = list(bound.description.check_targets(checkpoint.names))
+    for error in errors:  # ownership gaps are about the checkpoint: name its file
+        if error.location is None:
+            owner = checkpoint.owners.get(error.tensor or "")
+            error.location = SourceLocation(str(
+                checkpoint.files[owner].path if owner is not None else checkpoint.path))
     for owned in bound.description.groups:
         for member in owned.group.members:
             if member.target not in checkpoint:
@@ -204,11 +215,14 @@ def check_family(family: str | Path | None, config: str | Path | None = None,
                 raise LoadError("check needs a family or a config")
             load_family(family)
             return errors
-        bound, decl, _ = bind(family, config)
+        opened = None
         if checkpoint is not None:
             from partc.checkpoint import open_checkpoint
 
-            errors.extend(checkpoint_errors(bound, open_checkpoint(Path(checkpoint))))
+            opened = open_checkpoint(Path(checkpoint))
+        bound, decl, _ = bind(family, config, opened)
+        if opened is not None:
+            errors.extend(checkpoint_errors(bound, opened))
         if topology is not None:
             realize_plan(bound, topology, group_location=_locator(decl, bound))
     except PartcErrors as many:

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
 from partc.expr import Expression, Template, format_value
+from partc.formats import LinearFormat, expand_linear_format_parameter_group
 from partc.load import join_pointer
 from partc.parallel import (
     DTYPE_BITS,
     TORCH_DTYPE_NAMES,
+    LinearWeightLayout,
     MemberSharding,
     MemberShardingKind,
     ParameterGroupSpec,
     ParameterMemberSpec,
+    Projection,
     ProjectionSharding,
     ShardingPolicy,
     partitioned_projection_group,
@@ -66,6 +69,8 @@ class BoundArchitecture:
     """The family's default sharding policy."""
     group_pointers: tuple[tuple[str, str], ...]
     """Each logical group name and the pointer of the declaration it came from, sorted."""
+    linear_format: LinearFormat | None = None
+    """The linear format the config selected (None: every weight dense)."""
 
 
 class _Binder:
@@ -82,7 +87,7 @@ class _Binder:
         try:
             return expr.evaluate(env)
         except ExpressionError as exc:
-            exc.location = self.family.document.locate(pointer)
+            exc.location = self.family.document.locate_offset(pointer, exc.offset)
             exc.pointer = pointer
             raise
 
@@ -109,7 +114,7 @@ class _Binder:
         try:
             return template.render(env)
         except ExpressionError as exc:
-            exc.location = self.family.document.locate(pointer)
+            exc.location = self.family.document.locate_offset(pointer, exc.offset)
             exc.pointer = pointer
             raise
 
@@ -242,8 +247,8 @@ def _dtype(binder: _Binder, param: ParamDecl, env: Mapping[str, Value], default:
 
 
 def _shape(binder: _Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple[int, ...]:
-    return tuple(binder.integer(d, env, param.pointer, "a shape dimension", minimum=0)
-                 for d in param.shape)
+    return tuple(binder.integer(d, env, param.dimension_pointer(i), "a shape dimension",
+                                minimum=0) for i, d in enumerate(param.shape))
 
 
 def _member_sharding(binder: _Binder, decl: ShardingDecl, env: Mapping[str, Value],
@@ -279,13 +284,15 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                 target=binder.render(param.name, env, param.pointer),
                 shape=_shape(binder, param, env),
                 sharding=_member_sharding(binder, param.sharding, env, param.pointer),
-                dtype=_dtype(binder, param, env, dtype)))
+                dtype=_dtype(binder, param, env, dtype),
+                linear=_LINEAR_LAYOUTS.get(param.layout or ""),
+                heads=_heads(binder, param.heads, env, join_pointer(param.pointer, "heads"))))
         if not members:
             return None
         partitioned = any(m.sharding.is_partitioned for m in members)
         return ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
                                   units=units if partitioned else None, units_label=label,
-                                  policy=decl.policy)
+                                  policy=decl.policy, kv_replication=decl.kv_replication)
     if decl.form == "module":
         assert decl.module is not None and decl.module_sharding is not None
         module = binder.render(decl.module.module, env, decl.module.pointer)
@@ -297,7 +304,8 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
             return None
         return ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
                                   units=units if sharding.is_partitioned else None,
-                                  units_label=label, policy=decl.policy)
+                                  units_label=label, policy=decl.policy,
+                                  kv_replication=decl.kv_replication)
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
@@ -306,22 +314,33 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         segments = [binder.integer(s, env, fused.pointer, "a segment width", minimum=1)
                     for s in fused.segments]
         assert units is not None
+        out_decl = rendered[1][1]
+        out_heads = _heads(binder, out_decl.heads, env, join_pointer(out_decl.pointer, "heads"))
         group = segmented_projection_group(
             name, decl.role, fused_module=fused_name, segments=segments,
             fused_params={k: v[0] for k, v in fused_params.items()}, output_module=out_name,
             output_params={k: v[0] for k, v in out_params.items()}, units=units, dtype=dtype,
-            units_label=label)
+            units_label=label, linear=fused.linear,
+            fused_heads=_heads(binder, fused.heads, env, join_pointer(fused.pointer, "heads")),
+            output_heads=out_heads[0] if out_heads else None)
+        if not out_decl.linear:
+            group = replace(group, members=tuple(
+                replace(m, linear=None) if m.target.startswith(out_name + ".") else m
+                for m in group.members))
         dtypes = {f"{fused_name}.{k}": v[1] for k, v in fused_params.items()}
         dtypes.update({f"{out_name}.{k}": v[1] for k, v in out_params.items()})
     else:
-        projections = [(mod, m.sharding or ProjectionSharding.REPLICATED,
-                        {k: v[0] for k, v in params.items()}) for mod, m, params in rendered]
+        projections = [Projection(
+            module=mod, sharding=m.sharding or ProjectionSharding.REPLICATED,
+            params={k: v[0] for k, v in params.items()}, linear=m.linear,
+            heads=next(iter(_heads(binder, m.heads, env, join_pointer(m.pointer, "heads"))),
+                       None)) for mod, m, params in rendered]
         dtypes = {f"{mod}.{k}": v[1] for mod, _, params in rendered for k, v in params.items()}
         if units is None:
             members = []
-            for mod, sharding, params in projections:
-                group = partitioned_projection_group(name, decl.role, [(mod, sharding, params)],
-                                                     1, dtype=dtype)
+            for projection in projections:
+                group = partitioned_projection_group(name, decl.role, [projection], 1,
+                                                     dtype=dtype)
                 members.extend(_unpartition(m) for m in group.members)
             if not members:
                 return None
@@ -331,21 +350,51 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
     members = [m if dtypes.get(m.target, dtype) == m.dtype else
-               ParameterMemberSpec(target=m.target, shape=m.shape, sharding=m.sharding,
-                                   dtype=dtypes[m.target]) for m in group.members]
-    return ParameterGroupSpec(name=group.name, role=group.role, members=tuple(members),
-                              units=group.units, units_label=group.units_label,
-                              policy=decl.policy)
+               replace(m, dtype=dtypes[m.target]) for m in group.members]
+    return replace(group, members=tuple(members), policy=decl.policy,
+                   kv_replication=decl.kv_replication)
+
+
+_LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
+                   "linear_transposed": LinearWeightLayout.IN_OUT}
+
+
+def _heads(binder: _Binder, exprs: tuple[Expression, ...], env: Mapping[str, Value],
+           pointer: str) -> tuple[int, ...]:
+    """Evaluated `heads:` hints."""
+    return tuple(binder.integer(h, env, pointer, "`heads`", minimum=1) for h in exprs)
 
 
 def _unpartition(member: ParameterMemberSpec) -> ParameterMemberSpec:
     """A projection member without a shared partition: Partitioned becomes Equal."""
     if member.sharding.kind is MemberShardingKind.PARTITIONED:
         assert member.sharding.axis is not None
-        return ParameterMemberSpec(target=member.target, shape=member.shape,
-                                   sharding=MemberSharding.equal(member.sharding.axis),
-                                   dtype=member.dtype)
+        return replace(member, sharding=MemberSharding.equal(member.sharding.axis), heads=())
     return member
+
+
+def _linear_format(binder: _Binder, values: Mapping[str, Value]) -> LinearFormat | None:
+    """The first declared linear format whose `when` holds for the config (None: dense)."""
+    family = binder.family
+    for decl in family.linear_formats:
+        if not binder.boolean(decl.when, values, join_pointer(decl.pointer, "when")):
+            continue
+        options: dict[str, object] = {}
+        for key, value in decl.options:
+            pointer = join_pointer(decl.pointer, key)
+            if isinstance(value, Expression):
+                value = binder.evaluate(value, values, pointer)
+            elif isinstance(value, tuple) and any(isinstance(v, Expression) for v in value):
+                value = tuple(binder.evaluate(v, values, join_pointer(pointer, i))
+                              for i, v in enumerate(value))
+            options[key] = value
+        try:
+            return LinearFormat.from_options(decl.format, options)
+        except SemanticError as error:
+            error.pointer = decl.pointer + error.pointer
+            error.location = family.document.locate(error.pointer)
+            raise
+    return None
 
 
 def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
@@ -413,19 +462,22 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     graph = _located(family, lambda: ExecutionGraph(groups=tuple(groups)), "/graph")
     owned: list[OwnedParameterGroupSpec] = []
     pointers: dict[str, str] = {}
+    linear_format = _linear_format(binder, values)
     for decl in family.groups:
         for env, unit in _instances(binder, decl, values, graph):
             if not binder.boolean(decl.when, env, join_pointer(decl.pointer, "when")):
                 continue
             name = binder.render(decl.name, env, join_pointer(decl.pointer, "name"))
-            spec = _located(family, lambda d=decl, e=env, n=name: _build_group(
-                binder, d, e, n, dtype), decl.pointer)
+            spec = _located(family, lambda d=decl, e=env, n=name: _expand(_build_group(
+                binder, d, e, n, dtype), linear_format), decl.pointer)
             if spec is None:
                 continue
             if name in pointers:
-                raise binder.fail(f"parameter group name `{name}` is produced twice (also by "
-                                  f"{family.document.locate(pointers[name])}); names must be "
-                                  "unique, e.g. include `{unit}`", decl.pointer)
+                other = ("by another instance of this same declaration"
+                         if pointers[name] == decl.pointer
+                         else f"also by {family.document.locate(pointers[name])}")
+                raise binder.fail(f"parameter group name `{name}` is produced twice ({other}); "
+                                  "names must be unique, e.g. include `{unit}`", decl.pointer)
             pointers[name] = decl.pointer
             owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
                                                                          unit)))
@@ -436,7 +488,14 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     return BoundArchitecture(
         family=family.name, model_type=str(model_type),
         config_values=tuple(sorted(values.items())), description=description, boundary=boundary,
-        policy=family.policy, group_pointers=tuple(sorted(pointers.items())))
+        policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
+        linear_format=linear_format)
+
+
+def _expand(group: ParameterGroupSpec | None,
+            linear_format: LinearFormat | None) -> ParameterGroupSpec | None:
+    """`group` in its physical checkpoint representation under the selected linear format."""
+    return None if group is None else expand_linear_format_parameter_group(group, linear_format)
 
 
 def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:

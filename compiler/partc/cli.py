@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -177,7 +179,8 @@ def _demo(args: argparse.Namespace) -> int:
         result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
                                 pipeline_parallel_size=args.pp, out=out)
         plan = result.plan
-        print(f"partc demo: embedded tiny Llama ({plan.config_values and dict(plan.config_values)['num_hidden_layers']} layers) "
+        layers = dict(plan.config_values)["num_hidden_layers"]
+        print(f"partc demo: embedded tiny Llama ({layers} layers) "
               f"at TP={args.tp} x PP={args.pp}, build in {out}")
         from partc.emit import package_name
 
@@ -209,8 +212,31 @@ def _families(_: argparse.Namespace) -> int:
 _COMMANDS = {"compile": _compile, "check": _check, "demo": _demo, "families": _families}
 
 
+def _internal(exc: BaseException, fmt: str) -> int:
+    """Report an exception that is not a PartcError: a bug in partc, never the user's fault."""
+    what = f"{type(exc).__name__}: {exc}"
+    if fmt == "json":
+        print(json.dumps({"ok": False, "errors": [{
+            "stage": "internal", "kind": type(exc).__name__, "file": None, "line": None,
+            "column": None, "pointer": "", "tensor": None,
+            "message": f"internal error (a bug in partc): {what}"}]}, indent=1))
+    else:
+        print(f"partc: internal error (a bug in partc, please report it): {what}",
+              file=sys.stderr)
+    if os.environ.get("PARTC_TRACEBACK"):
+        traceback.print_exception(exc, file=sys.stderr)
+    else:
+        print("partc: set PARTC_TRACEBACK=1 to print the traceback", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status.
+
+    Errors in the input (PartcError) are reported, all of them, sorted, and exit 1; anything
+    else is a bug in partc, reported in one line (no traceback unless PARTC_TRACEBACK is set)
+    with exit 70.
+    """
     args = _parser().parse_args(argv)
     fmt = getattr(args, "format", "text")
     try:
@@ -220,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("partc: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
+        return _internal(exc, fmt)
 
 
 if __name__ == "__main__":

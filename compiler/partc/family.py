@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
 from partc.expr import Expression, Template, constant, parse, parse_template
+from partc.formats import GGUF_BLOCK_TYPES
 from partc.load import join_pointer
 from partc.parallel import (
     DTYPE_BITS,
@@ -123,6 +124,16 @@ class ParamDecl:
     """Explicit sharding (member form only)."""
     pointer: str
     """Where it is declared."""
+    layout: str | None = None
+    """Member form `format:`: 'linear', 'linear_transposed' or 'dense' (None: not linear)."""
+    heads: tuple[Expression, ...] = ()
+    """Member form `heads:`: head counts along the partitioned axis (one per segment)."""
+    shape_pointer: str = ""
+    """Where the shape list is declared; dimension i is at `shape_pointer/i` ('' if unknown)."""
+
+    def dimension_pointer(self, index: int) -> str:
+        """The pointer of shape dimension `index` (the parameter's pointer if unknown)."""
+        return f"{self.shape_pointer}/{index}" if self.shape_pointer else self.pointer
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +154,8 @@ class ModuleDecl:
     """Whether a linear format may encode its weight."""
     pointer: str
     """Where it is declared."""
+    heads: tuple[Expression, ...] = ()
+    """`heads:` hint: head count of the split axis (one per segment for a fused projection)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,27 +269,40 @@ class _Builder:
                                          pointer=pointer))
 
     def expression(self, value: Any, pointer: str) -> Expression | None:
+        note = self.document.note(pointer)
         if isinstance(value, bool | int):
-            return constant(value)
+            return self.constant(value, pointer)
         if not isinstance(value, str):
-            self.error(f"expected an integer, a boolean or an expression, found {value!r}",
-                       pointer)
+            self.error(f"expected an integer, a boolean or an expression, found {value!r}"
+                       + (f"; {note}" if note else ""), pointer)
             return None
         try:
             return parse(value)
         except ExpressionError as exc:
-            exc.location = self.document.locate(pointer)
-            exc.pointer = pointer
-            self.errors.append(exc)
+            if note:  # `0o10`, `1_000`, `.inf`: say what YAML 1.1 would have read
+                self.error(f"expected an integer, a boolean or an expression, found {value!r}; "
+                           f"{note}", pointer)
+                return None
+            self.located(exc, pointer)
             return None
+
+    def constant(self, value: Any, pointer: str) -> Expression | None:
+        try:
+            return constant(value)
+        except ExpressionError as exc:
+            self.located(exc, pointer)
+            return None
+
+    def located(self, exc: ExpressionError, pointer: str) -> None:
+        exc.location = self.document.locate_offset(pointer, exc.offset)
+        exc.pointer = pointer
+        self.errors.append(exc)
 
     def template(self, value: str, pointer: str) -> Template | None:
         try:
             return parse_template(value)
         except ExpressionError as exc:
-            exc.location = self.document.locate(pointer)
-            exc.pointer = pointer
-            self.errors.append(exc)
+            self.located(exc, pointer)
             return None
 
 
@@ -312,7 +338,9 @@ def _params(builder: _Builder, params: dict[str, Any], pointer: str) -> tuple[Pa
         template = builder.template(name, ptr)
         if template is not None:
             out.append(ParamDecl(name=template, shape=shape, when=when, dtype=dtype,
-                                 sharding=None, pointer=ptr))
+                                 sharding=None, pointer=ptr,
+                                 shape_pointer=shape_ptr if len(shape) == len(shape_value)
+                                 else ""))
     return tuple(out)
 
 
@@ -335,10 +363,26 @@ def _module(builder: _Builder, data: dict[str, Any], pointer: str,
                 segments.append(parsed)
     when = (builder.expression(data["when"], join_pointer(pointer, "when"))
             if "when" in data else None)
+    heads = _heads(builder, data.get("heads"), join_pointer(pointer, "heads"))
     if module is None:
         return None
     return ModuleDecl(module=module, params=params, sharding=sharding, segments=tuple(segments),
-                      when=when, linear=bool(data.get("linear", True)), pointer=pointer)
+                      when=when, linear=bool(data.get("linear", True)), pointer=pointer,
+                      heads=heads)
+
+
+def _heads(builder: _Builder, value: Any, pointer: str) -> tuple[Expression, ...]:
+    """A `heads:` hint: one expression, or a list of them (one per fused segment)."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for i, item in enumerate(items):
+        parsed = builder.expression(item, join_pointer(pointer, i) if isinstance(value, list)
+                                    else pointer)
+        if parsed is not None:
+            out.append(parsed)
+    return tuple(out)
 
 
 def _owners(builder: _Builder, value: Any, pointer: str) -> tuple[OwnerDecl, ...]:
@@ -393,7 +437,11 @@ def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl |
                      if "dtype" in member else None)
             if target is not None:
                 out.append(ParamDecl(name=target, shape=shape, when=m_when, dtype=dtype,
-                                     sharding=sharding, pointer=ptr))
+                                     sharding=sharding, pointer=ptr, layout=member.get("format"),
+                                     shape_pointer=join_pointer(ptr, "shape")
+                                     if len(shape) == len(member["shape"]) else "",
+                                     heads=_heads(builder, member.get("heads"),
+                                                  join_pointer(ptr, "heads"))))
         members = tuple(out)
     elif "module" in data:
         form = "module"
@@ -447,9 +495,9 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         if "default" in spec:
             raw = spec["default"]
             if isinstance(raw, str) and spec["type"] in ("str", "str_list"):
-                default = constant(raw)
+                default = builder.constant(raw, join_pointer(ptr, "default"))
             elif isinstance(raw, list):
-                default = constant(tuple(raw))
+                default = builder.constant(tuple(raw), join_pointer(ptr, "default"))
             elif raw is None:
                 default = constant(None)
             elif isinstance(raw, float):
@@ -472,10 +520,12 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         ptr = join_pointer("/graph", i)
         units = builder.expression(group["units"], join_pointer(ptr, "units"))
         path = builder.template(group["path"], join_pointer(ptr, "path"))
-        if units is not None and path is not None:
-            graph.append(GraphGroupDecl(name=group["group"], units=units, path=path,
-                                        carries_state=bool(group.get("state", False)),
-                                        after=tuple(group.get("after", ())), pointer=ptr))
+        # a group whose units or path failed to parse is still declared (its error is already
+        # recorded), so owners naming it do not report it as unknown
+        graph.append(GraphGroupDecl(name=group["group"], units=units or constant(0),
+                                    path=path or parse_template(""),
+                                    carries_state=bool(group.get("state", False)),
+                                    after=tuple(group.get("after", ())), pointer=ptr))
     statics = tuple((name, StageSide(spec["stage"]))
                     for name, spec in data.get("static", {}).items())
     groups = []
@@ -505,6 +555,10 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
                 continue
             if key in ("applies_to", "except", "scale_suffix"):
                 options.append((key, tuple(value) if isinstance(value, list) else value))
+            elif key == "scale_dtype" and isinstance(value, str):
+                options.append((key, _dtype_expression(builder, value, join_pointer(ptr, key))))
+            elif key == "gguf_type" and value in GGUF_BLOCK_TYPES:
+                options.append((key, constant(value)))
             elif isinstance(value, list):
                 options.append((key, tuple(builder.expression(v, join_pointer(join_pointer(
                     ptr, key), j)) for j, v in enumerate(value))))
@@ -540,8 +594,12 @@ def _name_error(family: FamilyDecl, names: list[str], scope: set[str], pointer: 
     name = names[0]
     close = difflib.get_close_matches(name, sorted(scope), n=1)
     hint = f"; did you mean `{close[0]}`?" if close else ""
+    note = family.document.note(pointer)
+    if note:  # `no`, `off`: YAML 1.1 booleans partc reads as strings
+        return SemanticError(f"{what} uses unknown name `{name}`; {note}",
+                             location=family.document.locate(pointer), pointer=pointer)
     return SemanticError(
-        f"{what} uses unknown name `{name}`{hint} Known names: config fields "
+        f"{what} uses unknown name `{name}`{hint or '.'} Known names: config fields "
         f"({', '.join(sorted(scope)) or 'none'}); declare it under `config`",
         location=family.document.locate(pointer), pointer=pointer)
 
@@ -564,10 +622,13 @@ def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
                          f"the default of `{f.name}`")
         yield from check(f.present, config_names - probes, join_pointer(f.pointer, "present"),
                          f"the probe of `{f.name}`")
-    for g in family.graph:
-        if graph_names.count(g.name) > 1:
-            yield SemanticError(f"execution group `{g.name}` is declared twice",
-                                location=family.document.locate(g.pointer), pointer=g.pointer)
+    for i, g in enumerate(family.graph):
+        if g.name in graph_names[:i]:
+            first = family.graph[graph_names.index(g.name)]
+            yield SemanticError(f"execution group `{g.name}` is declared twice (first at "
+                                f"{family.document.locate(first.pointer)}); group names must "
+                                "be unique", location=family.document.locate(g.pointer),
+                                pointer=g.pointer)
         for dep in g.after:
             if dep not in graph_names:
                 yield SemanticError(f"execution group `{g.name}` comes after unknown group `{dep}`;"
@@ -585,6 +646,13 @@ def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
     for fmt in family.linear_formats:
         yield from check(fmt.when, config_names, join_pointer(fmt.pointer, "when"),
                          "a linear format condition")
+        for key, value in fmt.options:
+            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(item, Expression):
+                    pointer = join_pointer(fmt.pointer, key)
+                    yield from check(item, config_names, join_pointer(pointer, i)
+                                     if isinstance(value, tuple) else pointer,
+                                     f"linear format option `{key}`")
 
 
 def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
@@ -650,13 +718,17 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
         yield from check(module.when, loop_scope, join_pointer(module.pointer, "when"), "`when`")
         for seg in module.segments:
             yield from check(seg, loop_scope, module.pointer, "a segment width")
+        for heads in module.heads:
+            yield from check(heads, loop_scope, join_pointer(module.pointer, "heads"), "`heads`")
         params.extend(module.params)
     for param in params:
         yield from check(param.name, loop_scope, param.pointer, "a target")
         yield from check(param.when, loop_scope, param.pointer, "`when`")
         yield from check(param.dtype, loop_scope, param.pointer, "`dtype`")
-        for dim in param.shape:
-            yield from check(dim, loop_scope, param.pointer, "a shape")
+        for index, dim in enumerate(param.shape):
+            yield from check(dim, loop_scope, param.dimension_pointer(index), "a shape")
+        for heads in param.heads:
+            yield from check(heads, loop_scope, param.pointer, "`heads`")
         if param.sharding:
             for seg in param.sharding.segments:
                 yield from check(seg, loop_scope, param.pointer, "a segment width")
@@ -668,3 +740,13 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
     if has_partition and group.units is None:
         yield SemanticError("this group partitions a member but declares no `units`",
                             location=loc(group.pointer), pointer=group.pointer)
+    partitions = (any(p.sharding and p.sharding.kind.startswith("partitioned")
+                      for p in group.members)
+                  or (group.module_sharding is not None
+                      and group.module_sharding.kind.startswith("partitioned")))
+    if group.units is not None and group.form in ("members", "module") and not partitions:
+        pointer = join_pointer(group.pointer, "units")
+        yield SemanticError(
+            f"this group declares `units: {group.units_text}` but no member is partitioned; "
+            "drop `units`, or shard a member with `partitioned` or `partitioned_segments`",
+            location=loc(pointer), pointer=pointer)

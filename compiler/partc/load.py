@@ -1,16 +1,22 @@
-"""Stage 1: read a family file (YAML or TOML) or a config.json into plain data with source positions.
+"""Stage 1: read a family file (YAML or TOML) or a config.json into data with source positions.
 
-The YAML front end composes PyYAML nodes and constructs values itself, so it can keep the line
-and column of every node, reject duplicate keys and non-string keys, bound alias expansion,
-nesting depth and document size, and resolve plain scalars with YAML 1.2 core rules (`no` stays
-the string "no", `0o10` is not an integer).
+The YAML front end builds values straight from the parser's event stream (libyaml when present),
+so it keeps the line and column of every node and enforces its bounds as it goes: duplicate and
+non-string keys, explicit tags and merge keys are refused; alias expansion, nesting depth and
+document size are bounded before anything large is built (a billion-laughs document fails on its
+first oversized alias). Plain scalars resolve with strict YAML 1.2 core rules: `no`, `0o10`,
+`010`, `1_000` and `.inf` stay strings, and a note recording what YAML 1.1 would have read is kept
+so later stages can explain the surprise. TOML goes through `tomllib`; since it keeps no
+positions, a small scanner of the (already valid) text recovers them.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,26 +25,37 @@ import yaml
 
 from partc.errors import LoadError, SourceLocation
 
-MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
-"""Largest family or config file partc reads."""
-MAX_NODES = 200_000
-"""Most values one document may construct, aliases counted at every use."""
+MAX_DOCUMENT_BYTES = 1024 * 1024
+"""Largest family file (YAML or TOML) partc reads."""
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+"""Largest config.json partc reads."""
+MAX_NODES = 100_000
+"""Most values one document may hold, each alias counted at the full size of what it repeats."""
+MAX_EXPANDED_CHARACTERS = 4 * MAX_DOCUMENT_BYTES
+"""Most characters of scalar text one document may hold once aliases are expanded."""
 MAX_DEPTH = 64
-"""Deepest nesting of mappings and sequences."""
+"""Deepest nesting of mappings and sequences (arrays and tables in TOML and JSON)."""
+MAX_INTEGER_DIGITS = 64
+"""Longest integer literal a YAML plain scalar may spell."""
 
-_INT = re.compile(r"[-+]?[0-9]+\Z")
+_NULLS = frozenset({"", "~", "null", "Null", "NULL"})
+_TRUES = frozenset({"true", "True", "TRUE"})
+_FALSES = frozenset({"false", "False", "FALSE"})
+_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)\Z")
 _FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?\Z")
-_NULLS = {"", "~", "null", "Null", "NULL"}
-_TRUES = {"true", "True", "TRUE"}
-_FALSES = {"false", "False", "FALSE"}
-_DEFAULT_TAGS = {"tag:yaml.org,2002:str", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
-
-
-class _PlainLoader(yaml.SafeLoader):
-    """A composer with no implicit YAML 1.1 resolvers: every untagged scalar arrives as a string."""
-
-
-_PlainLoader.yaml_implicit_resolvers = {}
+_YAML11_TRUES = frozenset({"y", "Y", "yes", "Yes", "YES", "on", "On", "ON"})
+_YAML11_FALSES = frozenset({"n", "N", "no", "No", "NO", "off", "Off", "OFF"})
+_YAML11_INTS = (
+    (re.compile(r"[-+]?0o[0-7]+\Z"), 8, "0o", "octal"),
+    (re.compile(r"[-+]?0x[0-9a-fA-F]+\Z"), 16, "0x", "hexadecimal"),
+    (re.compile(r"[-+]?0b[01]+\Z"), 2, "0b", "binary"),
+)
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9]+\Z")
+_UNDERSCORED = re.compile(r"[-+]?[0-9][0-9_]*_[0-9_]*\Z")
+_SEXAGESIMAL = re.compile(r"[-+]?[1-9][0-9_]*(:[0-5]?[0-9])+\Z")
+_SPECIAL_FLOATS = re.compile(r"[-+]?\.(inf|Inf|INF|nan|NaN|NAN)\Z")
+_SCALAR_TAGS = frozenset({"!", "tag:yaml.org,2002:str"})
+_COLLECTION_TAGS = frozenset({"!", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"})
 
 
 def escape_pointer_token(token: str | int) -> str:
@@ -63,6 +80,12 @@ class RawDocument:
     """Plain data: dicts, lists, str, int, float, bool, None."""
     locations: dict[str, SourceLocation] = field(default_factory=dict)
     """Position of each node, keyed by its JSON pointer."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """For plain YAML scalars another reader would take differently (`no`, `0o10`, `1e3`): the
+    explanation to add to any error about the node, keyed by its JSON pointer."""
+    verbatim: dict[str, int] = field(default_factory=dict)
+    """For strings written on one line exactly as read (no escapes): the 1-based column of their
+    first character, so an error at a character offset inside them can be located exactly."""
 
     def locate(self, pointer: str) -> SourceLocation:
         """The position of the node at `pointer`, or of its nearest located ancestor."""
@@ -75,212 +98,383 @@ class RawDocument:
                 return SourceLocation(self.file, 1, 1)
             probe = probe.rsplit("/", 1)[0]
 
+    def locate_offset(self, pointer: str, offset: int) -> SourceLocation:
+        """The position of character `offset` of the string at `pointer` (else of the node)."""
+        found = self.locate(pointer)
+        start = self.verbatim.get(pointer)
+        if start is None or offset < 0:
+            return found
+        return SourceLocation(found.file, found.line, start + offset)
 
-def _read_text(path: Path, label: str) -> str:
+    def note(self, pointer: str) -> str:
+        """The note about the scalar at `pointer` ('' when there is none)."""
+        return self.notes.get(pointer, "")
+
+
+def read_text(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) -> str:
+    """The UTF-8 text of a file of at most `limit` bytes; LoadError naming `label` otherwise."""
+    path = Path(path)
+    where = SourceLocation(str(path))
+    if "\0" in str(path):
+        raise LoadError(f"cannot read {label}: the path contains a NUL character",
+                        location=SourceLocation(repr(str(path))))
     try:
-        size = path.stat().st_size
+        if path.is_dir():
+            raise LoadError(f"cannot read {label}: {path} is a folder, expected a file",
+                            location=where)
+        with open(path, "rb") as handle:
+            raw = handle.read(limit + 1)
     except OSError as exc:
-        raise LoadError(f"cannot read {label}: {exc.strerror or exc}",
-                        location=SourceLocation(str(path))) from None
-    if size > MAX_DOCUMENT_BYTES:
-        raise LoadError(
-            f"{label} is {size} bytes; the limit is {MAX_DOCUMENT_BYTES} bytes",
-            location=SourceLocation(str(path)),
-        )
+        raise LoadError(f"cannot read {label}: {exc.strerror or exc}", location=where) from None
+    if len(raw) > limit:
+        raise LoadError(f"{label} is larger than the limit of {limit} bytes", location=where)
+    return decode_text(raw, str(path), label)
+
+
+def decode_text(raw: bytes, file: str, label: str) -> str:
+    """Decode UTF-8 bytes (a BOM is dropped); LoadError at the first undecodable byte."""
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise LoadError(f"cannot read {label}: {exc.strerror or exc}",
-                        location=SourceLocation(str(path))) from None
-    try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise LoadError(f"{label} is not UTF-8: byte {raw[exc.start]:#04x} at offset {exc.start}",
-                        location=SourceLocation(str(path), line, 1)) from None
+                        location=SourceLocation(file, line, column)) from None
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def load_document(path: str | Path, *, text: str | None = None) -> RawDocument:
     """Read a family file; the format follows the suffix (.yaml/.yml or .toml)."""
     path = Path(path)
-    if text is None:
-        text = _read_text(path, "family file")
-    elif len(text.encode("utf-8")) > MAX_DOCUMENT_BYTES:
-        raise LoadError(f"family file is larger than {MAX_DOCUMENT_BYTES} bytes",
-                        location=SourceLocation(str(path)))
     suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise LoadError(
+            f"unknown family file type {suffix or '(no suffix)'!r}: expected .yaml, .yml or .toml",
+            location=SourceLocation(str(path)))
+    if text is None:
+        text = read_text(path, "family file")
+    elif len(text) > MAX_DOCUMENT_BYTES or len(text.encode("utf-8", "replace")) \
+            > MAX_DOCUMENT_BYTES:
+        raise LoadError(f"family file is larger than the limit of {MAX_DOCUMENT_BYTES} bytes",
+                        location=SourceLocation(str(path)))
+    if "\x00" in text:
+        line = text.count("\n", 0, text.index("\x00")) + 1
+        raise LoadError("family file contains a NUL character; expected text",
+                        location=SourceLocation(str(path), line, 1))
     if suffix == ".toml":
         return _load_toml(str(path), text)
-    if suffix in (".yaml", ".yml"):
-        return _load_yaml(str(path), text)
-    raise LoadError(
-        f"unknown family file type {suffix or '(no suffix)'!r}: expected .yaml, .yml or .toml",
-        location=SourceLocation(str(path)),
-    )
+    return _load_yaml(str(path), text)
 
 
 # ---------------------------------------------------------------- YAML
 
 
+def _tag_name(tag: str) -> str:
+    return "!!" + tag[len("tag:yaml.org,2002:"):] if tag.startswith("tag:yaml.org,2002:") else tag
+
+
+def _plain_scalar(value: str) -> tuple[Any, str]:
+    """A plain scalar's value under strict YAML 1.2 core rules, and a note if it may surprise."""
+    if value in _NULLS:
+        return None, ""
+    if value in _TRUES:
+        return True, ""
+    if value in _FALSES:
+        return False, ""
+    if _INT.match(value):
+        if len(value) > MAX_INTEGER_DIGITS:
+            return value, (f"an integer literal of {len(value)} digits is beyond any size partc "
+                           "accepts")
+        return int(value), ""
+    if _FLOAT.match(value) and not _LEADING_ZERO.match(value):
+        number = float(value)
+        if number.is_integer() and abs(number) < 2**63:
+            return number, (f"`{value}` is the float {number!r} in YAML; write the integer "
+                            f"{int(number)}")
+        return number, f"`{value}` is a float in YAML"
+    return value, _yaml11_note(value)
+
+
+def _yaml11_note(value: str) -> str:
+    """What YAML 1.1 readers would make of a plain scalar partc keeps as a string ('' if same)."""
+    def kept(reading: str, write: str) -> str:
+        return (f"YAML 1.1 would read `{value}` as {reading}; partc reads YAML 1.2 and keeps it "
+                f"the string {value!r} (write {write})")
+
+    if value in _YAML11_TRUES:
+        return kept("true", "true, or quote it")
+    if value in _YAML11_FALSES:
+        return kept("false", "false, or quote it")
+    sign = -1 if value.startswith("-") else 1
+    digits = value.lstrip("+-")
+    for pattern, base, prefix, name in _YAML11_INTS:
+        if pattern.match(value):
+            number = sign * int(digits[len(prefix):], base)
+            return kept(f"the {name} integer {number}", str(number))
+    if _LEADING_ZERO.match(value) and all(c in "01234567" for c in digits):
+        octal, decimal = sign * int(digits, 8), sign * int(digits, 10)
+        return kept(f"the octal integer {octal} (YAML 1.2 parsers read {decimal})",
+                    f"{octal} or {decimal}")
+    if _LEADING_ZERO.match(value):
+        return kept("a number with leading zeros", str(sign * int(digits)))
+    if _UNDERSCORED.match(value):
+        return kept(f"the integer {sign * int(digits.replace('_', ''))}",
+                    str(sign * int(digits.replace("_", ""))))
+    if _SEXAGESIMAL.match(value):
+        number = 0
+        for part in digits.replace("_", "").split(":"):
+            number = number * 60 + int(part)
+        return kept(f"the base-60 integer {sign * number}", str(sign * number))
+    if _SPECIAL_FLOATS.match(value):
+        return f"`{value}` is a string here (YAML would read it as a non-finite float)"
+    return ""
+
+
+@dataclass(slots=True)
+class _Frame:
+    """A mapping or sequence being built."""
+
+    value: Any
+    pointer: str
+    anchor: str | None
+    key: str | None = None
+    key_lines: dict[str, int] = field(default_factory=dict)
+    size: int = 1
+    characters: int = 0
+    height: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Anchored:
+    value: Any
+    size: int
+    characters: int
+    height: int
+
+
 class _YamlBuilder:
-    """Turns composed YAML nodes into plain data, recording positions and enforcing bounds."""
+    """Builds plain data from YAML events, recording positions and enforcing bounds."""
 
     def __init__(self, file: str) -> None:
         self.file = file
         self.locations: dict[str, SourceLocation] = {}
+        self.notes: dict[str, str] = {}
+        self.verbatim: dict[str, int] = {}
+        self.anchors: dict[str, _Anchored] = {}
+        self.open_anchors: set[str] = set()
+        self.stack: list[_Frame] = []
         self.count = 0
+        self.characters = 0
+        self.root: Any = None
+        self.documents = 0
 
-    def _loc(self, node: yaml.Node) -> SourceLocation:
-        mark = node.start_mark
+    def loc(self, mark: Any) -> SourceLocation:
         return SourceLocation(self.file, mark.line + 1, mark.column + 1)
 
-    def _fail(self, node: yaml.Node, message: str, pointer: str) -> LoadError:
-        return LoadError(message, location=self._loc(node), pointer=pointer)
+    def fail(self, mark: Any, message: str, pointer: str = "") -> LoadError:
+        return LoadError(message, location=self.loc(mark), pointer=pointer)
 
-    def build(self, node: yaml.Node, pointer: str, depth: int) -> Any:
-        self.count += 1
+    def feed(self, event: yaml.Event) -> None:
+        if isinstance(event, yaml.DocumentStartEvent):
+            self.documents += 1
+            if self.documents > 1:
+                raise self.fail(event.start_mark, "expected a single YAML document, found a "
+                                "second one (`---`); put everything in one document")
+            return
+        if isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+            self._close(event)
+            return
+        if not isinstance(event, yaml.ScalarEvent | yaml.AliasEvent | yaml.CollectionStartEvent):
+            return
+        top = self.stack[-1] if self.stack else None
+        if isinstance(top, _Frame) and isinstance(top.value, dict) and top.key is None:
+            self._key(top, event)
+            return
+        pointer = self._slot(top)
+        if isinstance(event, yaml.AliasEvent):
+            self._alias(event, pointer)
+        elif isinstance(event, yaml.ScalarEvent):
+            self._scalar(event, pointer)
+        else:
+            self._open(event, pointer)
+
+    def _slot(self, top: _Frame | None) -> str:
+        if top is None:
+            return ""
+        if isinstance(top.value, dict):
+            assert top.key is not None
+            return join_pointer(top.pointer, top.key)
+        return join_pointer(top.pointer, len(top.value))
+
+    def _place(self, value: Any, size: int, characters: int, height: int) -> None:
+        if not self.stack:
+            self.root = value
+            return
+        top = self.stack[-1]
+        if isinstance(top.value, dict):
+            assert top.key is not None
+            top.value[top.key] = value
+            top.key = None
+        else:
+            top.value.append(value)
+        top.size += size
+        top.characters += characters
+        top.height = max(top.height, height + 1)
+
+    def _account(self, mark: Any, pointer: str, size: int, characters: int) -> None:
+        self.count += size
+        self.characters += characters
         if self.count > MAX_NODES:
-            raise self._fail(node, f"document expands to more than {MAX_NODES} values "
-                             "(recursive or exponential aliases?)", pointer)
-        if depth > MAX_DEPTH:
-            raise self._fail(node, f"nesting deeper than {MAX_DEPTH} levels", pointer)
-        self.locations.setdefault(pointer, self._loc(node))
-        if node.tag not in _DEFAULT_TAGS:
-            raise self._fail(node, f"explicit YAML tags are not allowed, found {node.tag!r}",
-                             pointer)
-        if isinstance(node, yaml.ScalarNode):
-            return self._scalar(node, pointer)
-        if isinstance(node, yaml.SequenceNode):
-            return [self.build(item, join_pointer(pointer, i), depth + 1)
-                    for i, item in enumerate(node.value)]
-        if isinstance(node, yaml.MappingNode):
-            return self._mapping(node, pointer, depth)
-        raise self._fail(node, f"unsupported YAML node {type(node).__name__}", pointer)
+            raise self.fail(mark, f"document holds more than {MAX_NODES} values once aliases are "
+                            "expanded (an alias bomb?); the limit keeps memory bounded", pointer)
+        if self.characters > MAX_EXPANDED_CHARACTERS:
+            raise self.fail(mark, f"document holds more than {MAX_EXPANDED_CHARACTERS} characters "
+                            "of text once aliases are expanded (an alias bomb?)", pointer)
 
-    def _scalar(self, node: yaml.ScalarNode, pointer: str) -> Any:
-        value = node.value
-        if node.style:
-            return value  # quoted or block scalar: always a string
-        if value in _NULLS:
-            return None
-        if value in _TRUES:
-            return True
-        if value in _FALSES:
-            return False
-        if _INT.match(value):
-            return int(value)
-        if _FLOAT.match(value):
-            return float(value)
-        return value
+    def _key(self, top: _Frame, event: yaml.Event) -> None:
+        mark: Any = event.start_mark
+        if isinstance(event, yaml.AliasEvent):
+            raise self.fail(mark, f"an alias (*{event.anchor}) cannot be a mapping key; keys must "
+                            "be plain strings", top.pointer)
+        if isinstance(event, yaml.CollectionStartEvent):
+            kind = "sequence" if isinstance(event, yaml.SequenceStartEvent) else "mapping"
+            raise self.fail(mark, f"mapping keys must be strings, found a {kind}", top.pointer)
+        assert isinstance(event, yaml.ScalarEvent)
+        self._check_scalar_tag(event, top.pointer)
+        plain = not event.style and event.tag is None
+        if plain and event.value == "<<":
+            raise self.fail(mark, "YAML merge keys (<<) are not allowed; repeat the keys you need",
+                            top.pointer)
+        key, _ = _plain_scalar(event.value) if plain else (event.value, "")
+        if not isinstance(key, str):
+            shown = "null" if key is None else f"{type(key).__name__} {event.value!r}"
+            raise self.fail(mark, f"mapping keys must be strings, found {shown} (quote it)",
+                            top.pointer)
+        if key in top.value:
+            raise self.fail(mark, f"duplicate key {key!r} (first defined at line "
+                            f"{top.key_lines[key]})", join_pointer(top.pointer, key))
+        top.key_lines[key] = mark.line + 1
+        top.key = key
+        self._account(mark, top.pointer, 0, len(key))
 
-    def _mapping(self, node: yaml.MappingNode, pointer: str, depth: int) -> dict[str, Any]:
-        result: dict[str, Any] = {}
-        key_lines: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.value == "<<" \
-                    and not key_node.style:
-                raise self._fail(key_node, "YAML merge keys (<<) are not allowed", pointer)
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise self._fail(key_node, "mapping keys must be strings, found a "
-                                 f"{'sequence' if isinstance(key_node, yaml.SequenceNode) else 'mapping'}",
-                                 pointer)
-            key = self._scalar(key_node, pointer)
-            if not isinstance(key, str):
-                raise self._fail(
-                    key_node,
-                    f"mapping keys must be strings, found {type(key).__name__} {key_node.value!r}"
-                    " (quote it)",
-                    pointer,
-                )
-            child = join_pointer(pointer, key)
-            if key in result:
-                raise self._fail(
-                    key_node, f"duplicate key {key!r} (first defined at line {key_lines[key]})",
-                    child)
-            key_lines[key] = key_node.start_mark.line + 1
-            self.locations[child] = self._loc(value_node)
-            result[key] = self.build(value_node, child, depth + 1)
-        return result
+    def _check_scalar_tag(self, event: yaml.ScalarEvent, pointer: str) -> None:
+        if event.tag is not None and event.tag not in _SCALAR_TAGS:
+            raise self.fail(event.start_mark, "explicit YAML tags are not allowed, found "
+                            f"{_tag_name(event.tag)!r}; write plain values", pointer)
+
+    def _scalar(self, event: yaml.ScalarEvent, pointer: str) -> None:
+        self._check_scalar_tag(event, pointer)
+        if not event.style and event.tag is None:
+            value, note = _plain_scalar(event.value)
+            if note:
+                self.notes[pointer] = note
+        else:
+            value = event.value
+        start: Any = event.start_mark
+        end: Any = event.end_mark
+        quotes = 2 if event.style in ("'", '"') else 0 if not event.style else -1
+        if quotes >= 0 and start.line == end.line and end.column - start.column == len(
+                event.value) + quotes and isinstance(value, str):
+            self.verbatim[pointer] = start.column + 1 + quotes // 2
+        self.locations[pointer] = self.loc(event.start_mark)
+        characters = len(event.value)
+        self._account(event.start_mark, pointer, 1, characters)
+        if event.anchor is not None:
+            self.anchors[event.anchor] = _Anchored(value, 1, characters, 0)
+        self._place(value, 1, characters, 0)
+
+    def _alias(self, event: yaml.AliasEvent, pointer: str) -> None:
+        mark, name = event.start_mark, str(event.anchor)
+        if name in self.open_anchors:
+            raise self.fail(mark, f"alias *{name} refers to its own anchor (a recursive alias)",
+                            pointer)
+        anchored = self.anchors.get(name)
+        if anchored is None:
+            raise self.fail(mark, f"alias *{name} names no anchor defined before it", pointer)
+        if len(self.stack) + anchored.height > MAX_DEPTH:
+            raise self.fail(mark, f"alias *{name} nests deeper than {MAX_DEPTH} levels", pointer)
+        self._account(mark, pointer, anchored.size, anchored.characters)
+        self.locations[pointer] = self.loc(mark)
+        self._place(anchored.value, anchored.size, anchored.characters, anchored.height)
+
+    def _open(self, event: yaml.CollectionStartEvent, pointer: str) -> None:
+        mark = event.start_mark
+        if event.tag is not None and event.tag not in _COLLECTION_TAGS:
+            raise self.fail(mark, f"explicit YAML tags are not allowed, found "
+                            f"{_tag_name(event.tag)!r}; write plain values", pointer)
+        if len(self.stack) >= MAX_DEPTH:
+            raise self.fail(mark, f"nesting deeper than {MAX_DEPTH} levels", pointer)
+        self._account(mark, pointer, 1, 0)
+        self.locations[pointer] = self.loc(mark)
+        value: Any = {} if isinstance(event, yaml.MappingStartEvent) else []
+        if event.anchor is not None:
+            self.open_anchors.add(event.anchor)
+        self.stack.append(_Frame(value=value, pointer=pointer, anchor=event.anchor))
+
+    def _close(self, event: yaml.Event) -> None:
+        frame = self.stack.pop()
+        if frame.anchor is not None:
+            self.open_anchors.discard(frame.anchor)
+            self.anchors[frame.anchor] = _Anchored(frame.value, frame.size, frame.characters,
+                                                   frame.height)
+        self._place(frame.value, frame.size, frame.characters, frame.height)
+
+
+def _yaml_events(text: str, fast: bool) -> Iterator[yaml.Event]:
+    loader_class = yaml.CSafeLoader if fast and yaml.__with_libyaml__ else yaml.SafeLoader
+    loader = loader_class(text)
+    try:
+        while loader.check_event():
+            event: Any = loader.get_event()
+            yield event
+    finally:
+        loader.dispose()
+
+
+def _yaml_syntax_error(file: str, exc: yaml.YAMLError) -> LoadError:
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return LoadError(f"malformed YAML: {exc}", location=SourceLocation(file, 1, 1))
+    mark = exc.problem_mark or exc.context_mark
+    line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+    problem = exc.problem or "malformed YAML"
+    if "\\t" in problem or "'\\t'" in problem or (mark is not None and _is_tab(mark)):
+        problem += "; YAML indentation must use spaces, not tabs"
+    context = f" ({exc.context})" if exc.context else ""
+    return LoadError(f"malformed YAML: {problem}{context}",
+                     location=SourceLocation(file, line, col))
+
+
+def _is_tab(mark: Any) -> bool:
+    buffer = getattr(mark, "buffer", None)
+    index = getattr(mark, "pointer", None)
+    return isinstance(buffer, str) and isinstance(index, int) and buffer[index:index + 1] == "\t"
 
 
 def _load_yaml(file: str, text: str) -> RawDocument:
-    try:
-        loader = _PlainLoader(text)
-        try:
-            node = loader.get_single_node()
-        finally:
-            loader.dispose()
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        problem = exc.problem or "malformed YAML"
-        context = f" ({exc.context})" if exc.context else ""
-        raise LoadError(f"malformed YAML: {problem}{context}",
-                        location=SourceLocation(file, line, col)) from None
-    except yaml.YAMLError as exc:
-        raise LoadError(f"malformed YAML: {exc}", location=SourceLocation(file, 1, 1)) from None
-    except RecursionError:
-        raise LoadError(f"malformed YAML: nesting deeper than {MAX_DEPTH} levels",
-                        location=SourceLocation(file, 1, 1)) from None
-    if node is None:
-        raise LoadError("empty document: expected a mapping with `family`, `config`, ...",
-                        location=SourceLocation(file, 1, 1))
     builder = _YamlBuilder(file)
     try:
-        data = builder.build(node, "", 0)
-    except RecursionError:
-        raise LoadError(f"nesting deeper than {MAX_DEPTH} levels",
-                        location=SourceLocation(file, 1, 1)) from None
-    return RawDocument(file=file, format="yaml", data=data, locations=builder.locations)
+        for event in _yaml_events(text, fast=True):
+            builder.feed(event)
+    except yaml.YAMLError as fast_error:
+        # Report the first problem as the pure-Python parser and the builder see it, so messages
+        # do not depend on whether libyaml is installed; libyaml's own words are the fallback.
+        builder = _YamlBuilder(file)
+        try:
+            for event in _yaml_events(text, fast=False):
+                builder.feed(event)
+        except yaml.YAMLError as exc:
+            raise _yaml_syntax_error(file, exc) from None
+        raise _yaml_syntax_error(file, fast_error) from None
+    if builder.documents == 0 or builder.root is None:
+        raise LoadError("empty document: expected a mapping with `family`, `config`, ...",
+                        location=SourceLocation(file, 1, 1))
+    return RawDocument(file=file, format="yaml", data=builder.root, locations=builder.locations,
+                       notes=builder.notes, verbatim=builder.verbatim)
 
 
 # ---------------------------------------------------------------- TOML
 
-_TOML_ERROR_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
-_TOML_HEADER = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
-_TOML_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*')"
-                       r"((?:\s*\.\s*(?:[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'))*)\s*=")
-
-
-def _toml_key_parts(text: str) -> list[str]:
-    parts = []
-    for raw in re.findall(r"[A-Za-z0-9_\-]+|\"[^\"]*\"|'[^']*'", text):
-        parts.append(raw[1:-1] if raw[0] in "\"'" else raw)
-    return parts
-
-
-def _toml_locations(file: str, text: str) -> dict[str, SourceLocation]:
-    """Best-effort positions of TOML tables and keys (tomllib keeps none)."""
-    locations: dict[str, SourceLocation] = {"": SourceLocation(file, 1, 1)}
-    array_counts: dict[str, int] = {}
-    table = ""
-    in_multiline = False
-    for number, line in enumerate(text.splitlines(), start=1):
-        if in_multiline:
-            if line.count('"""') % 2 == 1 or line.count("'''") % 2 == 1:
-                in_multiline = False
-            continue
-        header = _TOML_HEADER.match(line)
-        if header and not line.lstrip().startswith("[\"") and "=" not in line.split("]")[0]:
-            parts = _toml_key_parts(header.group(2))
-            pointer = "".join("/" + escape_pointer_token(p) for p in parts)
-            if header.group(1) == "[[":
-                index = array_counts.get(pointer, 0)
-                array_counts[pointer] = index + 1
-                locations.setdefault(pointer, SourceLocation(file, number, 1))
-                pointer = join_pointer(pointer, index)
-            table = pointer
-            locations[pointer] = SourceLocation(file, number, 1)
-            continue
-        key = _TOML_KEY.match(line)
-        if key:
-            parts = _toml_key_parts(key.group(1) + key.group(2))
-            pointer = table + "".join("/" + escape_pointer_token(p) for p in parts)
-            column = len(line) - len(line.lstrip()) + 1
-            locations.setdefault(pointer, SourceLocation(file, number, column))
-            if line.count('"""') % 2 == 1 or line.count("'''") % 2 == 1:
-                in_multiline = True
-    return locations
+_TOML_ERROR_POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)|\s*\(at end of document\)")
 
 
 def _load_toml(file: str, text: str) -> RawDocument:
@@ -289,48 +483,330 @@ def _load_toml(file: str, text: str) -> RawDocument:
     except tomllib.TOMLDecodeError as exc:
         message = str(exc)
         found = _TOML_ERROR_POS.search(message)
-        line, col = (int(found.group(1)), int(found.group(2))) if found else (1, 1)
-        message = _TOML_ERROR_POS.sub("", message).strip()
+        if found and found.group(1):
+            line, col = int(found.group(1)), int(found.group(2))
+        else:
+            line = text.count("\n") + 1
+            col = len(text) - (text.rfind("\n") + 1) + 1
+        message, col = _toml_message(_TOML_ERROR_POS.sub("", message).strip(), text, line, col)
         raise LoadError(f"malformed TOML: {message}",
                         location=SourceLocation(file, line, col)) from None
     except RecursionError:
         raise LoadError(f"malformed TOML: nesting deeper than {MAX_DEPTH} levels",
                         location=SourceLocation(file, 1, 1)) from None
-    _check_plain(file, data, "", 0)
-    return RawDocument(file=file, format="toml", data=data, locations=_toml_locations(file, text))
+    scanner = _TomlScanner(file, text)
+    document = RawDocument(file=file, format="toml", data=data, locations=scanner.run(),
+                           verbatim=scanner.verbatim)
+    _check_plain(document, data, "", 0, [0])
+    return document
 
 
-def _check_plain(file: str, value: Any, pointer: str, depth: int) -> None:
-    """Reject TOML values partc has no use for (dates, times) and over-deep nesting."""
+_TOML_KEY_AT = re.compile(r"\s*((?:[A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*')"
+                          r"(?:\s*\.\s*(?:[A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*'))*)\s*=")
+
+
+def _toml_message(message: str, text: str, line: int, column: int) -> tuple[str, int]:
+    """A clearer wording (and column) for the tomllib errors authors meet most."""
+    lines = text.split("\n")
+    source = lines[line - 1] if 0 < line <= len(lines) else ""
+    indent = len(source) - len(source.lstrip()) + 1
+    if message == "Cannot overwrite a value":
+        key = _TOML_KEY_AT.match(source)
+        if key:
+            return (f"duplicate key `{key.group(1)}`: it is already defined in this table; "
+                    "expected every key once", indent)
+        return "a key or table is defined twice; expected every key once", indent
+    declared = re.fullmatch(r"Cannot declare \((.*)\) twice", message)
+    if declared:
+        name = ".".join(part.strip().strip("'\"") for part in declared.group(1).split(",")
+                        if part.strip())
+        return f"table [{name}] is declared twice; expected every table once", indent
+    if message.startswith("Illegal character '\\n'"):
+        return "unterminated string: missing its closing quote before the end of the line", \
+            column
+    return message, column
+
+
+def _check_plain(document: RawDocument, value: Any, pointer: str, depth: int,
+                 count: list[int]) -> None:
+    """Reject values partc has no use for (TOML dates and times), over-deep or over-large data."""
+    count[0] += 1
+    if count[0] > MAX_NODES:
+        raise LoadError(f"document holds more than {MAX_NODES} values",
+                        location=document.locate(pointer), pointer=pointer)
     if depth > MAX_DEPTH:
-        raise LoadError(f"nesting deeper than {MAX_DEPTH} levels", location=SourceLocation(file),
-                        pointer=pointer)
+        raise LoadError(f"nesting deeper than {MAX_DEPTH} levels",
+                        location=document.locate(pointer), pointer=pointer)
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_plain(file, item, join_pointer(pointer, key), depth + 1)
+            _check_plain(document, item, join_pointer(pointer, key), depth + 1, count)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_plain(file, item, join_pointer(pointer, index), depth + 1)
-    elif not isinstance(value, (str, int, float, bool)):
-        raise LoadError(f"TOML {type(value).__name__} values are not allowed here",
-                        location=SourceLocation(file), pointer=pointer)
+            _check_plain(document, item, join_pointer(pointer, index), depth + 1, count)
+    elif not isinstance(value, str | int | float | bool):
+        raise LoadError(f"TOML {type(value).__name__} values are not allowed: expected a string, "
+                        "a number, a boolean, an array or a table",
+                        location=document.locate(pointer), pointer=pointer)
+
+
+class _Positions:
+    """Offset -> (line, column) for one text, columns counted in characters."""
+
+    def __init__(self, file: str, text: str) -> None:
+        self.file = file
+        self.starts = [0] + [m.end() for m in re.finditer("\n", text)]
+
+    def at(self, offset: int) -> SourceLocation:
+        line = bisect.bisect_right(self.starts, offset) - 1
+        return SourceLocation(self.file, line + 1, offset - self.starts[line] + 1)
+
+
+_TOML_TOKEN = re.compile(r'''
+    (?P<space>[ \t]+)
+  | (?P<newline>\r?\n)
+  | (?P<comment>\#[^\n]*)
+  | (?P<mlbasic>"""(?:[^"\\]|\\.|"(?!""))*"""(?:""?)?)
+  | (?P<mlliteral>\'\'\'(?:[^']|'(?!''))*\'\'\'(?:''?)?)
+  | (?P<basic>"(?:[^"\\\n]|\\.)*")
+  | (?P<literal>'[^'\n]*')
+  | (?P<punct>[\[\]{}=,.])
+  | (?P<bare>[^\s\[\]{}=,.\#"']+)
+''', re.VERBOSE | re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    kind: str
+    text: str
+    start: int
+
+
+class _TomlScanner:
+    """Recovers the position of every table, key and array element of a valid TOML text."""
+
+    def __init__(self, file: str, text: str) -> None:
+        self.positions = _Positions(file, text)
+        self.tokens = [_Token(m.lastgroup or "", m.group(), m.start())
+                       for m in _TOML_TOKEN.finditer(text)]
+        self.index = 0
+        self.locations: dict[str, SourceLocation] = {"": SourceLocation(file, 1, 1)}
+        self.verbatim: dict[str, int] = {}
+        self.array_tables: dict[str, int] = {}
+
+    def run(self) -> dict[str, SourceLocation]:
+        """Every position found; what was found so far if the scanner meets a construct it
+        does not follow (it never raises on text `tomllib` accepted)."""
+        try:
+            return self.scan()
+        except (IndexError, ValueError, AssertionError, tomllib.TOMLDecodeError):
+            return self.locations
+
+    def peek(self) -> _Token | None:
+        return self.tokens[self.index] if self.index < len(self.tokens) else None
+
+    def next(self) -> _Token:
+        token = self.tokens[self.index]
+        self.index += 1
+        return token
+
+    def skip(self, newlines: bool) -> None:
+        kinds = ("space", "comment", "newline") if newlines else ("space",)
+        while (token := self.peek()) is not None and token.kind in kinds:
+            self.index += 1
+
+    def at(self, text: str) -> bool:
+        token = self.peek()
+        return token is not None and token.kind == "punct" and token.text == text
+
+    def mark(self, pointer: str, token: _Token, *, overwrite: bool = True) -> None:
+        location = self.positions.at(token.start)
+        if overwrite:
+            self.locations[pointer] = location
+        else:
+            self.locations.setdefault(pointer, location)
+
+    def key(self) -> tuple[list[str], _Token]:
+        """A dotted key: its parts and its first token."""
+        self.skip(False)
+        first = self.peek()
+        assert first is not None
+        parts = []
+        while True:
+            self.skip(False)
+            token = self.next()
+            if token.kind == "basic":
+                parts.append(str(tomllib.loads(f"k = {token.text}")["k"]))
+            elif token.kind == "literal":
+                parts.append(token.text[1:-1])
+            else:
+                parts.append(token.text)
+            self.skip(False)
+            if not self.at("."):
+                return parts, first
+            self.next()
+
+    def scan(self) -> dict[str, SourceLocation]:
+        table = ""
+        while True:
+            self.skip(True)
+            token = self.peek()
+            if token is None:
+                return self.locations
+            if token.kind == "punct" and token.text == "[":
+                table = self.header()
+            else:
+                self.key_value(table)
+
+    def header(self) -> str:
+        opener = self.next()
+        following = self.peek()
+        is_array = (following is not None and following.text == "["
+                    and following.start == opener.start + 1)
+        if is_array:
+            self.next()
+        parts, _ = self.key()
+        self.next()  # ]
+        if is_array:
+            self.next()  # ]
+        pointer = ""
+        for i, part in enumerate(parts):
+            pointer = join_pointer(pointer, part)
+            last = i == len(parts) - 1
+            if last and is_array:
+                self.mark(pointer, opener, overwrite=False)
+                index = self.array_tables.get(pointer, 0)
+                self.array_tables[pointer] = index + 1
+                pointer = join_pointer(pointer, index)
+            elif pointer in self.array_tables:
+                pointer = join_pointer(pointer, self.array_tables[pointer] - 1)
+            if last:
+                self.mark(pointer, opener)
+            else:
+                self.mark(pointer, opener, overwrite=False)
+        return pointer
+
+    def key_value(self, table: str) -> None:
+        parts, first = self.key()
+        pointer = table
+        for part in parts[:-1]:
+            pointer = join_pointer(pointer, part)
+            self.mark(pointer, first, overwrite=False)
+        self.next()  # =
+        self.value(join_pointer(pointer, parts[-1]))
+
+    def value(self, pointer: str) -> None:
+        self.skip(False)
+        token = self.next()
+        self.mark(pointer, token)
+        if token.kind == "literal" or (token.kind == "basic" and "\\" not in token.text):
+            self.verbatim[pointer] = self.positions.at(token.start).column + 1
+        if token.kind == "punct" and token.text == "[":
+            index = 0
+            while True:
+                self.skip(True)
+                if self.at("]"):
+                    self.next()
+                    return
+                self.value(join_pointer(pointer, index))
+                index += 1
+                self.skip(True)
+                if self.at(","):
+                    self.next()
+        elif token.kind == "punct" and token.text == "{":
+            while True:
+                self.skip(True)
+                if self.at("}"):
+                    self.next()
+                    return
+                parts, first = self.key()
+                inner = pointer
+                for part in parts[:-1]:
+                    inner = join_pointer(inner, part)
+                    self.mark(inner, first, overwrite=False)
+                self.next()  # =
+                self.value(join_pointer(inner, parts[-1]))
+                self.skip(True)
+                if self.at(","):
+                    self.next()
+        else:
+            # numbers, booleans and dates may span several tokens (`3.14`, `1979-05-27 07:32`)
+            while (nxt := self.peek()) is not None:
+                if nxt.kind == "bare" or (nxt.kind == "punct" and nxt.text == "."):
+                    self.index += 1
+                elif (nxt.kind == "space" and self.index + 1 < len(self.tokens)
+                      and self.tokens[self.index + 1].kind == "bare"):
+                    self.index += 2
+                else:
+                    return
+
+
+def toml_locations(file: str, text: str) -> dict[str, SourceLocation]:
+    """Best-effort positions of the tables, keys and array elements of a valid TOML text.
+
+    `tomllib` keeps no positions; this scanner re-reads the text (which `tomllib` has already
+    accepted) and records where each value starts, resolving arrays of tables (`[[parameters]]`),
+    sub-tables of their last element (`[parameters.params]`), dotted keys and inline tables.
+    """
+    return _TomlScanner(file, text).run()
 
 
 # ---------------------------------------------------------------- JSON (config.json)
 
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+', re.DOTALL)
+
+
+def json_locations(file: str, text: str) -> dict[str, SourceLocation]:
+    """The position of every value of a valid JSON text, keyed by JSON pointer."""
+    positions = _Positions(file, text)
+    locations: dict[str, SourceLocation] = {}
+    stack: list[tuple[str, int, bool]] = []  # (pointer, next index, is object)
+    pending_key: str | None = None
+    expecting_key = False
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in (":", ","):
+            if token == "," and stack and stack[-1][2]:
+                expecting_key = True
+            continue
+        if token in ("}", "]"):
+            stack.pop()
+            expecting_key = False
+            continue
+        if expecting_key:
+            pending_key = json.loads(token)
+            expecting_key = False
+            continue
+        if not stack:
+            pointer = ""
+        elif stack[-1][2]:
+            pointer = join_pointer(stack[-1][0], pending_key or "")
+        else:
+            parent, index, _ = stack[-1]
+            pointer = join_pointer(parent, index)
+            stack[-1] = (parent, index + 1, False)
+        locations[pointer] = positions.at(match.start())
+        if token in ("{", "["):
+            stack.append((pointer, 0, token == "{"))
+            expecting_key = token == "{"
+    return locations
+
 
 def load_json(path: str | Path, label: str = "config") -> RawDocument:
-    """Read a JSON file (a model's config.json), rejecting duplicate keys, with key positions."""
+    """Read a JSON file (a model's config.json), rejecting duplicate keys, with value positions."""
     path = Path(path)
-    text = _read_text(path, label)
-    file = str(path)
+    text = read_text(path, label, MAX_CONFIG_BYTES)
+    return parse_json(str(path), text, label)
+
+
+def parse_json(file: str, text: str, label: str = "config") -> RawDocument:
+    """Parse JSON text that must be an object, rejecting duplicate keys, with value positions."""
+    duplicates: list[str] = []
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for key, value in items:
-            if key in result:
-                raise LoadError(f"duplicate key {key!r} in {label}",
-                                location=_json_key_location(file, text, key))
+            if key in result and not duplicates:
+                duplicates.append(key)
             result[key] = value
         return result
 
@@ -340,26 +816,52 @@ def load_json(path: str | Path, label: str = "config") -> RawDocument:
         raise LoadError(f"malformed JSON in {label}: {exc.msg}",
                         location=SourceLocation(file, exc.lineno, exc.colno)) from None
     except RecursionError:
-        raise LoadError(f"{label} nests too deeply", location=SourceLocation(file, 1, 1)) from None
+        raise LoadError(f"{label} nests deeper than Python can parse",
+                        location=SourceLocation(file, 1, 1)) from None
     except ValueError as exc:
         raise LoadError(f"malformed JSON in {label}: {exc}",
                         location=SourceLocation(file, 1, 1)) from None
     if not isinstance(data, dict):
-        raise LoadError(f"{label} must be a JSON object, found {type(data).__name__}",
+        kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(
+            type(data), "a number")
+        raise LoadError(f"{label} must be a JSON object, found {kind}",
                         location=SourceLocation(file, 1, 1))
-    locations = {"/" + escape_pointer_token(k): _json_key_location(file, text, k) for k in data}
-    locations[""] = SourceLocation(file, 1, 1)
-    return RawDocument(file=file, format="json", data=data, locations=locations)
+    locations = json_locations(file, text)
+    locations.setdefault("", SourceLocation(file, 1, 1))
+    document = RawDocument(file=file, format="json", data=data, locations=locations)
+    if duplicates:
+        raise LoadError(f"duplicate key {duplicates[0]!r} in {label}; expected every key once",
+                        location=_duplicate_location(file, text, duplicates[0]))
+    _check_json(document, data, "", 0, [0])
+    return document
+
+
+def _check_json(document: RawDocument, value: Any, pointer: str, depth: int,
+                count: list[int]) -> None:
+    """Bound the nesting and the number of values of a parsed JSON document."""
+    count[0] += 1
+    if depth > MAX_DEPTH:
+        raise LoadError(f"nesting deeper than {MAX_DEPTH} levels",
+                        location=document.locate(pointer), pointer=pointer)
+    if count[0] > 10 * MAX_NODES:
+        raise LoadError(f"document holds more than {10 * MAX_NODES} values",
+                        location=document.locate(pointer), pointer=pointer)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_json(document, item, join_pointer(pointer, key), depth + 1, count)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json(document, item, join_pointer(pointer, index), depth + 1, count)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _json_key_location(file: str, text: str, key: str) -> SourceLocation:
-    found = re.search(r'"' + re.escape(json.dumps(key)[1:-1]) + r'"\s*:', text)
-    if not found:
+def _duplicate_location(file: str, text: str, key: str) -> SourceLocation:
+    """The second occurrence of `"key":` in the text (best effort)."""
+    pattern = re.compile(r'"' + re.escape(json.dumps(key)[1:-1]) + r'"\s*:')
+    found = list(pattern.finditer(text))
+    if len(found) < 2:
         return SourceLocation(file, 1, 1)
-    line = text.count("\n", 0, found.start()) + 1
-    column = found.start() - (text.rfind("\n", 0, found.start()) + 1) + 1
-    return SourceLocation(file, line, column)
+    return _Positions(file, text).at(found[1].start())

@@ -2,14 +2,14 @@
 
 A `ParameterGroupSpec` is one atomic logical parameter (an attention block, a feed-forward
 block, an embedding) with every physical checkpoint tensor that belongs to it. Realizing a group
-for a tensor-parallel size gives each rank a `LocalTensorLayout` per member.
+for a tensor-parallel size gives each rank a `LocalTensorLayout` per member (DESIGN.md §3).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
@@ -30,7 +30,7 @@ TORCH_DTYPE_NAMES: dict[str, str] = {
 
 
 def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes a tensor of `dtype` and `shape` occupies in a checkpoint."""
+    """Bytes a tensor of `dtype` and `shape` occupies in a checkpoint (packed dtypes included)."""
     return math.prod(shape) * DTYPE_BITS[dtype] // 8
 
 
@@ -76,6 +76,19 @@ class ShardingPolicy(enum.Enum):
     REPLICATE_UNSUPPORTED = "replicate_unsupported"
 
 
+class LinearWeightLayout(enum.Enum):
+    """How a dense linear weight stores its matrix axes (always its last two)."""
+
+    OUT_IN = "out_in"
+    """`[..., out_features, in_features]`, as `torch.nn.Linear` stores it."""
+    IN_OUT = "in_out"
+    """`[..., in_features, out_features]`, as gpt-oss stores its stacked experts."""
+
+    def axes(self, ndim: int) -> tuple[int, int]:
+        """(output axis, input axis) of a weight with `ndim` dimensions."""
+        return (ndim - 2, ndim - 1) if self is LinearWeightLayout.OUT_IN else (ndim - 1, ndim - 2)
+
+
 class MemberShardingKind(enum.Enum):
     """The kinds of rank-local selection rule of one physical tensor."""
 
@@ -96,8 +109,13 @@ def _invalid_tensor(message: str, *, group: str = "", target: str = "") -> Paral
                              target=target, tensor=target or None)
 
 
-def _invalid_group(message: str, *, group: str) -> ParallelPlanError:
-    return ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, message, group=group)
+def _invalid_group(message: str, *, group: str, target: str = "") -> ParallelPlanError:
+    return ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, message, group=group,
+                             target=target, tensor=target or None)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,19 +128,29 @@ class MemberSharding:
     """The split axis (None for Replicated)."""
     segments: tuple[int, ...] = ()
     """Fused segment widths along the axis (segment kinds only)."""
+    granule: int = 1
+    """Cuts fall only on multiples of this many elements (a packed or block-quantized axis)."""
 
     def __post_init__(self) -> None:
+        if not _is_count(self.granule) or self.granule < 1:
+            raise _invalid_tensor(f"a sharding granule must be a positive integer, found "
+                                  f"{self.granule!r}")
         if self.kind is MemberShardingKind.REPLICATED:
-            if self.axis is not None or self.segments:
-                raise _invalid_tensor("a replicated sharding takes no axis and no segments")
+            if self.axis is not None or self.segments or self.granule != 1:
+                raise _invalid_tensor("a replicated sharding takes no axis, segments or granule")
             return
-        if self.axis is None or self.axis < 0:
-            raise _invalid_tensor(f"{self.kind.value} sharding needs an axis >= 0, found {self.axis}")
+        if not _is_count(self.axis) or self.axis is None or self.axis < 0:
+            raise _invalid_tensor(f"{self.kind.value} sharding needs an axis >= 0, found "
+                                  f"{self.axis}")
         if self.kind in _SEGMENT_KINDS:
-            if not self.segments or any(s <= 0 for s in self.segments):
+            if not self.segments or any(not _is_count(s) or s <= 0 for s in self.segments):
                 raise _invalid_tensor(
                     f"{self.kind.value} sharding needs positive segment widths, found "
                     f"{list(self.segments)}")
+            if any(s % self.granule for s in self.segments):
+                raise _invalid_tensor(
+                    f"{self.kind.value} sharding: segments {list(self.segments)} do not all fall "
+                    f"on {self.granule}-element granule boundaries")
         elif self.segments:
             raise _invalid_tensor(f"{self.kind.value} sharding takes no segments")
 
@@ -132,30 +160,32 @@ class MemberSharding:
         return cls(kind=MemberShardingKind.REPLICATED)
 
     @classmethod
-    def equal(cls, axis: int) -> MemberSharding:
+    def equal(cls, axis: int, *, granule: int = 1) -> MemberSharding:
         """Equal contiguous shards along `axis`; the size must divide."""
-        return cls(kind=MemberShardingKind.EQUAL, axis=axis)
+        return cls(kind=MemberShardingKind.EQUAL, axis=axis, granule=granule)
 
     @classmethod
-    def balanced(cls, axis: int) -> MemberSharding:
+    def balanced(cls, axis: int, *, granule: int = 1) -> MemberSharding:
         """Balanced, possibly uneven, contiguous ranges along `axis`."""
-        return cls(kind=MemberShardingKind.BALANCED, axis=axis)
+        return cls(kind=MemberShardingKind.BALANCED, axis=axis, granule=granule)
 
     @classmethod
-    def partitioned(cls, axis: int) -> MemberSharding:
+    def partitioned(cls, axis: int, *, granule: int = 1) -> MemberSharding:
         """The group's logical partition mapped onto `axis`."""
-        return cls(kind=MemberShardingKind.PARTITIONED, axis=axis)
+        return cls(kind=MemberShardingKind.PARTITIONED, axis=axis, granule=granule)
 
     @classmethod
-    def partitioned_segments(cls, axis: int, segments: Iterable[int]) -> MemberSharding:
+    def partitioned_segments(cls, axis: int, segments: Iterable[int], *,
+                             granule: int = 1) -> MemberSharding:
         """The group's logical range mapped into each fused segment along `axis`."""
         return cls(kind=MemberShardingKind.PARTITIONED_SEGMENTS, axis=axis,
-                   segments=tuple(segments))
+                   segments=tuple(segments), granule=granule)
 
     @classmethod
-    def segmented(cls, axis: int, segments: Iterable[int]) -> MemberSharding:
+    def segmented(cls, axis: int, segments: Iterable[int], *, granule: int = 1) -> MemberSharding:
         """Each fused segment along `axis` split over the ranks on its own."""
-        return cls(kind=MemberShardingKind.SEGMENTED, axis=axis, segments=tuple(segments))
+        return cls(kind=MemberShardingKind.SEGMENTED, axis=axis, segments=tuple(segments),
+                   granule=granule)
 
     @property
     def is_partitioned(self) -> bool:
@@ -166,9 +196,9 @@ class MemberSharding:
         """A short spelling for messages, e.g. `partitioned(axis 0)`."""
         if self.kind is MemberShardingKind.REPLICATED:
             return "replicated"
-        if self.segments:
-            return f"{self.kind.value}(axis {self.axis}, segments {list(self.segments)})"
-        return f"{self.kind.value}(axis {self.axis})"
+        extra = f", segments {list(self.segments)}" if self.segments else ""
+        extra += f", granule {self.granule}" if self.granule > 1 else ""
+        return f"{self.kind.value}(axis {self.axis}{extra})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,28 +213,78 @@ class ParameterMemberSpec:
     """Rank-local selection rule."""
     dtype: str = "F32"
     """Safetensors dtype of the stored tensor."""
+    linear: LinearWeightLayout | None = None
+    """Set when the tensor is a dense linear weight a linear format may encode."""
+    heads: tuple[int, ...] = ()
+    """Attention heads along the partitioned axis (one count per segment); empty if unknown."""
+    encoding: str = ""
+    """The linear-format part this tensor stores, e.g. `block_fp8.scale` ('' when dense)."""
 
     def __post_init__(self) -> None:
-        if not self.target:
+        target = self.target
+        if not target:
             raise _invalid_tensor("a member needs a non-empty target name")
-        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in self.shape):
-            raise _invalid_tensor(f"`{self.target}` has shape {list(self.shape)}; every dimension "
-                                  "must be a non-negative integer", target=self.target)
+        if any(not _is_count(d) or d < 0 for d in self.shape):
+            raise _invalid_tensor(f"`{target}` has shape {list(self.shape)}; every dimension "
+                                  "must be a non-negative integer", target=target)
         if self.dtype not in DTYPE_BITS:
-            raise _invalid_tensor(f"`{self.target}` has unknown dtype {self.dtype!r}; expected one "
-                                  f"of {', '.join(sorted(DTYPE_BITS))}", target=self.target)
-        axis = self.sharding.axis
-        if axis is not None and axis >= len(self.shape):
+            raise _invalid_tensor(f"`{target}` has unknown dtype {self.dtype!r}; expected one "
+                                  f"of {', '.join(sorted(DTYPE_BITS))}", target=target)
+        if self.linear is not None and len(self.shape) < 2:
+            raise _invalid_tensor(f"`{target}` is marked as a linear weight but has shape "
+                                  f"{list(self.shape)}; a linear weight has at least 2 dimensions",
+                                  target=target)
+        rule = self.sharding
+        if rule.axis is None:
+            if self.heads:
+                raise _invalid_tensor(f"`{target}` declares heads {list(self.heads)} but is "
+                                      "replicated; `heads` only applies to partitioned members",
+                                      target=target)
+            return
+        if rule.axis >= len(self.shape):
             raise _invalid_tensor(
-                f"`{self.target}` is {self.sharding.describe()} but has only {len(self.shape)} "
-                f"dimension(s) (shape {list(self.shape)})", target=self.target)
-        if self.sharding.segments and axis is not None:
-            total = sum(self.sharding.segments)
-            if total != self.shape[axis]:
+                f"`{target}` is {rule.describe()} but has only {len(self.shape)} dimension(s) "
+                f"(shape {list(self.shape)})", target=target)
+        dim = self.shape[rule.axis]
+        if rule.segments and sum(rule.segments) != dim:
+            raise _invalid_tensor(
+                f"`{target}`: segments {list(rule.segments)} sum to {sum(rule.segments)} but "
+                f"axis {rule.axis} has {dim} elements; segments must be contiguous, ordered and "
+                "cover the fused width", target=target)
+        if rule.is_partitioned and dim % rule.granule:
+            raise _invalid_tensor(
+                f"`{target}` is {rule.describe()} but axis {rule.axis} has {dim} elements, not a "
+                f"whole number of {rule.granule}-element blocks; a partitioned axis must be "
+                "block-aligned", target=target)
+        self._check_heads(rule)
+
+    def _check_heads(self, rule: MemberSharding) -> None:
+        if not self.heads:
+            return
+        if not rule.is_partitioned:
+            raise _invalid_tensor(f"`{self.target}` declares heads {list(self.heads)} but is "
+                                  f"{rule.describe()}; `heads` only applies to partitioned "
+                                  "members", target=self.target)
+        widths = self.widths
+        if len(self.heads) != len(widths):
+            raise _invalid_tensor(
+                f"`{self.target}` declares {len(self.heads)} head count(s) {list(self.heads)} "
+                f"for {len(widths)} segment(s); give one count per segment", target=self.target)
+        for width, heads in zip(widths, self.heads, strict=True):
+            # an encoded companion (a block scale) may hold fractional heads; KV replication
+            # checks its cuts when it happens
+            if not _is_count(heads) or heads < 1 or (width % heads and not self.encoding):
                 raise _invalid_tensor(
-                    f"`{self.target}`: segments {list(self.sharding.segments)} sum to {total} but "
-                    f"axis {axis} has {self.shape[axis]} elements; segments must be contiguous, "
-                    "ordered and cover the fused width", target=self.target)
+                    f"`{self.target}`: {width} elements on axis {rule.axis} cannot hold {heads} "
+                    "whole heads; the width must be a positive multiple of the head count",
+                    target=self.target)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Segment widths of the split axis (the whole axis when unsegmented; () if replicated)."""
+        if self.sharding.axis is None:
+            return ()
+        return self.sharding.segments or (self.shape[self.sharding.axis],)
 
     @property
     def nbytes(self) -> int:
@@ -228,46 +308,66 @@ class ParameterGroupSpec:
     """What the units count, for messages (e.g. `num_key_value_heads`)."""
     policy: ShardingPolicy | None = None
     """Per-group sharding policy (None: the topology's policy)."""
+    kv_replication: bool = False
+    """Allow more ranks than units by repeating KV heads (see docs/kv_replication.md)."""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise _invalid_group("a parameter group needs a non-empty name", group=self.name)
+        name = self.name
+        if not name:
+            raise _invalid_group("a parameter group needs a non-empty name", group=name)
         if not self.members:
-            raise _invalid_group(f"group `{self.name}` has no members; it needs at least one",
-                                 group=self.name)
+            raise _invalid_group(f"group `{name}` has no members; it needs at least one",
+                                 group=name)
         seen: set[str] = set()
         for member in self.members:
             if member.target in seen:
-                raise _invalid_group(
-                    f"group `{self.name}` lists target `{member.target}` twice", group=self.name)
+                raise _invalid_group(f"group `{name}` lists target `{member.target}` twice; "
+                                     "each tensor belongs to a group once", group=name,
+                                     target=member.target)
             seen.add(member.target)
         partitioned = [m for m in self.members if m.sharding.is_partitioned]
         if partitioned and self.units is None:
             raise _invalid_group(
-                f"group `{self.name}` has partitioned member `{partitioned[0].target}` but declares "
-                "no partition units; add `units`", group=self.name)
+                f"group `{name}` has partitioned member `{partitioned[0].target}` but declares "
+                "no partition units; add `units`", group=name, target=partitioned[0].target)
         if not partitioned and self.units is not None:
             raise _invalid_group(
-                f"group `{self.name}` declares {self.units} partition units but no member is "
-                "partitioned; drop `units` or partition a member", group=self.name)
-        if self.units is not None and self.units < 1:
-            raise _invalid_group(f"group `{self.name}` has {self.units} partition units; at least "
-                                 "1 is required", group=self.name)
+                f"group `{name}` declares {self.units} partition units but no member is "
+                "partitioned; drop `units` or partition a member", group=name)
+        if self.units is not None and (not _is_count(self.units) or self.units < 1):
+            raise _invalid_group(f"group `{name}` has {self.units} partition units; at least "
+                                 "1 is required", group=name)
         for member in partitioned:
             self._check_unit_widths(member)
+        if self.kv_replication:
+            missing = [m.target for m in partitioned if not m.heads]
+            if not partitioned or missing:
+                what = f"`{missing[0]}` declares no `heads`" if missing else "no member is " \
+                    "partitioned"
+                raise _invalid_group(
+                    f"group `{name}` sets kv_replication but {what}; KV replication needs the "
+                    "head count of every partitioned projection (`heads:` in YAML)",
+                    group=name, target=missing[0] if missing else "")
 
     def _check_unit_widths(self, member: ParameterMemberSpec) -> None:
         units = self.units or 1
-        assert member.sharding.axis is not None
-        widths = member.sharding.segments or (member.shape[member.sharding.axis],)
-        for width in widths:
-            if width % units:
-                what = "segment" if member.sharding.segments else f"axis {member.sharding.axis}"
+        rule = member.sharding
+        label = f" ({self.units_label})" if self.units_label else ""
+        for width in member.widths:
+            if width % (units * rule.granule):
+                what = "a segment" if rule.segments else f"axis {rule.axis}"
+                blocks = f" of {rule.granule}-element blocks" if rule.granule > 1 else ""
                 raise _invalid_tensor(
-                    f"group `{self.name}`: {what} of `{member.target}` has {width} elements, not "
-                    f"divisible by the group's {units} partition units"
-                    f"{f' ({self.units_label})' if self.units_label else ''}",
+                    f"group `{self.name}`: {what} of `{member.target}` has {width} elements, "
+                    f"which cannot be cut into the group's {units} partition units{label}"
+                    f"{blocks}; use a unit count dividing {width // rule.granule}",
                     group=self.name, target=member.target)
+        for heads in member.heads:
+            if heads % units:
+                raise _invalid_tensor(
+                    f"group `{self.name}`: `{member.target}` has {heads} heads, not a multiple "
+                    f"of the group's {units} partition units{label}, so a unit boundary would "
+                    "cut a head", group=self.name, target=member.target)
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -278,21 +378,45 @@ class ParameterGroupSpec:
 # ---------------------------------------------------------------- builders
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Projection:
+    """One affine projection of a projection group: its module, split and parameters."""
+
+    module: str
+    """Module path; members are `{module}.{param}`."""
+    sharding: ProjectionSharding
+    """Column, row or replicated."""
+    params: Mapping[str, Sequence[int]]
+    """Parameter shapes by name (`weight`, `bias`, encoding companions)."""
+    heads: int | None = None
+    """Attention heads along its split axis, when known."""
+    linear: bool = True
+    """Whether its `weight` is a linear weight a linear format may encode."""
+
+
+_Rule = Callable[[tuple[int, ...]], MemberSharding]
+
+
 def _params_members(module: str, params: Mapping[str, Sequence[int]], dtype: str,
-                    rule: object) -> tuple[ParameterMemberSpec, ...]:
+                    rule: MemberSharding | _Rule, *, linear: bool = False,
+                    heads: int | None = None) -> tuple[ParameterMemberSpec, ...]:
     members = []
     for param, shape in params.items():
-        sharding = rule(tuple(shape)) if callable(rule) else rule
-        assert isinstance(sharding, MemberSharding)
-        members.append(ParameterMemberSpec(target=f"{module}.{param}" if module else param,
-                                           shape=tuple(shape), sharding=sharding, dtype=dtype))
+        shape = tuple(shape)
+        sharding = rule(shape) if callable(rule) else rule
+        members.append(ParameterMemberSpec(
+            target=f"{module}.{param}" if module else param, shape=shape, sharding=sharding,
+            dtype=dtype, linear=LinearWeightLayout.OUT_IN if linear and param == "weight"
+            and len(shape) >= 2 else None,
+            heads=(heads,) * len(sharding.segments or (1,))
+            if heads is not None and sharding.is_partitioned else ()))
     return tuple(members)
 
 
 def module_parameter_group(name: str, role: ParameterRole, module: str,
                            params: Mapping[str, Sequence[int]], sharding: MemberSharding, *,
                            dtype: str = "F32") -> ParameterGroupSpec:
-    """Every parameter of `module`, all under one sharding rule."""
+    """Every parameter of `module`, all under one (non-partitioned) sharding rule."""
     return ParameterGroupSpec(name=name, role=role,
                               members=_params_members(module, params, dtype, sharding))
 
@@ -307,8 +431,7 @@ def partitioned_module_parameter_group(name: str, role: ParameterRole, module: s
                                                       MemberSharding.partitioned(axis)))
 
 
-def _projection_rule(sharding: ProjectionSharding, partitioned: bool
-                     ) -> object:
+def _projection_rule(sharding: ProjectionSharding, partitioned: bool) -> _Rule:
     def rule(shape: tuple[int, ...]) -> MemberSharding:
         if sharding is ProjectionSharding.COLUMN and len(shape) >= 1:
             return MemberSharding.partitioned(0) if partitioned else MemberSharding.equal(0)
@@ -320,69 +443,125 @@ def _projection_rule(sharding: ProjectionSharding, partitioned: bool
 
 def projection_parameter_group(name: str, role: ParameterRole, module: str,
                                sharding: ProjectionSharding, params: Mapping[str, Sequence[int]],
-                               *, dtype: str = "F32") -> ParameterGroupSpec:
+                               *, dtype: str = "F32", linear: bool = True) -> ParameterGroupSpec:
     """One affine projection and its companions.
 
     Column splits axis 0 of every non-scalar member; Row splits axis 1 of members with two or
-    more dimensions and replicates the bias.
+    more dimensions and replicates the bias. The `weight` is marked linear unless `linear=False`.
     """
     return ParameterGroupSpec(name=name, role=role, members=_params_members(
-        module, params, dtype, _projection_rule(sharding, partitioned=False)))
+        module, params, dtype, _projection_rule(sharding, partitioned=False), linear=linear))
 
 
-def _reduced_units(units: int, members: Iterable[ParameterMemberSpec]) -> int:
+def reduced_partition_units(units: int, members: Iterable[ParameterMemberSpec]) -> int:
+    """`units` reduced by gcd with every partitioned width (in granules) and head count."""
     result = units
     for member in members:
-        if member.sharding.is_partitioned and member.sharding.axis is not None:
-            for width in member.sharding.segments or (member.shape[member.sharding.axis],):
-                result = math.gcd(result, width)
+        if member.sharding.is_partitioned:
+            for width in member.widths:
+                result = math.gcd(result, width // member.sharding.granule)
+            for heads in member.heads:
+                result = math.gcd(result, heads)
     return result
+
+
+def _reduced_label(label: str, units: int, reduced: int) -> str:
+    return label if reduced == units else f"gcd({label or units}, ...) = {reduced}"
+
+
+def _as_projection(item: Projection | tuple[str, ProjectionSharding, Mapping[str, Sequence[int]]]
+                   ) -> Projection:
+    if isinstance(item, Projection):
+        return item
+    module, sharding, params = item
+    return Projection(module=module, sharding=sharding, params=params)
 
 
 def partitioned_projection_group(
     name: str, role: ParameterRole,
-    projections: Sequence[tuple[str, ProjectionSharding, Mapping[str, Sequence[int]]]],
-    units: int, *, dtype: str = "F32", units_label: str = "",
+    projections: Sequence[Projection | tuple[str, ProjectionSharding,
+                                             Mapping[str, Sequence[int]]]],
+    units: int, *, dtype: str = "F32", units_label: str = "", kv_replication: bool = False,
+    policy: ShardingPolicy | None = None,
 ) -> ParameterGroupSpec:
     """Several projections consuming one shared logical partition of `units` units.
 
-    The units are reduced by gcd with every partitioned dimension so each unit spans whole
-    elements of every member.
+    The units are reduced by gcd with every partitioned dimension (and head count) so each unit
+    spans whole elements of every member.
     """
     members: list[ParameterMemberSpec] = []
-    for module, sharding, params in projections:
-        members.extend(_params_members(module, params, dtype, _projection_rule(sharding, True)))
-    reduced = _reduced_units(units, members)
-    label = units_label if reduced == units else f"gcd({units_label or units}, ...) = {reduced}"
+    for item in projections:
+        proj = _as_projection(item)
+        members.extend(_params_members(proj.module, proj.params, dtype,
+                                       _projection_rule(proj.sharding, True),
+                                       linear=proj.linear, heads=proj.heads))
+    partitioned = any(m.sharding.is_partitioned for m in members)
+    reduced = reduced_partition_units(units, members)
     return ParameterGroupSpec(name=name, role=role, members=tuple(members),
-                              units=reduced if any(m.sharding.is_partitioned for m in members)
-                              else None, units_label=label)
+                              units=reduced if partitioned else None,
+                              units_label=_reduced_label(units_label, units, reduced),
+                              kv_replication=kv_replication, policy=policy)
+
+
+def _companion_segments(group: str, target: str, segments: tuple[int, ...],
+                        width: int) -> tuple[int, ...]:
+    """The fused segments as seen by a companion whose axis 0 has `width` elements."""
+    total = sum(segments)
+    if width == total:
+        return segments
+    if width and total % width == 0 and all(s % (total // width) == 0 for s in segments):
+        return tuple(s // (total // width) for s in segments)
+    raise _invalid_tensor(
+        f"group `{group}`: fused companion `{target}` has {width} rows, which cannot carry the "
+        f"segments {list(segments)} ({total} rows) at a whole divisor; every companion of the "
+        "fused weight must hold the same segments, scaled by its block size", group=group,
+        target=target)
 
 
 def segmented_projection_group(
     name: str, role: ParameterRole, *, fused_module: str, segments: Sequence[int],
     fused_params: Mapping[str, Sequence[int]], output_module: str,
     output_params: Mapping[str, Sequence[int]], units: int, dtype: str = "F32",
-    units_label: str = "",
+    units_label: str = "", fused_heads: Sequence[int] = (), output_heads: int | None = None,
+    linear: bool = True, kv_replication: bool = False, policy: ShardingPolicy | None = None,
 ) -> ParameterGroupSpec:
     """A component-major fused column projection (`qkv_proj`, `gate_up_proj`) and its row output.
 
     Every fused member is PartitionedSegments on axis 0 (the same logical range taken inside each
-    segment); the output weight is Partitioned on axis 1 and its bias replicated.
+    segment; a companion with fewer rows, e.g. a block scale, gets the segments scaled down);
+    the output weight is Partitioned on axis 1 (it consumes the local hidden partition) and its
+    bias replicated. Segments must be positive and cover the fused width in order.
     """
     segments = tuple(segments)
-    if not segments or any(s <= 0 for s in segments):
-        raise _invalid_group(f"group `{name}`: segments must be positive, found {list(segments)}",
-                             group=name)
-    members = list(_params_members(
-        fused_module, fused_params, dtype,
-        lambda shape: MemberSharding.partitioned_segments(0, segments) if len(shape) >= 1
-        else MemberSharding.replicated()))
+    if not segments or any(not _is_count(s) or s <= 0 for s in segments):
+        raise _invalid_group(f"group `{name}`: segments must be positive widths, found "
+                             f"{list(segments)}", group=name)
+    if fused_heads and len(fused_heads) != len(segments):
+        raise _invalid_group(f"group `{name}`: {len(fused_heads)} head counts "
+                             f"{list(fused_heads)} for {len(segments)} segments; give one per "
+                             "segment", group=name)
+    members: list[ParameterMemberSpec] = []
+    for param, shape in fused_params.items():
+        shape = tuple(shape)
+        target = f"{fused_module}.{param}"
+        if not shape:
+            members.append(ParameterMemberSpec(target=target, shape=shape, dtype=dtype,
+                                               sharding=MemberSharding.replicated()))
+            continue
+        members.append(ParameterMemberSpec(
+            target=target, shape=shape, dtype=dtype,
+            sharding=MemberSharding.partitioned_segments(
+                0, segments if param in ("weight", "bias")
+                else _companion_segments(name, target, segments, shape[0])),
+            linear=LinearWeightLayout.OUT_IN if linear and param == "weight" and len(shape) >= 2
+            else None, heads=tuple(fused_heads)))
     members.extend(_params_members(output_module, output_params, dtype,
-                                   _projection_rule(ProjectionSharding.ROW, True)))
-    reduced = _reduced_units(units, members)
+                                   _projection_rule(ProjectionSharding.ROW, True), linear=linear,
+                                   heads=output_heads))
+    reduced = reduced_partition_units(units, members)
     return ParameterGroupSpec(name=name, role=role, members=tuple(members), units=reduced,
-                              units_label=units_label)
+                              units_label=_reduced_label(units_label, units, reduced),
+                              kv_replication=kv_replication, policy=policy)
 
 
 def aligned_partition_units(name: str, semantic_units: int, elements_per_unit: int,
@@ -405,6 +584,11 @@ def aligned_partition_units(name: str, semantic_units: int, elements_per_unit: i
     return semantic_units // per_chunk
 
 
+def with_policy(group: ParameterGroupSpec, policy: ShardingPolicy | None) -> ParameterGroupSpec:
+    """A copy of `group` with its per-group policy set."""
+    return replace(group, policy=policy)
+
+
 # ---------------------------------------------------------------- placements and layouts
 
 
@@ -419,6 +603,10 @@ class PlacementKind(enum.Enum):
     SHARD = "shard"
     RANGE = "range"
     INDICES = "indices"
+
+
+Selection = tuple[int | None, tuple[tuple[int, int], ...]]
+"""(axis, ranges) of a global tensor: the ranges along `axis`, concatenated; axis None = whole."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -438,7 +626,7 @@ class TensorPlacement:
     end: int | None = None
     """One past the last element on the axis (Range)."""
     ranges: tuple[tuple[int, int], ...] = ()
-    """Element ranges on the axis, in order (Indices), stored compactly."""
+    """Element ranges on the axis, ascending, disjoint and non-adjacent (Indices)."""
     rank: int | None = None
     """The one rank holding the tensor (Rank)."""
     stage: int | None = None
@@ -446,25 +634,29 @@ class TensorPlacement:
 
     def __post_init__(self) -> None:
         kind = self.kind
-        if kind is PlacementKind.SHARD:
-            ok = (self.axis is not None and self.parts is not None and self.index is not None
-                  and 0 <= self.index < self.parts)
-        elif kind is PlacementKind.RANGE:
-            ok = (self.axis is not None and self.start is not None and self.end is not None
-                  and 0 <= self.start < self.end)
+        used = {"axis", "index", "parts", "start", "end", "rank", "stage"}
+        needed = {PlacementKind.SHARD: {"axis", "index", "parts"},
+                  PlacementKind.RANGE: {"axis", "start", "end"}, PlacementKind.INDICES: {"axis"},
+                  PlacementKind.RANK: {"rank"}, PlacementKind.PIPELINE_STAGE: {"stage"}
+                  }.get(kind, set())
+        ok = all(_is_count(getattr(self, n)) and getattr(self, n) >= 0 for n in needed)
+        ok = ok and all(getattr(self, n) is None for n in used - needed)
+        if kind is PlacementKind.SHARD and ok:
+            ok = self.index is not None and self.parts is not None and self.index < self.parts
+        elif kind is PlacementKind.RANGE and ok:
+            ok = self.start is not None and self.end is not None and self.start < self.end
         elif kind is PlacementKind.INDICES:
-            ok = self.axis is not None and bool(self.ranges) and all(
-                0 <= a < b for a, b in self.ranges)
-        elif kind is PlacementKind.RANK:
-            ok = self.rank is not None and self.rank >= 0
-        elif kind is PlacementKind.PIPELINE_STAGE:
-            ok = self.stage is not None and self.stage >= 0
-        else:
-            ok = True
+            bounds = [b for r in self.ranges for b in r]
+            ok = ok and bool(self.ranges) and all(_is_count(b) for b in bounds) and all(
+                0 <= a < b for a, b in self.ranges) and all(
+                before[1] < after[0] for before, after in zip(self.ranges, self.ranges[1:],
+                                                               strict=False))
+        if kind is not PlacementKind.INDICES and self.ranges:
+            ok = False
         if not ok:
-            raise _invalid_tensor(f"malformed {kind.value} placement: {self}")
+            raise _invalid_tensor(f"malformed {kind.value} placement: {self.to_json()}")
 
-    def selection(self, global_shape: Sequence[int]) -> tuple[int | None, tuple[tuple[int, int], ...]]:
+    def selection(self, global_shape: Sequence[int]) -> Selection:
         """The global element ranges this placement selects: (axis, ranges), axis None = whole."""
         if self.kind is PlacementKind.SHARD:
             assert self.axis is not None and self.parts is not None and self.index is not None
@@ -523,29 +715,44 @@ class LocalTensorLayout:
     placement: TensorPlacement
     """Which part of the tensor this rank holds."""
     logical_units: int | None = None
-    """The group's partition units, when partitioned."""
+    """The group's partition units, when partitioned (T query slots under KV replication)."""
     logical_range: tuple[int, int] | None = None
     """This rank's half-open range of the group's units, when partitioned."""
     fell_back_to_replication: bool = False
     """True when the policy replicated a group that could not be sharded."""
+    kv_replicas: int = 1
+    """How many ranks hold this same slice because KV heads are repeated (1: not repeated)."""
 
     def __post_init__(self) -> None:
+        target = self.target
+        if self.dtype not in DTYPE_BITS:
+            raise _invalid_tensor(f"`{target}` has unknown dtype {self.dtype!r}", target=target)
         if len(self.local_shape) != len(self.global_shape):
-            raise _invalid_tensor(f"`{self.target}`: local shape {list(self.local_shape)} and "
+            raise _invalid_tensor(f"`{target}`: local shape {list(self.local_shape)} and "
                                   f"global shape {list(self.global_shape)} differ in rank",
-                                  target=self.target)
-        axis, ranges = self.placement.selection(self.global_shape)
+                                  target=target)
+        placement = self.placement
+        axis, ranges = placement.selection(self.global_shape)
         expected = list(self.global_shape)
         if axis is not None:
-            if any(b > self.global_shape[axis] for _, b in ranges):
-                raise _invalid_tensor(f"`{self.target}`: placement {self.placement.to_json()} "
-                                      f"exceeds axis {axis} of {list(self.global_shape)}",
-                                      target=self.target)
+            dim = self.global_shape[axis] if axis < len(self.global_shape) else -1
+            if dim < 0 or any(b > dim for _, b in ranges) or (
+                    placement.kind is PlacementKind.SHARD and dim % (placement.parts or 1)):
+                raise _invalid_tensor(f"`{target}`: placement {placement.to_json()} does not fit "
+                                      f"global shape {list(self.global_shape)}", target=target)
             expected[axis] = sum(b - a for a, b in ranges)
         if tuple(expected) != self.local_shape:
-            raise _invalid_tensor(f"`{self.target}`: local shape {list(self.local_shape)} does not "
-                                  f"match placement {self.placement.to_json()} (expected "
-                                  f"{expected})", target=self.target)
+            raise _invalid_tensor(f"`{target}`: local shape {list(self.local_shape)} does not "
+                                  f"match placement {placement.to_json()} (expected "
+                                  f"{expected})", target=target)
+        if (self.logical_units is None) != (self.logical_range is None) or (
+                self.logical_units is not None and self.logical_range is not None and not
+                0 <= self.logical_range[0] < self.logical_range[1] <= self.logical_units):
+            raise _invalid_tensor(f"`{target}`: logical range {self.logical_range} does not fit "
+                                  f"{self.logical_units} logical units", target=target)
+        if not _is_count(self.kv_replicas) or self.kv_replicas < 1:
+            raise _invalid_tensor(f"`{target}`: kv_replicas must be >= 1, found "
+                                  f"{self.kv_replicas}", target=target)
 
     @property
     def local_bytes(self) -> int:
@@ -553,9 +760,22 @@ class LocalTensorLayout:
         return tensor_bytes(self.dtype, self.local_shape)
 
     @property
-    def selection(self) -> tuple[int | None, tuple[tuple[int, int], ...]]:
+    def is_whole(self) -> bool:
+        """Whether this rank holds the whole tensor (replicated or unsplit)."""
+        return self.placement.kind in (PlacementKind.REPLICATED, PlacementKind.LOCAL,
+                                       PlacementKind.RANK, PlacementKind.PIPELINE_STAGE)
+
+    @property
+    def selection(self) -> Selection:
         """(axis, ranges) of the global tensor this rank reads; axis None = the whole tensor."""
         return self.placement.selection(self.global_shape)
+
+
+def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    totals: dict[str, int] = {}
+    for dtype, nbytes in items:
+        totals[dtype] = totals.get(dtype, 0) + nbytes
+    return tuple(sorted(totals.items()))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -563,18 +783,18 @@ class LocalModelLayout:
     """All of one rank's tensor layouts, sorted by target."""
 
     tensors: tuple[LocalTensorLayout, ...]
-    """Layouts in target order."""
+    """Layouts in target order (sorted on construction)."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        targets = [t.target for t in self.tensors]
-        if targets != sorted(targets):
-            object.__setattr__(self, "tensors", tuple(sorted(self.tensors, key=lambda t: t.target)))
-            targets = sorted(targets)
-        for before, after in zip(targets, targets[1:], strict=False):
-            if before == after:
-                raise _invalid_tensor(f"layout lists `{before}` twice", target=before)
-        self._index.update({t: i for i, t in enumerate(targets)})
+        ordered = tuple(sorted(self.tensors, key=lambda t: t.target))
+        object.__setattr__(self, "tensors", ordered)
+        for before, after in zip(ordered, ordered[1:], strict=False):
+            if before.target == after.target:
+                raise _invalid_tensor(f"layout lists `{before.target}` twice (groups "
+                                      f"`{before.logical_name}` and `{after.logical_name}`)",
+                                      target=before.target)
+        self._index.update({t.target: i for i, t in enumerate(ordered)})
 
     def __getitem__(self, target: str) -> LocalTensorLayout:
         return self.tensors[self._index[target]]
@@ -594,6 +814,16 @@ class LocalModelLayout:
     def local_bytes(self) -> int:
         """Bytes of every local tensor."""
         return sum(t.local_bytes for t in self.tensors)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the tensors this rank holds whole."""
+        return sum(t.local_bytes for t in self.tensors if t.is_whole)
+
+    @property
+    def bytes_by_dtype(self) -> tuple[tuple[str, int], ...]:
+        """Local bytes per stored dtype, sorted by dtype."""
+        return _sum_by_dtype((t.dtype, t.local_bytes) for t in self.tensors)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -622,26 +852,50 @@ class ParallelModelInfo:
     """Bytes this rank holds whole (replicated or unsplit)."""
     maximum_device_parameter_bytes: int
     """Largest `local_parameter_bytes` over all ranks of the topology."""
+    local_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
+    """`local_parameter_bytes` split by stored dtype, sorted (empty when not computed)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
-            raise _invalid_group("topology sizes must be positive", group="")
-        if self.rank != self.pipeline_stage * self.tensor_parallel_size + self.tensor_parallel_rank:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise _invalid_group(f"topology sizes must be positive, found tensor_parallel_size "
+                                 f"{tp} and pipeline_parallel_size {pp}", group="")
+        if not (0 <= self.tensor_parallel_rank < tp and 0 <= self.pipeline_stage < pp):
+            raise _invalid_group(f"tensor_parallel_rank {self.tensor_parallel_rank} / stage "
+                                 f"{self.pipeline_stage} outside a {tp} x {pp} topology", group="")
+        if self.rank != self.pipeline_stage * tp + self.tensor_parallel_rank:
             raise _invalid_group(f"rank {self.rank} is not stage {self.pipeline_stage} * "
-                                 f"{self.tensor_parallel_size} + {self.tensor_parallel_rank}",
-                                 group="")
+                                 f"{tp} + {self.tensor_parallel_rank}", group="")
+        if not (0 <= self.pinned_parameter_bytes <= self.local_parameter_bytes
+                <= self.maximum_device_parameter_bytes) or self.owned_tensors < 0:
+            raise _invalid_group(
+                f"rank {self.rank}: byte accounting must satisfy 0 <= pinned "
+                f"({self.pinned_parameter_bytes}) <= local ({self.local_parameter_bytes}) <= "
+                f"maximum ({self.maximum_device_parameter_bytes})", group="")
+        if self.local_bytes_by_dtype and (
+                sum(n for _, n in self.local_bytes_by_dtype) != self.local_parameter_bytes):
+            raise _invalid_group(f"rank {self.rank}: bytes by dtype {self.local_bytes_by_dtype} "
+                                 f"do not add up to {self.local_parameter_bytes}", group="")
+
+    @classmethod
+    def from_layouts(cls, *, model_type: str, tensor_parallel_size: int,
+                     pipeline_parallel_size: int, rank: int,
+                     layouts: Sequence[LocalModelLayout],
+                     global_parameter_bytes: int) -> ParallelModelInfo:
+        """The accounting of `rank`, given every rank's layout (index = global rank)."""
+        layout = layouts[rank]
+        return cls(model_type=model_type, tensor_parallel_size=tensor_parallel_size,
+                   pipeline_parallel_size=pipeline_parallel_size, rank=rank,
+                   tensor_parallel_rank=rank % tensor_parallel_size,
+                   pipeline_stage=rank // tensor_parallel_size, owned_tensors=len(layout),
+                   local_parameter_bytes=layout.local_bytes,
+                   global_parameter_bytes=global_parameter_bytes,
+                   pinned_parameter_bytes=layout.pinned_bytes,
+                   maximum_device_parameter_bytes=max(x.local_bytes for x in layouts),
+                   local_bytes_by_dtype=layout.bytes_by_dtype)
 
 
 # ---------------------------------------------------------------- realization
-
-
-def _local_shape(shape: tuple[int, ...], axis: int | None,
-                 ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
-    if axis is None:
-        return shape
-    out = list(shape)
-    out[axis] = sum(b - a for a, b in ranges)
-    return tuple(out)
 
 
 def _merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -656,69 +910,134 @@ def _merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], .
     return tuple(merged)
 
 
+def _head_range(width: int, heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rank's range of a `heads`-head axis under KV replication: split, or one repeated head."""
+    if heads % tp == 0:
+        return rank * width // tp, (rank + 1) * width // tp
+    head = rank * heads // tp
+    return head * width // heads, (head + 1) * width // heads
+
+
 def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
-                   unit_range: tuple[int, int] | None, units: int | None) -> TensorPlacement:
+                   unit_range: tuple[int, int] | None, units: int | None,
+                   kv: bool) -> TensorPlacement:
     """The placement of `member` on tensor-parallel rank `rank` (legality already checked)."""
     rule = member.sharding
     kind = rule.kind
-    if kind is MemberShardingKind.REPLICATED:
+    if tp == 1 or kind is MemberShardingKind.REPLICATED:
         return LOCAL if tp == 1 else REPLICATED
     assert rule.axis is not None
     dim = member.shape[rule.axis]
-    if tp == 1:
-        return LOCAL
     if kind is MemberShardingKind.EQUAL:
         return TensorPlacement(kind=PlacementKind.SHARD, axis=rule.axis, index=rank, parts=tp)
     if kind is MemberShardingKind.BALANCED:
-        start, end = balanced_contiguous_range(dim, tp, rank)
-        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis, start=start, end=end)
-    if kind is MemberShardingKind.PARTITIONED:
-        assert unit_range is not None and units is not None
-        width = dim // units
+        start, end = balanced_contiguous_range(-(-dim // rule.granule), tp, rank)
         return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis,
-                               start=unit_range[0] * width, end=unit_range[1] * width)
+                               start=start * rule.granule, end=min(end * rule.granule, dim))
     ranges: list[tuple[int, int]] = []
     offset = 0
-    for segment in rule.segments:
-        if kind is MemberShardingKind.PARTITIONED_SEGMENTS:
-            assert unit_range is not None and units is not None
-            width = segment // units
-            ranges.append((offset + unit_range[0] * width, offset + unit_range[1] * width))
+    for i, width in enumerate(member.widths):
+        if kind is MemberShardingKind.SEGMENTED:
+            a, b = rank * width // tp, (rank + 1) * width // tp
+        elif kv:
+            a, b = _head_range(width, member.heads[i], tp, rank)
         else:
-            width = segment // tp
-            ranges.append((offset + rank * width, offset + (rank + 1) * width))
-        offset += segment
+            assert unit_range is not None and units is not None
+            a, b = unit_range[0] * width // units, unit_range[1] * width // units
+        ranges.append((offset + a, offset + b))
+        offset += width
+    if kind is MemberShardingKind.PARTITIONED:
+        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis, start=ranges[0][0],
+                               end=ranges[0][1])
     return TensorPlacement(kind=PlacementKind.INDICES, axis=rule.axis, ranges=_merge_ranges(ranges))
+
+
+def _kv_replicas(member: ParameterMemberSpec, tp: int) -> int:
+    return max((tp // h for h in member.heads if h < tp and tp % h == 0), default=1)
+
+
+def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
+    """Why KV replication cannot realize `group` over `tp` ranks (docs/kv_replication.md).
+
+    Members (or segments) with the group's largest head count hold query-side heads and are
+    split; those with fewer heads hold KV heads and are repeated when they cannot be split.
+    """
+    query = max(h for m in group.members for h in m.heads)
+    problems: list[tuple[str, str]] = []
+    counts = False
+    for member in group.members:
+        if not member.sharding.is_partitioned:
+            continue
+        target, granule = member.target, member.sharding.granule
+        whole = f"whole {granule}-element blocks" if granule > 1 else "whole elements"
+        for width, heads in zip(member.widths, member.heads, strict=True):
+            if heads % tp == 0:
+                if width % (tp * granule):
+                    problems.append((target, f"`{target}`: splitting its {heads} heads over "
+                                             f"{tp} ranks cuts its {width} elements into pieces "
+                                             f"that are not {whole}"))
+            elif heads == query:
+                counts = True
+                problems.append((target, f"`{target}` has {heads} query heads, not divisible by "
+                                         f"tensor_parallel_size {tp}"))
+            elif tp % heads:
+                counts = True
+                problems.append((target, f"`{target}` has {heads} KV heads and "
+                                         f"tensor_parallel_size {tp} is not a multiple of {heads}"))
+            elif width % (heads * granule):
+                problems.append((target, f"`{target}`: one of its {heads} KV heads spans "
+                                         f"{width}/{heads} elements, not {whole}, so it cannot "
+                                         "be repeated"))
+    if counts:
+        problems.append(("", "KV replication (vLLM's rule) needs tensor_parallel_size to divide "
+                             "the query head count and to be a multiple of the KV head count"))
+    return problems
+
+
+def _problems(group: ParameterGroupSpec, tp: int) -> tuple[list[tuple[str, str]], bool]:
+    """(target, message) for every reason `group` cannot be sharded over `tp`; and KV mode."""
+    problems: list[tuple[str, str]] = []
+    if tp == 1:
+        return problems, False
+    for member in group.members:
+        rule, target = member.sharding, member.target
+        if rule.axis is None:
+            continue
+        dim, g = member.shape[rule.axis], rule.granule
+        unit = f"{g}-element blocks" if g > 1 else "elements"
+        if rule.kind is MemberShardingKind.EQUAL and dim % (tp * g):
+            problems.append((target, f"`{target}`: axis {rule.axis} has {dim} elements, not "
+                                     f"divisible into {tp} equal shards of whole {unit}"))
+        elif rule.kind is MemberShardingKind.BALANCED and -(-dim // g) < tp:
+            problems.append((target, f"`{target}`: axis {rule.axis} has {-(-dim // g)} {unit}, "
+                                     f"fewer than tensor_parallel_size {tp} (balanced ranges)"))
+        elif rule.kind is MemberShardingKind.SEGMENTED and any(
+                segment % (tp * g) for segment in rule.segments):
+            problems.append((target, f"`{target}`: segments {list(rule.segments)} are not each "
+                                     f"divisible into {tp} shards of whole {unit}"))
+    units = group.units
+    if units is None or units >= tp:
+        return problems, False
+    label = f" ({group.units_label})" if group.units_label else ""
+    if group.kv_replication:
+        kv = _kv_problems(group, tp)
+        if not kv:
+            return problems, True
+        problems.append((kv[0][0], f"it has {units} partition units{label}, fewer than "
+                                   f"{tp} ranks, so KV replication applies and {kv[0][1]}"))
+        problems.extend(kv[1:])
+        return problems, False
+    hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV heads,"
+            " see docs/kv_replication.md)") if group.role is ParameterRole.ATTENTION_HEADS else ""
+    problems.append(("", f"it (role {group.role.value}) has {units} partition units{label} but "
+                         f"tensor_parallel_size is {tp}: every rank needs at least one unit; use a "
+                         f"tensor_parallel_size of at most {units}{hint}"))
+    return problems, False
 
 
 def group_sharding_problems(group: ParameterGroupSpec, tp: int) -> list[str]:
     """Why `group` cannot be sharded over `tp` ranks (empty when it can)."""
-    problems: list[str] = []
-    if tp == 1:
-        return problems
-    units = group.units
-    label = f" ({group.units_label})" if group.units_label else ""
-    if units is not None and units < tp:
-        problems.append(
-            f"group `{group.name}` (role {group.role.value}) has {units} partition units{label} "
-            f"but tensor_parallel_size is {tp}: every rank needs at least one unit")
-    for member in group.members:
-        rule = member.sharding
-        if rule.axis is None:
-            continue
-        dim = member.shape[rule.axis]
-        if rule.kind is MemberShardingKind.EQUAL and dim % tp:
-            problems.append(f"`{member.target}`: axis {rule.axis} has {dim} elements, not "
-                            f"divisible by tensor_parallel_size {tp} (equal shards)")
-        elif rule.kind is MemberShardingKind.BALANCED and dim < tp:
-            problems.append(f"`{member.target}`: axis {rule.axis} has {dim} elements, fewer than "
-                            f"tensor_parallel_size {tp} (balanced ranges)")
-        elif rule.kind is MemberShardingKind.SEGMENTED:
-            for segment in rule.segments:
-                if segment % tp:
-                    problems.append(f"`{member.target}`: segment of {segment} elements is not "
-                                    f"divisible by tensor_parallel_size {tp}")
-    return problems
+    return [message for _, message in _problems(group, tp)[0]]
 
 
 def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
@@ -726,44 +1045,47 @@ def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
                   ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """Each tensor-parallel rank's layouts of `group`'s members (outer index: rank).
 
-    An illegal shard raises ParallelPlanError under Require; under ReplicateUnsupported the
-    whole group is replicated and every layout records `fell_back_to_replication`.
+    An illegal shard raises ParallelPlanError under Require (the group's own policy wins over
+    `policy`); under ReplicateUnsupported the whole group is replicated and every layout records
+    `fell_back_to_replication`. With `kv_replication` and fewer units than ranks, query heads are
+    split over all ranks and each KV head repeated (docs/kv_replication.md).
     """
     tp = tensor_parallel_size
+    if not _is_count(tp) or tp < 1:
+        raise _invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
+                             group=group.name)
     effective = group.policy or policy
-    problems = group_sharding_problems(group, tp)
-    fallback = False
-    if problems:
-        if effective is ShardingPolicy.REQUIRE:
-            raise ParallelPlanError(
-                ParallelPlanErrorKind.INVALID_GROUP,
-                "; ".join(problems) + ". Use a tensor-parallel size the group allows, or set "
-                f"`policy: replicate_unsupported` on group `{group.name}` (CLI: --policy "
-                "replicate-unsupported) to replicate it",
-                group=group.name)
-        fallback = True
+    problems, kv = _problems(group, tp)
+    if problems and effective is ShardingPolicy.REQUIRE:
+        targets = {t for t, _ in problems}
+        raise _invalid_group(
+            f"group `{group.name}` cannot be sharded over tensor_parallel_size {tp}: "
+            + "; ".join(m for _, m in problems) + ". Use a tensor-parallel size the group "
+            f"allows, or set `policy: replicate_unsupported` on group `{group.name}` (CLI: "
+            "--policy replicate-unsupported) to replicate it", group=group.name,
+            target=targets.pop() if len(targets) == 1 else "")
+    fallback = bool(problems)
     result = []
     for rank in range(tp):
-        unit_range = None
+        units: int | None = None
+        unit_range: tuple[int, int] | None = None
         if group.units is not None and not fallback:
-            unit_range = balanced_contiguous_range(group.units, tp, rank)
+            units, unit_range = group.units, balanced_contiguous_range(group.units, tp, rank)
+            if kv:
+                units, unit_range = tp, (rank, rank + 1)
         layouts = []
         for member in group.members:
-            if fallback:
-                placement = REPLICATED
-            else:
-                placement = _placement_for(member, tp, rank, unit_range, group.units)
+            placement = REPLICATED if fallback else _placement_for(
+                member, tp, rank, unit_range, group.units, kv)
             axis, ranges = placement.selection(member.shape)
+            local = list(member.shape)
+            if axis is not None:
+                local[axis] = sum(b - a for a, b in ranges)
             layouts.append(LocalTensorLayout(
                 target=member.target, logical_name=group.name, role=group.role,
-                dtype=member.dtype, global_shape=member.shape,
-                local_shape=_local_shape(member.shape, axis, ranges), placement=placement,
-                logical_units=None if fallback else group.units,
-                logical_range=unit_range, fell_back_to_replication=fallback))
+                dtype=member.dtype, global_shape=member.shape, local_shape=tuple(local),
+                placement=placement, logical_units=units, logical_range=unit_range,
+                fell_back_to_replication=fallback,
+                kv_replicas=_kv_replicas(member, tp) if kv else 1))
         result.append(tuple(layouts))
     return tuple(result)
-
-
-def with_policy(group: ParameterGroupSpec, policy: ShardingPolicy | None) -> ParameterGroupSpec:
-    """A copy of `group` with its per-group policy set."""
-    return replace(group, policy=policy)

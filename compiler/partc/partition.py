@@ -1,18 +1,30 @@
 """The `partition` vocabulary: rank-local architecture ownership and pipeline realization.
 
-An architecture is an execution graph of named groups (`decoder`, `mtp`, ...) whose units
-(`model.layers.7`) are cut into contiguous pipeline stages, plus static roles (`embedding`,
-`output`) that sit with the first or the last stage. Every parameter group has one owner.
+An architecture is an execution graph of named groups (`vision` → `projector` → `decoder` →
+`mtp`) whose units (`model.layers.7`) are cut, in canonical order, into contiguous pipeline
+stages, plus static roles (`embedding`, `output`) that sit with the first or the last stage.
+Every parameter group has exactly one owner. The boundary half of the vocabulary (what crosses
+a cut) lives in `partc.boundary`; its schema types are re-exported here.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from partc.boundary import ArchitectureBoundary, PipelineWireContract
+from partc.boundary import BoundaryTensorDimension as BoundaryTensorDimension
+from partc.boundary import BoundaryTensorDimensionKind as BoundaryTensorDimensionKind
+from partc.boundary import BoundaryTensorDtype as BoundaryTensorDtype
+from partc.boundary import BoundaryTensorSpec as BoundaryTensorSpec
+from partc.boundary import BoundaryWireSchema as BoundaryWireSchema
 from partc.errors import PartcError
-from partc.parallel import ParameterGroupSpec, balanced_contiguous_range
+from partc.parallel import ParameterGroupSpec, ParameterRole, balanced_contiguous_range
+
+Range = tuple[int, int]
+"""A half-open integer range (start, end)."""
 
 
 class ArchitectureParameterErrorKind(enum.Enum):
@@ -26,6 +38,7 @@ class ArchitectureParameterErrorKind(enum.Enum):
     EMPTY_STATIC_ROLE = "empty_static_role"
     REPEATED_STATIC_ROLE = "repeated_static_role"
     UNKNOWN_STATIC_ROLE = "unknown_static_role"
+    INVALID_OWNER = "invalid_owner"
 
 
 class ArchitectureParameterError(PartcError):
@@ -33,23 +46,29 @@ class ArchitectureParameterError(PartcError):
 
     stage = "family"
 
-    def __init__(self, kind: ArchitectureParameterErrorKind, message: str, **kwargs: object):
+    def __init__(self, kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
+                 **kwargs: object) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.kind = kind
         """Which rule was broken."""
+        self.group = group
+        """The parameter group concerned ('' when none is)."""
 
 
 class ArchitecturePartitionErrorKind(enum.Enum):
     """What is wrong with one rank's partition."""
 
     INVALID_GRAPH = "invalid_graph"
+    INVALID_STAGES = "invalid_stages"
     UNKNOWN_GROUP = "unknown_group"
     DUPLICATE_GROUP = "duplicate_group"
     EMPTY_RANGE = "empty_range"
     OUT_OF_BOUNDS = "out_of_bounds"
+    NON_CANONICAL = "non_canonical"
+    INVALID_OWNERSHIP = "invalid_ownership"
     NON_LOCAL_OWNER = "non_local_owner"
     REPEATED_TARGET = "repeated_target"
-    INVALID_STAGES = "invalid_stages"
+    MISSING_BOUNDARY = "missing_boundary"
 
 
 class ArchitecturePartitionError(PartcError):
@@ -63,8 +82,17 @@ class ArchitecturePartitionError(PartcError):
         """Which rule was broken."""
 
 
+def _partition_error(kind: ArchitecturePartitionErrorKind, message: str
+                     ) -> ArchitecturePartitionError:
+    return ArchitecturePartitionError(kind, message)
+
+
 def _graph_error(message: str) -> ArchitecturePartitionError:
-    return ArchitecturePartitionError(ArchitecturePartitionErrorKind.INVALID_GRAPH, message)
+    return _partition_error(ArchitecturePartitionErrorKind.INVALID_GRAPH, message)
+
+
+def _spell(r: Range) -> str:
+    return f"[{r[0]}, {r[1]})"
 
 
 # ---------------------------------------------------------------- execution graph
@@ -72,7 +100,7 @@ def _graph_error(message: str) -> ArchitecturePartitionError:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExecutionGroupSpec:
-    """One named execution group: a sequence of units with unique paths."""
+    """One named execution group: a sequence of units with unique, non-empty paths."""
 
     name: str
     """Group name, e.g. `decoder`."""
@@ -84,12 +112,18 @@ class ExecutionGroupSpec:
     """Groups whose output this group consumes."""
 
     def __post_init__(self) -> None:
-        if not self.name:
+        if not self.name or not self.name.strip():
             raise _graph_error("an execution group needs a non-empty name")
-        if any(not p for p in self.unit_paths):
-            raise _graph_error(f"group `{self.name}` has an empty unit path")
-        if len(set(self.unit_paths)) != len(self.unit_paths):
-            raise _graph_error(f"group `{self.name}` repeats a unit path")
+        seen: set[str] = set()
+        for index, path in enumerate(self.unit_paths):
+            if not path or not path.strip():
+                raise _graph_error(f"unit {index} of group `{self.name}` has an empty path")
+            if path in seen:
+                raise _graph_error(f"group `{self.name}` repeats unit path `{path}` (unit "
+                                   f"{index}); unit paths must be unique")
+            seen.add(path)
+        if self.name in self.dependencies:
+            raise _graph_error(f"group `{self.name}` depends on itself")
 
     @property
     def units(self) -> int:
@@ -120,12 +154,14 @@ class ExecutionGraph:
         names = [g.name for g in self.groups]
         if not names:
             raise _graph_error("the execution graph needs at least one group")
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise _graph_error(f"execution group `{dup}` is declared twice")
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise _graph_error(f"execution group `{name}` is declared twice")
+            seen.add(name)
         for group in self.groups:
             for dep in group.dependencies:
-                if dep not in names:
+                if dep not in seen:
                     raise _graph_error(f"group `{group.name}` depends on unknown group `{dep}`; "
                                        f"known: {', '.join(names)}")
         self.canonical_order()  # rejects cycles
@@ -137,8 +173,15 @@ class ExecutionGraph:
                                        f"`{group.name}`")
                 paths[path] = group.name
 
+    @classmethod
+    def from_json(cls, data: Iterable[Mapping[str, Any]]) -> ExecutionGraph:
+        """The graph from its plan JSON form (`group`, `unit_paths`, `state`, `after`)."""
+        return cls(groups=tuple(ExecutionGroupSpec(
+            name=g["group"], unit_paths=tuple(g["unit_paths"]), carries_state=bool(g["state"]),
+            dependencies=tuple(g["after"])) for g in data))
+
     def group(self, name: str) -> ExecutionGroupSpec:
-        """The group called `name`."""
+        """The group called `name` (KeyError if there is none)."""
         for group in self.groups:
             if group.name == name:
                 return group
@@ -147,14 +190,15 @@ class ExecutionGraph:
     def canonical_order(self) -> tuple[ExecutionGroupSpec, ...]:
         """Groups in dependency order, ties broken by declaration order."""
         done: list[ExecutionGroupSpec] = []
+        names: set[str] = set()
         pending = list(self.groups)
         while pending:
-            ready = next((g for g in pending
-                          if all(d in {x.name for x in done} for d in g.dependencies)), None)
+            ready = next((g for g in pending if names.issuperset(g.dependencies)), None)
             if ready is None:
                 raise _graph_error("execution groups depend on each other in a cycle: "
                                    + ", ".join(g.name for g in pending))
             done.append(ready)
+            names.add(ready.name)
             pending.remove(ready)
         return tuple(done)
 
@@ -163,10 +207,33 @@ class ExecutionGraph:
         return tuple(UnitRef(g.name, i, p) for g in self.canonical_order()
                      for i, p in enumerate(g.unit_paths))
 
+    def group_range(self, name: str) -> Range:
+        """Half-open range of group `name`'s units in the canonical unit order."""
+        start = 0
+        for group in self.canonical_order():
+            if group.name == name:
+                return start, start + group.units
+            start += group.units
+        raise KeyError(name)
+
+    def state_offset(self, name: str) -> int:
+        """Index of group `name`'s first unit among all state-carrying units."""
+        offset = 0
+        for group in self.canonical_order():
+            if group.name == name:
+                return offset
+            offset += group.units if group.carries_state else 0
+        raise KeyError(name)
+
     @property
     def total_units(self) -> int:
         """Units of every group."""
         return sum(g.units for g in self.groups)
+
+    @property
+    def state_units(self) -> int:
+        """Units of every state-carrying group."""
+        return sum(g.units for g in self.groups if g.carries_state)
 
 
 # ---------------------------------------------------------------- ownership
@@ -199,7 +266,11 @@ class OwnerKind(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParameterGroupOwner:
-    """Who owns a parameter group: a static role, any of several, or one execution unit."""
+    """Who owns a parameter group: a static role, any of several, or one execution unit.
+
+    The fields match the kind (one role; roles; group and unit); whether the roles are declared,
+    distinct and non-empty and the unit exists is checked by ArchitectureParameterDescription.
+    """
 
     kind: OwnerKind
     """Which kind of owner."""
@@ -209,6 +280,20 @@ class ParameterGroupOwner:
     """Execution group (ExecutionUnit)."""
     unit: int | None = None
     """Group-local unit index (ExecutionUnit)."""
+
+    def __post_init__(self) -> None:
+        unit_kind = self.kind is OwnerKind.EXECUTION_UNIT
+        if unit_kind and (self.group is None or self.unit is None or self.roles):
+            raise ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER,
+                                             "an execution-unit owner needs a group and a unit "
+                                             "and no static roles")
+        if not unit_kind and (self.group is not None or self.unit is not None):
+            raise ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER,
+                                             f"a {self.kind.value} owner takes no group or unit")
+        if self.kind is OwnerKind.STATIC_ROLE and len(self.roles) != 1:
+            raise ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER,
+                                             "a static_role owner names exactly one role, found "
+                                             f"{list(self.roles)}")
 
     @classmethod
     def static_role(cls, role: str) -> ParameterGroupOwner:
@@ -225,6 +310,14 @@ class ParameterGroupOwner:
         """Owned by one unit of an execution group."""
         return cls(kind=OwnerKind.EXECUTION_UNIT, group=group, unit=unit)
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ParameterGroupOwner:
+        """The owner from its JSON form."""
+        kind = OwnerKind(data["kind"])
+        if kind is OwnerKind.EXECUTION_UNIT:
+            return cls(kind=kind, group=data["group"], unit=data["unit"])
+        return cls(kind=kind, roles=tuple(data["roles"]))
+
     def describe(self) -> str:
         """A short spelling for messages."""
         if self.kind is OwnerKind.EXECUTION_UNIT:
@@ -232,6 +325,14 @@ class ParameterGroupOwner:
         if self.kind is OwnerKind.STATIC_ANY_OF:
             return "any of " + ", ".join(f"`{r}`" for r in self.roles)
         return f"static role `{self.roles[0]}`"
+
+    def is_local(self, units: Mapping[str, Range], static_roles: Iterable[str]) -> bool:
+        """Whether a rank with group-local `units` ranges and `static_roles` holds this owner."""
+        if self.kind is OwnerKind.EXECUTION_UNIT:
+            assert self.group is not None and self.unit is not None
+            start, end = units.get(self.group, (0, 0))
+            return start <= self.unit < end
+        return not set(self.roles).isdisjoint(static_roles)
 
     def to_json(self) -> dict[str, object]:
         """JSON form."""
@@ -250,14 +351,83 @@ class OwnedParameterGroupSpec:
     """Its owner."""
 
 
-def _param_error(kind: ArchitectureParameterErrorKind, message: str, *,
+def _param_error(kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
                  tensor: str | None = None) -> ArchitectureParameterError:
-    return ArchitectureParameterError(kind, message, tensor=tensor)
+    return ArchitectureParameterError(kind, message, group=group, tensor=tensor)
+
+
+def ownership_errors(graph: ExecutionGraph, static_roles: Sequence[StaticRoleSpec],
+                     groups: Sequence[OwnedParameterGroupSpec]
+                     ) -> Iterator[ArchitectureParameterError]:
+    """Every error of an ownership declaration, in declaration order (yielded, not raised)."""
+    kinds = ArchitectureParameterErrorKind
+    role_names = [r.name for r in static_roles]
+    declared: set[str] = set()
+    for name in role_names:
+        if not name or not name.strip():
+            yield _param_error(kinds.EMPTY_STATIC_ROLE, "a declared static role has an empty "
+                               "name")
+        elif name in declared:
+            yield _param_error(kinds.REPEATED_STATIC_ROLE,
+                               f"static role `{name}` is declared twice")
+        declared.add(name)
+    owners: dict[str, str] = {}
+    units = {g.name: g.units for g in graph.groups}
+    for owned in groups:
+        yield from _owner_errors(owned, units, role_names)
+        for target in owned.group.targets:
+            if target in owners:
+                yield _param_error(
+                    kinds.DUPLICATE_OWNERSHIP,
+                    f"tensor `{target}` is owned twice: by group `{owners[target]}` and by "
+                    f"group `{owned.group.name}`", group=owned.group.name, tensor=target)
+            owners[target] = owned.group.name
+
+
+def _owner_errors(owned: OwnedParameterGroupSpec, units: Mapping[str, int],
+                  role_names: Sequence[str]) -> Iterator[ArchitectureParameterError]:
+    kinds = ArchitectureParameterErrorKind
+    owner, name = owned.owner, owned.group.name
+    if owner.kind is OwnerKind.EXECUTION_UNIT:
+        assert owner.group is not None and owner.unit is not None
+        if owner.group not in units:
+            yield _param_error(kinds.UNKNOWN_GROUP,
+                               f"group `{name}` is owned by unknown execution group "
+                               f"`{owner.group}`; known: {', '.join(units)}", group=name)
+        elif not 0 <= owner.unit < units[owner.group]:
+            have = units[owner.group]
+            yield _param_error(kinds.UNIT_OUT_OF_RANGE,
+                               f"group `{name}` is owned by unit {owner.unit} of "
+                               f"`{owner.group}`, which has "
+                               f"{f'units 0..{have - 1}' if have else 'no units'}", group=name)
+        return
+    if not owner.roles:
+        yield _param_error(kinds.EMPTY_STATIC_ROLE,
+                           f"group `{name}` is shared by an empty list of static roles; "
+                           "name at least one consumer role", group=name)
+    seen: set[str] = set()
+    for role in owner.roles:
+        if not role or not role.strip():
+            yield _param_error(kinds.EMPTY_STATIC_ROLE,
+                               f"group `{name}` names an empty static role", group=name)
+        elif role in seen:
+            yield _param_error(kinds.REPEATED_STATIC_ROLE,
+                               f"group `{name}` names static role `{role}` twice in "
+                               f"{list(owner.roles)}", group=name)
+        elif role not in role_names:
+            yield _param_error(kinds.UNKNOWN_STATIC_ROLE,
+                               f"group `{name}` is owned by undeclared static role `{role}`; "
+                               f"declared: {', '.join(role_names) or '(none)'}", group=name)
+        seen.add(role)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ArchitectureParameterDescription:
-    """The complete, validated ownership declaration of an architecture."""
+    """The complete, validated ownership declaration of an architecture.
+
+    Construction raises the first error of `iter_errors` (declaration order); the checks
+    against a checkpoint's names (missing and unexpected ownership) are `check_targets`.
+    """
 
     graph: ExecutionGraph
     """Execution groups and units."""
@@ -267,60 +437,15 @@ class ArchitectureParameterDescription:
     """Every owned parameter group."""
 
     def __post_init__(self) -> None:
-        errors = list(self.iter_errors())
-        if errors:
-            raise errors[0]
+        for error in self.iter_errors():
+            raise error
 
-    def iter_errors(self) -> Iterable[ArchitectureParameterError]:
-        """Every ownership error of the declaration itself."""
-        kinds = ArchitectureParameterErrorKind
-        role_names = [r.name for r in self.static_roles]
-        for name in role_names:
-            if not name:
-                yield _param_error(kinds.EMPTY_STATIC_ROLE, "a static role has an empty name")
-            elif role_names.count(name) > 1:
-                yield _param_error(kinds.REPEATED_STATIC_ROLE,
-                                   f"static role `{name}` is declared twice")
-                break
-        owners: dict[str, str] = {}
-        group_names = {g.name: g.units for g in self.graph.groups}
-        for owned in self.groups:
-            owner = owned.owner
-            if owner.kind is OwnerKind.EXECUTION_UNIT:
-                if owner.group not in group_names:
-                    yield _param_error(
-                        kinds.UNKNOWN_GROUP,
-                        f"group `{owned.group.name}` is owned by unknown execution group "
-                        f"`{owner.group}`; known: {', '.join(group_names)}")
-                elif owner.unit is None or not 0 <= owner.unit < group_names[owner.group]:
-                    yield _param_error(
-                        kinds.UNIT_OUT_OF_RANGE,
-                        f"group `{owned.group.name}` is owned by unit {owner.unit} of "
-                        f"`{owner.group}`, which has units 0..{group_names[owner.group] - 1}")
-            else:
-                if not owner.roles:
-                    yield _param_error(kinds.EMPTY_STATIC_ROLE,
-                                       f"group `{owned.group.name}` names no static role")
-                if len(set(owner.roles)) != len(owner.roles):
-                    yield _param_error(kinds.REPEATED_STATIC_ROLE,
-                                       f"group `{owned.group.name}` repeats a static role in "
-                                       f"{list(owner.roles)}")
-                for role in owner.roles:
-                    if role not in role_names:
-                        yield _param_error(
-                            kinds.UNKNOWN_STATIC_ROLE,
-                            f"group `{owned.group.name}` is owned by undeclared static role "
-                            f"`{role}`; declared: {', '.join(role_names) or '(none)'}")
-            for target in owned.group.targets:
-                if target in owners:
-                    yield _param_error(
-                        kinds.DUPLICATE_OWNERSHIP,
-                        f"tensor `{target}` is owned twice: by group `{owners[target]}` and by "
-                        f"group `{owned.group.name}`", tensor=target)
-                owners[target] = owned.group.name
+    def iter_errors(self) -> Iterator[ArchitectureParameterError]:
+        """Every ownership error of the declaration itself, in declaration order."""
+        return ownership_errors(self.graph, self.static_roles, self.groups)
 
     def check_targets(self, checkpoint_targets: Iterable[str]) -> list[ArchitectureParameterError]:
-        """Missing and unexpected ownership against a checkpoint's tensor names."""
+        """Missing and unexpected ownership against a checkpoint's tensor names, sorted."""
         kinds = ArchitectureParameterErrorKind
         owned = set(self.targets)
         present = set(checkpoint_targets)
@@ -338,24 +463,29 @@ class ArchitectureParameterDescription:
         """Every owned target, sorted."""
         return tuple(sorted(t for g in self.groups for t in g.group.targets))
 
-    def targets_for_role(self, role: str) -> tuple[str, ...]:
-        """Targets of groups owned by static role `role` (alone or shared), sorted."""
-        return tuple(sorted(t for g in self.groups if role in g.owner.roles
+    def targets_for_role(self, role: ParameterRole) -> tuple[str, ...]:
+        """Targets of every group with semantic role `role`, sorted."""
+        return tuple(sorted(t for g in self.groups if g.group.role is role
                             for t in g.group.targets))
 
-    def select_owned(self, predicate: Callable[[ParameterGroupOwner], bool]
-                     ) -> tuple[OwnedParameterGroupSpec, ...]:
-        """Groups whose owner satisfies `predicate`."""
-        return tuple(g for g in self.groups if predicate(g.owner))
+    def targets_for_static_role(self, role: str) -> tuple[str, ...]:
+        """Targets of groups owned by static role `role` (alone or shared), sorted."""
+        return tuple(sorted(t for g in self.groups if g.owner.kind is not OwnerKind.EXECUTION_UNIT
+                            and role in g.owner.roles for t in g.group.targets))
 
-    def select_static_roles(self, roles: Iterable[str]) -> tuple[OwnedParameterGroupSpec, ...]:
-        """Groups local to a rank that owns static `roles` (StaticAnyOf: any of them)."""
-        local = set(roles)
-        return tuple(g for g in self.groups if g.owner.kind is not OwnerKind.EXECUTION_UNIT
-                     and local.intersection(g.owner.roles))
+    def select_owned(self, partition: ArchitecturePartition) -> tuple[OwnedParameterGroupSpec, ...]:
+        """The groups `partition` holds, with their owners, in declaration order."""
+        units = partition.unit_ranges
+        roles = partition.ownership.static_roles
+        return tuple(g for g in self.groups if g.owner.is_local(units, roles))
+
+    def select_static_roles(self, partition: ArchitecturePartition) -> tuple[str, ...]:
+        """Static storage roles `partition` holds (a shared group's first role), sorted."""
+        return tuple(sorted({g.owner.roles[0] for g in self.select_owned(partition)
+                             if g.owner.kind is not OwnerKind.EXECUTION_UNIT}))
 
 
-# ---------------------------------------------------------------- pipeline realization
+# ---------------------------------------------------------------- one stage's partition
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -369,22 +499,33 @@ class PartitionOwnership:
     static_roles: tuple[str, ...]
     """Static roles local to the stage, sorted."""
 
+    def __post_init__(self) -> None:
+        if any(not r or not r.strip() for r in self.static_roles) or len(
+                set(self.static_roles)) != len(self.static_roles):
+            raise _partition_error(ArchitecturePartitionErrorKind.INVALID_OWNERSHIP,
+                                   f"partition static roles {list(self.static_roles)} must be "
+                                   "non-empty and distinct")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PartitionState:
     """Rank-local mutable state (KV cache) geometry and its global layer range."""
 
     units: int
-    """State-carrying units on this stage."""
-    global_range: tuple[int, int]
+    """State-carrying units on this stage (its local state slots)."""
+    global_range: Range
     """Half-open range of this stage's units among all state-carrying units."""
 
     def __post_init__(self) -> None:
         start, end = self.global_range
         if not 0 <= start <= end or end - start != self.units:
-            raise ArchitecturePartitionError(
-                ArchitecturePartitionErrorKind.OUT_OF_BOUNDS,
-                f"state range {list(self.global_range)} does not hold {self.units} units")
+            raise _partition_error(ArchitecturePartitionErrorKind.OUT_OF_BOUNDS,
+                                   f"state range {_spell(self.global_range)} does not hold "
+                                   f"{self.units} state units")
+
+    def covers(self, layers: Range) -> bool:
+        """Whether the global state layers `layers` fall inside this stage's range."""
+        return self.global_range[0] <= layers[0] and layers[1] <= self.global_range[1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -393,26 +534,59 @@ class PartitionGroup:
 
     group: str
     """Execution group name."""
-    unit_range: tuple[int, int]
+    unit_range: Range
     """Half-open group-local range of units on this stage."""
 
     def __post_init__(self) -> None:
         start, end = self.unit_range
         if not 0 <= start < end:
-            raise ArchitecturePartitionError(
-                ArchitecturePartitionErrorKind.EMPTY_RANGE,
-                f"group `{self.group}` has empty or negative unit range {list(self.unit_range)}")
+            raise _partition_error(ArchitecturePartitionErrorKind.EMPTY_RANGE,
+                                   f"group `{self.group}` has empty or negative unit range "
+                                   f"{_spell(self.unit_range)}")
+
+    @property
+    def units(self) -> int:
+        """Number of units on this stage."""
+        return self.unit_range[1] - self.unit_range[0]
+
+    def contains(self, unit: int) -> bool:
+        """Whether group-local `unit` is on this stage."""
+        return self.unit_range[0] <= unit < self.unit_range[1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionParameterBinding:
+    """One parameter group a stage holds: its logical name, owner and checkpoint targets."""
+
+    group: str
+    """Logical parameter group name."""
+    owner: ParameterGroupOwner
+    """The group's owner (local to the stage)."""
+    targets: tuple[str, ...]
+    """Checkpoint targets of the group."""
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form."""
+        return {"group": self.group, "owner": self.owner.to_json(), "targets": list(self.targets)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PartitionParameterBinding:
+        """The binding from its JSON form."""
+        return cls(group=data["group"], owner=ParameterGroupOwner.from_json(data["owner"]),
+                   targets=tuple(data["targets"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ArchitecturePartition:
-    """One pipeline stage's complete realization of the architecture."""
+    """One pipeline stage's complete, self-consistent realization of the architecture."""
 
+    graph: ExecutionGraph
+    """The whole execution graph (and so its canonical unit layout)."""
     stage: int
     """Stage index."""
     stages: int
     """Number of stages."""
-    canonical_range: tuple[int, int]
+    canonical_range: Range
     """Half-open range of this stage's units in the canonical unit order."""
     groups: tuple[PartitionGroup, ...]
     """Owned execution groups with their unit ranges, canonical order."""
@@ -420,34 +594,112 @@ class ArchitecturePartition:
     """Input/output and static-role ownership."""
     state: PartitionState
     """KV-cache geometry."""
-    parameter_targets: tuple[str, ...]
-    """Checkpoint targets local to the stage, sorted."""
+    parameter_bindings: tuple[PartitionParameterBinding, ...] = ()
+    """Parameter groups local to the stage, declaration order."""
+    boundary: PipelineWireContract | None = None
+    """What crosses this stage's cuts (None when not known)."""
 
-    def validate_against(self, graph: ExecutionGraph) -> None:
-        """Check the partition is consistent with `graph` (known groups, ranges in bounds)."""
+    def __post_init__(self) -> None:
         kinds = ArchitecturePartitionErrorKind
-        seen: set[str] = set()
+        if self.stages < 1:
+            raise _partition_error(kinds.INVALID_STAGES,
+                                   f"pipeline_parallel_size must be >= 1, found {self.stages}")
+        if not 0 <= self.stage < self.stages:
+            raise _partition_error(kinds.INVALID_STAGES, f"stage {self.stage} is outside "
+                                   f"pipeline stages 0..{self.stages - 1}")
+        self._check_groups()
+        own = self.ownership
+        last = self.stages - 1
+        if own.owns_input != (self.stage == 0) or own.owns_output != (self.stage == last):
+            raise _partition_error(
+                kinds.INVALID_OWNERSHIP,
+                f"stage {self.stage} of {self.stages} must own the input iff it is the first "
+                f"stage and the output iff it is the last; found owns_input={own.owns_input}, "
+                f"owns_output={own.owns_output}")
+        if self.state.global_range[1] > self.graph.state_units:
+            raise _partition_error(kinds.OUT_OF_BOUNDS,
+                                   f"state range {_spell(self.state.global_range)} exceeds the "
+                                   f"{self.graph.state_units} state-carrying units of the graph")
+        units = self.unit_ranges
+        seen: dict[str, str] = {}
+        for binding in self.parameter_bindings:
+            if not binding.owner.is_local(units, own.static_roles):
+                raise _partition_error(
+                    kinds.NON_LOCAL_OWNER,
+                    f"stage {self.stage} binds group `{binding.group}` whose owner "
+                    f"({binding.owner.describe()}) is not local to it")
+            for target in binding.targets:
+                if target in seen:
+                    raise _partition_error(
+                        kinds.REPEATED_TARGET,
+                        f"stage {self.stage} binds tensor `{target}` twice: in group "
+                        f"`{seen[target]}` and in group `{binding.group}`")
+                seen[target] = binding.group
+
+    def _check_groups(self) -> None:
+        kinds = ArchitecturePartitionErrorKind
+        order = [g.name for g in self.graph.canonical_order()]
+        seen: list[str] = []
+        covered: list[Range] = []
         for part in self.groups:
-            try:
-                spec = graph.group(part.group)
-            except KeyError:
-                raise ArchitecturePartitionError(
-                    kinds.UNKNOWN_GROUP, f"partition names unknown group `{part.group}`") from None
+            if part.group not in order:
+                raise _partition_error(kinds.UNKNOWN_GROUP, f"partition names unknown group "
+                                       f"`{part.group}`; known: {', '.join(order)}")
             if part.group in seen:
-                raise ArchitecturePartitionError(
-                    kinds.DUPLICATE_GROUP, f"partition lists group `{part.group}` twice")
-            seen.add(part.group)
-            if part.unit_range[1] > spec.units:
-                raise ArchitecturePartitionError(
-                    kinds.OUT_OF_BOUNDS,
-                    f"group `{part.group}` range {list(part.unit_range)} exceeds its "
-                    f"{spec.units} units")
-        if len(set(self.parameter_targets)) != len(self.parameter_targets):
-            raise ArchitecturePartitionError(kinds.REPEATED_TARGET,
-                                             "partition lists a parameter target twice")
+                raise _partition_error(kinds.DUPLICATE_GROUP,
+                                       f"partition lists group `{part.group}` twice")
+            if seen and order.index(part.group) < order.index(seen[-1]):
+                raise _partition_error(kinds.NON_CANONICAL,
+                                       f"partition lists group `{part.group}` after "
+                                       f"`{seen[-1]}`; the canonical order is {', '.join(order)}")
+            seen.append(part.group)
+            available = self.graph.group(part.group).units
+            if part.unit_range[1] > available:
+                raise _partition_error(kinds.OUT_OF_BOUNDS,
+                                       f"group `{part.group}` range {_spell(part.unit_range)} "
+                                       f"exceeds its {available} units")
+            offset = self.graph.group_range(part.group)[0]
+            covered.append((offset + part.unit_range[0], offset + part.unit_range[1]))
+        start, end = self.canonical_range
+        contiguous = all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+        if not covered or not contiguous or (covered[0][0], covered[-1][1]) != (start, end):
+            raise _partition_error(
+                kinds.NON_CANONICAL,
+                f"stage {self.stage} declares canonical range {_spell(self.canonical_range)} but "
+                f"its groups cover {', '.join(_spell(c) for c in covered) or 'no units'}; a stage "
+                "holds one contiguous, non-empty run of the canonical unit order")
+
+    @property
+    def unit_ranges(self) -> dict[str, Range]:
+        """Group-local unit range by owned group."""
+        return {g.group: g.unit_range for g in self.groups}
+
+    @property
+    def parameter_targets(self) -> tuple[str, ...]:
+        """Checkpoint targets local to the stage, sorted."""
+        return tuple(sorted(t for b in self.parameter_bindings for t in b.targets))
+
+    def owns_unit(self, group: str, unit: int) -> bool:
+        """Whether the stage executes group-local `unit` of `group`."""
+        return any(g.group == group and g.contains(unit) for g in self.groups)
+
+    def units(self) -> tuple[UnitRef, ...]:
+        """The stage's units in canonical order."""
+        layout = self.graph.unit_layout()
+        return layout[self.canonical_range[0]:self.canonical_range[1]]
+
+    def architecture_boundary(self) -> ArchitectureBoundary:
+        """Typed encode/decode of this stage's cuts (needs a wire contract)."""
+        from partc.boundary import architecture_boundary
+
+        if self.boundary is None:
+            raise _partition_error(ArchitecturePartitionErrorKind.MISSING_BOUNDARY,
+                                   f"stage {self.stage} was realized without a pipeline wire "
+                                   "contract; pass `boundary=` to realize_partition")
+        return architecture_boundary(self.boundary)
 
     def to_json(self) -> dict[str, object]:
-        """JSON form."""
+        """JSON form (the graph, bindings and boundary are recorded once, elsewhere)."""
         return {
             "stage": self.stage,
             "stages": self.stages,
@@ -459,27 +711,59 @@ class ArchitecturePartition:
             "state": {"units": self.state.units, "global_range": list(self.state.global_range)},
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *,
+                  boundary: PipelineWireContract | None = None) -> ArchitecturePartition:
+        """A partition from `to_json` plus `graph` and `parameter_bindings`, re-validated."""
+        own = data["ownership"]
+        return cls(
+            graph=ExecutionGraph.from_json(data["graph"]), stage=data["stage"],
+            stages=data["stages"], canonical_range=_range(data["canonical_range"]),
+            groups=tuple(PartitionGroup(group=g["group"], unit_range=_range(g["unit_range"]))
+                         for g in data["groups"]),
+            ownership=PartitionOwnership(owns_input=own["owns_input"],
+                                         owns_output=own["owns_output"],
+                                         static_roles=tuple(own["static_roles"])),
+            state=PartitionState(units=data["state"]["units"],
+                                 global_range=_range(data["state"]["global_range"])),
+            parameter_bindings=tuple(PartitionParameterBinding.from_json(b)
+                                     for b in data.get("parameter_bindings", ())),
+            boundary=boundary)
+
+
+def _range(values: Sequence[int]) -> Range:
+    start, end = values
+    return int(start), int(end)
+
+
+# ---------------------------------------------------------------- pipeline realization
+
 
 def pipeline_stage_ranges(total_units: int, stages: int,
-                          explicit: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
-    """Split `total_units` canonical units into `stages` contiguous ranges.
+                          explicit: Sequence[int] | None = None) -> tuple[Range, ...]:
+    """Split `total_units` canonical units into `stages` contiguous, non-empty ranges.
 
-    Balanced by default; `explicit` gives each stage's unit count and must sum to the total.
+    Balanced by default (DESIGN §3); `explicit` gives each stage's unit count.
     """
     kinds = ArchitecturePartitionErrorKind
     if stages < 1:
-        raise ArchitecturePartitionError(kinds.INVALID_STAGES,
-                                         f"pipeline_parallel_size must be >= 1, found {stages}")
+        raise _partition_error(kinds.INVALID_STAGES,
+                               f"pipeline_parallel_size must be >= 1, found {stages}")
     if explicit is not None:
         counts = list(explicit)
         if len(counts) != stages:
-            raise ArchitecturePartitionError(
-                kinds.INVALID_STAGES, f"{len(counts)} explicit stage sizes given for "
-                f"pipeline_parallel_size {stages}")
-        if any(c < 1 for c in counts) or sum(counts) != total_units:
-            raise ArchitecturePartitionError(
-                kinds.INVALID_STAGES, f"explicit stage sizes {counts} must be positive and sum "
-                f"to the {total_units} units of the model (they sum to {sum(counts)})")
+            raise _partition_error(kinds.INVALID_STAGES,
+                                   f"{len(counts)} explicit stage sizes {counts} given for "
+                                   f"pipeline_parallel_size {stages}; give one per stage")
+        empty = [i for i, c in enumerate(counts) if c < 1]
+        if empty:
+            raise _partition_error(kinds.INVALID_STAGES,
+                                   f"explicit stage sizes {counts} give stage {empty[0]} "
+                                   f"{counts[empty[0]]} units; every stage needs at least one")
+        if sum(counts) != total_units:
+            raise _partition_error(kinds.INVALID_STAGES,
+                                   f"explicit stage sizes {counts} sum to {sum(counts)}, but the "
+                                   f"model has {total_units} execution units")
         ranges = []
         start = 0
         for count in counts:
@@ -487,7 +771,7 @@ def pipeline_stage_ranges(total_units: int, stages: int,
             start += count
         return tuple(ranges)
     if stages > total_units:
-        raise ArchitecturePartitionError(
+        raise _partition_error(
             kinds.INVALID_STAGES,
             f"pipeline_parallel_size {stages} exceeds the {total_units} execution units of the "
             f"model; every stage needs at least one unit (use --pp {total_units} or fewer)")
@@ -506,14 +790,18 @@ def static_roles_on_stage(roles: Sequence[StaticRoleSpec], stage: int, stages: i
 
 
 def realize_partition(description: ArchitectureParameterDescription, stage: int, stages: int,
-                      explicit: Sequence[int] | None = None) -> ArchitecturePartition:
-    """The partition of pipeline stage `stage` of `stages`."""
+                      explicit: Sequence[int] | None = None, *,
+                      boundary: PipelineWireContract | None = None) -> ArchitecturePartition:
+    """The partition of pipeline stage `stage` of `stages` (balanced, or `explicit` counts)."""
     graph = description.graph
     ranges = pipeline_stage_ranges(graph.total_units, stages, explicit)
+    if not 0 <= stage < stages:
+        raise _partition_error(ArchitecturePartitionErrorKind.INVALID_STAGES,
+                               f"stage {stage} is outside pipeline stages 0..{stages - 1}")
     start, end = ranges[stage]
     parts: list[PartitionGroup] = []
+    state_start = state_end = None
     state_before = 0
-    state_units = 0
     offset = 0
     for group in graph.canonical_order():
         lo, hi = max(start, offset), min(end, offset + group.units)
@@ -522,143 +810,29 @@ def realize_partition(description: ArchitectureParameterDescription, stage: int,
         if lo < hi:
             parts.append(PartitionGroup(group=group.name, unit_range=(lo - offset, hi - offset)))
             if group.carries_state:
-                state_units += hi - lo
+                base = graph.state_offset(group.name) - offset
+                state_start = base + lo if state_start is None else state_start
+                state_end = base + hi
         offset += group.units
+    if state_start is None or state_end is None:
+        state_start = state_end = state_before
     roles = static_roles_on_stage(description.static_roles, stage, stages)
-    local_units = {(p.group, u) for p in parts for u in range(*p.unit_range)}
-    targets: list[str] = []
-    for owned in description.groups:
-        owner = owned.owner
-        if owner.kind is OwnerKind.EXECUTION_UNIT:
-            local = (owner.group, owner.unit) in local_units
-        else:
-            local = bool(set(owner.roles).intersection(roles))
-        if local:
-            targets.extend(owned.group.targets)
-    partition = ArchitecturePartition(
-        stage=stage, stages=stages, canonical_range=(start, end), groups=tuple(parts),
+    units = {p.group: p.unit_range for p in parts}
+    bindings = tuple(PartitionParameterBinding(group=g.group.name, owner=g.owner,
+                                               targets=g.group.targets)
+                     for g in description.groups if g.owner.is_local(units, roles))
+    return ArchitecturePartition(
+        graph=graph, stage=stage, stages=stages, canonical_range=(start, end), groups=tuple(parts),
         ownership=PartitionOwnership(owns_input=stage == 0, owns_output=stage == stages - 1,
                                      static_roles=roles),
-        state=PartitionState(units=state_units,
-                             global_range=(state_before, state_before + state_units)),
-        parameter_targets=tuple(sorted(targets)))
-    partition.validate_against(graph)
-    return partition
+        state=PartitionState(units=state_end - state_start, global_range=(state_start, state_end)),
+        parameter_bindings=bindings, boundary=boundary)
 
 
-# ---------------------------------------------------------------- boundary wire schema
-
-
-class BoundaryTensorDimensionKind(enum.Enum):
-    """The kinds of boundary tensor dimension."""
-
-    BATCH = "batch"
-    SEQUENCE = "sequence"
-    FIXED = "fixed"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BoundaryTensorDimension:
-    """One dimension of a boundary tensor: the batch, the sequence or a fixed size."""
-
-    kind: BoundaryTensorDimensionKind
-    """Which kind."""
-    size: int | None = None
-    """The size (Fixed only, > 0)."""
-
-    def __post_init__(self) -> None:
-        fixed = self.kind is BoundaryTensorDimensionKind.FIXED
-        if fixed and (self.size is None or self.size <= 0):
-            raise _boundary_error(f"a fixed boundary dimension must be positive, found {self.size}")
-        if not fixed and self.size is not None:
-            raise _boundary_error(f"a {self.kind.value} dimension takes no size")
-
-    def spell(self) -> str | int:
-        """`batch`, `sequence` or the fixed size."""
-        return self.size if self.size is not None else self.kind.value
-
-
-class BoundaryTensorDtype(enum.Enum):
-    """The element type of a boundary tensor."""
-
-    ACTIVATION = "activation"
-    UINT32 = "uint32"
-    INT32 = "int32"
-
-
-class ArchitectureBoundaryErrorKind(enum.Enum):
-    """What is wrong with a boundary schema or payload."""
-
-    INVALID_SCHEMA = "invalid_schema"
-    WRONG_COUNT = "wrong_count"
-    WRONG_ROLE = "wrong_role"
-    WRONG_SHAPE = "wrong_shape"
-    WRONG_DTYPE = "wrong_dtype"
-
-
-class ArchitectureBoundaryError(PartcError):
-    """A boundary schema that is malformed, or a payload that does not match it."""
-
-    stage = "family"
-
-    def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, **kwargs: object):
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.kind = kind
-        """Which rule was broken."""
-
-
-def _boundary_error(message: str) -> ArchitectureBoundaryError:
-    return ArchitectureBoundaryError(ArchitectureBoundaryErrorKind.INVALID_SCHEMA, message)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BoundaryTensorSpec:
-    """One tensor crossing a pipeline cut: its role, symbolic shape and dtype."""
-
-    role: str
-    """Unique role, e.g. `hidden`."""
-    shape: tuple[BoundaryTensorDimension, ...]
-    """Symbolic shape."""
-    dtype: BoundaryTensorDtype
-    """Element type."""
-
-    def __post_init__(self) -> None:
-        if not self.role:
-            raise _boundary_error("a boundary tensor needs a non-empty role")
-        if not self.shape:
-            raise _boundary_error(f"boundary tensor `{self.role}` needs a non-empty shape")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BoundaryWireSchema:
-    """What crosses a pipeline cut: a primary activation and ordered auxiliary tensors."""
-
-    identity: str
-    """Schema identity, e.g. `llama.hidden`."""
-    primary: BoundaryTensorSpec
-    """The primary activation (dtype Activation)."""
-    auxiliary: tuple[BoundaryTensorSpec, ...] = ()
-    """Further tensors, in wire order."""
-
-    def __post_init__(self) -> None:
-        if not self.identity:
-            raise _boundary_error("a boundary schema needs a non-empty identity")
-        if self.primary.dtype is not BoundaryTensorDtype.ACTIVATION:
-            raise _boundary_error(f"the primary boundary tensor `{self.primary.role}` must have "
-                                  f"dtype activation, found {self.primary.dtype.value}")
-        roles = [self.primary.role] + [a.role for a in self.auxiliary]
-        for role in roles:
-            if roles.count(role) > 1:
-                raise _boundary_error(f"boundary role `{role}` is used twice")
-
-    @property
-    def tensors(self) -> tuple[BoundaryTensorSpec, ...]:
-        """Primary then auxiliary specs, in wire order."""
-        return (self.primary, *self.auxiliary)
-
-    def to_json(self) -> dict[str, object]:
-        """JSON form."""
-        def spec(s: BoundaryTensorSpec) -> dict[str, object]:
-            return {"role": s.role, "shape": [d.spell() for d in s.shape], "dtype": s.dtype.value}
-        return {"identity": self.identity, "primary": spec(self.primary),
-                "auxiliary": [spec(a) for a in self.auxiliary]}
+def realize_pipeline(description: ArchitectureParameterDescription, stages: int,
+                     explicit: Sequence[int] | None = None, *,
+                     boundary: PipelineWireContract | None = None
+                     ) -> tuple[ArchitecturePartition, ...]:
+    """Every stage's partition, in stage order."""
+    return tuple(realize_partition(description, s, stages, explicit, boundary=boundary)
+                 for s in range(stages))

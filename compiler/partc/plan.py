@@ -7,13 +7,14 @@ partition owns (`partition.realize_partition`).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
+from partc.boundary import PipelineActivationDtype as PipelineActivationDtype
+from partc.boundary import PipelineWireContract
 from partc.errors import LayoutError, PartcError
 from partc.parallel import (
     LocalModelLayout,
@@ -27,14 +28,6 @@ from partc.partition import ArchitecturePartition, OwnerKind, realize_partition
 
 if TYPE_CHECKING:
     from partc.bind import BoundArchitecture
-
-
-class PipelineActivationDtype(enum.Enum):
-    """The dtype activations cross a pipeline cut in."""
-
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    FLOAT32 = "float32"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -229,7 +222,9 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             if group_location is not None:
                 group_location(error, owned.group.name)
             raise
-    partitions = [realize_partition(description, s, pp, topology.stage_units) for s in range(pp)]
+    wire = PipelineWireContract(schema=bound.boundary, activation_dtype=topology.activation_dtype)
+    partitions = [realize_partition(description, s, pp, topology.stage_units, boundary=wire)
+                  for s in range(pp)]
     ranks = []
     tensors_by_stage: dict[str, list[int]] = {}
     for stage, partition in enumerate(partitions):

@@ -8,6 +8,7 @@ checkpoint after checking its header against the plan.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from partc.boundary import ArchitectureBoundary, PipelineActivationDtype, PipelineWireContract
+from partc.boundary import architecture_boundary as _boundary_of
 from partc.checkpoint import Checkpoint, TensorSelection, open_checkpoint, read_tensors
+from partc.driver import LayeredPartitionDriver
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.parallel import (
     LocalModelLayout,
@@ -32,8 +36,6 @@ from partc.partition import (
     BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
-    PartitionGroup,
-    PartitionOwnership,
     PartitionState,
 )
 
@@ -107,18 +109,30 @@ def parallel_model_info(table: RankTable) -> ParallelModelInfo:
 
 
 def architecture_partition(table: RankTable) -> ArchitecturePartition:
-    """The stage's ArchitecturePartition."""
-    p = table.partition
-    own = p["ownership"]
-    return ArchitecturePartition(
-        stage=p["stage"], stages=p["stages"], canonical_range=tuple(p["canonical_range"]),
-        groups=tuple(PartitionGroup(group=g["group"], unit_range=tuple(g["unit_range"]))
-                     for g in p["groups"]),
-        ownership=PartitionOwnership(owns_input=own["owns_input"], owns_output=own["owns_output"],
-                                     static_roles=tuple(own["static_roles"])),
-        state=PartitionState(units=p["state"]["units"],
-                             global_range=tuple(p["state"]["global_range"])),
-        parameter_targets=tuple(p["parameter_targets"]))
+    """The stage's ArchitecturePartition (graph, bindings and wire contract included)."""
+    return ArchitecturePartition.from_json(table.partition, boundary=wire_contract(table))
+
+
+def partition_state(table: RankTable) -> PartitionState:
+    """The stage's KV-state geometry and global state-layer range."""
+    return architecture_partition(table).state
+
+
+def wire_contract(table: RankTable) -> PipelineWireContract:
+    """The pipeline wire contract: boundary schema and the compiled activation dtype."""
+    return PipelineWireContract(schema=BoundaryWireSchema.from_json(table.boundary),
+                                activation_dtype=PipelineActivationDtype(table.activation_dtype))
+
+
+def architecture_boundary(table: RankTable) -> ArchitectureBoundary:
+    """Typed encode/decode of the pipeline boundary under the wire contract."""
+    return _boundary_of(wire_contract(table))
+
+
+def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None = None
+                             ) -> LayeredPartitionDriver:
+    """The stage's LayeredPartitionDriver, checking the executor's `storage` ranges if given."""
+    return LayeredPartitionDriver.for_partition(architecture_partition(table), storage)
 
 
 def boundary_schema(table: RankTable) -> BoundaryWireSchema:
@@ -234,3 +248,22 @@ def rank_from_environment(world_size: int) -> int:
 def rank_out_of_range(rank: int, world_size: int) -> CheckpointError:
     """The error for a rank outside the build."""
     return CheckpointError(f"rank {rank} is outside this build's ranks 0..{world_size - 1}")
+
+
+def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None = None) -> Any:
+    """The generated module of `rank` in a build package (default: the rank under torchrun)."""
+    world_size = len(modules)
+    if rank is None:
+        rank = rank_from_environment(world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise CheckpointError(f"rank must be an integer, found {rank!r}")
+    if not 0 <= rank < world_size:
+        raise rank_out_of_range(rank, world_size)
+    return importlib.import_module("." + modules[rank], package)
+
+
+def load_package_rank(package: str, modules: tuple[str, ...], checkpoint: Any,
+                      rank: int | None = None, **options: Any) -> RankState:
+    """`load` of a build package: the rank module's `load(checkpoint, **options)`."""
+    state: RankState = package_rank_module(package, modules, rank).load(checkpoint, **options)
+    return state

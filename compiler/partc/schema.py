@@ -2,19 +2,24 @@
 
 This is the one place where jsonschema errors become partc errors: the error's
 `absolute_path` becomes a JSON pointer, the pointer a source location, and the
-`schema_path` is kept as a second field.
+`schema_path` is kept as a second field. Messages are rewritten to state what was expected and
+what was found in the author's own vocabulary (mapping/list for YAML, table/array for TOML); a
+failed `oneOf` is explained by the alternative that got furthest, not by the first one tried.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
-from jsonschema.exceptions import ValidationError, best_match
+from jsonschema.exceptions import ValidationError
 
 from partc.errors import SchemaError
 from partc.load import escape_pointer_token
@@ -47,51 +52,265 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _message(error: ValidationError) -> str:
-    """A message stating the rule and the value found."""
-    found = _describe(error.instance)
-    keyword = error.validator
-    if keyword == "additionalProperties":
-        return f"unexpected key: {error.message}"
-    if keyword == "enum":
-        allowed = ", ".join(json.dumps(v) for v in error.validator_value)
-        return f"expected one of {allowed}, found {found}"
-    if keyword == "type":
-        return f"expected {error.validator_value}, found {found}"
-    if keyword == "pattern":
-        return f"expected a string matching {error.validator_value!r}, found {found}"
-    if keyword == "const":
-        return f"expected {json.dumps(error.validator_value)}, found {found}"
-    return error.message
+_TYPE_WORDS = {
+    "yaml": {"object": "a mapping", "array": "a list"},
+    "toml": {"object": "a table", "array": "an array"},
+    "json": {"object": "an object", "array": "an array"},
+}
+_ARTICLES = {"integer": "an integer", "boolean": "a boolean", "string": "a string",
+             "number": "a number", "null": "null"}
 
 
-def _leaf(error: ValidationError) -> ValidationError:
-    """The most relevant error inside a oneOf/anyOf failure (jsonschema's `best_match`)."""
-    while error.context:
-        deeper = best_match(error.context)
-        if deeper is None or deeper is error:
-            break
-        # prefer a branch whose shape matches: a deeper path means the branch got further
-        error = deeper
-    return error
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """One explained violation: the jsonschema error it came from, its pointer and message."""
+
+    error: ValidationError
+    pointer: str
+    message: str
+
+
+class _Explainer:
+    """Turns jsonschema errors into partc messages for one document format."""
+
+    def __init__(self, document: RawDocument) -> None:
+        self.document = document
+        self.words = _TYPE_WORDS.get(document.format, _TYPE_WORDS["json"])
+
+    def type_word(self, name: str) -> str:
+        return self.words.get(name) or _ARTICLES.get(name, name)
+
+    def types(self, value: Any) -> str:
+        names = value if isinstance(value, list) else [value]
+        return " or ".join(self.type_word(str(n)) for n in names)
+
+    def explain(self, error: ValidationError) -> Iterator[_Found]:
+        """Every located message that `error` stands for (several for extra keys)."""
+        pointer = _pointer(error.absolute_path)
+        keyword, rule, instance, schema = _parts(error)
+        if keyword in ("oneOf", "anyOf"):
+            yield from self.alternatives(error)
+        elif keyword == "additionalProperties" and isinstance(instance, dict):
+            allowed = sorted(schema.get("properties", {}))
+            patterns = schema.get("patternProperties", {})
+            for key in instance:
+                if key in allowed or any(re.search(p, key) for p in patterns):
+                    continue
+                yield _Found(error, pointer + "/" + escape_pointer_token(key),
+                             _unexpected_key(key, allowed))
+        elif keyword == "required" and isinstance(instance, dict):
+            for key in rule:
+                if key not in instance:
+                    yield _Found(error, pointer, f"missing required key `{key}`")
+        else:
+            yield _Found(error, pointer, self.message(error))
+
+    def message(self, error: ValidationError) -> str:
+        """A message stating the rule and the value found."""
+        keyword, rule, instance, _ = _parts(error)
+        found = _describe(instance)
+        if "propertyNames" in error.absolute_schema_path:
+            return f"key {found} is not allowed: expected {self.rule_phrase(error)}"
+        if keyword == "enum" and isinstance(instance, str):
+            close = difflib.get_close_matches(instance, [str(v) for v in rule], n=1)
+            hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
+            return f"expected {self.rule_phrase(error)}, found {found}{hint}"
+        if keyword in ("type", "enum", "const", "pattern"):
+            return f"expected {self.rule_phrase(error)}, found {found}"
+        if keyword == "minItems":
+            return f"expected at least {rule} item{'s' * (rule != 1)}, found {len(instance)}"
+        if keyword == "maxItems":
+            return f"expected at most {rule} items, found {len(instance)}"
+        if keyword == "minLength":
+            return (f"expected a string of at least {rule} character{'s' * (rule != 1)}, found "
+                    f"{found}")
+        if keyword == "maxLength":
+            return f"expected at most {rule} characters, found a string of {len(instance)}"
+        if keyword == "minimum":
+            return f"expected a number >= {rule}, found {found}"
+        if keyword == "maximum":
+            return f"expected a number <= {rule}, found {found}"
+        if keyword == "minProperties":
+            return f"expected at least {rule} key{'s' * (rule != 1)}, found {len(instance)}"
+        if keyword == "maxProperties":
+            return f"expected at most {rule} keys, found {len(instance)}"
+        if keyword == "uniqueItems":
+            return f"expected every item once, found a repeated item in {found}"
+        return str(error.message)
+
+    def rule_phrase(self, error: ValidationError) -> str:
+        """What a failed keyword expected, as a noun phrase ('an integer', 'one of ...')."""
+        keyword, rule, _, _ = _parts(error)
+        if keyword == "type":
+            return self.types(rule)
+        if keyword == "enum":
+            return "one of " + ", ".join(json.dumps(v) for v in rule)
+        if keyword == "const":
+            return json.dumps(rule)
+        if keyword == "pattern":
+            if rule == "^[A-Za-z_][A-Za-z0-9_]*$":
+                return "an identifier (letters, digits and `_`, not starting with a digit)"
+            return f"a string matching {rule!r}"
+        if keyword == "required":
+            return "a " + self.words["object"].split()[-1] + " with " + ", ".join(
+                f"`{k}`" for k in rule)
+        return self.message(error)
+
+    def alternatives(self, error: ValidationError) -> Iterator[_Found]:
+        """Explain a failed oneOf/anyOf by the alternative that matched furthest."""
+        pointer = _pointer(error.absolute_path)
+        branches = error.validator_value if isinstance(error.validator_value, list) else []
+        keyed = _exclusive_keys(branches)
+        if keyed and isinstance(error.instance, dict):
+            present = [k for k in keyed if k in error.instance]
+            if len(present) != 1:
+                found = ", ".join(f"`{k}`" for k in present) or "none of them"
+                yield _Found(error, pointer, f"expected exactly one of "
+                             f"{', '.join(f'`{k}`' for k in keyed)}, found {found}")
+                return
+            branch = keyed.index(present[0])
+            inside = [e for e in error.context if e.relative_schema_path[0] == branch]
+            for child in _deepest(inside):
+                yield from self.explain(child)
+            return
+        if not error.context:
+            yield _Found(error, pointer, error.message)
+            return
+        by_branch: dict[int, list[ValidationError]] = {}
+        for child in error.context:
+            by_branch.setdefault(int(child.relative_schema_path[0]), []).append(child)
+        # alternatives of the instance's own type (a mapping for a mapping) explain it best
+        fitting = {b: errs for b, errs in by_branch.items() if _fits(errs, error.instance)}
+        candidates = fitting or by_branch
+        depth = {b: max(len(e.relative_path) for e in errs) for b, errs in candidates.items()}
+        best = max(depth.values())
+        only = next(iter(candidates.values())) if len(candidates) == 1 else []
+        mismatch = bool(only) and all(e.validator in ("enum", "const") for e in only)
+        if best == 0 and (len(candidates) > 1 or mismatch):
+            # each failed at the value itself: say what every alternative wanted
+            message = self.combined(error, by_branch if mismatch else candidates)
+            if message:
+                yield _Found(error, pointer, message)
+                return
+        chosen = min((b for b in candidates if depth[b] == best),
+                     key=lambda b: (len(candidates[b]), b))
+        for child in _deepest(candidates[chosen]) if best else candidates[chosen]:
+            yield from self.explain(child)
+
+
+    def combined(self, error: ValidationError, branches: dict[int, list[ValidationError]]
+                 ) -> str:
+        """'expected A, B or C, found X' over alternatives that all failed at the value."""
+        wanted: list[str] = []
+        allowed: set[str] = set()
+        values: list[str] = []
+        for _, errs in sorted(branches.items()):
+            keyword, rule, _, schema = _parts(errs[0])
+            if keyword in ("type", "enum", "const", "pattern", "required"):
+                phrase = self.rule_phrase(errs[0])
+                if phrase not in wanted:
+                    wanted.append(phrase)
+            if keyword in ("enum", "const"):
+                values.extend(str(v) for v in (rule if keyword == "enum" else [rule]))
+            for e in errs:
+                schema = _parts(e)[3]
+                if isinstance(schema, dict):
+                    allowed.update(schema.get("properties") or ())
+        if not wanted:
+            return ""
+        instance = error.instance
+        message = f"expected {_or(wanted)}, found {_describe(instance)}"
+        if isinstance(instance, str):
+            close = difflib.get_close_matches(instance, values, n=1)
+            message += f"; did you mean {json.dumps(close[0])}?" if close else ""
+        if isinstance(instance, dict) and allowed:
+            for key in instance:
+                if key not in allowed:
+                    message += "; " + _unexpected_key(key, sorted(allowed)).split(
+                        " (allowed here")[0]
+        return message
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, list):
+        return "array"
+    return "string" if isinstance(value, str) else "null"
+
+
+def _fits(errors: list[ValidationError], instance: Any) -> bool:
+    """Whether an alternative is of the instance's type (it failed inside, not at the type)."""
+    for error in errors:
+        if len(error.relative_path):
+            continue
+        keyword, rule, _, _ = _parts(error)
+        if keyword == "type":
+            return False
+        if keyword in ("enum", "const"):
+            values = rule if keyword == "enum" else [rule]
+            if all(_json_type(v) != _json_type(instance) for v in values):
+                return False
+    return True
+
+
+def _parts(error: ValidationError) -> tuple[str, Any, Any, Any]:
+    """(keyword, rule, instance, schema) of a jsonschema error, as plain values."""
+    keyword: Any = error.validator
+    rule: Any = error.validator_value
+    instance: Any = error.instance
+    schema: Any = error.schema
+    return str(keyword), rule, instance, schema
+
+
+def _or(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _deepest(errors: list[ValidationError]) -> list[ValidationError]:
+    depth = max(len(e.relative_path) for e in errors)
+    return [e for e in errors if len(e.relative_path) == depth]
+
+
+def _exclusive_keys(branches: list[Any]) -> list[str]:
+    """For `oneOf` alternatives that each require one distinct key: those keys ([] otherwise)."""
+    keys = []
+    for branch in branches:
+        required = branch.get("required") if isinstance(branch, dict) else None
+        if not required or "not" not in branch:
+            return []
+        keys.append(required[0])
+    return keys if len(set(keys)) == len(keys) else []
+
+
+def _unexpected_key(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"; did you mean `{close[0]}`?" if close else ""
+    listed = f" (allowed here: {', '.join(allowed)})" if allowed else ""
+    return f"unexpected key `{key}`{hint}{listed}"
 
 
 def iter_schema_errors(document: RawDocument, schema: str = "architecture.schema.json"
                        ) -> Iterator[SchemaError]:
     """Yield every schema violation of `document`, located by pointer and source position."""
-    validator = _validator(schema)
-    for error in validator.iter_errors(document.data):
-        shown = _leaf(error) if error.validator in ("oneOf", "anyOf") else error
-        pointer = _pointer(shown.absolute_path)
-        message = _message(shown)
-        if shown is not error and error.validator == "oneOf":
-            message = f"{message} (no alternative of {_pointer(error.absolute_path) or '/'} fits)"
-        yield SchemaError(
-            message,
-            location=document.locate(pointer),
-            pointer=pointer,
-            schema_path=_pointer(shown.absolute_schema_path),
-        )
+    explainer = _Explainer(document)
+    seen: set[tuple[str, str]] = set()
+    for error in _validator(schema).iter_errors(document.data):
+        for found in explainer.explain(error):
+            message = found.message
+            note = document.note(found.pointer)
+            if note:
+                message = f"{message}; {note}"
+            if (found.pointer, message) in seen:
+                continue
+            seen.add((found.pointer, message))
+            yield SchemaError(message, location=document.locate(found.pointer),
+                              pointer=found.pointer,
+                              schema_path=_pointer(found.error.absolute_schema_path))
 
 
 def validate_document(document: RawDocument) -> list[SchemaError]:

@@ -1,0 +1,640 @@
+"""The boundary half of the `partition` vocabulary: what crosses a pipeline cut, and how.
+
+A family declares a `BoundaryWireSchema`: a primary activation plus ordered auxiliary tensors
+(a residual stream, per-layer inputs, ...), each with a role, a symbolic shape and a dtype. The
+compile-time `PipelineWireContract` pairs it with the activation dtype; `ArchitectureBoundary`
+encodes role-tagged values and decodes them, refusing any payload that does not match.
+
+The vocabulary is importable without numpy: arrays are only touched when a schema is resolved
+or a payload is encoded or decoded, which happens at runtime in a generated rank module.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from partc.errors import PartcError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class ArchitectureBoundaryErrorKind(enum.Enum):
+    """What is wrong with a boundary schema or payload."""
+
+    INVALID_SCHEMA = "invalid_schema"
+    INVALID_GEOMETRY = "invalid_geometry"
+    WRONG_COUNT = "wrong_count"
+    WRONG_ROLE = "wrong_role"
+    WRONG_SHAPE = "wrong_shape"
+    WRONG_DTYPE = "wrong_dtype"
+
+
+_PAYLOAD_KINDS = frozenset(ArchitectureBoundaryErrorKind) - {
+    ArchitectureBoundaryErrorKind.INVALID_SCHEMA, ArchitectureBoundaryErrorKind.INVALID_GEOMETRY}
+
+
+class ArchitectureBoundaryError(PartcError):
+    """A boundary schema that is malformed, or a payload that does not match it."""
+
+    stage = "family"
+
+    def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, *, boundary: str = "",
+                 role: str | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.kind = kind
+        """Which rule was broken."""
+        self.boundary = boundary
+        """Identity of the boundary schema concerned ('' when it has none yet)."""
+        self.role = role
+        """The boundary tensor role concerned, when the problem is about one."""
+        if kind in _PAYLOAD_KINDS:
+            self.stage = "runtime"
+
+
+def _schema_error(message: str, *, boundary: str = "",
+                  role: str | None = None) -> ArchitectureBoundaryError:
+    return ArchitectureBoundaryError(ArchitectureBoundaryErrorKind.INVALID_SCHEMA, message,
+                                     boundary=boundary, role=role)
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+class PipelineActivationDtype(enum.Enum):
+    """The dtype activations cross a pipeline cut in (chosen at compile time)."""
+
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class BoundaryTensorDtype(enum.Enum):
+    """The element type of a boundary tensor."""
+
+    ACTIVATION = "activation"
+    UINT32 = "uint32"
+    INT32 = "int32"
+
+    def element_dtype(self, activation_dtype: PipelineActivationDtype) -> str:
+        """The concrete numpy dtype name: the activation dtype, `uint32` or `int32`."""
+        return str(activation_dtype.value if self is BoundaryTensorDtype.ACTIVATION else self.value)
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype called `name` (`bfloat16` through ml_dtypes)."""
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bfloat16
+    return np.dtype(name)
+
+
+# ---------------------------------------------------------------- symbolic schema
+
+
+class BoundaryTensorDimensionKind(enum.Enum):
+    """The kinds of boundary tensor dimension."""
+
+    BATCH = "batch"
+    SEQUENCE = "sequence"
+    FIXED = "fixed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryTensorDimension:
+    """One dimension of a boundary tensor: the batch, the sequence or a fixed size."""
+
+    kind: BoundaryTensorDimensionKind
+    """Which kind."""
+    size: int | None = None
+    """The size (Fixed only, > 0)."""
+
+    def __post_init__(self) -> None:
+        fixed = self.kind is BoundaryTensorDimensionKind.FIXED
+        if fixed and (not isinstance(self.size, int) or self.size <= 0):
+            raise _schema_error(f"a fixed boundary dimension must be positive, found {self.size}")
+        if not fixed and self.size is not None:
+            raise _schema_error(f"a {self.kind.value} dimension takes no size, found {self.size}")
+
+    @classmethod
+    def batch(cls) -> BoundaryTensorDimension:
+        """The invocation batch size."""
+        return cls(kind=BoundaryTensorDimensionKind.BATCH)
+
+    @classmethod
+    def sequence(cls) -> BoundaryTensorDimension:
+        """The invocation sequence length."""
+        return cls(kind=BoundaryTensorDimensionKind.SEQUENCE)
+
+    @classmethod
+    def fixed(cls, size: int) -> BoundaryTensorDimension:
+        """A positive architecture-defined extent."""
+        return cls(kind=BoundaryTensorDimensionKind.FIXED, size=size)
+
+    @classmethod
+    def from_json(cls, data: str | int) -> BoundaryTensorDimension:
+        """The dimension spelled `batch`, `sequence` or as a size."""
+        if isinstance(data, int):
+            return cls.fixed(data)
+        return cls(kind=BoundaryTensorDimensionKind(data))
+
+    def spell(self) -> str | int:
+        """`batch`, `sequence` or the fixed size."""
+        return self.size if self.size is not None else self.kind.value
+
+
+def _spell_shape(shape: Iterable[BoundaryTensorDimension]) -> str:
+    return "[" + ", ".join(str(d.spell()) for d in shape) + "]"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryTensorSpec:
+    """One tensor crossing a pipeline cut: its role, symbolic shape and dtype."""
+
+    role: str
+    """Unique role, e.g. `hidden`."""
+    shape: tuple[BoundaryTensorDimension, ...]
+    """Symbolic shape."""
+    dtype: BoundaryTensorDtype
+    """Element type."""
+
+    def __post_init__(self) -> None:
+        if not self.role or not self.role.strip():
+            raise _schema_error("a boundary tensor needs a non-empty role")
+        if not self.shape:
+            raise _schema_error(f"boundary tensor `{self.role}` needs a non-empty shape",
+                                role=self.role)
+
+    @classmethod
+    def primary_activation(cls, hidden_size: int, role: str = "hidden") -> BoundaryTensorSpec:
+        """The standard [batch, sequence, hidden_size] activation."""
+        return cls(role=role, shape=(BoundaryTensorDimension.batch(),
+                                     BoundaryTensorDimension.sequence(),
+                                     BoundaryTensorDimension.fixed(hidden_size)),
+                   dtype=BoundaryTensorDtype.ACTIVATION)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BoundaryTensorSpec:
+        """The spec from its JSON form."""
+        return cls(role=data["role"],
+                   shape=tuple(BoundaryTensorDimension.from_json(d) for d in data["shape"]),
+                   dtype=BoundaryTensorDtype(data["dtype"]))
+
+    @property
+    def has_sequence(self) -> bool:
+        """Whether a dimension is the sequence."""
+        return any(d.kind is BoundaryTensorDimensionKind.SEQUENCE for d in self.shape)
+
+    def resolve(self, batch: int, sequence: int, activation_dtype: PipelineActivationDtype
+                ) -> ResolvedBoundaryTensorSpec:
+        """The concrete spec for one invocation's batch and sequence."""
+        sizes = {BoundaryTensorDimensionKind.BATCH: batch,
+                 BoundaryTensorDimensionKind.SEQUENCE: sequence}
+        shape = tuple(d.size if d.size is not None else sizes[d.kind] for d in self.shape)
+        name = self.dtype.element_dtype(activation_dtype)
+        return ResolvedBoundaryTensorSpec(role=self.role, shape=shape, dtype=self.dtype,
+                                          numpy_dtype=numpy_dtype(name))
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form."""
+        return {"role": self.role, "shape": [d.spell() for d in self.shape],
+                "dtype": self.dtype.value}
+
+
+def _check_roles(identity: str, roles: Sequence[str]) -> None:
+    seen: set[str] = set()
+    for role in roles:
+        if role in seen:
+            raise _schema_error(f"boundary `{identity}` uses role `{role}` twice; roles must be "
+                                "unique", boundary=identity, role=role)
+        seen.add(role)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryWireSchema:
+    """What crosses a pipeline cut: a primary activation and ordered auxiliary tensors."""
+
+    identity: str
+    """Schema identity, e.g. `llama.hidden`."""
+    primary: BoundaryTensorSpec
+    """The primary activation (dtype Activation)."""
+    auxiliary: tuple[BoundaryTensorSpec, ...] = ()
+    """Further tensors, in wire order."""
+
+    def __post_init__(self) -> None:
+        if not self.identity or not self.identity.strip():
+            raise _schema_error("a boundary schema needs a non-empty identity")
+        if self.primary.dtype is not BoundaryTensorDtype.ACTIVATION:
+            raise _schema_error(f"the primary boundary tensor `{self.primary.role}` of "
+                                f"`{self.identity}` must have dtype activation, found "
+                                f"{self.primary.dtype.value}", boundary=self.identity,
+                                role=self.primary.role)
+        _check_roles(self.identity, self.roles)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BoundaryWireSchema:
+        """The schema from its JSON form."""
+        return cls(identity=data["identity"], primary=BoundaryTensorSpec.from_json(data["primary"]),
+                   auxiliary=tuple(BoundaryTensorSpec.from_json(a) for a in data["auxiliary"]))
+
+    @property
+    def tensors(self) -> tuple[BoundaryTensorSpec, ...]:
+        """Primary then auxiliary specs, in wire order."""
+        return (self.primary, *self.auxiliary)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Roles in wire order."""
+        return tuple(t.role for t in self.tensors)
+
+    def resolve(self, batch: int, sequence: int, *,
+                activation_dtype: PipelineActivationDtype) -> ResolvedBoundaryWireSchema:
+        """Concrete shapes and dtypes for one invocation's batch and sequence length."""
+        return self.resolve_each(batch, [sequence] * len(self.tensors),
+                                 activation_dtype=activation_dtype)
+
+    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int], *,
+                     activation_dtype: PipelineActivationDtype) -> ResolvedBoundaryWireSchema:
+        """Concrete shapes with one sequence length per tensor.
+
+        `sequences` is in wire order (one per tensor) or keyed by role; a mapping may leave out
+        roles whose shape has no sequence dimension.
+        """
+        lengths = self._sequence_lengths(sequences)
+        bad = [(r, s) for r, s in zip(self.roles, lengths, strict=True) if s < 1]
+        if batch < 1 or bad:
+            found = f"batch {batch}" + "".join(f", sequence {s} for `{r}`" for r, s in bad)
+            raise ArchitectureBoundaryError(
+                ArchitectureBoundaryErrorKind.INVALID_GEOMETRY,
+                f"boundary `{self.identity}` needs a positive batch and sequence length; found "
+                f"{found}", boundary=self.identity, role=bad[0][0] if bad else None)
+        resolved = [t.resolve(batch, s, activation_dtype)
+                    for t, s in zip(self.tensors, lengths, strict=True)]
+        return ResolvedBoundaryWireSchema(identity=self.identity, primary=resolved[0],
+                                          auxiliary=tuple(resolved[1:]),
+                                          activation_dtype=activation_dtype)
+
+    def _sequence_lengths(self, sequences: Sequence[int] | Mapping[str, int]) -> list[int]:
+        roles = self.roles
+        if isinstance(sequences, Mapping):
+            unknown = sorted(set(sequences) - set(roles))
+            missing = [t.role for t in self.tensors if t.has_sequence and t.role not in sequences]
+            if unknown or missing:
+                detail = "; ".join(
+                    ([f"unknown role(s) {', '.join(f'`{r}`' for r in unknown)}"] if unknown else [])
+                    + ([f"no length for {', '.join(f'`{r}`' for r in missing)}"] if missing
+                       else []))
+                raise ArchitectureBoundaryError(
+                    ArchitectureBoundaryErrorKind.INVALID_GEOMETRY,
+                    f"boundary `{self.identity}` sequence lengths must be keyed by its roles "
+                    f"({', '.join(roles)}): {detail}", boundary=self.identity,
+                    role=(unknown or missing)[0])
+            return [sequences.get(r, 1) for r in roles]
+        if len(sequences) != len(roles):
+            raise ArchitectureBoundaryError(
+                ArchitectureBoundaryErrorKind.INVALID_GEOMETRY,
+                f"boundary `{self.identity}` carries {len(roles)} tensors ({', '.join(roles)}) "
+                f"but {len(sequences)} sequence lengths were given", boundary=self.identity)
+        return list(sequences)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form."""
+        return {"identity": self.identity, "primary": self.primary.to_json(),
+                "auxiliary": [a.to_json() for a in self.auxiliary]}
+
+
+# ---------------------------------------------------------------- resolved schema
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedBoundaryTensorSpec:
+    """One boundary tensor once batch and sequence are known: concrete shape and numpy dtype."""
+
+    role: str
+    """Unique role."""
+    shape: tuple[int, ...]
+    """Concrete shape."""
+    dtype: BoundaryTensorDtype
+    """Declared element type."""
+    numpy_dtype: np.dtype[Any]
+    """The concrete numpy dtype (the activation dtype for Activation tensors)."""
+
+    def __post_init__(self) -> None:
+        if not self.role or not self.role.strip():
+            raise _schema_error("a resolved boundary tensor needs a non-empty role")
+        if not self.shape or any(d < 1 for d in self.shape):
+            raise _schema_error(f"resolved boundary tensor `{self.role}` needs a non-empty "
+                                f"shape of positive sizes, found {list(self.shape)}",
+                                role=self.role)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one tensor of this spec."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * self.numpy_dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResolvedBoundaryWireSchema:
+    """A boundary wire schema for one invocation: every tensor's shape and dtype concrete."""
+
+    identity: str
+    """Schema identity."""
+    primary: ResolvedBoundaryTensorSpec
+    """The primary activation."""
+    auxiliary: tuple[ResolvedBoundaryTensorSpec, ...]
+    """Further tensors, in wire order."""
+    activation_dtype: PipelineActivationDtype
+    """The dtype Activation tensors were resolved to."""
+
+    def __post_init__(self) -> None:
+        if self.primary.dtype is not BoundaryTensorDtype.ACTIVATION:
+            raise _schema_error(f"the primary boundary tensor `{self.primary.role}` of "
+                                f"`{self.identity}` must have dtype activation",
+                                boundary=self.identity, role=self.primary.role)
+        _check_roles(self.identity, self.roles)
+
+    @property
+    def tensors(self) -> tuple[ResolvedBoundaryTensorSpec, ...]:
+        """Primary then auxiliary specs, in wire order."""
+        return (self.primary, *self.auxiliary)
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Roles in wire order."""
+        return tuple(t.role for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one whole payload."""
+        return sum(t.nbytes for t in self.tensors)
+
+
+# ---------------------------------------------------------------- contract and values
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineWireContract:
+    """What every stage of one pipeline agrees on: the boundary schema and the activation dtype."""
+
+    schema: BoundaryWireSchema
+    """The family's boundary schema."""
+    activation_dtype: PipelineActivationDtype
+    """The dtype of Activation tensors on the wire (`--activation-dtype`)."""
+
+    def resolve(self, batch: int, sequence: int) -> ResolvedBoundaryWireSchema:
+        """The schema for one invocation's batch and sequence length."""
+        return self.schema.resolve(batch, sequence, activation_dtype=self.activation_dtype)
+
+    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int]
+                     ) -> ResolvedBoundaryWireSchema:
+        """The schema with one sequence length per tensor (wire order, or keyed by role)."""
+        return self.schema.resolve_each(batch, sequences, activation_dtype=self.activation_dtype)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form."""
+        return {"schema": self.schema.to_json(), "activation_dtype": self.activation_dtype.value}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ArchitectureBoundaryValue:
+    """One tensor on the wire, coupled to its role so nobody re-assigns roles by position."""
+
+    role: str
+    """The boundary role the tensor was encoded as."""
+    tensor: Any
+    """The array (numpy)."""
+
+    def __post_init__(self) -> None:
+        if not self.role or not self.role.strip():
+            raise ArchitectureBoundaryError(ArchitectureBoundaryErrorKind.WRONG_ROLE,
+                                            "a boundary value needs a non-empty role")
+
+    def __repr__(self) -> str:
+        shape = list(getattr(self.tensor, "shape", ()))
+        return (f"ArchitectureBoundaryValue(role={self.role!r}, shape={shape}, "
+                f"dtype={getattr(self.tensor, 'dtype', type(self.tensor).__name__)})")
+
+
+def validate_boundary_tensor_count(schema: BoundaryWireSchema, tensors: Sized) -> None:
+    """Refuse a payload whose tensor count differs from the schema's, before any decoding."""
+    if len(tensors) != len(schema.tensors):
+        raise ArchitectureBoundaryError(
+            ArchitectureBoundaryErrorKind.WRONG_COUNT,
+            f"boundary `{schema.identity}` carries {len(schema.tensors)} tensor(s) "
+            f"({', '.join(schema.roles)}) but {len(tensors)} were received",
+            boundary=schema.identity)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ArchitectureBoundary:
+    """The family's typed encode/decode of one pipeline cut under a wire contract."""
+
+    contract: PipelineWireContract
+    """Schema and activation dtype."""
+
+    @property
+    def schema(self) -> BoundaryWireSchema:
+        """The boundary wire schema."""
+        return self.contract.schema
+
+    @property
+    def identity(self) -> str:
+        """The schema identity."""
+        return self.contract.schema.identity
+
+    def resolve(self, batch: int, sequence: int) -> ResolvedBoundaryWireSchema:
+        """The schema for one invocation's batch and sequence length."""
+        return self.contract.resolve(batch, sequence)
+
+    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int]
+                     ) -> ResolvedBoundaryWireSchema:
+        """The schema with one sequence length per tensor (wire order, or keyed by role)."""
+        return self.contract.resolve_each(batch, sequences)
+
+    def encode(self, primary: Any, /, **auxiliary: Any) -> tuple[ArchitectureBoundaryValue, ...]:
+        """Tag the primary activation and every auxiliary tensor (by role) for the wire.
+
+        Batch and sequence length are read from the tensors themselves (the first tensor in
+        wire order with such a dimension fixes it) and every tensor must then match exactly.
+        """
+        role = self.schema.primary.role
+        if role in auxiliary:
+            raise self._error(ArchitectureBoundaryErrorKind.WRONG_ROLE,
+                              f"`{role}` is the primary tensor of boundary `{self.identity}`; "
+                              "pass it positionally, not by keyword", role)
+        return self.encode_values({role: primary, **auxiliary})
+
+    def encode_values(self, tensors: Mapping[str, Any], *,
+                      resolved: ResolvedBoundaryWireSchema | None = None
+                      ) -> tuple[ArchitectureBoundaryValue, ...]:
+        """Tag tensors given by role, in wire order, after checking them against the schema."""
+        roles = self.schema.roles
+        unknown = [r for r in tensors if r not in roles]
+        if unknown:
+            raise self._error(ArchitectureBoundaryErrorKind.WRONG_ROLE,
+                              f"boundary `{self.identity}` has no tensor role `{unknown[0]}`; its "
+                              f"roles are {', '.join(roles)}", unknown[0])
+        missing = [r for r in roles if r not in tensors]
+        if missing:
+            raise self._error(ArchitectureBoundaryErrorKind.WRONG_COUNT,
+                              f"boundary `{self.identity}` needs tensor `{missing[0]}`; encode "
+                              f"received {', '.join(f'`{r}`' for r in tensors) or 'nothing'} of "
+                              f"{', '.join(roles)}", missing[0])
+        values = tuple(ArchitectureBoundaryValue(role=r, tensor=tensors[r]) for r in roles)
+        self._check(values, resolved)
+        return values
+
+    def decode(self, values: Sequence[ArchitectureBoundaryValue], *,
+               resolved: ResolvedBoundaryWireSchema | None = None) -> dict[str, Any]:
+        """A received payload's tensors by role, after checking count, roles, shapes, dtypes."""
+        validate_boundary_tensor_count(self.schema, values)
+        roles = self.schema.roles
+        found = [v.role for v in values]
+        for index, (expected, value) in enumerate(zip(roles, values, strict=True)):
+            if value.role != expected:
+                order = ("; the payload has the right roles in the wrong order"
+                         if sorted(found) == sorted(roles) else "")
+                raise self._error(ArchitectureBoundaryErrorKind.WRONG_ROLE,
+                                  f"boundary `{self.identity}` expects `{expected}` at wire "
+                                  f"position {index}, received `{value.role}` (wire order: "
+                                  f"{', '.join(roles)}; received: {', '.join(found)}){order}",
+                                  value.role)
+        self._check(tuple(values), resolved)
+        return {v.role: v.tensor for v in values}
+
+    def decode_tensors(self, tensors: Sequence[Any], *,
+                       resolved: ResolvedBoundaryWireSchema | None = None) -> dict[str, Any]:
+        """Decode untagged tensors straight off the wire: counted first, then tagged by order."""
+        validate_boundary_tensor_count(self.schema, tensors)
+        values = tuple(ArchitectureBoundaryValue(role=r, tensor=t)
+                       for r, t in zip(self.schema.roles, tensors, strict=True))
+        return self.decode(values, resolved=resolved)
+
+    def infer(self, values: Sequence[ArchitectureBoundaryValue]) -> ResolvedBoundaryWireSchema:
+        """The resolved schema whose batch and sequence the tensors themselves declare."""
+        batch = sequence = None
+        for spec, value in zip(self.schema.tensors, values, strict=True):
+            shape = _shape_of(value, self.identity)
+            if len(shape) != len(spec.shape):
+                continue
+            for dim, size in zip(spec.shape, shape, strict=True):
+                if dim.kind is BoundaryTensorDimensionKind.BATCH and batch is None:
+                    batch = size
+                if dim.kind is BoundaryTensorDimensionKind.SEQUENCE and sequence is None:
+                    sequence = size
+        return self.resolve(batch or 1, sequence or 1)
+
+    def _check(self, values: tuple[ArchitectureBoundaryValue, ...],
+               resolved: ResolvedBoundaryWireSchema | None) -> None:
+        if resolved is None:
+            resolved = self.infer(values)
+        elif (resolved.identity, resolved.roles, resolved.activation_dtype) != (
+                self.identity, self.schema.roles, self.contract.activation_dtype):
+            raise _schema_error(f"resolved schema `{resolved.identity}` ("
+                                f"{', '.join(resolved.roles)}, "
+                                f"{resolved.activation_dtype.value}) does not belong to boundary "
+                                f"`{self.identity}` ({', '.join(self.schema.roles)}, "
+                                f"{self.contract.activation_dtype.value})", boundary=self.identity)
+        for spec, symbolic, value in zip(resolved.tensors, self.schema.tensors, values,
+                                         strict=True):
+            shape = _shape_of(value, self.identity)
+            if shape != spec.shape:
+                raise self._error(ArchitectureBoundaryErrorKind.WRONG_SHAPE,
+                                  f"boundary tensor `{spec.role}` of `{self.identity}` has shape "
+                                  f"{list(shape)}; expected {list(spec.shape)} (declared "
+                                  f"{_spell_shape(symbolic.shape)})", spec.role)
+            if not _same_dtype(value.tensor.dtype, spec.numpy_dtype):
+                why = (f"the pipeline activation dtype {self.contract.activation_dtype.value}"
+                       if spec.dtype is BoundaryTensorDtype.ACTIVATION else "declared")
+                raise self._error(ArchitectureBoundaryErrorKind.WRONG_DTYPE,
+                                  f"boundary tensor `{spec.role}` of `{self.identity}` has dtype "
+                                  f"{value.tensor.dtype}; expected {spec.numpy_dtype} ({why})",
+                                  spec.role)
+
+    def _error(self, kind: ArchitectureBoundaryErrorKind, message: str,
+               role: str | None) -> ArchitectureBoundaryError:
+        return ArchitectureBoundaryError(kind, message, boundary=self.identity, role=role)
+
+
+def _same_dtype(found: Any, expected: np.dtype[Any]) -> bool:
+    try:
+        return bool(found == expected)
+    except TypeError:
+        return False
+
+
+def _shape_of(value: ArchitectureBoundaryValue, identity: str) -> tuple[int, ...]:
+    shape = getattr(value.tensor, "shape", None)
+    if shape is None or not hasattr(value.tensor, "dtype"):
+        raise ArchitectureBoundaryError(
+            ArchitectureBoundaryErrorKind.WRONG_SHAPE,
+            f"boundary tensor `{value.role}` of `{identity}` must be an array with a shape and a "
+            f"dtype, found {type(value.tensor).__name__}", boundary=identity, role=value.role)
+    return tuple(int(d) for d in shape)
+
+
+# ---------------------------------------------------------------- plain hidden-state boundary
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoAuxiliaryBoundarySchema:
+    """A plain hidden-state boundary: one [batch, sequence, hidden_size] activation alone."""
+
+    hidden_size: int
+    """Width of the hidden state."""
+    identity: str = "hidden"
+    """Schema identity."""
+    role: str = "hidden"
+    """Role of the hidden state."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < 1:
+            raise _schema_error(f"a hidden-state boundary needs hidden_size >= 1, found "
+                                f"{self.hidden_size}", boundary=self.identity)
+
+    def wire_schema(self) -> BoundaryWireSchema:
+        """The boundary wire schema."""
+        return BoundaryWireSchema(identity=self.identity, primary=BoundaryTensorSpec.
+                                  primary_activation(self.hidden_size, self.role))
+
+    def boundary(self, activation_dtype: PipelineActivationDtype) -> NoAuxiliaryBoundary:
+        """The boundary under `activation_dtype`."""
+        return NoAuxiliaryBoundary(contract=PipelineWireContract(
+            schema=self.wire_schema(), activation_dtype=activation_dtype))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NoAuxiliaryBoundary(ArchitectureBoundary):
+    """An ArchitectureBoundary that carries the hidden state alone and rejects anything more."""
+
+    def __post_init__(self) -> None:
+        if self.schema.auxiliary:
+            raise _schema_error(f"boundary `{self.identity}` carries auxiliary tensors "
+                                f"({', '.join(a.role for a in self.schema.auxiliary)}); a "
+                                "no-auxiliary boundary carries the primary activation alone",
+                                boundary=self.identity)
+
+    def encode_hidden(self, hidden: Any) -> tuple[ArchitectureBoundaryValue, ...]:
+        """The one-value payload of a hidden state."""
+        return self.encode(hidden)
+
+    def decode_hidden(self, values: Sequence[ArchitectureBoundaryValue]) -> Any:
+        """The hidden state of a one-value payload."""
+        return self.decode(values)[self.schema.primary.role]
+
+
+def architecture_boundary(contract: PipelineWireContract) -> ArchitectureBoundary:
+    """The boundary of `contract`: a NoAuxiliaryBoundary when it carries the hidden state alone."""
+    if contract.schema.auxiliary:
+        return ArchitectureBoundary(contract=contract)
+    return NoAuxiliaryBoundary(contract=contract)

@@ -1,0 +1,623 @@
+"""Try every known fault against partc and tabulate what happens; writes docs/faults.md.
+
+Each fault builds its inputs in a scratch folder (a broken family, config, checkpoint, output
+path or topology), runs the `partc` command line in-process (and, for checkpoint faults, the
+generated loader's `load()` as well) and records the exit status, the kind of error and its
+first message. A fault "passes" when partc reports a PartcError (exit 1, or 2 for a bad
+command line), prints no traceback and leaves the previous build byte-for-byte intact.
+
+    python scripts/fault_table.py            # rewrite docs/faults.md
+    python scripts/fault_table.py --check    # exit 1 if docs/faults.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "faults.md"
+CASES = ROOT / "tests" / "cases"
+FIXTURE = ROOT / "tests" / "fixtures" / "hf" / "llama"
+
+
+# ---------------------------------------------------------------- safetensors surgery
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, Any], bytes]:
+    """The header (as a dict) and the data region of a .safetensors file."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + size]), raw[8 + size:]
+
+
+def write_safetensors(path: Path, header: dict[str, Any] | bytes, data: bytes, *,
+                      declared_length: int | None = None) -> None:
+    """Write a .safetensors file from a header (dict or raw bytes) and a data region."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    length = len(raw) if declared_length is None else declared_length
+    path.write_bytes(struct.pack("<Q", length) + raw + data)
+
+
+def copy_checkpoint(scratch: Path, name: str = "ckpt", sharded: bool = False) -> Path:
+    """A private copy of the tiny Llama checkpoint (single file or the 4-shard index)."""
+    folder = scratch / name
+    source = FIXTURE / "sharded" if sharded else FIXTURE
+    folder.mkdir()
+    for item in source.iterdir():
+        if item.suffix in (".safetensors", ".json") and item.name != "manifest.json":
+            shutil.copy(item, folder / item.name)
+    return folder
+
+
+def _edit_header(folder: Path, edit: Callable[[dict[str, Any]], None],
+                 file: str = "model.safetensors") -> None:
+    header, data = read_safetensors(folder / file)
+    edit(header)
+    write_safetensors(folder / file, header, data)
+
+
+# ---------------------------------------------------------------- faults
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One mistake or broken input and how to provoke it."""
+
+    area: str
+    """family, config, topology, output, checkpoint."""
+    name: str
+    """Short identifier."""
+    what: str
+    """What is wrong, in words."""
+    setup: Callable[[Path], list[str]]
+    """Builds the inputs in a scratch folder; returns the `partc` arguments."""
+    load: Callable[[Path, list[str]], Any] | None = None
+    """For checkpoint faults: loads the faulty checkpoint with a generated loader."""
+    load_must_fail: bool = True
+    """Whether `load()` must refuse the checkpoint (extra tensors are not its concern)."""
+
+
+def _family_case(case: Path) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        family = next(p for p in sorted(case.iterdir()) if p.stem == "family")
+        shutil.copy(family, scratch / family.name)
+        args = ["check", family.name]
+        if (case / "config.json").is_file():
+            shutil.copy(case / "config.json", scratch / "config.json")
+            args += ["--config", "config.json"]
+        return args
+    return setup
+
+
+def _config(text: str | bytes | None = None, edit: Callable[[dict[str, Any]], Any] | None = None,
+            family: str = "llama") -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        target = scratch / "config.json"
+        if edit is not None:
+            data = json.loads((FIXTURE / "config.json").read_text())
+            edit(data)
+            target.write_text(json.dumps(data, indent=1))
+        elif isinstance(text, bytes):
+            target.write_bytes(text)
+        elif text is not None:
+            target.write_text(text)
+        args = ["compile"] + ([family] if family else [])
+        return args + ["--config", "config.json", "--out", "build"]
+    return setup
+
+
+def _config_folder(scratch: Path) -> list[str]:
+    (scratch / "config.json").mkdir()
+    return ["compile", "llama", "--config", "config.json", "--out", "build"]
+
+
+def _too_large(scratch: Path) -> list[str]:
+    with open(scratch / "config.json", "w") as handle:
+        handle.write('{"model_type": "llama", "padding": "')
+        handle.write("x" * (17 * 1024 * 1024))
+        handle.write('"}')
+    return ["compile", "llama", "--config", "config.json", "--out", "build"]
+
+
+def _family_file(content: bytes | None, name: str = "family.yaml"
+                 ) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        if content is not None:
+            (scratch / name).write_bytes(content)
+        return ["check", name]
+    return setup
+
+
+def _family_folder(scratch: Path) -> list[str]:
+    (scratch / "family.yaml").mkdir()
+    return ["check", "family.yaml"]
+
+
+def _topology(*flags: str) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        shutil.copy(FIXTURE / "config.json", scratch / "config.json")
+        return ["compile", "llama", "--config", "config.json", "--out", "build", *flags]
+    return setup
+
+
+def _output(make: Callable[[Path], str]) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        shutil.copy(FIXTURE / "config.json", scratch / "config.json")
+        return ["compile", "llama", "--config", "config.json", "--out", make(scratch)]
+    return setup
+
+
+def _file_at(scratch: Path) -> str:
+    (scratch / "afile").write_text("not a folder")
+    return "afile"
+
+
+def _under_file(scratch: Path) -> str:
+    (scratch / "afile").write_text("not a folder")
+    return "afile/build"
+
+
+def _checkpoint(make: Callable[[Path], Path]) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        shutil.copy(FIXTURE / "config.json", scratch / "config.json")
+        path = make(scratch)
+        return ["check", "llama", "--config", "config.json", "--checkpoint",
+                str(path.relative_to(scratch)), "--tp", "2"]
+    return setup
+
+
+def _load_with_good_build(scratch: Path, args: list[str]) -> Any:
+    _, package = _good_build(scratch.parent)
+    return package.load(args[args.index("--checkpoint") + 1], rank=0)
+
+
+def _fingerprinted_build(scratch: Path) -> list[str]:
+    from partc.api import compile_family
+
+    shutil.copy(FIXTURE / "config.json", scratch / "config.json")
+    copy_checkpoint(scratch, "ckpt")
+    _extra_tensor(copy_checkpoint(scratch, "other"))
+    compile_family("llama", "config.json", checkpoint="ckpt", out="fingerprinted")
+    return ["compile", "llama", "--config", "config.json", "--checkpoint", "other", "--out",
+            "fingerprinted"]
+
+
+def _load_other_checkpoint(scratch: Path, args: list[str]) -> Any:
+    name = package_name_of(scratch / "fingerprinted")
+    sys.path.insert(0, str(scratch / "fingerprinted"))
+    try:
+        package = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(scratch / "fingerprinted"))
+    return package.load("other", rank=0)
+
+
+def package_name_of(build: Path) -> str:
+    """The generated package folder of a build."""
+    return next(p.name for p in sorted(build.iterdir()) if p.is_dir())
+
+
+def _single(edit: Callable[[Path], None]) -> Callable[[Path], Path]:
+    def make(scratch: Path) -> Path:
+        folder = copy_checkpoint(scratch)
+        edit(folder)
+        return folder
+    return make
+
+
+def _sharded(edit: Callable[[Path], None]) -> Callable[[Path], Path]:
+    def make(scratch: Path) -> Path:
+        folder = copy_checkpoint(scratch, sharded=True)
+        edit(folder)
+        return folder
+    return make
+
+
+def _truncate(keep: int) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        path = folder / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:keep])
+    return edit
+
+
+def _cut_payload(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+def _header_bytes(raw: bytes, declared: int | None = None) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        _, data = read_safetensors(folder / "model.safetensors")
+        write_safetensors(folder / "model.safetensors", raw, data, declared_length=declared)
+    return edit
+
+
+def _long_header(folder: Path) -> None:
+    _, data = read_safetensors(folder / "model.safetensors")
+    write_safetensors(folder / "model.safetensors", b"{}", data,
+                      declared_length=len(data) + 1000)
+
+
+def _entry(name: str, **changes: Any) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        _edit_header(folder, lambda h: h[name].update(changes))
+    return edit
+
+
+def _overlap(folder: Path) -> None:
+    def edit(header: dict[str, Any]) -> None:
+        first = header["model.norm.weight"]["data_offsets"][0]
+        header["model.layers.2.post_attention_layernorm.weight"]["data_offsets"] = [first,
+                                                                                  first + 256]
+    _edit_header(folder, edit)
+
+
+def _rename(old: str, new: str) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        _edit_header(folder, lambda h: h.__setitem__(new, h.pop(old)))
+    return edit
+
+
+def _extra_tensor(folder: Path) -> None:
+    header, data = read_safetensors(folder / "model.safetensors")
+    header["extra.bias"] = {"dtype": "F32", "shape": [4], "data_offsets": [len(data),
+                                                                           len(data) + 16]}
+    write_safetensors(folder / "model.safetensors", header, data + bytes(16))
+
+
+def _metadata_not_strings(folder: Path) -> None:
+    _edit_header(folder, lambda h: h.__setitem__("__metadata__", {"format": 1}))
+
+
+def _index(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        path = folder / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        edit(index)
+        path.write_text(json.dumps(index, indent=1))
+    return apply
+
+
+def _missing_shard(folder: Path) -> None:
+    (folder / "model-00003-of-00004.safetensors").unlink()
+
+
+def _tensor_in_two_shards(folder: Path) -> None:
+    one, two = folder / "model-00001-of-00004.safetensors", \
+        folder / "model-00004-of-00004.safetensors"
+    h1, d1 = read_safetensors(one)
+    h4, d4 = read_safetensors(two)
+    name = "model.embed_tokens.weight"
+    begin, end = h1[name]["data_offsets"]
+    h4[name] = {**h1[name], "data_offsets": [len(d4), len(d4) + end - begin]}
+    write_safetensors(two, h4, d4 + d1[begin:end])
+
+
+def _shard_escapes(folder: Path) -> None:
+    _index(lambda i: i["weight_map"].__setitem__("lm_head.weight", "../outside.safetensors"))(
+        folder)
+
+
+def _empty_folder(scratch: Path) -> Path:
+    folder = scratch / "ckpt"
+    folder.mkdir()
+    return folder
+
+
+def _no_such_path(scratch: Path) -> Path:
+    return scratch / "missing"
+
+
+def _faults() -> Iterator[Fault]:
+    for case in sorted(CASES.iterdir()) if CASES.is_dir() else []:
+        if (case / "expected.txt").is_file() and (case / "expected.txt").read_text().strip():
+            what = (case / "README").read_text().strip() if (case / "README").is_file() \
+                else case.name.replace("_", " ")
+            yield Fault("family", case.name, what, _family_case(case))
+    files: list[tuple[str, str, Callable[[Path], list[str]]]] = [
+        ("missing_file", "the family file does not exist", _family_file(None)),
+        ("is_a_folder", "the family file is a folder", _family_folder),
+        ("not_utf8", "the family file is Latin-1", _family_file(b"family: caf\xe9\n")),
+        ("nul_character", "a NUL byte in the text", _family_file(b"family: x\x00\n")),
+        ("too_large", "over the 1 MiB limit",
+         _family_file(b"description: " + b"x" * (1024 * 1024) + b"\n")),
+        ("unknown_suffix", "family.json", _family_file(b"{}", "family.json")),
+        ("unknown_builtin", "`partc check nosuchmodel`", lambda scratch: ["check", "nosuchmodel"]),
+    ]
+    for name, what, setup in files:
+        yield Fault("family_file", name, what, setup)
+    base = json.loads((FIXTURE / "config.json").read_text())
+    configs: list[tuple[str, str, Callable[[Path], list[str]]]] = [
+        ("missing_file", "config.json does not exist", _config(None)),
+        ("is_a_folder", "config.json is a folder", _config_folder),
+        ("not_utf8", "config.json is Latin-1", _config(b'{"model_type": "llama\xe9"}')),
+        ("malformed_json", "a trailing comma", _config('{"model_type": "llama",}')),
+        ("nan_literal", "NaN is not JSON", _config('{"model_type": "llama", "x": NaN}')),
+        ("duplicate_key", "hidden_size twice",
+         _config(json.dumps(base, indent=1)[:-2] + ',\n "hidden_size": 32\n}')),
+        ("not_an_object", "a JSON array", _config("[1, 2, 3]")),
+        ("empty_file", "zero bytes", _config("")),
+        ("too_large", "over the 16 MiB limit", _too_large),
+        ("deep_nesting", "arrays nested 100 deep",
+         _config('{"model_type": "llama", "x": ' + "[" * 100 + "]" * 100 + "}")),
+        ("wrong_type", "num_hidden_layers is a string",
+         _config(edit=lambda c: c.update(num_hidden_layers="3"))),
+        ("bool_for_int", "hidden_size is true", _config(edit=lambda c: c.update(hidden_size=True))),
+        ("missing_field", "no vocab_size", _config(edit=lambda c: c.pop("vocab_size"))),
+        ("unknown_model_type", "model_type nope, no family given",
+         _config(edit=lambda c: c.update(model_type="nope"), family="")),
+        ("model_type_mismatch", "a qwen2 config for the llama family",
+         _config(edit=lambda c: c.update(model_type="qwen2"))),
+        ("huge_integer", "hidden_size = 2**70", _config(edit=lambda c: c.update(
+            hidden_size=2**70))),
+        ("negative_size", "vocab_size = -1", _config(edit=lambda c: c.update(vocab_size=-1))),
+        ("zero_heads", "num_attention_heads = 0 and no head_dim",
+         _config(edit=lambda c: [c.update(num_attention_heads=0), c.pop("head_dim")])),
+        ("unknown_dtype", "dtype: float128", _config(edit=lambda c: c.update(dtype="float128"))),
+    ]
+    for name, what, setup in configs:
+        yield Fault("config", name, what, setup)
+    topologies = [
+        ("tp_not_dividing_heads", "--tp 3 with 4 query and 2 KV heads",
+         _topology("--tp", "3")),
+        ("more_stages_than_layers", "--pp 5 with 3 layers", _topology("--pp", "5")),
+        ("stage_units_not_summing", "--pp 2 --pp-layers 1,1 with 3 layers",
+         _topology("--pp", "2", "--pp-layers", "1,1")),
+        ("zero_tp", "--tp 0", _topology("--tp", "0")),
+        ("bad_activation_dtype", "--activation-dtype int8",
+         _topology("--activation-dtype", "int8")),
+    ]
+    for name, what, setup in topologies:
+        yield Fault("topology", name, what, setup)
+    yield Fault("output", "out_is_a_file", "--out names an existing file", _output(_file_at))
+    yield Fault("output", "out_under_a_file", "--out is inside a file",
+                _output(_under_file))
+    checkpoints: list[tuple[str, str, Callable[[Path], Path]]] = [
+        ("no_such_path", "the checkpoint path does not exist", _no_such_path),
+        ("empty_folder", "a folder with no safetensors", _empty_folder),
+        ("shorter_than_8_bytes", "a 5-byte file", _single(_truncate(5))),
+        ("truncated_header", "cut inside the JSON header", _single(_truncate(1000))),
+        ("truncated_payload", "the last 1000 payload bytes cut", _single(_cut_payload)),
+        ("header_length_beyond_file", "declared header length past the end",
+         _single(_long_header)),
+        ("huge_header_length", "declared header length of 200 MiB",
+         _single(_header_bytes(b"{}", 200 * 1024 * 1024))),
+        ("malformed_header_json", "header is not JSON", _single(_header_bytes(b"{not json"))),
+        ("header_not_an_object", "header is a JSON array", _single(_header_bytes(b"[1, 2]"))),
+        ("header_not_utf8", "header bytes are not UTF-8",
+         _single(_header_bytes(b'{"\xff": 1}'))),
+        ("duplicate_header_key", "a tensor named twice in the header",
+         _single(_header_bytes(b'{"a": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]},'
+                               b' "a": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}'))),
+        ("overlapping_offsets", "two tensors share bytes", _single(_overlap)),
+        ("offsets_out_of_file", "data_offsets past the data region",
+         _single(_entry("model.norm.weight", data_offsets=[10**9, 10**9 + 256]))),
+        ("byte_size_mismatch", "shape [64] but offsets span 128 bytes",
+         _single(_entry("model.norm.weight", shape=[32]))),
+        ("unknown_dtype", "dtype F128", _single(_entry("model.norm.weight", dtype="F128"))),
+        ("negative_dimension", "shape [-64]", _single(_entry("model.norm.weight", shape=[-64]))),
+        ("metadata_not_strings", "__metadata__ holds a number", _single(_metadata_not_strings)),
+        ("missing_shard_file", "a shard named by the index is gone", _sharded(_missing_shard)),
+        ("tensor_in_two_shards", "embed_tokens in shards 1 and 4",
+         _sharded(_tensor_in_two_shards)),
+        ("index_names_wrong_shard", "the index maps lm_head to shard 1", _sharded(_index(
+            lambda i: i["weight_map"].__setitem__("lm_head.weight",
+                                                  "model-00001-of-00004.safetensors")))),
+        ("index_shard_escapes_folder", "a shard named ../outside.safetensors",
+         _sharded(_shard_escapes)),
+        ("index_without_weight_map", "index lacks weight_map",
+         _sharded(_index(lambda i: i.pop("weight_map")))),
+        ("wrong_dtype", "norm stored as F16", _single(_entry(
+            "model.norm.weight", dtype="F16", data_offsets=[510976, 511104]))),
+        ("wrong_shape", "norm stored as [8, 8]", _single(_entry("model.norm.weight",
+                                                                 shape=[8, 8]))),
+        ("missing_tensor", "model.norm.weight renamed away",
+         _single(_rename("model.norm.weight", "model.norm.weights"))),
+        ("unexpected_tensor", "an extra tensor nobody owns", _single(_extra_tensor)),
+    ]
+    for name, what, make in checkpoints:
+        yield Fault("checkpoint", name, what, _checkpoint(make), _load_with_good_build,
+                    load_must_fail=name != "unexpected_tensor")
+    yield Fault("checkpoint", "fingerprint_mismatch", "build compiled against one checkpoint, "
+                "loaded with another whose header differs", _fingerprinted_build,
+                _load_other_checkpoint)
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What partc did with one fault."""
+
+    fault: Fault
+    exit_status: int
+    kind: str
+    message: str
+    traceback: bool
+    build_intact: bool | None
+    loader: str | None
+
+
+def _run_cli(args: list[str]) -> tuple[int, str, str]:
+    from partc.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(args)
+        except SystemExit as exit_:
+            status = int(exit_.code or 0)
+    return status, out.getvalue(), err.getvalue()
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def _first_error(text: str) -> tuple[str, str]:
+    """(kind, first error line) from a JSON report; falls back to the stderr text."""
+    try:
+        report = json.loads(text)
+        first = report["errors"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return "", ""
+    where = first["file"] or ""
+    if first["line"]:
+        where += f":{first['line']}:{first['column']}"
+    if first.get("tensor"):
+        where += f" (tensor {first['tensor']})" if where else f"tensor {first['tensor']}"
+    message = (f"{where}: " if where else "") + first["message"]
+    if first["pointer"]:
+        message += f" [at {first['pointer']}]"
+    return first["kind"], message
+
+
+_GOOD_BUILD: dict[str, Any] = {}
+
+
+def _good_build(work: Path) -> tuple[Path, Any]:
+    """A clean TP=2 build of the tiny Llama, compiled once, and its imported package."""
+    if "package" not in _GOOD_BUILD:
+        from partc.api import compile_family
+        from partc.emit import package_name
+
+        out = work / "good-build"
+        result = compile_family("llama", FIXTURE / "config.json", tensor_parallel_size=2,
+                                out=out)
+        sys.path.insert(0, str(out))
+        try:
+            _GOOD_BUILD["package"] = importlib.import_module(package_name(result.plan))
+        finally:
+            sys.path.remove(str(out))
+        _GOOD_BUILD["out"] = out
+    return _GOOD_BUILD["out"], _GOOD_BUILD["package"]
+
+
+def run_fault(fault: Fault, work: Path) -> Outcome:
+    """Provoke one fault in a fresh scratch folder under `work` and record the outcome."""
+    from partc.errors import PartcError
+
+    scratch = work / f"{fault.area}-{fault.name}"
+    scratch.mkdir()
+    previous = os.getcwd()
+    os.chdir(scratch)
+    try:
+        args = fault.setup(scratch)
+        before = None
+        if args[0] == "compile":
+            build = scratch / args[args.index("--out") + 1]
+            if build.name == "build" and not build.exists() and build.parent.is_dir():
+                from partc.api import compile_family
+
+                compile_family("llama", FIXTURE / "config.json", out=build)
+            before = _tree(build) if build.is_dir() else None
+        status, out, err = _run_cli([*args, "--format", "json"] if args[0] in (
+            "check", "compile") else args)
+        kind, message = _first_error(out)
+        if not kind:
+            kind, message = "usage" if status == 2 else "", err.strip().splitlines()[-1:][0] \
+                if err.strip() else ""
+        _, _, text_err = _run_cli(args)
+        traceback = "Traceback" in err + text_err
+        intact = None if before is None else _tree(build) == before
+        loader = None
+        if fault.load is not None:
+            try:
+                fault.load(scratch, args)
+                loader = ("loaded (not detected)" if fault.load_must_fail
+                          else "loaded its own tensors (extra ones are not its concern)")
+            except PartcError as error:
+                loader = f"{type(error).__name__}: {error.message}"
+            except Exception as error:  # noqa: BLE001 - a bug, recorded as such
+                loader = f"BUG {type(error).__name__}: {error}"
+    finally:
+        os.chdir(previous)
+    return Outcome(fault=fault, exit_status=status, kind=kind, message=message,
+                   traceback=traceback, build_intact=intact, loader=loader)
+
+
+def run_all() -> list[Outcome]:
+    """Every fault's outcome, in table order."""
+    with tempfile.TemporaryDirectory(prefix="partc-faults-") as scratch:
+        _GOOD_BUILD.clear()
+        try:
+            return [run_fault(fault, Path(scratch)) for fault in _faults()]
+        finally:
+            _GOOD_BUILD.clear()
+
+
+def _cell(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("`", "'")
+
+
+def passed(outcome: Outcome) -> bool:
+    """Whether partc handled the fault as it must: a PartcError, no traceback, build intact."""
+    loader_ok = (outcome.loader is None or not outcome.loader.startswith("BUG") and (
+        not outcome.fault.load_must_fail or not outcome.loader.startswith("loaded")))
+    return (outcome.exit_status in (1, 2) and not outcome.traceback
+            and outcome.build_intact is not False and outcome.kind not in ("", "internal")
+            and loader_ok)
+
+
+def render(outcomes: list[Outcome]) -> str:
+    """The markdown table of docs/faults.md."""
+    lines = [
+        "# Faults partc was tried against",
+        "",
+        "Generated by `python scripts/fault_table.py`; `tests/test_faults.py` fails when this "
+        "file is out of date. Every fault runs the `partc` command line (`check`, or `compile` "
+        "over a previous build that must survive byte for byte); checkpoint faults also go "
+        "through a generated loader's `load()` (TP=2, rank 0). The message is the first error "
+        "of the JSON report; paths are relative to the scratch folder of the fault.",
+        "",
+        f"{sum(passed(o) for o in outcomes)} of {len(outcomes)} faults handled: a PartcError "
+        "with a located message, no traceback, the previous build intact.",
+        "",
+        "| area | fault | what is wrong | exit | error | first message | build intact | "
+        "generated `load()` |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        intact = {None: "-", True: "yes", False: "**NO**"}[o.build_intact]
+        lines.append(
+            f"| {o.fault.area} | {o.fault.name} | {_cell(o.fault.what)} | {o.exit_status} | "
+            f"{o.kind or '-'} | {_cell(o.message)} | {intact} | "
+            f"{_cell(o.loader) if o.loader else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate docs/faults.md, or check it is up to date with --check."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    text = render(run_all())
+    if args.check:
+        if not DOC.is_file() or DOC.read_text() != text:
+            print(f"{DOC.relative_to(ROOT)} is out of date: run python scripts/fault_table.py")
+            return 1
+        print(f"{DOC.relative_to(ROOT)} is up to date")
+        return 0
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Stage 4, binding to config.json: config mistakes and evaluation errors, located exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_family import MINI
+
+from partc.api import check_family
+
+CONFIG = {"model_type": "mini", "hidden_size": 8, "num_layers": 2, "vocab_size": 16}
+
+
+def bind_errors(tmp_path, monkeypatch, family: str = MINI, config: object = None,
+                raw_config: str | None = None) -> list[str]:
+    (tmp_path / "family.yaml").write_text(family)
+    text = raw_config if raw_config is not None else json.dumps(
+        CONFIG if config is None else config, indent=1)
+    (tmp_path / "config.json").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    errors = check_family("family.yaml", "config.json")
+    return [str(e) for e in sorted(errors, key=lambda e: e.sort_key())]
+
+
+def with_config_fields(extra: str) -> str:
+    return MINI.replace("  vocab_size: int\n", "  vocab_size: int\n" + extra, 1)
+
+
+def test_the_mini_family_binds_to_its_config(tmp_path, monkeypatch):
+    assert bind_errors(tmp_path, monkeypatch) == []
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({**CONFIG, "hidden_size": "8"},
+     "config.json:3:17: config field `hidden_size` must be int, found str '8' (declared at "
+     "family.yaml:4:16) [at /hidden_size]"),
+    ({**CONFIG, "hidden_size": True},
+     "config.json:3:17: config field `hidden_size` must be int, found bool True (declared at "
+     "family.yaml:4:16) [at /hidden_size]"),
+    ({k: v for k, v in CONFIG.items() if k != "vocab_size"},
+     "config.json:1:1: config.json has no `vocab_size`, which family `mini` requires (declared "
+     "as int with no default) [at /vocab_size]"),
+    ({**CONFIG, "model_type": "llama"},
+     "config.json:2:16: config model_type is 'llama' but family `mini` describes 'mini' "
+     "[at /model_type]"),
+    ({**CONFIG, "vocab_size": -4},
+     "family.yaml:17:23: a shape dimension `vocab_size` must be >= 0, found -4 "
+     "[at /parameters/0/params/weight/0]"),
+    ({**CONFIG, "hidden_size": 2**80},
+     "family.yaml:17:35: integer overflow: `hidden_size` = 1208925819614629174706176 exceeds "
+     "2**63 [at /parameters/0/params/weight/1]"),
+])
+def test_a_config_mistake_names_the_config_line_or_the_expression_that_fails(
+        tmp_path, monkeypatch, config, expected):
+    assert bind_errors(tmp_path, monkeypatch, config=config) == [expected]
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ("  heads: {type: int, default: 0}\n  head_dim: {type: int, default: hidden_size // heads}\n",
+     "family.yaml:8:46: division by zero: `hidden_size // heads` where heads = 0 "
+     "[at /config/head_dim/default]"),
+    ("  odd: {type: int, default: 'hidden_size % (num_layers - 2)'}\n",
+     "family.yaml:7:42: modulo by zero: `hidden_size % (num_layers - 2)` where (num_layers - 2)"
+     " = 0 [at /config/odd/default]"),
+    ("  a: {type: int, default: b + 1}\n  b: {type: int, default: a * 2}\n",
+     "family.yaml:7:6: config defaults depend on each other in a cycle: `a`, `b` "
+     "[at /config/a]"),
+    ("  mixed: {type: int, default: hidden_size + true}\n",
+     "family.yaml:7:43: `+` needs integers, found int (8) and bool (true) "
+     "[at /config/mixed/default]"),
+])
+def test_a_default_that_cannot_be_evaluated_points_at_its_operator(tmp_path, monkeypatch,
+                                                                   fields, expected):
+    assert bind_errors(tmp_path, monkeypatch, with_config_fields(fields)) == [expected]
+
+
+def test_a_condition_that_is_not_a_boolean_is_an_error_at_the_condition(tmp_path, monkeypatch):
+    family = MINI.replace("    owner: {unit: decoder}\n",
+                          "    owner: {unit: decoder}\n    when: hidden_size\n", 1)
+    assert bind_errors(tmp_path, monkeypatch, family) == [
+        "family.yaml:21:11: condition `hidden_size` must be true or false, found 8 "
+        "[at /parameters/1/when]"]
+
+
+def test_a_group_name_repeated_by_units_says_to_include_the_unit(tmp_path, monkeypatch):
+    family = MINI.replace('  - name: "layers.{unit}.mlp"', '  - name: "layers.mlp"', 1)
+    assert bind_errors(tmp_path, monkeypatch, family) == [
+        "family.yaml:18:5: parameter group name `layers.mlp` is produced twice (by another "
+        "instance of this same declaration); names must be unique, e.g. include `{unit}` "
+        "[at /parameters/1]"]
+
+
+def test_a_group_name_produced_by_two_declarations_names_both(tmp_path, monkeypatch):
+    family = MINI.replace('  - name: "layers.{unit}.mlp"', '  - name: "embedding"', 1).replace(
+        "owner: {unit: decoder}", "owner: {static: embedding}").replace(
+        '"model.layers.{unit}.', '"model.x.')
+    assert bind_errors(tmp_path, monkeypatch, family) == [
+        "family.yaml:18:5: parameter group name `embedding` is produced twice (also by "
+        "family.yaml:12:5); names must be unique, e.g. include `{unit}` [at /parameters/1]"]
+
+
+def test_every_owner_condition_false_is_an_error_at_the_group(tmp_path, monkeypatch):
+    family = MINI.replace("owner: {static: embedding}",
+                          "owner: [{static: embedding, when: num_layers > 5}]", 1)
+    assert bind_errors(tmp_path, monkeypatch, family) == [
+        "family.yaml:12:5: no owner choice applies: every `when` is false [at /parameters/0]"]
+
+
+def test_a_malformed_config_is_a_load_error_located_in_the_config(tmp_path, monkeypatch):
+    assert bind_errors(tmp_path, monkeypatch, raw_config='{"model_type": "mini",\n "x": }') == [
+        "config.json:2:7: malformed JSON in config.json: Expecting value"]

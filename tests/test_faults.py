@@ -1,0 +1,264 @@
+"""The table of known mistakes and faults: each gives its one clear message, never a traceback,
+never a half-written build."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from regenerate_cases import case_errors, case_folders, expected_errors, toml_spelling
+from support import ROOT, checkpoint_tensors, hf, import_build
+
+from partc.api import compile_family, plan_family
+from partc.errors import CheckpointError
+from partc.load import load_document
+from partc.plan import Topology, canonical_json
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import fault_table  # noqa: E402
+
+CONFIG = hf("llama") / "config.json"
+
+
+# ---------------------------------------------------------------- the case table
+
+ERROR_CASES = [p for p in case_folders() if expected_errors(p)]
+
+
+def test_the_case_table_holds_at_least_25_known_mistakes():
+    assert len(ERROR_CASES) >= 25
+
+
+@pytest.mark.parametrize("case", case_folders(), ids=lambda p: p.name)
+def test_each_case_gives_exactly_its_expected_error_lines(case):
+    assert case_errors(case) == expected_errors(case)
+
+
+def _plan_without_provenance(family: str | Path, config: Path, topology: Topology) -> str:
+    data = plan_family(family, config, topology).to_json()
+    data.pop("sources")
+    data.pop("plan_hash")
+    return canonical_json(data)
+
+
+def test_the_toml_twin_of_llama_yaml_compiles_to_the_same_plan():
+    twin = ROOT / "tests" / "cases" / "llama_toml_twin" / "family.toml"
+    topology = Topology(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert _plan_without_provenance(twin, CONFIG, topology) == _plan_without_provenance(
+        ROOT / "architectures" / "llama.yaml", CONFIG, topology), (
+        "the TOML twin drifted from architectures/llama.yaml: run "
+        "python tests/regenerate_cases.py --toml-twin")
+
+
+def _fixture_configs() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for config in sorted((ROOT / "tests" / "fixtures" / "hf").glob("*/config.json")):
+        model_type = json.loads(config.read_text()).get("model_type")
+        found.setdefault(model_type, config)
+    return found
+
+
+@pytest.mark.parametrize("family", sorted((ROOT / "architectures").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_built_in_family_spelled_in_toml_compiles_to_the_same_plan(family, tmp_path):
+    data = load_document(family).data
+    configs = _fixture_configs()
+    config = next((configs[t] for t in data["model_types"] if t in configs), None)
+    if config is None:
+        pytest.skip(f"no fixture config for {family.name}")
+    twin = tmp_path / f"{family.stem}.toml"
+    twin.write_text(toml_spelling(data))
+    assert load_document(twin).data == data
+    assert _plan_without_provenance(twin, config, Topology()) == _plan_without_provenance(
+        family, config, Topology())
+
+
+# ---------------------------------------------------------------- the fault table
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, fault_table.Outcome]:
+    return {f"{o.fault.area}/{o.fault.name}": o for o in fault_table.run_all()}
+
+
+def test_docs_faults_md_is_the_current_fault_table(outcomes):
+    text = fault_table.render(list(outcomes.values()))
+    assert fault_table.DOC.read_text() == text, "run python scripts/fault_table.py"
+
+
+def test_every_fault_is_a_located_partc_error_without_traceback_or_damage(outcomes):
+    failed = [name for name, outcome in outcomes.items() if not fault_table.passed(outcome)]
+    assert failed == []
+    assert len(outcomes) >= 100
+
+
+@pytest.mark.parametrize(("fault", "message", "loader"), [
+    ("shorter_than_8_bytes",
+     "ckpt/model.safetensors: truncated file: 5 bytes, expected at least 8 for the header length",
+     "CheckpointError: truncated file: 5 bytes, expected at least 8 for the header length"),
+    ("truncated_payload",
+     "ckpt/model.safetensors (tensor model.layers.2.self_attn.v_proj.weight): data offsets "
+     "beyond the file (truncated file?): tensor ends at data byte 510976, the data region holds "
+     "510232 bytes", None),
+    ("header_length_beyond_file",
+     "ckpt/model.safetensors: header length 512232 beyond the file of size 511242", None),
+    ("malformed_header_json",
+     "ckpt/model.safetensors: header is not valid JSON: Expecting property name enclosed in "
+     "double quotes at line 1 column 2", None),
+    ("overlapping_offsets",
+     "ckpt/model.safetensors (tensor model.norm.weight): tensor byte ranges overlap: "
+     "'model.layers.2.post_attention_layernorm.weight' spans [510976, 511232) and "
+     "'model.norm.weight' spans [510976, 511232); expected disjoint ranges", None),
+    ("offsets_out_of_file",
+     "ckpt/model.safetensors (tensor model.norm.weight): data offsets beyond the file "
+     "(truncated file?): tensor ends at data byte 1000000256, the data region holds 511232 "
+     "bytes", None),
+    ("byte_size_mismatch",
+     "ckpt/model.safetensors (tensor model.norm.weight): dtype/shape byte-size mismatch: F32 "
+     "[32] needs 128 bytes, data_offsets [510976, 511232] span 256", None),
+    ("missing_shard_file",
+     "ckpt/model.safetensors.index.json: missing shard file model-00003-of-00004.safetensors "
+     "named by the index", None),
+    ("tensor_in_two_shards",
+     "ckpt/model-00004-of-00004.safetensors (tensor model.embed_tokens.weight): tensor "
+     "'model.embed_tokens.weight' is in two shards: model-00001-of-00004.safetensors and "
+     "model-00004-of-00004.safetensors; expected exactly one", None),
+    ("wrong_dtype",
+     "ckpt/model.safetensors (tensor model.norm.weight): tensor 'model.norm.weight' is F16 in "
+     "the checkpoint; the family declares F32",
+     "CheckpointError: tensor `model.norm.weight` has dtype F16 in the checkpoint; the plan "
+     "expects F32"),
+    ("wrong_shape",
+     "ckpt/model.safetensors (tensor model.norm.weight): tensor 'model.norm.weight' has shape "
+     "[8, 8] in the checkpoint; the family declares [64]",
+     "CheckpointError: tensor `model.norm.weight` has shape [8, 8] in the checkpoint; the plan "
+     "expects [64]"),
+    ("missing_tensor",
+     "ckpt (tensor model.norm.weight): the family declares tensor 'model.norm.weight', which the "
+     "checkpoint does not have",
+     "CheckpointError: tensor `model.norm.weight` of the plan is not in the checkpoint"),
+])
+def test_checkpoint_faults_are_caught_from_the_header_by_check_and_by_load(outcomes, fault,
+                                                                         message, loader):
+    outcome = outcomes[f"checkpoint/{fault}"]
+    assert (outcome.exit_status, outcome.message) == (1, message)
+    assert outcome.loader is not None and outcome.loader.startswith("CheckpointError: ")
+    if loader is not None:
+        assert outcome.loader == loader
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def test_a_fingerprinted_build_refuses_a_different_header_unless_told_otherwise(tmp_path):
+    monkey_cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        fault_table._fingerprinted_build(tmp_path)
+        plan = compile_family("llama", "config.json", checkpoint="ckpt",
+                              tensor_parallel_size=2, out="fingerprinted").plan
+        package = import_build(tmp_path / "fingerprinted", plan)
+        with pytest.raises(CheckpointError) as caught:
+            package.load("other", rank=1)
+        assert caught.value.message.startswith("checkpoint header fingerprint ")
+        assert caught.value.message.endswith(
+            "; recompile against this checkpoint or pass verify_fingerprint=False")
+        state = package.load("other", rank=1, verify_fingerprint=False)
+        same = package.load("ckpt", rank=1)
+    finally:
+        os.chdir(monkey_cwd)
+    assert state.tensors.keys() == same.tensors.keys()
+    for name, array in state.tensors.items():
+        np.testing.assert_array_equal(array, same.tensors[name])
+    full = checkpoint_tensors(hf("llama"))
+    np.testing.assert_array_equal(state.tensors["model.norm.weight"], full["model.norm.weight"])
+
+
+# ---------------------------------------------------------------- killed compiles
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def two_builds(tmp_path_factory) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    base = tmp_path_factory.mktemp("builds")
+    compile_family("llama", CONFIG, tensor_parallel_size=2, out=base / "old")
+    compile_family("llama", CONFIG, pipeline_parallel_size=3, out=base / "new")
+    return _tree(base / "old"), _tree(base / "new")
+
+
+KILL_AT = """
+import os, shutil, signal, partc.emit as emit
+target, when = {target!r}, {when}
+count = [0]
+def dying(real):
+    def wrapper(*args, **kwargs):
+        count[0] += 1
+        if count[0] == when:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    return wrapper
+if target == "exchange":
+    emit._exchange = dying(emit._exchange)
+elif target == "rmtree":
+    emit.shutil.rmtree = dying(shutil.rmtree)
+else:
+    setattr(os, target, dying(getattr(os, target)))
+from partc.api import compile_family
+compile_family("llama", {config!r}, pipeline_parallel_size=3, out={out!r})
+"""
+
+
+@pytest.mark.parametrize(("target", "when", "expect"), [
+    ("fsync", 1, "old"), ("fsync", 3, "old"), ("fsync", 6, "old"), ("chmod", 1, "old"),
+    ("exchange", 1, "old"), ("rmtree", 1, "new"),
+])
+def test_a_compile_killed_at_each_step_of_the_write_leaves_a_whole_build(
+        tmp_path, two_builds, target, when, expect):
+    old, new = two_builds
+    out = tmp_path / "build"
+    compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
+    script = KILL_AT.format(target=target, when=when, config=str(CONFIG), out=str(out))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    assert _tree(out) == (old if expect == "old" else new)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "build"]
+    assert all(name.startswith(".build.") for name in leftovers)
+
+
+LOOP = """
+from partc.api import compile_family
+while True:
+    for options in ({{"tensor_parallel_size": 2}}, {{"pipeline_parallel_size": 3}}):
+        compile_family("llama", {config!r}, out={out!r}, **options)
+"""
+
+
+def test_compiles_killed_at_random_moments_always_leave_the_old_or_the_new_build(
+        tmp_path, two_builds):
+    old, new = two_builds
+    out = tmp_path / "build"
+    compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
+    chance = random.Random(7)
+    seen = set()
+    for _ in range(int(os.environ.get("PARTC_KILL_ROUNDS", "4"))):
+        process = subprocess.Popen([sys.executable, "-c", LOOP.format(config=str(CONFIG),
+                                                                      out=str(out))], cwd=ROOT)
+        time.sleep(chance.uniform(0.6, 1.6))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        tree = _tree(out)
+        assert tree in (old, new)
+        seen.add("old" if tree == old else "new")
+    assert seen

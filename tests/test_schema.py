@@ -1,0 +1,141 @@
+"""Stage 2, the schema: every violation says what was expected and found, at the exact node."""
+
+from __future__ import annotations
+
+import pytest
+
+from partc.errors import SchemaError
+from partc.load import load_document
+from partc.schema import validate_document
+
+MINI = """\
+family: mini
+model_types: [mini]
+config:
+  hidden_size: int
+  vocab_size: int
+graph:
+  - {group: decoder, units: 2, path: "layers.{unit}", state: true}
+static:
+  embedding: {stage: first}
+parameters:
+  - name: embedding
+    role: vocabulary
+    owner: {static: embedding}
+    module: embed
+    sharding: {balanced: 0}
+    params: {weight: [vocab_size, hidden_size]}
+boundary:
+  identity: mini.hidden
+  primary: {role: hidden, shape: [batch, sequence, hidden_size], dtype: activation}
+"""
+
+
+def errors(text: str, name: str = "f.yaml") -> list[str]:
+    return [str(e) for e in validate_document(load_document(name, text=text))]
+
+
+def edited(old: str, new: str) -> list[str]:
+    assert old in MINI
+    return errors(MINI.replace(old, new, 1))
+
+
+def test_the_mini_family_is_schema_valid():
+    assert errors(MINI) == []
+
+
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    ("model_types: [mini]", "model_types: mini",
+     'f.yaml:2:14: expected a list, found "mini" [at /model_types]'),
+    ("model_types: [mini]", "model_types: []",
+     "f.yaml:2:14: expected at least 1 item, found 0 [at /model_types]"),
+    ("    role: vocabulary", "    role: vocab",
+     'f.yaml:12:11: expected one of "replicated", "column_projection", "row_projection", '
+     '"vocabulary", "attention_heads", "feed_forward_intermediate", "expert_intermediate", '
+     '"channels", "segmented", found "vocab"; did you mean "vocabulary"? [at /parameters/0/role]'),
+    ("  hidden_size: int", "  hidden-size: int",
+     'f.yaml:4:3: key "hidden-size" is not allowed: expected an identifier (letters, digits and '
+     "`_`, not starting with a digit) [at /config]"),
+    ("  hidden_size: int", "  hidden_size: integer",
+     'f.yaml:4:16: expected one of "int", "bool", "str", "float", "int_list", "str_list", "any" '
+     'or a mapping, found "integer"; did you mean "int"? [at /config/hidden_size]'),
+    ("    sharding: {balanced: 0}", "    sharding: {balanced: x}",
+     'f.yaml:15:26: expected an integer, found "x" [at /parameters/0/sharding/balanced]'),
+    ("    sharding: {balanced: 0}", "    sharding: {balanced: 0o2}",
+     'f.yaml:15:26: expected an integer, found "0o2"; YAML 1.1 would read `0o2` as the octal '
+     "integer 2; partc reads YAML 1.2 and keeps it the string '0o2' (write 2) "
+     "[at /parameters/0/sharding/balanced]"),
+    ("    sharding: {balanced: 0}", "    sharding: {balance: 0}",
+     "f.yaml:15:15: expected a mapping with `equal`, a mapping with `balanced`, a mapping with "
+     "`partitioned`, a mapping with `partitioned_segments` or a mapping with `segmented`, found "
+     '{"balance": 0}; unexpected key `balance`; did you mean `balanced`? '
+     "[at /parameters/0/sharding]"),
+    ("    sharding: {balanced: 0}", "    sharding: column",
+     'f.yaml:15:15: expected "replicated" or a mapping, found "column" '
+     "[at /parameters/0/sharding]"),
+    ("    owner: {static: embedding}", "    owner: {static: embedding, unit: decoder}",
+     "f.yaml:13:12: expected exactly one of `static`, `any_of`, `unit`, found `static`, `unit` "
+     "[at /parameters/0/owner]"),
+    ("    module: embed\n",
+     "    module: embed\n    projections: [{module: m, sharding: row, params: {w: [1]}}]\n",
+     "f.yaml:11:5: expected exactly one of `members`, `module`, `projections`, `fused`, found "
+     "`module`, `projections` [at /parameters/0]"),
+    ("    module: embed\n",
+     "    module: embed\n    fused: {module: f, segments: [1], params: {w: [1]}}\n",
+     "f.yaml:11:5: expected exactly one of `members`, `module`, `projections`, `fused`, found "
+     "`module`, `fused` [at /parameters/0]"),
+    ("state: true}", "state: no}",
+     "f.yaml:7:62: expected a boolean, found \"no\"; YAML 1.1 would read `no` as false; partc "
+     "reads YAML 1.2 and keeps it the string 'no' (write false, or quote it) [at /graph/0/state]"),
+    ("shape: [batch, sequence, hidden_size]", "shape: [batch, 0]",
+     "f.yaml:19:42: expected a number >= 1, found 0 [at /boundary/primary/shape/1]"),
+    ("params: {weight: [vocab_size, hidden_size]}",
+     "params: {weight: {shape: [vocab_size], extra: 1}}",
+     "f.yaml:16:51: unexpected key `extra` (allowed here: dtype, shape, when) "
+     "[at /parameters/0/params/weight/extra]"),
+])
+def test_one_mistake_gives_one_message_stating_rule_and_value(old, new, expected):
+    assert edited(old, new) == [expected]
+
+
+def test_an_unknown_key_is_pointed_at_itself_with_a_suggestion():
+    (message,) = edited("    role: vocabulary\n", "    role: vocabulary\n    shards: 2\n")
+    assert message.startswith("f.yaml:13:13: unexpected key `shards`; did you mean `sharding`? "
+                              "(allowed here: ")
+    assert message.endswith("[at /parameters/0/shards]")
+
+
+def test_missing_required_keys_are_reported_one_by_one_at_the_mapping():
+    assert errors("family: x\nmodel_types: [x]\nconfig: {}\ngraph: []\n") == [
+        "f.yaml:1:1: missing required key `boundary`",
+        "f.yaml:1:1: missing required key `parameters`",
+        "f.yaml:4:8: expected at least 1 item, found 0 [at /graph]",
+    ]
+
+
+def test_toml_documents_hear_tables_and_arrays_not_mappings_and_lists():
+    assert errors('family = "x"\nmodel_types = "x"\nconfig = 1\n', "f.toml")[-2:] == [
+        'f.toml:2:15: expected an array, found "x" [at /model_types]',
+        "f.toml:3:10: expected a table, found 1 [at /config]",
+    ]
+
+
+def test_a_non_mapping_document_is_one_clear_error():
+    assert errors("- a\n- b\n") == ['f.yaml:1:1: expected a mapping, found ["a", "b"]']
+
+
+def test_schema_errors_keep_the_schema_path_as_a_second_field():
+    document = load_document("f.yaml", text=MINI.replace("role: vocabulary", "role: vocab"))
+    (error,) = validate_document(document)
+    assert isinstance(error, SchemaError)
+    assert error.pointer == "/parameters/0/role"
+    assert error.schema_path == "/properties/parameters/items/properties/role/enum"
+    assert error.to_json()["kind"] == "SchemaError"
+
+
+def test_every_error_of_a_document_is_reported_sorted_by_position():
+    text = (MINI.replace("model_types: [mini]", "model_types: 3")
+            .replace("role: vocabulary", "role: x")
+            .replace("dtype: activation", "dtype: fp8"))
+    lines = [line.split(": ")[0] for line in errors(text)]
+    assert lines == ["f.yaml:2:14", "f.yaml:12:11", "f.yaml:19:73"]
