@@ -7,7 +7,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from support import checkpoint_tensors, compile_and_import, hf, reassemble
+from support import ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 
 from partc import LayoutError, ParallelPlanError
 from partc.api import compile_family
@@ -174,3 +174,17 @@ def test_parallel_model_info_accounts_every_byte(builds):
         assert state.info.local_parameter_bytes == sum(a.nbytes for a in state.tensors.values())
     assert states[0].info.maximum_device_parameter_bytes == max(
         s.info.local_parameter_bytes for s in states)
+
+
+def test_kv_replicas_survive_the_plan_and_the_generated_loader(tmp_path):
+    family = ROOT / "tests" / "cases" / "llama" / "family.yaml"
+    plan, package = compile_and_import(family, hf("llama") / "config.json", tmp_path / "b", tp=4)
+    for rank in range(4):
+        state = package.load(hf("llama"), rank=rank)
+        k = state.layout["model.layers.0.self_attn.k_proj.weight"]
+        q = state.layout["model.layers.0.self_attn.q_proj.weight"]
+        assert k.kv_replicas == 2 and q.kv_replicas == 1
+        assert k.selection == (0, ((16 * (rank // 2), 16 * (rank // 2 + 1)),))
+        assert q.selection == (0, ((16 * rank, 16 * (rank + 1)),))
+        assert state.info.local_bytes_by_dtype == (("F32", state.info.local_parameter_bytes),)
+        assert plan.ranks[rank].layout[k.target] == k

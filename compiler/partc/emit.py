@@ -87,7 +87,7 @@ def _tensor_row(data: dict[str, Any]) -> str:
         data["target"], data["logical_name"], data["role"], data["dtype"],
         tuple(data["global_shape"]), tuple(data["local_shape"]), data["placement"],
         data["logical_units"], tuple(data["logical_range"]) if data["logical_range"] else None,
-        data["fell_back_to_replication"]))
+        data["fell_back_to_replication"], data["kv_replicas"]))
 
 
 def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header) -> str:

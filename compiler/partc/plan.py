@@ -20,7 +20,6 @@ from partc.parallel import (
     LocalModelLayout,
     LocalTensorLayout,
     ParallelModelInfo,
-    PlacementKind,
     ShardingPolicy,
     realize_group,
 )
@@ -173,6 +172,7 @@ def layout_json(t: LocalTensorLayout) -> dict[str, object]:
         "placement": t.placement.to_json(), "logical_units": t.logical_units,
         "logical_range": list(t.logical_range) if t.logical_range else None,
         "fell_back_to_replication": t.fell_back_to_replication,
+        "kv_replicas": t.kv_replicas,
     }
 
 
@@ -185,7 +185,8 @@ def _rank_json(r: RankPlan) -> dict[str, object]:
                  "local_parameter_bytes": info.local_parameter_bytes,
                  "global_parameter_bytes": info.global_parameter_bytes,
                  "pinned_parameter_bytes": info.pinned_parameter_bytes,
-                 "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes},
+                 "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
+                 "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)},
         "tensors": [layout_json(t) for t in r.layout.tensors],
     }
 
@@ -239,18 +240,13 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                        for layout in realized[owned.group.name][tp_rank]]
             ranks.append((stage, tp_rank, partition, LocalModelLayout(tensors=tuple(layouts))))
     global_bytes = sum(m.nbytes for g in description.groups for m in g.group.members)
-    maximum = max(layout.local_bytes for _, _, _, layout in ranks)
+    layouts = [layout for _, _, _, layout in ranks]
     rank_plans = []
-    for stage, tp_rank, partition, layout in ranks:
-        pinned = sum(t.local_bytes for t in layout.tensors if t.placement.kind in (
-            PlacementKind.REPLICATED, PlacementKind.LOCAL))
-        info = ParallelModelInfo(
+    for rank, (stage, tp_rank, partition, layout) in enumerate(ranks):
+        info = ParallelModelInfo.from_layouts(
             model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank, pipeline_stage=stage,
-            owned_tensors=len(layout), local_parameter_bytes=layout.local_bytes,
-            global_parameter_bytes=global_bytes, pinned_parameter_bytes=pinned,
-            maximum_device_parameter_bytes=maximum)
-        rank_plans.append(RankPlan(rank=info.rank, tensor_parallel_rank=tp_rank,
+            rank=rank, layouts=layouts, global_parameter_bytes=global_bytes)
+        rank_plans.append(RankPlan(rank=rank, tensor_parallel_rank=tp_rank,
                                    pipeline_stage=stage, partition=partition, layout=layout,
                                    info=info))
     table = []

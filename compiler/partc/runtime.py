@@ -89,13 +89,13 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
     """The rank's LocalModelLayout, rebuilt through the validating constructors."""
     layouts = []
     for (target, logical, role, dtype, global_shape, local_shape, placement, units, logical_range,
-         fell_back) in table.tensors:
+         fell_back, kv_replicas) in table.tensors:
         layouts.append(LocalTensorLayout(
             target=target, logical_name=logical, role=ParameterRole(role), dtype=dtype,
             global_shape=tuple(global_shape), local_shape=tuple(local_shape),
             placement=TensorPlacement.from_json(placement), logical_units=units,
             logical_range=tuple(logical_range) if logical_range else None,
-            fell_back_to_replication=fell_back))
+            fell_back_to_replication=fell_back, kv_replicas=kv_replicas))
     return LocalModelLayout(tensors=tuple(layouts))
 
 
@@ -105,7 +105,8 @@ def parallel_model_info(table: RankTable) -> ParallelModelInfo:
         model_type=table.model_type, tensor_parallel_size=table.tensor_parallel_size,
         pipeline_parallel_size=table.pipeline_parallel_size, rank=table.rank,
         tensor_parallel_rank=table.tensor_parallel_rank, pipeline_stage=table.pipeline_stage,
-        **table.info)
+        **{**table.info, "local_bytes_by_dtype": tuple(sorted(
+            table.info.get("local_bytes_by_dtype", {}).items()))})
 
 
 def architecture_partition(table: RankTable) -> ArchitecturePartition:
