@@ -88,7 +88,7 @@ def _partition_error(kind: ArchitecturePartitionErrorKind, message: str
 
 
 def _graph_error(message: str) -> ArchitecturePartitionError:
-    return _partition_error(ArchitecturePartitionErrorKind.INVALID_GRAPH, message)
+    return ArchitecturePartitionError(ArchitecturePartitionErrorKind.INVALID_GRAPH, message)
 
 
 def _spell(r: Range) -> str:
@@ -544,15 +544,6 @@ class PartitionGroup:
                                    f"group `{self.group}` has empty or negative unit range "
                                    f"{_spell(self.unit_range)}")
 
-    @property
-    def units(self) -> int:
-        """Number of units on this stage."""
-        return self.unit_range[1] - self.unit_range[0]
-
-    def contains(self, unit: int) -> bool:
-        """Whether group-local `unit` is on this stage."""
-        return self.unit_range[0] <= unit < self.unit_range[1]
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PartitionParameterBinding:
@@ -681,7 +672,8 @@ class ArchitecturePartition:
 
     def owns_unit(self, group: str, unit: int) -> bool:
         """Whether the stage executes group-local `unit` of `group`."""
-        return any(g.group == group and g.contains(unit) for g in self.groups)
+        return any(g.group == group and g.unit_range[0] <= unit < g.unit_range[1]
+                   for g in self.groups)
 
     def units(self) -> tuple[UnitRef, ...]:
         """The stage's units in canonical order."""
