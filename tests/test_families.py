@@ -12,6 +12,7 @@ import json
 import math
 import re
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from safetensors.numpy import save_file
 from partc.api import bind, builtin_families, check_family, checkpoint_errors, compile_family
 from partc.checkpoint import open_checkpoint
 from partc.cli import main
+from partc.emit import package_name
 from partc.errors import ParallelPlanError
 from partc.parallel import ShardingPolicy
 from partc.plan import Topology
@@ -97,9 +99,9 @@ def builds(tmp_path_factory):
         key = (name, tp, pp)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, package = compile_and_import(None, folder_of(name) / "config.json", out,
-                                               tp=tp, pp=pp, policy=policy_for(name, tp))
-            states = [package.load(folder_of(name), rank=r) for r in range(tp * pp)]
+            plan, states = compile_and_load(None, folder_of(name) / "config.json", out,
+                                            folder_of(name), tp=tp, pp=pp,
+                                            policy=policy_for(name, tp))
             cache[key] = (plan, states)
         return cache[key]
 
@@ -116,6 +118,23 @@ def checkpoints():
         return cache[name]
 
     return get
+
+
+def compile_and_load(family, config: Path, out: Path, weights: Path, *, tp: int, pp: int = 1,
+                     **options) -> tuple:
+    """Compile, import the generated package, load every rank, then forget the package.
+
+    Forgetting it keeps a later `import partc_<family>_tp<T>_pp<S>` (another test's build of
+    the same name) from finding this one in `sys.modules`.
+    """
+    plan, package = compile_and_import(family, config, out, tp=tp, pp=pp, **options)
+    try:
+        states = [package.load(weights, rank=r) for r in range(tp * pp)]
+    finally:
+        name = package_name(plan)
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
+    return plan, states
 
 
 def payload_bytes(path: Path) -> int:
@@ -261,9 +280,8 @@ def test_one_line_opts_a_family_into_kv_replication_and_every_kv_copy_is_exact(
         tmp_path, checkpoints, name):
     family = {**FIXTURE_FAMILIES, **QUANTIZED_FAMILIES}[name]
     path = opted_into_kv_replication(family, tmp_path)
-    plan, package = compile_and_import(path, folder_of(name) / "config.json", tmp_path / "b",
-                                       tp=4)
-    states = [package.load(folder_of(name), rank=r) for r in range(4)]
+    plan, states = compile_and_load(path, folder_of(name) / "config.json", tmp_path / "b",
+                                    folder_of(name), tp=4)
     full = checkpoints(name)
     attention = [t for t in full if ".self_attn." in t and not t.endswith("norm.weight")]
     repeated = 0
@@ -438,9 +456,8 @@ def test_deepseek_mtp_layer_is_its_own_execution_group_on_the_last_stage(tmp_pat
     assert [(g.group, g.unit_range) for g in last.groups] == [("decoder", (2, 3)), ("mtp", (0, 1))]
     assert plan.ranks[0].partition.state.global_range == (0, 2)
     assert last.state.global_range == (2, 4)
-    _, package = compile_and_import(None, config, tmp_path / "build2", tp=2, pp=2,
-                                    checkpoint=path)
-    states = [package.load(tmp_path, rank=r) for r in range(4)]
+    _, states = compile_and_load(None, config, tmp_path / "build2", tmp_path, tp=2, pp=2,
+                                 checkpoint=path)
     for target, expected in tensors.items():
         stages = [s for s in range(2) if target in states[2 * s].tensors]
         assert stages, target

@@ -11,11 +11,13 @@ cut must match HF's `layer_outputs` at that layer.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from partc.emit import package_name
 from partc.parallel import PlacementKind, ShardingPolicy
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
@@ -58,6 +60,23 @@ CASES = [(name, topology) for name in FIXTURES for topology in TOPOLOGIES + WIDE
 CASE_IDS = [f"{name}-tp{t}-pp{s}" for name, (t, s) in CASES]
 
 
+def compile_and_load(family, config: Path, out: Path, weights: Path, *, tp: int, pp: int = 1,
+                     **options) -> tuple:
+    """Compile, import the generated package, load every rank, then forget the package.
+
+    Forgetting it keeps a later `import partc_<family>_tp<T>_pp<S>` (another test's build of
+    the same name) from finding this one in `sys.modules`.
+    """
+    plan, package = compile_and_import(family, config, out, tp=tp, pp=pp, **options)
+    try:
+        states = [package.load(weights, rank=r) for r in range(tp * pp)]
+    finally:
+        name = package_name(plan)
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
+    return plan, states
+
+
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
@@ -92,9 +111,8 @@ def runs(tmp_path_factory):
         key = (name, tp, pp)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, package = compile_and_import(None, hf(name) / "config.json", out, tp=tp, pp=pp,
-                                               policy=policy_for(name, tp))
-            states = [package.load(hf(name), rank=r) for r in range(tp * pp)]
+            plan, states = compile_and_load(None, hf(name) / "config.json", out, hf(name),
+                                            tp=tp, pp=pp, policy=policy_for(name, tp))
             stages = [[rank_shard(s) for s in states[p * tp:(p + 1) * tp]] for p in range(pp)]
             layers = [stage_layers(plan, p) for p in range(pp)]
             with np.load(hf(name) / "reference.npz") as npz:
@@ -125,20 +143,22 @@ def test_the_tensor_crossing_each_pipeline_cut_matches_hf_layer_outputs(runs, na
         assert rel_err(sent, expected) < TOLERANCE, (cut, last_layer)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3", "gemma2", "gpt_oss", "qwen3_moe"])
+GQA_FIXTURES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "qwen2_moe", "gemma2",
+                "gpt_oss"]
+
+
+@pytest.mark.parametrize("name", GQA_FIXTURES)
 def test_a_family_opted_into_kv_replication_reproduces_hf_logits_on_four_ranks(tmp_path, name):
     """One added line (`kv_replication: true`) splits 4 q heads over 4 ranks, each rank holding
     a copy of the KV head its q heads use; fused qkv (phi3) and per-head sinks (gpt-oss) too."""
-    family = {"qwen2": "qwen2", "phi3": "phi3", "gemma2": "gemma2", "gpt_oss": "gpt_oss",
-              "qwen3_moe": "qwen3_moe"}.get(name, "llama")
+    family = name
     text = (ROOT / "architectures" / f"{family}.yaml").read_text()
     anchor = "    units: num_key_value_heads          # the q heads of a KV head travel with it\n"
     path = tmp_path / "family.yaml"
     path.write_text(text.replace(anchor, anchor + "    kv_replication: true\n"))
     for pp in (1, 2):
-        plan, package = compile_and_import(path, hf(name) / "config.json", tmp_path / f"b{pp}",
-                                           tp=4, pp=pp)
-        states = [package.load(hf(name), rank=r) for r in range(4 * pp)]
+        plan, states = compile_and_load(path, hf(name) / "config.json", tmp_path / f"b{pp}",
+                                        hf(name), tp=4, pp=pp)
         assert not any(t.fell_back_to_replication for s in states for t in s.layout.tensors)
         q = [s.layout["model.layers.0.self_attn.o_proj.weight"].selection for s in states[:4]]
         assert len(set(q)) == 4  # every rank its own q head
@@ -228,9 +248,8 @@ def quantized_runs(tmp_path_factory):
             folder = QUANTIZED / name
             config = json.loads((folder / "config.json").read_text())
             out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, package = compile_and_import(None, folder / "config.json", out, tp=tp, pp=pp,
-                                               policy=policy_for(name, tp))
-            states = [package.load(folder, rank=r) for r in range(tp * pp)]
+            plan, states = compile_and_load(None, folder / "config.json", out, folder, tp=tp,
+                                            pp=pp, policy=policy_for(name, tp))
             stages = [[dequantized_rank_shard(config, s) for s in states[p * tp:(p + 1) * tp]]
                       for p in range(pp)]
             layers = [stage_layers(plan, p) for p in range(pp)]

@@ -73,11 +73,18 @@ class BoundArchitecture:
     """The linear format the config selected (None: every weight dense)."""
 
 
+MAX_UNITS = 65_536
+"""Most units one execution group, and most iterations one `for` variable, may have."""
+MAX_GROUP_INSTANCES = 500_000
+"""Most parameter-group instances a family may expand to (bounds time and memory)."""
+
+
 class _Binder:
     def __init__(self, family: FamilyDecl, config: RawDocument) -> None:
         self.family = family
         self.config = config
         self.errors: list[PartcError] = []
+        self.instances = 0
 
     def fail(self, message: str, pointer: str) -> SemanticError:
         return SemanticError(message, location=self.family.document.locate(pointer),
@@ -411,10 +418,20 @@ def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
         if where is not None:
             local["group"], unit, local["path"] = where
             local["unit"] = unit
-        counts = [range(binder.integer(count, local, join_pointer(join_pointer(
-            decl.pointer, "for"), var), f"the count of `{var}`", minimum=0))
-            for var, count in decl.loops]
+        counts = []
+        for var, count in decl.loops:
+            pointer = join_pointer(join_pointer(decl.pointer, "for"), var)
+            value = binder.integer(count, local, pointer, f"the count of `{var}`", minimum=0)
+            if value > MAX_UNITS:
+                raise binder.fail(f"the count of `{var}` is {value}; partc accepts at most "
+                                  f"{MAX_UNITS} iterations", pointer)
+            counts.append(range(value))
         for combo in itertools.product(*counts):
+            binder.instances += 1
+            if binder.instances > MAX_GROUP_INSTANCES:
+                raise binder.fail(f"the family expands to more than {MAX_GROUP_INSTANCES} "
+                                  "parameter-group instances; check the unit and loop counts",
+                                  decl.pointer)
             instance = dict(local)
             instance.update({var: value for (var, _), value in zip(decl.loops, combo,
                                                                   strict=True)})
@@ -455,6 +472,10 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     for decl in family.graph:
         count = binder.integer(decl.units, values, join_pointer(decl.pointer, "units"),
                                "`units`", minimum=0)
+        if count > MAX_UNITS:
+            raise binder.fail(f"execution group `{decl.name}` has {count} units; partc accepts "
+                              f"at most {MAX_UNITS} per group", join_pointer(decl.pointer,
+                                                                             "units"))
         paths = tuple(binder.render(decl.path, {**values, "unit": u},
                                     join_pointer(decl.pointer, "path")) for u in range(count))
         groups.append(ExecutionGroupSpec(name=decl.name, unit_paths=paths,
