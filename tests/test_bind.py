@@ -110,3 +110,20 @@ def test_every_owner_condition_false_is_an_error_at_the_group(tmp_path, monkeypa
 def test_a_malformed_config_is_a_load_error_located_in_the_config(tmp_path, monkeypatch):
     assert bind_errors(tmp_path, monkeypatch, raw_config='{"model_type": "mini",\n "x": }') == [
         "config.json:2:7: malformed JSON in config.json: Expecting value"]
+
+
+def test_absurd_unit_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch):
+    config = {**CONFIG, "num_layers": 10**9}
+    assert bind_errors(tmp_path, monkeypatch, config=config) == [
+        "family.yaml:8:29: execution group `decoder` has 1000000000 units; partc accepts at most "
+        "65536 per group [at /graph/0/units]"]
+
+
+def test_absurd_loop_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch):
+    family = MINI.replace("    owner: {unit: decoder}\n",
+                          "    owner: {unit: decoder}\n    for: {expert: vocab_size * 100000}\n"
+                          ).replace('"layers.{unit}.mlp"', '"layers.{unit}.{expert}.mlp"').replace(
+        '"model.layers.{unit}.', '"model.layers.{unit}.{expert}.')
+    assert bind_errors(tmp_path, monkeypatch, family) == [
+        "family.yaml:21:19: the count of `expert` is 1600000; partc accepts at most 65536 "
+        "iterations [at /parameters/1/for/expert]"]

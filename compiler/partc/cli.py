@@ -1,4 +1,4 @@
-"""The `partc` command line: compile, check, demo and families."""
+"""The `partc` command line: compile, check, demo, families and shard."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def _stage_units(text: str) -> tuple[int, ...]:
     return values
 
 
+MAX_PARALLEL_SIZE = 1024
+"""Largest --tp or --pp the command line accepts."""
+MAX_WORLD_SIZE = 4096
+"""Largest TP x PP the command line accepts."""
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -41,6 +47,8 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
+    if value > MAX_PARALLEL_SIZE:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_PARALLEL_SIZE}, found {value}")
     return value
 
 
@@ -90,6 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None, help="where to write the build (default: temp)")
 
     commands.add_parser("families", help="list the built-in families and their model types")
+
+    shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
+                                              "build, for sequential loading")
+    shard.add_argument("build", help="a folder written by `partc compile`")
+    shard.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
+    shard.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    shard.add_argument("--no-verify-fingerprint", action="store_true",
+                       help="accept a checkpoint whose header differs from the plan's fingerprint"
+                            " (names, dtypes and shapes are still checked)")
+    shard.add_argument("--format", choices=["text", "json"], default="text")
     return parser
 
 
@@ -123,7 +141,7 @@ def _compile(args: argparse.Namespace) -> int:
         activation_dtype=args.activation_dtype, checkpoint=args.checkpoint, out=args.out)
     plan = result.plan
     if args.format == "json":
-        print(json.dumps({"ok": True, "out": str(result.out), "plan_hash":
+        print(json.dumps({"ok": True, "errors": [], "out": str(result.out), "plan_hash":
                           plan.to_json()["plan_hash"], "files": sorted(result.files)}, indent=1))
         return EXIT_OK
     print(f"compiled {plan.family} ({plan.model_type}) for TP={plan.topology.tensor_parallel_size}"
@@ -209,7 +227,22 @@ def _families(_: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"compile": _compile, "check": _check, "demo": _demo, "families": _families}
+def _shard(args: argparse.Namespace) -> int:
+    from partc.shard import shard_checkpoint
+
+    result = shard_checkpoint(args.build, args.checkpoint, args.out,
+                              verify_fingerprint=not args.no_verify_fingerprint)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "out": str(result.out), "plan_hash": result.plan_hash,
+                          "files": list(result.files), "bytes": result.nbytes}, indent=1))
+        return EXIT_OK
+    print(f"sharded {args.checkpoint} for plan {result.plan_hash[:16]} into {result.out}: "
+          f"{len(result.files)} rank files, {result.nbytes / 2**20:.1f} MiB")
+    return EXIT_OK
+
+
+_COMMANDS = {"compile": _compile, "check": _check, "demo": _demo, "families": _families,
+             "shard": _shard}
 
 
 def _internal(exc: BaseException, fmt: str) -> int:
@@ -237,8 +270,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     else is a bug in partc, reported in one line (no traceback unless PARTC_TRACEBACK is set)
     with exit 70.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     fmt = getattr(args, "format", "text")
+    if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE:
+        parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
+                     f"{MAX_WORLD_SIZE} ranks")
+    if args.command == "check" and args.config is None and (
+            args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy):
+        beside = Path(args.checkpoint or "") / "config.json"
+        if args.checkpoint and beside.is_file():
+            args.config = str(beside)  # an HF checkpoint folder carries its config
+        else:
+            parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
+                         "pass --config (or a checkpoint folder holding config.json)")
     try:
         return _COMMANDS[args.command](args)
     except PartcError as error:
@@ -246,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("partc: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
+    except Exception as exc:  # the last line of defence against tracebacks
         return _internal(exc, fmt)
 
 

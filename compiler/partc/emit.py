@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import jinja2
 
@@ -26,6 +26,8 @@ from partc.errors import EmitError
 from partc.plan import canonical_json, layout_json
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
     from partc.plan import Plan, RankPlan
 
 
@@ -112,6 +114,12 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "activation_dtype_literal": python_literal(plan.topology.activation_dtype.value),
     }
     return _environment().get_template("rank_module.py.jinja2").render(header=header, rank=view)
+
+
+def _comment_safe(text: str) -> str:
+    """Text safe inside a generated `#` comment: printable ASCII only (no line breaks of any
+    kind, so a file name cannot end the comment and start code)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)
 
 
 def _docstring_safe(text: str) -> str:
@@ -248,8 +256,9 @@ def check_generated(source: str, name: str) -> None:
 def render_package(plan: Plan) -> dict[str, str]:
     """Every file of the generated build, by relative path: plan.json and the loader package."""
     plan_json = plan.to_json()
-    sources = ", ".join(f"{n} (sha256 {h[:16]})" for n, h in plan.sources) or "(no sources)"
-    header = _Header(version=__version__, sources=sources.replace("\n", " "),
+    sources = ", ".join(f"{_comment_safe(n)} (sha256 {h[:16]})" for n, h in plan.sources
+                        ) or "(no sources)"
+    header = _Header(version=__version__, sources=sources,
                      plan_hash=plan_json["plan_hash"])
     package = package_name(plan)
     world = plan.topology.world_size
@@ -297,8 +306,10 @@ def _exchange(a: Path, b: Path) -> bool:
     return bool(result == 0)
 
 
-def write_atomically(out: Path, files: dict[str, str]) -> None:
+def write_atomically(out: Path, files: Mapping[str, str | Callable[[BinaryIO], None]]) -> None:
     """Write `files` into a fresh folder, then replace `out` with it in one step.
+
+    A value is the text of the file, or a function that streams its bytes into the open file.
 
     A crash at any point leaves either the previous `out` or the new one, never a mixture.
     """
@@ -317,6 +328,12 @@ def write_atomically(out: Path, files: dict[str, str]) -> None:
         for relative, text in sorted(files.items()):
             path = staging / relative
             path.parent.mkdir(parents=True, exist_ok=True)
+            if callable(text):
+                with open(path, "wb") as binary:
+                    text(binary)
+                    binary.flush()
+                    os.fsync(binary.fileno())
+                continue
             with open(path, "w", encoding="utf-8", newline="\n") as handle:
                 handle.write(text)
                 handle.flush()

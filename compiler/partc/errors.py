@@ -24,7 +24,7 @@ class SourceLocation:
 
 
 class PartcError(Exception):
-    """Root of every error partc raises on bad input; rendered as `file:line:col: message [at ptr]`."""
+    """Root of every error partc raises on bad input, shown as `file:line:col: msg [at ptr]`."""
 
     stage = "partc"
 
@@ -67,8 +67,8 @@ class PartcError(Exception):
             "stage": self.stage,
             "kind": type(self).__name__,
             "file": loc.file if loc else None,
-            "line": loc.line if loc else None,
-            "column": loc.column if loc else None,
+            "line": loc.line if loc and loc.line > 0 else None,
+            "column": loc.column if loc and loc.line > 0 else None,
             "pointer": self.pointer,
             "tensor": self.tensor,
             "message": self.message,

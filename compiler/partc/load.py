@@ -36,7 +36,10 @@ MAX_EXPANDED_CHARACTERS = 4 * MAX_DOCUMENT_BYTES
 MAX_DEPTH = 64
 """Deepest nesting of mappings and sequences (arrays and tables in TOML and JSON)."""
 MAX_INTEGER_DIGITS = 64
-"""Longest integer literal a YAML plain scalar may spell."""
+"""Longest integer literal a YAML plain scalar may spell (longer ones stay strings)."""
+MAX_INTEGER_BITS = 256
+"""Largest integer a TOML or JSON document may hold (no meaningful size needs more; larger ones
+could not even be printed in a message)."""
 
 _NULLS = frozenset({"", "~", "null", "Null", "NULL"})
 _TRUES = frozenset({"true", "True", "TRUE"})
@@ -184,15 +187,21 @@ def _plain_scalar(value: str) -> tuple[Any, str]:
     if _INT.match(value):
         if len(value) > MAX_INTEGER_DIGITS:
             return value, (f"an integer literal of {len(value)} digits is beyond any size partc "
-                           "accepts")
+                           "accepts")  # kept a string: int() of it could be slow or refused
         return int(value), ""
     if _FLOAT.match(value) and not _LEADING_ZERO.match(value):
         number = float(value)
         if number.is_integer() and abs(number) < 2**63:
             return number, (f"`{value}` is the float {number!r} in YAML; write the integer "
                             f"{int(number)}")
-        return number, f"`{value}` is a float in YAML"
+        return number, f"`{_clip(value)}` is a float in YAML"
+    if len(value) > MAX_INTEGER_DIGITS:
+        return value, ""  # too long to be a number anyone meant; no conversions attempted
     return value, _yaml11_note(value)
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _yaml11_note(value: str) -> str:
@@ -494,10 +503,14 @@ def _load_toml(file: str, text: str) -> RawDocument:
     except RecursionError:
         raise LoadError(f"malformed TOML: nesting deeper than {MAX_DEPTH} levels",
                         location=SourceLocation(file, 1, 1)) from None
+    except ValueError:  # an integer too long for int(): tomllib lets Python's ValueError out
+        raise LoadError("malformed TOML: a number is too long (Python reads at most "
+                        f"{_MAX_INT_DIGITS} digits)",
+                        location=_long_number(file, text)) from None
     scanner = _TomlScanner(file, text)
     document = RawDocument(file=file, format="toml", data=data, locations=scanner.run(),
                            verbatim=scanner.verbatim)
-    _check_plain(document, data, "", 0, [0])
+    _check_values(document, data, "", 0, [0], MAX_NODES)
     return document
 
 
@@ -521,29 +534,35 @@ def _toml_message(message: str, text: str, line: int, column: int) -> tuple[str,
         name = ".".join(part.strip().strip("'\"") for part in declared.group(1).split(",")
                         if part.strip())
         return f"table [{name}] is declared twice; expected every table once", indent
+    if message in ("Unclosed array", "Unclosed inline table"):
+        closer = "]" if message == "Unclosed array" else "}"
+        return (f"{message.lower()}: expected `,` or `{closer}` before this point", column)
     if message.startswith("Illegal character '\\n'"):
         return "unterminated string: missing its closing quote before the end of the line", \
             column
     return message, column
 
 
-def _check_plain(document: RawDocument, value: Any, pointer: str, depth: int,
-                 count: list[int]) -> None:
-    """Reject values partc has no use for (TOML dates and times), over-deep or over-large data."""
+def _check_values(document: RawDocument, value: Any, pointer: str, depth: int,
+                  count: list[int], limit: int) -> None:
+    """Refuse over-deep or over-large data, integers too large to mean anything (str() of them
+    may even fail), and values partc has no use for (TOML dates and times)."""
     count[0] += 1
-    if count[0] > MAX_NODES:
-        raise LoadError(f"document holds more than {MAX_NODES} values",
-                        location=document.locate(pointer), pointer=pointer)
-    if depth > MAX_DEPTH:
-        raise LoadError(f"nesting deeper than {MAX_DEPTH} levels",
-                        location=document.locate(pointer), pointer=pointer)
+    if count[0] > limit or depth > MAX_DEPTH:
+        message = (f"nesting deeper than {MAX_DEPTH} levels" if depth > MAX_DEPTH
+                   else f"document holds more than {limit} values")
+        raise LoadError(message, location=document.locate(pointer), pointer=pointer)
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_plain(document, item, join_pointer(pointer, key), depth + 1, count)
+            _check_values(document, item, join_pointer(pointer, key), depth + 1, count, limit)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            _check_plain(document, item, join_pointer(pointer, index), depth + 1, count)
-    elif not isinstance(value, str | int | float | bool):
+            _check_values(document, item, join_pointer(pointer, index), depth + 1, count, limit)
+    elif isinstance(value, int) and value.bit_length() > MAX_INTEGER_BITS:
+        raise LoadError(f"integer of {value.bit_length()} bits is too large: expected at most "
+                        f"{MAX_INTEGER_BITS} bits", location=document.locate(pointer),
+                        pointer=pointer)
+    elif not isinstance(value, str | int | float | bool | None):
         raise LoadError(f"TOML {type(value).__name__} values are not allowed: expected a string, "
                         "a number, a boolean, an array or a table",
                         location=document.locate(pointer), pointer=pointer)
@@ -819,6 +838,10 @@ def parse_json(file: str, text: str, label: str = "config") -> RawDocument:
         raise LoadError(f"{label} nests deeper than Python can parse",
                         location=SourceLocation(file, 1, 1)) from None
     except ValueError as exc:
+        if "integer string conversion" in str(exc):
+            raise LoadError(f"malformed JSON in {label}: a number is too long (Python reads at "
+                            f"most {_MAX_INT_DIGITS} digits)",
+                            location=_long_number(file, text)) from None
         raise LoadError(f"malformed JSON in {label}: {exc}",
                         location=SourceLocation(file, 1, 1)) from None
     if not isinstance(data, dict):
@@ -832,26 +855,18 @@ def parse_json(file: str, text: str, label: str = "config") -> RawDocument:
     if duplicates:
         raise LoadError(f"duplicate key {duplicates[0]!r} in {label}; expected every key once",
                         location=_duplicate_location(file, text, duplicates[0]))
-    _check_json(document, data, "", 0, [0])
+    _check_values(document, data, "", 0, [0], 10 * MAX_NODES)
     return document
 
 
-def _check_json(document: RawDocument, value: Any, pointer: str, depth: int,
-                count: list[int]) -> None:
-    """Bound the nesting and the number of values of a parsed JSON document."""
-    count[0] += 1
-    if depth > MAX_DEPTH:
-        raise LoadError(f"nesting deeper than {MAX_DEPTH} levels",
-                        location=document.locate(pointer), pointer=pointer)
-    if count[0] > 10 * MAX_NODES:
-        raise LoadError(f"document holds more than {10 * MAX_NODES} values",
-                        location=document.locate(pointer), pointer=pointer)
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_json(document, item, join_pointer(pointer, key), depth + 1, count)
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_json(document, item, join_pointer(pointer, index), depth + 1, count)
+_MAX_INT_DIGITS = 4300  # CPython's default int_max_str_digits
+_LONG_NUMBER = re.compile(r"[0-9a-fA-F_]{" + str(_MAX_INT_DIGITS // 2) + ",}")
+
+
+def _long_number(file: str, text: str) -> SourceLocation:
+    """Where the first very long run of digits of a text starts (1:1 if none)."""
+    found = _LONG_NUMBER.search(text)
+    return _Positions(file, text).at(found.start()) if found else SourceLocation(file, 1, 1)
 
 
 def _reject_constant(name: str) -> Any:

@@ -107,10 +107,17 @@ class _Explainer:
 
     def message(self, error: ValidationError) -> str:
         """A message stating the rule and the value found."""
+        keyword = str(error.validator)
+        if "propertyNames" in error.absolute_schema_path:  # the instance is the key itself
+            inner = (f"expected {self.rule_phrase(error)}" if keyword in _PHRASED
+                     else self.keyword_message(error))
+            return f"key {_describe(error.instance)} is not allowed: {inner}"
+        return self.keyword_message(error)
+
+    def keyword_message(self, error: ValidationError) -> str:
+        """'expected <rule>, found <value>' for one failed keyword."""
         keyword, rule, instance, _ = _parts(error)
         found = _describe(instance)
-        if "propertyNames" in error.absolute_schema_path:
-            return f"key {found} is not allowed: expected {self.rule_phrase(error)}"
         if keyword == "enum" and isinstance(instance, str):
             close = difflib.get_close_matches(instance, [str(v) for v in rule], n=1)
             hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
@@ -154,7 +161,7 @@ class _Explainer:
         if keyword == "required":
             return "a " + self.words["object"].split()[-1] + " with " + ", ".join(
                 f"`{k}`" for k in rule)
-        return self.message(error)
+        return self.keyword_message(error)
 
     def alternatives(self, error: ValidationError) -> Iterator[_Found]:
         """Explain a failed oneOf/anyOf by the alternative that matched furthest."""
@@ -256,6 +263,9 @@ def _fits(errors: list[ValidationError], instance: Any) -> bool:
             if all(_json_type(v) != _json_type(instance) for v in values):
                 return False
     return True
+
+
+_PHRASED = ("type", "enum", "const", "pattern", "required")
 
 
 def _parts(error: ValidationError) -> tuple[str, Any, Any, Any]:
