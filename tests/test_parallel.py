@@ -841,10 +841,12 @@ def test_the_global_policy_replicates_every_illegal_group(tmp_path, capsys):
                  "--tp", "4", "--policy", "replicate-unsupported", "--out", str(out)])
     assert code == 0
     plan = json.loads((out / "plan.json").read_text())
-    rows = {t["target"]: t for t in plan["ranks"][1]["tensors"]}
-    assert rows["model.layers.0.self_attn.k_proj.weight"]["fell_back_to_replication"] is True
-    assert rows["model.layers.0.mlp.up_proj.weight"]["placement"] == {
-        "kind": "range", "axis": 0, "start": 32, "end": 64}
+    tensors = {t["target"]: t for t in plan["tensors"]}
+    groups = {g["name"]: g for g in plan["groups"]}
+    k_proj = tensors["model.layers.0.self_attn.k_proj.weight"]
+    assert groups[k_proj["group"]]["fell_back_to_replication"] is True
+    assert k_proj["placements"][1] == ["replicated"]
+    assert tensors["model.layers.0.mlp.up_proj.weight"]["placements"][1] == ["range", 0, 32, 64]
 
 
 @pytest.mark.parametrize(("edit", "message", "line"), [

@@ -163,7 +163,11 @@ def test_plan_json_validates_against_the_plan_schema(builds, tmp_path):
     assert document["plan_hash"] == result.plan.to_json()["plan_hash"]
     embed = next(t for t in document["tensors"] if t["target"] == "model.embed_tokens.weight")
     assert embed["stages"] == [0, 1]
-    assert embed["owner"] == {"kind": "static_any_of", "roles": ["embedding", "output"]}
+    assert embed["placements"] == [["range", 0, 0, 66], ["range", 0, 66, 131]]
+    group = next(g for g in document["groups"] if g["name"] == embed["group"])
+    assert group["owner"] == {"kind": "static_any_of", "roles": ["embedding", "output"]}
+    attention = next(g for g in document["groups"] if g["name"] == "layers.2.attention")
+    assert attention["logical_ranges"] == [[0, 1], [1, 2]] and attention["stages"] == [1]
 
 
 def test_parallel_model_info_accounts_every_byte(builds):

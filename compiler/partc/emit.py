@@ -23,7 +23,7 @@ import jinja2
 
 from partc import __version__
 from partc.errors import EmitError
-from partc.plan import canonical_json, layout_json
+from partc.plan import canonical_json
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -84,16 +84,35 @@ def rank_module_name(rank: int, world_size: int) -> str:
     return f"rank_{rank:0{max(2, len(str(world_size - 1)))}d}"
 
 
-def _tensor_row(data: dict[str, Any]) -> str:
-    return python_literal((
-        data["target"], data["logical_name"], data["role"], data["dtype"],
-        tuple(data["global_shape"]), tuple(data["local_shape"]), data["placement"],
-        data["logical_units"], tuple(data["logical_range"]) if data["logical_range"] else None,
-        data["fell_back_to_replication"], data["kv_replicas"]))
+def _rank_tables(rank: RankPlan) -> tuple[list[str], list[str]]:
+    """The GROUPS and TENSORS rows of one rank, in binding order (groups, then members).
+
+    Rows of tensors realized alike share their literal text, so large models render quickly.
+    """
+    group_rows: list[str] = []
+    tensor_rows: list[str] = []
+    tails: dict[tuple[object, ...], str] = {}
+    layout = rank.layout
+    for index, binding in enumerate(rank.partition.parameter_bindings):
+        first = layout[binding.targets[0]]
+        group_rows.append(python_literal((
+            binding.group, first.role.value, binding.owner.to_json(), first.logical_units,
+            first.logical_range, first.fell_back_to_replication)))
+        for target in binding.targets:
+            item = layout[target]
+            key = (index, item.dtype, item.global_shape, item.placement, item.kv_replicas)
+            tail = tails.get(key)
+            if tail is None:
+                tail = python_literal((index, item.dtype, item.global_shape,
+                                       item.placement.to_compact(), item.kv_replicas))[1:]
+                tails[key] = tail
+            tensor_rows.append(f"({python_literal(target)}, {tail}")
+    return group_rows, tensor_rows
 
 
 def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header) -> str:
     rank_json = plan_json["ranks"][rank.rank]
+    group_rows, tensor_rows = _rank_tables(rank)
     view = {
         "rank": rank.rank, "tp_rank": rank.tensor_parallel_rank, "stage": rank.pipeline_stage,
         "tp": plan.topology.tensor_parallel_size, "pp": plan.topology.pipeline_parallel_size,
@@ -102,11 +121,9 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "family_literal": python_literal(plan.family),
         "model_type_literal": python_literal(plan.model_type),
         "fingerprint_literal": python_literal(plan.checkpoint_fingerprint),
-        "tensor_rows": [_tensor_row(layout_json(t)) for t in rank.layout.tensors],
+        "group_rows": group_rows,
+        "tensor_rows": tensor_rows,
         "partition_literal": python_literal({**rank_json["partition"],
-                                             "parameter_bindings": [
-                                                 b.to_json()
-                                                 for b in rank.partition.parameter_bindings],
                                              "graph": plan_json["graph"]}),
         "state_range_literal": python_literal(rank.partition.state.global_range),
         "info_literal": python_literal(rank_json["info"]),

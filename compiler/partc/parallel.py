@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
 
@@ -680,6 +680,36 @@ class TensorPlacement:
             out["ranges"] = [list(r) for r in self.ranges]
         return out
 
+    def to_compact(self) -> tuple[object, ...]:
+        """A short tuple form for generated tables: the kind, then its fields in order."""
+        kind = self.kind
+        if kind is PlacementKind.SHARD:
+            return (kind.value, self.axis, self.index, self.parts)
+        if kind is PlacementKind.RANGE:
+            return (kind.value, self.axis, self.start, self.end)
+        if kind is PlacementKind.INDICES:
+            return (kind.value, self.axis, self.ranges)
+        if kind is PlacementKind.RANK:
+            return (kind.value, self.rank)
+        if kind is PlacementKind.PIPELINE_STAGE:
+            return (kind.value, self.stage)
+        return (kind.value,)
+
+    @classmethod
+    def from_compact(cls, data: Sequence[object]) -> TensorPlacement:
+        """Rebuild (and re-validate) a placement from `to_compact` output."""
+        kind = PlacementKind(data[0])
+        names = {PlacementKind.SHARD: ("axis", "index", "parts"),
+                 PlacementKind.RANGE: ("axis", "start", "end"),
+                 PlacementKind.INDICES: ("axis", "ranges"), PlacementKind.RANK: ("rank",),
+                 PlacementKind.PIPELINE_STAGE: ("stage",)}.get(kind, ())
+        if len(data) != len(names) + 1:
+            raise _invalid_tensor(f"malformed {kind.value} placement {list(data)}")
+        values = dict(zip(names, data[1:], strict=True))
+        if "ranges" in values:
+            values["ranges"] = tuple((int(a), int(b)) for a, b in values["ranges"])  # type: ignore[attr-defined]
+        return cls(kind=kind, **values)  # type: ignore[arg-type]
+
     @classmethod
     def from_json(cls, data: Mapping[str, object]) -> TensorPlacement:
         """Rebuild (and re-validate) a placement from `to_json` output."""
@@ -785,6 +815,7 @@ class LocalModelLayout:
     tensors: tuple[LocalTensorLayout, ...]
     """Layouts in target order (sorted on construction)."""
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _totals: list[int] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         ordered = tuple(sorted(self.tensors, key=lambda t: t.target))
@@ -795,6 +826,9 @@ class LocalModelLayout:
                                       f"`{before.logical_name}` and `{after.logical_name}`)",
                                       target=before.target)
         self._index.update({t.target: i for i, t in enumerate(ordered)})
+        sizes = [t.local_bytes for t in ordered]
+        self._totals[:] = [sum(sizes), sum(n for t, n in zip(ordered, sizes, strict=True)
+                                           if t.is_whole)]
 
     def __getitem__(self, target: str) -> LocalTensorLayout:
         return self.tensors[self._index[target]]
@@ -813,12 +847,12 @@ class LocalModelLayout:
     @property
     def local_bytes(self) -> int:
         """Bytes of every local tensor."""
-        return sum(t.local_bytes for t in self.tensors)
+        return self._totals[0]
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes of the tensors this rank holds whole."""
-        return sum(t.local_bytes for t in self.tensors if t.is_whole)
+        return self._totals[1]
 
     @property
     def bytes_by_dtype(self) -> tuple[tuple[str, int], ...]:
@@ -881,9 +915,12 @@ class ParallelModelInfo:
     def from_layouts(cls, *, model_type: str, tensor_parallel_size: int,
                      pipeline_parallel_size: int, rank: int,
                      layouts: Sequence[LocalModelLayout],
-                     global_parameter_bytes: int) -> ParallelModelInfo:
+                     global_parameter_bytes: int,
+                     maximum_device_parameter_bytes: int | None = None) -> ParallelModelInfo:
         """The accounting of `rank`, given every rank's layout (index = global rank)."""
         layout = layouts[rank]
+        maximum = (max(x.local_bytes for x in layouts) if maximum_device_parameter_bytes is None
+                   else maximum_device_parameter_bytes)
         return cls(model_type=model_type, tensor_parallel_size=tensor_parallel_size,
                    pipeline_parallel_size=pipeline_parallel_size, rank=rank,
                    tensor_parallel_rank=rank % tensor_parallel_size,
@@ -891,7 +928,7 @@ class ParallelModelInfo:
                    local_parameter_bytes=layout.local_bytes,
                    global_parameter_bytes=global_parameter_bytes,
                    pinned_parameter_bytes=layout.pinned_bytes,
-                   maximum_device_parameter_bytes=max(x.local_bytes for x in layouts),
+                   maximum_device_parameter_bytes=maximum,
                    local_bytes_by_dtype=layout.bytes_by_dtype)
 
 
@@ -1041,7 +1078,8 @@ def group_sharding_problems(group: ParameterGroupSpec, tp: int) -> list[str]:
 
 
 def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
-                  policy: ShardingPolicy = ShardingPolicy.REQUIRE
+                  policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
+                  policy_overrides_group: bool = False
                   ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """Each tensor-parallel rank's layouts of `group`'s members (outer index: rank).
 
@@ -1049,12 +1087,52 @@ def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
     `policy`); under ReplicateUnsupported the whole group is replicated and every layout records
     `fell_back_to_replication`. With `kv_replication` and fewer units than ranks, query heads are
     split over all ranks and each KV head repeated (docs/kv_replication.md).
+    `policy_overrides_group` makes `policy` win over the group's own (a command-line choice).
     """
     tp = tensor_parallel_size
     if not _is_count(tp) or tp < 1:
         raise _invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
                              group=group.name)
-    effective = group.policy or policy
+    effective = policy if policy_overrides_group else (group.policy or policy)
+    key = (tp, effective, group.role, group.units, group.kv_replication,
+           tuple(_member_structure(m) for m in group.members))
+    template = _REALIZED.get(key)
+    if template is None:
+        template = _realize_uncached(group, tp, effective)
+        if len(_REALIZED) > 4096:
+            _REALIZED.clear()
+        _REALIZED[key] = template
+    return tuple(tuple(_renamed(layout, member.target, group.name)
+                       for layout, member in zip(rank_layouts, group.members, strict=True))
+                 for rank_layouts in template)
+
+
+_REALIZED: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
+"""Realizations by group structure: groups that differ only in names share one."""
+_MEMBER_FIELDS = tuple(f.name for f in fields(ParameterMemberSpec) if f.name != "target")
+
+
+def _member_structure(member: ParameterMemberSpec) -> tuple[object, ...]:
+    return tuple(getattr(member, name) for name in _MEMBER_FIELDS)
+
+
+def _renamed(layout: LocalTensorLayout, target: str, logical_name: str) -> LocalTensorLayout:
+    """A copy of a validated layout under other names (names take no part in validation)."""
+    if layout.target == target and layout.logical_name == logical_name:
+        return layout
+    copy = object.__new__(LocalTensorLayout)
+    for name in _LAYOUT_FIELDS:
+        object.__setattr__(copy, name, getattr(layout, name))
+    object.__setattr__(copy, "target", target)
+    object.__setattr__(copy, "logical_name", logical_name)
+    return copy
+
+
+_LAYOUT_FIELDS = tuple(f.name for f in fields(LocalTensorLayout))
+
+
+def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy
+                      ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     problems, kv = _problems(group, tp)
     if problems and effective is ShardingPolicy.REQUIRE:
         targets = {t for t, _ in problems}

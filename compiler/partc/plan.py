@@ -157,23 +157,50 @@ class Plan:
                       for n, p, s, a in self.graph],
             "static_roles": [{"role": n, "stage": s} for n, s in self.static_roles],
             "boundary": self.boundary,
-            "tensors": [{"target": t.target, "dtype": t.dtype, "shape": list(t.shape),
-                         "group": t.group, "owner": t.owner, "stages": list(t.stages)}
-                        for t in self.tensors],
+            "groups": self._groups_json(),
+            "tensors": self._tensors_json(),
             "ranks": [_rank_json(r) for r in self.ranks],
         }
 
+    def _stage_ranks(self) -> dict[int, list[RankPlan]]:
+        by_stage: dict[int, list[RankPlan]] = {}
+        for rank in self.ranks:
+            by_stage.setdefault(rank.pipeline_stage, []).append(rank)
+        return by_stage
 
-def layout_json(t: LocalTensorLayout) -> dict[str, object]:
-    """JSON form of one local tensor layout."""
-    return {
-        "target": t.target, "logical_name": t.logical_name, "role": t.role.value,
-        "dtype": t.dtype, "global_shape": list(t.global_shape), "local_shape": list(t.local_shape),
-        "placement": t.placement.to_json(), "logical_units": t.logical_units,
-        "logical_range": list(t.logical_range) if t.logical_range else None,
-        "fell_back_to_replication": t.fell_back_to_replication,
-        "kv_replicas": t.kv_replicas,
-    }
+    def _groups_json(self) -> list[dict[str, object]]:
+        """Each parameter group: owner, logical units and every TP rank's logical range."""
+        first = {t.group: t for t in reversed(self.tensors)}
+        by_stage = self._stage_ranks()
+        out = []
+        for name in sorted(first):
+            tensor = first[name]
+            ranks = by_stage[tensor.stages[0]]
+            layouts = [r.layout[tensor.target] for r in ranks]
+            out.append({
+                "name": name, "role": layouts[0].role.value, "owner": tensor.owner,
+                "stages": list(tensor.stages), "logical_units": layouts[0].logical_units,
+                "logical_ranges": None if layouts[0].logical_range is None else
+                [list(x.logical_range or ()) for x in layouts],
+                "fell_back_to_replication": layouts[0].fell_back_to_replication})
+        return out
+
+    def _tensors_json(self) -> list[dict[str, object]]:
+        """Each checkpoint tensor: dtype, shape, group, stages and its placement on each TP rank."""
+        by_stage = self._stage_ranks()
+        out = []
+        for tensor in self.tensors:
+            layouts = [r.layout[tensor.target] for r in by_stage[tensor.stages[0]]]
+            out.append({"target": tensor.target, "dtype": tensor.dtype,
+                        "shape": list(tensor.shape), "group": tensor.group,
+                        "stages": list(tensor.stages), "kv_replicas": layouts[0].kv_replicas,
+                        "placements": [list(_compact_json(x.placement.to_compact()))
+                                       for x in layouts]})
+        return out
+
+
+def _compact_json(value: tuple[object, ...]) -> list[object]:
+    return [[list(r) for r in v] if isinstance(v, tuple) else v for v in value]
 
 
 def _rank_json(r: RankPlan) -> dict[str, object]:
@@ -187,13 +214,12 @@ def _rank_json(r: RankPlan) -> dict[str, object]:
                  "pinned_parameter_bytes": info.pinned_parameter_bytes,
                  "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
                  "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)},
-        "tensors": [layout_json(t) for t in r.layout.tensors],
     }
 
 
 def canonical_json(data: object) -> str:
-    """Deterministic JSON text: sorted keys, fixed separators, ASCII only, trailing newline."""
-    return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
+    """Deterministic JSON text: sorted keys, compact separators, ASCII only, trailing newline."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n"
 
 
 def plan_hash(body: dict[str, Any]) -> str:
@@ -212,13 +238,9 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     description = bound.description
     realized: dict[str, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
     for owned in description.groups:
-        group = owned.group
-        if topology.policy is not None:
-            from dataclasses import replace
-
-            group = replace(group, policy=None)  # the command line overrides every group
         try:
-            realized[owned.group.name] = realize_group(group, tp, policy)
+            realized[owned.group.name] = realize_group(
+                owned.group, tp, policy, policy_overrides_group=topology.policy is not None)
         except PartcError as error:
             if group_location is not None:
                 group_location(error, owned.group.name)
@@ -230,22 +252,24 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     tensors_by_stage: dict[str, list[int]] = {}
     for stage, partition in enumerate(partitions):
         local_targets = set(partition.parameter_targets)
-        for owned in description.groups:
-            if set(owned.group.targets) & local_targets:
-                for target in owned.group.targets:
-                    tensors_by_stage.setdefault(target, []).append(stage)
+        local_groups = [owned.group for owned in description.groups
+                        if owned.group.members[0].target in local_targets]
+        for group in local_groups:
+            for member in group.members:
+                tensors_by_stage.setdefault(member.target, []).append(stage)
         for tp_rank in range(tp):
-            layouts = [layout for owned in description.groups
-                       if owned.group.targets[0] in local_targets
-                       for layout in realized[owned.group.name][tp_rank]]
+            layouts = [layout for group in local_groups
+                       for layout in realized[group.name][tp_rank]]
             ranks.append((stage, tp_rank, partition, LocalModelLayout(tensors=tuple(layouts))))
     global_bytes = sum(m.nbytes for g in description.groups for m in g.group.members)
     layouts = [layout for _, _, _, layout in ranks]
+    maximum = max(layout.local_bytes for layout in layouts)
     rank_plans = []
     for rank, (stage, tp_rank, partition, layout) in enumerate(ranks):
         info = ParallelModelInfo.from_layouts(
             model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            rank=rank, layouts=layouts, global_parameter_bytes=global_bytes)
+            rank=rank, layouts=layouts, global_parameter_bytes=global_bytes,
+            maximum_device_parameter_bytes=maximum)
         rank_plans.append(RankPlan(rank=rank, tensor_parallel_rank=tp_rank,
                                    pipeline_stage=stage, partition=partition, layout=layout,
                                    info=info))

@@ -7,10 +7,11 @@ checkpoint after checking its header against the plan.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,15 @@ import numpy as np
 
 from partc.boundary import ArchitectureBoundary, PipelineActivationDtype, PipelineWireContract
 from partc.boundary import architecture_boundary as _boundary_of
-from partc.checkpoint import Checkpoint, TensorSelection, open_checkpoint, read_tensors
+from partc.checkpoint import (
+    DTYPES,
+    Checkpoint,
+    ShardManifest,
+    TensorSelection,
+    open_checkpoint,
+    read_shard_manifest,
+    read_tensors,
+)
 from partc.driver import LayeredPartitionDriver
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.parallel import (
@@ -60,6 +69,8 @@ class RankTable:
     """S."""
     checkpoint_fingerprint: str | None
     """Expected header fingerprint, when the plan was compiled against a checkpoint."""
+    groups: tuple[tuple[Any, ...], ...]
+    """Rows: logical name, role, owner, logical units, logical range, fell back."""
     tensors: tuple[tuple[Any, ...], ...]
     """Rows: target, logical name, role, dtype, global shape, local shape, placement, units,
     logical range, fell back."""
@@ -87,16 +98,31 @@ class RankState:
 
 def local_model_layout(table: RankTable) -> LocalModelLayout:
     """The rank's LocalModelLayout, rebuilt through the validating constructors."""
+    groups = [(name, ParameterRole(role), units, tuple(logical) if logical else None, fell_back)
+              for name, role, _, units, logical, fell_back in table.groups]
     layouts = []
-    for (target, logical, role, dtype, global_shape, local_shape, placement, units, logical_range,
-         fell_back, kv_replicas) in table.tensors:
+    for target, index, dtype, global_shape, compact, kv_replicas in table.tensors:
+        name, role, units, logical, fell_back = groups[index]
+        placement = TensorPlacement.from_compact(compact)
+        shape = tuple(global_shape)
+        axis, ranges = placement.selection(shape)
+        local = list(shape)
+        if axis is not None:
+            local[axis] = sum(b - a for a, b in ranges)
         layouts.append(LocalTensorLayout(
-            target=target, logical_name=logical, role=ParameterRole(role), dtype=dtype,
-            global_shape=tuple(global_shape), local_shape=tuple(local_shape),
-            placement=TensorPlacement.from_json(placement), logical_units=units,
-            logical_range=tuple(logical_range) if logical_range else None,
-            fell_back_to_replication=fell_back, kv_replicas=kv_replicas))
+            target=target, logical_name=name, role=role, dtype=dtype, global_shape=shape,
+            local_shape=tuple(local), placement=placement, logical_units=units,
+            logical_range=logical, fell_back_to_replication=fell_back, kv_replicas=kv_replicas))
     return LocalModelLayout(tensors=tuple(layouts))
+
+
+def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
+    """The stage's parameter bindings (JSON form) from the GROUPS and TENSORS tables."""
+    targets: list[list[str]] = [[] for _ in table.groups]
+    for row in table.tensors:
+        targets[row[1]].append(row[0])
+    return [{"group": group[0], "owner": group[2], "targets": names}
+            for group, names in zip(table.groups, targets, strict=True)]
 
 
 def parallel_model_info(table: RankTable) -> ParallelModelInfo:
@@ -111,7 +137,9 @@ def parallel_model_info(table: RankTable) -> ParallelModelInfo:
 
 def architecture_partition(table: RankTable) -> ArchitecturePartition:
     """The stage's ArchitecturePartition (graph, bindings and wire contract included)."""
-    return ArchitecturePartition.from_json(table.partition, boundary=wire_contract(table))
+    return ArchitecturePartition.from_json(
+        {**table.partition, "parameter_bindings": _parameter_bindings(table)},
+        boundary=wire_contract(table))
 
 
 def partition_state(table: RankTable) -> PartitionState:
@@ -152,11 +180,7 @@ def boundary_schema(table: RankTable) -> BoundaryWireSchema:
 
 def header_fingerprint(checkpoint: Checkpoint) -> str:
     """sha256 over every tensor's (name, dtype, shape) in name order."""
-    digest = hashlib.sha256()
-    for name in checkpoint.names:
-        _, entry = checkpoint.tensor(name)
-        digest.update(f"{name}\0{entry.dtype}\0{list(entry.shape)}\n".encode())
-    return digest.hexdigest()
+    return checkpoint.fingerprint()
 
 
 def check_header(table: RankTable, checkpoint: Checkpoint, *,
@@ -171,7 +195,7 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"{table.checkpoint_fingerprint[:16]}; recompile against this checkpoint or pass "
                 "verify_fingerprint=False", location=SourceLocation(str(checkpoint.path))))
     for row in table.tensors:
-        target, dtype, shape = row[0], row[3], tuple(row[4])
+        target, dtype, shape = row[0], row[2], tuple(row[3])
         if target not in checkpoint:
             errors.append(CheckpointError(
                 f"tensor `{target}` of the plan is not in the checkpoint",
@@ -192,41 +216,138 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
 
 def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,
               verify_fingerprint: bool = True, dtype: Any = None, reader: Any = None,
-              framework: str = "numpy") -> RankState:
+              framework: str = "numpy", workers: int | None = None,
+              progress: bool | None = None) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
-    `dtype` converts every floating tensor after reading (e.g. `np.float32`);
-    `framework="torch"` returns torch tensors sharing the numpy memory.
+    `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
+    Checkpoint, or a folder written by `partc shard` for this plan (its rank file is read
+    whole). `dtype` converts every floating tensor (bf16/fp8 included) after reading, e.g.
+    `np.float32`, and leaves integer and packed tensors alone; `framework="torch"` returns
+    torch tensors sharing the numpy memory; `reader` is told of every byte run read;
+    `workers` caps the reader threads; `progress` shows a bar (None: on a terminal only).
     """
-    opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
-        Path(checkpoint))
-    errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
-    if errors:
-        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    if framework not in ("numpy", "torch"):
+        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+    target_dtype = None if dtype is None else _float_dtype(dtype)
     layout = local_model_layout(table)
-    requests = []
-    for item in layout.tensors:
-        axis, ranges = item.selection
-        requests.append((item.target, TensorSelection(axis=axis, ranges=ranges)))
-    arrays = read_tensors(opened, requests, reader=reader)
-    tensors = {name: arrays[name] for name, _ in requests}
-    if dtype is not None:
-        target_dtype = np.dtype(dtype)
-        tensors = {k: v.astype(target_dtype) if v.dtype.kind == "f" or v.dtype.itemsize == 2
-                   and v.dtype.kind == "V" else v for k, v in tensors.items()}
+    manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
+    if manifest is not None:
+        opened = _open_presharded(table, manifest, layout)
+        requests = [(item.target, TensorSelection()) for item in layout.tensors]
+    else:
+        opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
+            Path(checkpoint))
+        errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
+        if errors:
+            raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+        requests = [(item.target, TensorSelection(axis=item.selection[0],
+                                                  ranges=item.selection[1]))
+                    for item in layout.tensors]
+    total = sum(item.local_bytes for item in layout.tensors)
+    with progress_bar(total, f"rank {table.rank}", progress) as update:
+        tensors = read_tensors(opened, requests, reader=reader, workers=workers,
+                               progress=update)
+    if target_dtype is not None:
+        for name, array in tensors.items():  # one tensor at a time: the original is freed
+            if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
+                tensors[name] = array.astype(target_dtype)
     if framework == "torch":
         tensors = _to_torch(tensors)
-    elif framework != "numpy":
-        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
     return RankState(tensors=tensors, layout=layout, info=parallel_model_info(table))
 
 
-def _to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+_FLOAT_DTYPES = frozenset(dt for name, dt in DTYPES.items() if name.startswith(("F", "BF")))
+"""Floating dtypes a `dtype=` conversion applies to (bf16 and fp8 are numpy kind 'V')."""
+_TORCH_VIEWS = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
+                "float8_e5m2": "float8_e5m2", "float8_e8m0fnu": "float8_e8m0fnu"}
+"""ml_dtypes dtype name -> torch dtype name, for types torch.from_numpy does not know."""
+
+
+def _float_dtype(dtype: Any) -> np.dtype[Any]:
+    """`dtype` as a numpy floating dtype (ml_dtypes' bf16/fp8 included), or CheckpointError."""
     try:
-        import torch
+        found: np.dtype[Any] = np.dtype(dtype)
+    except TypeError:
+        raise CheckpointError(f"dtype must be a numpy floating dtype such as np.float32 or "
+                              f"'bfloat16', found {dtype!r}") from None
+    if found.kind != "f" and found not in _FLOAT_DTYPES:
+        raise CheckpointError(f"dtype must be a floating dtype, found {found}; integer and "
+                              "packed tensors are never converted")
+    return found
+
+
+def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalModelLayout
+                     ) -> Checkpoint:
+    """The rank's file of a `partc shard` folder, checked against the plan before any read."""
+    where = SourceLocation(str(manifest.path))
+    if manifest.plan_hash != table.plan_hash:
+        raise CheckpointError(
+            f"pre-sharded checkpoint was cut for plan {manifest.plan_hash[:16]}, this loader is "
+            f"plan {table.plan_hash[:16]}; run `partc shard` again for this build",
+            location=where)
+    opened = open_checkpoint(manifest.rank_file(table.rank))
+    errors: list[PartcError] = []
+    expected = {item.target for item in layout.tensors}
+    for extra in sorted(set(opened.names) - expected):
+        errors.append(CheckpointError(f"tensor `{extra}` in the rank file is not one of rank "
+                                      f"{table.rank}'s tensors", location=where, tensor=extra))
+    for item in layout.tensors:
+        target, dtype, shape = item.target, item.dtype, item.local_shape
+        if target not in opened:
+            errors.append(CheckpointError(f"tensor `{target}` of the plan is not in the rank "
+                                          "file", location=where, tensor=target))
+            continue
+        header, entry = opened.tensor(target)
+        if entry.dtype != dtype or tuple(entry.shape) != shape:
+            errors.append(CheckpointError(
+                f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the rank file; the "
+                f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
+                tensor=target))
+    if errors:
+        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    return opened
+
+
+@contextmanager
+def progress_bar(total: int, description: str, enabled: bool | None = None
+                 ) -> Iterator[Callable[[int], None] | None]:
+    """A byte-count progress callback drawing a tqdm bar once a task passes one second.
+
+    `enabled=None` draws only on a terminal and never under pytest; the callback is None
+    when no bar is drawn.
+    """
+    interactive = (sys.stderr is not None and sys.stderr.isatty()
+                   and "PYTEST_CURRENT_TEST" not in os.environ)
+    if enabled is False or (enabled is None and not interactive) or total <= 0:
+        yield None
+        return
+    from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+    with tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
+              delay=1.0, leave=False, dynamic_ncols=True) as bar:
+        yield bar.update
+
+
+def _to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Torch tensors sharing each array's memory (bf16/fp8 through an integer view)."""
+    try:
+        import torch  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         raise CheckpointError("framework='torch' needs torch installed") from None
-    return {k: torch.from_numpy(v) for k, v in tensors.items()}
+    out = {}
+    for name, array in tensors.items():
+        special = _TORCH_VIEWS.get(array.dtype.name)
+        if special is None:
+            out[name] = torch.from_numpy(array)
+            continue
+        torch_dtype = getattr(torch, special, None)
+        if torch_dtype is None:
+            raise CheckpointError(f"torch {torch.__version__} has no {special} for tensor "
+                                  f"`{name}`", tensor=name)
+        bits = array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint8)
+        out[name] = torch.from_numpy(bits).view(torch_dtype)
+    return out
 
 
 def rank_from_environment(world_size: int) -> int:
