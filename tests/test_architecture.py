@@ -1,4 +1,4 @@
-"""The package's shape: imports point only to earlier stages; heavy libraries stay in their stage."""
+"""The package's shape: imports point only to earlier stages; heavy libraries stay put."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ LIBRARY_OWNERS = {
     "numpy": {"checkpoint", "runtime", "boundary", "driver", "shard"},
     "ml_dtypes": {"checkpoint", "runtime", "boundary", "shard"},
     "torch": {"runtime"},
+    "tqdm": {"runtime"},
 }
 
 

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from support import hf
-
 from partc.cli import main
+
+from support import hf
 
 CONFIG = str(hf("llama") / "config.json")
 

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import ROOT, hf
 
 from partc import EmitError, PartcError
 from partc.api import compile_family
 from partc.emit import check_generated, python_literal, render_package
+
+from support import ROOT, hf
 
 CONFIG = hf("llama") / "config.json"
 

@@ -13,6 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+
 from executor import (
     RankShard,
     Selection,

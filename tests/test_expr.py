@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from partc import expr as expr_module
 from partc.errors import ExpressionError
 from partc.expr import (

@@ -7,13 +7,14 @@ import json
 import jsonschema
 import numpy as np
 import pytest
-from support import ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 
 from partc import LayoutError, ParallelPlanError
 from partc.api import compile_family
 from partc.parallel import PlacementKind, ShardingPolicy, balanced_contiguous_range
 from partc.partition import ArchitecturePartitionError
 from partc.schema import load_schema
+
+from support import ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 CASES = [("llama", t) for t in TOPOLOGIES] + [("llama_tied", t) for t in TOPOLOGIES + [(1, 4)]]

@@ -30,7 +30,25 @@ _EXPORTS = {
     "Topology": "partc.plan",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "CheckpointError",
+    "CompileResult",
+    "EmitError",
+    "LayoutError",
+    "LoadError",
+    "ParallelPlanError",
+    "PartcError",
+    "PartcErrors",
+    "Plan",
+    "RankPlan",
+    "SchemaError",
+    "SemanticError",
+    "SourceLocation",
+    "Topology",
+    "__version__",
+    "check_family",
+    "compile_family",
+]
 
 if TYPE_CHECKING:
     from partc.api import CompileResult, check_family, compile_family

@@ -535,8 +535,9 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
             groups.append(decl)
     boundary = []
     bdata = data["boundary"]
+    auxiliary = bdata.get("auxiliary", [])
     tensors = [("/boundary/primary", bdata["primary"])] + [
-        (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(bdata.get("auxiliary", []))]
+        (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(auxiliary)]
     for ptr, tensor in tensors:
         shape: list[str | Expression] = []
         for j, dim in enumerate(tensor["shape"]):
