@@ -664,3 +664,101 @@ def test_a_duplicate_key_is_found_even_when_colons_hide_in_names(tmp_path: Path)
     fault(write_raw(tmp_path / "x.safetensors", raw, bytes(4)), "duplicate key 'a'")
     escaped = f'{{"x\\u003a": {one}, "__metadata__": {{"k": "v", "k": "w"}}}}'.encode()
     fault(write_raw(tmp_path / "y.safetensors", escaped, bytes(4)), "duplicate key 'k'")
+
+
+# ---------------------------------------------------------------- the batch reading engine
+
+STRATEGIES = ["default", "threads", "syscalls"]
+
+
+def use_strategy(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    """Force the engine's threaded path (tiny jobs) or its one-preadv-per-run path."""
+    if strategy == "threads":
+        monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
+        monkeypatch.setattr(checkpoint, "_JOB_BYTES", 40)
+    if strategy == "syscalls":
+        monkeypatch.setattr(checkpoint, "_GATHER_RUN", 0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(tensor_cases(), min_size=1, max_size=4))
+def test_a_batch_of_random_selections_reads_like_numpy_under_every_strategy(
+        monkeypatch: pytest.MonkeyPatch, strategy: str,
+        cases: list[tuple[np.ndarray[Any, Any], TensorSelection]]) -> None:
+    use_strategy(monkeypatch, strategy)
+    tensors = {f"t{i}": full for i, (full, _) in enumerate(cases)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.safetensors"
+        save_file({"pad": np.arange(3, dtype=np.uint8), **tensors}, path)
+        ckpt = open_checkpoint(path)
+        rec = Recorder()
+        requests = [(f"t{i}", sel) for i, (_, sel) in reversed(list(enumerate(cases)))]
+        got = read_tensors(ckpt, requests, reader=rec, workers=3)
+        assert list(got) == [name for name, _ in requests]
+        for name, sel in requests:
+            assert_same(got[name], expected(tensors[name], sel))
+        owned = set().union(*(owned_bytes(ckpt, n, s) for n, s in requests))
+        read = [o + k for _, o, n in rec.runs for k in range(n)]
+        assert set(read) == owned, "every owned byte is read, and nothing else"
+        assert len(read) == sum(a.nbytes for a in got.values()), "once per selected element"
+
+
+def test_large_destinations_are_writable_mappings_and_small_ones_plain_arrays() -> None:
+    big = checkpoint._empty((1024, 1024), np.dtype(np.float32))
+    small = checkpoint._empty((4,), np.dtype(np.float32))
+    assert big.flags.writeable and big.flags.c_contiguous and big.shape == (1024, 1024)
+    assert not big.flags.owndata, "backed by its own anonymous mapping"
+    big[...] = 1.5
+    assert float(big.sum()) == 1.5 * 1024 * 1024
+    assert small.flags.owndata
+
+
+def test_a_file_truncated_while_gathering_columns_is_an_error_not_a_crash(
+        tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    shutil.copy(LLAMA, path)
+    ckpt = open_checkpoint(path)
+    name = "model.layers.2.mlp.down_proj.weight"
+    header, e = ckpt.tensor(name)
+    sel = TensorSelection(1, ((0, e.shape[1] // 2),))
+    assert checkpoint._gatherable(e, sel)
+    with CheckpointReader(ckpt) as reader:
+        reader.read("lm_head.weight")  # opens and checks the file
+        os.truncate(path, header.data_start + e.end - 1)
+        with pytest.raises(CheckpointError, match="shorter than byte") as info:
+            reader.read(name, sel)
+    assert info.value.tensor == name
+
+
+def test_a_selection_covering_whole_rows_is_read_with_preadv_not_gathered() -> None:
+    ckpt = open_checkpoint(LLAMA)
+    _, e = ckpt.tensor("model.layers.0.mlp.down_proj.weight")
+    cols = e.shape[1]
+    assert checkpoint._gatherable(e, TensorSelection(1, ((0, cols // 2),)))
+    assert not checkpoint._gatherable(e, TensorSelection(1, ((cols // 2, cols), (0, cols // 2))))
+    assert not checkpoint._gatherable(e, TensorSelection(0, ((0, 8),)))
+    assert not checkpoint._gatherable(e, TensorSelection())
+
+
+def test_jobs_cut_long_runs_and_keep_file_order() -> None:
+    ckpt = open_checkpoint(LLAMA_SHARDED)
+    plan = checkpoint._ReadPlan()
+    for name in reversed(ckpt.names):
+        header, e = ckpt.tensor(name)
+        array = np.empty(e.shape, DTYPES[e.dtype])
+        src, dst, length = checkpoint._runs(e, TensorSelection())
+        plan.add(ckpt.owners[name], header.data_start + e.begin, name, array, src, dst, length)
+    jobs = plan.jobs(ckpt.files, 1000)
+    assert sum(j.nbytes for j in jobs) == plan.nbytes
+    assert all(int(j.length.max()) <= 1000 for j in jobs)
+    keys = [(j.file, int(s)) for j in jobs for s in j.src]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+
+
+def test_default_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARTC_READ_THREADS", "3")
+    assert checkpoint.default_workers() == 3
+    monkeypatch.setenv("PARTC_READ_THREADS", "zero")
+    assert 1 <= checkpoint.default_workers() <= 8

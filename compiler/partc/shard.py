@@ -1,0 +1,232 @@
+"""Pre-sharded export: cut a checkpoint into one safetensors file per rank of a build.
+
+`partc shard BUILD --checkpoint DIR --out OUT` checks the checkpoint header against the build's
+plan (names, dtypes, shapes, fingerprint) before reading any payload, then streams each rank's
+slices into `rank-<r>-of-<n>.safetensors` and writes a manifest tying the files to the plan
+hash. The folder is written through `emit.write_atomically`, so a failed export leaves the
+previous one untouched. At most one batch of one rank's tensors is in memory at a time. A
+generated loader given the folder reads its own rank file sequentially.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from partc.checkpoint import (
+    DTYPES,
+    SHARD_FORMAT,
+    SHARD_MANIFEST,
+    Checkpoint,
+    TensorSelection,
+    open_checkpoint,
+    read_tensors,
+)
+from partc.emit import rank_module_name, write_atomically
+from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.plan import canonical_json
+from partc.runtime import header_fingerprint, progress_bar
+
+__all__ = ["ShardResult", "rank_file_name", "shard_checkpoint"]
+
+_BATCH_BYTES = 256 << 20
+"""Tensors of one rank are read and written in batches of about this many bytes."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardResult:
+    """What `shard_checkpoint` wrote."""
+
+    out: Path
+    """The pre-sharded folder."""
+    plan_hash: str
+    """Hash of the plan the files were cut for."""
+    files: tuple[str, ...]
+    """Rank file names, in rank order."""
+    nbytes: int
+    """Tensor bytes written over every rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    """One tensor of one rank: where it comes from and what it becomes."""
+
+    target: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    selection: TensorSelection
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the local slice."""
+        return math.prod(self.local_shape) * DTYPES[self.dtype].itemsize
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    """File name of one rank's tensors, zero-padded so files sort in rank order."""
+    width = max(2, len(str(world_size)))
+    return f"rank-{rank:0{width}d}-of-{world_size:0{width}d}.safetensors"
+
+
+def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLike[str],
+                     out: str | os.PathLike[str], *, verify_fingerprint: bool = True,
+                     workers: int | None = None, progress: bool | None = None) -> ShardResult:
+    """Write one safetensors file per rank of `build` plus a manifest into `out`, atomically."""
+    plan_path = Path(build) / "plan.json"
+    plan = _read_plan(plan_path)
+    ranks = _rank_slices(Path(build), plan)
+    opened = open_checkpoint(Path(checkpoint))
+    errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
+    if errors:
+        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    world = len(ranks)
+    plan_hash = plan["plan_hash"]
+    names = [rank_file_name(r, world) for r in range(world)]
+    total = sum(s.nbytes for slices in ranks for s in slices)
+    files: dict[str, str | Callable[[BinaryIO], None]] = {}
+    with progress_bar(total, "shard", progress) as update:
+        for rank, (name, slices) in enumerate(zip(names, ranks, strict=True)):
+            metadata = {"format": "pt", "partc_plan_hash": plan_hash, "partc_rank": str(rank),
+                        "partc_world_size": str(world)}
+            files[name] = partial(_write_rank, opened, slices, metadata, workers, update)
+        manifest = {
+            "format": SHARD_FORMAT, "version": 1, "plan_hash": plan_hash,
+            "family": plan.get("family"), "model_type": plan.get("model_type"),
+            "topology": plan.get("topology"), "source_fingerprint": header_fingerprint(opened),
+            "ranks": [{"rank": r, "file": names[r], "bytes": sum(s.nbytes for s in ranks[r]),
+                       "tensors": [s.target for s in ranks[r]]} for r in range(world)],
+        }
+        files[SHARD_MANIFEST] = canonical_json(manifest)
+        write_atomically(Path(out), files)
+    return ShardResult(out=Path(out), plan_hash=plan_hash, files=tuple(names), nbytes=total)
+
+
+def _read_plan(path: Path) -> dict[str, Any]:
+    """The build's plan.json, with the fields sharding needs."""
+    where = SourceLocation(str(path))
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LoadError(f"no plan.json in {path.parent}; expected a folder written by "
+                        "`partc compile`", location=where) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise LoadError(f"cannot read the build's plan.json: {exc}", location=where) from None
+    topology = plan.get("topology") if isinstance(plan, dict) else None
+    if (not isinstance(plan, dict) or not isinstance(plan.get("plan_hash"), str)
+            or not isinstance(plan.get("tensors"), list) or not isinstance(topology, dict)
+            or not isinstance(topology.get("tensor_parallel_size"), int)
+            or not isinstance(topology.get("pipeline_parallel_size"), int)):
+        raise LoadError("plan.json is not a partc plan (needs plan_hash, topology and tensors)",
+                        location=where)
+    return plan
+
+
+def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
+    """Each rank's tensors and selections, from the build's generated rank modules.
+
+    Slices are sorted widest item first, then by name, so every tensor of a rank file is
+    aligned, as the safetensors library lays files out.
+    """
+    topology = plan["topology"]
+    world = topology["tensor_parallel_size"] * topology["pipeline_parallel_size"]
+    packages = [p for p in sorted(build.iterdir()) if (p / "__init__.py").is_file()]
+    if len(packages) != 1:
+        raise LoadError(f"expected one generated package in {build}, found "
+                        f"{[p.name for p in packages]}", location=SourceLocation(str(build)))
+    ranks = []
+    for rank in range(world):
+        path = packages[0] / f"{rank_module_name(rank, world)}.py"
+        spec = importlib.util.spec_from_file_location(
+            f"_partc_shard_{plan['plan_hash'][:16]}_{rank}", path)
+        if spec is None or spec.loader is None or not path.is_file():
+            raise LoadError(f"the build has no module for rank {rank} ({path.name})",
+                            location=SourceLocation(str(path)))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if module.PLAN_HASH != plan["plan_hash"]:
+            raise LoadError(f"{path.name} was generated for plan {module.PLAN_HASH[:16]}, "
+                            f"plan.json is {plan['plan_hash'][:16]}",
+                            location=SourceLocation(str(path)))
+        slices = [_Slice(target=item.target, dtype=item.dtype, local_shape=item.local_shape,
+                         selection=TensorSelection(*item.selection))
+                  for item in module.layout().tensors]
+        slices.sort(key=lambda s: (-DTYPES[s.dtype].itemsize, s.target))
+        ranks.append(slices)
+    return ranks
+
+
+def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerprint: bool
+                  ) -> Iterator[CheckpointError]:
+    """Every mismatch between the plan's global tensor table and the checkpoint header."""
+    expected = plan.get("checkpoint_fingerprint")
+    if verify_fingerprint and isinstance(expected, str):
+        found = header_fingerprint(checkpoint)
+        if found != expected:
+            yield CheckpointError(
+                f"checkpoint header fingerprint {found[:16]} does not match the plan's "
+                f"{expected[:16]}; recompile against this checkpoint or pass "
+                "--no-verify-fingerprint", location=SourceLocation(str(checkpoint.path)))
+    for item in plan["tensors"]:
+        target, dtype, shape = item["target"], item["dtype"], tuple(item["shape"])
+        if target not in checkpoint:
+            yield CheckpointError(f"tensor `{target}` of the plan is not in the checkpoint",
+                                  location=SourceLocation(str(checkpoint.path)), tensor=target)
+            continue
+        header, entry = checkpoint.tensor(target)
+        if entry.dtype != dtype or tuple(entry.shape) != shape:
+            yield CheckpointError(
+                f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the checkpoint; the "
+                f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
+                tensor=target)
+
+
+def _safetensors_header(slices: list[_Slice], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and JSON header of a file holding `slices` back to back."""
+    table: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for s in slices:
+        table[s.target] = {"dtype": s.dtype, "shape": list(s.local_shape),
+                           "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data region starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
+
+
+def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str, str],
+                workers: int | None, update: Callable[[int], None] | None,
+                handle: BinaryIO) -> None:
+    """Stream one rank's slices into `handle`, reading one batch of tensors at a time."""
+    handle.write(_safetensors_header(slices, metadata))
+    for batch in _batches(slices):
+        arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
+                              workers=workers, progress=update)
+        for s in batch:
+            array = arrays.pop(s.target)
+            if array.shape != s.local_shape:
+                raise CheckpointError(f"tensor `{s.target}` read as {list(array.shape)}, the "
+                                      f"plan expects {list(s.local_shape)}", tensor=s.target)
+            if array.size:
+                handle.write(array.reshape(-1).view("u1").data)
+            del array
+
+
+def _batches(slices: list[_Slice]) -> Iterator[list[_Slice]]:
+    """Consecutive groups of about `_BATCH_BYTES` (a larger tensor is a batch of its own)."""
+    batch: list[_Slice] = []
+    size = 0
+    for s in slices:
+        if batch and size + s.nbytes > _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(s)
+        size += s.nbytes
+    if batch:
+        yield batch

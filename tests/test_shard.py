@@ -1,0 +1,242 @@
+"""`partc shard`: one safetensors file per rank, tied to the plan, loadable by the same loader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from partc import shard
+from partc.checkpoint import SHARD_MANIFEST, read_shard_manifest
+from partc.cli import main
+from partc.errors import CheckpointError, LoadError, PartcError
+from partc.shard import rank_file_name, shard_checkpoint
+
+from support import compile_and_import, hf
+
+LLAMA = hf("llama")
+PHI3 = hf("phi3")
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, int, int]] = []
+
+    def record(self, path: str, offset: int, length: int) -> None:
+        self.runs.append((path, offset, length))
+
+
+def same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any, Path]:
+    root = tmp_path_factory.mktemp("shard")
+    plan, package = compile_and_import("llama", LLAMA / "config.json", root / "build", tp=2,
+                                       pp=2, checkpoint=LLAMA)
+    shard_checkpoint(root / "build", LLAMA, root / "sharded")
+    return root, plan, package, root / "sharded"
+
+
+@pytest.mark.parametrize("source", ["single", "index"])
+def test_pre_sharded_loading_gives_the_same_tensors_as_direct_loading(
+        llama: tuple[Path, Any, Any, Path], source: str) -> None:
+    _, plan, package, sharded = llama
+    direct_source = LLAMA if source == "single" else LLAMA / "sharded"
+    for rank in range(plan.topology.world_size):
+        direct = package.load(direct_source, rank=rank)
+        pre = package.load(sharded, rank=rank)
+        same(pre.tensors, direct.tensors)
+        assert pre.layout == direct.layout and pre.info == direct.info
+
+
+def test_a_fused_family_shards_and_reloads_identically(tmp_path: Path) -> None:
+    plan, package = compile_and_import("phi3", PHI3 / "config.json", tmp_path / "b", tp=2,
+                                       checkpoint=PHI3)
+    shard_checkpoint(tmp_path / "b", PHI3, tmp_path / "s")
+    for rank in range(2):
+        same(package.load(tmp_path / "s", rank=rank).tensors,
+             package.load(PHI3, rank=rank).tensors)
+
+
+def test_a_pre_sharded_rank_reads_only_its_own_file_in_one_sequential_pass(
+        llama: tuple[Path, Any, Any, Path]) -> None:
+    _, plan, package, sharded = llama
+    for rank in range(plan.topology.world_size):
+        recorder = Recorder()
+        package.load(sharded, rank=rank, reader=recorder)
+        own = str(sharded / rank_file_name(rank, plan.topology.world_size))
+        assert {path for path, _, _ in recorder.runs} == {own}
+        with open(own, "rb") as handle:
+            data_start = 8 + int.from_bytes(handle.read(8), "little")
+        position = data_start
+        for _, offset, length in recorder.runs:
+            assert offset == position, "each read continues where the previous one ended"
+            position += length
+        assert position == Path(own).stat().st_size
+        assert len(recorder.runs) == 1, "one preadv over every tensor of a small rank"
+
+
+def test_the_manifest_ties_every_rank_file_to_the_plan_hash(
+        llama: tuple[Path, Any, Any, Path]) -> None:
+    _, plan, _, sharded = llama
+    plan_hash = plan.to_json()["plan_hash"]
+    manifest = json.loads((sharded / SHARD_MANIFEST).read_text())
+    assert manifest["plan_hash"] == plan_hash
+    assert [r["file"] for r in manifest["ranks"]] == [
+        "rank-00-of-04.safetensors", "rank-01-of-04.safetensors",
+        "rank-02-of-04.safetensors", "rank-03-of-04.safetensors"]
+    assert sorted(p.name for p in sharded.iterdir()) == sorted(
+        [SHARD_MANIFEST, *(r["file"] for r in manifest["ranks"])])
+    for entry, rank in zip(manifest["ranks"], plan.ranks, strict=True):
+        assert sorted(entry["tensors"]) == [t.target for t in rank.layout.tensors]
+        assert entry["bytes"] == rank.info.local_parameter_bytes
+        with safe_open(str(sharded / entry["file"]), "numpy") as handle:
+            assert handle.metadata()["partc_plan_hash"] == plan_hash
+            assert handle.metadata()["partc_rank"] == str(rank.rank)
+        arrays = load_file(str(sharded / entry["file"]))
+        for layout in rank.layout.tensors:
+            assert arrays[layout.target].shape == layout.local_shape
+    parsed = read_shard_manifest(sharded)
+    assert parsed is not None and parsed.plan_hash == plan_hash and len(parsed.files) == 4
+
+
+def test_a_pre_sharded_folder_of_another_plan_is_refused_before_reading(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
+    _, _, _, sharded = llama
+    _, other = compile_and_import("llama", LLAMA / "config.json", tmp_path / "b", tp=2,
+                                  checkpoint=LLAMA)
+    recorder = Recorder()
+    with pytest.raises(CheckpointError, match="cut for plan .* this loader is plan"):
+        other.load(sharded, rank=0, reader=recorder)
+    assert recorder.runs == []
+
+
+def test_a_rank_file_that_does_not_match_the_plan_is_refused(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
+    _, _, package, sharded = llama
+    copy = tmp_path / "copy"
+    shutil.copytree(sharded, copy)
+    name = rank_file_name(1, 4)
+    arrays = load_file(str(copy / name))
+    arrays["model.norm.weight"] = np.zeros(3, np.float32)
+    arrays.pop("model.embed_tokens.weight")
+    save_file(arrays, str(copy / name))
+    with pytest.raises(PartcError) as info:
+        package.load(copy, rank=1)
+    text = str(info.value)
+    assert "`model.norm.weight` in the rank file is not one of rank 1's tensors" in text
+    assert "`model.embed_tokens.weight` of the plan is not in the rank file" in text
+
+
+@pytest.mark.parametrize(("manifest", "needle"), [
+    ("{", "not valid JSON"),
+    ('{"format": "other", "version": 1}', "not a partc shard manifest"),
+    ('{"format": "partc-shards", "version": 1, "plan_hash": "x", "ranks": [{"rank": 1}]}',
+     "entry 0 must be"),
+    ('{"format": "partc-shards", "version": 1, "plan_hash": "x", "ranks": '
+     '[{"rank": 0, "file": "../x.safetensors", "tensors": []}]}', "not a plain file name"),
+])
+def test_a_malformed_manifest_is_reported(tmp_path: Path, manifest: str, needle: str) -> None:
+    (tmp_path / SHARD_MANIFEST).write_text(manifest)
+    with pytest.raises(CheckpointError, match=needle):
+        read_shard_manifest(tmp_path)
+
+
+def test_shard_checks_the_checkpoint_first_and_leaves_the_previous_output_untouched(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
+    root, _, _, _ = llama
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous export")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(str(LLAMA / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :-1].copy()
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(PartcError, match="fingerprint"):
+        shard_checkpoint(root / "build", bad, out)
+    with pytest.raises(CheckpointError, match=r"`lm_head.weight` is F32 \[131, 63\]"):
+        shard_checkpoint(root / "build", bad, out, verify_fingerprint=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_a_failure_while_streaming_leaves_the_previous_output_untouched(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    root, _, _, _ = llama
+    out = tmp_path / "out"
+    shard_checkpoint(root / "build", LLAMA, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    calls: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise CheckpointError("disk on fire")
+        return real(*args, **kwargs)
+
+    real = shard.read_tensors
+    monkeypatch.setattr(shard, "read_tensors", failing)
+    with pytest.raises(CheckpointError, match="disk on fire"):
+        shard_checkpoint(root / "build", LLAMA, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_shard_streams_one_batch_of_one_rank_at_a_time(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    root, plan, _, _ = llama
+    monkeypatch.setattr(shard, "_BATCH_BYTES", 20_000)
+    batches: list[list[str]] = []
+    real = shard.read_tensors
+
+    def spy(checkpoint: Any, requests: Any, **kwargs: Any) -> Any:
+        requests = list(requests)
+        batches.append([name for name, _ in requests])
+        return real(checkpoint, requests, **kwargs)
+
+    monkeypatch.setattr(shard, "read_tensors", spy)
+    shard_checkpoint(root / "build", LLAMA, tmp_path / "out")
+    sizes = {t.target: t.local_bytes for r in plan.ranks for t in r.layout.tensors}
+    largest = max(sizes.values())
+    owners = [{t.target for t in r.layout.tensors} for r in plan.ranks]
+    for batch in batches:
+        assert sum(sizes[n] for n in batch) <= max(20_000, largest)
+        assert any(set(batch) <= names for names in owners), "a batch never mixes ranks"
+    assert len(batches) > plan.topology.world_size
+
+
+def test_the_shard_command_writes_the_folder_and_reports_it(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root, plan, _, _ = llama
+    status = main(["shard", str(root / "build"), "--checkpoint", str(LLAMA), "--out",
+                   str(tmp_path / "s"), "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["plan_hash"] == plan.to_json()["plan_hash"]
+    assert report["files"] == [rank_file_name(r, 4) for r in range(4)]
+    assert report["bytes"] == sum(r.info.local_parameter_bytes for r in plan.ranks)
+    status = main(["shard", str(tmp_path), "--checkpoint", str(LLAMA), "--out",
+                   str(tmp_path / "t")])
+    assert status == 1 and "no plan.json" in capsys.readouterr().err
+
+
+def test_a_build_folder_without_a_plan_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(LoadError, match="no plan.json"):
+        shard_checkpoint(tmp_path, LLAMA, tmp_path / "out")
+    (tmp_path / "plan.json").write_text("[]")
+    with pytest.raises(LoadError, match="not a partc plan"):
+        shard_checkpoint(tmp_path, LLAMA, tmp_path / "out")
