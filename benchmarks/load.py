@@ -297,11 +297,14 @@ def main() -> None:
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     variants = ["loader", "floor-read", "floor-readinto"] + ([] if args.skip_naive else
                                                              ["naive"])
-    for _ in range(args.repeats):
-        for tp in tps:
+    for repeat in range(args.repeats):
+        for position, tp in enumerate(tps):
             spec = {**builds[tp], "files": [str(f) for f in files],
                     "nbytes": builds[tp]["local"]}
-            for mode in variants:
+            # rotate the order: a variant that frees much memory (naive) makes the next
+            # process's first touches slower while the host takes the freed pages back
+            turn = (repeat + position) % len(variants)
+            for mode in variants[turn:] + variants[:turn]:
                 warm(files)
                 runs.setdefault((tp, mode), []).append(run_child(mode, spec))
     hooks = {}
