@@ -1,4 +1,4 @@
-"""Read safetensors checkpoints: validated headers, sharded indexes and rank-selective reads."""
+"""Read safetensors checkpoints: validated headers, sharded indexes, shard manifests, slices."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from partc.errors import CheckpointError, SourceLocation
 __all__ = [
     "DTYPES", "MAX_HEADER_SIZE", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE", "Checkpoint",
     "CheckpointReader", "FileHeader", "ReadRecorder", "ShardManifest", "TensorEntry",
-    "TensorSelection", "default_workers", "open_checkpoint", "read_header",
+    "TensorSelection", "TensorTable", "default_workers", "open_checkpoint", "read_header",
     "read_shard_manifest", "read_tensor", "read_tensors",
 ]
 
@@ -559,7 +559,10 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
 
 
 class ReadRecorder(Protocol):
-    """Instrumentation told of every byte run actually read from a file."""
+    """Instrumentation told of every byte run actually read from a file.
+
+    A large read calls it from several reader threads, in no particular order.
+    """
 
     def record(self, path: str, offset: int, length: int) -> None:
         """Note that `length` bytes were read from `path` at absolute `offset`."""
@@ -657,9 +660,9 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]
     """A new writable array; a large one gets its own private anonymous mapping, pre-faulted.
 
     Every destination page is first touched by the load itself. The kernel populates a mapping
-    in one call instead of one trap per 4 KiB page (measured 10-25% of a load), and numpy's
-    own large arrays ask for transparent huge pages, which measured ~1.6x slower to fault in
-    here than the 4 KiB pages a sequential `read()` gets.
+    in one call instead of one trap per 4 KiB page (measured ~10% of a load), and numpy's own
+    large arrays ask for transparent huge pages, which measured ~1.6x slower to fault in here
+    than the 4 KiB pages a sequential `read()` gets.
     """
     count = math.prod(shape)
     if count * dtype.itemsize < _MAPPED_ARRAY_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
