@@ -12,7 +12,7 @@ import pytest
 
 from partc import EmitError, PartcError
 from partc.api import compile_family
-from partc.emit import check_generated, python_literal, render_package
+from partc.emit import check_generated, lines_literal, python_literal, render_package
 
 from support import ROOT, hf
 
@@ -64,7 +64,23 @@ def test_rank_modules_hold_literal_tables_and_no_import_time_computation():
              for node in ast.walk(stmt.value) if isinstance(node, ast.Call)]
     assert calls == ["_runtime.RankTable"]
     assigned = [t.id for stmt in tree.body if isinstance(stmt, ast.Assign) for t in stmt.targets]
-    assert {"TENSORS", "PARTITION", "INFO", "BOUNDARY", "PLAN_HASH", "RANK"} <= set(assigned)
+    assert {"KINDS", "OWNERS", "GROUPS", "TARGETS", "PARTITION", "INFO", "BOUNDARY",
+            "PLAN_HASH", "RANK"} <= set(assigned)
+
+
+@pytest.mark.parametrize("lines", [
+    ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"],
+    ["a'b", 'a"b', "back\\slash", '""" triple', "ünïcødé ☃", "\x00nul", "cr\rhere", "tab\tx",
+     "x\u2028y", "with space", "new\nline", ""],
+    [],
+])
+def test_lines_literals_round_trip_any_names(lines):
+    text = lines_literal(lines)
+    value = ast.literal_eval(text)
+    assert (value.split("\n")[:-1] if isinstance(value, str) else list(value)) == lines
+    check_generated(f"TARGETS = {text}\n", "rank_00.py")
+    plain = all(all(" " <= c <= "~" and c not in "\"\\" for c in line) for line in lines)
+    assert isinstance(value, str) == plain  # readable text when it can be, escaped otherwise
 
 
 @pytest.mark.parametrize("source", [

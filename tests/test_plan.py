@@ -12,9 +12,10 @@ from partc import LayoutError, ParallelPlanError
 from partc.api import compile_family
 from partc.parallel import PlacementKind, ShardingPolicy, balanced_contiguous_range
 from partc.partition import ArchitecturePartitionError
+from partc.plan import canonical_json
 from partc.schema import load_schema
 
-from support import ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
+from support import HF, QUANTIZED, ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 CASES = [("llama", t) for t in TOPOLOGIES] + [("llama_tied", t) for t in TOPOLOGIES + [(1, 4)]]
@@ -193,3 +194,25 @@ def test_kv_replicas_survive_the_plan_and_the_generated_loader(tmp_path):
         assert q.selection == (0, ((16 * rank, 16 * (rank + 1)),))
         assert state.info.local_bytes_by_dtype == (("F32", state.info.local_parameter_bytes),)
         assert plan.ranks[rank].layout[k.target] == k
+
+
+@pytest.mark.parametrize("folder,family,tp,pp", [
+    (HF / "llama_tied", "llama", 2, 2), (HF / "qwen3_moe", "qwen3_moe", 2, 2),
+    (QUANTIZED / "deepseek_v3_fp8", "deepseek_v3", 2, 3)], ids=["llama_tied", "qwen3_moe",
+                                                                 "deepseek_v3_fp8"])
+def test_the_plan_text_is_the_canonical_json_and_modules_rebuild_the_plan(
+        tmp_path, folder, family, tp, pp):
+    """plan.json is spelled without building the tensor table (`Plan.document`), and rank
+    modules are columnar tables: both must say exactly what the plan objects say."""
+    plan, package = compile_and_import(family, folder / "config.json", tmp_path / "b", tp=tp,
+                                       pp=pp)
+    body, text = plan.document()
+    assert text == canonical_json(plan.to_json())
+    assert body["plan_hash"] == json.loads(text)["plan_hash"]
+    assert text == (tmp_path / "b" / "plan.json").read_text()
+    assert len(plan.kinds) < len(plan.groups)  # groups of one structure share a kind
+    for rank in plan.ranks:
+        module = package.rank_module(rank.rank)
+        assert module.layout() == rank.layout
+        assert module.info() == rank.info
+        assert module.partition() == rank.partition

@@ -211,9 +211,14 @@ class TensorTable(Mapping[str, TensorEntry]):
     def __len__(self) -> int:
         return len(self._names)
 
-    def signatures(self) -> list[str]:
-        """The line "name\\0dtype\\0[shape]\\n" of every tensor, in name order."""
-        return list(map("{}\0{}\0{}\n".format, self._names, self._dtypes, self._shapes))
+    def signature(self, name: str) -> tuple[str, list[int]] | None:
+        """(dtype, shape) of tensor `name` without building its entry; None when absent."""
+        i = self._index.get(name)
+        return None if i is None else (self._dtypes[i], self._shapes[i])
+
+    def columns(self) -> tuple[list[str], list[str], list[list[int]]]:
+        """Names, dtypes and shapes of every tensor, in name order (the table's own lists)."""
+        return self._names, self._dtypes, self._shapes
 
 
 def _fast_columns(text: str, data_size: int) -> _Columns | None:
@@ -397,13 +402,33 @@ class Checkpoint:
         return header, header.tensors[name]
 
 
+    def signature(self, name: str) -> tuple[FileHeader, str, list[int]] | None:
+        """(file, dtype, shape) of tensor `name`, or None: the cheap lookup of header checks."""
+        index = self.owners.get(name)
+        if index is None:
+            return None
+        header = self.files[index]
+        found = header.tensors.signature(name)
+        assert found is not None
+        return header, found[0], found[1]
+
     def fingerprint(self) -> str:
-        """sha256 over every tensor's "name\\0dtype\\0[shape]\\n" in name order (all files)."""
-        lines = [line for header in self.files for line in header.tensors.signatures()]
+        """sha256 of the compact JSON text `[names, dtypes, shapes]` of every tensor of every
+        file, in name order: what a plan compiled against this checkpoint depends on."""
+        names: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[list[int]] = []
+        for header in self.files:
+            n, d, s = header.tensors.columns()
+            names += n
+            dtypes += d
+            shapes += s
         if len(self.files) > 1:
-            names = [name for header in self.files for name in header.tensors]
-            lines = list(map(lines.__getitem__, sorted(range(len(names)), key=names.__getitem__)))
-        return hashlib.sha256("".join(lines).encode()).hexdigest()
+            order = sorted(range(len(names)), key=names.__getitem__)
+            names, dtypes, shapes = ([column[i] for i in order]
+                                     for column in (names, dtypes, shapes))
+        text = json.dumps([names, dtypes, shapes], separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _suggest(name: str, names: tuple[str, ...]) -> str | None:

@@ -12,6 +12,7 @@ import ast
 import ctypes
 import ctypes.util
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,12 +24,11 @@ import jinja2
 
 from partc import __version__
 from partc.errors import EmitError
-from partc.plan import canonical_json
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Mapping, Sequence
 
-    from partc.plan import Plan, RankPlan
+    from partc.plan import GroupKind, Plan, RankPlan
 
 
 def python_literal(value: Any) -> str:
@@ -84,35 +84,67 @@ def rank_module_name(rank: int, world_size: int) -> str:
     return f"rank_{rank:0{max(2, len(str(world_size - 1)))}d}"
 
 
-def _rank_tables(rank: RankPlan) -> tuple[list[str], list[str]]:
-    """The GROUPS and TENSORS rows of one rank, in binding order (groups, then members).
+_PLAIN_TEXT = re.compile(r"[ !#-\[\]-~\n]*")
+"""Printable ASCII and line breaks, without quotes or backslashes: safe in a triple-quoted
+literal exactly as written."""
 
-    Rows of tensors realized alike share their literal text, so large models render quickly.
+
+def lines_literal(lines: Sequence[str]) -> str:
+    """A literal holding `lines` for a GROUPS or TARGETS table.
+
+    Readable triple-quoted text, one line per item, when every item is plain printable ASCII
+    without quotes, backslashes or line breaks (real checkpoints); otherwise a tuple of escaped
+    strings. `partc.runtime` reads both.
     """
-    group_rows: list[str] = []
-    tensor_rows: list[str] = []
-    tails: dict[tuple[object, ...], str] = {}
-    layout = rank.layout
-    for index, binding in enumerate(rank.partition.parameter_bindings):
-        first = layout[binding.targets[0]]
-        group_rows.append(python_literal((
-            binding.group, first.role.value, binding.owner.to_json(), first.logical_units,
-            first.logical_range, first.fell_back_to_replication)))
-        for target in binding.targets:
-            item = layout[target]
-            key = (index, item.dtype, item.global_shape, item.placement, item.kv_replicas)
-            tail = tails.get(key)
-            if tail is None:
-                tail = python_literal((index, item.dtype, item.global_shape,
-                                       item.placement.to_compact(), item.kv_replicas))[1:]
-                tails[key] = tail
-            tensor_rows.append(f"({python_literal(target)}, {tail}")
-    return group_rows, tensor_rows
+    text = "".join(line + "\n" for line in lines)
+    if _PLAIN_TEXT.fullmatch(text) and text.count("\n") == len(lines):
+        return '"""\\\n' + text + '"""'
+    return python_literal(tuple(lines))
 
 
-def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header) -> str:
+@dataclass(frozen=True, slots=True)
+class _StageTables:
+    """The parts of a rank module every rank of one pipeline stage shares."""
+
+    kinds: tuple[int, ...]
+    """Plan kind index of each local KINDS row."""
+    owner_rows: list[str]
+    """OWNERS rows."""
+    groups_text: str
+    """GROUPS literal."""
+    targets_text: str
+    """TARGETS literal."""
+
+
+def _stage_tables(rank: RankPlan) -> _StageTables:
+    kinds: dict[int, int] = {}
+    owners: dict[str, int] = {}
+    group_lines, targets = [], []
+    for group in rank.groups:
+        kind = kinds.setdefault(group.kind, len(kinds))
+        owner_row = python_literal(group.owner.to_json())
+        owner = owners.setdefault(owner_row, len(owners))
+        group_lines.append(f"{kind} {owner} {group.name}")
+        targets.extend(group.targets)
+    return _StageTables(kinds=tuple(kinds), owner_rows=list(owners),
+                        groups_text=lines_literal(group_lines),
+                        targets_text=lines_literal(targets))
+
+
+def _kind_row(kind: GroupKind, tp_rank: int) -> str:
+    """A KINDS row: the kind's realization on one tensor-parallel rank."""
+    layouts = kind.layouts[tp_rank]
+    first = layouts[0]
+    return python_literal((
+        first.role.value, first.logical_units, first.logical_range,
+        first.fell_back_to_replication,
+        tuple((x.dtype, x.global_shape, x.placement.to_compact(), x.kv_replicas)
+              for x in layouts)))
+
+
+def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header,
+                 tables: _StageTables, path: str) -> str:
     rank_json = plan_json["ranks"][rank.rank]
-    group_rows, tensor_rows = _rank_tables(rank)
     view = {
         "rank": rank.rank, "tp_rank": rank.tensor_parallel_rank, "stage": rank.pipeline_stage,
         "tp": plan.topology.tensor_parallel_size, "pp": plan.topology.pipeline_parallel_size,
@@ -121,8 +153,10 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "family_literal": python_literal(plan.family),
         "model_type_literal": python_literal(plan.model_type),
         "fingerprint_literal": python_literal(plan.checkpoint_fingerprint),
-        "group_rows": group_rows,
-        "tensor_rows": tensor_rows,
+        "kind_rows": [_kind_row(plan.kinds[k], rank.tensor_parallel_rank) for k in tables.kinds],
+        "owner_rows": tables.owner_rows,
+        "groups_text": tables.groups_text,
+        "targets_text": tables.targets_text,
         "partition_literal": python_literal({**rank_json["partition"],
                                              "graph": plan_json["graph"]}),
         "state_range_literal": python_literal(rank.partition.state.global_range),
@@ -130,7 +164,14 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "boundary_literal": python_literal(plan.boundary),
         "activation_dtype_literal": python_literal(plan.topology.activation_dtype.value),
     }
-    return _environment().get_template("rank_module.py.jinja2").render(header=header, rank=view)
+    template = _environment().get_template("rank_module.py.jinja2")
+    # The module is checked with its two line tables left empty: they are `lines_literal`
+    # output (a quote- and backslash-free text block or python_literal), which cannot end
+    # early, and at ~10^4 names they would dominate the parse.
+    check_generated(template.render(header=header, rank={
+        **view, "groups_text": lines_literal(()), "targets_text": lines_literal(())}),
+        path)
+    return template.render(header=header, rank=view)
 
 
 def _comment_safe(text: str) -> str:
@@ -258,10 +299,10 @@ def _is_literal(node: ast.AST) -> bool:
 
 
 def check_generated(source: str, name: str) -> None:
-    """Compile a rendered module and check it holds only the statement shapes partc emits."""
+    """Parse a rendered module and check it holds only the statement shapes partc emits (the
+    checker admits nothing a successful parse could still fail to compile)."""
     try:
         tree = ast.parse(source, filename=name)
-        compile(tree, name, "exec")
     except SyntaxError as exc:
         raise EmitError(f"generated module {name} does not compile: {exc.msg} (line "
                         f"{exc.lineno})") from None
@@ -272,28 +313,31 @@ def check_generated(source: str, name: str) -> None:
 
 def render_package(plan: Plan) -> dict[str, str]:
     """Every file of the generated build, by relative path: plan.json and the loader package."""
-    plan_json = plan.to_json()
+    plan_json, plan_text = plan.document()
     sources = ", ".join(f"{_comment_safe(n)} (sha256 {h[:16]})" for n, h in plan.sources
                         ) or "(no sources)"
     header = _Header(version=__version__, sources=sources,
                      plan_hash=plan_json["plan_hash"])
     package = package_name(plan)
     world = plan.topology.world_size
-    files = {"plan.json": canonical_json(plan_json)}
+    files = {"plan.json": plan_text}
     modules = []
+    stages: dict[int, _StageTables] = {}
     for rank in plan.ranks:
         module = rank_module_name(rank.rank, world)
         modules.append(module)
-        files[f"{package}/{module}.py"] = _render_rank(plan, plan_json, rank, header)
+        tables = stages.get(rank.pipeline_stage)
+        if tables is None:
+            tables = stages[rank.pipeline_stage] = _stage_tables(rank)
+        path = f"{package}/{module}.py"
+        files[path] = _render_rank(plan, plan_json, rank, header, tables, path)
     view = {"family": _docstring_safe(plan.family), "tp": plan.topology.tensor_parallel_size,
             "pp": plan.topology.pipeline_parallel_size, "world_size": world,
             "plan_hash_literal": python_literal(plan_json["plan_hash"]),
             "rank_modules": [python_literal(m) for m in modules]}
     files[f"{package}/__init__.py"] = _environment().get_template(
         "package_init.py.jinja2").render(header=header, package=view)
-    for path, text in files.items():
-        if path.endswith(".py"):
-            check_generated(text, path)
+    check_generated(files[f"{package}/__init__.py"], f"{package}/__init__.py")
     return files
 
 

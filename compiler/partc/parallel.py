@@ -789,6 +789,18 @@ class LocalTensorLayout:
         """Bytes this rank holds of the tensor."""
         return tensor_bytes(self.dtype, self.local_shape)
 
+    def renamed(self, target: str, logical_name: str) -> LocalTensorLayout:
+        """This validated layout under other names (names take no part in validation, so the
+        copy is not re-validated)."""
+        if self.target == target and self.logical_name == logical_name:
+            return self
+        copy = object.__new__(LocalTensorLayout)
+        for name in _LAYOUT_FIELDS:
+            object.__setattr__(copy, name, getattr(self, name))
+        object.__setattr__(copy, "target", target)
+        object.__setattr__(copy, "logical_name", logical_name)
+        return copy
+
     @property
     def is_whole(self) -> bool:
         """Whether this rank holds the whole tensor (replicated or unsplit)."""
@@ -799,6 +811,9 @@ class LocalTensorLayout:
     def selection(self) -> Selection:
         """(axis, ranges) of the global tensor this rank reads; axis None = the whole tensor."""
         return self.placement.selection(self.global_shape)
+
+
+_LAYOUT_FIELDS = tuple(f.name for f in fields(LocalTensorLayout))
 
 
 def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
@@ -1089,6 +1104,23 @@ def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
     split over all ranks and each KV head repeated (docs/kv_replication.md).
     `policy_overrides_group` makes `policy` win over the group's own (a command-line choice).
     """
+    template = realize_group_template(group, tensor_parallel_size, policy,
+                                      policy_overrides_group=policy_overrides_group)
+    return tuple(tuple(layout.renamed(member.target, group.name)
+                       for layout, member in zip(rank_layouts, group.members, strict=True))
+                 for rank_layouts in template)
+
+
+def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
+                           policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
+                           policy_overrides_group: bool = False
+                           ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+    """`realize_group` up to names: the one realization every group of `group`'s structure
+    shares (the same object for all of them), named after the first such group realized.
+
+    Groups differ structurally when any member's dtype, shape or sharding, or the group's role,
+    units, KV replication or effective policy differ; names take no part in realization.
+    """
     tp = tensor_parallel_size
     if not _is_count(tp) or tp < 1:
         raise _invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
@@ -1102,9 +1134,7 @@ def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
         if len(_REALIZED) > 4096:
             _REALIZED.clear()
         _REALIZED[key] = template
-    return tuple(tuple(_renamed(layout, member.target, group.name)
-                       for layout, member in zip(rank_layouts, group.members, strict=True))
-                 for rank_layouts in template)
+    return template
 
 
 _REALIZED: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
@@ -1116,19 +1146,6 @@ def _member_structure(member: ParameterMemberSpec) -> tuple[object, ...]:
     return tuple(getattr(member, name) for name in _MEMBER_FIELDS)
 
 
-def _renamed(layout: LocalTensorLayout, target: str, logical_name: str) -> LocalTensorLayout:
-    """A copy of a validated layout under other names (names take no part in validation)."""
-    if layout.target == target and layout.logical_name == logical_name:
-        return layout
-    copy = object.__new__(LocalTensorLayout)
-    for name in _LAYOUT_FIELDS:
-        object.__setattr__(copy, name, getattr(layout, name))
-    object.__setattr__(copy, "target", target)
-    object.__setattr__(copy, "logical_name", logical_name)
-    return copy
-
-
-_LAYOUT_FIELDS = tuple(f.name for f in fields(LocalTensorLayout))
 
 
 def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy

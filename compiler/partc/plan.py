@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
@@ -21,9 +21,14 @@ from partc.parallel import (
     LocalTensorLayout,
     ParallelModelInfo,
     ShardingPolicy,
-    realize_group,
+    realize_group_template,
 )
-from partc.partition import ArchitecturePartition, OwnerKind, realize_partition
+from partc.partition import (
+    ArchitecturePartition,
+    OwnerKind,
+    ParameterGroupOwner,
+    realize_partition,
+)
 
 if TYPE_CHECKING:
     from partc.bind import BoundArchitecture
@@ -68,9 +73,49 @@ class Topology:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class GroupKind:
+    """The realization shared by every parameter group of one structure (groups that differ
+    only in names, such as the experts of a layer): per tensor-parallel rank, per member."""
+
+    layouts: tuple[tuple[LocalTensorLayout, ...], ...]
+    """Outer index: tensor-parallel rank; inner: member. Named after the kind's first group."""
+    _accounting: list[tuple[int, int, tuple[tuple[str, int], ...]]] = field(
+        default_factory=list, compare=False, repr=False)
+
+    def accounting(self, tensor_parallel_rank: int) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+        """(local bytes, pinned bytes, local bytes by dtype) of one group of this kind on a rank."""
+        if not self._accounting:
+            for layouts in self.layouts:
+                sizes = [(x.dtype, x.local_bytes, x.is_whole) for x in layouts]
+                by_dtype: dict[str, int] = {}
+                for dtype, nbytes, _ in sizes:
+                    by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+                self._accounting.append((sum(n for _, n, _ in sizes),
+                                         sum(n for _, n, whole in sizes if whole),
+                                         tuple(sorted(by_dtype.items()))))
+        return self._accounting[tensor_parallel_rank]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannedGroup:
+    """One parameter group of the plan: its names, owner, structure and stages."""
+
+    name: str
+    """Logical name."""
+    owner: ParameterGroupOwner
+    """Who owns it (a static role or an execution unit)."""
+    targets: tuple[str, ...]
+    """Checkpoint names of its members, in member order."""
+    kind: int
+    """Index of its GroupKind in `Plan.kinds`."""
+    stages: tuple[int, ...]
+    """Pipeline stages that load it."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankPlan:
-    """Everything one rank needs: its partition, its tensor layouts and its accounting."""
+    """Everything one rank needs: its partition, its parameter groups and its accounting."""
 
     rank: int
     """Global rank."""
@@ -80,10 +125,25 @@ class RankPlan:
     """Stage."""
     partition: ArchitecturePartition
     """The stage's architecture partition."""
-    layout: LocalModelLayout
-    """This rank's tensors."""
     info: ParallelModelInfo
     """Topology and byte accounting."""
+    groups: tuple[PlannedGroup, ...] = field(repr=False)
+    """The stage's parameter groups, in binding order (shared by the stage's ranks)."""
+    kinds: tuple[GroupKind, ...] = field(repr=False)
+    """The plan's group kinds (`PlannedGroup.kind` indexes it)."""
+    _layout: list[LocalModelLayout] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def layout(self) -> LocalModelLayout:
+        """This rank's tensors (built on first use: large models have ~10^4 per rank)."""
+        if not self._layout:
+            t = self.tensor_parallel_rank
+            self._layout.append(LocalModelLayout(tensors=tuple(
+                layout.renamed(target, group.name)
+                for group in self.groups
+                for layout, target in zip(self.kinds[group.kind].layouts[t], group.targets,
+                                          strict=True))))
+        return self._layout[0]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +186,10 @@ class Plan:
     """Boundary wire schema (JSON form)."""
     tensors: tuple[GlobalTensor, ...]
     """Global tensor table, sorted by target."""
+    groups: tuple[PlannedGroup, ...]
+    """Every parameter group, in declaration order."""
+    kinds: tuple[GroupKind, ...]
+    """Realizations shared by groups of one structure, in order of first use."""
     ranks: tuple[RankPlan, ...]
     """Per-rank plans, by global rank."""
     checkpoint_fingerprint: str | None = None
@@ -141,8 +205,24 @@ class Plan:
     def to_json(self) -> dict[str, object]:
         """The canonical JSON document (validates against `schemas/plan.schema.json`)."""
         body = self._body()
+        body["tensors"] = self._tensors_json()
         body["plan_hash"] = plan_hash(body)
         return body
+
+    def document(self) -> tuple[dict[str, Any], str]:
+        """`to_json()` without its `tensors` list, and the canonical text of the whole document
+        (equal to `canonical_json(to_json())`), each part encoded once.
+
+        The tensor table (~10^5 entries for the largest models) is spelled directly from the
+        group kinds, whose shape and placement text its tensors share.
+        """
+        body = self._body()
+        parts = {key: canonical_json(value)[:-1] for key, value in body.items()}
+        parts["tensors"] = self._tensors_text()
+        digest = hashlib.sha256((_object_text(parts) + "\n").encode()).hexdigest()
+        body["plan_hash"] = digest
+        parts["plan_hash"] = _string(digest)
+        return body, _object_text(parts) + "\n"
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -158,45 +238,82 @@ class Plan:
             "static_roles": [{"role": n, "stage": s} for n, s in self.static_roles],
             "boundary": self.boundary,
             "groups": self._groups_json(),
-            "tensors": self._tensors_json(),
             "ranks": [_rank_json(r) for r in self.ranks],
         }
 
-    def _stage_ranks(self) -> dict[int, list[RankPlan]]:
-        by_stage: dict[int, list[RankPlan]] = {}
-        for rank in self.ranks:
-            by_stage.setdefault(rank.pipeline_stage, []).append(rank)
-        return by_stage
-
     def _groups_json(self) -> list[dict[str, object]]:
         """Each parameter group: owner, logical units and every TP rank's logical range."""
-        first = {t.group: t for t in reversed(self.tensors)}
-        by_stage = self._stage_ranks()
         out = []
-        for name in sorted(first):
-            tensor = first[name]
-            ranks = by_stage[tensor.stages[0]]
-            layouts = [r.layout[tensor.target] for r in ranks]
+        for group in sorted(self.groups, key=lambda g: g.name):
+            layouts = [rank[0] for rank in self.kinds[group.kind].layouts]
+            first = layouts[0]
             out.append({
-                "name": name, "role": layouts[0].role.value, "owner": tensor.owner,
-                "stages": list(tensor.stages), "logical_units": layouts[0].logical_units,
-                "logical_ranges": None if layouts[0].logical_range is None else
+                "name": group.name, "role": first.role.value, "owner": group.owner.to_json(),
+                "stages": list(group.stages), "logical_units": first.logical_units,
+                "logical_ranges": None if first.logical_range is None else
                 [list(x.logical_range or ()) for x in layouts],
-                "fell_back_to_replication": layouts[0].fell_back_to_replication})
+                "fell_back_to_replication": first.fell_back_to_replication})
         return out
 
     def _tensors_json(self) -> list[dict[str, object]]:
-        """Each checkpoint tensor: dtype, shape, group, stages and its placement on each TP rank."""
-        by_stage = self._stage_ranks()
+        """Each checkpoint tensor: dtype, shape, group, stages and its placement on each TP rank.
+
+        Groups of one kind share the shape and placement lists (the text is the same).
+        """
+        members: dict[int, list[tuple[str, list[int], int, list[list[object]]]]] = {}
         out = []
-        for tensor in self.tensors:
-            layouts = [r.layout[tensor.target] for r in by_stage[tensor.stages[0]]]
-            out.append({"target": tensor.target, "dtype": tensor.dtype,
-                        "shape": list(tensor.shape), "group": tensor.group,
-                        "stages": list(tensor.stages), "kv_replicas": layouts[0].kv_replicas,
-                        "placements": [list(_compact_json(x.placement.to_compact()))
-                                       for x in layouts]})
+        for group in self.groups:
+            shared = members.get(group.kind)
+            if shared is None:
+                layouts = self.kinds[group.kind].layouts
+                shared = members[group.kind] = [
+                    (first.dtype, list(first.global_shape), first.kv_replicas,
+                     [_compact_json(rank[i].placement.to_compact()) for rank in layouts])
+                    for i, first in enumerate(layouts[0])]
+            stages = list(group.stages)
+            for target, (dtype, shape, kv_replicas, placements) in zip(
+                    group.targets, shared, strict=True):
+                out.append({"target": target, "dtype": dtype, "shape": shape,
+                            "group": group.name, "stages": stages, "kv_replicas": kv_replicas,
+                            "placements": placements})
+        out.sort(key=lambda t: t["target"])  # type: ignore[arg-type, return-value]
         return out
+
+
+    def _tensors_text(self) -> str:
+        """The canonical JSON text of `_tensors_json()`, written without building it."""
+        members: dict[int, list[tuple[str, str]]] = {}
+        entries = []
+        for group in self.groups:
+            shared = members.get(group.kind)
+            if shared is None:
+                layouts = self.kinds[group.kind].layouts
+                shared = members[group.kind] = [
+                    ('{"dtype":' + _string(first.dtype) + ',"group":',
+                     f',"kv_replicas":{first.kv_replicas},"placements":'
+                     + _text([_compact_json(rank[i].placement.to_compact()) for rank in layouts])
+                     + ',"shape":' + _text(list(first.global_shape)) + ',"stages":')
+                    for i, first in enumerate(layouts[0])]
+            middle = _string(group.name)
+            tail = _text(list(group.stages)) + ',"target":'
+            for target, (head, body) in zip(group.targets, shared, strict=True):
+                entries.append((target, head + middle + body + tail + _string(target) + "}"))
+        entries.sort(key=lambda entry: entry[0])
+        return "[" + ",".join(text for _, text in entries) + "]"
+
+
+_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+"""A str as a JSON string with ASCII escapes, exactly as `canonical_json` spells it."""
+
+
+def _text(value: object) -> str:
+    """Canonical JSON text of a value, without the trailing newline."""
+    return canonical_json(value)[:-1]
+
+
+def _object_text(parts: dict[str, str]) -> str:
+    """Canonical JSON text of an object whose values are already encoded."""
+    return "{" + ",".join(_string(key) + ":" + parts[key] for key in sorted(parts)) + "}"
 
 
 def _compact_json(value: tuple[object, ...]) -> list[object]:
@@ -232,58 +349,71 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  sources: tuple[tuple[str, str], ...] = (),
                  checkpoint_fingerprint: str | None = None,
                  group_location: Any = None) -> Plan:
-    """The plan of `bound` for `topology`; raises LayoutError (located when possible)."""
+    """The plan of `bound` for `topology`; raises LayoutError (located when possible).
+
+    Each group structure is realized once (`realize_group_template`); groups keep an index to
+    their kind, so a rank's tensor layouts are only built when asked for.
+    """
     tp, pp = topology.tensor_parallel_size, topology.pipeline_parallel_size
     policy = topology.policy or bound.policy or ShardingPolicy.REQUIRE
     description = bound.description
-    realized: dict[str, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
+    kinds: list[GroupKind] = []
+    kind_index: dict[int, int] = {}  # id of a shared template -> its index in `kinds`
+    group_kinds: dict[str, int] = {}
     for owned in description.groups:
         try:
-            realized[owned.group.name] = realize_group(
-                owned.group, tp, policy, policy_overrides_group=topology.policy is not None)
+            template = realize_group_template(owned.group, tp, policy,
+                                              policy_overrides_group=topology.policy is not None)
         except PartcError as error:
             if group_location is not None:
                 group_location(error, owned.group.name)
             raise
+        index = kind_index.get(id(template))
+        if index is None:
+            index = kind_index[id(template)] = len(kinds)
+            kinds.append(GroupKind(layouts=template))
+        group_kinds[owned.group.name] = index
     wire = PipelineWireContract(schema=bound.boundary, activation_dtype=topology.activation_dtype)
     partitions = [realize_partition(description, s, pp, topology.stage_units, boundary=wire)
                   for s in range(pp)]
-    ranks = []
-    tensors_by_stage: dict[str, list[int]] = {}
+    group_stages: dict[str, list[int]] = {}
     for stage, partition in enumerate(partitions):
-        local_targets = set(partition.parameter_targets)
-        local_groups = [owned.group for owned in description.groups
-                        if owned.group.members[0].target in local_targets]
-        for group in local_groups:
-            for member in group.members:
-                tensors_by_stage.setdefault(member.target, []).append(stage)
-        for tp_rank in range(tp):
-            layouts = [layout for group in local_groups
-                       for layout in realized[group.name][tp_rank]]
-            ranks.append((stage, tp_rank, partition, LocalModelLayout(tensors=tuple(layouts))))
+        for binding in partition.parameter_bindings:
+            group_stages.setdefault(binding.group, []).append(stage)
+    groups = tuple(PlannedGroup(name=owned.group.name, owner=owned.owner,
+                                targets=owned.group.targets, kind=group_kinds[owned.group.name],
+                                stages=tuple(group_stages.get(owned.group.name, ())))
+                   for owned in description.groups)
+    unowned = next((g for g in groups if not g.stages), None)
+    if unowned is not None:
+        raise LayoutError(f"tensor `{unowned.targets[0]}` is loaded by no pipeline stage (its "
+                          "owner is a static role no stage holds)", tensor=unowned.targets[0])
+    by_name = {g.name: g for g in groups}
+    stage_groups = [tuple(by_name[b.group] for b in partition.parameter_bindings)
+                    for partition in partitions]
+    accounting = [[_rank_accounting(stage_groups[s], kinds, t) for t in range(tp)]
+                  for s in range(pp)]
     global_bytes = sum(m.nbytes for g in description.groups for m in g.group.members)
-    layouts = [layout for _, _, _, layout in ranks]
-    maximum = max(layout.local_bytes for layout in layouts)
-    rank_plans = []
-    for rank, (stage, tp_rank, partition, layout) in enumerate(ranks):
-        info = ParallelModelInfo.from_layouts(
-            model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-            rank=rank, layouts=layouts, global_parameter_bytes=global_bytes,
-            maximum_device_parameter_bytes=maximum)
-        rank_plans.append(RankPlan(rank=rank, tensor_parallel_rank=tp_rank,
-                                   pipeline_stage=stage, partition=partition, layout=layout,
-                                   info=info))
+    maximum = max(a[1] for stage in accounting for a in stage)
+    ranks = []
+    for stage, partition in enumerate(partitions):
+        for tp_rank in range(tp):
+            owned_tensors, local, pinned, by_dtype = accounting[stage][tp_rank]
+            info = ParallelModelInfo(
+                model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank, pipeline_stage=stage,
+                owned_tensors=owned_tensors, local_parameter_bytes=local,
+                global_parameter_bytes=global_bytes, pinned_parameter_bytes=pinned,
+                maximum_device_parameter_bytes=maximum, local_bytes_by_dtype=by_dtype)
+            ranks.append(RankPlan(rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank,
+                                  pipeline_stage=stage, partition=partition, info=info,
+                                  groups=stage_groups[stage], kinds=tuple(kinds)))
     table = []
-    for owned in description.groups:
+    for owned, group in zip(description.groups, groups, strict=True):
         owner = owned.owner.to_json()
         for member in owned.group.members:
             table.append(GlobalTensor(target=member.target, dtype=member.dtype, shape=member.shape,
-                                      group=owned.group.name, owner=owner,
-                                      stages=tuple(tensors_by_stage.get(member.target, ()))))
-    unowned = [t.target for t in table if not t.stages]
-    if unowned:
-        raise LayoutError(f"tensor `{unowned[0]}` is loaded by no pipeline stage (its owner is "
-                          "a static role no stage holds)", tensor=unowned[0])
+                                      group=group.name, owner=owner, stages=group.stages))
     graph = description.graph
     return Plan(
         family=bound.family, model_type=bound.model_type, topology=topology, sources=sources,
@@ -292,7 +422,26 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                     for g in graph.canonical_order()),
         static_roles=tuple((r.name, r.side.value) for r in description.static_roles),
         boundary=bound.boundary.to_json(), tensors=tuple(sorted(table, key=lambda t: t.target)),
-        ranks=tuple(rank_plans), checkpoint_fingerprint=checkpoint_fingerprint)
+        groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
+        checkpoint_fingerprint=checkpoint_fingerprint)
+
+
+def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp_rank: int
+                     ) -> tuple[int, int, int, tuple[tuple[str, int], ...]]:
+    """(owned tensors, local bytes, pinned bytes, bytes by dtype) of one rank's groups."""
+    counts: dict[int, int] = {}
+    for group in groups:
+        counts[group.kind] = counts.get(group.kind, 0) + 1
+    owned = local = pinned = 0
+    by_dtype: dict[str, int] = {}
+    for kind, count in counts.items():
+        nbytes, whole, dtypes = kinds[kind].accounting(tp_rank)
+        owned += count * len(kinds[kind].layouts[tp_rank])
+        local += count * nbytes
+        pinned += count * whole
+        for dtype, n in dtypes:
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + count * n
+    return owned, local, pinned, tuple(sorted(by_dtype.items()))
 
 
 def static_owner_kinds() -> tuple[OwnerKind, ...]:

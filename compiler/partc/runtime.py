@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +69,16 @@ class RankTable:
     """S."""
     checkpoint_fingerprint: str | None
     """Expected header fingerprint, when the plan was compiled against a checkpoint."""
-    groups: tuple[tuple[Any, ...], ...]
-    """Rows: logical name, role, owner, logical units, logical range, fell back."""
-    tensors: tuple[tuple[Any, ...], ...]
-    """Rows: target, logical name, role, dtype, global shape, local shape, placement, units,
-    logical range, fell back."""
+    kinds: tuple[tuple[Any, ...], ...]
+    """KINDS rows: role, logical units, logical range, fell back, members (dtype, global shape,
+    compact placement, KV replicas)."""
+    owners: tuple[Mapping[str, Any], ...]
+    """OWNERS rows: JSON form of each group owner."""
+    groups: str | tuple[str, ...]
+    """GROUPS: one line per group, `<kind> <owner> <logical name>` (text, or a tuple of lines
+    when a name is not plain ASCII)."""
+    targets: str | tuple[str, ...]
+    """TARGETS: one checkpoint name per line, group by group (text or a tuple, as GROUPS)."""
     partition: Mapping[str, Any]
     """The stage's partition (JSON form)."""
     info: Mapping[str, Any]
@@ -82,6 +87,60 @@ class RankTable:
     """Boundary wire schema (JSON form)."""
     activation_dtype: str
     """Pipeline activation dtype."""
+    _rows: list[tuple[list[GroupRow], list[TensorRow]]] = field(
+        default_factory=list, compare=False, repr=False)
+
+    def group_rows(self) -> list[GroupRow]:
+        """One row per group in binding order: (logical name, role, owner, logical units,
+        logical range, fell back)."""
+        return self._decoded()[0]
+
+    def tensor_rows(self) -> list[TensorRow]:
+        """One row per tensor, group by group: (target, group index, dtype, global shape,
+        compact placement, KV replicas)."""
+        return self._decoded()[1]
+
+    def _decoded(self) -> tuple[list[GroupRow], list[TensorRow]]:
+        """The columnar tables joined into rows (once; a rank has up to ~10^4 tensors)."""
+        if not self._rows:
+            self._rows.append(_join_tables(self))
+        return self._rows[0]
+
+
+GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
+"""(logical name, role, owner JSON, logical units, logical range, fell back to replication)."""
+TensorRow = tuple[str, int, str, tuple[int, ...], tuple[Any, ...], int]
+"""(target, index of its group, dtype, global shape, compact placement, KV replicas)."""
+
+
+def _lines(value: str | tuple[str, ...]) -> list[str]:
+    """The items of a GROUPS or TARGETS table: lines of a text, or a tuple's strings."""
+    if isinstance(value, str):
+        return value.split("\n")[:-1]
+    return list(value)
+
+
+def _join_tables(table: RankTable) -> tuple[list[GroupRow], list[TensorRow]]:
+    """Rows from KINDS, OWNERS, GROUPS and TARGETS; CheckpointError if they do not fit."""
+    targets, lines = _lines(table.targets), _lines(table.groups)
+    groups: list[GroupRow] = []
+    tensors: list[TensorRow] = []
+    try:
+        for index, line in enumerate(lines):
+            kind_text, owner_text, name = line.split(" ", 2)
+            role, units, logical, fell_back, members = table.kinds[int(kind_text)]
+            groups.append((name, role, table.owners[int(owner_text)], units,
+                           None if logical is None else tuple(logical), fell_back))
+            for dtype, shape, placement, kv_replicas in members:
+                tensors.append((targets[len(tensors)], index, dtype, tuple(shape), placement,
+                                kv_replicas))
+    except (ValueError, IndexError, TypeError):
+        raise CheckpointError(f"the generated tables of rank {table.rank} are malformed at "
+                              f"GROUPS line {len(groups) + 1}; regenerate the build") from None
+    if len(tensors) != len(targets):
+        raise CheckpointError(f"the generated tables of rank {table.rank} list {len(targets)} "
+                              f"TARGETS for {len(tensors)} group members; regenerate the build")
+    return groups, tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,31 +157,36 @@ class RankState:
 
 def local_model_layout(table: RankTable) -> LocalModelLayout:
     """The rank's LocalModelLayout, rebuilt through the validating constructors."""
-    groups = [(name, ParameterRole(role), units, tuple(logical) if logical else None, fell_back)
-              for name, role, _, units, logical, fell_back in table.groups]
+    groups = table.group_rows()
+    validated: dict[tuple[Any, ...], LocalTensorLayout] = {}  # one per distinct structure
     layouts = []
-    for target, index, dtype, global_shape, compact, kv_replicas in table.tensors:
-        name, role, units, logical, fell_back = groups[index]
-        placement = TensorPlacement.from_compact(compact)
-        shape = tuple(global_shape)
-        axis, ranges = placement.selection(shape)
-        local = list(shape)
-        if axis is not None:
-            local[axis] = sum(b - a for a, b in ranges)
-        layouts.append(LocalTensorLayout(
-            target=target, logical_name=name, role=role, dtype=dtype, global_shape=shape,
-            local_shape=tuple(local), placement=placement, logical_units=units,
-            logical_range=logical, fell_back_to_replication=fell_back, kv_replicas=kv_replicas))
+    for target, index, dtype, shape, compact, kv_replicas in table.tensor_rows():
+        name, role, _, units, logical, fell_back = groups[index]
+        key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas)
+        first = validated.get(key)
+        if first is None:
+            placement = TensorPlacement.from_compact(compact)
+            axis, ranges = placement.selection(shape)
+            local = list(shape)
+            if axis is not None:
+                local[axis] = sum(b - a for a, b in ranges)
+            first = validated[key] = LocalTensorLayout(
+                target=target, logical_name=name, role=ParameterRole(role), dtype=dtype,
+                global_shape=shape, local_shape=tuple(local), placement=placement,
+                logical_units=units, logical_range=logical, fell_back_to_replication=fell_back,
+                kv_replicas=kv_replicas)
+        layouts.append(first.renamed(target, name))
     return LocalModelLayout(tensors=tuple(layouts))
 
 
 def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
     """The stage's parameter bindings (JSON form) from the GROUPS and TENSORS tables."""
-    targets: list[list[str]] = [[] for _ in table.groups]
-    for row in table.tensors:
+    groups = table.group_rows()
+    targets: list[list[str]] = [[] for _ in groups]
+    for row in table.tensor_rows():
         targets[row[1]].append(row[0])
     return [{"group": group[0], "owner": group[2], "targets": names}
-            for group, names in zip(table.groups, targets, strict=True)]
+            for group, names in zip(groups, targets, strict=True)]
 
 
 def parallel_model_info(table: RankTable) -> ParallelModelInfo:
@@ -194,23 +258,23 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"checkpoint header fingerprint {found[:16]} does not match the plan's "
                 f"{table.checkpoint_fingerprint[:16]}; recompile against this checkpoint or pass "
                 "verify_fingerprint=False", location=SourceLocation(str(checkpoint.path))))
-    for row in table.tensors:
-        target, dtype, shape = row[0], row[2], tuple(row[3])
-        if target not in checkpoint:
+    for target, _, dtype, shape, _, _ in table.tensor_rows():
+        found = checkpoint.signature(target)
+        if found is None:
             errors.append(CheckpointError(
                 f"tensor `{target}` of the plan is not in the checkpoint",
                 location=SourceLocation(str(checkpoint.path)), tensor=target))
             continue
-        header, entry = checkpoint.tensor(target)
-        where = SourceLocation(str(header.path))
-        if entry.dtype != dtype:
+        header, found_dtype, found_shape = found
+        if found_dtype != dtype:
             errors.append(CheckpointError(
-                f"tensor `{target}` has dtype {entry.dtype} in the checkpoint; the plan expects "
-                f"{dtype}", location=where, tensor=target))
-        if tuple(entry.shape) != shape:
+                f"tensor `{target}` has dtype {found_dtype} in the checkpoint; the plan expects "
+                f"{dtype}", location=SourceLocation(str(header.path)), tensor=target))
+        if tuple(found_shape) != shape:
             errors.append(CheckpointError(
-                f"tensor `{target}` has shape {list(entry.shape)} in the checkpoint; the plan "
-                f"expects {list(shape)}", location=where, tensor=target))
+                f"tensor `{target}` has shape {list(found_shape)} in the checkpoint; the plan "
+                f"expects {list(shape)}", location=SourceLocation(str(header.path)),
+                tensor=target))
     return errors
 
 
