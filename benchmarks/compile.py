@@ -70,7 +70,7 @@ if mode == "compile":
     t2 = time.perf_counter()
     write_atomically(Path(spec["out"]), files)
     t3 = time.perf_counter()
-    counts = [len(r.layout.tensors) for r in plan.ranks]
+    counts = [r.info.owned_tensors for r in plan.ranks]
     result.update(plan=t1 - t0, codegen=t2 - t1, write=t3 - t2, total=t3 - t0,
                   tensors=len(plan.tensors), rows=sum(counts),
                   largest=max(range(len(counts)), key=counts.__getitem__),

@@ -148,6 +148,29 @@ def test_sharded_and_single_file_llama_give_identical_tensors() -> None:
             assert_same(read_tensor(sharded, name, sel), read_tensor(single, name, sel))
 
 
+def test_the_header_fingerprint_ignores_file_layout_and_sees_every_name_dtype_and_shape(
+        tmp_path: Path) -> None:
+    single, sharded = open_checkpoint(LLAMA), open_checkpoint(LLAMA_SHARDED)
+    assert single.fingerprint() == sharded.fingerprint()  # same tensors, other files and offsets
+    base = {"a": entry("F32", [2, 3], 0, 24), "b": entry("BF16", [4], 24, 32)}
+    variants = {
+        "same": base,
+        "reordered offsets": {"b": entry("BF16", [4], 0, 8), "a": entry("F32", [2, 3], 8, 32)},
+        "dtype": {**base, "b": entry("F16", [4], 24, 32)},
+        "regrouped shape": {**base, "a": entry("F32", [3, 2], 0, 24)},
+        "flattened shape": {**base, "a": entry("F32", [6], 0, 24)},
+        "moved dimension": {"a": entry("F32", [2], 0, 8), "b": entry("BF16", [3, 4], 8, 32)},
+        "name": {"a": entry("F32", [2, 3], 0, 24), "c": entry("BF16", [4], 24, 32)},
+    }
+    found = {}
+    for label, header in variants.items():
+        write_raw(tmp_path / f"{label}.safetensors", header, bytes(32))
+        found[label] = open_checkpoint(tmp_path / f"{label}.safetensors").fingerprint()
+    assert found["same"] == found["reordered offsets"]
+    changed = [label for label in variants if label not in ("same", "reordered offsets")]
+    assert len({found[label] for label in changed} | {found["same"]}) == len(changed) + 1
+
+
 def test_open_checkpoint_accepts_a_directory_a_safetensors_file_or_an_index_file() -> None:
     by_dir = open_checkpoint(LLAMA.parent)
     assert by_dir.index_path is None and len(by_dir.files) == 1

@@ -119,7 +119,8 @@ class _StageTables:
 def _stage_tables(rank: RankPlan) -> _StageTables:
     kinds: dict[int, int] = {}
     owners: dict[str, int] = {}
-    group_lines, targets = [], []
+    group_lines: list[str] = []
+    targets: list[str] = []
     for group in rank.groups:
         kind = kinds.setdefault(group.kind, len(kinds))
         owner_row = python_literal(group.owner.to_json())

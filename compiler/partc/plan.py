@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -243,7 +244,7 @@ class Plan:
 
     def _groups_json(self) -> list[dict[str, object]]:
         """Each parameter group: owner, logical units and every TP rank's logical range."""
-        out = []
+        out: list[dict[str, object]] = []
         for group in sorted(self.groups, key=lambda g: g.name):
             layouts = [rank[0] for rank in self.kinds[group.kind].layouts]
             first = layouts[0]
@@ -302,7 +303,7 @@ class Plan:
         return "[" + ",".join(text for _, text in entries) + "]"
 
 
-_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
 """A str as a JSON string with ASCII escapes, exactly as `canonical_json` spells it."""
 
 

@@ -26,6 +26,7 @@ from partc.checkpoint import (
     ShardManifest,
     TensorSelection,
     open_checkpoint,
+    paused_gc,
     read_shard_manifest,
     read_tensors,
 )
@@ -103,7 +104,8 @@ class RankTable:
     def _decoded(self) -> tuple[list[GroupRow], list[TensorRow]]:
         """The columnar tables joined into rows (once; a rank has up to ~10^4 tensors)."""
         if not self._rows:
-            self._rows.append(_join_tables(self))
+            with paused_gc():
+                self._rows.append(_join_tables(self))
         return self._rows[0]
 
 
@@ -125,15 +127,22 @@ def _join_tables(table: RankTable) -> tuple[list[GroupRow], list[TensorRow]]:
     targets, lines = _lines(table.targets), _lines(table.groups)
     groups: list[GroupRow] = []
     tensors: list[TensorRow] = []
+    kinds: dict[str, tuple[Any, ...]] = {}  # KINDS index text -> row with tuple shapes
     try:
         for index, line in enumerate(lines):
             kind_text, owner_text, name = line.split(" ", 2)
-            role, units, logical, fell_back, members = table.kinds[int(kind_text)]
-            groups.append((name, role, table.owners[int(owner_text)], units,
-                           None if logical is None else tuple(logical), fell_back))
-            for dtype, shape, placement, kv_replicas in members:
-                tensors.append((targets[len(tensors)], index, dtype, tuple(shape), placement,
-                                kv_replicas))
+            kind = kinds.get(kind_text)
+            if kind is None:
+                role, units, logical, fell_back, members = table.kinds[int(kind_text)]
+                kind = kinds[kind_text] = (
+                    role, units, None if logical is None else tuple(logical), fell_back,
+                    [(dtype, tuple(shape), placement, kv_replicas)
+                     for dtype, shape, placement, kv_replicas in members])
+            groups.append((name, kind[0], table.owners[int(owner_text)], kind[1], kind[2],
+                           kind[3]))
+            first = len(tensors)
+            tensors += [(targets[first + i], index, *member)
+                        for i, member in enumerate(kind[4])]
     except (ValueError, IndexError, TypeError):
         raise CheckpointError(f"the generated tables of rank {table.rank} are malformed at "
                               f"GROUPS line {len(groups) + 1}; regenerate the build") from None
@@ -259,13 +268,13 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"{table.checkpoint_fingerprint[:16]}; recompile against this checkpoint or pass "
                 "verify_fingerprint=False", location=SourceLocation(str(checkpoint.path))))
     for target, _, dtype, shape, _, _ in table.tensor_rows():
-        found = checkpoint.signature(target)
-        if found is None:
+        signature = checkpoint.signature(target)
+        if signature is None:
             errors.append(CheckpointError(
                 f"tensor `{target}` of the plan is not in the checkpoint",
                 location=SourceLocation(str(checkpoint.path)), tensor=target))
             continue
-        header, found_dtype, found_shape = found
+        header, found_dtype, found_shape = signature
         if found_dtype != dtype:
             errors.append(CheckpointError(
                 f"tensor `{target}` has dtype {found_dtype} in the checkpoint; the plan expects "
