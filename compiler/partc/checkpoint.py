@@ -494,7 +494,31 @@ def _open_single(origin: Path, file: Path) -> Checkpoint:
     """A checkpoint made of one .safetensors file."""
     header = read_header(file)
     return Checkpoint(path=origin, index_path=None, files=(header,), names=tuple(header.tensors),
-                      owners=MappingProxyType(dict.fromkeys(header.tensors, 0)))
+                      owners=_OneFile(header.tensors))
+
+
+class _OneFile(Mapping[str, int]):
+    """`Checkpoint.owners` of a single file: every tensor of `table` is in file 0 (no copy of
+    a ~10^5-name index)."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: TensorTable) -> None:
+        self._table = table
+
+    def __getitem__(self, name: str) -> int:
+        if name not in self._table:
+            raise KeyError(name)
+        return 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
 
 
 def _open_index(origin: Path, index: Path) -> Checkpoint:
