@@ -8,13 +8,13 @@ are expanded over units and loop variables, and the result is a validated
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
 from partc.expr import Expression, Template, format_value
-from partc.formats import LinearFormat, expand_linear_format_parameter_group
+from partc.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
 from partc.load import join_pointer
 from partc.parallel import (
     DTYPE_BITS,
@@ -85,18 +85,33 @@ class _Binder:
         self.config = config
         self.errors: list[PartcError] = []
         self.instances = 0
+        self.values: dict[tuple[object, ...], Value] = {}
+        """Successful evaluations by (expression id, `_env_key` of the names it reads)."""
+        self.structures: dict[tuple[object, ...], _Template] = {}
+        """Built groups by (declaration id, signature): see `_group`."""
+        self.read_sets: dict[int, list[tuple[tuple[str, ...], dict[object, _Values]]]] = {}
+        """Per declaration id: the names its values read, and its values by theirs."""
+        self.value_idents: dict[int, dict[tuple[object, ...], int]] = {}
+        """Per declaration id: a number for each distinct evaluation."""
 
     def fail(self, message: str, pointer: str) -> SemanticError:
         return SemanticError(message, location=self.family.document.locate(pointer),
                              pointer=pointer)
 
     def evaluate(self, expr: Expression, env: Mapping[str, Value], pointer: str) -> Value:
+        values = _env_key(env, expr.names)
+        key = None if values is None else (id(expr), values)
+        if key is not None and key in self.values:
+            return self.values[key]
         try:
-            return expr.evaluate(env)
+            value = expr.evaluate(env)
         except ExpressionError as exc:
             exc.location = self.family.document.locate_offset(pointer, exc.offset)
             exc.pointer = pointer
             raise
+        if key is not None:
+            self.values[key] = value
+        return value
 
     def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
                 minimum: int | None = None) -> int:
@@ -124,6 +139,32 @@ class _Binder:
             exc.location = self.family.document.locate_offset(pointer, exc.offset)
             exc.pointer = pointer
             raise
+
+
+def _env_key(env: Mapping[str, Value], names: Iterable[str]) -> tuple[object, ...] | None:
+    """The type and value of each of `names` in `env`, or the name alone when unbound (None:
+    one holds a value that is not plainly comparable). Evaluation reads nothing else."""
+    key: list[object] = []
+    for name in names:
+        if name not in env:
+            key.append((name,))
+            continue
+        value = _typed(env[name])
+        if value is None:
+            return None
+        key.append(value)
+    return tuple(key)
+
+
+def _typed(value: Value) -> tuple[object, ...] | None:
+    """`value` tagged with its type, so that `True` and `1` differ (None: not a plain value)."""
+    kind = type(value)
+    if kind is int or kind is str or kind is bool or value is None:
+        return (kind, value)
+    if kind is tuple:
+        items = tuple(_typed(item) for item in value)
+        return None if None in items else (kind, items)
+    return None
 
 
 # ---------------------------------------------------------------- config values
@@ -261,9 +302,8 @@ def _shape(binder: _Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple
 def _member_sharding(binder: _Binder, decl: ShardingDecl, env: Mapping[str, Value],
                      pointer: str) -> MemberSharding:
     kind = MemberShardingKind(decl.kind)
-    segments = tuple(binder.integer(s, env, pointer, "a segment width", minimum=1)
-                     for s in decl.segments)
-    return MemberSharding(kind=kind, axis=decl.axis, segments=segments)
+    return MemberSharding(kind=kind, axis=decl.axis,
+                          segments=_segments(binder, decl.segments, env, pointer))
 
 
 def _params(binder: _Binder, module: ModuleDecl, env: Mapping[str, Value],
@@ -293,7 +333,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                 sharding=_member_sharding(binder, param.sharding, env, param.pointer),
                 dtype=_dtype(binder, param, env, dtype),
                 linear=_LINEAR_LAYOUTS.get(param.layout or ""),
-                heads=_heads(binder, param.heads, env, join_pointer(param.pointer, "heads"))))
+                heads=_heads(binder, param, env)))
         if not members:
             return None
         partitioned = any(m.sharding.is_partitioned for m in members)
@@ -318,17 +358,16 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                 for m in modules]
     if decl.form == "fused":
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
-        segments = [binder.integer(s, env, fused.pointer, "a segment width", minimum=1)
-                    for s in fused.segments]
+        segments = _segments(binder, fused.segments, env, fused.pointer)
         assert units is not None
         out_decl = rendered[1][1]
-        out_heads = _heads(binder, out_decl.heads, env, join_pointer(out_decl.pointer, "heads"))
+        out_heads = _heads(binder, out_decl, env)
         group = segmented_projection_group(
             name, decl.role, fused_module=fused_name, segments=segments,
             fused_params={k: v[0] for k, v in fused_params.items()}, output_module=out_name,
             output_params={k: v[0] for k, v in out_params.items()}, units=units, dtype=dtype,
             units_label=label, linear=fused.linear,
-            fused_heads=_heads(binder, fused.heads, env, join_pointer(fused.pointer, "heads")),
+            fused_heads=_heads(binder, fused, env),
             output_heads=out_heads[0] if out_heads else None)
         if not out_decl.linear:
             group = replace(group, members=tuple(
@@ -340,8 +379,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         projections = [Projection(
             module=mod, sharding=m.sharding or ProjectionSharding.REPLICATED,
             params={k: v[0] for k, v in params.items()}, linear=m.linear,
-            heads=next(iter(_heads(binder, m.heads, env, join_pointer(m.pointer, "heads"))),
-                       None)) for mod, m, params in rendered]
+            heads=next(iter(_heads(binder, m, env)), None)) for mod, m, params in rendered]
         dtypes = {f"{mod}.{k}": v[1] for mod, _, params in rendered for k, v in params.items()}
         if units is None:
             members = []
@@ -366,10 +404,222 @@ _LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
                    "linear_transposed": LinearWeightLayout.IN_OUT}
 
 
-def _heads(binder: _Binder, exprs: tuple[Expression, ...], env: Mapping[str, Value],
-           pointer: str) -> tuple[int, ...]:
-    """Evaluated `heads:` hints."""
-    return tuple(binder.integer(h, env, pointer, "`heads`", minimum=1) for h in exprs)
+# ---------------------------------------------------------------- structural cache
+#
+# Instances of one declaration (every unit, every expert) mostly build groups that differ only
+# by their names. An instance's signature is what `_build_group` evaluates besides the names
+# (memoized by the values of the names that evaluation reads) plus every fact it reads of the
+# names; the first instance of each signature is built and validated in full, and the others
+# are renamed copies of it. An instance that fails a name check of the full build (empty or
+# repeated names), or whose evaluation fails, is built in full: it raises exactly the error an
+# uncached build raises.
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A group built in full and, per member, where its target comes from."""
+
+    group: ParameterGroupSpec
+    """The group, validated."""
+    sources: tuple[MemberSource, ...]
+    """Per member: the dense member whose target its own is made from, and how."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Values:
+    """What an instance of a declaration evaluates besides its names."""
+
+    ident: int
+    """Equal for equal values (of one declaration)."""
+    layout: tuple[Any, ...]
+    """Whose names make the member targets: see `_targets`."""
+
+
+def _group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str, dtype: str,
+           linear_format: LinearFormat | None) -> ParameterGroupSpec | None:
+    """The group of one instance of `decl` in its stored representation: a renamed copy of an
+    earlier instance with the same signature when there is one."""
+    try:
+        values = _instance_values(binder, decl, env, dtype)
+        targets, facts = _targets(binder, decl, env, values.layout)
+    except PartcError:
+        targets = None  # the full build below raises the first error in its own order
+    key: tuple[object, ...] = ()
+    if targets is not None:
+        key = (id(decl), values.ident, facts, target_facts(linear_format, targets))
+        template = binder.structures.get(key)
+        if template is not None:
+            copy = _renamed_group(template, name, targets)
+            if copy is not None:
+                return copy
+    group = _build_group(binder, decl, env, name, dtype)
+    if group is None:
+        return None
+    expanded, sources = linear_format_expansion(group, linear_format)
+    if targets is not None and group.targets == targets:  # (a guard: always true today)
+        binder.structures.setdefault(key, _Template(expanded, sources))
+    return expanded
+
+
+class _Reads(Mapping[str, Value]):
+    """An environment that records the names looked up in it, in order."""
+
+    def __init__(self, env: Mapping[str, Value]) -> None:
+        self.env = env
+        self.names: dict[str, None] = {}
+
+    def __getitem__(self, name: str) -> Value:
+        self.names[name] = None
+        return self.env[name]
+
+    def __contains__(self, name: object) -> bool:
+        self.names[str(name)] = None
+        return name in self.env
+
+    def __iter__(self) -> Iterator[str]:
+        self.names.update(dict.fromkeys(self.env))
+        return iter(self.env)
+
+    def __len__(self) -> int:
+        return len(self.env)
+
+
+MAX_READ_SETS = 16
+"""Most distinct sets of names one declaration's values are memoized under."""
+
+
+def _instance_values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
+                     dtype: str) -> _Values:
+    """`_values` of an instance, memoized by the values of the names its evaluation reads:
+    evaluation is deterministic, so an instance agreeing on those reads the same and agrees."""
+    tables = binder.read_sets.setdefault(id(decl), [])
+    for names, table in tables:
+        found = table.get(_env_key(env, names))
+        if found is not None:
+            return found
+    reads = _Reads(env)
+    evaluated, layout = _values(binder, decl, reads, dtype)
+    idents = binder.value_idents.setdefault(id(decl), {})
+    result = _Values(ident=idents.setdefault(evaluated, len(idents)), layout=layout)
+    names = tuple(reads.names)
+    key = _env_key(env, names)
+    if key is None:
+        return result
+    same = next((table for known, table in tables if known == names), None)
+    if same is None:
+        if len(tables) == MAX_READ_SETS:
+            return result
+        same = {}
+        tables.append((names, same))
+    same[key] = result
+    return result
+
+
+def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: str
+            ) -> tuple[tuple[object, ...], tuple[Any, ...]]:
+    """(everything `_build_group` evaluates for one instance but the module paths and member
+    targets, which declarations name the members) in declaration order."""
+    units = (binder.integer(decl.units, env, join_pointer(decl.pointer, "units"), "`units`",
+                            minimum=1) if decl.units is not None else None)
+    values: list[object] = [units]
+    layout: list[Any] = []
+    if decl.form == "members":
+        for param in decl.members:
+            if not binder.boolean(param.when, env, param.pointer):
+                values.append(None)
+                continue
+            assert param.sharding is not None
+            layout.append(param)
+            values.append((_shape(binder, param, env),
+                           _segments(binder, param.sharding.segments, env, param.pointer),
+                           _dtype(binder, param, env, dtype), _heads(binder, param, env)))
+    elif decl.form == "module":
+        assert decl.module is not None and decl.module_sharding is not None
+        params = _params(binder, decl.module, env, dtype)
+        values += [_segments(binder, decl.module_sharding.segments, env, decl.pointer),
+                   tuple(params.items())]
+        layout.append(tuple(params))
+    else:
+        for m in decl.projections:
+            if not binder.boolean(m.when, env, m.pointer):
+                values.append(None)
+                continue
+            params = _params(binder, m, env, dtype)
+            layout.append((m, tuple(params)))
+            values.append((tuple(params.items()), _segments(binder, m.segments, env, m.pointer),
+                           _heads(binder, m, env)))
+    return tuple(values), tuple(layout)
+
+
+def _targets(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], layout: tuple[Any, ...]
+             ) -> tuple[tuple[str, ...] | None, tuple[bool, ...]]:
+    """(the dense member targets of an instance in order, or None when its module paths cannot
+    be summarized; which targets the fused output's prefix starts)."""
+    if decl.form == "members":
+        return tuple(binder.render(p.name, env, p.pointer) for p in layout), ()
+    if decl.form == "module":
+        assert decl.module is not None
+        module = binder.render(decl.module.module, env, decl.module.pointer)
+        return tuple(f"{module}.{p}" for p in layout[0]), ()
+    modules = [binder.render(m.module, env, m.pointer) for m, _ in layout]
+    if not all(modules) or (decl.form == "fused" and len(modules) != 2):
+        return None, ()  # an empty module path names members without a `.`
+    targets = tuple(f"{module}.{p}" for module, (_, params) in zip(modules, layout, strict=True)
+                    for p in params)
+    if decl.form == "fused":
+        return targets, tuple(t.startswith(modules[1] + ".") for t in targets)
+    return targets, ()
+
+
+def _segments(binder: _Binder, segments: tuple[Expression, ...], env: Mapping[str, Value],
+              pointer: str) -> tuple[int, ...]:
+    """Evaluated segment widths (as `_member_sharding` and fused projections read them)."""
+    return tuple(binder.integer(s, env, pointer, "a segment width", minimum=1) for s in segments)
+
+
+def _renamed_group(template: _Template, name: str,
+                   targets: tuple[str, ...]) -> ParameterGroupSpec | None:
+    """`template.group` for another instance: group `name`, dense member targets `targets`.
+
+    None when a name check of the full build would fail (an empty or repeated name).
+    """
+    stored = [targets[index] + suffix if not strip else targets[index][:-strip] + suffix
+              for index, strip, suffix in template.sources]
+    if not (name and all(targets) and all(stored) and len(set(targets)) == len(targets)
+            and len(set(stored)) == len(stored)):
+        return None
+    group = template.group
+    members = tuple(member if member.target == target else _with_target(member, target)
+                    for member, target in zip(group.members, stored, strict=True))
+    copy = object.__new__(ParameterGroupSpec)
+    for field in _GROUP_FIELDS:
+        object.__setattr__(copy, field, getattr(group, field))
+    object.__setattr__(copy, "name", name)
+    object.__setattr__(copy, "members", members)
+    return copy
+
+
+def _with_target(member: ParameterMemberSpec, target: str) -> ParameterMemberSpec:
+    """A validated member under another target, without re-running the (name-blind) checks."""
+    copy = object.__new__(ParameterMemberSpec)
+    for field in _MEMBER_FIELDS:
+        object.__setattr__(copy, field, getattr(member, field))
+    object.__setattr__(copy, "target", target)
+    return copy
+
+
+_MEMBER_FIELDS = tuple(f.name for f in fields(ParameterMemberSpec) if f.name != "target")
+_GROUP_FIELDS = tuple(f.name for f in fields(ParameterGroupSpec)
+                      if f.name not in ("name", "members"))
+
+
+def _heads(binder: _Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]
+           ) -> tuple[int, ...]:
+    """The evaluated `heads:` hints of a member or a projection."""
+    if not decl.heads:
+        return ()
+    pointer = join_pointer(decl.pointer, "heads")
+    return tuple(binder.integer(h, env, pointer, "`heads`", minimum=1) for h in decl.heads)
 
 
 def _unpartition(member: ParameterMemberSpec) -> ParameterMemberSpec:
@@ -469,17 +719,17 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     binder = _Binder(family, config)
     dtype = _default_dtype(config)
     groups = []
-    for decl in family.graph:
-        count = binder.integer(decl.units, values, join_pointer(decl.pointer, "units"),
+    for node in family.graph:
+        count = binder.integer(node.units, values, join_pointer(node.pointer, "units"),
                                "`units`", minimum=0)
         if count > MAX_UNITS:
-            raise binder.fail(f"execution group `{decl.name}` has {count} units; partc accepts "
-                              f"at most {MAX_UNITS} per group", join_pointer(decl.pointer,
+            raise binder.fail(f"execution group `{node.name}` has {count} units; partc accepts "
+                              f"at most {MAX_UNITS} per group", join_pointer(node.pointer,
                                                                              "units"))
-        paths = tuple(binder.render(decl.path, {**values, "unit": u},
-                                    join_pointer(decl.pointer, "path")) for u in range(count))
-        groups.append(ExecutionGroupSpec(name=decl.name, unit_paths=paths,
-                                         carries_state=decl.carries_state, dependencies=decl.after))
+        paths = tuple(binder.render(node.path, {**values, "unit": u},
+                                    join_pointer(node.pointer, "path")) for u in range(count))
+        groups.append(ExecutionGroupSpec(name=node.name, unit_paths=paths,
+                                         carries_state=node.carries_state, dependencies=node.after))
     graph = _located(family, lambda: ExecutionGraph(groups=tuple(groups)), "/graph")
     owned: list[OwnedParameterGroupSpec] = []
     pointers: dict[str, str] = {}
@@ -489,8 +739,8 @@ def bind_family(family: FamilyDecl, config: RawDocument,
             if not binder.boolean(decl.when, env, join_pointer(decl.pointer, "when")):
                 continue
             name = binder.render(decl.name, env, join_pointer(decl.pointer, "name"))
-            spec = _located(family, lambda d=decl, e=env, n=name: _expand(_build_group(
-                binder, d, e, n, dtype), linear_format), decl.pointer)
+            spec = _located(family, lambda d=decl, e=env, n=name: _group(
+                binder, d, e, n, dtype, linear_format), decl.pointer)
             if spec is None:
                 continue
             if name in pointers:
@@ -511,12 +761,6 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         config_values=tuple(sorted(values.items())), description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
         linear_format=linear_format)
-
-
-def _expand(group: ParameterGroupSpec | None,
-            linear_format: LinearFormat | None) -> ParameterGroupSpec | None:
-    """`group` in its physical checkpoint representation under the selected linear format."""
-    return None if group is None else expand_linear_format_parameter_group(group, linear_format)
 
 
 def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:

@@ -707,6 +707,13 @@ class Template:
             if isinstance(part, str):
                 out.append(part)
                 continue
+            root = part.expression._root
+            if root.kind == "name" and root.name in env:  # `{name}` of a plain str or int:
+                value = env[root.name]  # what `evaluate` would give, without its overhead
+                if type(value) is str and len(value) <= MAX_STRING_LENGTH or (
+                        type(value) is int and -INT_BOUND < value < INT_BOUND):
+                    out.append(str(value))
+                    continue
             try:
                 value = part.expression.evaluate(env)
             except ExpressionError as error:

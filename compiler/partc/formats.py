@@ -219,12 +219,17 @@ class _Axis:
 
 @dataclass(frozen=True, slots=True)
 class _Part:
-    """One tensor a dense weight becomes."""
+    """One tensor a dense weight becomes: named `suffix` after its target minus `strip` chars."""
 
-    target: str
+    suffix: str
     dtype: str
     axes: tuple[_Axis, ...]
     encoding: str
+    strip: int = 0
+
+    def target(self, dense: str) -> str:
+        """The stored tensor's name, given the dense weight's target."""
+        return dense[:len(dense) - self.strip] + self.suffix
 
 
 def _misaligned(group: str, target: str, message: str) -> ParallelPlanError:
@@ -244,9 +249,9 @@ def _parts(fmt: LinearFormat, group: str, member: ParameterMemberSpec) -> list[_
         weight = lead + tuple(_Axis(a, blocks[a], blocks[a]) for a in (len(shape) - 2,
                                                                          len(shape) - 1))
         scale = lead + tuple(_Axis(a, blocks[a], 1) for a in (len(shape) - 2, len(shape) - 1))
-        return [_Part(target, "F8_E4M3", weight, "block_fp8.weight"),
-                _Part(target + (fmt.scale_suffix or "_scale_inv"), fmt.scale_dtype or "F32",
-                      scale, "block_fp8.scale")]
+        return [_Part("", "F8_E4M3", weight, "block_fp8.weight"),
+                _Part(fmt.scale_suffix or "_scale_inv", fmt.scale_dtype or "F32", scale,
+                      "block_fp8.scale")]
     if layout is LinearWeightLayout.IN_OUT and kind is not LinearFormatKind.MXFP4:
         raise _misaligned(group, target, (
             f"group `{group}`: `{target}` is stored [..., in, out] but {fmt.describe()} encodes "
@@ -259,13 +264,13 @@ def _parts(fmt: LinearFormat, group: str, member: ParameterMemberSpec) -> list[_
             raise _misaligned(group, target, (
                 f"group `{group}`: {fmt.describe()} stores `scales`/`biases` next to a "
                 f"`<module>.weight`, but `{target}` is not named `.weight`"))
-        module = target[: -len(".weight")]
         words = fmt.group_size * fmt.bits // 32
-        return [_Part(target, "U32", lead + (_Axis(out_axis), _Axis(in_axis, fmt.group_size,
-                                                                    words)), "mlx_affine.weight")
-                ] + [_Part(f"{module}.{name}", fmt.scale_dtype or member.dtype,
+        return [_Part("", "U32", lead + (_Axis(out_axis), _Axis(in_axis, fmt.group_size, words)),
+                      "mlx_affine.weight")
+                ] + [_Part(f".{name}", fmt.scale_dtype or member.dtype,
                            lead + (_Axis(out_axis), _Axis(in_axis, fmt.group_size, 1)),
-                           f"mlx_affine.{name}") for name in ("scales", "biases")]
+                           f"mlx_affine.{name}", strip=len(".weight"))
+                     for name in ("scales", "biases")]
     atom, nbytes = ((MXFP4_BLOCK_ELEMENTS, MXFP4_BLOCK_BYTES) if kind is LinearFormatKind.MXFP4
                     else GGUF_BLOCK_TYPES[fmt.gguf_type])
     if in_features % atom:
@@ -273,12 +278,12 @@ def _parts(fmt: LinearFormat, group: str, member: ParameterMemberSpec) -> list[_
             f"group `{group}`: `{target}` has {in_features} input features, not a multiple of "
             f"the {atom}-element blocks of {fmt.describe()}; leave it dense with `except:`"))
     if kind is LinearFormatKind.GGUF:
-        return [_Part(target, "U8", lead + (_Axis(out_axis), _Axis(in_axis, atom, nbytes)),
+        return [_Part("", "U8", lead + (_Axis(out_axis), _Axis(in_axis, atom, nbytes)),
                       f"gguf.{fmt.gguf_type}")]
-    return [_Part(target + "_blocks", "U8",
+    return [_Part("_blocks", "U8",
                   lead + (_Axis(out_axis), _Axis(in_axis, atom, 1), _Axis(None, size=nbytes)),
                   "mxfp4.blocks"),
-            _Part(target + (fmt.scale_suffix or "_scales"), "U8",
+            _Part(fmt.scale_suffix or "_scales", "U8",
                   lead + (_Axis(out_axis), _Axis(in_axis, atom, 1)), "mxfp4.scales")]
 
 
@@ -318,30 +323,59 @@ def _stored_sharding(fmt: LinearFormat, group: str, member: ParameterMemberSpec,
 def expand_linear_format_parameter_group(group: ParameterGroupSpec,
                                          format: LinearFormat | None) -> ParameterGroupSpec:
     """`group` with every encoded linear weight replaced by its stored tensors (same group)."""
+    return linear_format_expansion(group, format)[0]
+
+
+MemberSource = tuple[int, int, str]
+"""Where an expanded member's target comes from: (dense member index, characters stripped from
+its target, suffix appended)."""
+
+
+def linear_format_expansion(group: ParameterGroupSpec, format: LinearFormat | None
+                            ) -> tuple[ParameterGroupSpec, tuple[MemberSource, ...]]:
+    """`expand_linear_format_parameter_group` and, per stored member, the `MemberSource` of its
+    target, so a group differing only by names can be expanded by renaming."""
     if format is None or format.kind is LinearFormatKind.DENSE:
-        return group
+        return group, tuple((i, 0, "") for i in range(len(group.members)))
     members: list[ParameterMemberSpec] = []
+    sources: list[MemberSource] = []
     changed = False
-    for member in group.members:
+    for index, member in enumerate(group.members):
         parts = _parts(format, group.name, member) if format.encodes(member) else None
         if parts is None:
             members.append(member)
+            sources.append((index, 0, ""))
             continue
         changed = True
         for part in parts:
             members.append(ParameterMemberSpec(
-                target=part.target, shape=tuple(a.length(member.shape) for a in part.axes),
+                target=part.target(member.target),
+                shape=tuple(a.length(member.shape) for a in part.axes),
                 sharding=_stored_sharding(format, group.name, member, part), dtype=part.dtype,
                 heads=member.heads, encoding=part.encoding))
+            sources.append((index, part.strip, part.suffix))
     if not changed:
-        return group
+        return group, tuple(sources)
     units, label = group.units, group.units_label
     if units is not None:
         reduced = reduced_partition_units(units, members)
         if reduced != units:
             label = (f"{label or units} aligned to {format.describe()} blocks: gcd = {reduced}")
         units = reduced
-    return replace(group, members=tuple(members), units=units, units_label=label)
+    return replace(group, members=tuple(members), units=units, units_label=label), tuple(sources)
+
+
+def target_facts(format: LinearFormat | None, targets: Iterable[str]) -> tuple[object, ...]:
+    """All that expanding under `format` reads of member `targets` (the patterns each matches,
+    whether each is a `.weight`) besides the group's structure; () when nothing."""
+    if format is None or format.kind is LinearFormatKind.DENSE:
+        return ()
+    patterns = format.excluded + format.applies_to
+    mlx = format.kind is LinearFormatKind.MLX_AFFINE
+    if not patterns and not mlx:
+        return ()
+    return tuple((tuple(_matches(p, t) for p in patterns), mlx and t.endswith(".weight"))
+                 for t in targets)
 
 
 def expand_linear_format_parameter_groups(groups: Iterable[ParameterGroupSpec],
