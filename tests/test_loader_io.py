@@ -181,6 +181,21 @@ def test_a_fingerprint_mismatch_is_refused_before_reading(
     assert package.load(tmp_path, rank=0, verify_fingerprint=False).tensors
 
 
+def test_the_fingerprint_is_recomputed_only_when_the_header_bytes_differ(
+        llama_build: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    plan, package = llama_build
+    assert plan.checkpoint_header_digest == open_checkpoint(LLAMA).header_digest()
+    computed: list[int] = []
+    real = checkpoint.Checkpoint.fingerprint
+    monkeypatch.setattr(checkpoint.Checkpoint, "fingerprint",
+                        lambda self: computed.append(1) or real(self))
+    direct = package.load(LLAMA, rank=0)
+    assert computed == []  # byte-identical header: the digest vouches for the fingerprint
+    resharded = package.load(LLAMA_SHARDED, rank=0)  # same tensors, other files and offsets
+    assert computed == [1]
+    assert direct.tensors.keys() == resharded.tensors.keys()
+
+
 def bf16_copy(tmp_path: Path) -> Path:
     """hf/llama in bfloat16, with its config."""
     tmp_path.mkdir(parents=True, exist_ok=True)

@@ -136,13 +136,14 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
 
         opened = open_checkpoint(Path(checkpoint))
     bound, decl, sources = bind(family, config, opened)
-    fingerprint = None
+    fingerprint = digest = None
     if opened is not None:
         from partc.runtime import header_fingerprint
 
         _raise_all(checkpoint_errors(bound, opened))
-        fingerprint = header_fingerprint(opened)
+        fingerprint, digest = header_fingerprint(opened), opened.header_digest()
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
+                        checkpoint_header_digest=digest,
                         group_location=_locator(decl, bound))
 
 

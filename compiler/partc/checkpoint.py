@@ -130,6 +130,8 @@ class FileHeader:
     """The `__metadata__` pairs, in file order."""
     tensors: TensorTable
     """Tensor name -> entry, ordered by name."""
+    digest: str = ""
+    """sha256 of the header bytes as stored (byte-identical headers have equal digests)."""
 
 
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
@@ -179,22 +181,28 @@ def _parse_header(p: Path, raw: bytes, size: int) -> FileHeader:
     with paused_gc():  # ~1M short-lived containers: collecting them mid-parse doubles the time
         metadata, tensors = _parse_tables(p, text, size - 8 - n)
     return FileHeader(path=p, header_size=n, data_start=8 + n, file_size=size,
-                      metadata=metadata, tensors=tensors)
+                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest())
 
 
-_Columns = tuple[tuple[tuple[str, str], ...], list[str], list[Any], list[Any], list[int]]
+_Columns = tuple[tuple[tuple[str, str], ...], list[str], list[Any], list[Any], list[int],
+                 "dict[str, Any] | None"]
 """Metadata pairs, then per tensor in name order: names, dtypes, shapes, and the flattened
-data offsets [begin, end, begin, end, ...]."""
+data offsets [begin, end, begin, end, ...]; last, the parsed header object by name when it can
+serve as the lookup table (entries {dtype, shape, data_offsets}, metadata removed)."""
 
 
 def _parse_tables(p: Path, text: str, data_size: int
                   ) -> tuple[tuple[tuple[str, str], ...], TensorTable]:
     """Parse and validate the header JSON: metadata pairs and the tensor table ordered by name."""
     columns = _fast_columns(text, data_size) or _careful_columns(p, text, data_size)
-    metadata, names, dtypes, shapes, bounds = columns
+    metadata, names, dtypes, shapes, bounds, entries = columns
     begins, ends = bounds[0::2], bounds[1::2]
     _check_overlaps(p, names, begins, ends)
-    return metadata, TensorTable(names, dtypes, shapes, begins, ends)
+    if entries is None:
+        entries = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+                   for name, dtype, shape, begin, end in zip(names, dtypes, shapes, begins, ends,
+                                                             strict=True)}
+    return metadata, TensorTable(names, dtypes, shapes, entries)
 
 
 class TensorTable(Mapping[str, TensorEntry]):
@@ -203,21 +211,22 @@ class TensorTable(Mapping[str, TensorEntry]):
     A DeepSeek-V3 header lists ~92k tensors; a rank reads a few thousand of them.
     """
 
-    __slots__ = ("_begins", "_dtypes", "_ends", "_index", "_names", "_shapes")
+    __slots__ = ("_dtypes", "_entries", "_names", "_shapes")
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                 begins: list[int], ends: list[int]) -> None:
+                 entries: dict[str, Any]) -> None:
+        """`names` sorted, `dtypes` and `shapes` in their order; `entries` the validated header
+        entries ({dtype, shape, data_offsets}) by name, used for lookups as they are."""
         self._names, self._dtypes, self._shapes = names, dtypes, shapes
-        self._begins, self._ends = begins, ends
-        self._index = dict(zip(names, range(len(names)), strict=True))
+        self._entries = entries
 
     def __getitem__(self, name: str) -> TensorEntry:
-        i = self._index[name]
-        return TensorEntry(name, self._dtypes[i], tuple(self._shapes[i]), self._begins[i],
-                           self._ends[i])
+        entry = self._entries[name]
+        begin, end = entry["data_offsets"]
+        return TensorEntry(name, entry["dtype"], tuple(entry["shape"]), begin, end)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return name in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -227,8 +236,8 @@ class TensorTable(Mapping[str, TensorEntry]):
 
     def signature(self, name: str) -> tuple[str, list[int]] | None:
         """(dtype, shape) of tensor `name` without building its entry; None when absent."""
-        i = self._index.get(name)
-        return None if i is None else (self._dtypes[i], self._shapes[i])
+        entry = self._entries.get(name)
+        return None if entry is None else (entry["dtype"], entry["shape"])
 
     def columns(self) -> tuple[list[str], list[str], list[list[int]]]:
         """Names, dtypes and shapes of every tensor, in name order (the table's own lists)."""
@@ -276,7 +285,7 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
     bounds = _bulk_valid(dtypes, shapes, offsets, data_size)
     if bounds is None:
         return None
-    return tuple(meta.items()), names, dtypes, shapes, bounds
+    return tuple(meta.items()), names, dtypes, shapes, bounds, table
 
 
 def _careful_columns(p: Path, text: str, data_size: int) -> _Columns:
@@ -292,7 +301,7 @@ def _careful_columns(p: Path, text: str, data_size: int) -> _Columns:
         dtypes.append(entry.dtype)
         shapes.append(list(entry.shape))
         bounds += (entry.begin, entry.end)
-    return metadata, names, dtypes, shapes, bounds
+    return metadata, names, dtypes, shapes, bounds, None
 
 
 def _bulk_valid(dtypes: list[Any], shapes: list[list[Any]], offsets: list[list[Any]],
@@ -425,6 +434,21 @@ class Checkpoint:
         found = header.tensors.signature(name)
         assert found is not None
         return header, found[0], found[1]
+
+    def header_digest(self) -> str:
+        """sha256 over the stored header bytes of every file, in file order: equal only for
+        byte-identical headers (cheap; `fingerprint` is the layout-independent identity)."""
+        if len(self.files) == 1:
+            return self.files[0].digest
+        return hashlib.sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
+
+    def fingerprint_matches(self, fingerprint: str, header_digest: str | None = None) -> bool:
+        """Whether this checkpoint has `fingerprint`; when `header_digest` (of the checkpoint
+        the fingerprint was taken from) equals this one's, the headers are byte-identical and
+        the fingerprint is not recomputed."""
+        if header_digest is not None and header_digest == self.header_digest():
+            return True
+        return self.fingerprint() == fingerprint
 
     def fingerprint(self) -> str:
         """sha256 over every tensor of every file in name order: the JSON arrays of names and

@@ -154,6 +154,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "family_literal": python_literal(plan.family),
         "model_type_literal": python_literal(plan.model_type),
         "fingerprint_literal": python_literal(plan.checkpoint_fingerprint),
+        "header_digest_literal": python_literal(plan.checkpoint_header_digest),
         "kind_rows": [_kind_row(plan.kinds[k], rank.tensor_parallel_rank) for k in tables.kinds],
         "owner_rows": tables.owner_rows,
         "groups_text": tables.groups_text,

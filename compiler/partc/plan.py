@@ -195,6 +195,8 @@ class Plan:
     """Per-rank plans, by global rank."""
     checkpoint_fingerprint: str | None = None
     """sha256 over the checkpoint header's (name, dtype, shape) when one was given."""
+    checkpoint_header_digest: str | None = None
+    """sha256 of that checkpoint's stored header bytes (lets a loader skip the fingerprint)."""
 
     @property
     def global_parameter_bytes(self) -> int:
@@ -233,6 +235,7 @@ class Plan:
             "topology": self.topology.to_json(),
             "sources": [{"name": n, "sha256": h} for n, h in self.sources],
             "checkpoint_fingerprint": self.checkpoint_fingerprint,
+            "checkpoint_header_digest": self.checkpoint_header_digest,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.config_values},
             "graph": [{"group": n, "unit_paths": list(p), "state": s, "after": list(a)}
                       for n, p, s, a in self.graph],
@@ -349,6 +352,7 @@ def plan_hash(body: dict[str, Any]) -> str:
 def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  sources: tuple[tuple[str, str], ...] = (),
                  checkpoint_fingerprint: str | None = None,
+                 checkpoint_header_digest: str | None = None,
                  group_location: Any = None) -> Plan:
     """The plan of `bound` for `topology`; raises LayoutError (located when possible).
 
@@ -424,7 +428,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         static_roles=tuple((r.name, r.side.value) for r in description.static_roles),
         boundary=bound.boundary.to_json(), tensors=tuple(sorted(table, key=lambda t: t.target)),
         groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
-        checkpoint_fingerprint=checkpoint_fingerprint)
+        checkpoint_fingerprint=checkpoint_fingerprint,
+        checkpoint_header_digest=checkpoint_header_digest)
 
 
 def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp_rank: int

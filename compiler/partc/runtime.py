@@ -70,6 +70,8 @@ class RankTable:
     """S."""
     checkpoint_fingerprint: str | None
     """Expected header fingerprint, when the plan was compiled against a checkpoint."""
+    checkpoint_header_digest: str | None
+    """sha256 of that checkpoint's stored header bytes (equal: fingerprint not recomputed)."""
     kinds: tuple[tuple[Any, ...], ...]
     """KINDS rows: role, logical units, logical range, fell back, members (dtype, global shape,
     compact placement, KV replicas)."""
@@ -260,7 +262,9 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                  verify_fingerprint: bool = True) -> list[PartcError]:
     """Every mismatch between the rank's tensors and the checkpoint header."""
     errors: list[PartcError] = []
-    if verify_fingerprint and table.checkpoint_fingerprint is not None:
+    if verify_fingerprint and table.checkpoint_fingerprint is not None and not (
+            checkpoint.fingerprint_matches(table.checkpoint_fingerprint,
+                                           table.checkpoint_header_digest)):
         found = header_fingerprint(checkpoint)
         if found != table.checkpoint_fingerprint:
             errors.append(CheckpointError(

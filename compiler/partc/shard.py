@@ -166,7 +166,9 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
                   ) -> Iterator[CheckpointError]:
     """Every mismatch between the plan's global tensor table and the checkpoint header."""
     expected = plan.get("checkpoint_fingerprint")
-    if verify_fingerprint and isinstance(expected, str):
+    digest = plan.get("checkpoint_header_digest")
+    if verify_fingerprint and isinstance(expected, str) and not checkpoint.fingerprint_matches(
+            expected, digest if isinstance(digest, str) else None):
         found = header_fingerprint(checkpoint)
         if found != expected:
             yield CheckpointError(
