@@ -157,19 +157,20 @@ def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[
                 checkpoint.files[owner].path if owner is not None else checkpoint.path))
     for owned in bound.description.groups:
         for member in owned.group.members:
-            if member.target not in checkpoint:
+            signature = checkpoint.signature(member.target)
+            if signature is None:
                 continue
-            header, entry = checkpoint.tensor(member.target)
-            where = SourceLocation(str(header.path))
-            if entry.dtype != member.dtype:
+            header, dtype, shape = signature
+            if dtype != member.dtype:
                 errors.append(CheckpointError(
-                    f"tensor `{member.target}` is {entry.dtype} in the checkpoint; the family "
-                    f"declares {member.dtype}", location=where, tensor=member.target))
-            if tuple(entry.shape) != member.shape:
-                errors.append(CheckpointError(
-                    f"tensor `{member.target}` has shape {list(entry.shape)} in the checkpoint; "
-                    f"the family declares {list(member.shape)}", location=where,
+                    f"tensor `{member.target}` is {dtype} in the checkpoint; the family "
+                    f"declares {member.dtype}", location=SourceLocation(str(header.path)),
                     tensor=member.target))
+            if tuple(shape) != member.shape:
+                errors.append(CheckpointError(
+                    f"tensor `{member.target}` has shape {list(shape)} in the checkpoint; "
+                    f"the family declares {list(member.shape)}",
+                    location=SourceLocation(str(header.path)), tensor=member.target))
     return sorted(errors, key=lambda e: (e.tensor or "", e.message))
 
 

@@ -185,8 +185,6 @@ class Plan:
     """Static roles and sides."""
     boundary: dict[str, object]
     """Boundary wire schema (JSON form)."""
-    tensors: tuple[GlobalTensor, ...]
-    """Global tensor table, sorted by target."""
     groups: tuple[PlannedGroup, ...]
     """Every parameter group, in declaration order."""
     kinds: tuple[GroupKind, ...]
@@ -197,6 +195,22 @@ class Plan:
     """sha256 over the checkpoint header's (name, dtype, shape) when one was given."""
     checkpoint_header_digest: str | None = None
     """sha256 of that checkpoint's stored header bytes (lets a loader skip the fingerprint)."""
+
+    _tensors: list[tuple[GlobalTensor, ...]] = field(default_factory=list, compare=False,
+                                                     repr=False)
+
+    @property
+    def tensors(self) -> tuple[GlobalTensor, ...]:
+        """Global tensor table, sorted by target (built on first use)."""
+        if not self._tensors:
+            table = [GlobalTensor(target=target, dtype=layout.dtype, shape=layout.global_shape,
+                                  group=group.name, owner=owner, stages=group.stages)
+                     for group in self.groups
+                     for owner in [group.owner.to_json()]
+                     for layout, target in zip(self.kinds[group.kind].layouts[0], group.targets,
+                                               strict=True)]
+            self._tensors.append(tuple(sorted(table, key=lambda t: t.target)))
+        return self._tensors[0]
 
     @property
     def global_parameter_bytes(self) -> int:
@@ -287,6 +301,7 @@ class Plan:
     def _tensors_text(self) -> str:
         """The canonical JSON text of `_tensors_json()`, written without building it."""
         members: dict[int, list[tuple[str, str]]] = {}
+        stage_texts: dict[tuple[int, ...], str] = {}
         entries = []
         for group in self.groups:
             shared = members.get(group.kind)
@@ -299,7 +314,9 @@ class Plan:
                      + ',"shape":' + _text(list(first.global_shape)) + ',"stages":')
                     for i, first in enumerate(layouts[0])]
             middle = _string(group.name)
-            tail = _text(list(group.stages)) + ',"target":'
+            tail = stage_texts.get(group.stages)
+            if tail is None:
+                tail = stage_texts[group.stages] = _text(list(group.stages)) + ',"target":'
             for target, (head, body) in zip(group.targets, shared, strict=True):
                 entries.append((target, head + middle + body + tail + _string(target) + "}"))
         entries.sort(key=lambda entry: entry[0])
@@ -413,12 +430,6 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             ranks.append(RankPlan(rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank,
                                   pipeline_stage=stage, partition=partition, info=info,
                                   groups=stage_groups[stage], kinds=tuple(kinds)))
-    table = []
-    for owned, group in zip(description.groups, groups, strict=True):
-        owner = owned.owner.to_json()
-        for member in owned.group.members:
-            table.append(GlobalTensor(target=member.target, dtype=member.dtype, shape=member.shape,
-                                      group=group.name, owner=owner, stages=group.stages))
     graph = description.graph
     return Plan(
         family=bound.family, model_type=bound.model_type, topology=topology, sources=sources,
@@ -426,7 +437,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         graph=tuple((g.name, g.unit_paths, g.carries_state, g.dependencies)
                     for g in graph.canonical_order()),
         static_roles=tuple((r.name, r.side.value) for r in description.static_roles),
-        boundary=bound.boundary.to_json(), tensors=tuple(sorted(table, key=lambda t: t.target)),
+        boundary=bound.boundary.to_json(),
         groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
         checkpoint_fingerprint=checkpoint_fingerprint,
         checkpoint_header_digest=checkpoint_header_digest)
