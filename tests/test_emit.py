@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -149,6 +150,19 @@ def test_a_compile_killed_midway_leaves_the_previous_build_intact(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT)
     assert done.returncode == -9
     assert _tree(out) == before
+    abandoned = [p for p in tmp_path.iterdir() if p.name.startswith(".build.partc-")]
+    assert len(abandoned) == 1 and abandoned[0].is_dir()
+    # the next write sweeps it, but not a live process's scratch folder or another host's
+    live = tmp_path / f".build.partc-{_host()}-{os.getpid()}-inprogress"
+    other = tmp_path / ".build.partc-otherhost-1-elsewhere"
+    live.mkdir()
+    other.mkdir()
+    compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["build", live.name, other.name])
+
+
+def _host():
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
 
 
 def test_render_package_checks_every_module_it_renders():

@@ -11,9 +11,11 @@ from __future__ import annotations
 import ast
 import ctypes
 import ctypes.util
+import glob
 import os
 import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from functools import cache
@@ -369,6 +371,36 @@ def _exchange(a: Path, b: Path) -> bool:
     return bool(result == 0)
 
 
+def _scratch_prefix(out: Path, kind: str) -> str:
+    """Name prefix of a scratch folder beside `out`: hidden, and naming the host and process
+    that made it, so a later write can tell an abandoned one (its process is gone)."""
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
+    return f".{out.name}.{kind}-{host}-{os.getpid()}-"
+
+
+def _sweep_abandoned(out: Path) -> None:
+    """Remove scratch folders beside `out` left by a killed write of this host: their process
+    no longer exists. Folders of live processes or other hosts are left alone."""
+    parent = out.parent if str(out.parent) else Path(".")
+    for kind in ("partc", "old"):
+        mine = _scratch_prefix(out, kind).rsplit("-", 2)[0] + "-"  # without pid
+        for entry in parent.glob(glob.escape(mine) + "*"):
+            pid = entry.name[len(mine):].split("-", 1)[0]
+            if pid.isdigit() and entry.is_dir() and not _alive(int(pid)):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process, or not a pid we can ask about: keep its folder
+    return True
+
+
 def write_atomically(out: Path, files: Mapping[str, str | Callable[[BinaryIO], None]]) -> None:
     """Write `files` into a fresh folder, then replace `out` with it in one step.
 
@@ -380,7 +412,8 @@ def write_atomically(out: Path, files: Mapping[str, str | Callable[[BinaryIO], N
     parent = out.parent if str(out.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partc-", dir=parent))
+        _sweep_abandoned(out)
+        staging = Path(tempfile.mkdtemp(prefix=_scratch_prefix(out, "partc"), dir=parent))
     except OSError as exc:
         blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()),
                         None)
@@ -406,7 +439,7 @@ def write_atomically(out: Path, files: Mapping[str, str | Callable[[BinaryIO], N
             raise EmitError(f"output path {out} exists and is not a folder")
         if out.exists():
             if not _exchange(staging, out):
-                backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+                backup = Path(tempfile.mkdtemp(prefix=_scratch_prefix(out, "old"), dir=parent))
                 backup.rmdir()
                 os.rename(out, backup)
                 os.rename(staging, out)
