@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from partc import checkpoint
+from partc import checkpoint, headers
 from partc.checkpoint import (
     DTYPES,
     MAX_HEADER_SIZE,
@@ -661,8 +661,8 @@ def test_the_fast_header_path_agrees_with_the_careful_one(case: tuple[bytes, int
         path = write_raw(Path(tmp) / "h.safetensors", raw, bytes(max(payload, 0)))
         outcomes: list[FileHeader | str] = []
         for fast in (True, False):
-            with mock.patch.object(checkpoint, "_fast_columns",
-                                   checkpoint._fast_columns if fast else lambda *_: None):
+            with mock.patch.object(headers, "_fast_columns",
+                                   headers._fast_columns if fast else lambda *_: None):
                 try:
                     outcomes.append(read_header(path))
                 except CheckpointError as err:

@@ -1,0 +1,650 @@
+"""Safetensors checkpoints as validated headers: one file or an HF index of shards, and the
+manifest of a pre-sharded folder. No payload byte is read here (`partc.checkpoint` reads).
+"""
+
+from __future__ import annotations
+
+import difflib
+import gc
+import hashlib
+import json
+import math
+import os
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter, mul, ne, sub
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NamedTuple, NoReturn
+
+import ml_dtypes
+import numpy as np
+
+from partc.errors import CheckpointError, SourceLocation
+
+MAX_HEADER_SIZE = 100 * 1024 * 1024
+"""Largest JSON header partc agrees to parse (100 MiB), as the safetensors library does."""
+
+_NAMED_DTYPES: dict[str, Any] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U64": np.dtype("<u8"), "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}
+if hasattr(ml_dtypes, "float8_e8m0fnu"):
+    _NAMED_DTYPES["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+DTYPES: Mapping[str, np.dtype[Any]] = MappingProxyType(dict(sorted(_NAMED_DTYPES.items())))
+"""Safetensors dtype string -> little-endian numpy dtype (bf16/fp8 through ml_dtypes)."""
+
+_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+def _fail(path: str | os.PathLike[str], message: str, tensor: str | None = None) -> NoReturn:
+    """Raise a CheckpointError located at `path`."""
+    raise CheckpointError(message, location=SourceLocation(str(path)), tensor=tensor)
+
+
+def _kind(value: object) -> str:
+    """The JSON kind of a value parsed with objects as tuples of pairs."""
+    kinds = {tuple: "object", list: "array", bool: "boolean", type(None): "null", int: "integer",
+             float: "number", str: "string"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _unique(path: Path, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[str, Any]:
+    """Turn a parsed JSON object into a dict, refusing duplicate keys."""
+    table = dict(pairs)
+    if len(table) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                _fail(path, f"duplicate key {key!r} in {where}; expected every key once")
+            seen.add(key)
+    return table
+
+
+def _load_object(path: Path, text: str, what: str) -> dict[str, Any]:
+    """Parse JSON text that must be an object; nested objects become tuples of pairs."""
+    try:
+        doc = json.loads(text, object_pairs_hook=tuple)
+    except json.JSONDecodeError as exc:
+        _fail(path, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+    except RecursionError:
+        _fail(path, f"{what} is not valid JSON: nested too deeply")
+    except ValueError:  # a number too long for int(): json lets Python's ValueError out
+        _fail(path, f"{what} holds a number too long to read (more than 4300 digits)")
+    if not isinstance(doc, tuple):
+        _fail(path, f"{what} is not a JSON object (found {_kind(doc)})")
+    return _unique(path, doc, f"the {what}")
+
+
+class TensorEntry(NamedTuple):
+    """One tensor of a safetensors header; `begin`/`end` are relative to the data region."""
+
+    name: str
+    """Tensor name as stored in the file."""
+    dtype: str
+    """Safetensors dtype string, e.g. 'BF16'."""
+    shape: tuple[int, ...]
+    """Global shape."""
+    begin: int
+    """First byte, relative to the start of the data region."""
+    end: int
+    """One past the last byte, relative to the start of the data region."""
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's payload in bytes."""
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class FileHeader:
+    """A validated safetensors header: where the data starts and where each tensor lies."""
+
+    path: Path
+    """The file the header was read from."""
+    header_size: int
+    """N, the length in bytes of the JSON header."""
+    data_start: int
+    """Absolute offset of the data region (8 + N)."""
+    file_size: int
+    """Size of the file in bytes when the header was read."""
+    metadata: tuple[tuple[str, str], ...]
+    """The `__metadata__` pairs, in file order."""
+    tensors: TensorTable
+    """Tensor name -> entry, ordered by name."""
+    digest: str = ""
+    """sha256 of the header bytes as stored (byte-identical headers have equal digests)."""
+
+
+def read_header(path: str | os.PathLike[str]) -> FileHeader:
+    """Read and validate the header of one .safetensors file without touching its payload."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                _fail(p, f"header length {n} beyond the file of size {size}")
+            if n > MAX_HEADER_SIZE:
+                _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
+            raw = f.read(n)
+    except OSError as exc:
+        _fail(p, f"cannot read checkpoint file: {exc.strerror or exc}")
+    if len(raw) != n:
+        _fail(p, f"truncated file: header of {n} bytes but only {len(raw)} could be read")
+    return _parse_header(p, raw, size)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside the block (restored after it).
+
+    Building ~10^4-10^6 small containers while a large header is alive makes each collection
+    walk that header; none of these containers form cycles, so pausing loses nothing.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse_header(p: Path, raw: bytes, size: int) -> FileHeader:
+    """Validate the JSON header bytes of a file of `size` bytes."""
+    n = len(raw)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(p, f"header is not valid UTF-8: {exc.reason} at header byte {exc.start}")
+    with paused_gc():  # ~1M short-lived containers: collecting them mid-parse doubles the time
+        metadata, tensors = _parse_tables(p, text, size - 8 - n)
+    return FileHeader(path=p, header_size=n, data_start=8 + n, file_size=size,
+                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest())
+
+
+_Columns = tuple[tuple[tuple[str, str], ...], list[str], list[Any], list[Any], list[int],
+                 "dict[str, Any] | None"]
+"""Metadata pairs, then per tensor in name order: names, dtypes, shapes, and the flattened
+data offsets [begin, end, begin, end, ...]; last, the parsed header object by name when it can
+serve as the lookup table (entries {dtype, shape, data_offsets}, metadata removed)."""
+
+
+def _parse_tables(p: Path, text: str, data_size: int
+                  ) -> tuple[tuple[tuple[str, str], ...], TensorTable]:
+    """Parse and validate the header JSON: metadata pairs and the tensor table ordered by name."""
+    columns = _fast_columns(text, data_size) or _careful_columns(p, text, data_size)
+    metadata, names, dtypes, shapes, bounds, entries = columns
+    begins, ends = bounds[0::2], bounds[1::2]
+    _check_overlaps(p, names, begins, ends)
+    if entries is None:
+        entries = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+                   for name, dtype, shape, begin, end in zip(names, dtypes, shapes, begins, ends,
+                                                             strict=True)}
+    return metadata, TensorTable(names, dtypes, shapes, entries)
+
+
+class TensorTable(Mapping[str, TensorEntry]):
+    """A header's tensors by name, in name order; kept as columns, entries built on access.
+
+    A DeepSeek-V3 header lists ~92k tensors; a rank reads a few thousand of them.
+    """
+
+    __slots__ = ("_dtypes", "_entries", "_names", "_shapes")
+
+    def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                 entries: dict[str, Any]) -> None:
+        """`names` sorted, `dtypes` and `shapes` in their order; `entries` the validated header
+        entries ({dtype, shape, data_offsets}) by name, used for lookups as they are."""
+        self._names, self._dtypes, self._shapes = names, dtypes, shapes
+        self._entries = entries
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        entry = self._entries[name]
+        begin, end = entry["data_offsets"]
+        return TensorEntry(name, entry["dtype"], tuple(entry["shape"]), begin, end)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def signature(self, name: str) -> tuple[str, list[int]] | None:
+        """(dtype, shape) of tensor `name` without building its entry; None when absent."""
+        entry = self._entries.get(name)
+        return None if entry is None else (entry["dtype"], entry["shape"])
+
+    def columns(self) -> tuple[list[str], list[str], list[list[int]]]:
+        """Names, dtypes and shapes of every tensor, in name order (the table's own lists)."""
+        return self._names, self._dtypes, self._shapes
+
+
+def _fast_columns(text: str, data_size: int) -> _Columns | None:
+    """Validate a plain, well-formed header with C-level maps only; None when in any doubt.
+
+    Duplicate keys vanish in a plain json.loads, so they are ruled out by counting: without
+    backslash escapes every ':' in the text either separates one object member or sits inside a
+    string, so the count matches only when no member was dropped.
+    """
+    if "\\" in text:
+        return None
+    try:
+        table = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if type(table) is not dict:
+        return None
+    has_meta = "__metadata__" in table
+    meta = table.pop("__metadata__", {})
+    if type(meta) is not dict or set(map(type, meta.values())) - {str}:
+        return None
+    names = sorted(table)
+    entries = list(map(table.__getitem__, names))
+    if entries and set(map(type, entries)) != {dict}:
+        return None
+    if entries and set(map(len, entries)) != {3}:
+        return None
+    colons = "".join(chain(names, meta, meta.values())).count(":")
+    members = len(table) + has_meta + len(meta) + 3 * len(entries)
+    if text.count(":") != members + colons:
+        return None
+    try:
+        dtypes = list(map(itemgetter("dtype"), entries))
+        shapes = list(map(itemgetter("shape"), entries))
+        offsets = list(map(itemgetter("data_offsets"), entries))
+    except KeyError:
+        return None
+    if entries and (set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}
+                    or set(map(len, offsets)) != {2}):
+        return None
+    bounds = _bulk_valid(dtypes, shapes, offsets, data_size)
+    if bounds is None:
+        return None
+    return tuple(meta.items()), names, dtypes, shapes, bounds, table
+
+
+def _careful_columns(p: Path, text: str, data_size: int) -> _Columns:
+    """Validate any header entry by entry, raising the precise CheckpointError of a fault."""
+    table = _load_object(p, text, "header")
+    metadata = _parse_metadata(p, table.pop("__metadata__", ()))
+    names = sorted(table)
+    dtypes: list[Any] = []
+    shapes: list[Any] = []
+    bounds: list[int] = []
+    for name in names:
+        entry = _parse_entry(p, name, table[name], data_size)
+        dtypes.append(entry.dtype)
+        shapes.append(list(entry.shape))
+        bounds += (entry.begin, entry.end)
+    return metadata, names, dtypes, shapes, bounds, None
+
+
+def _bulk_valid(dtypes: list[Any], shapes: list[list[Any]], offsets: list[list[Any]],
+                data_size: int) -> list[int] | None:
+    """Check every entry at once with C-level maps: known dtypes, sizes, offsets in range.
+
+    Returns the offsets flattened ([begin, end, begin, end, ...]), or None on any fault.
+    """
+    try:
+        itemsizes = list(map(_ITEMSIZE.get, dtypes))
+    except TypeError:  # an unhashable dtype
+        return None
+    if None in itemsizes:
+        return None
+    dims = list(chain.from_iterable(shapes))
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+        return None
+    bounds = list(chain.from_iterable(offsets))
+    if bounds and (set(map(type, bounds)) != {int} or min(bounds) < 0
+                   or max(bounds) > data_size):
+        return None
+    sizes = map(mul, map(math.prod, shapes), itemsizes)
+    spans = map(sub, bounds[1::2], bounds[0::2])
+    return None if any(map(ne, sizes, spans)) else bounds
+
+
+def _check_overlaps(p: Path, names: list[str], begins: list[int], ends: list[int]) -> None:
+    """Refuse two non-empty tensors whose byte ranges overlap."""
+    b = np.array(begins, dtype=np.int64)
+    e = np.array(ends, dtype=np.int64)
+    keep = np.flatnonzero(e > b)
+    order = keep[np.argsort(b[keep], kind="stable")]
+    bad = np.flatnonzero(b[order][1:] < e[order][:-1])
+    if len(bad):
+        i, j = int(order[bad[0]]), int(order[bad[0] + 1])
+        _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) and "
+                 f"{names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
+              tensor=names[j])
+
+
+def _parse_metadata(p: Path, value: object) -> tuple[tuple[str, str], ...]:
+    """Validate `__metadata__`: an object of string values."""
+    if not isinstance(value, tuple):
+        _fail(p, f"__metadata__ must be an object of strings (found {_kind(value)})")
+    meta = _unique(p, value, "__metadata__")
+    for key, item in meta.items():
+        if type(item) is not str:
+            _fail(p, f"__metadata__[{key!r}] must be a string (found {_kind(item)})")
+    return tuple(meta.items())
+
+
+def _parse_entry(p: Path, name: str, value: object, data_size: int) -> TensorEntry:
+    """Validate one tensor entry of the header against the data region of `data_size` bytes."""
+    if type(value) is not tuple:
+        _fail(p, f"tensor entry must be an object (found {_kind(value)})", name)
+    fields = _unique(p, value, f"the entry of tensor {name!r}")
+    if fields.keys() != _ENTRY_FIELDS:
+        missing = sorted(_ENTRY_FIELDS - fields.keys())
+        extra = sorted(fields.keys() - _ENTRY_FIELDS)
+        _fail(p, f"tensor entry must have exactly dtype, shape, data_offsets "
+                 f"(missing {missing}, unexpected {extra})", name)
+    dtype = fields["dtype"]
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
+        _fail(p, f"unknown dtype {repr(dtype)[:80]}; expected one of {', '.join(DTYPES)}", name)
+    shape = fields["shape"]
+    if type(shape) is list and (len(shape) > 64 or any(  # u64 dims: bounds every product
+            type(d) is int and not -2**64 < d < 2**64 for d in shape)):
+        widest = max((abs(d).bit_length() for d in shape if type(d) is int), default=0)
+        found = (f"{len(shape)} dimensions" if len(shape) > 64
+                 else f"a dimension of {widest} bits")
+        _fail(p, f"shape must have at most 64 dimensions, each below 2**64 (found {found})",
+              name)
+    if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
+        _fail(p, f"shape must be a list of non-negative integers (found {repr(shape)[:80]})", name)
+    offsets = fields["data_offsets"]
+    if type(offsets) is list and any(type(o) is int and not -2**64 < o < 2**64 for o in offsets):
+        _fail(p, "data_offsets must be below 2**64 (u64 byte offsets)", name)
+    if (type(offsets) is not list or len(offsets) != 2
+            or type(offsets[0]) is not int or type(offsets[1]) is not int):
+        _fail(p, f"data_offsets must be [begin, end] integers (found {repr(offsets)[:80]})", name)
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        _fail(p, f"data_offsets must satisfy 0 <= begin <= end (found [{begin}, {end}])", name)
+    expected = math.prod(shape) * itemsize
+    if end - begin != expected:
+        _fail(p, f"dtype/shape byte-size mismatch: {dtype} {repr(shape)[:80]} needs {expected} "
+                 f"bytes, data_offsets [{begin}, {end}] span {end - begin}", name)
+    if end > data_size:
+        _fail(p, f"data offsets beyond the file (truncated file?): tensor ends at data byte {end}, "
+                 f"the data region holds {data_size} bytes", name)
+    return TensorEntry(name, dtype, tuple(shape), begin, end)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A validated checkpoint: one .safetensors file, or the shards of an HF index."""
+
+    path: Path
+    """The file or directory the checkpoint was opened from."""
+    index_path: Path | None
+    """The model.safetensors.index.json used, or None for a single file."""
+    files: tuple[FileHeader, ...]
+    """The headers of every file, in shard-name order."""
+    names: tuple[str, ...]
+    """Every tensor name, sorted."""
+    owners: Mapping[str, int]
+    """Tensor name -> index into `files` of the file holding it."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.owners
+
+    def tensor(self, name: str) -> tuple[FileHeader, TensorEntry]:
+        """The file holding tensor `name` and its entry; CheckpointError when absent."""
+        index = self.owners.get(name)
+        if index is None:
+            close = _suggest(name, self.names)
+            hint = f"; did you mean {close!r}?" if close else ""
+            _fail(self.index_path or self.path, f"tensor {name!r} not in checkpoint{hint}", name)
+        header = self.files[index]
+        return header, header.tensors[name]
+
+
+    def signature(self, name: str) -> tuple[FileHeader, str, list[int]] | None:
+        """(file, dtype, shape) of tensor `name`, or None: the cheap lookup of header checks."""
+        index = self.owners.get(name)
+        if index is None:
+            return None
+        header = self.files[index]
+        found = header.tensors.signature(name)
+        assert found is not None
+        return header, found[0], found[1]
+
+    def header_digest(self) -> str:
+        """sha256 over the stored header bytes of every file, in file order: equal only for
+        byte-identical headers (cheap; `fingerprint` is the layout-independent identity)."""
+        if len(self.files) == 1:
+            return self.files[0].digest
+        return hashlib.sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
+
+    def fingerprint_matches(self, fingerprint: str, header_digest: str | None = None) -> bool:
+        """Whether this checkpoint has `fingerprint`; when `header_digest` (of the checkpoint
+        the fingerprint was taken from) equals this one's, the headers are byte-identical and
+        the fingerprint is not recomputed."""
+        if header_digest is not None and header_digest == self.header_digest():
+            return True
+        return self.fingerprint() == fingerprint
+
+    def fingerprint(self) -> str:
+        """sha256 over every tensor of every file in name order: the JSON arrays of names and
+        dtypes, then each shape's length and the dimensions as little-endian u64 (what a plan
+        compiled against this checkpoint depends on)."""
+        with paused_gc():
+            return self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        names: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[list[int]] = []
+        for header in self.files:
+            n, d, s = header.tensors.columns()
+            names += n
+            dtypes += d
+            shapes += s
+        if len(self.files) > 1:
+            order = sorted(range(len(names)), key=names.__getitem__)
+            names = [names[i] for i in order]
+            dtypes = [dtypes[i] for i in order]
+            shapes = [shapes[i] for i in order]
+        digest = hashlib.sha256(json.dumps(names).encode())
+        digest.update(json.dumps(dtypes).encode())
+        lengths = array("Q", map(len, shapes))
+        dims = array("Q", chain.from_iterable(shapes))
+        if sys.byteorder != "little":
+            lengths.byteswap()
+            dims.byteswap()
+        digest.update(lengths.tobytes())
+        digest.update(dims.tobytes())
+        return digest.hexdigest()
+
+
+def _suggest(name: str, names: tuple[str, ...]) -> str | None:
+    """The tensor name closest to `name`; big checkpoints only consider one-component edits."""
+    pool: Iterable[str] = names
+    if len(names) > 2000:
+        parts = name.split(".")
+        pool = [n for n in names if abs(len(n) - len(name)) <= 12
+                and len(q := n.split(".")) == len(parts)
+                and sum(a != b for a, b in zip(q, parts, strict=True)) <= 1]
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors."""
+    p = Path(path)
+    if p.is_dir():
+        index, single = p / "model.safetensors.index.json", p / "model.safetensors"
+        if index.is_file():
+            return _open_index(p, index)
+        if single.is_file():
+            return _open_single(p, single)
+        _fail(p, "checkpoint directory holds neither model.safetensors "
+                 "nor model.safetensors.index.json")
+    if p.name.endswith(".index.json"):
+        return _open_index(p, p)
+    if not p.is_file():
+        _fail(p, "not a regular file: expected a .safetensors file, an index or a folder"
+              if p.exists() else "no such checkpoint file or directory")
+    return _open_single(p, p)
+
+
+def _open_single(origin: Path, file: Path) -> Checkpoint:
+    """A checkpoint made of one .safetensors file."""
+    header = read_header(file)
+    return Checkpoint(path=origin, index_path=None, files=(header,), names=tuple(header.tensors),
+                      owners=_OneFile(header.tensors))
+
+
+class _OneFile(Mapping[str, int]):
+    """`Checkpoint.owners` of a single file: every tensor of `table` is in file 0 (no copy of
+    a ~10^5-name index)."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: TensorTable) -> None:
+        self._table = table
+
+    def __getitem__(self, name: str) -> int:
+        if name not in self._table:
+            raise KeyError(name)
+        return 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+def _open_index(origin: Path, index: Path) -> Checkpoint:
+    """A checkpoint described by an HF model.safetensors.index.json."""
+    try:
+        text = index.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(index, f"cannot read index: {exc}")
+    top = _load_object(index, text, "index")
+    if "metadata" in top and not isinstance(top["metadata"], tuple):
+        _fail(index, f"index metadata must be an object (found {_kind(top['metadata'])})")
+    if not isinstance(top.get("weight_map"), tuple):
+        _fail(index, f"index must have a weight_map object (found {_kind(top.get('weight_map'))})")
+    weight_map = _unique(index, top["weight_map"], "the weight_map")
+    for name, shard in weight_map.items():
+        if type(shard) is not str:
+            _fail(index, f"weight_map[{name!r}] must be a shard file name (found {_kind(shard)})",
+                  name)
+        if (shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard
+                or Path(shard).is_absolute()):
+            _fail(index, f"shard filename {shard!r} for tensor {name!r} is not a plain file name "
+                         "inside the checkpoint directory", name)
+    folder = index.parent
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not (folder / shard).is_file():
+            _fail(index, f"missing shard file {shard} named by the index")
+    files = tuple(read_header(folder / shard) for shard in shards)
+    owners: dict[str, int] = {}
+    for i, header in enumerate(files):
+        for name in header.tensors:
+            first = owners.setdefault(name, i)
+            if first != i:
+                _fail(header.path, f"tensor {name!r} is in two shards: {shards[first]} and "
+                                   f"{shards[i]}; expected exactly one", name)
+    for name, shard in weight_map.items():
+        found = owners.get(name)
+        if found is None or shards[found] != shard:
+            where = f"it is in {shards[found]}" if found is not None else "no shard holds it"
+            _fail(index, f"tensor {name!r} mapped to {shard} by the index is not in that shard's "
+                         f"header ({where})", name)
+    for name, i in owners.items():
+        if name not in weight_map:
+            _fail(files[i].path, f"tensor {name!r} in shard {shards[i]} is not in the index's "
+                                 "weight_map", name)
+    return Checkpoint(path=origin, index_path=index, files=files, names=tuple(sorted(owners)),
+                      owners=MappingProxyType(owners))
+
+
+SHARD_MANIFEST = "partc-shards.json"
+"""Name of the manifest `partc shard` writes next to the per-rank files."""
+SHARD_FORMAT = "partc-shards"
+"""The manifest's `format` value."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardManifest:
+    """A pre-sharded checkpoint: one safetensors file per rank of one plan."""
+
+    path: Path
+    """The manifest file."""
+    plan_hash: str
+    """Hash of the plan the files were cut for."""
+    source_fingerprint: str | None
+    """Header fingerprint of the checkpoint the files were cut from."""
+    files: tuple[str, ...]
+    """File name of each global rank, in rank order."""
+    tensors: tuple[tuple[str, ...], ...]
+    """Tensor names of each rank's file, in rank order."""
+
+    def rank_file(self, rank: int) -> Path:
+        """The file holding `rank`'s tensors."""
+        if not 0 <= rank < len(self.files):
+            _fail(self.path, f"rank {rank} is outside the pre-sharded ranks "
+                             f"0..{len(self.files) - 1}")
+        return self.path.parent / self.files[rank]
+
+
+def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
+    """The manifest of a pre-sharded checkpoint folder; None when `folder` holds none."""
+    path = Path(folder) / SHARD_MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(path, f"cannot read the shard manifest: {exc}")
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        _fail(path, f"shard manifest is not valid JSON: {exc}")
+    if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT or doc.get("version") != 1:
+        _fail(path, f"not a partc shard manifest: expected format {SHARD_FORMAT!r} version 1")
+    ranks, plan_hash = doc.get("ranks"), doc.get("plan_hash")
+    fingerprint = doc.get("source_fingerprint")
+    if not isinstance(plan_hash, str) or not isinstance(ranks, list) or not (
+            fingerprint is None or isinstance(fingerprint, str)):
+        _fail(path, "shard manifest needs a plan_hash string and a ranks list")
+    files, tensors = [], []
+    for position, item in enumerate(ranks):
+        file = item.get("file") if isinstance(item, dict) else None
+        names = item.get("tensors") if isinstance(item, dict) else None
+        if (not isinstance(item, dict) or item.get("rank") != position
+                or not isinstance(file, str) or not isinstance(names, list)
+                or not all(isinstance(n, str) for n in names)):
+            _fail(path, f"shard manifest entry {position} must be {{rank: {position}, file, "
+                        "tensors}")
+        if (file in ("", ".", "..") or "/" in file or "\\" in file or "\0" in file
+                or Path(file).is_absolute()):
+            _fail(path, f"rank file {file!r} is not a plain file name inside the folder")
+        files.append(file)
+        tensors.append(tuple(names))
+    return ShardManifest(path=path, plan_hash=plan_hash, source_fingerprint=fingerprint,
+                         files=tuple(files), tensors=tuple(tensors))
