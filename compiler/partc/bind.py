@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
@@ -29,6 +29,7 @@ from partc.parallel import (
     ShardingPolicy,
     partitioned_projection_group,
     segmented_projection_group,
+    unchecked_replace,
 )
 from partc.partition import (
     ArchitectureParameterDescription,
@@ -589,28 +590,12 @@ def _renamed_group(template: _Template, name: str,
             and len(set(stored)) == len(stored)):
         return None
     group = template.group
-    members = tuple(member if member.target == target else _with_target(member, target)
+    members = tuple(member if member.target == target else
+                    unchecked_replace(member, target=target)  # checks are name-blind
                     for member, target in zip(group.members, stored, strict=True))
-    copy = object.__new__(ParameterGroupSpec)
-    for field in _GROUP_FIELDS:
-        object.__setattr__(copy, field, getattr(group, field))
-    object.__setattr__(copy, "name", name)
-    object.__setattr__(copy, "members", members)
-    return copy
+    return unchecked_replace(group, name=name, members=members)
 
 
-def _with_target(member: ParameterMemberSpec, target: str) -> ParameterMemberSpec:
-    """A validated member under another target, without re-running the (name-blind) checks."""
-    copy = object.__new__(ParameterMemberSpec)
-    for field in _MEMBER_FIELDS:
-        object.__setattr__(copy, field, getattr(member, field))
-    object.__setattr__(copy, "target", target)
-    return copy
-
-
-_MEMBER_FIELDS = tuple(f.name for f in fields(ParameterMemberSpec) if f.name != "target")
-_GROUP_FIELDS = tuple(f.name for f in fields(ParameterGroupSpec)
-                      if f.name not in ("name", "members"))
 
 
 def _heads(binder: _Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]

@@ -27,6 +27,7 @@ from partc.layout import Selection as Selection
 from partc.layout import TensorPlacement as TensorPlacement
 from partc.layout import _invalid_group, _invalid_tensor, _is_count
 from partc.layout import tensor_bytes as tensor_bytes
+from partc.layout import unchecked_replace as unchecked_replace
 
 
 def balanced_contiguous_range(items: int, parts: int, index: int) -> tuple[int, int]:
