@@ -20,6 +20,13 @@ QUANTIZED = FIXTURES / "quantized"
 FULLSIZE = FIXTURES / "fullsize"
 
 
+HF_MODELS = [
+    "llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
+    "qwen2_moe", "gemma2", "deepseek_v3", "gpt_oss",
+]
+"""Every tiny HF fixture with reference outputs, one or more per built-in family."""
+
+
 def hf(name: str) -> Path:
     """Folder of one tiny HF fixture."""
     return HF / name
@@ -71,3 +78,20 @@ def reassemble(pieces: list[tuple[np.ndarray, int | None, tuple[tuple[int, int],
             count[tuple(index)] += 1
             offset += width
     return out, count
+
+
+def compile_and_load(family: str | Path | None, config: Path, out: Path, weights: Path, *,
+                     tp: int, pp: int = 1, **options: Any) -> tuple[Any, list[Any]]:
+    """Compile, import the generated package, load every rank, then forget the package.
+
+    Forgetting it keeps a later `import partc_<family>_tp<T>_pp<S>` (another test's build of
+    the same name) from finding this one in `sys.modules`.
+    """
+    plan, package = compile_and_import(family, config, out, tp=tp, pp=pp, **options)
+    try:
+        states = [package.load(weights, rank=r) for r in range(tp * pp)]
+    finally:
+        name = package_name(plan)
+        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[module]
+    return plan, states

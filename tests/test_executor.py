@@ -24,21 +24,9 @@ from executor import (
     forward_tensor_parallel,
     load_fixture,
 )
+from support import HF_MODELS
 
-FAMILIES = [
-    "llama",
-    "llama_tied",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen3_moe",
-    "phi3",
-    "qwen2_moe",
-    "gemma2",
-    "deepseek_v3",
-    "gpt_oss",
-]
+FAMILIES = HF_MODELS
 QUANTIZED_SOURCES = {
     "qwen3_fp8": "qwen3",
     "deepseek_v3_fp8": "deepseek_v3",

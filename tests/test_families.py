@@ -12,7 +12,6 @@ import json
 import math
 import re
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +21,19 @@ from safetensors.numpy import save_file
 from partc.api import bind, builtin_families, check_family, checkpoint_errors, compile_family
 from partc.checkpoint import open_checkpoint
 from partc.cli import main
-from partc.emit import package_name
 from partc.errors import ParallelPlanError
 from partc.parallel import ShardingPolicy
 from partc.plan import Topology
 
 from executor import load_safetensors
-from support import FULLSIZE, QUANTIZED, checkpoint_tensors, compile_and_import, hf, reassemble
+from support import (
+    FULLSIZE,
+    QUANTIZED,
+    checkpoint_tensors,
+    compile_and_load,
+    hf,
+    reassemble,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "families"
@@ -118,23 +123,6 @@ def checkpoints():
         return cache[name]
 
     return get
-
-
-def compile_and_load(family, config: Path, out: Path, weights: Path, *, tp: int, pp: int = 1,
-                     **options) -> tuple:
-    """Compile, import the generated package, load every rank, then forget the package.
-
-    Forgetting it keeps a later `import partc_<family>_tp<T>_pp<S>` (another test's build of
-    the same name) from finding this one in `sys.modules`.
-    """
-    plan, package = compile_and_import(family, config, out, tp=tp, pp=pp, **options)
-    try:
-        states = [package.load(weights, rank=r) for r in range(tp * pp)]
-    finally:
-        name = package_name(plan)
-        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-            del sys.modules[module]
-    return plan, states
 
 
 def payload_bytes(path: Path) -> int:

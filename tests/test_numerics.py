@@ -11,34 +11,19 @@ cut must match HF's `layer_outputs` at that layer.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from partc.emit import package_name
 from partc.parallel import PlacementKind, ShardingPolicy
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
-from support import QUANTIZED, compile_and_import, hf
+from support import HF_MODELS, QUANTIZED, compile_and_load, hf
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4
-FIXTURES = [
-    "llama",
-    "llama_tied",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen3_moe",
-    "phi3",
-    "qwen2_moe",
-    "gemma2",
-    "deepseek_v3",
-    "gpt_oss",
-]
+FIXTURES = HF_MODELS
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 # More ranks than the tiny models' 2 KV heads: attention (and block-misaligned groups) fall back
 # to replication under ReplicateUnsupported; the rest stays sharded (DeepSeek's 4 MLA heads too).
@@ -58,23 +43,6 @@ def config_of(name: str) -> dict:
 CASES = [(name, topology) for name in FIXTURES for topology in TOPOLOGIES + WIDE_TOPOLOGIES
          if topology[1] < 3 or config_of(name)["num_hidden_layers"] >= 3]
 CASE_IDS = [f"{name}-tp{t}-pp{s}" for name, (t, s) in CASES]
-
-
-def compile_and_load(family, config: Path, out: Path, weights: Path, *, tp: int, pp: int = 1,
-                     **options) -> tuple:
-    """Compile, import the generated package, load every rank, then forget the package.
-
-    Forgetting it keeps a later `import partc_<family>_tp<T>_pp<S>` (another test's build of
-    the same name) from finding this one in `sys.modules`.
-    """
-    plan, package = compile_and_import(family, config, out, tp=tp, pp=pp, **options)
-    try:
-        states = [package.load(weights, rank=r) for r in range(tp * pp)]
-    finally:
-        name = package_name(plan)
-        for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-            del sys.modules[module]
-    return plan, states
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
