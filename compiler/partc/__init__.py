@@ -15,6 +15,11 @@ _EXPORTS = {
     "CompileResult": "partc.api",
     "check_family": "partc.api",
     "compile_family": "partc.api",
+    "ArchitectureBoundaryError": "partc.errors",
+    "ArchitectureParameterError": "partc.errors",
+    "ArchitecturePartitionError": "partc.errors",
+    "LayeredPartitionBeginError": "partc.errors",
+    "LayeredPartitionError": "partc.errors",
     "CheckpointError": "partc.errors",
     "EmitError": "partc.errors",
     "LayoutError": "partc.errors",
@@ -31,9 +36,14 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ArchitectureBoundaryError",
+    "ArchitectureParameterError",
+    "ArchitecturePartitionError",
     "CheckpointError",
     "CompileResult",
     "EmitError",
+    "LayeredPartitionBeginError",
+    "LayeredPartitionError",
     "LayoutError",
     "LoadError",
     "ParallelPlanError",
@@ -45,16 +55,21 @@ __all__ = [
     "SemanticError",
     "SourceLocation",
     "Topology",
-    "__version__",
     "check_family",
     "compile_family",
+    "__version__",
 ]
 
 if TYPE_CHECKING:
     from partc.api import CompileResult, check_family, compile_family
     from partc.errors import (
+        ArchitectureBoundaryError,
+        ArchitectureParameterError,
+        ArchitecturePartitionError,
         CheckpointError,
         EmitError,
+        LayeredPartitionBeginError,
+        LayeredPartitionError,
         LayoutError,
         LoadError,
         ParallelPlanError,

@@ -16,43 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import PartcError
+from partc.errors import ArchitectureBoundaryError as ArchitectureBoundaryError
+from partc.errors import ArchitectureBoundaryErrorKind as ArchitectureBoundaryErrorKind
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-class ArchitectureBoundaryErrorKind(enum.Enum):
-    """What is wrong with a boundary schema or payload."""
-
-    INVALID_SCHEMA = "invalid_schema"
-    INVALID_GEOMETRY = "invalid_geometry"
-    WRONG_COUNT = "wrong_count"
-    WRONG_ROLE = "wrong_role"
-    WRONG_SHAPE = "wrong_shape"
-    WRONG_DTYPE = "wrong_dtype"
-
-
-_PAYLOAD_KINDS = frozenset(ArchitectureBoundaryErrorKind) - {
-    ArchitectureBoundaryErrorKind.INVALID_SCHEMA, ArchitectureBoundaryErrorKind.INVALID_GEOMETRY}
-
-
-class ArchitectureBoundaryError(PartcError):
-    """A boundary schema that is malformed, or a payload that does not match it."""
-
-    stage = "family"
-
-    def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, *, boundary: str = "",
-                 role: str | None = None, **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.kind = kind
-        """Which rule was broken."""
-        self.boundary = boundary
-        """Identity of the boundary schema concerned ('' when it has none yet)."""
-        self.role = role
-        """The boundary tensor role concerned, when the problem is about one."""
-        if kind in _PAYLOAD_KINDS:
-            self.stage = "runtime"
 
 
 def _schema_error(message: str, *, boundary: str = "",

@@ -11,12 +11,13 @@ outgoing one with the family's roles.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from partc.errors import PartcError
+from partc.errors import LayeredPartitionBeginError as LayeredPartitionBeginError
+from partc.errors import LayeredPartitionError as LayeredPartitionError
+from partc.errors import LayeredPartitionErrorKind as LayeredPartitionErrorKind
 
 if TYPE_CHECKING:
     from partc.boundary import ArchitectureBoundaryValue
@@ -31,48 +32,6 @@ HiddenT = TypeVar("HiddenT")
 
 def _spell(r: Range) -> str:
     return f"[{r[0]}, {r[1]})"
-
-
-class LayeredPartitionErrorKind(enum.Enum):
-    """What is wrong with a layered partition's realization or its use."""
-
-    GROUP_NOT_OWNED = "group_not_owned"
-    STORAGE_RANGE = "storage_range"
-    MISSING_STATE = "missing_state"
-    STATE_RANGE = "state_range"
-    TOKENS_ON_NON_INPUT_OWNER = "tokens_on_non_input_owner"
-    OUTPUT_ON_NON_OUTPUT_OWNER = "output_on_non_output_owner"
-    INVALID_INPUT = "invalid_input"
-    INVALID_OUTPUT = "invalid_output"
-
-
-class LayeredPartitionError(PartcError):
-    """A rank's unit storage, state or inputs that disagree with its canonical partition."""
-
-    stage = "runtime"
-
-    def __init__(self, kind: LayeredPartitionErrorKind, message: str, *, group: str = "",
-                 **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.kind = kind
-        """Which rule was broken."""
-        self.group = group
-        """The execution group concerned ('' when none is)."""
-
-
-class LayeredPartitionBeginError(PartcError):
-    """The executor failed to begin the partition or to enter its first group."""
-
-    stage = "runtime"
-
-    def __init__(self, message: str, *, phase: str, group: str, cause: BaseException) -> None:
-        super().__init__(message)
-        self.phase = phase
-        """`begin` or `enter_group`."""
-        self.group = group
-        """The first execution group of the stage."""
-        self.cause = cause
-        """The executor's own exception."""
 
 
 # ---------------------------------------------------------------- what an executor sees

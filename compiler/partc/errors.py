@@ -181,3 +181,138 @@ class PartcErrors(PartcError):
 
     def __str__(self) -> str:
         return "\n".join(str(e) for e in self.errors)
+
+
+# ---------------------------------------------------------------- vocabulary errors
+
+
+class ArchitectureParameterErrorKind(enum.Enum):
+    """What is wrong with an ownership declaration."""
+
+    MISSING_OWNERSHIP = "missing_ownership"
+    DUPLICATE_OWNERSHIP = "duplicate_ownership"
+    UNEXPECTED_OWNERSHIP = "unexpected_ownership"
+    UNKNOWN_GROUP = "unknown_group"
+    UNIT_OUT_OF_RANGE = "unit_out_of_range"
+    EMPTY_STATIC_ROLE = "empty_static_role"
+    REPEATED_STATIC_ROLE = "repeated_static_role"
+    UNKNOWN_STATIC_ROLE = "unknown_static_role"
+    INVALID_OWNER = "invalid_owner"
+
+
+class ArchitectureParameterError(PartcError):
+    """An ownership declaration that does not own every checkpoint target exactly once."""
+
+    stage = "family"
+
+    def __init__(self, kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.kind = kind
+        """Which rule was broken."""
+        self.group = group
+        """The parameter group concerned ('' when none is)."""
+
+
+class ArchitecturePartitionErrorKind(enum.Enum):
+    """What is wrong with one rank's partition."""
+
+    INVALID_GRAPH = "invalid_graph"
+    INVALID_STAGES = "invalid_stages"
+    UNKNOWN_GROUP = "unknown_group"
+    DUPLICATE_GROUP = "duplicate_group"
+    EMPTY_RANGE = "empty_range"
+    OUT_OF_BOUNDS = "out_of_bounds"
+    NON_CANONICAL = "non_canonical"
+    INVALID_OWNERSHIP = "invalid_ownership"
+    NON_LOCAL_OWNER = "non_local_owner"
+    REPEATED_TARGET = "repeated_target"
+    MISSING_BOUNDARY = "missing_boundary"
+
+
+class ArchitecturePartitionError(PartcError):
+    """A pipeline partition that is not realizable or not self-consistent."""
+
+    stage = "plan"
+
+    def __init__(self, kind: ArchitecturePartitionErrorKind, message: str, **kwargs: object):
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.kind = kind
+        """Which rule was broken."""
+
+
+class LayeredPartitionErrorKind(enum.Enum):
+    """What is wrong with a layered partition's realization or its use."""
+
+    GROUP_NOT_OWNED = "group_not_owned"
+    STORAGE_RANGE = "storage_range"
+    MISSING_STATE = "missing_state"
+    STATE_RANGE = "state_range"
+    TOKENS_ON_NON_INPUT_OWNER = "tokens_on_non_input_owner"
+    OUTPUT_ON_NON_OUTPUT_OWNER = "output_on_non_output_owner"
+    INVALID_INPUT = "invalid_input"
+    INVALID_OUTPUT = "invalid_output"
+
+
+class LayeredPartitionError(PartcError):
+    """A rank's unit storage, state or inputs that disagree with its canonical partition."""
+
+    stage = "runtime"
+
+    def __init__(self, kind: LayeredPartitionErrorKind, message: str, *, group: str = "",
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.kind = kind
+        """Which rule was broken."""
+        self.group = group
+        """The execution group concerned ('' when none is)."""
+
+
+class LayeredPartitionBeginError(PartcError):
+    """The executor failed to begin the partition or to enter its first group."""
+
+    stage = "runtime"
+
+    def __init__(self, message: str, *, phase: str, group: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.phase = phase
+        """`begin` or `enter_group`."""
+        self.group = group
+        """The first execution group of the stage."""
+        self.cause = cause
+        """The executor's own exception."""
+
+
+
+class ArchitectureBoundaryErrorKind(enum.Enum):
+    """What is wrong with a boundary schema or payload."""
+
+    INVALID_SCHEMA = "invalid_schema"
+    INVALID_GEOMETRY = "invalid_geometry"
+    WRONG_COUNT = "wrong_count"
+    WRONG_ROLE = "wrong_role"
+    WRONG_SHAPE = "wrong_shape"
+    WRONG_DTYPE = "wrong_dtype"
+
+
+_PAYLOAD_KINDS = frozenset(ArchitectureBoundaryErrorKind) - {
+    ArchitectureBoundaryErrorKind.INVALID_SCHEMA, ArchitectureBoundaryErrorKind.INVALID_GEOMETRY}
+"""Boundary problems found at run time (in a payload) rather than in a family's schema."""
+
+
+class ArchitectureBoundaryError(PartcError):
+    """A boundary schema that is malformed, or a payload that does not match it."""
+
+    stage = "family"
+
+    def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, *, boundary: str = "",
+                 role: str | None = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.kind = kind
+        """Which rule was broken."""
+        self.boundary = boundary
+        """Identity of the boundary schema concerned ('' when it has none yet)."""
+        self.role = role
+        """The boundary tensor role concerned, when the problem is about one."""
+        if kind in _PAYLOAD_KINDS:
+            self.stage = "runtime"

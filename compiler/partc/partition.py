@@ -20,66 +20,14 @@ from partc.boundary import BoundaryTensorDimensionKind as BoundaryTensorDimensio
 from partc.boundary import BoundaryTensorDtype as BoundaryTensorDtype
 from partc.boundary import BoundaryTensorSpec as BoundaryTensorSpec
 from partc.boundary import BoundaryWireSchema as BoundaryWireSchema
-from partc.errors import PartcError
+from partc.errors import ArchitectureParameterError as ArchitectureParameterError
+from partc.errors import ArchitectureParameterErrorKind as ArchitectureParameterErrorKind
+from partc.errors import ArchitecturePartitionError as ArchitecturePartitionError
+from partc.errors import ArchitecturePartitionErrorKind as ArchitecturePartitionErrorKind
 from partc.parallel import ParameterGroupSpec, ParameterRole, balanced_contiguous_range
 
 Range = tuple[int, int]
 """A half-open integer range (start, end)."""
-
-
-class ArchitectureParameterErrorKind(enum.Enum):
-    """What is wrong with an ownership declaration."""
-
-    MISSING_OWNERSHIP = "missing_ownership"
-    DUPLICATE_OWNERSHIP = "duplicate_ownership"
-    UNEXPECTED_OWNERSHIP = "unexpected_ownership"
-    UNKNOWN_GROUP = "unknown_group"
-    UNIT_OUT_OF_RANGE = "unit_out_of_range"
-    EMPTY_STATIC_ROLE = "empty_static_role"
-    REPEATED_STATIC_ROLE = "repeated_static_role"
-    UNKNOWN_STATIC_ROLE = "unknown_static_role"
-    INVALID_OWNER = "invalid_owner"
-
-
-class ArchitectureParameterError(PartcError):
-    """An ownership declaration that does not own every checkpoint target exactly once."""
-
-    stage = "family"
-
-    def __init__(self, kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
-                 **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.kind = kind
-        """Which rule was broken."""
-        self.group = group
-        """The parameter group concerned ('' when none is)."""
-
-
-class ArchitecturePartitionErrorKind(enum.Enum):
-    """What is wrong with one rank's partition."""
-
-    INVALID_GRAPH = "invalid_graph"
-    INVALID_STAGES = "invalid_stages"
-    UNKNOWN_GROUP = "unknown_group"
-    DUPLICATE_GROUP = "duplicate_group"
-    EMPTY_RANGE = "empty_range"
-    OUT_OF_BOUNDS = "out_of_bounds"
-    NON_CANONICAL = "non_canonical"
-    INVALID_OWNERSHIP = "invalid_ownership"
-    NON_LOCAL_OWNER = "non_local_owner"
-    REPEATED_TARGET = "repeated_target"
-    MISSING_BOUNDARY = "missing_boundary"
-
-
-class ArchitecturePartitionError(PartcError):
-    """A pipeline partition that is not realizable or not self-consistent."""
-
-    stage = "plan"
-
-    def __init__(self, kind: ArchitecturePartitionErrorKind, message: str, **kwargs: object):
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.kind = kind
-        """Which rule was broken."""
 
 
 def _partition_error(kind: ArchitecturePartitionErrorKind, message: str
