@@ -266,7 +266,7 @@ def test_torch_output_without_torch_installed_is_a_checkpoint_error(
 
 
 def test_torch_output_shares_memory_and_keeps_bf16_and_fp8(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
+    import torch  # a test dependency: the `test` extra installs it
     folder = bf16_copy(tmp_path / "ckpt")
     _, package = compile_and_import("llama", folder / "config.json", tmp_path / "b", tp=2,
                                     checkpoint=folder)
