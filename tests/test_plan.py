@@ -216,3 +216,13 @@ def test_the_plan_text_is_the_canonical_json_and_modules_rebuild_the_plan(
         assert module.layout() == rank.layout
         assert module.info() == rank.info
         assert module.partition() == rank.partition
+
+
+def test_a_build_does_not_depend_on_what_the_process_compiled_before():
+    """Group kinds are shared within one plan only: the same compile gives the same files
+    before and after other compiles in the same process."""
+    config = QUANTIZED / "deepseek_v3_fp8" / "config.json"
+    first = compile_family("deepseek_v3", config, tensor_parallel_size=2).files
+    for name in ("qwen3_moe", "mixtral", "llama"):
+        compile_family(None, HF / name / "config.json", tensor_parallel_size=2)
+    assert compile_family("deepseek_v3", config, tensor_parallel_size=2).files == first

@@ -723,13 +723,16 @@ def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
 
 def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
                            policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
-                           policy_overrides_group: bool = False
-                           ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+                           policy_overrides_group: bool = False,
+                           cache: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]]
+                           | None = None) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """`realize_group` up to names: the one realization every group of `group`'s structure
     shares (the same object for all of them), named after the first such group realized.
 
     Groups differ structurally when any member's dtype, shape or sharding, or the group's role,
     units, KV replication or effective policy differ; names take no part in realization.
+    `cache` holds the realizations by structure (default: one kept by this module); a plan
+    passes its own, so that what it shares never depends on earlier plans.
     """
     tp = tensor_parallel_size
     if not _is_count(tp) or tp < 1:
@@ -738,12 +741,13 @@ def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
     effective = policy if policy_overrides_group else (group.policy or policy)
     key = (tp, effective, group.role, group.units, group.kv_replication,
            tuple(_member_structure(m) for m in group.members))
-    template = _REALIZED.get(key)
+    realized = _REALIZED if cache is None else cache
+    template = realized.get(key)
     if template is None:
         template = _realize_uncached(group, tp, effective)
-        if len(_REALIZED) > 4096:
+        if cache is None and len(_REALIZED) > 4096:
             _REALIZED.clear()
-        _REALIZED[key] = template
+        realized[key] = template
     return template
 
 

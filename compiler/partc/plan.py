@@ -382,10 +382,12 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     kinds: list[GroupKind] = []
     kind_index: dict[int, int] = {}  # id of a shared template -> its index in `kinds`
     group_kinds: dict[str, int] = {}
+    realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
     for owned in description.groups:
         try:
             template = realize_group_template(owned.group, tp, policy,
-                                              policy_overrides_group=topology.policy is not None)
+                                              policy_overrides_group=topology.policy is not None,
+                                              cache=realized)
         except PartcError as error:
             if group_location is not None:
                 group_location(error, owned.group.name)
