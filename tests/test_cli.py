@@ -23,6 +23,25 @@ def test_compile_writes_the_plan_and_prints_a_per_rank_summary(tmp_path, capsys)
     assert "decoder[0:2]" in out and "decoder[2:3]" in out
 
 
+def test_compile_in_json_reports_the_plan_hash_of_the_written_plan(tmp_path, capsys):
+    status = main(["compile", "llama", "--config", CONFIG, "--tp", "2", "--out",
+                   str(tmp_path / "b"), "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    written = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert status == 0 and report["ok"] and report["plan_hash"] == written["plan_hash"]
+    assert "plan.json" in report["files"]
+
+
+def test_the_summary_counts_each_rank_s_tensors(tmp_path, capsys):
+    main(["compile", "llama", "--config", CONFIG, "--tp", "2", "--pp", "3", "--out",
+          str(tmp_path / "b")])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    written = json.loads((tmp_path / "b" / "plan.json").read_text())
+    for rank, row in enumerate(rows):
+        stage = rank // 2
+        assert int(row[4]) == sum(stage in t["stages"] for t in written["tensors"])
+
+
 def test_compile_without_a_family_uses_the_built_in_one_for_the_model_type(tmp_path):
     assert main(["compile", "--config", CONFIG, "--out", str(tmp_path / "b")]) == 0
 

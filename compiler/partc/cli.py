@@ -142,7 +142,7 @@ def _compile(args: argparse.Namespace) -> int:
     plan = result.plan
     if args.format == "json":
         print(json.dumps({"ok": True, "errors": [], "out": str(result.out), "plan_hash":
-                          plan.to_json()["plan_hash"], "files": sorted(result.files)}, indent=1))
+                          plan.plan_hash, "files": sorted(result.files)}, indent=1))
         return EXIT_OK
     print(f"compiled {plan.family} ({plan.model_type}) for TP={plan.topology.tensor_parallel_size}"
           f" x PP={plan.topology.pipeline_parallel_size} into {result.out}")
@@ -157,7 +157,7 @@ def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
         part = rank.partition
         units = ", ".join(f"{g.group}[{g.unit_range[0]}:{g.unit_range[1]}]" for g in part.groups)
         line = (f"{rank.rank:>4} {rank.tensor_parallel_rank:>3} {rank.pipeline_stage:>5} "
-                f"{units:>13} {len(rank.layout):>7} "
+                f"{units:>13} {rank.info.owned_tensors:>7} "
                 f"{rank.info.local_parameter_bytes / 2**20:>10.3f} "
                 f"{', '.join(part.ownership.static_roles) or '-'}")
         if loaded is not None:

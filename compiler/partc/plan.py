@@ -198,6 +198,8 @@ class Plan:
 
     _tensors: list[tuple[GlobalTensor, ...]] = field(default_factory=list, compare=False,
                                                      repr=False)
+    _document: list[tuple[dict[str, Any], str]] = field(default_factory=list, compare=False,
+                                                        repr=False)
 
     @property
     def tensors(self) -> tuple[GlobalTensor, ...]:
@@ -226,13 +228,24 @@ class Plan:
         body["plan_hash"] = plan_hash(body)
         return body
 
+    @property
+    def plan_hash(self) -> str:
+        """The content hash of the plan (`plan_hash` of its JSON document)."""
+        return str(self.document()[0]["plan_hash"])
+
     def document(self) -> tuple[dict[str, Any], str]:
         """`to_json()` without its `tensors` list, and the canonical text of the whole document
-        (equal to `canonical_json(to_json())`), each part encoded once.
+        (equal to `canonical_json(to_json())`), each part encoded once; computed once per plan
+        (treat the dict as read-only).
 
         The tensor table (~10^5 entries for the largest models) is spelled directly from the
         group kinds, whose shape and placement text its tensors share.
         """
+        if not self._document:
+            self._document.append(self._spell_document())
+        return self._document[0]
+
+    def _spell_document(self) -> tuple[dict[str, Any], str]:
         body = self._body()
         parts = {key: canonical_json(value)[:-1] for key, value in body.items()}
         parts["tensors"] = self._tensors_text()
