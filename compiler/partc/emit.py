@@ -1,9 +1,10 @@
 """Stage 6: render a plan into a generated loader package and write it atomically.
 
 Templates only arrange precomputed strings; every value from a family, a config or a
-checkpoint reaches the generated code through `python_literal`, which spells it as an escaped
-Python literal. Rendered modules are compiled and their statement kinds checked before anything
-is written; the output folder is replaced in one rename.
+checkpoint reaches the generated code through `python_literal` (an escaped Python literal) or
+`lines_literal` (a quote- and backslash-free text block, else escaped strings). Rendered modules
+are parsed and their statement kinds checked before anything is written; the output folder is
+replaced in one rename.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
 
 
 def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
-    """The stage's parameter bindings (JSON form) from the GROUPS and TENSORS tables."""
+    """The stage's parameter bindings (JSON form) from the GROUPS and TARGETS tables."""
     groups = table.group_rows()
     targets: list[list[str]] = [[] for _ in groups]
     for row in table.tensor_rows():
