@@ -283,7 +283,6 @@ class LayeredPartitionBeginError(PartcError):
         """The executor's own exception."""
 
 
-
 class ArchitectureBoundaryErrorKind(enum.Enum):
     """What is wrong with a boundary schema or payload."""
 

@@ -760,8 +760,6 @@ def _member_structure(member: ParameterMemberSpec) -> tuple[object, ...]:
     return tuple(getattr(member, name) for name in _MEMBER_FIELDS)
 
 
-
-
 def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy
                       ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     problems, kv = _problems(group, tp)
