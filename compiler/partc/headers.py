@@ -433,13 +433,23 @@ class Checkpoint:
             return self.files[0].digest
         return hashlib.sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
 
-    def fingerprint_matches(self, fingerprint: str, header_digest: str | None = None) -> bool:
-        """Whether this checkpoint has `fingerprint`; when `header_digest` (of the checkpoint
-        the fingerprint was taken from) equals this one's, the headers are byte-identical and
-        the fingerprint is not recomputed."""
+    def fingerprint_error(self, expected: str, header_digest: str | None, *, override: str
+                          ) -> CheckpointError | None:
+        """The error when this checkpoint's fingerprint is not `expected` (None when it is).
+
+        When `header_digest` (of the checkpoint `expected` was taken from) equals this one's,
+        the headers are byte-identical and the fingerprint is not recomputed. `override` names
+        how to skip the check.
+        """
         if header_digest is not None and header_digest == self.header_digest():
-            return True
-        return self.fingerprint() == fingerprint
+            return None
+        found = self.fingerprint()
+        if found == expected:
+            return None
+        return CheckpointError(
+            f"checkpoint header fingerprint {found[:16]} does not match the plan's "
+            f"{expected[:16]}; recompile against this checkpoint or pass {override}",
+            location=SourceLocation(str(self.path)))
 
     def fingerprint(self) -> str:
         """sha256 over every tensor of every file in name order: the JSON arrays of names and

@@ -262,15 +262,12 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                  verify_fingerprint: bool = True) -> list[PartcError]:
     """Every mismatch between the rank's tensors and the checkpoint header."""
     errors: list[PartcError] = []
-    if verify_fingerprint and table.checkpoint_fingerprint is not None and not (
-            checkpoint.fingerprint_matches(table.checkpoint_fingerprint,
-                                           table.checkpoint_header_digest)):
-        found = header_fingerprint(checkpoint)
-        if found != table.checkpoint_fingerprint:
-            errors.append(CheckpointError(
-                f"checkpoint header fingerprint {found[:16]} does not match the plan's "
-                f"{table.checkpoint_fingerprint[:16]}; recompile against this checkpoint or pass "
-                "verify_fingerprint=False", location=SourceLocation(str(checkpoint.path))))
+    if verify_fingerprint and table.checkpoint_fingerprint is not None:
+        mismatch = checkpoint.fingerprint_error(
+            table.checkpoint_fingerprint, table.checkpoint_header_digest,
+            override="verify_fingerprint=False")
+        if mismatch is not None:
+            errors.append(mismatch)
     for target, _, dtype, shape, _, _ in table.tensor_rows():
         signature = checkpoint.signature(target)
         if signature is None:

@@ -167,14 +167,12 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
     """Every mismatch between the plan's global tensor table and the checkpoint header."""
     expected = plan.get("checkpoint_fingerprint")
     digest = plan.get("checkpoint_header_digest")
-    if verify_fingerprint and isinstance(expected, str) and not checkpoint.fingerprint_matches(
-            expected, digest if isinstance(digest, str) else None):
-        found = header_fingerprint(checkpoint)
-        if found != expected:
-            yield CheckpointError(
-                f"checkpoint header fingerprint {found[:16]} does not match the plan's "
-                f"{expected[:16]}; recompile against this checkpoint or pass "
-                "--no-verify-fingerprint", location=SourceLocation(str(checkpoint.path)))
+    if verify_fingerprint and isinstance(expected, str):
+        mismatch = checkpoint.fingerprint_error(
+            expected, digest if isinstance(digest, str) else None,
+            override="--no-verify-fingerprint")
+        if mismatch is not None:
+            yield mismatch
     for item in plan["tensors"]:
         target, dtype, shape = item["target"], item["dtype"], tuple(item["shape"])
         if target not in checkpoint:
