@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -13,7 +14,15 @@ from typing import TYPE_CHECKING
 from partc.bind import BoundArchitecture, bind_family
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
 from partc.family import FamilyDecl, build_family
-from partc.load import RawDocument, load_document, load_json, read_text
+from partc.load import (
+    MAX_CONFIG_BYTES,
+    RawDocument,
+    decode_text,
+    load_document,
+    parse_json,
+    read_bytes,
+    read_text,
+)
 from partc.plan import PipelineActivationDtype, Plan, Topology, realize_plan
 from partc.schema import validate_document
 
@@ -49,27 +58,58 @@ def builtin_families() -> dict[str, str]:
     return found
 
 
-def read_family_source(spec: str | Path) -> tuple[str, str]:
-    """(display name, text) of a family given as a file path or a built-in model type."""
+FAMILY_SUFFIXES = (".yaml", ".yml", ".toml")
+"""Suffixes that make a family spec a file path."""
+
+
+def family_spec_is_file(spec: str | Path) -> bool:
+    """Whether an explicit family spec names a file rather than a built-in family.
+
+    The rule: a `Path`, a spec ending in .yaml/.yml/.toml, one holding a path separator, or
+    the name of an existing regular file is a file; anything else (even when a folder of that
+    name exists in the working directory) names a built-in family.
+    """
+    if isinstance(spec, Path):
+        return True
+    separators = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    return (spec.lower().endswith(FAMILY_SUFFIXES) or any(s in spec for s in separators)
+            or Path(spec).is_file())
+
+
+def read_family_source(spec: str | Path, *, builtin: bool = False) -> tuple[str, str]:
+    """(display name, text) of a family given as a file path or a built-in model type.
+
+    With `builtin` (the family comes from a config's `model_type`) it is always the built-in
+    one; otherwise `family_spec_is_file` decides.
+    """
     if "\0" in str(spec):
         raise LoadError("a family path cannot contain a NUL character",
                         location=SourceLocation(repr(str(spec))))
-    path = Path(spec)
-    if path.suffix.lower() in (".yaml", ".yml", ".toml") or path.exists():
-        return str(spec), read_text(path, "family file")  # bounded size, UTF-8, located errors
     families = builtin_families()
+    if not builtin and family_spec_is_file(spec):
+        path = Path(spec)
+        if path.is_dir():
+            raise LoadError(
+                f"family {str(spec)!r} is a folder; expected a family file (.yaml, .yml or "
+                f".toml) or a built-in family name ({', '.join(sorted(families))})",
+                location=SourceLocation(str(spec)))
+        return str(spec), read_text(path, "family file")  # bounded size, UTF-8, located errors
     name = families.get(str(spec))
     if name is None:
-        raise LoadError(f"no family file {spec!r} and no built-in family for model type "
-                        f"{spec!r}; built-in: {', '.join(sorted(families))}",
+        raise LoadError(f"no built-in family for model type {str(spec)!r} (a family file needs "
+                        f"a .yaml, .yml or .toml suffix or a path with a `/`); built-in: "
+                        f"{', '.join(sorted(families))}",
                         location=SourceLocation(str(spec)))
     text = resources.files("partc.architectures").joinpath(name).read_text(encoding="utf-8")
     return BUILTIN_PREFIX + name, text
 
 
-def load_family(spec: str | Path) -> tuple[FamilyDecl, str]:
-    """Load, schema-check and build a family; returns it with the sha256 of its text."""
-    label, text = read_family_source(spec)
+def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl, str]:
+    """Load, schema-check and build a family; returns it with the sha256 of its text.
+
+    `builtin`: `spec` is a model type naming a built-in family, never a file.
+    """
+    label, text = read_family_source(spec, builtin=builtin)
     document = load_document(label, text=text)
     _raise_all(validate_document(document))
     family, errors = build_family(document)
@@ -107,13 +147,16 @@ def bind(family: str | Path | None, config: str | Path, checkpoint: Checkpoint |
 
     With `checkpoint`, config fields that probe the checkpoint (`present`) see its tensor names.
     """
-    config_doc = load_json(config, "config.json")
+    raw = read_bytes(config, "config.json", MAX_CONFIG_BYTES)  # read once: parsed and hashed
+    config_doc = parse_json(str(config), decode_text(raw, str(config), "config.json"),
+                            "config.json")
     spec = family if family is not None else family_for_config(config_doc)
-    decl, family_hash = load_family(spec)
+    decl, family_hash = load_family(spec, builtin=family is None)
     bound = bind_family(decl, config_doc,
                         None if checkpoint is None else frozenset(checkpoint.names))
-    config_hash = hashlib.sha256(Path(config).read_bytes()).hexdigest()
-    label = Path(str(spec)).name if Path(str(spec)).suffix else f"{decl.name} (built-in)"
+    config_hash = hashlib.sha256(raw).hexdigest()
+    is_file = family is not None and family_spec_is_file(family)
+    label = Path(str(spec)).name if is_file else f"{decl.name} (built-in)"
     sources = tuple(sorted([(label, family_hash), (Path(config).name, config_hash)]))
     return bound, decl, sources
 

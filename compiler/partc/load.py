@@ -13,7 +13,9 @@ positions, a small scanner of the (already valid) text recovers them.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -110,22 +112,59 @@ class RawDocument:
 
 def read_text(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) -> str:
     """The UTF-8 text of a file of at most `limit` bytes; LoadError naming `label` otherwise."""
+    return decode_text(read_bytes(path, label, limit), str(path), label)
+
+
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def read_bytes(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; LoadError naming `label` otherwise.
+
+    The file type and size are checked before anything is read, so a FIFO, a device or a huge
+    file is refused without blocking or reading it; every OSError and a MemoryError become a
+    LoadError at the path.
+    """
     path = Path(path)
     where = SourceLocation(str(path))
     if "\0" in str(path):
         raise LoadError(f"cannot read {label}: the path contains a NUL character",
                         location=SourceLocation(repr(str(path))))
+
+    def refuse(mode: int) -> LoadError:
+        return LoadError(f"cannot read {label}: {path} is {_file_kind(mode)}, expected a regular "
+                         "file", location=where)
+
     try:
-        if path.is_dir():
-            raise LoadError(f"cannot read {label}: {path} is a folder, expected a file",
-                            location=where)
-        with open(path, "rb") as handle:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise refuse(info.st_mode)
+        if info.st_size > limit:
+            raise LoadError(f"{label} is {info.st_size} bytes, larger than the limit of {limit} "
+                            "bytes", location=where)
+        # O_NONBLOCK: should the path turn into a FIFO after the check, opening it does not wait
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(descriptor, "rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise refuse(mode)
             raw = handle.read(limit + 1)
     except OSError as exc:
         raise LoadError(f"cannot read {label}: {exc.strerror or exc}", location=where) from None
+    except MemoryError:
+        raise LoadError(f"cannot read {label}: out of memory", location=where) from None
     if len(raw) > limit:
         raise LoadError(f"{label} is larger than the limit of {limit} bytes", location=where)
-    return decode_text(raw, str(path), label)
+    return raw
 
 
 def decode_text(raw: bytes, file: str, label: str) -> str:
@@ -158,9 +197,13 @@ def load_document(path: str | Path, *, text: str | None = None) -> RawDocument:
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise LoadError("family file contains a NUL character; expected text",
                         location=SourceLocation(str(path), line, 1))
-    if suffix == ".toml":
-        return _load_toml(str(path), text)
-    return _load_yaml(str(path), text)
+    try:
+        if suffix == ".toml":
+            return _load_toml(str(path), text)
+        return _load_yaml(str(path), text)
+    except MemoryError:
+        raise LoadError("family file: out of memory while parsing it",
+                        location=SourceLocation(str(path))) from None
 
 
 # ---------------------------------------------------------------- YAML
@@ -583,6 +626,9 @@ def parse_json(file: str, text: str, label: str = "config") -> RawDocument:
 
     try:
         data = json.loads(text, object_pairs_hook=pairs, parse_constant=_reject_constant)
+    except MemoryError:
+        raise LoadError(f"{label}: out of memory while parsing it",
+                        location=SourceLocation(file)) from None
     except json.JSONDecodeError as exc:
         raise LoadError(f"malformed JSON in {label}: {exc.msg}",
                         location=SourceLocation(file, exc.lineno, exc.colno)) from None
