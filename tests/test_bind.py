@@ -116,7 +116,7 @@ def test_absurd_unit_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch
     config = {**CONFIG, "num_layers": 10**9}
     assert bind_errors(tmp_path, monkeypatch, config=config) == [
         "family.yaml:8:29: execution group `decoder` has 1000000000 units; partc accepts at most "
-        "65536 per group [at /graph/0/units]"]
+        "4096 per group [at /graph/0/units]"]
 
 
 def test_absurd_loop_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch):
@@ -125,5 +125,5 @@ def test_absurd_loop_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch
                           ).replace('"layers.{unit}.mlp"', '"layers.{unit}.{expert}.mlp"').replace(
         '"model.layers.{unit}.', '"model.layers.{unit}.{expert}.')
     assert bind_errors(tmp_path, monkeypatch, family) == [
-        "family.yaml:21:19: the count of `expert` is 1600000; partc accepts at most 65536 "
+        "family.yaml:21:19: the count of `expert` is 1600000; partc accepts at most 4096 "
         "iterations [at /parameters/1/for/expert]"]

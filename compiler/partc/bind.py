@@ -74,10 +74,13 @@ class BoundArchitecture:
     """The linear format the config selected (None: every weight dense)."""
 
 
-MAX_UNITS = 65_536
-"""Most units one execution group, and most iterations one `for` variable, may have."""
-MAX_GROUP_INSTANCES = 500_000
-"""Most parameter-group instances a family may expand to (bounds time and memory)."""
+MAX_UNITS = 4096
+"""Most units one execution group, and most iterations one `for` variable, may have (32 times
+the deepest real decoder; a Llama of this many layers compiles in a few seconds, measured by
+benchmarks/limits.py)."""
+MAX_GROUP_INSTANCES = 65_536
+"""Most parameter-group instances a family may expand to (bounds time and memory: four times
+DeepSeek-V3's 15,214)."""
 
 
 class _Binder:
