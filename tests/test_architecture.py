@@ -19,6 +19,7 @@ STAGE_RANK = {
     "checkpoint": 2,
     "layout": 1,
     "schema": 3,
+    "hfconfig": 3,
     "parallel": 2,
     "formats": 3,
     "boundary": 2,

@@ -45,11 +45,11 @@ def test_the_mini_family_binds_to_its_config(tmp_path, monkeypatch):
      "config.json:2:16: config model_type is 'llama' but family `mini` describes 'mini' "
      "[at /model_type]"),
     ({**CONFIG, "vocab_size": -4},
-     "family.yaml:17:23: a shape dimension `vocab_size` must be >= 0, found -4 "
-     "[at /parameters/0/params/weight/0]"),
+     "config.json:5:16: config field `vocab_size` must be a positive integer of at most "
+     "2147483647, found -4 [at /vocab_size]"),
     ({**CONFIG, "hidden_size": 2**80},
-     "family.yaml:17:35: integer overflow: `hidden_size` = 1208925819614629174706176 exceeds "
-     "2**63 [at /parameters/0/params/weight/1]"),
+     "config.json:3:17: config field `hidden_size` must be a positive integer of at most "
+     "2147483647, found 1208925819614629174706176 [at /hidden_size]"),
 ])
 def test_a_config_mistake_names_the_config_line_or_the_expression_that_fails(
         tmp_path, monkeypatch, config, expected):

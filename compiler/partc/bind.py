@@ -12,9 +12,10 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import ExpressionError, PartcError, SemanticError
+from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
 from partc.expr import Expression, Template, format_value
 from partc.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
+from partc.hfconfig import config_errors, read_fields
 from partc.load import join_pointer
 from partc.parallel import (
     DTYPE_BITS,
@@ -213,6 +214,10 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
     A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
     without checkpoint names it takes its default.
     """
+    meaning = list(config_errors(config, read_fields(config.data, (
+        f.sources for f in family.config if f.present is None))))
+    if meaning:
+        raise meaning[0] if len(meaning) == 1 else PartcErrors(meaning)
     binder = _Binder(family, config)
     values: dict[str, Value] = {"model_type": config.data.get("model_type")}
     pending = []
@@ -743,12 +748,34 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     statics = tuple(StaticRoleSpec(name=n, side=s) for n, s in family.static_roles)
     description = _located(family, lambda: ArchitectureParameterDescription(
         graph=graph, static_roles=statics, groups=tuple(owned)), "/parameters")
+    for spec in owned:  # every later stage computes byte counts with 64-bit integers
+        for member in spec.group.members:
+            _check_bytes(binder, member, pointers[spec.group.name])
     boundary = _located(family, lambda: _boundary(binder, values), "/boundary")
     return BoundArchitecture(
         family=family.name, model_type=str(model_type),
         config_values=tuple(sorted(values.items())), description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
         linear_format=linear_format)
+
+
+MAX_TENSOR_BYTES = 2**40
+"""Largest byte count of one tensor (1 TiB; DeepSeek-V3's largest is 1.85 GB)."""
+
+
+def _check_bytes(binder: _Binder, member: ParameterMemberSpec, pointer: str) -> None:
+    """Refuse a tensor whose byte count is beyond MAX_TENSOR_BYTES (and so beyond 2**63)."""
+    elements = 1
+    for dim in member.shape:
+        elements *= dim
+    size = -(-elements * DTYPE_BITS[member.dtype] // 8)
+    if size > MAX_TENSOR_BYTES:
+        error = binder.fail(f"tensor `{member.target}` of shape {list(member.shape)} "
+                            f"({member.dtype}) holds {size} bytes; partc accepts at most "
+                            f"{MAX_TENSOR_BYTES} bytes per tensor (check the sizes in "
+                            f"{binder.config.file})", pointer)
+        error.tensor = member.target
+        raise error
 
 
 def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:

@@ -140,16 +140,17 @@ def read_bytes(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) ->
                         location=SourceLocation(repr(str(path))))
 
     def refuse(mode: int) -> LoadError:
-        return LoadError(f"cannot read {label}: {path} is {_file_kind(mode)}, expected a regular "
-                         "file", location=where)
+        expected = "a file" if stat.S_ISDIR(mode) else "a regular file"
+        return LoadError(f"cannot read {label}: {path} is {_file_kind(mode)}, expected {expected}",
+                         location=where)
 
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
             raise refuse(info.st_mode)
         if info.st_size > limit:
-            raise LoadError(f"{label} is {info.st_size} bytes, larger than the limit of {limit} "
-                            "bytes", location=where)
+            raise LoadError(f"{label} is larger than the limit of {limit} bytes",
+                            location=where)
         # O_NONBLOCK: should the path turn into a FIFO after the check, opening it does not wait
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
                              | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
