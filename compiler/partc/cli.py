@@ -31,6 +31,11 @@ def _stage_units(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated unit counts such as 3,5,4, found {text!r}") from None
+    if any(v < 1 for v in values):
+        bad = next(v for v in values if v < 1)
+        raise argparse.ArgumentTypeError(
+            f"every pipeline stage needs at least one unit: expected positive counts such as "
+            f"3,5,4, found {bad} in {text!r}")
     return values
 
 
@@ -52,13 +57,22 @@ def _positive(text: str) -> int:
     return value
 
 
+FAMILY_HELP = ("family file or built-in family name (default: the built-in family of the "
+               "config's model_type). A name ending in .yaml, .yml or .toml, holding a `/`, or "
+               "naming an existing file is a file; anything else is a built-in name, even when a "
+               "folder of that name exists here")
+"""How the family argument is read (api.family_spec_is_file)."""
+
+
 def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--tp", type=_positive, default=None if not required else 1,
                         help="tensor-parallel size T (default 1)")
-    parser.add_argument("--pp", type=_positive, default=None if not required else 1,
-                        help="pipeline-parallel size S (default 1)")
+    parser.add_argument("--pp", type=_positive, default=None,
+                        help="pipeline-parallel size S (default 1, or the number of "
+                             "--pp-layers counts)")
     parser.add_argument("--pp-layers", type=_stage_units, default=None,
-                        help="explicit units per pipeline stage, e.g. 3,5,4")
+                        help="explicit units per pipeline stage, e.g. 3,5,4 (one count per "
+                             "stage, summing to the model's units)")
     parser.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="what to do with shards illegal for the topology (default: the "
                              "family's, else require)")
@@ -71,9 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     compile_ = commands.add_parser("compile", help="write plan.json and the rank loader package")
-    compile_.add_argument("family", nargs="?", default=None,
-                          help="family file (.yaml/.toml) or built-in model type (default: from "
-                               "the config's model_type)")
+    compile_.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     compile_.add_argument("--config", required=True, help="the model's config.json")
     _add_topology(compile_, required=True)
     compile_.add_argument("--activation-dtype", default="bfloat16",
@@ -85,8 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("--format", choices=["text", "json"], default="text")
 
     check = commands.add_parser("check", help="validate without writing anything")
-    check.add_argument("family", nargs="?", default=None,
-                       help="family file or built-in model type")
+    check.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     check.add_argument("--config", default=None, help="a config.json to bind to")
     check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
     _add_topology(check, required=False)
@@ -273,6 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     fmt = getattr(args, "format", "text")
+    layers = getattr(args, "pp_layers", None)
+    if layers and args.pp is None:
+        args.pp = len(layers)
+    elif layers and args.pp != len(layers):
+        parser.error(f"--pp-layers gives {len(layers)} stage sizes "
+                     f"({','.join(map(str, layers))}) but --pp is {args.pp}; expected one unit "
+                     "count per pipeline stage")
+    if args.command == "compile" and args.pp is None:
+        args.pp = 1
     if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE:
         parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
                      f"{MAX_WORLD_SIZE} ranks")

@@ -327,6 +327,11 @@ class _YamlBuilder:
             if self.documents > 1:
                 raise self.fail(event.start_mark, "expected a single YAML document, found a "
                                 "second one (`---`); put everything in one document")
+            version = getattr(event, "version", None)
+            if version is not None and tuple(version) != (1, 2):
+                raise self.fail(event.start_mark, f"partc reads YAML 1.2 only, found a "
+                                f"`%YAML {'.'.join(map(str, version))}` directive; write "
+                                "`%YAML 1.2` or no directive")
             return
         if isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
             self._close(event)

@@ -710,6 +710,11 @@ def pipeline_stage_ranges(total_units: int, stages: int,
             ranges.append((start, start + count))
             start += count
         return tuple(ranges)
+    if total_units == 0:
+        raise _partition_error(
+            kinds.INVALID_STAGES,
+            f"the model has no execution units to split over {stages} pipeline stage(s): "
+            "expected at least one unit (check the `units` of the family's execution groups)")
     if stages > total_units:
         raise _partition_error(
             kinds.INVALID_STAGES,
