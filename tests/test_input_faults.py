@@ -1,0 +1,234 @@
+"""Family and config inputs that are not what they seem: lookup shadowing, YAML directives,
+unreadable paths (folders, FIFOs, missing or forbidden files), memory and size limits, and the
+largest unit count partc accepts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+
+import pytest
+from support import HF
+
+from partc.api import check_family, compile_family, family_spec_is_file, read_family_source
+from partc.bind import MAX_UNITS
+from partc.cli import main
+from partc.errors import LoadError
+from partc.load import MAX_CONFIG_BYTES, MAX_DOCUMENT_BYTES, load_document, load_json
+
+
+def run(*argv: str) -> tuple[int, str]:
+    """Exit status and stderr of the command line run in-process."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = main(list(argv))
+    return status, err.getvalue()
+
+
+@pytest.fixture
+def shadowed(tmp_path, monkeypatch):
+    """A working folder holding a `llama/` checkpoint folder and a `llama.yaml` folder."""
+    (tmp_path / "llama").mkdir()
+    for item in (HF / "llama").iterdir():
+        if item.is_file():
+            shutil.copy(item, tmp_path / "llama" / item.name)
+    (tmp_path / "llama.yaml").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_folder_named_like_the_family_does_not_shadow_the_config_s_built_in(shadowed):
+    assert run("check", "--config", "llama/config.json", "--checkpoint", "llama") == (
+        0, "")
+    assert check_family(None, "llama/config.json", "llama") == []
+
+
+def test_an_explicit_built_in_name_is_not_shadowed_by_a_folder_of_that_name(shadowed):
+    assert check_family("llama", "llama/config.json") == []
+    assert not family_spec_is_file("llama")
+
+
+def test_a_folder_given_as_a_family_file_is_refused_with_a_clear_message(shadowed):
+    for spec in ("llama/", "llama.yaml", "./llama"):
+        assert family_spec_is_file(spec)
+        with pytest.raises(LoadError) as caught:
+            read_family_source(spec)
+        assert str(caught.value).startswith(
+            f"{spec}: family {spec!r} is a folder; expected a family file (.yaml, .yml or .toml) "
+            "or a built-in family name (deepseek_v3, ")
+
+
+def test_an_existing_file_without_a_family_suffix_is_read_as_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").write_text("family: x\n")
+    assert family_spec_is_file("llama")
+    with pytest.raises(LoadError) as caught:
+        load_document("llama", text="family: x\n")
+    assert str(caught.value) == ("llama: unknown family file type '(no suffix)': expected "
+                                 ".yaml, .yml or .toml")
+    status, err = run("check", "llama")
+    assert status == 1 and "llama: unknown family file type '(no suffix)'" in err
+
+
+def test_an_unknown_name_explains_how_a_file_is_recognised():
+    with pytest.raises(LoadError) as caught:
+        read_family_source("nosuchmodel")
+    assert str(caught.value).startswith(
+        "nosuchmodel: no built-in family for model type 'nosuchmodel' (a family file needs a "
+        ".yaml, .yml or .toml suffix or a path with a `/`); built-in: deepseek_v3, ")
+
+
+@pytest.mark.parametrize("directive", ["%YAML 1.1", "%YAML 1.0"])
+def test_a_yaml_directive_other_than_1_2_is_refused_at_its_line(directive):
+    text = f"# a family\n{directive}\n---\nfamily: x\n"
+    with pytest.raises(LoadError) as caught:
+        load_document("family.yaml", text=text)
+    assert str(caught.value) == (
+        f"family.yaml:2:1: partc reads YAML 1.2 only, found a `{directive}` directive; write "
+        "`%YAML 1.2` or no directive")
+
+
+def test_a_yaml_1_2_directive_is_accepted():
+    assert load_document("family.yaml", text="%YAML 1.2\n---\nfamily: x\n").data == {
+        "family": "x"}
+
+
+def test_a_fifo_given_as_config_or_family_is_refused_without_blocking(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("config.json")
+    os.mkfifo("family.yaml")
+    with pytest.raises(LoadError) as caught:
+        load_json("config.json", "config.json")
+    assert str(caught.value) == ("config.json: cannot read config.json: config.json is a FIFO "
+                                 "(named pipe), expected a regular file")
+    status, err = run("check", "family.yaml")
+    assert (status, err.splitlines()[0]) == (1, (
+        "error: family.yaml: cannot read family file: family.yaml is a FIFO (named pipe), "
+        "expected a regular file"))
+
+
+def test_a_folder_given_as_config_is_refused(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(LoadError) as caught:
+        load_json(tmp_path / "config.json", "config.json")
+    assert str(caught.value) == (f"{tmp_path / 'config.json'}: cannot read config.json: "
+                                 f"{tmp_path / 'config.json'} is a folder, expected a file")
+
+
+def test_a_missing_config_names_its_path(tmp_path):
+    status, err = run("compile", "--config", str(tmp_path / "none.json"), "--out",
+                      str(tmp_path / "build"))
+    assert (status, err.splitlines()[0]) == (1, (
+        f"error: {tmp_path / 'none.json'}: cannot read config.json: No such file or directory"))
+
+
+@pytest.mark.parametrize(("error", "words"), [
+    (PermissionError(13, "Permission denied"), "Permission denied"),
+    (IsADirectoryError(21, "Is a directory"), "Is a directory"),
+    (FileNotFoundError(2, "No such file or directory"), "No such file or directory"),
+])
+def test_an_os_error_while_opening_a_family_or_config_is_a_located_load_error(
+        tmp_path, monkeypatch, error, words):
+    # the tests run as root, who may read anything: simulate the refusal at the open
+    config = tmp_path / "config.json"
+    shutil.copy(HF / "llama" / "config.json", config)
+
+    def refuse(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(LoadError) as caught:
+        load_json(config, "config.json")
+    assert str(caught.value) == f"{config}: cannot read config.json: {words}"
+    status, err = run("check", "--config", str(config))
+    assert status == 1
+    assert err.splitlines()[0] == f"error: {config}: cannot read config.json: {words}"
+    assert "Traceback" not in err and "internal error" not in err
+
+
+def test_a_memory_error_while_parsing_is_a_located_load_error(tmp_path, monkeypatch):
+    config = tmp_path / "config.json"
+    shutil.copy(HF / "llama" / "config.json", config)
+    real_loads = json.loads
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+    monkeypatch.setattr(json, "loads", exhausted)
+    with pytest.raises(LoadError) as caught:
+        load_json(config, "config.json")
+    assert str(caught.value) == f"{config}: config.json: out of memory while parsing it"
+    monkeypatch.setattr(json, "loads", real_loads)
+
+
+def test_a_memory_error_while_reading_a_family_file_is_a_located_load_error(tmp_path,
+                                                                            monkeypatch):
+    family = tmp_path / "family.yaml"
+    family.write_text("family: x\n")
+    real_fdopen = os.fdopen
+
+    class Exhausted:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def fileno(self):
+            return self.handle.fileno()
+
+        def read(self, size):
+            raise MemoryError
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Exhausted(real_fdopen(fd, mode)))
+    with pytest.raises(LoadError) as caught:
+        load_document(family)
+    assert str(caught.value) == f"{family}: cannot read family file: out of memory"
+
+
+@pytest.mark.parametrize(("name", "limit", "label"), [
+    ("config.json", MAX_CONFIG_BYTES, "config.json"),
+    ("family.yaml", MAX_DOCUMENT_BYTES, "family file"),
+])
+def test_an_oversized_sparse_file_is_refused_before_it_is_read(tmp_path, monkeypatch, name,
+                                                               limit, label):
+    path = tmp_path / name
+    with open(path, "wb") as handle:
+        handle.truncate(limit + 1)  # sparse: nothing is written, and nothing may be read
+
+    def never(*args, **kwargs):
+        raise AssertionError("the file was opened")
+    monkeypatch.setattr(os, "open", never)
+    with pytest.raises(LoadError) as caught:
+        load_json(path, label) if name.endswith(".json") else load_document(path)
+    assert str(caught.value) == f"{path}: {label} is larger than the limit of {limit} bytes"
+
+
+def test_a_file_at_the_size_limit_is_read(tmp_path):
+    path = tmp_path / "config.json"
+    body = '{"model_type": "llama", "pad": "'
+    path.write_text(body + "x" * (MAX_CONFIG_BYTES - len(body) - 2) + '"}')
+    assert path.stat().st_size == MAX_CONFIG_BYTES
+    assert load_json(path, "config.json").data["model_type"] == "llama"
+
+
+def test_the_largest_unit_count_compiles(tmp_path):
+    # the documented maximum (benchmarks/limits.py times it: about 2 s from the command line)
+    config = json.loads((HF / "llama" / "config.json").read_text())
+    config["num_hidden_layers"] = MAX_UNITS
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = compile_family(None, tmp_path / "config.json", tensor_parallel_size=2,
+                            pipeline_parallel_size=2)
+    assert [g.unit_range for r in result.plan.ranks for g in r.partition.groups] == [
+        (0, MAX_UNITS // 2)] * 2 + [(MAX_UNITS // 2, MAX_UNITS)] * 2
+    config["num_hidden_layers"] = MAX_UNITS + 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception) as caught:
+        compile_family(None, tmp_path / "config.json")
+    assert str(caught.value) == (
+        f"architectures/llama.yaml:25:29: execution group `decoder` has {MAX_UNITS + 1} units; "
+        f"partc accepts at most {MAX_UNITS} per group [at /graph/0/units]")
