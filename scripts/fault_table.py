@@ -141,6 +141,23 @@ def _family_file(content: bytes | None, name: str = "family.yaml"
     return setup
 
 
+def _fifo(name: str) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        os.mkfifo(scratch / name)
+        if name.endswith(".json"):
+            return ["compile", "llama", "--config", name, "--out", "build"]
+        return ["check", name]
+    return setup
+
+
+def _sparse(name: str, size: int) -> Callable[[Path], list[str]]:
+    def setup(scratch: Path) -> list[str]:
+        with open(scratch / name, "wb") as handle:
+            handle.truncate(size)
+        return ["check", name]
+    return setup
+
+
 def _family_folder(scratch: Path) -> list[str]:
     (scratch / "family.yaml").mkdir()
     return ["check", "family.yaml"]
@@ -336,6 +353,11 @@ def _faults() -> Iterator[Fault]:
          _family_file(b"description: " + b"x" * (1024 * 1024) + b"\n")),
         ("unknown_suffix", "family.json", _family_file(b"{}", "family.json")),
         ("unknown_builtin", "`partc check nosuchmodel`", lambda scratch: ["check", "nosuchmodel"]),
+        ("yaml_1_1_directive", "a `%YAML 1.1` directive",
+         _family_file(b"%YAML 1.1\n---\nfamily: x\n")),
+        ("is_a_fifo", "the family file is a FIFO (must not block)", _fifo("family.yaml")),
+        ("oversized_sparse", "a 2 GiB sparse family file (refused before reading)",
+         _sparse("family.yaml", 2**31)),
         ("toml_number_too_long", "a 5000-digit integer in TOML",
          _family_file(b"family = " + b"9" * 5000 + b"\n", "family.toml")),
     ]
@@ -355,6 +377,18 @@ def _faults() -> Iterator[Fault]:
         ("number_too_long", "a 5000-digit integer",
          _config('{"model_type": "llama", "x": ' + "9" * 5000 + "}")),
         ("too_large", "over the 16 MiB limit", _too_large),
+        ("is_a_fifo", "config.json is a FIFO (must not block)", _fifo("config.json")),
+        ("dtype_a_number", "dtype: 32", _config(edit=lambda c: c.update(dtype=32))),
+        ("size_2_62", "hidden_size = 2**62", _config(edit=lambda c: c.update(hidden_size=2**62))),
+        ("tensor_bytes_overflow", "vocab_size and hidden_size 2**31-1: 2**64 bytes",
+         _config(edit=lambda c: c.update(vocab_size=2**31 - 1, hidden_size=2**31 - 1,
+                                         num_attention_heads=1, num_key_value_heads=1))),
+        ("more_kv_heads_than_heads", "num_key_value_heads 8 > num_attention_heads 4",
+         _config(edit=lambda c: c.update(num_key_value_heads=8))),
+        ("heads_not_divisible", "4 heads over 3 KV heads",
+         _config(edit=lambda c: c.update(num_key_value_heads=3))),
+        ("quantization_not_an_object", "quantization_config is a string",
+         _config(edit=lambda c: c.update(quantization_config="fp8"))),
         ("deep_nesting", "arrays nested 100 deep",
          _config('{"model_type": "llama", "x": ' + "[" * 100 + "]" * 100 + "}")),
         ("wrong_type", "num_hidden_layers is a string",
@@ -582,7 +616,7 @@ def passed(outcome: Outcome) -> bool:
 
 def _limits() -> list[str]:
     """The bounds partc enforces on its inputs, read from the code (so they cannot drift)."""
-    from partc import bind, checkpoint, cli, expr, load
+    from partc import bind, checkpoint, cli, expr, hfconfig, load
 
     rows = [
         ("family file size", f"{load.MAX_DOCUMENT_BYTES} bytes", "load.MAX_DOCUMENT_BYTES"),
@@ -597,6 +631,9 @@ def _limits() -> list[str]:
          "expr.MAX_TEXT_LENGTH"),
         ("expression nesting", str(expr.MAX_DEPTH), "expr.MAX_DEPTH"),
         ("expression integers", "magnitude below 2**63", "expr.INT_BOUND"),
+        ("bytes of one tensor", f"{bind.MAX_TENSOR_BYTES} bytes", "bind.MAX_TENSOR_BYTES"),
+        ("a size field of config.json (hidden_size, vocab_size, heads, experts, ...)",
+         str(hfconfig.MAX_CONFIG_DIMENSION), "hfconfig.MAX_CONFIG_DIMENSION"),
         ("units of one execution group, iterations of one `for`", str(bind.MAX_UNITS),
          "bind.MAX_UNITS"),
         ("parameter-group instances of a family", str(bind.MAX_GROUP_INSTANCES),

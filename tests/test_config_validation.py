@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import FIXTURES, HF, QUANTIZED
 
 from partc.api import check_family
 from partc.cli import main
+
+from support import FIXTURES, HF, QUANTIZED
 
 DTYPES = "bfloat16, float, float16, float32, float64, float8_e4m3fn, float8_e5m2, half"
 SIZE = "a positive integer of at most 2147483647"

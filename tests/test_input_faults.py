@@ -11,13 +11,14 @@ import os
 import shutil
 
 import pytest
-from support import HF
 
 from partc.api import check_family, compile_family, family_spec_is_file, read_family_source
 from partc.bind import MAX_UNITS
 from partc.cli import main
 from partc.errors import LoadError
 from partc.load import MAX_CONFIG_BYTES, MAX_DOCUMENT_BYTES, load_document, load_json
+
+from support import HF
 
 
 def run(*argv: str) -> tuple[int, str]:

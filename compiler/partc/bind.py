@@ -214,7 +214,7 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
     A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
     without checkpoint names it takes its default.
     """
-    meaning = list(config_errors(config, read_fields(config.data, (
+    meaning: list[PartcError] = list(config_errors(config, read_fields(config.data, (
         f.sources for f in family.config if f.present is None))))
     if meaning:
         raise meaning[0] if len(meaning) == 1 else PartcErrors(meaning)
