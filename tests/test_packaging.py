@@ -29,7 +29,7 @@ SDIST_PATHS = [
     "tests/cases/deepseek_v3", "tests/fixtures/hf/llama/model.safetensors",
     "tests/fixtures/quantized", "tests/fixtures/fullsize", "tests/executor/__init__.py",
     "tests/regenerate_cases.py", "scripts/fault_table.py", "benchmarks/load.py",
-    "docs/faults.md", "docs/families",
+    "docs/faults.md", "docs/families", "docs/architecture.md",
 ]
 
 
