@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_family import MINI
 
 from partc.api import check_family
 
-CONFIG = {"model_type": "mini", "hidden_size": 8, "num_layers": 2, "vocab_size": 16}
+from support.families import MINI, MINI_CONFIG
 
 
 def bind_errors(tmp_path, monkeypatch, family: str = MINI, config: object = None,
                 raw_config: str | None = None) -> list[str]:
     (tmp_path / "family.yaml").write_text(family)
     text = raw_config if raw_config is not None else json.dumps(
-        CONFIG if config is None else config, indent=1)
+        MINI_CONFIG if config is None else config, indent=1)
     (tmp_path / "config.json").write_text(text)
     monkeypatch.chdir(tmp_path)
     errors = check_family("family.yaml", "config.json")
@@ -32,22 +31,22 @@ def test_the_mini_family_binds_to_its_config(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("config", "expected"), [
-    ({**CONFIG, "hidden_size": "8"},
+    ({**MINI_CONFIG, "hidden_size": "8"},
      "config.json:3:17: config field `hidden_size` must be int, found str '8' (declared at "
      "family.yaml:4:16) [at /hidden_size]"),
-    ({**CONFIG, "hidden_size": True},
+    ({**MINI_CONFIG, "hidden_size": True},
      "config.json:3:17: config field `hidden_size` must be int, found bool True (declared at "
      "family.yaml:4:16) [at /hidden_size]"),
-    ({k: v for k, v in CONFIG.items() if k != "vocab_size"},
+    ({k: v for k, v in MINI_CONFIG.items() if k != "vocab_size"},
      "config.json:1:1: config.json has no `vocab_size`, which family `mini` requires (declared "
      "as int with no default) [at /vocab_size]"),
-    ({**CONFIG, "model_type": "llama"},
+    ({**MINI_CONFIG, "model_type": "llama"},
      "config.json:2:16: config model_type is 'llama' but family `mini` describes 'mini' "
      "[at /model_type]"),
-    ({**CONFIG, "vocab_size": -4},
+    ({**MINI_CONFIG, "vocab_size": -4},
      "config.json:5:16: config field `vocab_size` must be a positive integer of at most "
      "2147483647, found -4 [at /vocab_size]"),
-    ({**CONFIG, "hidden_size": 2**80},
+    ({**MINI_CONFIG, "hidden_size": 2**80},
      "config.json:3:17: config field `hidden_size` must be a positive integer of at most "
      "2147483647, found 1208925819614629174706176 [at /hidden_size]"),
 ])
@@ -113,7 +112,7 @@ def test_a_malformed_config_is_a_load_error_located_in_the_config(tmp_path, monk
 
 
 def test_absurd_unit_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch):
-    config = {**CONFIG, "num_layers": 10**9}
+    config = {**MINI_CONFIG, "num_layers": 10**9}
     assert bind_errors(tmp_path, monkeypatch, config=config) == [
         "family.yaml:8:29: execution group `decoder` has 1000000000 units; partc accepts at most "
         "4096 per group [at /graph/0/units]"]

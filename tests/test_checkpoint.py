@@ -34,9 +34,10 @@ from partc.checkpoint import (
 )
 from partc.errors import CheckpointError
 
+from support import FIXTURES, Recorder, bits
+
 np.float8_e4m3fn = ml_dtypes.float8_e4m3fn  # type: ignore[attr-defined]  # for load_file
 
-FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA = FIXTURES / "hf" / "llama" / "model.safetensors"
 LLAMA_SHARDED = FIXTURES / "hf" / "llama" / "sharded"
 FP8 = FIXTURES / "quantized" / "deepseek_v3_fp8" / "model.safetensors"
@@ -45,25 +46,11 @@ MXFP4 = FIXTURES / "quantized" / "gpt_oss_mxfp4" / "model.safetensors"
 DEEPSEEK_HEADER = FIXTURES / "fullsize" / "DeepSeek-V3" / "safetensors_header.json"
 
 
-class Recorder:
-    """Collects every (path, offset, length) run the reader reports."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[str, int, int]] = []
-
-    def record(self, path: str, offset: int, length: int) -> None:
-        self.runs.append((path, offset, length))
-
-
-def bits(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
 def assert_same(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None:
     assert got.shape == want.shape
     assert got.dtype == want.dtype
     assert got.flags.c_contiguous
-    np.testing.assert_array_equal(bits(got).reshape(-1), bits(want).reshape(-1))
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
 def expected(full: np.ndarray[Any, Any], sel: TensorSelection) -> np.ndarray[Any, Any]:

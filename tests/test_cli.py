@@ -6,9 +6,10 @@ import json
 import subprocess
 import sys
 
-from partc.cli import main
+from partc.cli import CONTEXT_WIDTH, main
 
-from support import hf
+from support import ROOT, hf
+from support.families import MINI, MINI_CONFIG, MINI_TOML
 
 CONFIG = str(hf("llama") / "config.json")
 
@@ -101,3 +102,110 @@ def test_demo_runs_from_a_subprocess_and_prints_every_rank(tmp_path):
     assert "embedded tiny Llama (3 layers) at TP=2 x PP=2" in done.stdout
     assert done.stdout.count("loaded ") == 4
     assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- the caret under a located error
+
+
+def caret_report(err: str, prefix: str) -> tuple[str, str]:
+    """The two lines after the one error line starting with `error: <prefix>`."""
+    lines = err.splitlines()
+    (index,) = [i for i, line in enumerate(lines) if line.startswith(f"error: {prefix}")]
+    return lines[index + 1], lines[index + 2]
+
+
+def test_a_yaml_error_shows_its_source_line_and_a_caret_under_the_column(tmp_path, capsys,
+                                                                         monkeypatch):
+    (tmp_path / "f.yaml").write_text(MINI.replace("    role: vocabulary", "    role: vocab", 1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.yaml"]) == 1
+    source, caret = caret_report(capsys.readouterr().err, "f.yaml:13:11: expected one of")
+    assert source == "        role: vocab"
+    assert caret == "    " + " " * 10 + "^"
+
+
+def test_a_toml_error_shows_its_source_line_and_a_caret_under_the_column(tmp_path, capsys,
+                                                                         monkeypatch):
+    text = MINI_TOML.replace('units = "hidden_size"', 'units = "hidden_size % 0 +"')
+    (tmp_path / "f.toml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.toml"]) == 1
+    err = capsys.readouterr().err
+    line = text.splitlines().index('units = "hidden_size % 0 +"') + 1
+    column = len('units = "hidden_size % 0 +') + 1  # the end of the expression, inside the string
+    source, caret = caret_report(err, f"f.toml:{line}:{column}: ")
+    assert source == '    units = "hidden_size % 0 +"'
+    assert caret == "    " + " " * (column - 1) + "^"
+
+
+def test_a_config_error_shows_the_config_json_line_and_a_caret(tmp_path, capsys, monkeypatch):
+    (tmp_path / "f.yaml").write_text(MINI)
+    (tmp_path / "config.json").write_text(json.dumps({**MINI_CONFIG, "hidden_size": "8"},
+                                                     indent=1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.yaml", "--config", "config.json"]) == 1
+    source, caret = caret_report(capsys.readouterr().err, "config.json:3:17: config field")
+    assert source == '     "hidden_size": "8",'
+    assert caret == "    " + " " * 16 + "^"
+
+
+def test_a_built_in_family_error_shows_the_line_of_the_shipped_file(tmp_path, capsys):
+    assert main(["check", "llama", "--config", CONFIG, "--tp", "4"]) == 1
+    err = capsys.readouterr().err
+    (first,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    where = first.removeprefix("error: architectures/llama.yaml:").split(": ")[0]
+    line, column = (int(n) for n in where.split(":"))
+    shipped = (ROOT / "architectures" / "llama.yaml").read_text().splitlines()[line - 1]
+    source, caret = caret_report(err, "architectures/llama.yaml:")
+    assert source == "    " + shipped and "layers.{unit}.attention" in shipped
+    assert caret == "    " + " " * (column - 1) + "^"
+
+
+def test_tabs_before_the_column_are_kept_so_the_caret_lines_up(tmp_path, capsys, monkeypatch):
+    (tmp_path / "f.toml").write_text('family = "x"\nmodel_types = [\t"x", 3]\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.toml"]) == 1
+    source, caret = caret_report(capsys.readouterr().err, "f.toml:2:22: ")
+    assert source == '    model_types = [\t"x", 3]'
+    assert caret == "    " + " " * 15 + "\t" + " " * 5 + "^"
+
+
+def test_a_long_line_is_cut_to_a_window_around_the_column(tmp_path, capsys, monkeypatch):
+    long = "x" * 200
+    (tmp_path / "f.yaml").write_text(MINI.replace(
+        'path: "model.layers.{unit}", state: true}',
+        f'path: "model.{long}.layers.{{unit}}", state: no}}  # {long}', 1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.yaml"]) == 1
+    source, caret = caret_report(capsys.readouterr().err, "f.yaml:8:")
+    assert source.startswith("    ...x") and source.endswith("x...")
+    assert len(source) == 4 + 3 + CONTEXT_WIDTH + 3
+    assert source[caret.index("^"):].startswith("no}  # x")
+
+
+def test_an_unreadable_source_prints_the_error_alone(tmp_path, capsys, monkeypatch):
+    from partc.cli import _report
+    from partc.errors import SchemaError, SourceLocation
+
+    monkeypatch.chdir(tmp_path)
+    errors = [SchemaError("gone", location=SourceLocation("deleted.yaml", 3, 2)),
+              SchemaError("past the end", location=SourceLocation("short.yaml", 9, 1)),
+              SchemaError("built in", location=SourceLocation("architectures/none.yaml", 1, 1))]
+    (tmp_path / "short.yaml").write_text("a: 1\n")
+    assert _report(errors, "text") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: architectures/none.yaml:1:1: built in",
+        "error: deleted.yaml:3:2: gone",
+        "error: short.yaml:9:1: past the end",
+        "partc: 3 error(s)",
+    ]
+
+
+def test_the_json_report_carries_no_source_lines(tmp_path, capsys, monkeypatch):
+    (tmp_path / "f.yaml").write_text(MINI.replace("    role: vocabulary", "    role: vocab", 1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.yaml", "--format", "json"]) == 1
+    captured = capsys.readouterr()
+    (error,) = json.loads(captured.out)["errors"]
+    assert (error["line"], error["column"]) == (13, 11) and captured.err == ""
+    assert "role: vocab" not in json.dumps(error)

@@ -28,10 +28,11 @@ from partc.plan import Topology
 from executor import load_safetensors
 from support import (
     FULLSIZE,
-    QUANTIZED,
     checkpoint_tensors,
     compile_and_load,
+    fixture_folder,
     hf,
+    policy_for,
     reassemble,
 )
 
@@ -63,20 +64,14 @@ QUANTIZED_FAMILIES = {
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 # More ranks than the tiny models' 2 KV heads (or than their block-aligned units).
 WIDE_TOPOLOGIES = [(4, 1), (4, 2)]
-# (fixture, T) pairs that are illegal under Require and run under ReplicateUnsupported. Every
-# fixture shards legally over 2 ranks. Over 4: 2 KV heads are too few (only DeepSeek-V3's MLA,
-# partitioned by its 4 heads, is legal), and DeepSeek's FP8 blocks of 16 rows leave 2 units of
-# 2 heads (24 q_b rows each).
+# (fixture, T) pairs that are illegal under Require and run under ReplicateUnsupported (why:
+# support.policy_for). Listed here on their own, so that the test below checks that table.
 NEEDS_REPLICATION_FALLBACK = {(name, 4) for name in [*FIXTURE_FAMILIES, *QUANTIZED_FAMILIES]
                               if name != "deepseek_v3"}
 
 
-def folder_of(name: str) -> Path:
-    return hf(name) if name in FIXTURE_FAMILIES else QUANTIZED / name
-
-
 def config_of(name: str) -> dict:
-    return json.loads((folder_of(name) / "config.json").read_text())
+    return json.loads((fixture_folder(name) / "config.json").read_text())
 
 
 def layers_of(name: str) -> int:
@@ -89,37 +84,13 @@ CASES = [(name, topology) for name in [*FIXTURE_FAMILIES, *QUANTIZED_FAMILIES]
 CASE_IDS = [f"{name}-tp{t}-pp{s}" for name, (t, s) in CASES]
 
 
-def policy_for(name: str, tp: int) -> ShardingPolicy:
-    if (name, tp) in NEEDS_REPLICATION_FALLBACK:
-        return ShardingPolicy.REPLICATE_UNSUPPORTED
-    return ShardingPolicy.REQUIRE
-
-
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """Every (fixture, T, S) compiled once with its built-in family and loaded on every rank."""
-    cache = {}
-
-    def get(name, tp, pp):
-        key = (name, tp, pp)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, states = compile_and_load(None, folder_of(name) / "config.json", out,
-                                            folder_of(name), tp=tp, pp=pp,
-                                            policy=policy_for(name, tp))
-            cache[key] = (plan, states)
-        return cache[key]
-
-    return get
-
-
 @pytest.fixture(scope="module")
 def checkpoints():
     cache = {}
 
     def get(name):
         if name not in cache:
-            cache[name] = load_safetensors(folder_of(name) / "model.safetensors")
+            cache[name] = load_safetensors(fixture_folder(name) / "model.safetensors")
         return cache[name]
 
     return get
@@ -174,7 +145,8 @@ def test_every_fixture_shards_legally_under_require_except_the_listed_fallbacks(
         for tp in (2, 4):
             if (name, tp) in NEEDS_REPLICATION_FALLBACK:
                 with pytest.raises(ParallelPlanError, match="cannot be sharded"):
-                    compile_family(None, folder_of(name) / "config.json", tensor_parallel_size=tp)
+                    compile_family(None, fixture_folder(name) / "config.json",
+                                   tensor_parallel_size=tp)
             else:  # the builds compile under Require
                 plan, states = builds(name, tp, 1)
                 assert plan.topology.policy is ShardingPolicy.REQUIRE
@@ -188,7 +160,7 @@ def test_every_fixture_shards_legally_under_require_except_the_listed_fallbacks(
 @pytest.mark.parametrize(("name", "topology"), CASES, ids=CASE_IDS)
 def test_check_family_passes_on_the_fixture_checkpoint(name, topology):
     tp, pp = topology
-    folder = folder_of(name)
+    folder = fixture_folder(name)
     errors = check_family(None, folder / "config.json", folder / "model.safetensors",
                           topology=Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                             policy=policy_for(name, tp)))
@@ -234,7 +206,7 @@ def test_tp_slices_of_every_stage_reassemble_every_checkpoint_tensor_exactly(
 def test_global_parameter_bytes_equal_the_checkpoint_payload(builds, name, topology):
     tp, pp = topology
     plan, states = builds(name, tp, pp)
-    payload = payload_bytes(folder_of(name) / "model.safetensors")
+    payload = payload_bytes(fixture_folder(name) / "model.safetensors")
     assert plan.global_parameter_bytes == payload
     for state in states:
         assert state.info.global_parameter_bytes == payload
@@ -268,8 +240,8 @@ def test_one_line_opts_a_family_into_kv_replication_and_every_kv_copy_is_exact(
         tmp_path, checkpoints, name):
     family = {**FIXTURE_FAMILIES, **QUANTIZED_FAMILIES}[name]
     path = opted_into_kv_replication(family, tmp_path)
-    plan, states = compile_and_load(path, folder_of(name) / "config.json", tmp_path / "b",
-                                    folder_of(name), tp=4)
+    plan, states = compile_and_load(path, fixture_folder(name) / "config.json", tmp_path / "b",
+                                    fixture_folder(name), tp=4)
     full = checkpoints(name)
     attention = [t for t in full if ".self_attn." in t and not t.endswith("norm.weight")]
     repeated = 0

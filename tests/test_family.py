@@ -6,35 +6,7 @@ import pytest
 
 from partc.api import check_family
 
-MINI = """\
-family: mini
-model_types: [mini]
-config:
-  hidden_size: int
-  num_layers: int
-  vocab_size: int
-graph:
-  - {group: decoder, units: num_layers, path: "model.layers.{unit}", state: true}
-static:
-  embedding: {stage: first}
-parameters:
-  - name: embedding
-    role: vocabulary
-    owner: {static: embedding}
-    module: model.embed_tokens
-    sharding: {balanced: 0}
-    params: {weight: [vocab_size, hidden_size]}
-  - name: "layers.{unit}.mlp"
-    role: feed_forward_intermediate
-    owner: {unit: decoder}
-    units: hidden_size
-    projections:
-      - {module: "model.layers.{unit}.up", sharding: column, params: {weight: [hidden_size, 8]}}
-      - {module: "model.layers.{unit}.down", sharding: row, params: {weight: [8, hidden_size]}}
-boundary:
-  identity: mini.hidden
-  primary: {role: hidden, shape: [batch, sequence, hidden_size], dtype: activation}
-"""
+from support.families import MINI, MINI_TOML
 
 
 def check(tmp_path, monkeypatch, text: str, name: str = "family.yaml") -> list[str]:
@@ -141,54 +113,6 @@ def test_toml_unknown_names_in_inline_tables_point_at_the_element(tmp_path, monk
         "vocab_size); declare it under `config` [at /parameters/1/projections/0/params/weight/0]"]
 
 
-MINI_TOML = """\
-family = "mini"
-model_types = ["mini"]
-
-[config]
-hidden_size = "int"
-num_layers = "int"
-vocab_size = "int"
-
-[[graph]]
-group = "decoder"
-units = "num_layers"
-path = "model.layers.{unit}"
-state = true
-
-[static]
-embedding = {stage = "first"}
-
-[[parameters]]
-name = "embedding"
-role = "vocabulary"
-owner = {static = "embedding"}
-module = "model.embed_tokens"
-sharding = {balanced = 0}
-
-[parameters.params]
-weight = ["vocab_size", "hidden_size"]
-
-[[parameters]]
-name = "layers.{unit}.mlp"
-role = "feed_forward_intermediate"
-owner = {unit = "decoder"}
-units = "hidden_size"
-
-[[parameters.projections]]
-module = "model.layers.{unit}.up"
-sharding = "column"
-params = {weight = ["hidden_size", 8]}
-
-[[parameters.projections]]
-module = "model.layers.{unit}.down"
-sharding = "row"
-params = {weight = [8, "hidden_size"]}
-
-[boundary]
-identity = "mini.hidden"
-primary = {role = "hidden", shape = ["batch", "sequence", "hidden_size"], dtype = "activation"}
-"""
 
 def test_the_toml_spelling_of_the_mini_family_checks_clean(tmp_path, monkeypatch):
     assert check(tmp_path, monkeypatch, MINI_TOML, "family.toml") == []

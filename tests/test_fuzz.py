@@ -32,7 +32,6 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from regenerate_cases import toml_spelling
-from test_family import MINI, MINI_TOML
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
 from partc.checkpoint import open_checkpoint
@@ -40,13 +39,13 @@ from partc.cli import main as cli_main
 from partc.errors import PartcError
 
 from support import ROOT, import_build
+from support.families import MINI, MINI_CONFIG, MINI_TOML
 
 BUDGET = int(os.environ.get("PARTC_FUZZ_EXAMPLES", "2000"))
 SHARES = {"yaml_text": 0.2, "yaml_tree": 0.15, "toml": 0.15, "config": 0.15,
           "header": 0.2, "cli": 0.15}
 OUTCOMES: dict[str, Counter[str]] = {target: Counter() for target in SHARES}
 LLAMA = ROOT / "tests" / "fixtures" / "hf" / "llama"
-MINI_CONFIG = {"model_type": "mini", "hidden_size": 8, "num_layers": 2, "vocab_size": 16}
 
 
 def fuzz_settings(target: str) -> settings:

@@ -19,32 +19,18 @@ from partc.checkpoint import DTYPES, CheckpointReader, TensorSelection, open_che
 from partc.errors import CheckpointError, PartcError
 from partc.runtime import progress_bar
 
-from support import QUANTIZED, compile_and_import, hf, reassemble
+from support import (
+    QUANTIZED,
+    Recorder,
+    assert_same_tensors,
+    compile_and_import,
+    hf,
+    reassemble,
+)
 
 LLAMA = hf("llama")
 LLAMA_SHARDED = hf("llama") / "sharded"
 PHI3 = hf("phi3")
-
-
-class Recorder:
-    """Every (path, offset, length) the reader reports."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[str, int, int]] = []
-
-    def record(self, path: str, offset: int, length: int) -> None:
-        self.runs.append((path, offset, length))
-
-
-def bits(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-
-
-def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert list(got) == list(want)
-    for name, array in got.items():
-        assert array.dtype == want[name].dtype and array.shape == want[name].shape, name
-        np.testing.assert_array_equal(bits(array), bits(want[name]), err_msg=name)
 
 
 def owned_byte_masks(state: Any, source: Path) -> dict[str, np.ndarray]:

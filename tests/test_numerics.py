@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partc.parallel import PlacementKind, ShardingPolicy
+from partc.parallel import PlacementKind
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
 from support import HF_MODELS, QUANTIZED, compile_and_load, hf
@@ -28,12 +28,6 @@ TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 # More ranks than the tiny models' 2 KV heads: attention (and block-misaligned groups) fall back
 # to replication under ReplicateUnsupported; the rest stays sharded (DeepSeek's 4 MLA heads too).
 WIDE_TOPOLOGIES = [(4, 1), (4, 2)]
-
-
-def policy_for(name: str, tp: int) -> ShardingPolicy:
-    if tp > 2 and name != "deepseek_v3":
-        return ShardingPolicy.REPLICATE_UNSUPPORTED
-    return ShardingPolicy.REQUIRE
 
 
 def config_of(name: str) -> dict:
@@ -71,16 +65,14 @@ def stage_layers(plan, stage: int) -> range:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(builds):
     """Every (fixture, T, S): compiled, loaded on every rank, executed through the pipeline."""
     cache = {}
 
     def get(name, tp, pp):
         key = (name, tp, pp)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, states = compile_and_load(None, hf(name) / "config.json", out, hf(name),
-                                            tp=tp, pp=pp, policy=policy_for(name, tp))
+            plan, states = builds(name, tp, pp)
             stages = [[rank_shard(s) for s in states[p * tp:(p + 1) * tp]] for p in range(pp)]
             layers = [stage_layers(plan, p) for p in range(pp)]
             with np.load(hf(name) / "reference.npz") as npz:
@@ -207,7 +199,7 @@ def dequantized_rank_shard(config: dict, state) -> RankShard:
 
 
 @pytest.fixture(scope="module")
-def quantized_runs(tmp_path_factory):
+def quantized_runs(builds):
     cache = {}
 
     def get(name, tp, pp):
@@ -215,9 +207,7 @@ def quantized_runs(tmp_path_factory):
         if key not in cache:
             folder = QUANTIZED / name
             config = json.loads((folder / "config.json").read_text())
-            out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, states = compile_and_load(None, folder / "config.json", out, folder, tp=tp,
-                                            pp=pp, policy=policy_for(name, tp))
+            plan, states = builds(name, tp, pp)
             stages = [[dequantized_rank_shard(config, s) for s in states[p * tp:(p + 1) * tp]]
                       for p in range(pp)]
             layers = [stage_layers(plan, p) for p in range(pp)]

@@ -46,7 +46,7 @@ from partc.parallel import (
 )
 from partc.plan import Topology
 
-from support import ROOT, hf
+from support import ROOT, hf, reassemble
 
 CASES = ROOT / "tests" / "cases"
 ROLE = ParameterRole.ATTENTION_HEADS
@@ -632,25 +632,12 @@ def _read(full: np.ndarray, selection) -> np.ndarray:
 
 def _reassemble_and_count(spec: ParameterMemberSpec, layouts):
     full = np.arange(int(np.prod(spec.shape)), dtype=np.int64).reshape(spec.shape)
-    whole = np.full(spec.shape, -1, dtype=np.int64)
-    count = np.zeros(spec.shape, dtype=np.int64)
+    pieces = []
     for item in layouts:
         local = _read(full, item.selection)
         assert local.shape == item.local_shape
-        axis, ranges = item.selection
-        if axis is None:
-            whole[...] = local
-            count += 1
-            continue
-        offset = 0
-        for a, b in ranges:
-            index = [slice(None)] * len(spec.shape)
-            index[axis] = slice(a, b)
-            source = [slice(None)] * len(spec.shape)
-            source[axis] = slice(offset, offset + b - a)
-            whole[tuple(index)] = local[tuple(source)]
-            count[tuple(index)] += 1
-            offset += b - a
+        pieces.append((local, *item.selection))
+    whole, count = reassemble(pieces, tuple(spec.shape), np.dtype(np.int64))
     return full, whole, count
 
 
@@ -709,7 +696,8 @@ def _check_realization(g: ParameterGroupSpec, tp: int) -> None:
     for index, spec in enumerate(g.members):
         layouts = [r[index] for r in ranks]
         full, whole, count = _reassemble_and_count(spec, layouts)
-        np.testing.assert_array_equal(whole, full)  # every element is loaded by some rank
+        assert (count >= 1).all(), spec.target  # every element is loaded by some rank
+        np.testing.assert_array_equal(whole, full)  # ... from its own place
         if spec.sharding.kind is MemberShardingKind.REPLICATED or tp == 1:
             assert (count == tp).all()
         elif any(t.kv_replicas > 1 for t in layouts):

@@ -21,24 +21,6 @@ TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 CASES = [("llama", t) for t in TOPOLOGIES] + [("llama_tied", t) for t in TOPOLOGIES + [(1, 4)]]
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """Every (fixture, T, S) of the issue compiled once and loaded on every rank."""
-    cache = {}
-
-    def get(name, tp, pp):
-        key = (name, tp, pp)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}") / "build"
-            plan, package = compile_and_import("llama", hf(name) / "config.json", out, tp=tp,
-                                               pp=pp)
-            states = [package.load(hf(name), rank=r) for r in range(tp * pp)]
-            cache[key] = (plan, states)
-        return cache[key]
-
-    return get
-
-
 @pytest.mark.parametrize(("name", "topology"), CASES)
 def test_tp_slices_of_every_stage_reassemble_every_checkpoint_tensor_exactly(builds, name,
                                                                               topology):

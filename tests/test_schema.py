@@ -8,27 +8,7 @@ from partc.errors import SchemaError
 from partc.load import load_document
 from partc.schema import validate_document
 
-MINI = """\
-family: mini
-model_types: [mini]
-config:
-  hidden_size: int
-  vocab_size: int
-graph:
-  - {group: decoder, units: 2, path: "layers.{unit}", state: true}
-static:
-  embedding: {stage: first}
-parameters:
-  - name: embedding
-    role: vocabulary
-    owner: {static: embedding}
-    module: embed
-    sharding: {balanced: 0}
-    params: {weight: [vocab_size, hidden_size]}
-boundary:
-  identity: mini.hidden
-  primary: {role: hidden, shape: [batch, sequence, hidden_size], dtype: activation}
-"""
+from support.families import MINI
 
 
 def errors(text: str, name: str = "f.yaml") -> list[str]:
@@ -50,7 +30,7 @@ def test_the_mini_family_is_schema_valid():
     ("model_types: [mini]", "model_types: []",
      "f.yaml:2:14: expected at least 1 item, found 0 [at /model_types]"),
     ("    role: vocabulary", "    role: vocab",
-     'f.yaml:12:11: expected one of "replicated", "column_projection", "row_projection", '
+     'f.yaml:13:11: expected one of "replicated", "column_projection", "row_projection", '
      '"vocabulary", "attention_heads", "feed_forward_intermediate", "expert_intermediate", '
      '"channels", "segmented", found "vocab"; did you mean "vocabulary"? [at /parameters/0/role]'),
     ("  hidden_size: int", "  hidden-size: int",
@@ -60,38 +40,39 @@ def test_the_mini_family_is_schema_valid():
      'f.yaml:4:16: expected one of "int", "bool", "str", "float", "int_list", "str_list", "any" '
      'or a mapping, found "integer"; did you mean "int"? [at /config/hidden_size]'),
     ("    sharding: {balanced: 0}", "    sharding: {balanced: x}",
-     'f.yaml:15:26: expected an integer, found "x" [at /parameters/0/sharding/balanced]'),
+     'f.yaml:16:26: expected an integer, found "x" [at /parameters/0/sharding/balanced]'),
     ("    sharding: {balanced: 0}", "    sharding: {balanced: 0o2}",
-     'f.yaml:15:26: expected an integer, found "0o2"; YAML 1.1 would read `0o2` as the octal '
+     'f.yaml:16:26: expected an integer, found "0o2"; YAML 1.1 would read `0o2` as the octal '
      "integer 2; partc reads YAML 1.2 and keeps it the string '0o2' (write 2) "
      "[at /parameters/0/sharding/balanced]"),
     ("    sharding: {balanced: 0}", "    sharding: {balance: 0}",
-     "f.yaml:15:15: expected a mapping with `equal`, a mapping with `balanced`, a mapping with "
+     "f.yaml:16:15: expected a mapping with `equal`, a mapping with `balanced`, a mapping with "
      "`partitioned`, a mapping with `partitioned_segments` or a mapping with `segmented`, found "
      '{"balance": 0}; unexpected key `balance`; did you mean `balanced`? '
      "[at /parameters/0/sharding]"),
     ("    sharding: {balanced: 0}", "    sharding: column",
-     'f.yaml:15:15: expected "replicated" or a mapping, found "column" '
+     'f.yaml:16:15: expected "replicated" or a mapping, found "column" '
      "[at /parameters/0/sharding]"),
     ("    owner: {static: embedding}", "    owner: {static: embedding, unit: decoder}",
-     "f.yaml:13:12: expected exactly one of `static`, `any_of`, `unit`, found `static`, `unit` "
+     "f.yaml:14:12: expected exactly one of `static`, `any_of`, `unit`, found `static`, `unit` "
      "[at /parameters/0/owner]"),
-    ("    module: embed\n",
-     "    module: embed\n    projections: [{module: m, sharding: row, params: {w: [1]}}]\n",
-     "f.yaml:11:5: expected exactly one of `members`, `module`, `projections`, `fused`, found "
+    ("    module: model.embed_tokens\n",
+     "    module: model.embed_tokens\n"
+     "    projections: [{module: m, sharding: row, params: {w: [1]}}]\n",
+     "f.yaml:12:5: expected exactly one of `members`, `module`, `projections`, `fused`, found "
      "`module`, `projections` [at /parameters/0]"),
-    ("    module: embed\n",
-     "    module: embed\n    fused: {module: f, segments: [1], params: {w: [1]}}\n",
-     "f.yaml:11:5: expected exactly one of `members`, `module`, `projections`, `fused`, found "
+    ("    module: model.embed_tokens\n",
+     "    module: model.embed_tokens\n    fused: {module: f, segments: [1], params: {w: [1]}}\n",
+     "f.yaml:12:5: expected exactly one of `members`, `module`, `projections`, `fused`, found "
      "`module`, `fused` [at /parameters/0]"),
     ("state: true}", "state: no}",
-     "f.yaml:7:62: expected a boolean, found \"no\"; YAML 1.1 would read `no` as false; partc "
+     "f.yaml:8:77: expected a boolean, found \"no\"; YAML 1.1 would read `no` as false; partc "
      "reads YAML 1.2 and keeps it the string 'no' (write false, or quote it) [at /graph/0/state]"),
     ("shape: [batch, sequence, hidden_size]", "shape: [batch, 0]",
-     "f.yaml:19:42: expected a number >= 1, found 0 [at /boundary/primary/shape/1]"),
+     "f.yaml:27:42: expected a number >= 1, found 0 [at /boundary/primary/shape/1]"),
     ("params: {weight: [vocab_size, hidden_size]}",
      "params: {weight: {shape: [vocab_size], extra: 1}}",
-     "f.yaml:16:51: unexpected key `extra` (allowed here: dtype, shape, when) "
+     "f.yaml:17:51: unexpected key `extra` (allowed here: dtype, shape, when) "
      "[at /parameters/0/params/weight/extra]"),
 ])
 def test_one_mistake_gives_one_message_stating_rule_and_value(old, new, expected):
@@ -100,7 +81,7 @@ def test_one_mistake_gives_one_message_stating_rule_and_value(old, new, expected
 
 def test_an_unknown_key_is_pointed_at_itself_with_a_suggestion():
     (message,) = edited("    role: vocabulary\n", "    role: vocabulary\n    shards: 2\n")
-    assert message.startswith("f.yaml:13:13: unexpected key `shards`; did you mean `sharding`? "
+    assert message.startswith("f.yaml:14:13: unexpected key `shards`; did you mean `sharding`? "
                               "(allowed here: ")
     assert message.endswith("[at /parameters/0/shards]")
 
@@ -138,7 +119,7 @@ def test_every_error_of_a_document_is_reported_sorted_by_position():
             .replace("role: vocabulary", "role: x")
             .replace("dtype: activation", "dtype: fp8"))
     lines = [line.split(": ")[0] for line in errors(text)]
-    assert lines == ["f.yaml:2:14", "f.yaml:12:11", "f.yaml:19:73"]
+    assert lines == ["f.yaml:2:14", "f.yaml:13:11", "f.yaml:27:73"]
 
 
 def test_a_key_too_long_for_an_identifier_is_explained_not_recursed_on():

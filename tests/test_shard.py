@@ -18,25 +18,10 @@ from partc.cli import main
 from partc.errors import CheckpointError, LoadError, PartcError
 from partc.shard import rank_file_name, shard_checkpoint
 
-from support import compile_and_import, hf
+from support import Recorder, assert_same_tensors, compile_and_import, hf
 
 LLAMA = hf("llama")
 PHI3 = hf("phi3")
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.runs: list[tuple[str, int, int]] = []
-
-    def record(self, path: str, offset: int, length: int) -> None:
-        self.runs.append((path, offset, length))
-
-
-def same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
-        np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +41,7 @@ def test_pre_sharded_loading_gives_the_same_tensors_as_direct_loading(
     for rank in range(plan.topology.world_size):
         direct = package.load(direct_source, rank=rank)
         pre = package.load(sharded, rank=rank)
-        same(pre.tensors, direct.tensors)
+        assert_same_tensors(pre.tensors, direct.tensors)
         assert pre.layout == direct.layout and pre.info == direct.info
 
 
@@ -65,7 +50,7 @@ def test_a_fused_family_shards_and_reloads_identically(tmp_path: Path) -> None:
                                        checkpoint=PHI3)
     shard_checkpoint(tmp_path / "b", PHI3, tmp_path / "s")
     for rank in range(2):
-        same(package.load(tmp_path / "s", rank=rank).tensors,
+        assert_same_tensors(package.load(tmp_path / "s", rank=rank).tensors,
              package.load(PHI3, rank=rank).tensors)
 
 

@@ -1,4 +1,4 @@
-"""House style that tools can check: ruff (including one-line docstrings, D1) over the code."""
+"""House style that tools can check: ruff (one-line docstrings, D1) and mypy --strict."""
 
 from __future__ import annotations
 
@@ -13,3 +13,10 @@ def test_ruff_finds_nothing_in_the_package_and_the_tests():
                            "tests", "benchmarks", "scripts"], cwd=ROOT, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_strict_finds_nothing_in_the_package():
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "compiler/partc"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("Success: no issues found")

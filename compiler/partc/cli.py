@@ -128,6 +128,59 @@ def _policy(value: str | None):  # type: ignore[no-untyped-def]
     return None if value is None else ShardingPolicy(value.replace("-", "_"))
 
 
+BUILTIN_FILES = "architectures/"
+"""How messages name a built-in family file (read from the package's resources)."""
+CONTEXT_WIDTH = 100
+"""Longest source line shown under an error; a longer one is cut around the column."""
+_MAX_SOURCE_BYTES = 64 << 20
+
+
+def _source_text(file: str) -> str | None:
+    """The text of a located file: on disk, else a built-in family; None when unreadable."""
+    try:
+        path = Path(file)
+        if path.is_file() and path.stat().st_size <= _MAX_SOURCE_BYTES:
+            return path.read_bytes().decode("utf-8", "replace")
+        if file.startswith(BUILTIN_FILES):
+            resource = resources.files("partc.architectures").joinpath(file[len(BUILTIN_FILES):])
+            return resource.read_bytes().decode("utf-8", "replace") if resource.is_file() else None
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _caret_context(error: PartcError) -> list[str]:
+    """The offending source line and a caret under its column, as lark shows them.
+
+    Nothing when the error has no line, or its file cannot be read. Tabs before the column are
+    kept so that the caret lines up; unprintable characters are shown as `?`.
+    """
+    where = error.location
+    if where is None or where.line <= 0 or not where.file:
+        return []
+    text = _source_text(where.file)
+    if text is None:
+        return []
+    lines = text.split("\n")  # the loaders count lines at "\n" (and "\r\n")
+    if where.line > len(lines):
+        return []
+    line = "".join(c if c.isprintable() or c == "\t" else "?" for c in lines[where.line - 1]
+                   .removesuffix("\r"))
+    column = min(max(where.column, 0), len(line) + 1)
+    start = 0
+    if len(line) > CONTEXT_WIDTH:  # a window around the column, cut marks on both sides
+        start = max(0, min(column - 1 - CONTEXT_WIDTH // 2, len(line) - CONTEXT_WIDTH))
+        cut = line[start:start + CONTEXT_WIDTH]
+        shown = ("..." if start else "") + cut + ("..." if start + CONTEXT_WIDTH < len(line)
+                                                   else "")
+    else:
+        shown = line
+    if column <= 0:
+        return [f"    {shown}"]
+    pad = "".join("\t" if c == "\t" else " " for c in line[start:column - 1])
+    return [f"    {shown}", f"    {'   ' if start else ''}{pad}^"]
+
+
 def _report(errors: Sequence[PartcError], fmt: str) -> int:
     ordered = sorted(errors, key=PartcError.sort_key)
     if fmt == "json":
@@ -135,6 +188,8 @@ def _report(errors: Sequence[PartcError], fmt: str) -> int:
     else:
         for error in ordered:
             print(f"error: {error}", file=sys.stderr)
+            for line in _caret_context(error):
+                print(line, file=sys.stderr)
         print(f"partc: {len(ordered)} error(s)", file=sys.stderr)
     return EXIT_ERRORS
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the test modules: fixture paths and compile-then-import of a build."""
+"""Helpers shared by the test modules: fixture paths, compile-then-import, byte comparisons."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from safetensors.numpy import load_file
 
 from partc.api import compile_family
 from partc.emit import package_name
+from partc.parallel import ShardingPolicy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 HF = FIXTURES / "hf"
 QUANTIZED = FIXTURES / "quantized"
@@ -30,6 +31,47 @@ HF_MODELS = [
 def hf(name: str) -> Path:
     """Folder of one tiny HF fixture."""
     return HF / name
+
+
+def fixture_folder(name: str) -> Path:
+    """Folder of one tiny fixture: `hf/<name>`, else `quantized/<name>`."""
+    return hf(name) if (HF / name).is_dir() else QUANTIZED / name
+
+
+def policy_for(name: str, tp: int) -> ShardingPolicy:
+    """The sharding policy a fixture needs at T: Require, except over more ranks than KV heads.
+
+    Every fixture shards legally over 2 ranks. Over 4: 2 KV heads are too few (only
+    DeepSeek-V3's MLA, partitioned by its 4 heads, is legal), and DeepSeek's FP8 blocks of 16
+    rows leave 2 units of 2 heads (24 q_b rows each).
+    """
+    if tp > 2 and name != "deepseek_v3":
+        return ShardingPolicy.REPLICATE_UNSUPPORTED
+    return ShardingPolicy.REQUIRE
+
+
+class Recorder:
+    """Collects every (path, offset, length) run a checkpoint reader reports."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, int, int]] = []
+
+    def record(self, path: str, offset: int, length: int) -> None:
+        """Record one read run."""
+        self.runs.append((path, offset, length))
+
+
+def bits(array: np.ndarray) -> np.ndarray:
+    """The bytes of an array, flat (so that NaN payloads and -0.0 compare exactly)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def assert_same_tensors(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """Assert two tensor maps hold the same names in order, dtypes, shapes and bytes."""
+    assert list(got) == list(want)
+    for name, array in got.items():
+        assert array.dtype == want[name].dtype and array.shape == want[name].shape, name
+        np.testing.assert_array_equal(bits(array), bits(want[name]), err_msg=name)
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, np.ndarray]:

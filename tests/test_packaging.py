@@ -1,0 +1,133 @@
+"""Packaging: the sdist carries its tests, the wheel is typed, a rank loads with the runtime only.
+
+The sdist is built once with setuptools' own backend, unpacked, and the wheel is built from
+the unpacked tree, so that the wheel test also proves the sdist is complete enough to build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from partc.api import compile_family
+from partc.emit import package_name
+
+from support import ROOT, checkpoint_tensors, hf
+
+BUILD = "from setuptools import build_meta; import sys; print(build_meta.{}(sys.argv[1]))"
+SDIST_PATHS = [
+    "LICENSE", "README.md", "pyproject.toml", "MANIFEST.in", "compiler/partc/py.typed",
+    "compiler/partc/templates", "schemas/plan.schema.json", "architectures/llama.yaml",
+    "tests/conftest.py", "tests/support/__init__.py", "tests/support/families.py",
+    "tests/cases/deepseek_v3", "tests/fixtures/hf/llama/model.safetensors",
+    "tests/fixtures/quantized", "tests/fixtures/fullsize", "tests/executor/__init__.py",
+    "tests/regenerate_cases.py", "scripts/fault_table.py", "benchmarks/load.py",
+    "docs/faults.md", "docs/families", "docs/architecture.md",
+]
+
+
+def _backend(hook: str, out: Path, cwd: Path) -> Path:
+    """Run one setuptools build_meta hook in a fresh interpreter; the built file's path."""
+    done = subprocess.run([sys.executable, "-c", BUILD.format(hook), str(out)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def sdist_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist of this tree, built and unpacked."""
+    root = tmp_path_factory.mktemp("sdist")
+    sdist = _backend("build_sdist", root, ROOT)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(root / "unpacked", filter="data")
+    (tree,) = (root / "unpacked").iterdir()
+    return tree
+
+
+@pytest.fixture(scope="module")
+def wheel(sdist_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from the unpacked sdist."""
+    return _backend("build_wheel", tmp_path_factory.mktemp("wheel"), sdist_tree)
+
+
+def test_the_sdist_holds_everything_its_tests_need(sdist_tree):
+    missing = [path for path in SDIST_PATHS if not (sdist_tree / path).exists()]
+    assert missing == []
+    assert not list(sdist_tree.rglob("__pycache__"))
+    assert "Apache License" in (sdist_tree / "LICENSE").read_text()
+
+
+def test_tests_run_and_pass_from_the_unpacked_sdist(sdist_tree):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "tests/test_architecture.py", "tests/test_plan.py"],
+                          cwd=sdist_tree, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+    assert f"rootdir: {sdist_tree}" in done.stdout
+
+
+def test_the_wheel_ships_py_typed_the_license_and_the_package_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "partc/py.typed" in names
+    assert "partc-0.1.0.dist-info/licenses/LICENSE" in names
+    assert "partc/architectures/llama.yaml" in names
+    assert "partc/schemas/plan.schema.json" in names
+    metadata = zipfile.ZipFile(wheel).read("partc-0.1.0.dist-info/METADATA").decode()
+    requires = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
+                      if line.startswith("Requires-Dist:") and "extra ==" not in line)
+    assert [r.split(">")[0] for r in requires] == [
+        "jinja2", "jsonschema", "ml_dtypes", "numpy", "pyyaml", "tqdm"]
+    assert "License-Expression: Apache-2.0" in metadata
+
+
+RANK_SCRIPT = """
+import importlib.util, json, sys
+sys.path.insert(0, sys.argv[1])
+package = __import__(sys.argv[2])
+state = package.load(sys.argv[3], rank=1)
+print(json.dumps({
+    "tensors": sorted(state.tensors),
+    "importable": [name for name in ("jinja2", "yaml", "jsonschema", "tqdm", "safetensors",
+                                     "torch") if importlib.util.find_spec(name) is not None],
+    "partc": sorted(m for m in sys.modules if m.startswith("partc")),
+}))
+"""
+
+
+def test_a_rank_module_loads_in_a_venv_holding_only_numpy_ml_dtypes_and_the_wheel(
+        wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    for args in (["numpy", "ml_dtypes"], ["--no-deps", str(wheel)]):
+        done = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    result = compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
+                            out=tmp_path / "build")
+    done = subprocess.run([str(python), "-c", RANK_SCRIPT, str(tmp_path / "build"),
+                           package_name(result.plan), str(hf("llama"))],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    # At T=2 x S=1 every rank loads every tensor (sharded or replicated): the checkpoint's.
+    assert seen["tensors"] == sorted(checkpoint_tensors(hf("llama")))
+    assert seen["importable"] == []
+    assert "partc.runtime" in seen["partc"]
+
+
+def test_the_progress_bar_is_skipped_when_tqdm_is_not_installed(monkeypatch):
+    from partc.runtime import progress_bar
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
+    with progress_bar(1 << 20, "reading", enabled=True) as update:
+        assert update is None
