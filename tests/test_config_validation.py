@@ -101,8 +101,18 @@ def test_a_config_field_against_its_meaning_fails_the_command_line_with_exit_1(
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         status = main(["compile", "--config", "config.json", "--out", "build"])
     assert status == 1
-    assert err.getvalue().splitlines() == [
-        f"error: {located(text, key)}: {message} [at /{key}]", "partc: 1 error(s)"]
+    where = located(text, key)
+    line, column = (int(n) for n in where.rsplit(":", 2)[1:])
+    source = text.splitlines()[line - 1]
+    lines = err.getvalue().splitlines()
+    assert lines[0] == f"error: {where}: {message} [at /{key}]"
+    assert lines[-1] == "partc: 1 error(s)"
+    # the context line, then a caret under the field's column
+    assert lines[1].strip() == source.strip()
+    caret = lines[2]
+    assert caret.strip() == "^"
+    assert len(lines[1]) - len(lines[1].lstrip()) - (len(source) - len(source.lstrip())) == (
+        len(caret) - 1) - (column - 1)
     assert not (tmp_path / "build").exists()
 
 
