@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
@@ -26,8 +27,10 @@ import numpy as np
 
 from partc.errors import CheckpointError, SourceLocation
 
-MAX_HEADER_SIZE = 100 * 1024 * 1024
-"""Largest JSON header partc agrees to parse (100 MiB), as the safetensors library does."""
+MAX_HEADER_SIZE = 100_000_000
+"""Largest JSON header partc agrees to parse (10^8 bytes), the safetensors library's limit."""
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+"""Largest model.safetensors.index.json partc agrees to read (64 MiB; DeepSeek-V3's is 8.9 MB)."""
 
 _NAMED_DTYPES: dict[str, Any] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -70,19 +73,60 @@ def _unique(path: Path, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[
     return table
 
 
-def _load_object(path: Path, text: str, what: str) -> dict[str, Any]:
-    """Parse JSON text that must be an object; nested objects become tuples of pairs."""
+class _NotJson(ValueError):
+    """A NaN or Infinity literal: Python's json reads them, JSON (and safetensors) does not."""
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    """`parse_constant` hook of partc's decoders: NaN, Infinity and -Infinity are not JSON."""
+    raise _NotJson(f"{name} is not a JSON value")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+"""Plain strict decoder (the fast header path)."""
+_PAIRS_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, object_pairs_hook=tuple)
+"""Strict decoder keeping every member of an object, duplicates included (careful paths)."""
+
+
+def _load_object(path: Path, text: str, what: str, *, padding: bool = False
+                 ) -> dict[str, Any]:
+    """Parse JSON text that must be an object; nested objects become tuples of pairs.
+
+    With `padding`, the text must start with '{' and may only be followed by spaces (a
+    safetensors header); otherwise JSON whitespace may surround it.
+    """
     try:
-        doc = json.loads(text, object_pairs_hook=tuple)
+        if padding and text.startswith("{"):
+            doc, end = _PAIRS_DECODER.raw_decode(text)
+            _check_padding(path, text, end, what)
+        elif padding and text.lstrip(" \t\r\n").startswith("{"):
+            _fail(path, f"{what} must start with '{{' (found {text[:8]!r}); expected no "
+                        "leading whitespace")
+        else:  # not an object at all: say what it is
+            doc = _PAIRS_DECODER.decode(text)
+    except _NotJson as exc:
+        _fail(path, f"{what} is not valid JSON: {exc}")
     except json.JSONDecodeError as exc:
         _fail(path, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     except RecursionError:
         _fail(path, f"{what} is not valid JSON: nested too deeply")
+    except MemoryError:
+        _fail(path, f"ran out of memory parsing the {what} ({len(text)} characters)")
     except ValueError:  # a number too long for int(): json lets Python's ValueError out
         _fail(path, f"{what} holds a number too long to read (more than 4300 digits)")
     if not isinstance(doc, tuple):
         _fail(path, f"{what} is not a JSON object (found {_kind(doc)})")
     return _unique(path, doc, f"the {what}")
+
+
+def _check_padding(path: Path, text: str, end: int, what: str) -> None:
+    """Refuse anything but spaces (0x20) after the JSON object that ends at `end`."""
+    rest = text[end:]
+    if rest.strip(" "):
+        at = len(text[:end].encode("utf-8")) + len(rest) - len(rest.lstrip(" "))
+        _fail(path, f"{what} has {len(rest.strip(' ').encode('utf-8'))} bytes after its JSON "
+                    f"object, the first {rest.lstrip(' ')[:8]!r} at header byte {at}; expected "
+                    "padding with spaces (0x20) only (a wrong header length?)")
 
 
 class TensorEntry(NamedTuple):
@@ -123,27 +167,103 @@ class FileHeader:
     """Tensor name -> entry, ordered by name."""
     digest: str = ""
     """sha256 of the header bytes as stored (byte-identical headers have equal digests)."""
+    stamp: FileStamp | None = None
+    """The file's identity when the header was read (readers refuse a file whose differs)."""
+
+
+class FileStamp(NamedTuple):
+    """What identifies a file's contents when its header was read (device, inode, size,
+    modification time); a different stamp means the file changed or was replaced."""
+
+    device: int
+    """st_dev."""
+    inode: int
+    """st_ino."""
+    size: int
+    """st_size."""
+    mtime_ns: int
+    """st_mtime_ns."""
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        """The stamp of a stat result."""
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+"""Flags for opening checkpoint files: O_NONBLOCK so that a FIFO never blocks the open (its
+fstat then refuses it); no effect on regular files."""
+
+
+def open_regular(path: Path, what: str = "checkpoint file") -> tuple[int, os.stat_result]:
+    """Open `path` read-only and fstat it; CheckpointError unless it is a regular file."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        _fail(path, f"cannot open {what}: {exc.strerror or exc}")
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        _fail(path, f"cannot read {what}: {exc.strerror or exc}")
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        _fail(path, f"{what} is not a regular file (found {_file_kind(st.st_mode)})")
+    return fd, st
+
+
+def _file_kind(mode: int) -> str:
+    """Words for the kind of file of an st_mode."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISLNK, "a symbolic link"))
+    return next((words for test, words in kinds if test(mode)), "an unknown kind of file")
+
+
+def _read_exactly(fd: int, path: Path, offset: int, n: int, what: str) -> bytes:
+    """`n` bytes at `offset`, or CheckpointError (a file that shrank, an I/O error)."""
+    parts: list[bytes] = []
+    got = 0
+    try:
+        while got < n:
+            part = os.pread(fd, n - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+    except OSError as exc:
+        _fail(path, f"cannot read {what}: {exc.strerror or exc}")
+    if got != n:
+        _fail(path, f"truncated file: {what} of {n} bytes but only {got} could be read "
+                    "(file changed while being read?)")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Read and validate the header of one .safetensors file without touching its payload."""
+    """Read and validate the header of one .safetensors file without touching its payload.
+
+    As strict as the safetensors library or stricter: the 8-byte length, at most
+    MAX_HEADER_SIZE, a JSON object starting with '{' and padded with spaces only, and tensors
+    whose byte ranges cover the data region exactly (no gap, no overlap, no trailing byte).
+    """
     p = Path(path)
+    fd, st = open_regular(p)
     try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8:
-                _fail(p, f"header length {n} beyond the file of size {size}")
-            if n > MAX_HEADER_SIZE:
-                _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
-            raw = f.read(n)
-    except OSError as exc:
-        _fail(p, f"cannot read checkpoint file: {exc.strerror or exc}")
-    if len(raw) != n:
-        _fail(p, f"truncated file: header of {n} bytes but only {len(raw)} could be read")
-    return _parse_header(p, raw, size)
+        size = st.st_size
+        if size < 8:
+            _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
+        n = int.from_bytes(_read_exactly(fd, p, 0, 8, "header length"), "little")
+        if n > MAX_HEADER_SIZE:
+            _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
+        if n > size - 8:
+            _fail(p, f"header length {n} beyond the file of size {size}")
+        raw = _read_exactly(fd, p, 8, n, "header")
+    finally:
+        os.close(fd)
+    try:
+        return _parse_header(p, raw, size, FileStamp.of(st))
+    except MemoryError:
+        _fail(p, f"ran out of memory parsing the header ({n} bytes)")
 
 
 @contextmanager
@@ -162,7 +282,8 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parse_header(p: Path, raw: bytes, size: int) -> FileHeader:
+def _parse_header(p: Path, raw: bytes, size: int, stamp: FileStamp | None = None
+                  ) -> FileHeader:
     """Validate the JSON header bytes of a file of `size` bytes."""
     n = len(raw)
     try:
@@ -172,7 +293,8 @@ def _parse_header(p: Path, raw: bytes, size: int) -> FileHeader:
     with paused_gc():  # ~1M short-lived containers: collecting them mid-parse doubles the time
         metadata, tensors = _parse_tables(p, text, size - 8 - n)
     return FileHeader(path=p, header_size=n, data_start=8 + n, file_size=size,
-                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest())
+                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest(),
+                      stamp=stamp)
 
 
 _Columns = tuple[tuple[tuple[str, str], ...], list[str], list[Any], list[Any], list[int],
@@ -188,7 +310,7 @@ def _parse_tables(p: Path, text: str, data_size: int
     columns = _fast_columns(text, data_size) or _careful_columns(p, text, data_size)
     metadata, names, dtypes, shapes, bounds, entries = columns
     begins, ends = bounds[0::2], bounds[1::2]
-    _check_overlaps(p, names, begins, ends)
+    _check_coverage(p, names, begins, ends, data_size)
     if entries is None:
         entries = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
                    for name, dtype, shape, begin, end in zip(names, dtypes, shapes, begins, ends,
@@ -242,13 +364,13 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
     backslash escapes every ':' in the text either separates one object member or sits inside a
     string, so the count matches only when no member was dropped.
     """
-    if "\\" in text:
+    if "\\" in text or not text.startswith("{"):
         return None
     try:
-        table = json.loads(text)
+        table, end = _DECODER.raw_decode(text)
     except (ValueError, RecursionError):
         return None
-    if type(table) is not dict:
+    if type(table) is not dict or text[end:].strip(" "):
         return None
     has_meta = "__metadata__" in table
     meta = table.pop("__metadata__", {})
@@ -281,7 +403,7 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
 
 def _careful_columns(p: Path, text: str, data_size: int) -> _Columns:
     """Validate any header entry by entry, raising the precise CheckpointError of a fault."""
-    table = _load_object(p, text, "header")
+    table = _load_object(p, text, "header", padding=True)
     metadata = _parse_metadata(p, table.pop("__metadata__", ()))
     names = sorted(table)
     dtypes: list[Any] = []
@@ -319,18 +441,35 @@ def _bulk_valid(dtypes: list[Any], shapes: list[list[Any]], offsets: list[list[A
     return None if any(map(ne, sizes, spans)) else bounds
 
 
-def _check_overlaps(p: Path, names: list[str], begins: list[int], ends: list[int]) -> None:
-    """Refuse two non-empty tensors whose byte ranges overlap."""
+def _check_coverage(p: Path, names: list[str], begins: list[int], ends: list[int],
+                    data_size: int) -> None:
+    """Refuse byte ranges that do not tile the data region: sorted by (begin, end), the first
+    begins at 0, each begins where the previous one ends, the last ends at `data_size` (the
+    safetensors library's rule: no gap, no overlap, no trailing byte)."""
     b = np.array(begins, dtype=np.int64)
     e = np.array(ends, dtype=np.int64)
-    keep = np.flatnonzero(e > b)
-    order = keep[np.argsort(b[keep], kind="stable")]
-    bad = np.flatnonzero(b[order][1:] < e[order][:-1])
+    order = np.lexsort((e, b))
+    b, e = b[order], e[order]
+    if len(order) and b[0] != 0:
+        i = int(order[0])
+        _fail(p, f"gap at the start of the data region: the first tensor {names[i]!r} begins at "
+                 f"data byte {begins[i]}; expected 0", names[i])
+    bad = np.flatnonzero(b[1:] != e[:-1])
     if len(bad):
         i, j = int(order[bad[0]]), int(order[bad[0] + 1])
-        _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) and "
-                 f"{names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
-              tensor=names[j])
+        if begins[j] < ends[i]:
+            _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) "
+                     f"and {names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
+                  tensor=names[j])
+        _fail(p, f"gap in the data region: {names[j]!r} begins at data byte {begins[j]} but "
+                 f"{names[i]!r} ends at {ends[i]} ({begins[j] - ends[i]} unused bytes); expected "
+                 "each tensor to begin where the previous one ends", names[j])
+    covered = int(e[-1]) if len(order) else 0
+    if covered != data_size:
+        last = f" (the last, {names[int(order[-1])]!r}, ends there)" if len(order) else ""
+        _fail(p, f"file not fully covered: the data region holds {data_size} bytes but the "
+                 f"tensors cover {covered}{last}: {data_size - covered} trailing bytes (a wrong "
+                 "header length, or bytes appended?); expected the tensors to cover it exactly")
 
 
 def _parse_metadata(p: Path, value: object) -> tuple[tuple[str, str], ...]:
@@ -497,22 +636,74 @@ def _suggest(name: str, names: tuple[str, ...]) -> str | None:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors."""
+    """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors.
+
+    Every file is checked before it is opened: it must be a regular file, and a symbolic link
+    must resolve inside the checkpoint folder or its Hugging Face cache `blobs/` folder.
+    """
     p = Path(path)
-    if p.is_dir():
+    st = _stat(p, "checkpoint path")
+    if st is None:
+        _fail(p, "no such checkpoint file or directory")
+    if stat.S_ISDIR(st.st_mode):
         index, single = p / "model.safetensors.index.json", p / "model.safetensors"
-        if index.is_file():
-            return _open_index(p, index)
-        if single.is_file():
-            return _open_single(p, single)
+        if _stat(index, "checkpoint index") is not None:
+            return _open_index(p, _member(p, index, "index"))
+        if _stat(single, "checkpoint file") is not None:
+            return _open_single(p, _member(p, single, "checkpoint file"))
         _fail(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json")
+    if not stat.S_ISREG(st.st_mode):
+        _fail(p, f"checkpoint path is not a regular file or folder (found {_file_kind(st.st_mode)});"
+                 " expected a .safetensors file, an index or a folder")
+    member = _member(p.parent, p, "checkpoint file")
     if p.name.endswith(".index.json"):
-        return _open_index(p, p)
-    if not p.is_file():
-        _fail(p, "not a regular file: expected a .safetensors file, an index or a folder"
-              if p.exists() else "no such checkpoint file or directory")
-    return _open_single(p, p)
+        return _open_index(p, member)
+    return _open_single(p, member)
+
+
+def _stat(path: Path, what: str) -> os.stat_result | None:
+    """os.stat of `path` (links followed); None when nothing is there; CheckpointError when it
+    cannot be examined (permission denied, a loop of links)."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+
+
+def _trusted_roots(folder: Path) -> tuple[Path, ...]:
+    """Where a checkpoint file's symbolic link may lead: the folder itself and, for a Hugging
+    Face cache snapshot (`<repo>/snapshots/<rev>/`), that repository's `blobs/` folder."""
+    real = Path(os.path.realpath(folder))
+    if real.parent.name == "snapshots":
+        return real, real.parent.parent / "blobs"
+    return (real,)
+
+
+def _member(folder: Path, path: Path, what: str) -> Path:
+    """`path` (a file of the checkpoint in `folder`), checked against the symbolic-link policy.
+
+    A link is followed only when it resolves inside `_trusted_roots(folder)`; anything else
+    names the link and its target. A file that is not a link is returned as it is.
+    """
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return path
+        target = os.readlink(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    except OSError as exc:
+        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+    real = Path(os.path.realpath(path))
+    roots = _trusted_roots(folder)
+    if not any(real.is_relative_to(root) for root in roots):
+        where = " or ".join(str(root) for root in roots)
+        _fail(path, f"{what} {path.name} is a symbolic link to {target} (resolving to {real}), "
+                    f"outside {where}; partc follows links only within the checkpoint folder "
+                    "and its Hugging Face cache blobs/ folder")
+    return path
 
 
 def _open_single(origin: Path, file: Path) -> Checkpoint:
@@ -548,10 +739,23 @@ class _OneFile(Mapping[str, int]):
 
 def _open_index(origin: Path, index: Path) -> Checkpoint:
     """A checkpoint described by an HF model.safetensors.index.json."""
+    fd, st = open_regular(index, "checkpoint index")
     try:
-        text = index.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(index, f"cannot read index: {exc}")
+        if st.st_size > MAX_INDEX_BYTES:
+            _fail(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
+                         "(partc.headers.MAX_INDEX_BYTES); refusing to read it")
+        raw = _read_exactly(fd, index, 0, st.st_size, "index")
+    except MemoryError:
+        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(index, f"index is not valid UTF-8: {exc.reason} at byte {exc.start}")
+    except MemoryError:
+        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+    del raw
     top = _load_object(index, text, "index")
     if "metadata" in top and not isinstance(top["metadata"], tuple):
         _fail(index, f"index metadata must be an object (found {_kind(top['metadata'])})")
@@ -569,9 +773,9 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
     folder = index.parent
     shards = sorted(set(weight_map.values()))
     for shard in shards:
-        if not (folder / shard).is_file():
+        if _stat(folder / shard, "shard file") is None:
             _fail(index, f"missing shard file {shard} named by the index")
-    files = tuple(read_header(folder / shard) for shard in shards)
+    files = tuple(read_header(_member(folder, folder / shard, "shard file")) for shard in shards)
     owners: dict[str, int] = {}
     for i, header in enumerate(files):
         for name in header.tensors:
@@ -625,15 +829,24 @@ class ShardManifest:
 def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     """The manifest of a pre-sharded checkpoint folder; None when `folder` holds none."""
     path = Path(folder) / SHARD_MANIFEST
-    if not path.is_file():
+    found = _stat(path, "shard manifest")
+    if found is None or not stat.S_ISREG(found.st_mode):
         return None
+    fd, st = open_regular(path, "shard manifest")
     try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        if st.st_size > MAX_INDEX_BYTES:
+            _fail(path, f"shard manifest of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte "
+                        "limit; refusing to read it")
+        raw = _read_exactly(fd, path, 0, st.st_size, "shard manifest")
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         _fail(path, f"cannot read the shard manifest: {exc}")
     try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
+        doc = _DECODER.decode(text)
+    except (ValueError, RecursionError, MemoryError) as exc:
         _fail(path, f"shard manifest is not valid JSON: {exc}")
     if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT or doc.get("version") != 1:
         _fail(path, f"not a partc shard manifest: expected format {SHARD_FORMAT!r} version 1")
