@@ -654,8 +654,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         _fail(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json")
     if not stat.S_ISREG(st.st_mode):
-        _fail(p, f"checkpoint path is not a regular file or folder (found {_file_kind(st.st_mode)});"
-                 " expected a .safetensors file, an index or a folder")
+        _fail(p, "checkpoint path is not a regular file or folder (found "
+                 f"{_file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
     member = _member(p.parent, p, "checkpoint file")
     if p.name.endswith(".index.json"):
         return _open_index(p, member)
