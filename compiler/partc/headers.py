@@ -647,9 +647,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         _fail(p, "no such checkpoint file or directory")
     if stat.S_ISDIR(st.st_mode):
         index, single = p / "model.safetensors.index.json", p / "model.safetensors"
-        if _stat(index, "checkpoint index") is not None:
+        if _present(index, "checkpoint index"):
             return _open_index(p, _member(p, index, "index"))
-        if _stat(single, "checkpoint file") is not None:
+        if _present(single, "checkpoint file"):
             return _open_single(p, _member(p, single, "checkpoint file"))
         _fail(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json")
@@ -671,6 +671,18 @@ def _stat(path: Path, what: str) -> os.stat_result | None:
         return None
     except OSError as exc:
         _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+
+
+def _present(path: Path, what: str) -> bool:
+    """Whether anything (a dangling link included) is at `path`; CheckpointError when that
+    cannot be told (permission denied)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+    return True
 
 
 def _trusted_roots(folder: Path) -> tuple[Path, ...]:
@@ -697,6 +709,8 @@ def _member(folder: Path, path: Path, what: str) -> Path:
     except OSError as exc:
         _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
     real = Path(os.path.realpath(path))
+    if not _present(real, what):
+        _fail(path, f"{what} {path.name} is a symbolic link to {target}, which does not exist")
     roots = _trusted_roots(folder)
     if not any(real.is_relative_to(root) for root in roots):
         where = " or ".join(str(root) for root in roots)
@@ -773,7 +787,7 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
     folder = index.parent
     shards = sorted(set(weight_map.values()))
     for shard in shards:
-        if _stat(folder / shard, "shard file") is None:
+        if not _present(folder / shard, "shard file"):
             _fail(index, f"missing shard file {shard} named by the index")
     files = tuple(read_header(_member(folder, folder / shard, "shard file")) for shard in shards)
     owners: dict[str, int] = {}
