@@ -166,7 +166,7 @@ def _bad_utf8(p: Parts) -> bytes:
 
 SINGLE = [
     Case("declared_length_one_short", lambda p: p.file(length=len(p.file()) - 8 - len(p.data) - 1),
-         "1 trailing bytes"),
+         "1 trailing byte ("),
     Case("declared_length_one_long", lambda p: p.file(length=len(p.file()) - 8 - len(p.data) + 1),
          "not valid UTF-8"),  # the first data byte joins the header
     Case("declared_length_eight_short",
@@ -177,7 +177,8 @@ SINGLE = [
     Case("declared_length_long_into_ascii_data",
          lambda p: p.file(length=len(p.file()) - 8 - len(p.data) + 3,
                           data=b"abc" + p.data[3:]), "bytes after its JSON object"),
-    Case("declared_length_huge", lambda p: p.file(length=2**63), "exceeds the 100000000-byte limit"),
+    Case("declared_length_huge", lambda p: p.file(length=2**63),
+         "exceeds the 100000000-byte limit"),
     Case("declared_length_just_over_the_limit", lambda p: p.file(length=100_000_001),
          "exceeds the 100000000-byte limit"),
     Case("declared_length_zero", lambda p: p.file(length=0), "not valid JSON"),
@@ -200,7 +201,7 @@ SINGLE = [
     Case("gap_between_tensors", _gap, "gap in the data region"),
     Case("overlapping_tensors", _overlap, "overlap"),
     Case("first_tensor_not_at_zero", _first_not_at_zero, "gap at the start of the data region"),
-    Case("one_trailing_byte", lambda p: p.file(data=p.data + b"\0"), "1 trailing bytes"),
+    Case("one_trailing_byte", lambda p: p.file(data=p.data + b"\0"), "1 trailing byte ("),
     Case("eight_trailing_bytes", lambda p: p.file(data=p.data + bytes(8)), "8 trailing bytes"),
     Case("payload_cut_by_one_byte", lambda p: p.file(data=p.data[:-1]),
          "data offsets beyond the file", tensor=NORM),
@@ -352,8 +353,8 @@ def test_a_damaged_single_file_is_refused_whenever_the_library_refuses_it(
 
 SHARDED = [
     Case("shard_declared_length_one_short",
-         lambda p: p.file(length=len(p.file()) - 8 - len(p.data) - 1), "1 trailing bytes"),
-    Case("shard_one_trailing_byte", lambda p: p.file(data=p.data + b"\0"), "1 trailing bytes"),
+         lambda p: p.file(length=len(p.file()) - 8 - len(p.data) - 1), "1 trailing byte ("),
+    Case("shard_one_trailing_byte", lambda p: p.file(data=p.data + b"\0"), "1 trailing byte ("),
     Case("shard_gap_between_tensors", _gap, "gap in the data region"),
     Case("shard_overlapping_tensors", _overlap, "overlap"),
     Case("shard_padded_with_nul", lambda p: p.file(compact(p.header) + b"\0" * 4),

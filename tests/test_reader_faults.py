@@ -322,9 +322,9 @@ def test_an_index_over_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
     os.truncate(index, MAX_INDEX_BYTES + 1)  # sparse: nothing of that size is written
     with pytest.raises(CheckpointError) as info:
         open_checkpoint(folder)
-    assert info.value.message == (f"index of {MAX_INDEX_BYTES + 1} bytes exceeds the "
-                                  f"{MAX_INDEX_BYTES}-byte limit (partc.headers.MAX_INDEX_BYTES);"
-                                  " refusing to read it")
+    assert info.value.message == (
+        f"index of {MAX_INDEX_BYTES + 1} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
+        "(partc.checkpoint.MAX_INDEX_BYTES); refusing to read it")
     assert info.value.location is not None and info.value.location.file == str(index)
 
 
@@ -396,9 +396,7 @@ def test_a_fifo_socket_or_device_inside_a_folder_is_refused_without_blocking(
         for folder, kind in ((fifo, "a FIFO"), (sock, "a socket")):
             with pytest.raises(CheckpointError) as info:
                 open_checkpoint(folder)
-            assert info.value.message in (
-                f"cannot open checkpoint file: No such device or address",  # a socket: ENXIO
-                f"checkpoint file is not a regular file (found {kind})"), info.value.message
+            assert info.value.message == f"checkpoint file is not a regular file (found {kind})"
             assert info.value.location is not None
             assert info.value.location.file == str(folder / "model.safetensors")
     finally:

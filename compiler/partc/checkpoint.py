@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from partc.files import FileStamp
 from partc.headers import (
     _ITEMSIZE,
     DTYPES,
@@ -26,7 +27,6 @@ from partc.headers import (
     SHARD_MANIFEST,
     Checkpoint,
     FileHeader,
-    FileStamp,
     ShardManifest,
     TensorEntry,
     TensorTable,

@@ -26,6 +26,15 @@ import ml_dtypes
 import numpy as np
 
 from partc.errors import CheckpointError, SourceLocation
+from partc.files import (
+    FileStamp,
+    checked_member,
+    file_kind,
+    open_regular,
+    present,
+    read_exactly,
+    stat_or_none,
+)
 
 MAX_HEADER_SIZE = 100_000_000
 """Largest JSON header partc agrees to parse (10^8 bytes), the safetensors library's limit."""
@@ -171,74 +180,6 @@ class FileHeader:
     """The file's identity when the header was read (readers refuse a file whose differs)."""
 
 
-class FileStamp(NamedTuple):
-    """What identifies a file's contents when its header was read (device, inode, size,
-    modification time); a different stamp means the file changed or was replaced."""
-
-    device: int
-    """st_dev."""
-    inode: int
-    """st_ino."""
-    size: int
-    """st_size."""
-    mtime_ns: int
-    """st_mtime_ns."""
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileStamp:
-        """The stamp of a stat result."""
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-"""Flags for opening checkpoint files: O_NONBLOCK so that a FIFO never blocks the open (its
-fstat then refuses it); no effect on regular files."""
-
-
-def open_regular(path: Path, what: str = "checkpoint file") -> tuple[int, os.stat_result]:
-    """Open `path` read-only and fstat it; CheckpointError unless it is a regular file."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError as exc:
-        _fail(path, f"cannot open {what}: {exc.strerror or exc}")
-    try:
-        st = os.fstat(fd)
-    except OSError as exc:
-        os.close(fd)
-        _fail(path, f"cannot read {what}: {exc.strerror or exc}")
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        _fail(path, f"{what} is not a regular file (found {_file_kind(st.st_mode)})")
-    return fd, st
-
-
-def _file_kind(mode: int) -> str:
-    """Words for the kind of file of an st_mode."""
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISLNK, "a symbolic link"))
-    return next((words for test, words in kinds if test(mode)), "an unknown kind of file")
-
-
-def _read_exactly(fd: int, path: Path, offset: int, n: int, what: str) -> bytes:
-    """`n` bytes at `offset`, or CheckpointError (a file that shrank, an I/O error)."""
-    parts: list[bytes] = []
-    got = 0
-    try:
-        while got < n:
-            part = os.pread(fd, n - got, offset + got)
-            if not part:
-                break
-            parts.append(part)
-            got += len(part)
-    except OSError as exc:
-        _fail(path, f"cannot read {what}: {exc.strerror or exc}")
-    if got != n:
-        _fail(path, f"truncated file: {what} of {n} bytes but only {got} could be read "
-                    "(file changed while being read?)")
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
     """Read and validate the header of one .safetensors file without touching its payload.
 
@@ -252,12 +193,12 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         size = st.st_size
         if size < 8:
             _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
-        n = int.from_bytes(_read_exactly(fd, p, 0, 8, "header length"), "little")
+        n = int.from_bytes(read_exactly(fd, p, 0, 8, "header length"), "little")
         if n > MAX_HEADER_SIZE:
             _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
         if n > size - 8:
             _fail(p, f"header length {n} beyond the file of size {size}")
-        raw = _read_exactly(fd, p, 8, n, "header")
+        raw = read_exactly(fd, p, 8, n, "header")
     finally:
         os.close(fd)
     try:
@@ -454,13 +395,15 @@ def _check_coverage(p: Path, names: list[str], begins: list[int], ends: list[int
         i = int(order[0])
         _fail(p, f"gap at the start of the data region: the first tensor {names[i]!r} begins at "
                  f"data byte {begins[i]}; expected 0", names[i])
+    overlap = np.flatnonzero(b[1:] < e[:-1])
+    if len(overlap):
+        i, j = int(order[overlap[0]]), int(order[overlap[0] + 1])
+        _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) "
+                 f"and {names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
+              tensor=names[j])
     bad = np.flatnonzero(b[1:] != e[:-1])
     if len(bad):
         i, j = int(order[bad[0]]), int(order[bad[0] + 1])
-        if begins[j] < ends[i]:
-            _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) "
-                     f"and {names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
-                  tensor=names[j])
         _fail(p, f"gap in the data region: {names[j]!r} begins at data byte {begins[j]} but "
                  f"{names[i]!r} ends at {ends[i]} ({begins[j] - ends[i]} unused bytes); expected "
                  "each tensor to begin where the previous one ends", names[j])
@@ -468,7 +411,8 @@ def _check_coverage(p: Path, names: list[str], begins: list[int], ends: list[int
     if covered != data_size:
         last = f" (the last, {names[int(order[-1])]!r}, ends there)" if len(order) else ""
         _fail(p, f"file not fully covered: the data region holds {data_size} bytes but the "
-                 f"tensors cover {covered}{last}: {data_size - covered} trailing bytes (a wrong "
+                 f"tensors cover {covered}{last}: {data_size - covered} trailing "
+                 f"byte{'s' if data_size - covered != 1 else ''} (a wrong "
                  "header length, or bytes appended?); expected the tensors to cover it exactly")
 
 
@@ -642,82 +586,24 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     must resolve inside the checkpoint folder or its Hugging Face cache `blobs/` folder.
     """
     p = Path(path)
-    st = _stat(p, "checkpoint path")
+    st = stat_or_none(p, "checkpoint path")
     if st is None:
         _fail(p, "no such checkpoint file or directory")
     if stat.S_ISDIR(st.st_mode):
         index, single = p / "model.safetensors.index.json", p / "model.safetensors"
-        if _present(index, "checkpoint index"):
-            return _open_index(p, _member(p, index, "index"))
-        if _present(single, "checkpoint file"):
-            return _open_single(p, _member(p, single, "checkpoint file"))
+        if present(index, "checkpoint index"):
+            return _open_index(p, checked_member(p, index, "index"))
+        if present(single, "checkpoint file"):
+            return _open_single(p, checked_member(p, single, "checkpoint file"))
         _fail(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json")
     if not stat.S_ISREG(st.st_mode):
         _fail(p, "checkpoint path is not a regular file or folder (found "
-                 f"{_file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
-    member = _member(p.parent, p, "checkpoint file")
+                 f"{file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
+    member = checked_member(p.parent, p, "checkpoint file")
     if p.name.endswith(".index.json"):
         return _open_index(p, member)
     return _open_single(p, member)
-
-
-def _stat(path: Path, what: str) -> os.stat_result | None:
-    """os.stat of `path` (links followed); None when nothing is there; CheckpointError when it
-    cannot be examined (permission denied, a loop of links)."""
-    try:
-        return os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
-
-
-def _present(path: Path, what: str) -> bool:
-    """Whether anything (a dangling link included) is at `path`; CheckpointError when that
-    cannot be told (permission denied)."""
-    try:
-        os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError as exc:
-        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
-    return True
-
-
-def _trusted_roots(folder: Path) -> tuple[Path, ...]:
-    """Where a checkpoint file's symbolic link may lead: the folder itself and, for a Hugging
-    Face cache snapshot (`<repo>/snapshots/<rev>/`), that repository's `blobs/` folder."""
-    real = Path(os.path.realpath(folder))
-    if real.parent.name == "snapshots":
-        return real, real.parent.parent / "blobs"
-    return (real,)
-
-
-def _member(folder: Path, path: Path, what: str) -> Path:
-    """`path` (a file of the checkpoint in `folder`), checked against the symbolic-link policy.
-
-    A link is followed only when it resolves inside `_trusted_roots(folder)`; anything else
-    names the link and its target. A file that is not a link is returned as it is.
-    """
-    try:
-        if not stat.S_ISLNK(os.lstat(path).st_mode):
-            return path
-        target = os.readlink(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return path
-    except OSError as exc:
-        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
-    real = Path(os.path.realpath(path))
-    if not _present(real, what):
-        _fail(path, f"{what} {path.name} is a symbolic link to {target}, which does not exist")
-    roots = _trusted_roots(folder)
-    if not any(real.is_relative_to(root) for root in roots):
-        where = " or ".join(str(root) for root in roots)
-        _fail(path, f"{what} {path.name} is a symbolic link to {target} (resolving to {real}), "
-                    f"outside {where}; partc follows links only within the checkpoint folder "
-                    "and its Hugging Face cache blobs/ folder")
-    return path
 
 
 def _open_single(origin: Path, file: Path) -> Checkpoint:
@@ -757,8 +643,8 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
     try:
         if st.st_size > MAX_INDEX_BYTES:
             _fail(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
-                         "(partc.headers.MAX_INDEX_BYTES); refusing to read it")
-        raw = _read_exactly(fd, index, 0, st.st_size, "index")
+                         "(partc.checkpoint.MAX_INDEX_BYTES); refusing to read it")
+        raw = read_exactly(fd, index, 0, st.st_size, "index")
     except MemoryError:
         _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
     finally:
@@ -787,9 +673,10 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
     folder = index.parent
     shards = sorted(set(weight_map.values()))
     for shard in shards:
-        if not _present(folder / shard, "shard file"):
+        if not present(folder / shard, "shard file"):
             _fail(index, f"missing shard file {shard} named by the index")
-    files = tuple(read_header(_member(folder, folder / shard, "shard file")) for shard in shards)
+    files = tuple(read_header(checked_member(folder, folder / shard, "shard file"))
+                  for shard in shards)
     owners: dict[str, int] = {}
     for i, header in enumerate(files):
         for name in header.tensors:
@@ -843,7 +730,7 @@ class ShardManifest:
 def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     """The manifest of a pre-sharded checkpoint folder; None when `folder` holds none."""
     path = Path(folder) / SHARD_MANIFEST
-    found = _stat(path, "shard manifest")
+    found = stat_or_none(path, "shard manifest")
     if found is None or not stat.S_ISREG(found.st_mode):
         return None
     fd, st = open_regular(path, "shard manifest")
@@ -851,7 +738,7 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
         if st.st_size > MAX_INDEX_BYTES:
             _fail(path, f"shard manifest of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte "
                         "limit; refusing to read it")
-        raw = _read_exactly(fd, path, 0, st.st_size, "shard manifest")
+        raw = read_exactly(fd, path, 0, st.st_size, "shard manifest")
     finally:
         os.close(fd)
     try:
