@@ -499,3 +499,45 @@ def test_the_cli_reports_permission_denied_as_exit_1_not_an_internal_error(
     status, report = run_check(folder)
     assert status == 1
     assert report["errors"][0]["message"] == "cannot open checkpoint file: Permission denied"
+
+
+class Recorder:
+    """Every (path, offset, length) the reader reports."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, int, int]] = []
+
+    def record(self, path: str, offset: int, length: int) -> None:
+        self.runs.append((path, offset, length))
+
+
+@pytest.mark.parametrize("strategy", ["process_vm_readv", "preadv", "preadv_short_reads"])
+def test_gathers_record_exactly_the_selected_bytes_once(
+        monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    monkeypatch.setattr(checkpoint, "_USE_VM_READ", strategy == "process_vm_readv")
+    if strategy == "preadv_short_reads":
+        real = os.preadv
+        monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: real(fd, [bufs[0][:5]], offset))
+    ckpt = open_checkpoint(LLAMA)
+    full = load_file(str(LLAMA / "model.safetensors"))
+    requests = []
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        cols = ckpt.tensor(name)[1].shape[1]
+        sel = TensorSelection(1, ((cols // 2, cols), (0, 3)))
+        assert checkpoint._gatherable(ckpt.tensor(name)[1], sel)
+        requests.append((name, sel))
+    recorder = Recorder()
+    with CheckpointReader(ckpt, recorder=recorder) as reader:
+        got = reader.read_many(requests)
+    want: set[int] = set()
+    for name, sel in requests:
+        header, entry = ckpt.tensor(name)
+        cols = entry.shape[1]
+        np.testing.assert_array_equal(got[name], np.concatenate(
+            [full[name][:, cols // 2:], full[name][:, :3]], axis=1))
+        base = header.data_start + entry.begin
+        for row in range(entry.shape[0]):
+            for a, b in sel.ranges:
+                want.update(range(base + (row * cols + a) * 4, base + (row * cols + b) * 4))
+    read = [o + k for _, o, n in recorder.runs for k in range(n)]
+    assert len(read) == len(set(read)) == len(want) and set(read) == want

@@ -525,7 +525,8 @@ class CheckpointReader:
         """
         copy = _vm_reader() if _USE_VM_READ else None
         if copy is None or not self._vm_gather(job, copy):
-            self._pread_gather(job)
+            self._pread_gather(job)  # records its own reads
+            return
         recorder = self.recorder
         if recorder is not None:
             path = str(job.path)
@@ -591,7 +592,7 @@ class CheckpointReader:
         """`_run_gather` with one preadv per piece, straight into the destination."""
         first, last = job.rows
         preadv, fd, path, name = os.preadv, job.fd, str(job.path), job.name
-        out = job.out
+        out, recorder = job.out, self.recorder
         try:
             for row in range(first, last):
                 at = job.base + row * job.row_bytes
@@ -599,6 +600,8 @@ class CheckpointReader:
                 for src, dst, width in job.pieces:
                     buf = line[dst:dst + width]
                     got = preadv(fd, [buf], at + src)
+                    if recorder is not None and got > 0:
+                        recorder.record(path, at + src, got)
                     if got != width:
                         self._fill(fd, path, name, [buf[max(got, 0):]], at + src + max(got, 0))
         except OSError as exc:
