@@ -541,3 +541,16 @@ def test_gathers_record_exactly_the_selected_bytes_once(
                 want.update(range(base + (row * cols + a) * 4, base + (row * cols + b) * 4))
     read = [o + k for _, o, n in recorder.runs for k in range(n)]
     assert len(read) == len(set(read)) == len(want) and set(read) == want
+
+
+def test_running_out_of_memory_parsing_a_header_is_a_located_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def exhausted(text: str, *args: Any) -> Any:
+        raise MemoryError()
+
+    monkeypatch.setattr(headers._DECODER, "raw_decode", exhausted)
+    monkeypatch.setattr(headers._PAIRS_DECODER, "raw_decode", exhausted)
+    with pytest.raises(CheckpointError, match="ran out of memory parsing the header") as info:
+        open_checkpoint(LLAMA)
+    assert info.value.location is not None
+    assert info.value.location.file == str(LLAMA / "model.safetensors")
