@@ -44,7 +44,7 @@ def header_only_checkpoint(model: str, folder: Path) -> Path:
     """config.json plus a model.safetensors holding the real header and a sparse data region."""
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(FULLSIZE / model / "config.json", folder / "config.json")
-    text = (FULLSIZE / model / "safetensors_header.json").read_bytes()
+    text = (FULLSIZE / model / "safetensors_header.json").read_bytes().rstrip(b"\n")
     header = json.loads(text)
     end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
     text += b" " * (-len(text) % 8)

@@ -274,6 +274,13 @@ def _entry(name: str, **changes: Any) -> Callable[[Path], None]:
     return edit
 
 
+def _norm_as_f16(folder: Path) -> None:
+    header, data = read_safetensors(folder / "model.safetensors")
+    begin, _ = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"].update(dtype="F16", data_offsets=[begin, begin + 128])
+    write_safetensors(folder / "model.safetensors", header, data[:begin + 128])
+
+
 def _overlap(folder: Path) -> None:
     def edit(header: dict[str, Any]) -> None:
         first = header["model.norm.weight"]["data_offsets"][0]
@@ -326,6 +333,56 @@ def _tensor_in_two_shards(folder: Path) -> None:
 def _shard_escapes(folder: Path) -> None:
     _index(lambda i: i["weight_map"].__setitem__("lm_head.weight", "../outside.safetensors"))(
         folder)
+
+
+def _declared_length(delta: int) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        path = folder / "model.safetensors"
+        raw = path.read_bytes()
+        (size,) = struct.unpack("<Q", raw[:8])
+        path.write_bytes(struct.pack("<Q", size + delta) + raw[8:])
+    return edit
+
+
+def _append(data: bytes, file: str = "model.safetensors") -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        with open(folder / file, "ab") as handle:
+            handle.write(data)
+    return edit
+
+
+def _gap(folder: Path) -> None:
+    header, data = read_safetensors(folder / "model.safetensors")
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [begin + 4, end + 4]
+    write_safetensors(folder / "model.safetensors", header, data[:begin] + bytes(4) + data[begin:])
+
+
+def _padded_with_nul(folder: Path) -> None:
+    header, data = read_safetensors(folder / "model.safetensors")
+    write_safetensors(folder / "model.safetensors", json.dumps(header).encode() + b"\0" * 5, data)
+
+
+def _nan_in_header(folder: Path) -> None:
+    header, data = read_safetensors(folder / "model.safetensors")
+    text = json.dumps(header).replace('"format": "pt"', '"format": NaN')
+    write_safetensors(folder / "model.safetensors", text.encode(), data)
+
+
+def _huge_index(folder: Path) -> None:
+    from partc.checkpoint import MAX_INDEX_BYTES
+
+    os.truncate(folder / "model.safetensors.index.json", MAX_INDEX_BYTES + 1)  # sparse
+
+
+def _checkpoint_fifo(scratch: Path) -> Path:
+    os.mkfifo(scratch / "model.safetensors")
+    return scratch / "model.safetensors"
+
+
+def _link_out(folder: Path) -> None:
+    os.replace(folder / "model.safetensors", folder.parent / "elsewhere.safetensors")
+    (folder / "model.safetensors").symlink_to("../elsewhere.safetensors")
 
 
 def _empty_folder(scratch: Path) -> Path:
@@ -463,8 +520,25 @@ def _faults() -> Iterator[Fault]:
          _sharded(_shard_escapes)),
         ("index_without_weight_map", "index lacks weight_map",
          _sharded(_index(lambda i: i.pop("weight_map")))),
-        ("wrong_dtype", "norm stored as F16", _single(_entry(
-            "model.norm.weight", dtype="F16", data_offsets=[510976, 511104]))),
+        ("header_length_one_short", "declared header length 1 short (the JSON still parses)",
+         _single(_declared_length(-1))),
+        ("header_length_one_long", "declared header length 1 long",
+         _single(_declared_length(1))),
+        ("trailing_bytes", "8 bytes after the last tensor", _single(_append(bytes(8)))),
+        ("gap_between_tensors", "4 unused bytes before model.norm.weight", _single(_gap)),
+        ("header_padded_with_nul", "header padded with NUL bytes instead of spaces",
+         _single(_padded_with_nul)),
+        ("nan_in_header", "NaN in __metadata__", _single(_nan_in_header)),
+        ("shard_trailing_bytes", "a byte after the last tensor of shard 2", _sharded(
+            _append(b"\0", "model-00002-of-00004.safetensors"))),
+        ("index_too_large", "index over the 64 MiB limit (sparse)", _sharded(_huge_index)),
+        ("index_nan", "NaN in the index", _sharded(lambda folder: (
+            folder / "model.safetensors.index.json").write_text(
+                '{"metadata": {"total_size": NaN}, "weight_map": {}}'))),
+        ("checkpoint_is_a_fifo", "a named pipe given as the checkpoint", _checkpoint_fifo),
+        ("link_out_of_folder", "model.safetensors links to ../elsewhere.safetensors",
+         _single(_link_out)),
+        ("wrong_dtype", "norm stored as F16", _single(_norm_as_f16)),
         ("wrong_shape", "norm stored as [8, 8]", _single(_entry("model.norm.weight",
                                                                  shape=[8, 8]))),
         ("missing_tensor", "model.norm.weight renamed away",
@@ -530,6 +604,13 @@ def _first_error(text: str) -> tuple[str, str]:
     return first["kind"], message
 
 
+def _scrub(scratch: Path, kind: str, message: str) -> tuple[str, str]:
+    """The message with the scratch folder's absolute path (as given or resolved) removed."""
+    for prefix in sorted({str(scratch), os.path.realpath(scratch)}, key=len, reverse=True):
+        message = message.replace(prefix + os.sep, "").replace(prefix, ".")
+    return kind, message
+
+
 _GOOD_BUILD: dict[str, Any] = {}
 
 
@@ -570,7 +651,7 @@ def run_fault(fault: Fault, work: Path) -> Outcome:
                 compile_family("llama", FIXTURE / "config.json", out=build)
             before = _tree(build) if build.is_dir() else None
         status, out, err = _run_cli([*args, "--format", "json"])
-        kind, message = _first_error(out)
+        kind, message = _scrub(scratch, *_first_error(out))
         if not kind and status == 2:  # argparse refused the command line
             kind, message = "usage", err.strip().splitlines()[-1]
         traceback = "Traceback" in err
@@ -582,7 +663,8 @@ def run_fault(fault: Fault, work: Path) -> Outcome:
                 loader = ("loaded (not detected)" if fault.load_must_fail
                           else "loaded its own tensors (extra ones are not its concern)")
             except PartcError as error:
-                loader = f"{type(error).__name__}: {error.message}"
+                loader = _scrub(scratch, type(error).__name__, error.message)[1]
+                loader = f"{type(error).__name__}: {loader}"
             except Exception as error:  # a bug, recorded as such
                 loader = f"BUG {type(error).__name__}: {error}"
     finally:
@@ -642,6 +724,8 @@ def _limits() -> list[str]:
         ("--tp x --pp", str(cli.MAX_WORLD_SIZE), "cli.MAX_WORLD_SIZE"),
         ("safetensors JSON header", f"{checkpoint.MAX_HEADER_SIZE} bytes",
          "checkpoint.MAX_HEADER_SIZE"),
+        ("model.safetensors.index.json size", f"{checkpoint.MAX_INDEX_BYTES} bytes",
+         "checkpoint.MAX_INDEX_BYTES"),
     ]
     return ["## Limits", "", "| input | at most | constant |", "|---|---|---|",
             *(f"| {what} | {value} | `partc.{name}` |" for what, value, name in rows), "",
@@ -659,6 +743,12 @@ def render(outcomes: list[Outcome]) -> str:
         "through a generated loader's `load()` (TP=2, rank 0). The message is the first error "
         "of the JSON report; paths are relative to the scratch folder of the fault. The "
         "known mistakes of family files are the case table, `tests/cases/<name>/`.",
+        "",
+        "Checkpoint inputs are held to the safetensors library's rules or stricter (see "
+        "`tests/test_header_strictness.py`, which runs every damaged header through both). "
+        "Symbolic links are followed only into the checkpoint folder or the `blobs/` folder of "
+        "its Hugging Face cache repository, and a file that changes while it is read is "
+        "reported, never read as garbage (`tests/test_reader_faults.py`).",
         "",
         *_limits(),
         f"{sum(passed(o) for o in outcomes)} of {len(outcomes)} faults handled: a PartcError "

@@ -444,7 +444,7 @@ def test_fp8_e8m0_and_every_listed_dtype_are_known() -> None:
 
 
 def test_the_full_deepseek_v3_header_parses_and_validates_quickly(tmp_path: Path) -> None:
-    raw = DEEPSEEK_HEADER.read_bytes()
+    raw = DEEPSEEK_HEADER.read_bytes().rstrip(b"\n")  # the fixture file ends in a newline
     end = max(v["data_offsets"][1] for k, v in json.loads(raw).items() if k != "__metadata__")
     path = write_raw(tmp_path / "model.safetensors", raw)
     os.truncate(path, 8 + len(raw) + end)  # sparse: offsets in range, no payload written
@@ -737,7 +737,7 @@ def test_a_file_truncated_while_gathering_columns_is_an_error_not_a_crash(
     with CheckpointReader(ckpt) as reader:
         reader.read("lm_head.weight")  # opens and checks the file
         os.truncate(path, header.data_start + e.end - 1)
-        with pytest.raises(CheckpointError, match="shorter than byte") as info:
+        with pytest.raises(CheckpointError, match="file changed since its header was read") as info:
             reader.read(name, sel)
     assert info.value.tensor == name
 

@@ -4,9 +4,11 @@ preallocated arrays. Headers, indexes and manifests come from `partc.headers` (r
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +17,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from partc.files import FileStamp
 from partc.headers import (
     _ITEMSIZE,
     DTYPES,
     MAX_HEADER_SIZE,
+    MAX_INDEX_BYTES,
     SHARD_FORMAT,
     SHARD_MANIFEST,
     Checkpoint,
@@ -34,8 +38,8 @@ from partc.headers import (
 )
 
 __all__ = [
-    "DTYPES", "MAX_HEADER_SIZE", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE", "Checkpoint",
-    "CheckpointReader", "FileHeader", "ReadRecorder", "ShardManifest", "TensorEntry",
+    "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE",
+    "Checkpoint", "CheckpointReader", "FileHeader", "ReadRecorder", "ShardManifest", "TensorEntry",
     "TensorSelection", "TensorTable", "default_workers", "open_checkpoint", "paused_gc",
     "read_header", "read_shard_manifest", "read_tensor", "read_tensors",
 ]
@@ -242,7 +246,8 @@ def _cut(src: _Ints, dst: _Ints, length: _Ints, owner: _Ints, limit: int
 
 @dataclass(slots=True)
 class _Gather:
-    """A block of rows of a finely cut tensor: mapped from the page cache and gathered."""
+    """A block of rows of a finely cut tensor: its pieces copied by the kernel (see
+    `_run_gather`)."""
 
     file: int
     path: Path
@@ -262,8 +267,8 @@ class _Gather:
 def _gatherable(entry: TensorEntry, sel: TensorSelection) -> bool:
     """Whether a selection is cut into so many short runs that gathering beats preadv.
 
-    A short run costs a syscall (several microseconds) for a few KiB; mapping a block of rows
-    costs one mmap and a page fault per 64 KiB, so many short runs are copied out of a mapping.
+    A short run costs a syscall (a few microseconds) for a few KiB; one process_vm_readv copies
+    up to 1024 runs, so many short runs are gathered (see `_run_gather`).
     """
     if sel.axis is None or sel.axis == 0:
         return False
@@ -336,13 +341,37 @@ class CheckpointReader:
                 fd = os.open(header.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
                 _fail(header.path, f"cannot open checkpoint file: {exc.strerror or exc}")
-            size = os.fstat(fd).st_size
-            if size != header.file_size:
-                os.close(fd)
-                _fail(header.path, f"file changed since its header was read: size {size}, "
-                                   f"expected {header.file_size} (truncated file?)")
-            self._fds[header.path] = fd
+            self._fds[header.path] = fd  # closed by close() even when a check below fails
+            try:
+                st = os.fstat(fd)
+            except OSError as exc:
+                _fail(header.path, f"cannot examine checkpoint file: {exc.strerror or exc}")
+            _check_stamp(header, st, "since its header was read")
         return fd
+
+    def _check_unchanged(self, files: Iterable[int]) -> None:
+        """After reading: every file read is still the one whose header was read, unchanged.
+
+        A file replaced (renamed over) or deleted while being read is named as such; one
+        truncated, extended or rewritten in place shows in its size or modification time.
+        """
+        for file in sorted(set(files)):
+            header = self.checkpoint.files[file]
+            fd = self._fds.get(header.path)
+            if fd is None:
+                continue
+            try:
+                now = os.stat(header.path)
+                st = os.fstat(fd)
+            except FileNotFoundError:
+                _fail(header.path, "checkpoint file disappeared while being read (deleted or "
+                                   "renamed); expected it to stay in place until the load ends")
+            except OSError as exc:
+                _fail(header.path, f"cannot examine checkpoint file: {exc.strerror or exc}")
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                _fail(header.path, "checkpoint file was replaced while being read: the path now "
+                                   "names another file; expected it unchanged until the load ends")
+            _check_stamp(header, st, "while being read")
 
     def read(self, name: str, selection: TensorSelection = WHOLE) -> np.ndarray[Any, Any]:
         """The selected part of tensor `name` as a new C-contiguous array."""
@@ -356,6 +385,7 @@ class CheckpointReader:
             fd, base = self._fd(header), header.data_start + entry.begin
             flat = out.reshape(-1).view(np.uint8)
             self._read_coalesced(fd, str(header.path), entry.name, flat, base, src, dst, length)
+            self._check_unchanged([self.checkpoint.owners[name]])
         return out
 
     def read_many(self, requests: Iterable[tuple[str, TensorSelection]], *,
@@ -406,8 +436,9 @@ class CheckpointReader:
                 self._run_job(job)
                 if progress is not None:
                     progress(job.nbytes)
-            return out
-        self._run_threaded(jobs, progress)
+        else:
+            self._run_threaded(jobs, progress)
+        self._check_unchanged(job.file for job in jobs)
         return out
 
     def _run_threaded(self, jobs: list[_Job | _Gather], progress: Callable[[int], None] | None
@@ -485,35 +516,96 @@ class CheckpointReader:
             _fail(path, f"cannot read tensor data: {exc.strerror or exc}", names[owner[i]])
 
     def _run_gather(self, job: _Gather) -> None:
-        """Map a block of whole rows read-only, copy the selected columns out, unmap."""
-        first, last = job.rows
-        start = job.base + first * job.row_bytes
-        end = job.base + last * job.row_bytes
-        aligned = start - start % mmap.ALLOCATIONGRANULARITY
-        if os.fstat(job.fd).st_size < end:  # a mapping past the end of a file faults (SIGBUS)
-            _fail(job.path, f"file changed while reading: {job.path.name} is shorter than "
-                            f"byte {end}, expected {job.path.name} unchanged (truncated file?)",
-                  job.name)
-        try:
-            mapping = mmap.mmap(job.fd, end - aligned, flags=mmap.MAP_SHARED,
-                                prot=mmap.PROT_READ, offset=aligned)
-        except OSError as exc:
-            _fail(job.path, f"cannot map tensor data: {exc.strerror or exc}", job.name)
-        try:
-            rows = np.frombuffer(mapping, dtype=np.uint8, count=end - start,
-                                 offset=start - aligned).reshape(last - first, job.row_bytes)
-            for src, dst, width in job.pieces:
-                job.out[first:last, dst:dst + width] = rows[:, src:src + width]
-            del rows
-        finally:
-            mapping.close()
+        """Copy the selected columns of a block of rows, by the kernel: never a SIGBUS.
+
+        On Linux the rows are mapped read-only and process_vm_readv (on this very process)
+        copies every piece; the mapping is never touched from user space, so a page past the
+        end of a file truncated meanwhile makes the call fail (EFAULT) instead of raising
+        SIGBUS. Elsewhere, or when that call is refused, each piece is one preadv.
+        """
+        copy = _vm_reader() if _USE_VM_READ else None
+        if copy is None or not self._vm_gather(job, copy):
+            self._pread_gather(job)  # records its own reads
+            return
         recorder = self.recorder
         if recorder is not None:
             path = str(job.path)
+            first, last = job.rows
             for row in range(first, last):
                 at = job.base + row * job.row_bytes
                 for src, _, width in job.pieces:
                     recorder.record(path, at + src, width)
+
+    def _vm_gather(self, job: _Gather, copy: Callable[..., int]) -> bool:
+        """`_run_gather` through a mapping and process_vm_readv; False when the call is refused
+        (the caller falls back to preadv)."""
+        import ctypes
+
+        first, last = job.rows
+        start = job.base + first * job.row_bytes
+        end = job.base + last * job.row_bytes
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mapping = mmap.mmap(job.fd, end - aligned, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ, offset=aligned)
+        except ValueError:  # Python's mmap checks the size first: the file shrank
+            _fail(job.path, f"file changed since its header was read: it ends before byte {end} "
+                            "(truncated file?)", job.name)
+        except OSError as exc:
+            _fail(job.path, f"cannot map tensor data: {exc.strerror or exc}", job.name)
+        try:
+            view = np.frombuffer(mapping, dtype=np.uint8)  # for its address only: never read
+            remote_base = int(view.ctypes.data) + start - aligned
+            del view
+            rows = np.arange(last - first, dtype=np.uint64)[:, None] * np.uint64(job.row_bytes)
+            iovecs = np.empty((len(rows), len(job.pieces), 2), dtype=np.uint64)
+            iovecs[:, :, 0] = rows + np.array([src for src, _, _ in job.pieces], np.uint64)
+            iovecs[:, :, 0] += np.uint64(remote_base)
+            iovecs[:, :, 1] = np.array([width for _, _, width in job.pieces], np.uint64)
+            remote = iovecs.reshape(-1, 2)
+            sizes = remote[:, 1].astype(np.int64)
+            out = job.out[first:last]
+            local = np.empty((1, 2), dtype=np.uint64)
+            local_base, done = int(out.ctypes.data), 0
+            pid = os.getpid()
+            for i in range(0, len(remote), _IOV_MAX):
+                chunk = remote[i:i + _IOV_MAX]
+                want = int(sizes[i:i + _IOV_MAX].sum())
+                local[0] = (local_base + done, want)
+                got = copy(pid, local.ctypes.data, 1, chunk.ctypes.data, len(chunk), 0)
+                if got < 0:
+                    error = ctypes.get_errno()
+                    if error in (errno.EPERM, errno.ENOSYS, errno.EACCES, errno.EINVAL) \
+                            and i == 0:
+                        _disable_vm_read()
+                        return False
+                if got != want:
+                    at = start + _position_of(remote[i:i + _IOV_MAX], max(got, 0), remote_base)
+                    _fail(job.path, f"file changed since its header was read: tensor data at "
+                                    f"byte {at} could not be read (truncated file?)", job.name)
+                done += want
+        finally:
+            mapping.close()
+        return True
+
+    def _pread_gather(self, job: _Gather) -> None:
+        """`_run_gather` with one preadv per piece, straight into the destination."""
+        first, last = job.rows
+        preadv, fd, path, name = os.preadv, job.fd, str(job.path), job.name
+        out, recorder = job.out, self.recorder
+        try:
+            for row in range(first, last):
+                at = job.base + row * job.row_bytes
+                line = out[row].data
+                for src, dst, width in job.pieces:
+                    buf = line[dst:dst + width]
+                    got = preadv(fd, [buf], at + src)
+                    if recorder is not None and got > 0:
+                        recorder.record(path, at + src, got)
+                    if got != width:
+                        self._fill(fd, path, name, [buf[max(got, 0):]], at + src + max(got, 0))
+        except OSError as exc:
+            _fail(job.path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
 
     def _read_coalesced(self, fd: int, path: str, name: str, flat: np.ndarray[Any, Any],
                         base: int, src: _Ints, dst: _Ints, length: _Ints) -> None:
@@ -556,8 +648,9 @@ class CheckpointReader:
                 if self.recorder is not None and got > 0:
                     self.recorder.record(path, offset, got)
             if got <= 0:
-                _fail(path, f"truncated file: read returned no data at offset {offset}, "
-                            f"expected {sum(map(len, bufs))} more bytes", name)
+                _fail(path, f"file changed since its header was read (truncated file?): read "
+                            f"returned no data at offset {offset}, expected "
+                            f"{sum(map(len, bufs))} more bytes", name)
             offset += got
             while got and bufs:
                 if got >= len(bufs[0]):
@@ -567,6 +660,59 @@ class CheckpointReader:
             if not bufs:
                 return
             got = None
+
+
+def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
+    """Refuse a file whose stat no longer matches the one taken when its header was read."""
+    stamp, now = header.stamp, FileStamp.of(st)
+    if stamp is not None and (stamp.device, stamp.inode) != (now.device, now.inode):
+        _fail(header.path, f"checkpoint file was replaced {when}: the path names another file "
+                           f"(inode {now.inode}, expected {stamp.inode})")
+    if now.size != header.file_size:
+        _fail(header.path, f"file changed {when}: size {now.size}, expected "
+                           f"{header.file_size} (truncated file?)")
+    if stamp is not None and now.mtime_ns != stamp.mtime_ns:
+        _fail(header.path, f"file changed {when}: it was modified (mtime {now.mtime_ns} ns, "
+                           f"expected {stamp.mtime_ns} ns)")
+
+
+def _position_of(remote: np.ndarray[Any, Any], done: int, base: int) -> int:
+    """Offset (from `base`) of the first byte a vectored copy of `remote` iovecs did not do."""
+    ends = np.cumsum(remote[:, 1].astype(np.int64))
+    i = int(np.searchsorted(ends, done, side="right"))
+    if i >= len(remote):
+        return int(remote[-1, 0]) + int(remote[-1, 1]) - base
+    before = int(ends[i - 1]) if i else 0
+    return int(remote[i, 0]) - base + done - before
+
+
+_USE_VM_READ = sys.platform.startswith("linux")
+"""Whether gathers may copy through process_vm_readv (tests turn it off to cover preadv)."""
+_VM_READ: list[Callable[..., int] | None] = []
+"""The process_vm_readv function once looked up (None: unavailable); empty before."""
+
+
+def _vm_reader() -> Callable[..., int] | None:
+    """libc's process_vm_readv, looked up once; None where there is none."""
+    if not _VM_READ:
+        found: Callable[..., int] | None = None
+        try:
+            import ctypes
+
+            function = ctypes.CDLL(None, use_errno=True).process_vm_readv
+            function.restype = ctypes.c_ssize_t
+            function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                                 ctypes.c_ulong, ctypes.c_ulong]
+            found = function
+        except (OSError, AttributeError, ImportError):
+            found = None
+        _VM_READ.append(found)
+    return _VM_READ[0]
+
+
+def _disable_vm_read() -> None:
+    """Use preadv for gathers from now on (process_vm_readv was refused, e.g. by seccomp)."""
+    _VM_READ[:] = [None]
 
 
 def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = WHOLE, *,

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,9 +26,20 @@ import ml_dtypes
 import numpy as np
 
 from partc.errors import CheckpointError, SourceLocation
+from partc.files import (
+    FileStamp,
+    checked_member,
+    file_kind,
+    open_regular,
+    present,
+    read_exactly,
+    stat_or_none,
+)
 
-MAX_HEADER_SIZE = 100 * 1024 * 1024
-"""Largest JSON header partc agrees to parse (100 MiB), as the safetensors library does."""
+MAX_HEADER_SIZE = 100_000_000
+"""Largest JSON header partc agrees to parse (10^8 bytes), the safetensors library's limit."""
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+"""Largest model.safetensors.index.json partc agrees to read (64 MiB; DeepSeek-V3's is 8.9 MB)."""
 
 _NAMED_DTYPES: dict[str, Any] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
@@ -70,19 +82,60 @@ def _unique(path: Path, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[
     return table
 
 
-def _load_object(path: Path, text: str, what: str) -> dict[str, Any]:
-    """Parse JSON text that must be an object; nested objects become tuples of pairs."""
+class _NotJson(ValueError):
+    """A NaN or Infinity literal: Python's json reads them, JSON (and safetensors) does not."""
+
+
+def _refuse_constant(name: str) -> NoReturn:
+    """`parse_constant` hook of partc's decoders: NaN, Infinity and -Infinity are not JSON."""
+    raise _NotJson(f"{name} is not a JSON value")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+"""Plain strict decoder (the fast header path)."""
+_PAIRS_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, object_pairs_hook=tuple)
+"""Strict decoder keeping every member of an object, duplicates included (careful paths)."""
+
+
+def _load_object(path: Path, text: str, what: str, *, padding: bool = False
+                 ) -> dict[str, Any]:
+    """Parse JSON text that must be an object; nested objects become tuples of pairs.
+
+    With `padding`, the text must start with '{' and may only be followed by spaces (a
+    safetensors header); otherwise JSON whitespace may surround it.
+    """
     try:
-        doc = json.loads(text, object_pairs_hook=tuple)
+        if padding and text.startswith("{"):
+            doc, end = _PAIRS_DECODER.raw_decode(text)
+            _check_padding(path, text, end, what)
+        elif padding and text.lstrip(" \t\r\n").startswith("{"):
+            _fail(path, f"{what} must start with '{{' (found {text[:8]!r}); expected no "
+                        "leading whitespace")
+        else:  # not an object at all: say what it is
+            doc = _PAIRS_DECODER.decode(text)
+    except _NotJson as exc:
+        _fail(path, f"{what} is not valid JSON: {exc}")
     except json.JSONDecodeError as exc:
         _fail(path, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     except RecursionError:
         _fail(path, f"{what} is not valid JSON: nested too deeply")
+    except MemoryError:
+        _fail(path, f"ran out of memory parsing the {what} ({len(text)} characters)")
     except ValueError:  # a number too long for int(): json lets Python's ValueError out
         _fail(path, f"{what} holds a number too long to read (more than 4300 digits)")
     if not isinstance(doc, tuple):
         _fail(path, f"{what} is not a JSON object (found {_kind(doc)})")
     return _unique(path, doc, f"the {what}")
+
+
+def _check_padding(path: Path, text: str, end: int, what: str) -> None:
+    """Refuse anything but spaces (0x20) after the JSON object that ends at `end`."""
+    rest = text[end:]
+    if rest.strip(" "):
+        at = len(text[:end].encode("utf-8")) + len(rest) - len(rest.lstrip(" "))
+        _fail(path, f"{what} has {len(rest.strip(' ').encode('utf-8'))} bytes after its JSON "
+                    f"object, the first {rest.lstrip(' ')[:8]!r} at header byte {at}; expected "
+                    "padding with spaces (0x20) only (a wrong header length?)")
 
 
 class TensorEntry(NamedTuple):
@@ -123,27 +176,35 @@ class FileHeader:
     """Tensor name -> entry, ordered by name."""
     digest: str = ""
     """sha256 of the header bytes as stored (byte-identical headers have equal digests)."""
+    stamp: FileStamp | None = None
+    """The file's identity when the header was read (readers refuse a file whose differs)."""
 
 
 def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Read and validate the header of one .safetensors file without touching its payload."""
+    """Read and validate the header of one .safetensors file without touching its payload.
+
+    As strict as the safetensors library or stricter: the 8-byte length, at most
+    MAX_HEADER_SIZE, a JSON object starting with '{' and padded with spaces only, and tensors
+    whose byte ranges cover the data region exactly (no gap, no overlap, no trailing byte).
+    """
     p = Path(path)
+    fd, st = open_regular(p)
     try:
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8:
-                _fail(p, f"header length {n} beyond the file of size {size}")
-            if n > MAX_HEADER_SIZE:
-                _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
-            raw = f.read(n)
-    except OSError as exc:
-        _fail(p, f"cannot read checkpoint file: {exc.strerror or exc}")
-    if len(raw) != n:
-        _fail(p, f"truncated file: header of {n} bytes but only {len(raw)} could be read")
-    return _parse_header(p, raw, size)
+        size = st.st_size
+        if size < 8:
+            _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
+        n = int.from_bytes(read_exactly(fd, p, 0, 8, "header length"), "little")
+        if n > MAX_HEADER_SIZE:
+            _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
+        if n > size - 8:
+            _fail(p, f"header length {n} beyond the file of size {size}")
+        raw = read_exactly(fd, p, 8, n, "header")
+    finally:
+        os.close(fd)
+    try:
+        return _parse_header(p, raw, size, FileStamp.of(st))
+    except MemoryError:
+        _fail(p, f"ran out of memory parsing the header ({n} bytes)")
 
 
 @contextmanager
@@ -162,7 +223,8 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parse_header(p: Path, raw: bytes, size: int) -> FileHeader:
+def _parse_header(p: Path, raw: bytes, size: int, stamp: FileStamp | None = None
+                  ) -> FileHeader:
     """Validate the JSON header bytes of a file of `size` bytes."""
     n = len(raw)
     try:
@@ -172,7 +234,8 @@ def _parse_header(p: Path, raw: bytes, size: int) -> FileHeader:
     with paused_gc():  # ~1M short-lived containers: collecting them mid-parse doubles the time
         metadata, tensors = _parse_tables(p, text, size - 8 - n)
     return FileHeader(path=p, header_size=n, data_start=8 + n, file_size=size,
-                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest())
+                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest(),
+                      stamp=stamp)
 
 
 _Columns = tuple[tuple[tuple[str, str], ...], list[str], list[Any], list[Any], list[int],
@@ -188,7 +251,7 @@ def _parse_tables(p: Path, text: str, data_size: int
     columns = _fast_columns(text, data_size) or _careful_columns(p, text, data_size)
     metadata, names, dtypes, shapes, bounds, entries = columns
     begins, ends = bounds[0::2], bounds[1::2]
-    _check_overlaps(p, names, begins, ends)
+    _check_coverage(p, names, begins, ends, data_size)
     if entries is None:
         entries = {name: {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
                    for name, dtype, shape, begin, end in zip(names, dtypes, shapes, begins, ends,
@@ -242,13 +305,13 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
     backslash escapes every ':' in the text either separates one object member or sits inside a
     string, so the count matches only when no member was dropped.
     """
-    if "\\" in text:
+    if "\\" in text or not text.startswith("{"):
         return None
     try:
-        table = json.loads(text)
+        table, end = _DECODER.raw_decode(text)
     except (ValueError, RecursionError):
         return None
-    if type(table) is not dict:
+    if type(table) is not dict or text[end:].strip(" "):
         return None
     has_meta = "__metadata__" in table
     meta = table.pop("__metadata__", {})
@@ -281,7 +344,7 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
 
 def _careful_columns(p: Path, text: str, data_size: int) -> _Columns:
     """Validate any header entry by entry, raising the precise CheckpointError of a fault."""
-    table = _load_object(p, text, "header")
+    table = _load_object(p, text, "header", padding=True)
     metadata = _parse_metadata(p, table.pop("__metadata__", ()))
     names = sorted(table)
     dtypes: list[Any] = []
@@ -319,18 +382,38 @@ def _bulk_valid(dtypes: list[Any], shapes: list[list[Any]], offsets: list[list[A
     return None if any(map(ne, sizes, spans)) else bounds
 
 
-def _check_overlaps(p: Path, names: list[str], begins: list[int], ends: list[int]) -> None:
-    """Refuse two non-empty tensors whose byte ranges overlap."""
+def _check_coverage(p: Path, names: list[str], begins: list[int], ends: list[int],
+                    data_size: int) -> None:
+    """Refuse byte ranges that do not tile the data region: sorted by (begin, end), the first
+    begins at 0, each begins where the previous one ends, the last ends at `data_size` (the
+    safetensors library's rule: no gap, no overlap, no trailing byte)."""
     b = np.array(begins, dtype=np.int64)
     e = np.array(ends, dtype=np.int64)
-    keep = np.flatnonzero(e > b)
-    order = keep[np.argsort(b[keep], kind="stable")]
-    bad = np.flatnonzero(b[order][1:] < e[order][:-1])
+    order = np.lexsort((e, b))
+    b, e = b[order], e[order]
+    if len(order) and b[0] != 0:
+        i = int(order[0])
+        _fail(p, f"gap at the start of the data region: the first tensor {names[i]!r} begins at "
+                 f"data byte {begins[i]}; expected 0", names[i])
+    overlap = np.flatnonzero(b[1:] < e[:-1])
+    if len(overlap):
+        i, j = int(order[overlap[0]]), int(order[overlap[0] + 1])
+        _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) "
+                 f"and {names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
+              tensor=names[j])
+    bad = np.flatnonzero(b[1:] != e[:-1])
     if len(bad):
         i, j = int(order[bad[0]]), int(order[bad[0] + 1])
-        _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) and "
-                 f"{names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
-              tensor=names[j])
+        _fail(p, f"gap in the data region: {names[j]!r} begins at data byte {begins[j]} but "
+                 f"{names[i]!r} ends at {ends[i]} ({begins[j] - ends[i]} unused bytes); expected "
+                 "each tensor to begin where the previous one ends", names[j])
+    covered = int(e[-1]) if len(order) else 0
+    if covered != data_size:
+        last = f" (the last, {names[int(order[-1])]!r}, ends there)" if len(order) else ""
+        _fail(p, f"file not fully covered: the data region holds {data_size} bytes but the "
+                 f"tensors cover {covered}{last}: {data_size - covered} trailing "
+                 f"byte{'s' if data_size - covered != 1 else ''} (a wrong "
+                 "header length, or bytes appended?); expected the tensors to cover it exactly")
 
 
 def _parse_metadata(p: Path, value: object) -> tuple[tuple[str, str], ...]:
@@ -497,22 +580,30 @@ def _suggest(name: str, names: tuple[str, ...]) -> str | None:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors."""
+    """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors.
+
+    Every file is checked before it is opened: it must be a regular file, and a symbolic link
+    must resolve inside the checkpoint folder or its Hugging Face cache `blobs/` folder.
+    """
     p = Path(path)
-    if p.is_dir():
+    st = stat_or_none(p, "checkpoint path")
+    if st is None:
+        _fail(p, "no such checkpoint file or directory")
+    if stat.S_ISDIR(st.st_mode):
         index, single = p / "model.safetensors.index.json", p / "model.safetensors"
-        if index.is_file():
-            return _open_index(p, index)
-        if single.is_file():
-            return _open_single(p, single)
+        if present(index, "checkpoint index"):
+            return _open_index(p, checked_member(p, index, "index"))
+        if present(single, "checkpoint file"):
+            return _open_single(p, checked_member(p, single, "checkpoint file"))
         _fail(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json")
+    if not stat.S_ISREG(st.st_mode):
+        _fail(p, "checkpoint path is not a regular file or folder (found "
+                 f"{file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
+    member = checked_member(p.parent, p, "checkpoint file")
     if p.name.endswith(".index.json"):
-        return _open_index(p, p)
-    if not p.is_file():
-        _fail(p, "not a regular file: expected a .safetensors file, an index or a folder"
-              if p.exists() else "no such checkpoint file or directory")
-    return _open_single(p, p)
+        return _open_index(p, member)
+    return _open_single(p, member)
 
 
 def _open_single(origin: Path, file: Path) -> Checkpoint:
@@ -548,10 +639,23 @@ class _OneFile(Mapping[str, int]):
 
 def _open_index(origin: Path, index: Path) -> Checkpoint:
     """A checkpoint described by an HF model.safetensors.index.json."""
+    fd, st = open_regular(index, "checkpoint index")
     try:
-        text = index.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(index, f"cannot read index: {exc}")
+        if st.st_size > MAX_INDEX_BYTES:
+            _fail(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
+                         "(partc.checkpoint.MAX_INDEX_BYTES); refusing to read it")
+        raw = read_exactly(fd, index, 0, st.st_size, "index")
+    except MemoryError:
+        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(index, f"index is not valid UTF-8: {exc.reason} at byte {exc.start}")
+    except MemoryError:
+        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+    del raw
     top = _load_object(index, text, "index")
     if "metadata" in top and not isinstance(top["metadata"], tuple):
         _fail(index, f"index metadata must be an object (found {_kind(top['metadata'])})")
@@ -569,9 +673,10 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
     folder = index.parent
     shards = sorted(set(weight_map.values()))
     for shard in shards:
-        if not (folder / shard).is_file():
+        if not present(folder / shard, "shard file"):
             _fail(index, f"missing shard file {shard} named by the index")
-    files = tuple(read_header(folder / shard) for shard in shards)
+    files = tuple(read_header(checked_member(folder, folder / shard, "shard file"))
+                  for shard in shards)
     owners: dict[str, int] = {}
     for i, header in enumerate(files):
         for name in header.tensors:
@@ -625,15 +730,24 @@ class ShardManifest:
 def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     """The manifest of a pre-sharded checkpoint folder; None when `folder` holds none."""
     path = Path(folder) / SHARD_MANIFEST
-    if not path.is_file():
+    found = stat_or_none(path, "shard manifest")
+    if found is None or not stat.S_ISREG(found.st_mode):
         return None
+    fd, st = open_regular(path, "shard manifest")
     try:
-        text = path.read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        if st.st_size > MAX_INDEX_BYTES:
+            _fail(path, f"shard manifest of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte "
+                        "limit; refusing to read it")
+        raw = read_exactly(fd, path, 0, st.st_size, "shard manifest")
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
         _fail(path, f"cannot read the shard manifest: {exc}")
     try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
+        doc = _DECODER.decode(text)
+    except (ValueError, RecursionError, MemoryError) as exc:
         _fail(path, f"shard manifest is not valid JSON: {exc}")
     if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT or doc.get("version") != 1:
         _fail(path, f"not a partc shard manifest: expected format {SHARD_FORMAT!r} version 1")

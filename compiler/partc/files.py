@@ -1,0 +1,149 @@
+"""Checkpoint files on disk: opened only when regular, read exactly, stamped to notice a later
+change, and followed through symbolic links only within the checkpoint (`partc.headers` and
+`partc.checkpoint` use these; nothing here parses a header).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from contextlib import suppress
+from pathlib import Path
+from typing import NamedTuple, NoReturn
+
+from partc.errors import CheckpointError, SourceLocation
+
+
+def _fail(path: str | os.PathLike[str], message: str) -> NoReturn:
+    """Raise a CheckpointError located at `path`."""
+    raise CheckpointError(message, location=SourceLocation(str(path)))
+
+
+class FileStamp(NamedTuple):
+    """What identifies a file's contents when its header was read (device, inode, size,
+    modification time); a different stamp means the file changed or was replaced."""
+
+    device: int
+    """st_dev."""
+    inode: int
+    """st_ino."""
+    size: int
+    """st_size."""
+    mtime_ns: int
+    """st_mtime_ns."""
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        """The stamp of a stat result."""
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+"""Flags for opening checkpoint files: O_NONBLOCK so that a FIFO never blocks the open (its
+fstat then refuses it); no effect on regular files."""
+
+
+def open_regular(path: Path, what: str = "checkpoint file") -> tuple[int, os.stat_result]:
+    """Open `path` read-only and fstat it; CheckpointError unless it is a regular file."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        with suppress(OSError):  # a socket cannot be opened (ENXIO): say what it is
+            mode = os.stat(path).st_mode
+            if not stat.S_ISREG(mode):
+                _fail(path, f"{what} is not a regular file (found {file_kind(mode)})")
+        _fail(path, f"cannot open {what}: {exc.strerror or exc}")
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        _fail(path, f"cannot read {what}: {exc.strerror or exc}")
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        _fail(path, f"{what} is not a regular file (found {file_kind(st.st_mode)})")
+    return fd, st
+
+
+def file_kind(mode: int) -> str:
+    """Words for the kind of file of an st_mode."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISLNK, "a symbolic link"))
+    return next((words for test, words in kinds if test(mode)), "an unknown kind of file")
+
+
+def read_exactly(fd: int, path: Path, offset: int, n: int, what: str) -> bytes:
+    """`n` bytes at `offset`, or CheckpointError (a file that shrank, an I/O error)."""
+    parts: list[bytes] = []
+    got = 0
+    try:
+        while got < n:
+            part = os.pread(fd, n - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+    except OSError as exc:
+        _fail(path, f"cannot read {what}: {exc.strerror or exc}")
+    if got != n:
+        _fail(path, f"truncated file: {what} of {n} bytes but only {got} could be read "
+                    "(file changed while being read?)")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def stat_or_none(path: Path, what: str) -> os.stat_result | None:
+    """os.stat of `path` (links followed); None when nothing is there; CheckpointError when it
+    cannot be examined (permission denied, a loop of links)."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+
+
+def present(path: Path, what: str) -> bool:
+    """Whether anything (a dangling link included) is at `path`; CheckpointError when that
+    cannot be told (permission denied)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as exc:
+        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+    return True
+
+
+def trusted_roots(folder: Path) -> tuple[Path, ...]:
+    """Where a checkpoint file's symbolic link may lead: the folder itself and, for a Hugging
+    Face cache snapshot (`<repo>/snapshots/<rev>/`), that repository's `blobs/` folder."""
+    real = Path(os.path.realpath(folder))
+    if real.parent.name == "snapshots":
+        return real, real.parent.parent / "blobs"
+    return (real,)
+
+
+def checked_member(folder: Path, path: Path, what: str) -> Path:
+    """`path` (a file of the checkpoint in `folder`), checked against the symbolic-link policy.
+
+    A link is followed only when it resolves inside `trusted_roots(folder)`; anything else
+    names the link and its target. A file that is not a link is returned as it is.
+    """
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return path
+        target = os.readlink(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return path
+    except OSError as exc:
+        _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
+    real = Path(os.path.realpath(path))
+    if not present(real, what):
+        _fail(path, f"{what} {path.name} is a symbolic link to {target}, which does not exist")
+    roots = trusted_roots(folder)
+    if not any(real.is_relative_to(root) for root in roots):
+        where = " or ".join(str(root) for root in roots)
+        _fail(path, f"{what} {path.name} is a symbolic link to {target} (resolving to {real}), "
+                    f"outside {where}; partc follows links only within the checkpoint folder "
+                    "and its Hugging Face cache blobs/ folder")
+    return path
