@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from partc import __version__
-from partc.errors import EmitError, SourceLocation
+from partc.errors import EmitError
 from partc.plan import canonical_json
 
 __all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "read_marker",
@@ -150,7 +150,8 @@ def _listing(names: Sequence[str]) -> str:
 
 
 def _refuse(given: Path, message: str) -> EmitError:
-    return EmitError(message, location=SourceLocation(str(given)))
+    """The refusal of output `given` (the message names it, as every output error does)."""
+    return EmitError(message)
 
 
 _REPLACES = "partc replaces its output folder whole"
@@ -176,12 +177,13 @@ def destination(out: str | os.PathLike[str], *, kind: str,
     name = os.path.basename(stripped)
     if os.path.islink(stripped):
         target = Path(os.path.realpath(stripped))
+        written = os.readlink(stripped)  # as the user wrote it: messages stay short
         if not force:
-            raise _refuse(given, f"the output folder {given} is a symbolic link (to {target}); "
-                          "partc does not replace a link: name the folder itself, or pass "
-                          f"--force to write into {target} and keep the link")
+            raise _refuse(given, f"the output folder {given} is a symbolic link (to {written});"
+                          " partc does not replace a link: name the folder itself, or pass "
+                          "--force to write into the link's target and keep the link")
         if not target.is_dir():
-            raise _refuse(given, f"the output folder {given} is a symbolic link to {target}, "
+            raise _refuse(given, f"the output folder {given} is a symbolic link to {written}, "
                           "which is not an existing folder; --force writes only into an "
                           "existing folder")
         where = target
@@ -194,9 +196,9 @@ def destination(out: str | os.PathLike[str], *, kind: str,
                       f"{_REPLACES}")
     cwd = Path(os.path.realpath(os.getcwd()))
     if where == cwd or where in cwd.parents:
-        what = "is" if where == cwd else "holds"
-        raise _refuse(given, f"the output folder {given} {what} the working directory {cwd}; "
-                      f"{_REPLACES}: name a new folder such as {given / 'build'}")
+        what = "is the working directory" if where == cwd else f"holds the working directory {cwd}"
+        raise _refuse(given, f"the output folder {given} {what}; {_REPLACES}: name a new "
+                      f"folder such as {given / 'build'}")
     for label, path in inputs:
         real = Path(os.path.realpath(path))
         if where == real or where in real.parents:
@@ -417,8 +419,8 @@ def write_atomically(out: str | os.PathLike[str],
         parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=_scratch_prefix(where, "partc"), dir=parent))
     except OSError as exc:
-        blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()),
-                        None)
+        up = given.parent
+        blocking = next((p for p in (up, *up.parents) if p.exists() and not p.is_dir()), None)
         reason = (f"{blocking} exists and is not a folder" if blocking is not None
                   else exc.strerror or str(exc))
         raise EmitError(f"cannot create the output folder {given}: {reason}") from None
