@@ -215,8 +215,9 @@ def compile_family(family: str | Path | None, config: str | Path, *,
         from partc.digests import plan_digests
 
         assert checkpoint is not None
-        plan = replace(plan, payload_digests=plan_digests(plan, open_checkpoint(Path(
-            checkpoint))), _tensors=[], _document=[])
+        recorded = plan_digests([rank.layout for rank in plan.ranks],
+                                open_checkpoint(Path(checkpoint)))
+        plan = replace(plan, payload_digests=recorded, _tensors=[], _document=[])
     files = render_package(plan)
     written = None
     if out is not None:

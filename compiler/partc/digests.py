@@ -23,8 +23,7 @@ from partc.checkpoint import Checkpoint, TensorSelection, default_workers, read_
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 
 if TYPE_CHECKING:
-    from partc.parallel import LocalTensorLayout
-    from partc.plan import Plan
+    from partc.parallel import LocalModelLayout, LocalTensorLayout
 
 __all__ = ["VERIFY_MODES", "manifest_digests", "plan_digests", "tensor_digest",
            "tensor_digests", "verify_digests"]
@@ -65,17 +64,18 @@ def _batches(items: Sequence[LocalTensorLayout]) -> Iterator[list[LocalTensorLay
         yield batch
 
 
-def plan_digests(plan: Plan, checkpoint: Checkpoint, workers: int | None = None
-                 ) -> tuple[tuple[tuple[str, str], ...], ...]:
-    """Per rank of `plan`, (target, digest) of every rank-local tensor, sorted by target.
+def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
+                 workers: int | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Per rank (`layouts` in rank order), (target, digest) of every rank-local tensor, sorted
+    by target: the plan's `payload_digests`.
 
     Each distinct slice is read once (a tensor replicated over tensor-parallel ranks is read
     and hashed for the first of them), in batches, so memory stays about one batch.
     """
     known: dict[tuple[str, Any], str] = {}
     ranks = []
-    for rank in plan.ranks:
-        items = rank.layout.tensors
+    for layout in layouts:
+        items = layout.tensors
         missing = list({(t.target, t.selection): t for t in items
                         if (t.target, t.selection) not in known}.values())
         for batch in _batches(missing):
