@@ -62,7 +62,8 @@ result = {}
 if mode == "compile":
     from pathlib import Path
     from partc.api import plan_family
-    from partc.emit import render_package, write_atomically
+    from partc.emit import render_package
+    from partc.output import write_atomically
     from partc.plan import Topology
     t0 = time.perf_counter()
     topology = Topology(tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"])
@@ -70,7 +71,7 @@ if mode == "compile":
     t1 = time.perf_counter()
     files = render_package(plan)
     t2 = time.perf_counter()
-    write_atomically(Path(spec["out"]), files)
+    write_atomically(Path(spec["out"]), files, kind="build")
     t3 = time.perf_counter()
     counts = [r.info.owned_tensors for r in plan.ranks]
     result.update(plan=t1 - t0, codegen=t2 - t1, write=t3 - t2, total=t3 - t0,

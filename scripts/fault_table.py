@@ -187,6 +187,24 @@ def _under_file(scratch: Path) -> str:
     return "afile/build"
 
 
+def _notes_folder(scratch: Path) -> str:
+    (scratch / "notes").mkdir()
+    (scratch / "notes" / "todo.txt").write_text("the user's own notes")
+    return "notes"
+
+
+def _link_to_folder(scratch: Path) -> str:
+    (scratch / "real").mkdir()
+    (scratch / "link").symlink_to("real")
+    return "link"
+
+
+def _into_checkpoint(scratch: Path) -> list[str]:
+    copy_checkpoint(scratch, "ckpt")
+    return ["compile", "llama", "--config", "ckpt/config.json", "--checkpoint", "ckpt", "--out",
+            "ckpt"]
+
+
 def _checkpoint(make: Callable[[Path], Path]) -> Callable[[Path], list[str]]:
     def setup(scratch: Path) -> list[str]:
         shutil.copy(FIXTURE / "config.json", scratch / "config.json")
@@ -480,6 +498,13 @@ def _faults() -> Iterator[Fault]:
     yield Fault("output", "out_is_a_file", "--out names an existing file", _output(_file_at))
     yield Fault("output", "out_under_a_file", "--out is inside a file",
                 _output(_under_file))
+    yield Fault("output", "out_is_a_notes_folder", "--out is a folder of the user's files",
+                _output(_notes_folder))
+    yield Fault("output", "out_is_the_working_directory", "--out .", _output(lambda _: "."))
+    yield Fault("output", "out_is_a_symlink", "--out is a symbolic link to a folder",
+                _output(_link_to_folder))
+    yield Fault("output", "out_is_the_checkpoint", "--out is the checkpoint folder (which holds "
+                "the config)", _into_checkpoint)
     checkpoints: list[tuple[str, str, Callable[[Path], Path]]] = [
         ("no_such_path", "the checkpoint path does not exist", _no_such_path),
         ("empty_folder", "a folder with no safetensors", _empty_folder),

@@ -123,12 +123,12 @@ def test_a_failed_compile_leaves_the_previous_build_untouched(tmp_path):
 def test_a_successful_compile_replaces_the_previous_build_whole(tmp_path):
     out = tmp_path / "build"
     compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
-    (out / "stale.txt").write_text("left from before")
+    assert (out / "partc_llama_tp2_pp1" / "rank_01.py").is_file()
     compile_family("llama", CONFIG, pipeline_parallel_size=3, out=out)
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*.py"))
     assert names == ["partc_llama_tp1_pp3/__init__.py", "partc_llama_tp1_pp3/rank_00.py",
                      "partc_llama_tp1_pp3/rank_01.py", "partc_llama_tp1_pp3/rank_02.py"]
-    assert not (out / "stale.txt").exists()
+    assert not (out / "partc_llama_tp2_pp1").exists()
 
 
 def test_a_compile_killed_midway_leaves_the_previous_build_intact(tmp_path):
@@ -136,7 +136,7 @@ def test_a_compile_killed_midway_leaves_the_previous_build_intact(tmp_path):
     compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
     before = _tree(out)
     script = (
-        "import os, signal, partc.emit as e\n"
+        "import os, signal\n"
         "real = os.fsync\n"
         "count = [0]\n"
         "def dying(fd):\n"

@@ -200,7 +200,7 @@ def two_builds(tmp_path_factory) -> tuple[dict[str, bytes], dict[str, bytes]]:
 
 
 KILL_AT = """
-import os, shutil, signal, partc.emit as emit
+import os, shutil, signal, partc.output as output
 target, when = {target!r}, {when}
 count = [0]
 def dying(real):
@@ -211,9 +211,9 @@ def dying(real):
         return real(*args, **kwargs)
     return wrapper
 if target == "exchange":
-    emit._exchange = dying(emit._exchange)
+    output._exchange = dying(output._exchange)
 elif target == "rmtree":
-    emit.shutil.rmtree = dying(shutil.rmtree)
+    output.shutil.rmtree = dying(shutil.rmtree)
 else:
     setattr(os, target, dying(getattr(os, target)))
 from partc.api import compile_family

@@ -37,6 +37,7 @@ from partc.api import bind, check_family, checkpoint_errors, compile_family
 from partc.checkpoint import open_checkpoint
 from partc.cli import main as cli_main
 from partc.errors import PartcError
+from partc.output import MARKER
 
 from support import ROOT, import_build
 from support.families import MINI, MINI_CONFIG, MINI_TOML
@@ -240,6 +241,8 @@ def compile_keeping_the_previous_build(family: Path, config: Path, tp: int, pp: 
             family, config, tensor_parallel_size=tp, pipeline_parallel_size=pp, out=out)) or None)
     after = _tree(out)
     if outcome == "ok":
+        marker = json.loads(after.pop(MARKER))
+        assert marker["kind"] == "build" and marker["files"] == sorted(result[0].files)
         assert after == {k: v.encode() for k, v in result[0].files.items()}
     else:
         assert after == before, "a failed compile changed the previous build"

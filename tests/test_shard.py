@@ -16,6 +16,7 @@ from partc import shard
 from partc.checkpoint import SHARD_MANIFEST, read_shard_manifest
 from partc.cli import main
 from partc.errors import CheckpointError, LoadError, PartcError
+from partc.output import MARKER
 from partc.shard import rank_file_name, shard_checkpoint
 
 from support import Recorder, assert_same_tensors, compile_and_import, hf
@@ -82,7 +83,7 @@ def test_the_manifest_ties_every_rank_file_to_the_plan_hash(
         "rank-00-of-04.safetensors", "rank-01-of-04.safetensors",
         "rank-02-of-04.safetensors", "rank-03-of-04.safetensors"]
     assert sorted(p.name for p in sharded.iterdir()) == sorted(
-        [SHARD_MANIFEST, *(r["file"] for r in manifest["ranks"])])
+        [MARKER, SHARD_MANIFEST, *(r["file"] for r in manifest["ranks"])])
     for entry, rank in zip(manifest["ranks"], plan.ranks, strict=True):
         assert sorted(entry["tensors"]) == [t.target for t in rank.layout.tensors]
         assert entry["bytes"] == rank.info.local_parameter_bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -223,12 +223,16 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    policy: ShardingPolicy | None = None,
                    activation_dtype: str = "bfloat16",
                    checkpoint: str | Path | None = None,
-                   out: str | Path | None = None) -> CompileResult:
+                   out: str | Path | None = None, force: bool = False,
+                   digests: bool = False) -> CompileResult:
     """Compile a family for a model config and topology; write the build to `out` if given.
 
-    Raises a PartcError (PartcErrors when several were found) and writes nothing on failure.
+    `digests` (needs `checkpoint`) records the sha256 of every rank-local tensor in the plan,
+    for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. Raises a
+    PartcError (PartcErrors when several were found) and writes nothing on failure.
     """
-    from partc.emit import render_package, write_atomically
+    from partc.emit import render_package
+    from partc.output import check_output, write_atomically
 
     try:
         dtype = PipelineActivationDtype(activation_dtype)
@@ -240,11 +244,27 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                         pipeline_parallel_size=pipeline_parallel_size,
                         stage_units=tuple(stage_units) if stage_units else None, policy=policy,
                         activation_dtype=dtype)
+    if digests and checkpoint is None:
+        raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "
+                        "--digests")
     plan = plan_family(family, config, topology, checkpoint=checkpoint)
+    inputs = ([("checkpoint", checkpoint)] if checkpoint else []) + [("config file", config)]
+    if family is not None and Path(family).is_file():
+        inputs.append(("family file", family))
+    if out is not None:
+        check_output(out, kind="build", inputs=inputs, force=force)
+    if digests:
+        from partc.checkpoint import open_checkpoint
+        from partc.digests import plan_digests
+
+        assert checkpoint is not None
+        recorded = plan_digests([rank.layout for rank in plan.ranks],
+                                open_checkpoint(Path(checkpoint)))
+        plan = replace(plan, payload_digests=recorded, _tensors=[], _document=[])
     files = render_package(plan)
     written = None
     if out is not None:
-        write_atomically(Path(out), files)
+        write_atomically(Path(out), files, kind="build", inputs=inputs, force=force)
         written = Path(out)
     return CompileResult(plan=plan, files=files, out=written)
 

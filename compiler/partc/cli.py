@@ -93,7 +93,17 @@ def _parser() -> argparse.ArgumentParser:
                           help="dtype of activations crossing pipeline cuts")
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
-    compile_.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    compile_.add_argument("--out", required=True,
+                          help="output folder: new, empty, or a build partc wrote (marked by "
+                               ".partc-build.json); replaced atomically, never the checkpoint, "
+                               "the config or the working directory")
+    compile_.add_argument("--force", action="store_true",
+                          help="write through a symbolic link --out into its target folder "
+                               "(kept as the link), or replace a partc shard set; never deletes "
+                               "files partc did not write")
+    compile_.add_argument("--digests", action="store_true",
+                          help="with --checkpoint: read every rank's slices once and record their "
+                               "sha256 in the plan, for load(..., verify='digest')")
     compile_.add_argument("--format", choices=["text", "json"], default="text")
 
     check = commands.add_parser("check", help="validate without writing anything")
@@ -114,7 +124,14 @@ def _parser() -> argparse.ArgumentParser:
                                               "build, for sequential loading")
     shard.add_argument("build", help="a folder written by `partc compile`")
     shard.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
-    shard.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    shard.add_argument("--out", required=True,
+                       help="output folder: new, empty, or a shard set partc wrote (marked by "
+                            ".partc-build.json); replaced atomically, never the checkpoint or "
+                            "the build; the manifest records every tensor's sha256")
+    shard.add_argument("--force", action="store_true",
+                       help="write through a symbolic link --out into its target folder (kept "
+                            "as the link), or replace a partc build; never deletes files partc "
+                            "did not write")
     shard.add_argument("--no-verify-fingerprint", action="store_true",
                        help="accept a checkpoint whose header differs from the plan's fingerprint"
                             " (names, dtypes and shapes are still checked)")
@@ -204,7 +221,8 @@ def _compile(args: argparse.Namespace) -> int:
     result = compile_family(
         args.family, args.config, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
         stage_units=args.pp_layers, policy=_policy(args.policy),
-        activation_dtype=args.activation_dtype, checkpoint=args.checkpoint, out=args.out)
+        activation_dtype=args.activation_dtype, checkpoint=args.checkpoint, out=args.out,
+        force=args.force, digests=args.digests)
     plan = result.plan
     if args.format == "json":
         print(json.dumps({"ok": True, "errors": [], "out": str(result.out), "plan_hash":
@@ -297,7 +315,8 @@ def _shard(args: argparse.Namespace) -> int:
     from partc.shard import shard_checkpoint
 
     result = shard_checkpoint(args.build, args.checkpoint, args.out,
-                              verify_fingerprint=not args.no_verify_fingerprint)
+                              verify_fingerprint=not args.no_verify_fingerprint,
+                              force=args.force)
     if args.format == "json":
         print(json.dumps({"ok": True, "out": str(result.out), "plan_hash": result.plan_hash,
                           "files": list(result.files), "bytes": result.nbytes}, indent=1))

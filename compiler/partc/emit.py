@@ -1,27 +1,18 @@
-"""Stage 6: render a plan into a generated loader package and write it atomically.
+"""Stage 6: render a plan into a generated loader package (`partc.output` writes it).
 
 Templates only arrange precomputed strings; every value from a family, a config or a
 checkpoint reaches the generated code through `python_literal` (an escaped Python literal) or
 `lines_literal` (a quote- and backslash-free text block, else escaped strings). Rendered modules
-are parsed and their statement kinds checked before anything is written; the output folder is
-replaced in one rename.
+are parsed and their statement kinds checked before anything is written.
 """
 
 from __future__ import annotations
 
 import ast
-import ctypes
-import ctypes.util
-import glob
-import os
 import re
-import shutil
-import socket
-import tempfile
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -29,7 +20,7 @@ from partc import __version__
 from partc.errors import EmitError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Sequence
 
     from partc.plan import GroupKind, Plan, RankPlan
 
@@ -117,6 +108,8 @@ class _StageTables:
     """GROUPS literal."""
     targets_text: str
     """TARGETS literal."""
+    targets: tuple[str, ...]
+    """The targets, in TARGETS order."""
 
 
 def _stage_tables(rank: RankPlan) -> _StageTables:
@@ -132,7 +125,7 @@ def _stage_tables(rank: RankPlan) -> _StageTables:
         targets.extend(group.targets)
     return _StageTables(kinds=tuple(kinds), owner_rows=list(owners),
                         groups_text=lines_literal(group_lines),
-                        targets_text=lines_literal(targets))
+                        targets_text=lines_literal(targets), targets=tuple(targets))
 
 
 def _kind_row(kind: GroupKind, tp_rank: int) -> str:
@@ -149,6 +142,10 @@ def _kind_row(kind: GroupKind, tp_rank: int) -> str:
 def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header,
                  tables: _StageTables, path: str) -> str:
     rank_json = plan_json["ranks"][rank.rank]
+    digests = None
+    if plan.payload_digests is not None:  # only with --digests: otherwise no DIGESTS table
+        table = dict(plan.payload_digests[rank.rank])
+        digests = lines_literal([table[target] for target in tables.targets])
     view = {
         "rank": rank.rank, "tp_rank": rank.tensor_parallel_rank, "stage": rank.pipeline_stage,
         "tp": plan.topology.tensor_parallel_size, "pp": plan.topology.pipeline_parallel_size,
@@ -162,6 +159,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "owner_rows": tables.owner_rows,
         "groups_text": tables.groups_text,
         "targets_text": tables.targets_text,
+        "digests_text": digests,
         "partition_literal": python_literal({**rank_json["partition"],
                                              "graph": plan_json["graph"]}),
         "state_range_literal": python_literal(rank.partition.state.global_range),
@@ -174,7 +172,8 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
     # output (a quote- and backslash-free text block or python_literal), which cannot end
     # early, and at ~10^4 names they would dominate the parse.
     check_generated(template.render(header=header, rank={
-        **view, "groups_text": lines_literal(()), "targets_text": lines_literal(())}),
+        **view, "groups_text": lines_literal(()), "targets_text": lines_literal(()),
+        "digests_text": None if digests is None else lines_literal(())}),
         path)
     return template.render(header=header, rank=view)
 
@@ -344,113 +343,3 @@ def render_package(plan: Plan) -> dict[str, str]:
         "package_init.py.jinja2").render(header=header, package=view)
     check_generated(files[f"{package}/__init__.py"], f"{package}/__init__.py")
     return files
-
-
-# ---------------------------------------------------------------- atomic write
-
-
-@cache
-def _renameat2() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        function = libc.renameat2
-    except (OSError, AttributeError, TypeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                         ctypes.c_uint]
-    return function
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    function = _renameat2()
-    if function is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    result = function(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    return bool(result == 0)
-
-
-def _scratch_prefix(out: Path, kind: str) -> str:
-    """Name prefix of a scratch folder beside `out`: hidden, and naming the host and process
-    that made it, so a later write can tell an abandoned one (its process is gone)."""
-    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
-    return f".{out.name}.{kind}-{host}-{os.getpid()}-"
-
-
-def _sweep_abandoned(out: Path) -> None:
-    """Remove scratch folders beside `out` left by a killed write of this host: their process
-    no longer exists. Folders of live processes or other hosts are left alone."""
-    parent = out.parent if str(out.parent) else Path(".")
-    for kind in ("partc", "old"):
-        mine = _scratch_prefix(out, kind).rsplit("-", 2)[0] + "-"  # without pid
-        for entry in parent.glob(glob.escape(mine) + "*"):
-            pid = entry.name[len(mine):].split("-", 1)[0]
-            if pid.isdigit() and entry.is_dir() and not _alive(int(pid)):
-                shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists (on this host)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # someone else's process, or not a pid we can ask about: keep its folder
-    return True
-
-
-def write_atomically(out: Path, files: Mapping[str, str | Callable[[BinaryIO], None]]) -> None:
-    """Write `files` into a fresh folder, then replace `out` with it in one step.
-
-    A value is the text of the file, or a function that streams its bytes into the open file.
-
-    A crash at any point leaves either the previous `out` or the new one, never a mixture.
-    """
-    out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        _sweep_abandoned(out)
-        staging = Path(tempfile.mkdtemp(prefix=_scratch_prefix(out, "partc"), dir=parent))
-    except OSError as exc:
-        blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()),
-                        None)
-        reason = (f"{blocking} exists and is not a folder" if blocking is not None
-                  else exc.strerror or str(exc))
-        raise EmitError(f"cannot create the output folder {out}: {reason}") from None
-    try:
-        for relative, text in sorted(files.items()):
-            path = staging / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if callable(text):
-                with open(path, "wb") as binary:
-                    text(binary)
-                    binary.flush()
-                    os.fsync(binary.fileno())
-                continue
-            with open(path, "w", encoding="utf-8", newline="\n") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.chmod(staging, 0o755)
-        if out.exists() and not out.is_dir():
-            raise EmitError(f"output path {out} exists and is not a folder")
-        if out.exists():
-            if not _exchange(staging, out):
-                backup = Path(tempfile.mkdtemp(prefix=_scratch_prefix(out, "old"), dir=parent))
-                backup.rmdir()
-                os.rename(out, backup)
-                os.rename(staging, out)
-                staging = backup
-            shutil.rmtree(staging, ignore_errors=True)
-        else:
-            os.rename(staging, out)
-    except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise EmitError(f"cannot write the build to {out}: {exc.strerror or exc}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

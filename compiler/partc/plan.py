@@ -195,6 +195,9 @@ class Plan:
     """sha256 over the checkpoint header's (name, dtype, shape) when one was given."""
     checkpoint_header_digest: str | None = None
     """sha256 of that checkpoint's stored header bytes (lets a loader skip the fingerprint)."""
+    payload_digests: tuple[tuple[tuple[str, str], ...], ...] | None = None
+    """Per rank, (target, sha256 of its rank-local bytes) sorted by target; only when compiled
+    with `--digests` (the JSON key `digests` is absent otherwise)."""
 
     _tensors: list[tuple[GlobalTensor, ...]] = field(default_factory=list, compare=False,
                                                      repr=False)
@@ -270,7 +273,8 @@ class Plan:
             "boundary": self.boundary,
             "groups": self._groups_json(),
             "ranks": [_rank_json(r) for r in self.ranks],
-        }
+        } | ({} if self.payload_digests is None else {
+            "digests": [dict(rank) for rank in self.payload_digests]})
 
     def _groups_json(self) -> list[dict[str, object]]:
         """Each parameter group: owner, logical units and every TP rank's logical range."""

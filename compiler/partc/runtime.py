@@ -30,6 +30,7 @@ from partc.checkpoint import (
     read_shard_manifest,
     read_tensors,
 )
+from partc.digests import VERIFY_MODES, manifest_digests, verify_digests
 from partc.driver import LayeredPartitionDriver
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.parallel import (
@@ -90,6 +91,9 @@ class RankTable:
     """Boundary wire schema (JSON form)."""
     activation_dtype: str
     """Pipeline activation dtype."""
+    digests: str | tuple[str, ...] | None = None
+    """DIGESTS: sha256 of each target's rank-local bytes, in TARGETS order, one per line (only
+    in a build compiled with `--digests`)."""
     _rows: list[tuple[list[GroupRow], list[TensorRow]]] = field(
         default_factory=list, compare=False, repr=False)
 
@@ -291,7 +295,7 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
 def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,
               verify_fingerprint: bool = True, dtype: Any = None, reader: Any = None,
               framework: str = "numpy", workers: int | None = None,
-              progress: bool | None = None) -> RankState:
+              progress: bool | None = None, verify: str | None = None) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
     `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
@@ -299,10 +303,14 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     whole). `dtype` converts every floating tensor (bf16/fp8 included) after reading, e.g.
     `np.float32`, and leaves integer and packed tensors alone; `framework="torch"` returns
     torch tensors sharing the numpy memory; `reader` is told of every byte run read;
-    `workers` caps the reader threads; `progress` shows a bar (None: on a terminal only).
+    `workers` caps the reader threads; `progress` shows a bar (None: on a terminal only);
+    `verify="digest"` checks the sha256 of every tensor read against the shard manifest (a
+    `partc shard` folder) or the digests compiled into the build (`--digests`).
     """
     if framework not in ("numpy", "torch"):
         raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+    if verify not in VERIFY_MODES:
+        raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
     target_dtype = None if dtype is None else _float_dtype(dtype)
     layout = local_model_layout(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
@@ -322,6 +330,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     with progress_bar(total, f"rank {table.rank}", progress) as update:
         tensors = read_tensors(opened, requests, reader=reader, workers=workers,
                                progress=update)
+    if verify == "digest":
+        _verify_payloads(table, manifest, opened, tensors, workers)
     if target_dtype is not None:
         for name, array in tensors.items():  # one tensor at a time: the original is freed
             if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
@@ -349,6 +359,32 @@ def _float_dtype(dtype: Any) -> np.dtype[Any]:
         raise CheckpointError(f"dtype must be a floating dtype, found {found}; integer and "
                               "packed tensors are never converted")
     return found
+
+
+def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
+                     tensors: dict[str, np.ndarray], workers: int | None) -> None:
+    """Check every tensor read against its recorded digest (manifest first, else the build)."""
+    expected = None if manifest is None else manifest_digests(manifest.path, table.rank)
+    source = f"the shard manifest {manifest.path}" if manifest is not None else ""
+    if expected is None and table.digests is not None:
+        targets, digests = _lines(table.targets), _lines(table.digests)
+        if len(targets) != len(digests):
+            raise CheckpointError(f"the generated tables of rank {table.rank} list "
+                                  f"{len(digests)} DIGESTS for {len(targets)} TARGETS; "
+                                  "regenerate the build")
+        expected, source = dict(zip(targets, digests, strict=True)), "the build's plan"
+    if expected is None:
+        where = "its shard manifest records none (cut by an older partc: run `partc shard` " \
+            "again)" if manifest is not None else "this build was compiled without digests"
+        raise CheckpointError(f"verify='digest' needs recorded digests, but {where}; compile "
+                              "with `partc compile ... --checkpoint DIR --digests`, or load a "
+                              "folder written by `partc shard`",
+                              location=SourceLocation(str(opened.path)))
+    files = {}
+    for name in tensors:
+        signature = opened.signature(name)
+        files[name] = signature[0].path if signature is not None else opened.path
+    verify_digests(tensors, expected, files, source, workers)
 
 
 def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalModelLayout

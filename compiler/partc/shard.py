@@ -3,9 +3,11 @@
 `partc shard BUILD --checkpoint DIR --out OUT` checks the checkpoint header against the build's
 plan (names, dtypes, shapes, fingerprint) before reading any payload, then streams each rank's
 slices into `rank-<r>-of-<n>.safetensors` and writes a manifest tying the files to the plan
-hash. The folder is written through `emit.write_atomically`, so a failed export leaves the
-previous one untouched. At most one batch of one rank's tensors is in memory at a time. A
-generated loader given the folder reads its own rank file sequentially.
+hash, with the sha256 of every tensor written (for `load(..., verify="digest")`). The folder is
+written through `output.write_atomically`, so a failed export leaves the previous one
+untouched, and only an empty folder or an earlier shard set is ever replaced. At most one batch
+of one rank's tensors is in memory at a time. A generated loader given the folder reads its own
+rank file sequentially.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from partc.checkpoint import (
     open_checkpoint,
     read_tensors,
 )
-from partc.emit import rank_module_name, write_atomically
+from partc.digests import tensor_digest
+from partc.emit import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.output import check_output, write_atomically
 from partc.plan import canonical_json
 from partc.runtime import header_fingerprint, progress_bar
 
@@ -77,8 +81,12 @@ def rank_file_name(rank: int, world_size: int) -> str:
 
 def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLike[str],
                      out: str | os.PathLike[str], *, verify_fingerprint: bool = True,
-                     workers: int | None = None, progress: bool | None = None) -> ShardResult:
-    """Write one safetensors file per rank of `build` plus a manifest into `out`, atomically."""
+                     workers: int | None = None, progress: bool | None = None,
+                     force: bool = False) -> ShardResult:
+    """Write one safetensors file per rank of `build` plus a manifest into `out`, atomically.
+
+    `force` is `partc.output.write_atomically`'s (write through a link, replace a build).
+    """
     plan_path = Path(build) / "plan.json"
     plan = _read_plan(plan_path)
     ranks = _rank_slices(Path(build), plan)
@@ -86,25 +94,35 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    inputs = [("checkpoint", checkpoint), ("build", build)]
+    check_output(out, kind="shard", inputs=inputs, force=force)
     world = len(ranks)
     plan_hash = plan["plan_hash"]
     names = [rank_file_name(r, world) for r in range(world)]
     total = sum(s.nbytes for slices in ranks for s in slices)
     files: dict[str, str | Callable[[BinaryIO], None]] = {}
+    digests: list[dict[str, str]] = [{} for _ in range(world)]
     with progress_bar(total, "shard", progress) as update:
         for rank, (name, slices) in enumerate(zip(names, ranks, strict=True)):
             metadata = {"format": "pt", "partc_plan_hash": plan_hash, "partc_rank": str(rank),
                         "partc_world_size": str(world)}
-            files[name] = partial(_write_rank, opened, slices, metadata, workers, update)
+            files[name] = partial(_write_rank, opened, slices, metadata, workers, update,
+                                  digests[rank])
         manifest = {
             "format": SHARD_FORMAT, "version": 1, "plan_hash": plan_hash,
             "family": plan.get("family"), "model_type": plan.get("model_type"),
             "topology": plan.get("topology"), "source_fingerprint": header_fingerprint(opened),
             "ranks": [{"rank": r, "file": names[r], "bytes": sum(s.nbytes for s in ranks[r]),
-                       "tensors": [s.target for s in ranks[r]]} for r in range(world)],
+                       "tensors": [s.target for s in ranks[r]], "digests": digests[r]}
+                      for r in range(world)],
         }
-        files[SHARD_MANIFEST] = canonical_json(manifest)
-        write_atomically(Path(out), files)
+
+        def write_manifest(handle: BinaryIO) -> None:
+            """The manifest, once every rank file (and so every digest) is written."""
+            handle.write(canonical_json(manifest).encode())
+
+        files[SHARD_MANIFEST] = write_manifest  # after the rank files: written in order
+        write_atomically(Path(out), files, kind="shard", inputs=inputs, force=force)
     return ShardResult(out=Path(out), plan_hash=plan_hash, files=tuple(names), nbytes=total)
 
 
@@ -202,8 +220,9 @@ def _safetensors_header(slices: list[_Slice], metadata: dict[str, str]) -> bytes
 
 def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str, str],
                 workers: int | None, update: Callable[[int], None] | None,
-                handle: BinaryIO) -> None:
-    """Stream one rank's slices into `handle`, reading one batch of tensors at a time."""
+                digests: dict[str, str], handle: BinaryIO) -> None:
+    """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
+    record the digest of each into `digests`."""
     handle.write(_safetensors_header(slices, metadata))
     for batch in _batches(slices):
         arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
@@ -215,6 +234,7 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
                                       f"plan expects {list(s.local_shape)}", tensor=s.target)
             if array.size:
                 handle.write(array.reshape(-1).view("u1").data)
+            digests[s.target] = tensor_digest(array)
             del array
 
 

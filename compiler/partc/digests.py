@@ -1,0 +1,132 @@
+"""Payload digests: the sha256 of every rank-local tensor, recorded when written and checked
+when loaded with `verify="digest"`.
+
+A digest is the sha256 of the C-contiguous bytes of one rank-local tensor in its checkpoint
+dtype, so the digest of a slice read from the original checkpoint equals the digest of the
+same tensor in a `partc shard` rank file. `partc shard` records them in its manifest;
+`partc compile --checkpoint DIR --digests` records them in the plan (key `digests`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from partc.checkpoint import Checkpoint, TensorSelection, default_workers, read_tensors
+from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+
+if TYPE_CHECKING:
+    from partc.parallel import LocalModelLayout, LocalTensorLayout
+
+__all__ = ["VERIFY_MODES", "manifest_digests", "plan_digests", "tensor_digest",
+           "tensor_digests", "verify_digests"]
+
+VERIFY_MODES = (None, "digest")
+"""Values of a loader's `verify=` option."""
+_HEX = re.compile(r"[0-9a-f]{64}")
+_BATCH_BYTES = 256 << 20
+"""Slices are read for digests in batches of about this many bytes."""
+
+
+def tensor_digest(array: np.ndarray[Any, Any]) -> str:
+    """sha256 (hex) of the C-contiguous bytes of `array` in its own dtype."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return hashlib.sha256(flat.data).hexdigest()
+
+
+def tensor_digests(tensors: Mapping[str, np.ndarray[Any, Any]], workers: int | None = None
+                   ) -> dict[str, str]:
+    """The digest of every array, hashed on several threads (hashlib releases the GIL)."""
+    names = list(tensors)
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+        found = pool.map(lambda name: tensor_digest(tensors[name]), names)
+        return dict(zip(names, found, strict=True))
+
+
+def _batches(items: Sequence[LocalTensorLayout]) -> Iterator[list[LocalTensorLayout]]:
+    """Consecutive groups of about `_BATCH_BYTES` (a larger tensor is a batch of its own)."""
+    batch: list[LocalTensorLayout] = []
+    size = 0
+    for item in items:
+        if batch and size + item.local_bytes > _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item.local_bytes
+    if batch:
+        yield batch
+
+
+def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
+                 workers: int | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Per rank (`layouts` in rank order), (target, digest) of every rank-local tensor, sorted
+    by target: the plan's `payload_digests`.
+
+    Each distinct slice is read once (a tensor replicated over tensor-parallel ranks is read
+    and hashed for the first of them), in batches, so memory stays about one batch.
+    """
+    known: dict[tuple[str, Any], str] = {}
+    ranks = []
+    for layout in layouts:
+        items = layout.tensors
+        missing = list({(t.target, t.selection): t for t in items
+                        if (t.target, t.selection) not in known}.values())
+        for batch in _batches(missing):
+            arrays = read_tensors(checkpoint, [(t.target, TensorSelection(*t.selection))
+                                               for t in batch], workers=workers)
+            for item, digest in zip(batch, tensor_digests(arrays, workers).values(),
+                                    strict=True):
+                known[(item.target, item.selection)] = digest
+            del arrays
+        ranks.append(tuple(sorted((t.target, known[(t.target, t.selection)]) for t in items)))
+    return tuple(ranks)
+
+
+def manifest_digests(path: Path, rank: int) -> dict[str, str] | None:
+    """The digests a `partc shard` manifest records for `rank`; None when it records none."""
+    where = SourceLocation(str(path))
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+        entry = doc["ranks"][rank]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, IndexError,
+            TypeError) as exc:
+        raise CheckpointError(f"cannot read the digests of rank {rank} from the shard "
+                              f"manifest: {exc}", location=where) from None
+    digests = entry.get("digests") if isinstance(entry, dict) else None
+    if digests is None:
+        return None
+    if not isinstance(digests, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and _HEX.fullmatch(v)
+            for k, v in digests.items()):
+        raise CheckpointError(f"the shard manifest's digests of rank {rank} must map tensor "
+                              "names to 64 lowercase hex digits", location=where)
+    return digests
+
+
+def verify_digests(tensors: Mapping[str, np.ndarray[Any, Any]], expected: Mapping[str, str],
+                   files: Mapping[str, Path], source: str, workers: int | None = None) -> None:
+    """Compare every array's digest with `expected` (from `source`); CheckpointError per
+    mismatch, naming the tensor, its file, the expected and the found digest."""
+    errors: list[PartcError] = []
+    for name in sorted(set(tensors) - set(expected)):
+        errors.append(CheckpointError(f"tensor `{name}` has no digest in {source}; it cannot "
+                                      "be verified", location=SourceLocation(str(files[name])),
+                                      tensor=name))
+    found = tensor_digests({n: a for n, a in tensors.items() if n in expected}, workers)
+    for name, digest in found.items():
+        if digest != expected[name]:
+            errors.append(CheckpointError(
+                f"tensor `{name}` does not match its digest in {source}: expected sha256 "
+                f"{expected[name]}, found {digest} (the payload bytes differ)",
+                location=SourceLocation(str(files[name])), tensor=name))
+    if errors:
+        raise errors[0] if len(errors) == 1 else PartcErrors(sorted(
+            errors, key=lambda e: e.tensor or ""))
+
