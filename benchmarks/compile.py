@@ -62,7 +62,7 @@ result = {}
 if mode == "compile":
     from pathlib import Path
     from partc.api import plan_family
-    from partc.emit import render_package
+    from partc.emit.render import render_package
     from partc.output import write_atomically
     from partc.plan import Topology
     t0 = time.perf_counter()
@@ -91,7 +91,7 @@ elif mode == "header":
     import importlib
     sys.path.insert(0, spec["build"])
     from partc import runtime
-    from partc.checkpoint import open_checkpoint
+    from partc.runtime.checkpoint import open_checkpoint
     module = importlib.import_module(spec["module"])
     t0 = time.perf_counter()
     checkpoint = open_checkpoint(spec["checkpoint"])

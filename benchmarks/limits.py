@@ -30,7 +30,7 @@ TOPOLOGIES = ((1, 1), (2, 2))
 
 def llama_at_max_units(folder: Path) -> tuple[str, Path]:
     """The tiny Llama config with MAX_UNITS decoder layers."""
-    from partc.bind import MAX_UNITS
+    from partc.bind.binder import MAX_UNITS
 
     config = json.loads((FIXTURES / "llama" / "config.json").read_text())
     config["num_hidden_layers"] = MAX_UNITS
@@ -42,7 +42,7 @@ def llama_at_max_units(folder: Path) -> tuple[str, Path]:
 def mixtral_at_max_instances(folder: Path) -> tuple[str, Path]:
     """The tiny Mixtral config with as many experts per layer as MAX_GROUP_INSTANCES allows."""
     from partc.api import bind
-    from partc.bind import MAX_GROUP_INSTANCES
+    from partc.bind.binder import MAX_GROUP_INSTANCES
     from partc.errors import PartcError
 
     base = json.loads((FIXTURES / "mixtral" / "config.json").read_text())

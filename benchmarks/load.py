@@ -237,7 +237,7 @@ def run_child(mode: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 def compile_builds(folder: Path, builds: Path, tps: list[int]) -> dict[int, dict[str, Any]]:
     from partc.api import compile_family
-    from partc.emit import package_name, rank_module_name
+    from partc.emit.render import package_name, rank_module_name
 
     out = {}
     for tp in tps:

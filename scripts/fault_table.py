@@ -388,7 +388,7 @@ def _nan_in_header(folder: Path) -> None:
 
 
 def _huge_index(folder: Path) -> None:
-    from partc.checkpoint import MAX_INDEX_BYTES
+    from partc.runtime.checkpoint import MAX_INDEX_BYTES
 
     os.truncate(folder / "model.safetensors.index.json", MAX_INDEX_BYTES + 1)  # sparse
 
@@ -643,7 +643,7 @@ def _good_build(work: Path) -> tuple[Path, Any]:
     """A clean TP=2 build of the tiny Llama, compiled once, and its imported package."""
     if "package" not in _GOOD_BUILD:
         from partc.api import compile_family
-        from partc.emit import package_name
+        from partc.emit.render import package_name
 
         out = work / "good-build"
         result = compile_family("llama", FIXTURE / "config.json", tensor_parallel_size=2,
@@ -723,7 +723,12 @@ def passed(outcome: Outcome) -> bool:
 
 def _limits() -> list[str]:
     """The bounds partc enforces on its inputs, read from the code (so they cannot drift)."""
-    from partc import bind, checkpoint, cli, expr, hfconfig, load
+    from partc import cli
+    from partc.bind import binder as bind
+    from partc.bind import meanings as hfconfig
+    from partc.family import expr
+    from partc.front import load
+    from partc.runtime import reader as checkpoint
 
     rows = [
         ("family file size", f"{load.MAX_DOCUMENT_BYTES} bytes", "load.MAX_DOCUMENT_BYTES"),

@@ -129,7 +129,7 @@ def toml_spelling(data: dict[str, Any]) -> str:
 
 def write_llama_twin() -> Path:
     """Rewrite tests/cases/llama_toml_twin/family.toml from architectures/llama.yaml."""
-    from partc.load import load_document
+    from partc.front.load import load_document
 
     source = ROOT / "architectures" / "llama.yaml"
     data = load_document(source).data

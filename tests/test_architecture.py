@@ -1,58 +1,79 @@
-"""The package's shape: imports point only to earlier stages; heavy libraries stay put."""
+"""The package's shape, read from its real import graph.
+
+Every import of every module (top level, inside functions and under TYPE_CHECKING) is an edge.
+Edges between the package's rooms may only point to earlier stages; each name is imported from
+the one module that defines it; heavy libraries stay in their rooms; the runtime that generated
+modules import needs nothing of the compiler.
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "compiler" / "partc"
+ROOT = Path(__file__).resolve().parent.parent
+COMPILER = ROOT / "compiler"
+PACKAGE = COMPILER / "partc"
 
-# Each module's place in the pipeline; a module may import only modules of a lower rank.
+# Each room (a subpackage, or a top-level module of partc) and its place in the pipeline; a
+# room may import only rooms of a lower rank (and itself).
 STAGE_RANK = {
     "errors": 0,
-    "expr": 1,
-    "positions": 1,
-    "load": 2,
-    "files": 1,
-    "headers": 2,
-    "checkpoint": 3,
-    "layout": 1,
-    "schema": 3,
-    "hfconfig": 3,
-    "parallel": 2,
-    "formats": 3,
-    "boundary": 2,
-    "partition": 3,
-    "driver": 4,
-    "family": 5,
-    "bind": 6,
-    "plan": 7,
-    "digests": 3,
-    "emit": 8,
-    "output": 8,
-    "runtime": 8,
-    "api": 9,
-    "shard": 9,
-    "cli": 10,
+    "front": 1,
+    "parallel": 1,
+    "partition": 2,
+    "library": 2,
+    "runtime": 3,
+    "family": 3,
+    "bind": 4,
+    "plan": 5,
+    "emit": 6,
+    "output": 6,
+    "api": 7,
+    "shard": 7,
+    "cli": 8,
 }
-# Third-party libraries and the only modules allowed to import them.
+# Rooms that hold data, not code.
+DATA_ROOMS = {"examples", "schemas", "architectures"}
+# Third-party libraries and the only rooms allowed to import them.
 LIBRARY_OWNERS = {
     "jinja2": {"emit"},
-    "yaml": {"load"},
-    "jsonschema": {"schema"},
+    "yaml": {"front"},
+    "jsonschema": {"front"},
     "safetensors": set(),
-    "numpy": {"headers", "checkpoint", "digests", "runtime", "boundary", "driver", "shard"},
-    "ml_dtypes": {"headers", "checkpoint", "runtime", "boundary", "shard"},
+    "numpy": {"runtime", "partition", "shard", "api"},
+    "ml_dtypes": {"runtime", "partition", "shard"},
     "torch": {"runtime"},
     "tqdm": {"runtime"},
 }
+# Packages whose `__init__` is a public face: names listed in its `__all__` may be imported
+# from it as well as from their defining module.
+PUBLIC_FACES = {"partc", "partc.runtime"}
+COMPILER_ONLY = ("jinja2", "yaml", "jsonschema", "safetensors", "tqdm")
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(COMPILER).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
 def _modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.glob("*.py"))
-            if p.stem != "__init__"}
+    return {_module_name(p): ast.parse(p.read_text(), str(p))
+            for p in sorted(PACKAGE.rglob("*.py"))
+            if not set(p.relative_to(PACKAGE).parts) & DATA_ROOMS}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "partc"
 
 
 def _imports(tree: ast.Module) -> set[str]:
@@ -62,31 +83,153 @@ def _imports(tree: ast.Module) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            if node.module == "partc":
-                found.update(f"partc.{alias.name}" for alias in node.names)
     return found
 
 
-def test_every_module_has_a_declared_stage():
-    assert set(_modules()) <= set(STAGE_RANK), "add new modules to STAGE_RANK"
+def _eager_imports(tree: ast.Module) -> set[str]:
+    """Imports that run when the module is imported: top level, outside TYPE_CHECKING."""
+    found = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+        elif isinstance(node, (ast.If, ast.Try)):
+            todo.extend(node.body + node.orelse + getattr(node, "finalbody", [])
+                        + [s for h in getattr(node, "handlers", []) for s in h.body])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def _public(tree: ast.Module) -> set[str]:
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                 for t in node.targets)):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+def test_every_room_has_a_declared_stage():
+    rooms = {_room(m) for m in _modules()} - {"partc"}
+    assert rooms <= set(STAGE_RANK), f"add new rooms to STAGE_RANK: {rooms - set(STAGE_RANK)}"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
 def test_imports_only_point_to_earlier_stages(name):
+    room = _room(name)
     for imported in _imports(_modules()[name]):
-        if not imported.startswith("partc."):
+        if not imported.startswith("partc.") or room == "partc":
+            continue  # partc/__init__ is the lazy public face; it imports on first use
+        target = _room(imported)
+        if target == room or target in DATA_ROOMS:
             continue
-        target = imported.split(".")[1]
-        if target not in STAGE_RANK:
-            continue  # subpackages such as partc.templates hold data
-        assert STAGE_RANK[target] < STAGE_RANK[name], f"{name} imports later stage {target}"
+        assert STAGE_RANK[target] < STAGE_RANK[room], f"{name} imports later stage {imported}"
+
+
+def _import_sites() -> list[tuple[str, str, str]]:
+    """(file, module, name) of every `from partc... import name` in the repository."""
+    sites = []
+    for folder in ("compiler", "tests", "scripts", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if ".venv" in path.parts or "fixtures" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                        and (node.module == "partc" or node.module.startswith("partc."))):
+                    sites.extend((str(path.relative_to(ROOT)), node.module, alias.name)
+                                 for alias in node.names)
+    return sites
+
+
+def test_each_name_is_imported_from_the_module_that_defines_it():
+    modules = _modules()
+    wrong = []
+    for file, module, name in _import_sites():
+        if f"{module}.{name}" in modules or module not in modules:
+            continue  # a submodule, or a data package
+        tree = modules[module]
+        if name in _defined(tree):
+            continue
+        if module in PUBLIC_FACES and name in _public(tree):
+            continue
+        wrong.append(f"{file}: from {module} import {name}")
+    assert not wrong, "re-exported names (import them from their defining module):\n" + "\n".join(
+        wrong)
+
+
+def test_no_module_re_exports_a_name_under_its_own_name():
+    shims = [f"{module}: {alias.name}" for module, tree in _modules().items()
+             for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+             for alias in node.names if alias.asname is not None and alias.asname == alias.name]
+    assert not shims
 
 
 @pytest.mark.parametrize("library", sorted(LIBRARY_OWNERS))
-def test_heavy_libraries_are_imported_only_by_their_stage(library):
-    users = {name for name, tree in _modules().items()
+def test_heavy_libraries_are_imported_only_by_their_rooms(library):
+    users = {_room(name) for name, tree in _modules().items()
              if any(i == library or i.startswith(library + ".") for i in _imports(tree))}
     assert users <= LIBRARY_OWNERS[library]
+
+
+def test_the_runtime_needs_nothing_of_the_compiler():
+    """Closure of partc.runtime's imports (partc/__init__ included) holds no compiler room."""
+    modules = _modules()
+    seen: set[str] = set()
+    todo = ["partc", "partc.runtime"]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in modules:
+            continue
+        seen.add(module)
+        for imported in _eager_imports(modules[module]):
+            if imported.startswith("partc"):
+                todo.append(imported)
+                parent = imported.rsplit(".", 1)[0]
+                todo.append(parent)
+    rooms = {_room(m) for m in seen} - {"partc"}
+    assert rooms <= {"errors", "parallel", "partition", "runtime"}, rooms
+    libraries = {i.split(".")[0] for m in seen for i in _eager_imports(modules[m])}
+    assert not libraries & set(COMPILER_ONLY[:3])
+
+
+def test_a_generated_module_loads_with_the_compiler_libraries_blocked(tmp_path):
+    """Import a build's rank module and load a checkpoint with jinja2, yaml, jsonschema and
+    safetensors made unimportable (sys.modules[name] = None), in a fresh interpreter."""
+    from partc.api import compile_family
+
+    fixture = ROOT / "tests" / "fixtures" / "hf" / "llama"
+    compile_family(None, fixture / "config.json", tensor_parallel_size=2,
+                   pipeline_parallel_size=1, out=tmp_path / "build")
+    script = (
+        "import sys\n"
+        f"for name in {COMPILER_ONLY!r}: sys.modules[name] = None\n"
+        f"sys.path.insert(0, {str(tmp_path / 'build')!r})\n"
+        "import partc_llama_tp2_pp1 as loaders\n"
+        f"state = loaders.load({str(fixture)!r}, rank=1)\n"
+        "print(len(state.tensors), sorted(m for m in sys.modules if m.startswith('partc')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    count, _, loaded = done.stdout.partition(" ")
+    assert int(count) > 0
+    for room in ("front", "family", "bind", "plan", "emit", "api"):
+        assert f"'partc.{room}" not in loaded
 
 
 def test_no_module_calls_eval_or_exec():

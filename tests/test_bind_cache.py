@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-import partc.bind as bind_module
-from partc.api import builtin_families, load_family
-from partc.bind import bind_family
+import partc.bind.binder as bind_module
+from partc.api import load_family
+from partc.bind.binder import bind_family
 from partc.errors import ExpressionError, PartcError
-from partc.expr import parse
-from partc.formats import expand_linear_format_parameter_group
-from partc.load import load_json, parse_json
+from partc.family.expr import parse
+from partc.front.load import load_json, parse_json
+from partc.library import builtin_families
+from partc.parallel.formats import expand_linear_format_parameter_group
 
 from support import FULLSIZE, HF, QUANTIZED
 

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 import partc.plan
-from partc.boundary import (
+from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKind
+from partc.partition.boundary import (
     ArchitectureBoundary,
-    ArchitectureBoundaryError,
-    ArchitectureBoundaryErrorKind,
     ArchitectureBoundaryValue,
     BoundaryTensorDimension,
     BoundaryTensorDtype,

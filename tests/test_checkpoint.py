@@ -19,20 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from partc import checkpoint, headers
-from partc.checkpoint import (
-    DTYPES,
-    MAX_HEADER_SIZE,
-    Checkpoint,
-    CheckpointReader,
-    FileHeader,
-    TensorSelection,
-    open_checkpoint,
-    read_header,
-    read_tensor,
-    read_tensors,
-)
 from partc.errors import CheckpointError
+from partc.runtime import headers
+from partc.runtime import reader as checkpoint
+from partc.runtime.checkpoint import Checkpoint, open_checkpoint
+from partc.runtime.headers import DTYPES, MAX_HEADER_SIZE, FileHeader, read_header
+from partc.runtime.reader import CheckpointReader, TensorSelection, read_tensor, read_tensors
 
 from support import FIXTURES, Recorder, bits
 

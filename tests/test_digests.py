@@ -16,10 +16,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.api import compile_family
-from partc.checkpoint import SHARD_MANIFEST
 from partc.cli import main
 from partc.errors import CheckpointError, LoadError, PartcErrors
-from partc.schema import load_schema
+from partc.front.schema import load_schema
+from partc.runtime.manifest import SHARD_MANIFEST
 from partc.shard import shard_checkpoint
 
 from support import compile_and_import, hf, import_build

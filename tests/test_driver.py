@@ -8,35 +8,34 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from partc.boundary import (
+from partc.errors import (
     ArchitectureBoundaryError,
     ArchitectureBoundaryErrorKind,
-    NoAuxiliaryBoundarySchema,
-    PipelineActivationDtype,
-)
-from partc.driver import (
+    ArchitecturePartitionError,
+    ArchitecturePartitionErrorKind,
     LayeredPartitionBeginError,
-    LayeredPartitionDriver,
     LayeredPartitionError,
     LayeredPartitionErrorKind,
+)
+from partc.parallel.layout import ParameterRole
+from partc.parallel.specs import MemberSharding, ParameterGroupSpec, ParameterMemberSpec
+from partc.partition.boundary import NoAuxiliaryBoundarySchema, PipelineActivationDtype
+from partc.partition.driver import (
+    LayeredPartitionDriver,
     LayeredPartitionExecutor,
     LayeredPartitionInput,
     LayeredUnitExecution,
 )
-from partc.parallel import MemberSharding, ParameterGroupSpec, ParameterMemberSpec, ParameterRole
-from partc.partition import (
+from partc.partition.ownership import (
     ArchitectureParameterDescription,
-    ArchitecturePartitionError,
-    ArchitecturePartitionErrorKind,
     ExecutionGraph,
     ExecutionGroupSpec,
     OwnedParameterGroupSpec,
     ParameterGroupOwner,
-    PartitionState,
     StageSide,
     StaticRoleSpec,
-    realize_pipeline,
 )
+from partc.partition.pipeline import PartitionState, realize_pipeline
 
 from support import compile_and_import, hf
 

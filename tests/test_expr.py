@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partc import expr as expr_module
 from partc.errors import ExpressionError
-from partc.expr import (
+from partc.family import expr as expr_module
+from partc.family.expr import (
     INT_BOUND,
     MAX_DEPTH,
     MAX_TEXT_LENGTH,

@@ -18,7 +18,7 @@ from regenerate_cases import case_errors, case_folders, expected_errors, toml_sp
 
 from partc.api import compile_family, plan_family
 from partc.errors import CheckpointError
-from partc.load import load_document
+from partc.front.load import load_document
 from partc.plan import Topology, canonical_json
 
 from support import ROOT, checkpoint_tensors, hf, import_build
@@ -347,7 +347,7 @@ def test_an_exception_that_is_not_a_partc_error_is_a_one_line_internal_error(
 ])
 def test_header_numbers_too_large_for_u64_are_refused_before_any_arithmetic(tmp_path, shape,
                                                                              offsets, message):
-    from partc.checkpoint import open_checkpoint
+    from partc.runtime.checkpoint import open_checkpoint
 
     header = ('{"a": {"dtype": "F32", "shape": ' + shape + ', "data_offsets": ' + offsets
               + "}}").encode()

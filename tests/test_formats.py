@@ -13,30 +13,30 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from partc.api import bind, checkpoint_errors, plan_family
-from partc.checkpoint import TensorSelection, open_checkpoint, read_tensor
 from partc.errors import ParallelPlanError, PartcError, SemanticError
-from partc.formats import (
+from partc.parallel.formats import (
     GGUF_BLOCK_TYPES,
     LinearFormat,
     LinearFormatKind,
     expand_linear_format_parameter_group,
     expand_linear_format_parameter_groups,
 )
-from partc.parallel import (
+from partc.parallel.layout import ParameterRole
+from partc.parallel.realize import group_sharding_problems, realize_group
+from partc.parallel.specs import (
     LinearWeightLayout,
     MemberSharding,
     ParameterGroupSpec,
     ParameterMemberSpec,
-    ParameterRole,
     Projection,
     ProjectionSharding,
-    group_sharding_problems,
     partitioned_projection_group,
     projection_parameter_group,
-    realize_group,
     segmented_projection_group,
 )
 from partc.plan import Topology
+from partc.runtime.checkpoint import open_checkpoint
+from partc.runtime.reader import TensorSelection, read_tensor
 
 from support import QUANTIZED, ROOT, hf
 

@@ -34,10 +34,10 @@ from hypothesis import strategies as st
 from regenerate_cases import toml_spelling
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
-from partc.checkpoint import open_checkpoint
 from partc.cli import main as cli_main
 from partc.errors import PartcError
 from partc.output import MARKER
+from partc.runtime.checkpoint import open_checkpoint
 
 from support import ROOT, import_build
 from support.families import MINI, MINI_CONFIG, MINI_TOML

@@ -25,9 +25,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from partc.checkpoint import open_checkpoint
 from partc.cli import main as cli_main
 from partc.errors import CheckpointError, PartcError, PartcErrors
+from partc.runtime.checkpoint import open_checkpoint
 
 from support import compile_and_import, hf
 

@@ -14,7 +14,7 @@ from regenerate_cases import toml_spelling
 from safetensors.numpy import save_file
 
 from partc.api import check_family, compile_family
-from partc.emit import check_generated
+from partc.emit.check import check_generated
 from partc.errors import EmitError
 
 from support import ROOT, import_build

@@ -10,15 +10,15 @@ import pytest
 import yaml
 
 from partc.errors import LoadError, SourceLocation
-from partc.load import (
+from partc.front.load import (
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_DOCUMENT_BYTES,
     load_document,
     load_json,
     parse_json,
-    toml_locations,
 )
+from partc.front.positions import toml_locations
 
 
 def load_yaml(text: str):

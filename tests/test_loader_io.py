@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from partc import checkpoint
-from partc.checkpoint import DTYPES, CheckpointReader, TensorSelection, open_checkpoint
 from partc.errors import CheckpointError, PartcError
-from partc.runtime import progress_bar
+from partc.runtime import reader as checkpoint
+from partc.runtime.checkpoint import open_checkpoint
+from partc.runtime.headers import DTYPES
+from partc.runtime.progress import progress_bar
+from partc.runtime.reader import CheckpointReader, TensorSelection
 
 from support import (
     QUANTIZED,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partc.parallel import PlacementKind
+from partc.parallel.layout import PlacementKind
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
 from support import HF_MODELS, QUANTIZED, compile_and_load, hf

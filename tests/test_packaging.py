@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from partc.api import compile_family
-from partc.emit import package_name
+from partc.emit.render import package_name
 
 from support import ROOT, checkpoint_tensors, hf
 
 BUILD = "from setuptools import build_meta; import sys; print(build_meta.{}(sys.argv[1]))"
 SDIST_PATHS = [
     "LICENSE", "README.md", "pyproject.toml", "MANIFEST.in", "compiler/partc/py.typed",
-    "compiler/partc/templates", "schemas/plan.schema.json", "architectures/llama.yaml",
+    "compiler/partc/emit/templates", "schemas/plan.schema.json", "architectures/llama.yaml",
     "tests/conftest.py", "tests/support/__init__.py", "tests/support/families.py",
     "tests/cases/deepseek_v3", "tests/fixtures/hf/llama/model.safetensors",
     "tests/fixtures/quantized", "tests/fixtures/fullsize", "tests/executor/__init__.py",
@@ -126,7 +126,7 @@ def test_a_rank_module_loads_in_a_venv_holding_only_numpy_ml_dtypes_and_the_whee
 
 
 def test_the_progress_bar_is_skipped_when_tqdm_is_not_installed(monkeypatch):
-    from partc.runtime import progress_bar
+    from partc.runtime.progress import progress_bar
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
     with progress_bar(1 << 20, "reading", enabled=True) as update:

@@ -13,35 +13,36 @@ from hypothesis import strategies as st
 from partc.api import plan_family
 from partc.cli import main
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
-from partc.parallel import (
+from partc.parallel.layout import (
     LOCAL,
     OMIT,
     REPLICATED,
-    LinearWeightLayout,
     LocalModelLayout,
     LocalTensorLayout,
-    MemberSharding,
-    MemberShardingKind,
     ParallelModelInfo,
-    ParameterGroupSpec,
-    ParameterMemberSpec,
     ParameterRole,
     PlacementKind,
+    TensorPlacement,
+    tensor_bytes,
+)
+from partc.parallel.realize import group_sharding_problems, realize_group
+from partc.parallel.specs import (
+    LinearWeightLayout,
+    MemberSharding,
+    MemberShardingKind,
+    ParameterGroupSpec,
+    ParameterMemberSpec,
     Projection,
     ProjectionSharding,
     ShardingPolicy,
-    TensorPlacement,
     aligned_partition_units,
     balanced_contiguous_range,
-    group_sharding_problems,
     module_parameter_group,
     partitioned_module_parameter_group,
     partitioned_projection_group,
     projection_parameter_group,
-    realize_group,
     reduced_partition_units,
     segmented_projection_group,
-    tensor_bytes,
     with_policy,
 )
 from partc.plan import Topology
@@ -773,7 +774,8 @@ def test_the_kv_replication_family_gives_each_rank_the_slices_vllm_gives_it():
 
 
 def test_the_kv_replicated_tiny_llama_at_tp_4_reproduces_the_reference_logits(tmp_path):
-    from partc.checkpoint import TensorSelection, open_checkpoint, read_tensor
+    from partc.runtime.checkpoint import open_checkpoint
+    from partc.runtime.reader import TensorSelection, read_tensor
 
     from executor import RankShard, Selection, forward_tensor_parallel
 

@@ -12,27 +12,32 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from partc.api import bind
-from partc.parallel import MemberSharding, ParameterGroupSpec, ParameterMemberSpec, ParameterRole
-from partc.partition import (
-    ArchitectureParameterDescription,
+from partc.errors import (
     ArchitectureParameterError,
     ArchitectureParameterErrorKind,
-    ArchitecturePartition,
     ArchitecturePartitionError,
     ArchitecturePartitionErrorKind,
+)
+from partc.parallel.layout import ParameterRole
+from partc.parallel.specs import MemberSharding, ParameterGroupSpec, ParameterMemberSpec
+from partc.partition.ownership import (
+    ArchitectureParameterDescription,
     ExecutionGraph,
     ExecutionGroupSpec,
     OwnedParameterGroupSpec,
     OwnerKind,
     ParameterGroupOwner,
-    PartitionGroup,
-    PartitionOwnership,
-    PartitionParameterBinding,
-    PartitionState,
     StageSide,
     StaticRoleSpec,
     UnitRef,
     ownership_errors,
+)
+from partc.partition.pipeline import (
+    ArchitecturePartition,
+    PartitionGroup,
+    PartitionOwnership,
+    PartitionParameterBinding,
+    PartitionState,
     pipeline_stage_ranges,
     realize_partition,
     realize_pipeline,

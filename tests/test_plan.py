@@ -10,10 +10,11 @@ import pytest
 
 from partc import LayoutError, ParallelPlanError
 from partc.api import compile_family
-from partc.parallel import PlacementKind, ShardingPolicy, balanced_contiguous_range
-from partc.partition import ArchitecturePartitionError
+from partc.errors import ArchitecturePartitionError
+from partc.front.schema import load_schema
+from partc.parallel.layout import PlacementKind
+from partc.parallel.specs import ShardingPolicy, balanced_contiguous_range
 from partc.plan import canonical_json
-from partc.schema import load_schema
 
 from support import HF, QUANTIZED, ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 

@@ -24,16 +24,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from partc import checkpoint, headers
-from partc.checkpoint import (
-    MAX_INDEX_BYTES,
-    CheckpointReader,
-    TensorSelection,
-    open_checkpoint,
-    read_tensor,
-)
 from partc.cli import main as cli_main
 from partc.errors import CheckpointError
+from partc.runtime import headers
+from partc.runtime import reader as checkpoint
+from partc.runtime.checkpoint import MAX_INDEX_BYTES, open_checkpoint
+from partc.runtime.reader import CheckpointReader, TensorSelection, read_tensor
 
 from support import ROOT, compile_and_import, hf
 
@@ -68,7 +64,7 @@ from pathlib import Path
 ckpt, build, name, trials = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 sys.path.insert(0, build)
 package = importlib.import_module(name)
-from partc import checkpoint
+from partc.runtime import reader as checkpoint
 from partc.errors import PartcError
 
 path = ckpt / "model.safetensors"
@@ -345,7 +341,7 @@ def test_running_out_of_memory_parsing_an_index_is_a_located_error(
 
 OUT_OF_MEMORY = r"""
 import resource, sys
-from partc.checkpoint import open_checkpoint
+from partc.runtime.checkpoint import open_checkpoint
 from partc.errors import CheckpointError
 with open("/proc/self/status") as f:
     size = next(int(l.split()[1]) for l in f if l.startswith("VmSize")) * 1024

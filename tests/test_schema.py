@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from partc.errors import SchemaError
-from partc.load import load_document
-from partc.schema import validate_document
+from partc.front.load import load_document
+from partc.front.schema import validate_document
 
 from support.families import MINI
 

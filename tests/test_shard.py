@@ -13,10 +13,10 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from partc import shard
-from partc.checkpoint import SHARD_MANIFEST, read_shard_manifest
 from partc.cli import main
 from partc.errors import CheckpointError, LoadError, PartcError
 from partc.output import MARKER
+from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
 from partc.shard import rank_file_name, shard_checkpoint
 
 from support import Recorder, assert_same_tensors, compile_and_import, hf

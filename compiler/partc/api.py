@@ -3,35 +3,30 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from partc.bind import BoundArchitecture, bind_family
+from partc.bind.binder import BoundArchitecture, bind_family
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
-from partc.family import FamilyDecl, build_family
-from partc.load import (
+from partc.family.build import build_family
+from partc.family.declaration import FamilyDecl
+from partc.front.load import (
     MAX_CONFIG_BYTES,
-    RawDocument,
     decode_text,
     load_document,
     parse_json,
     read_bytes,
-    read_text,
 )
-from partc.plan import PipelineActivationDtype, Plan, Topology, realize_plan
-from partc.schema import validate_document
+from partc.front.schema import validate_document
+from partc.library import family_for_config, family_spec_is_file, read_family_source
+from partc.partition.boundary import PipelineActivationDtype
+from partc.plan import Plan, Topology, realize_plan
 
 if TYPE_CHECKING:
-    from partc.checkpoint import Checkpoint
-    from partc.parallel import ShardingPolicy
-
-BUILTIN_PREFIX = "architectures/"
-"""How built-in family files are named in messages and plan sources."""
+    from partc.parallel.specs import ShardingPolicy
+    from partc.runtime.checkpoint import Checkpoint
 
 
 def _raise_all(errors: Sequence[PartcError]) -> None:
@@ -39,69 +34,6 @@ def _raise_all(errors: Sequence[PartcError]) -> None:
         raise errors[0]
     if errors:
         raise PartcErrors(list(errors))
-
-
-@cache
-def builtin_families() -> dict[str, str]:
-    """Built-in family files by every model type they describe (file name values)."""
-    found: dict[str, str] = {}
-    root = resources.files("partc.architectures")
-    for entry in sorted(root.iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith((".yaml", ".yml", ".toml")):
-            continue
-        document = load_document(entry.name, text=entry.read_text(encoding="utf-8"))
-        data = document.data if isinstance(document.data, dict) else {}
-        for model_type in data.get("model_types", []):
-            found.setdefault(str(model_type), entry.name)
-        if isinstance(data.get("family"), str):
-            found.setdefault(data["family"], entry.name)
-    return found
-
-
-FAMILY_SUFFIXES = (".yaml", ".yml", ".toml")
-"""Suffixes that make a family spec a file path."""
-
-
-def family_spec_is_file(spec: str | Path) -> bool:
-    """Whether an explicit family spec names a file rather than a built-in family.
-
-    The rule: a `Path`, a spec ending in .yaml/.yml/.toml, one holding a path separator, or
-    the name of an existing regular file is a file; anything else (even when a folder of that
-    name exists in the working directory) names a built-in family.
-    """
-    if isinstance(spec, Path):
-        return True
-    separators = {"/", os.sep} | ({os.altsep} if os.altsep else set())
-    return (spec.lower().endswith(FAMILY_SUFFIXES) or any(s in spec for s in separators)
-            or Path(spec).is_file())
-
-
-def read_family_source(spec: str | Path, *, builtin: bool = False) -> tuple[str, str]:
-    """(display name, text) of a family given as a file path or a built-in model type.
-
-    With `builtin` (the family comes from a config's `model_type`) it is always the built-in
-    one; otherwise `family_spec_is_file` decides.
-    """
-    if "\0" in str(spec):
-        raise LoadError("a family path cannot contain a NUL character",
-                        location=SourceLocation(repr(str(spec))))
-    families = builtin_families()
-    if not builtin and family_spec_is_file(spec):
-        path = Path(spec)
-        if path.is_dir():
-            raise LoadError(
-                f"family {str(spec)!r} is a folder; expected a family file (.yaml, .yml or "
-                f".toml) or a built-in family name ({', '.join(sorted(families))})",
-                location=SourceLocation(str(spec)))
-        return str(spec), read_text(path, "family file")  # bounded size, UTF-8, located errors
-    name = families.get(str(spec))
-    if name is None:
-        raise LoadError(f"no built-in family for model type {str(spec)!r} (a family file needs "
-                        f"a .yaml, .yml or .toml suffix or a path with a `/`); built-in: "
-                        f"{', '.join(sorted(families))}",
-                        location=SourceLocation(str(spec)))
-    text = resources.files("partc.architectures").joinpath(name).read_text(encoding="utf-8")
-    return BUILTIN_PREFIX + name, text
 
 
 def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl, str]:
@@ -116,17 +48,6 @@ def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl,
     _raise_all(errors)
     assert family is not None
     return family, hashlib.sha256(text.encode()).hexdigest()
-
-
-def family_for_config(config: RawDocument) -> str:
-    """The built-in family name for a config's `model_type`."""
-    model_type = config.data.get("model_type")
-    families = builtin_families()
-    if not isinstance(model_type, str) or model_type not in families:
-        raise LoadError(f"config model_type {model_type!r} has no built-in family; known: "
-                        f"{', '.join(sorted(families))}", location=config.locate("/model_type"),
-                        pointer="/model_type")
-    return model_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +96,13 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
     """Bind and realize a family for `topology`; with `checkpoint`, also fingerprint its header."""
     opened = None
     if checkpoint is not None:
-        from partc.checkpoint import open_checkpoint
+        from partc.runtime.checkpoint import open_checkpoint
 
         opened = open_checkpoint(Path(checkpoint))
     bound, decl, sources = bind(family, config, opened)
     fingerprint = digest = None
     if opened is not None:
-        from partc.runtime import header_fingerprint
+        from partc.runtime.loader import header_fingerprint
 
         _raise_all(checkpoint_errors(bound, opened))
         fingerprint, digest = header_fingerprint(opened), opened.header_digest()
@@ -231,7 +152,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. Raises a
     PartcError (PartcErrors when several were found) and writes nothing on failure.
     """
-    from partc.emit import render_package
+    from partc.emit.render import render_package
     from partc.output import check_output, write_atomically
 
     try:
@@ -254,8 +175,8 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     if out is not None:
         check_output(out, kind="build", inputs=inputs, force=force)
     if digests:
-        from partc.checkpoint import open_checkpoint
-        from partc.digests import plan_digests
+        from partc.runtime.checkpoint import open_checkpoint
+        from partc.runtime.digests import plan_digests
 
         assert checkpoint is not None
         recorded = plan_digests([rank.layout for rank in plan.ranks],
@@ -282,7 +203,7 @@ def check_family(family: str | Path | None, config: str | Path | None = None,
             return errors
         opened = None
         if checkpoint is not None:
-            from partc.checkpoint import open_checkpoint
+            from partc.runtime.checkpoint import open_checkpoint
 
             opened = open_checkpoint(Path(checkpoint))
         bound, decl, _ = bind(family, config, opened)

@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _policy(value: str | None):  # type: ignore[no-untyped-def]
-    from partc.parallel import ShardingPolicy
+    from partc.parallel.specs import ShardingPolicy
 
     return None if value is None else ShardingPolicy(value.replace("-", "_"))
 
@@ -284,7 +284,7 @@ def _demo(args: argparse.Namespace) -> int:
         layers = dict(plan.config_values)["num_hidden_layers"]
         print(f"partc demo: embedded tiny Llama ({layers} layers) "
               f"at TP={args.tp} x PP={args.pp}, build in {out}")
-        from partc.emit import package_name
+        from partc.emit.render import package_name
 
         _sys.path.insert(0, str(out))
         try:
@@ -304,7 +304,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _families(_: argparse.Namespace) -> int:
-    from partc.api import builtin_families
+    from partc.library import builtin_families
 
     for model_type, file in sorted(builtin_families().items()):
         print(f"{model_type:<20} architectures/{file}")

@@ -14,25 +14,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
-from partc.boundary import PipelineActivationDtype as PipelineActivationDtype
-from partc.boundary import PipelineWireContract
 from partc.errors import LayoutError, PartcError
-from partc.parallel import (
-    LocalModelLayout,
-    LocalTensorLayout,
-    ParallelModelInfo,
-    ShardingPolicy,
-    realize_group_template,
-)
-from partc.partition import (
-    ArchitecturePartition,
-    OwnerKind,
-    ParameterGroupOwner,
-    realize_partition,
-)
+from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
+from partc.parallel.realize import realize_group_template
+from partc.parallel.specs import ShardingPolicy
+from partc.partition.boundary import PipelineActivationDtype, PipelineWireContract
+from partc.partition.ownership import OwnerKind, ParameterGroupOwner
+from partc.partition.pipeline import ArchitecturePartition, realize_partition
 
 if TYPE_CHECKING:
-    from partc.bind import BoundArchitecture
+    from partc.bind.binder import BoundArchitecture
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,7 +211,7 @@ class Plan:
     @property
     def global_parameter_bytes(self) -> int:
         """Bytes of every tensor of the checkpoint."""
-        from partc.parallel import tensor_bytes
+        from partc.parallel.layout import tensor_bytes
 
         return sum(tensor_bytes(t.dtype, t.shape) for t in self.tensors)
 

@@ -22,21 +22,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from partc.checkpoint import (
-    DTYPES,
-    SHARD_FORMAT,
-    SHARD_MANIFEST,
-    Checkpoint,
-    TensorSelection,
-    open_checkpoint,
-    read_tensors,
-)
-from partc.digests import tensor_digest
-from partc.emit import rank_module_name
+from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
 from partc.output import check_output, write_atomically
 from partc.plan import canonical_json
-from partc.runtime import header_fingerprint, progress_bar
+from partc.runtime.checkpoint import Checkpoint, open_checkpoint
+from partc.runtime.digests import tensor_digest
+from partc.runtime.headers import DTYPES
+from partc.runtime.loader import header_fingerprint
+from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
+from partc.runtime.progress import progress_bar
+from partc.runtime.reader import TensorSelection, read_tensors
 
 __all__ = ["ShardResult", "rank_file_name", "shard_checkpoint"]
 

@@ -11,8 +11,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from partc.api import compile_family
-from partc.emit import package_name
-from partc.parallel import ShardingPolicy
+from partc.emit.render import package_name
+from partc.parallel.specs import ShardingPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -16,10 +16,10 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import SemanticError
-from partc.layout import TORCH_DTYPE_NAMES
+from partc.parallel.layout import TORCH_DTYPE_NAMES
 
 if TYPE_CHECKING:
-    from partc.load import RawDocument
+    from partc.front.load import RawDocument
 
 MAX_CONFIG_DIMENSION = 2**31 - 1
 """Largest size a config field may give one axis (hidden size, vocabulary, experts, ...)."""

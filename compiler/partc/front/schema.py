@@ -22,10 +22,10 @@ import jsonschema
 from jsonschema.exceptions import ValidationError
 
 from partc.errors import SchemaError
-from partc.load import escape_pointer_token
+from partc.front.positions import escape_pointer_token
 
 if TYPE_CHECKING:
-    from partc.load import RawDocument
+    from partc.front.load import RawDocument
 
 
 @cache

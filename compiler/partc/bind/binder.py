@@ -12,14 +12,13 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
-from partc.expr import Expression, Template, format_value
-from partc.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
-from partc.hfconfig import config_errors, read_fields
-from partc.load import join_pointer
-from partc.parallel import (
-    DTYPE_BITS,
-    TORCH_DTYPE_NAMES,
+from partc.family.expr import Expression, Template, format_value
+from partc.front.positions import join_pointer
+from partc.parallel.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
+from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, unchecked_replace
+from partc.parallel.specs import (
     LinearWeightLayout,
     MemberSharding,
     MemberShardingKind,
@@ -30,15 +29,16 @@ from partc.parallel import (
     ShardingPolicy,
     partitioned_projection_group,
     segmented_projection_group,
-    unchecked_replace,
 )
-from partc.partition import (
-    ArchitectureParameterDescription,
+from partc.partition.boundary import (
     BoundaryTensorDimension,
     BoundaryTensorDimensionKind,
     BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
+)
+from partc.partition.ownership import (
+    ArchitectureParameterDescription,
     ExecutionGraph,
     ExecutionGroupSpec,
     OwnedParameterGroupSpec,
@@ -47,8 +47,8 @@ from partc.partition import (
 )
 
 if TYPE_CHECKING:
-    from partc.family import FamilyDecl, GroupDecl, ModuleDecl, ParamDecl, ShardingDecl
-    from partc.load import RawDocument
+    from partc.family.declaration import FamilyDecl, GroupDecl, ModuleDecl, ParamDecl, ShardingDecl
+    from partc.front.load import RawDocument
 
 Value = Any
 

@@ -17,25 +17,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from partc.files import FileStamp
-from partc.headers import (
+from partc.runtime.checkpoint import MAX_INDEX_BYTES, Checkpoint, open_checkpoint
+from partc.runtime.files import FileStamp
+from partc.runtime.headers import (
     _ITEMSIZE,
     DTYPES,
     MAX_HEADER_SIZE,
-    MAX_INDEX_BYTES,
-    SHARD_FORMAT,
-    SHARD_MANIFEST,
-    Checkpoint,
     FileHeader,
-    ShardManifest,
     TensorEntry,
     TensorTable,
     _fail,
-    open_checkpoint,
     paused_gc,
     read_header,
-    read_shard_manifest,
 )
+from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST, ShardManifest, read_shard_manifest
 
 __all__ = [
     "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE",

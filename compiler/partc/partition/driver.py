@@ -15,13 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from partc.errors import LayeredPartitionBeginError as LayeredPartitionBeginError
-from partc.errors import LayeredPartitionError as LayeredPartitionError
-from partc.errors import LayeredPartitionErrorKind as LayeredPartitionErrorKind
+from partc.errors import (
+    LayeredPartitionBeginError,
+    LayeredPartitionError,
+    LayeredPartitionErrorKind,
+)
 
 if TYPE_CHECKING:
-    from partc.boundary import ArchitectureBoundaryValue
-    from partc.partition import ArchitecturePartition, PartitionState
+    from partc.partition.boundary import ArchitectureBoundaryValue
+    from partc.partition.pipeline import ArchitecturePartition, PartitionState
 
 Range = tuple[int, int]
 """A half-open integer range (start, end)."""

@@ -16,8 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import ArchitectureBoundaryError as ArchitectureBoundaryError
-from partc.errors import ArchitectureBoundaryErrorKind as ArchitectureBoundaryErrorKind
+from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKind
 
 if TYPE_CHECKING:
     import numpy as np

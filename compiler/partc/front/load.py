@@ -25,11 +25,12 @@ from typing import Any
 import yaml
 
 from partc.errors import LoadError, SourceLocation
-from partc.positions import TextPositions, scan_toml
-from partc.positions import escape_pointer_token as escape_pointer_token
-from partc.positions import join_pointer as join_pointer
-from partc.positions import json_locations as json_locations
-from partc.positions import toml_locations as toml_locations
+from partc.front.positions import (
+    TextPositions,
+    join_pointer,
+    json_locations,
+    scan_toml,
+)
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
 """Largest family file (YAML or TOML) partc reads."""

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.checkpoint import Checkpoint, TensorSelection, default_workers, read_tensors
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+from partc.runtime.checkpoint import Checkpoint
+from partc.runtime.reader import TensorSelection, default_workers, read_tensors
 
 if TYPE_CHECKING:
-    from partc.parallel import LocalModelLayout, LocalTensorLayout
+    from partc.parallel.layout import LocalModelLayout, LocalTensorLayout
 
 __all__ = ["VERIFY_MODES", "manifest_digests", "plan_digests", "tensor_digest",
            "tensor_digests", "verify_digests"]

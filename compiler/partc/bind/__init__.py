@@ -1,0 +1,1 @@
+"""Binding a family declaration to a model's config.json."""

@@ -1,0 +1,1 @@
+"""The family language: safe expressions and the symbolic family declaration with its checks."""

@@ -1,0 +1,351 @@
+"""Building a symbolic family declaration from a schema-valid document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partc.errors import ExpressionError, PartcError, SemanticError
+from partc.family.checks import iter_semantic_errors
+from partc.family.declaration import (
+    BoundaryTensorDecl,
+    ConfigFieldDecl,
+    FamilyDecl,
+    GraphGroupDecl,
+    GroupDecl,
+    LinearFormatDecl,
+    ModuleDecl,
+    OwnerDecl,
+    ParamDecl,
+    ShardingDecl,
+)
+from partc.family.expr import Expression, Template, constant, parse, parse_template
+from partc.front.load import RawDocument
+from partc.front.positions import join_pointer
+from partc.parallel.formats import GGUF_BLOCK_TYPES
+from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, ParameterRole
+from partc.parallel.specs import ProjectionSharding, ShardingPolicy
+from partc.partition.ownership import StageSide
+
+
+class _Builder:
+    """Collects declarations and errors while walking the document."""
+
+    def __init__(self, document: RawDocument) -> None:
+        self.document = document
+        self.errors: list[PartcError] = []
+
+    def error(self, message: str, pointer: str) -> None:
+        self.errors.append(SemanticError(message, location=self.document.locate(pointer),
+                                         pointer=pointer))
+
+    def expression(self, value: Any, pointer: str) -> Expression | None:
+        note = self.document.note(pointer)
+        if isinstance(value, bool | int):
+            return self.constant(value, pointer)
+        if not isinstance(value, str):
+            self.error(f"expected an integer, a boolean or an expression, found {value!r}"
+                       + (f"; {note}" if note else ""), pointer)
+            return None
+        try:
+            return parse(value)
+        except ExpressionError as exc:
+            if note:  # `0o10`, `1_000`, `.inf`: say what YAML 1.1 would have read
+                self.error(f"expected an integer, a boolean or an expression, found {value!r}; "
+                           f"{note}", pointer)
+                return None
+            self.located(exc, pointer)
+            return None
+
+    def constant(self, value: Any, pointer: str) -> Expression | None:
+        try:
+            return constant(value)
+        except ExpressionError as exc:
+            self.located(exc, pointer)
+            return None
+
+    def located(self, exc: ExpressionError, pointer: str) -> None:
+        exc.location = self.document.locate_offset(pointer, exc.offset)
+        exc.pointer = pointer
+        self.errors.append(exc)
+
+    def template(self, value: str, pointer: str) -> Template | None:
+        try:
+            return parse_template(value)
+        except ExpressionError as exc:
+            self.located(exc, pointer)
+            return None
+
+
+def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | None:
+    if value in (None, "replicated"):
+        return ShardingDecl(kind="replicated", axis=None, segments=())
+    (kind, arg), = value.items()
+    if isinstance(arg, dict):
+        segments = []
+        for i, seg in enumerate(arg["segments"]):
+            parsed = builder.expression(seg, join_pointer(join_pointer(
+                join_pointer(pointer, kind), "segments"), i))
+            if parsed is not None:
+                segments.append(parsed)
+        return ShardingDecl(kind=kind, axis=int(arg["axis"]), segments=tuple(segments))
+    return ShardingDecl(kind=kind, axis=int(arg), segments=())
+
+
+def _params(builder: _Builder, params: dict[str, Any], pointer: str) -> tuple[ParamDecl, ...]:
+    out = []
+    for name, spec in params.items():
+        ptr = join_pointer(pointer, name)
+        shape_value = spec["shape"] if isinstance(spec, dict) else spec
+        shape_ptr = join_pointer(ptr, "shape") if isinstance(spec, dict) else ptr
+        shape = tuple(e for i, d in enumerate(shape_value)
+                      if (e := builder.expression(d, join_pointer(shape_ptr, i))) is not None)
+        when = dtype = None
+        if isinstance(spec, dict):
+            if "when" in spec:
+                when = builder.expression(spec["when"], join_pointer(ptr, "when"))
+            if "dtype" in spec:
+                dtype = _dtype_expression(builder, spec["dtype"], join_pointer(ptr, "dtype"))
+        template = builder.template(name, ptr)
+        if template is not None:
+            out.append(ParamDecl(name=template, shape=shape, when=when, dtype=dtype,
+                                 sharding=None, pointer=ptr,
+                                 shape_pointer=shape_ptr if len(shape) == len(shape_value)
+                                 else ""))
+    return tuple(out)
+
+
+def _dtype_expression(builder: _Builder, value: str, pointer: str) -> Expression | None:
+    """A dtype is a literal name (`BF16`, `bfloat16`) or an expression yielding one."""
+    if value in DTYPE_BITS or value in TORCH_DTYPE_NAMES:
+        return constant(value)
+    return builder.expression(value, pointer)
+
+
+def _module(builder: _Builder, data: dict[str, Any], pointer: str,
+            sharding: ProjectionSharding | None, segments_key: str | None) -> ModuleDecl | None:
+    module = builder.template(data["module"], join_pointer(pointer, "module"))
+    params = _params(builder, data["params"], join_pointer(pointer, "params"))
+    segments: list[Expression] = []
+    if segments_key:
+        for i, seg in enumerate(data[segments_key]):
+            parsed = builder.expression(seg, join_pointer(join_pointer(pointer, segments_key), i))
+            if parsed is not None:
+                segments.append(parsed)
+    when = (builder.expression(data["when"], join_pointer(pointer, "when"))
+            if "when" in data else None)
+    heads = _heads(builder, data.get("heads"), join_pointer(pointer, "heads"))
+    if module is None:
+        return None
+    return ModuleDecl(module=module, params=params, sharding=sharding, segments=tuple(segments),
+                      when=when, linear=bool(data.get("linear", True)), pointer=pointer,
+                      heads=heads)
+
+
+def _heads(builder: _Builder, value: Any, pointer: str) -> tuple[Expression, ...]:
+    """A `heads:` hint: one expression, or a list of them (one per fused segment)."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for i, item in enumerate(items):
+        parsed = builder.expression(item, join_pointer(pointer, i) if isinstance(value, list)
+                                    else pointer)
+        if parsed is not None:
+            out.append(parsed)
+    return tuple(out)
+
+
+def _owners(builder: _Builder, value: Any, pointer: str) -> tuple[OwnerDecl, ...]:
+    choices = value if isinstance(value, list) else [value]
+    out = []
+    for i, choice in enumerate(choices):
+        ptr = join_pointer(pointer, i) if isinstance(value, list) else pointer
+        when = (builder.expression(choice["when"], join_pointer(ptr, "when"))
+                if "when" in choice else None)
+        if "static" in choice:
+            out.append(OwnerDecl(kind="static", roles=(choice["static"],), group=None, when=when,
+                                 pointer=ptr))
+        elif "any_of" in choice:
+            out.append(OwnerDecl(kind="any_of", roles=tuple(choice["any_of"]), group=None,
+                                 when=when, pointer=ptr))
+        else:
+            groups = choice["unit"] if isinstance(choice["unit"], list) else [choice["unit"]]
+            out.append(OwnerDecl(kind="unit", roles=(), group=groups[0], when=when,
+                                 pointer=ptr, groups=tuple(groups)))
+    return tuple(out)
+
+
+def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl | None:
+    name = builder.template(data["name"], join_pointer(pointer, "name"))
+    owners = _owners(builder, data["owner"], join_pointer(pointer, "owner"))
+    when = (builder.expression(data["when"], join_pointer(pointer, "when"))
+            if "when" in data else None)
+    loops = []
+    for var, count in data.get("for", {}).items():
+        parsed = builder.expression(count, join_pointer(join_pointer(pointer, "for"), var))
+        if parsed is not None:
+            loops.append((var, parsed))
+    units = (builder.expression(data["units"], join_pointer(pointer, "units"))
+             if "units" in data else None)
+    members: tuple[ParamDecl, ...] = ()
+    module = None
+    module_sharding = None
+    projections: list[ModuleDecl] = []
+    if "members" in data:
+        form = "members"
+        out = []
+        for i, member in enumerate(data["members"]):
+            ptr = join_pointer(join_pointer(pointer, "members"), i)
+            target = builder.template(member["target"], join_pointer(ptr, "target"))
+            shape = tuple(e for j, d in enumerate(member["shape"])
+                          if (e := builder.expression(d, join_pointer(join_pointer(ptr, "shape"),
+                                                                      j))) is not None)
+            sharding = _sharding(builder, member.get("sharding"), join_pointer(ptr, "sharding"))
+            m_when = (builder.expression(member["when"], join_pointer(ptr, "when"))
+                      if "when" in member else None)
+            dtype = (_dtype_expression(builder, member["dtype"], join_pointer(ptr, "dtype"))
+                     if "dtype" in member else None)
+            if target is not None:
+                out.append(ParamDecl(name=target, shape=shape, when=m_when, dtype=dtype,
+                                     sharding=sharding, pointer=ptr, layout=member.get("format"),
+                                     shape_pointer=join_pointer(ptr, "shape")
+                                     if len(shape) == len(member["shape"]) else "",
+                                     heads=_heads(builder, member.get("heads"),
+                                                  join_pointer(ptr, "heads"))))
+        members = tuple(out)
+    elif "module" in data:
+        form = "module"
+        module = _module(builder, {"module": data["module"], "params": data["params"]}, pointer,
+                         None, None)
+        module_sharding = _sharding(builder, data.get("sharding"),
+                                    join_pointer(pointer, "sharding"))
+    elif "projections" in data:
+        form = "projections"
+        for i, proj in enumerate(data["projections"]):
+            decl = _module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
+                           ProjectionSharding(proj["sharding"]), None)
+            if decl is not None:
+                projections.append(decl)
+    else:
+        form = "fused"
+        fused = _module(builder, data["fused"], join_pointer(pointer, "fused"),
+                        ProjectionSharding.COLUMN, "segments")
+        if "output" not in data:
+            builder.error("a fused projection group needs its row-parallel `output` module",
+                          pointer)
+        else:
+            output = _module(builder, data["output"], join_pointer(pointer, "output"),
+                             ProjectionSharding.ROW, None)
+            if fused is not None and output is not None:
+                projections = [fused, output]
+    if name is None:
+        return None
+    return GroupDecl(
+        name=name, role=ParameterRole(data["role"]), owners=owners, when=when, loops=tuple(loops),
+        units=units, units_text=str(data.get("units", "")),
+        policy=ShardingPolicy(data["policy"]) if "policy" in data else None,
+        kv_replication=bool(data.get("kv_replication", False)), form=form, members=members,
+        module=module, module_sharding=module_sharding, projections=tuple(projections),
+        pointer=pointer)
+
+
+def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcError]]:
+    """Build the symbolic family of a schema-valid document, with every semantic error found."""
+    builder = _Builder(document)
+    data = document.data
+    config = []
+    for name, spec in data["config"].items():
+        ptr = join_pointer("/config", name)
+        if isinstance(spec, str):
+            config.append(ConfigFieldDecl(name=name, type=spec, default=None, sources=(name,),
+                                          pointer=ptr))
+            continue
+        default = None
+        literal: tuple[bool, Any] = (False, None)
+        if "default" in spec:
+            raw = spec["default"]
+            if isinstance(raw, str) and spec["type"] in ("str", "str_list"):
+                default = builder.constant(raw, join_pointer(ptr, "default"))
+            elif isinstance(raw, list):
+                default = builder.constant(tuple(raw), join_pointer(ptr, "default"))
+            elif raw is None:
+                default = constant(None)
+            elif isinstance(raw, float):
+                literal = (True, raw)  # floats never enter expressions; kept as the value
+            else:
+                default = builder.expression(raw, join_pointer(ptr, "default"))
+        sources = spec.get("from", name)
+        present = None
+        if "present" in spec:
+            present = builder.template(spec["present"], join_pointer(ptr, "present"))
+            if spec["type"] != "bool":
+                builder.error(f"config field `{name}` probes the checkpoint with `present`, so "
+                              f"its type must be bool, found {spec['type']}", ptr)
+        config.append(ConfigFieldDecl(
+            name=name, type=spec["type"], default=default,
+            sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr,
+            present=present, literal_default=literal))
+    graph = []
+    for i, group in enumerate(data["graph"]):
+        ptr = join_pointer("/graph", i)
+        units = builder.expression(group["units"], join_pointer(ptr, "units"))
+        path = builder.template(group["path"], join_pointer(ptr, "path"))
+        # a group whose units or path failed to parse is still declared (its error is already
+        # recorded), so owners naming it do not report it as unknown
+        graph.append(GraphGroupDecl(name=group["group"], units=units or constant(0),
+                                    path=path or parse_template(""),
+                                    carries_state=bool(group.get("state", False)),
+                                    after=tuple(group.get("after", ())), pointer=ptr))
+    statics = tuple((name, StageSide(spec["stage"]))
+                    for name, spec in data.get("static", {}).items())
+    groups = []
+    for i, group in enumerate(data["parameters"]):
+        decl = _group(builder, group, join_pointer("/parameters", i))
+        if decl is not None:
+            groups.append(decl)
+    boundary = []
+    bdata = data["boundary"]
+    auxiliary = bdata.get("auxiliary", [])
+    tensors = [("/boundary/primary", bdata["primary"])] + [
+        (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(auxiliary)]
+    for ptr, tensor in tensors:
+        shape: list[str | Expression] = []
+        for j, dim in enumerate(tensor["shape"]):
+            if dim in ("batch", "sequence"):
+                shape.append(dim)
+            elif (parsed := builder.expression(dim, join_pointer(join_pointer(ptr, "shape"), j))):
+                shape.append(parsed)
+        boundary.append(BoundaryTensorDecl(role=tensor["role"], shape=tuple(shape),
+                                           dtype=tensor["dtype"], pointer=ptr))
+    formats = []
+    for i, fmt in enumerate(data.get("linear_formats", [])):
+        ptr = join_pointer("/linear_formats", i)
+        options: list[tuple[str, Any]] = []
+        for key, value in fmt.items():
+            if key in ("format", "when"):
+                continue
+            if key in ("applies_to", "except", "scale_suffix"):
+                options.append((key, tuple(value) if isinstance(value, list) else value))
+            elif key == "scale_dtype" and isinstance(value, str):
+                options.append((key, _dtype_expression(builder, value, join_pointer(ptr, key))))
+            elif key == "gguf_type" and value in GGUF_BLOCK_TYPES:
+                options.append((key, constant(value)))
+            elif isinstance(value, list):
+                options.append((key, tuple(builder.expression(v, join_pointer(join_pointer(
+                    ptr, key), j)) for j, v in enumerate(value))))
+            else:
+                options.append((key, builder.expression(value, join_pointer(ptr, key))))
+        formats.append(LinearFormatDecl(
+            format=fmt["format"],
+            when=builder.expression(fmt["when"], join_pointer(ptr, "when")) if "when" in fmt
+            else None, options=tuple(options), pointer=ptr))
+    family = FamilyDecl(
+        name=data["family"], model_types=tuple(data["model_types"]), config=tuple(config),
+        graph=tuple(graph), static_roles=statics, groups=tuple(groups),
+        boundary_identity=bdata["identity"], boundary=tuple(boundary),
+        linear_formats=tuple(formats),
+        policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document)
+    builder.errors.extend(iter_semantic_errors(family))
+    if builder.errors:
+        return None, builder.errors
+    return family, []

@@ -1,0 +1,253 @@
+"""Stage 3: turn a schema-valid document into a symbolic family declaration and check it.
+
+Every expression and template is parsed here (never evaluated: that is `bind`'s job), and every
+name an expression uses is checked against the config fields and the loop variables in scope,
+so a typo is reported with its file and line before any config.json is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from partc.errors import PartcError
+from partc.family.expr import Expression, Template
+from partc.parallel.layout import ParameterRole
+from partc.parallel.specs import ProjectionSharding, ShardingPolicy
+from partc.partition.ownership import StageSide
+
+if TYPE_CHECKING:
+    from partc.front.load import RawDocument
+
+UNIT_VARIABLE = "unit"
+"""The loop variable bound to the unit index of a unit-owned group."""
+UNIT_PATH_VARIABLE = "path"
+"""The variable bound to the unit's path (e.g. `model.layers.7`) in a unit-owned group."""
+UNIT_GROUP_VARIABLE = "group"
+"""The variable bound to the execution group's name in a unit-owned group."""
+UNIT_VARIABLES = (UNIT_VARIABLE, UNIT_PATH_VARIABLE, UNIT_GROUP_VARIABLE)
+"""Every variable a unit-owned group sees besides the config fields."""
+CONFIG_TYPES = ("int", "bool", "str", "float", "int_list", "str_list", "any")
+"""Types a config field may declare."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConfigFieldDecl:
+    """A field read from config.json: type, default and where to read it."""
+
+    name: str
+    """Name used in expressions."""
+    type: str
+    """One of CONFIG_TYPES."""
+    default: Expression | None
+    """Value when config.json lacks the field (None: the field is required)."""
+    sources: tuple[str, ...]
+    """Dotted paths in config.json, first present wins."""
+    pointer: str
+    """Where the field is declared."""
+    present: Template | None = None
+    """A bool field probing the checkpoint: true when it holds this tensor (None: no probe)."""
+    literal_default: tuple[bool, Any] = (False, None)
+    """(True, value) for a float default, which is kept as a value rather than an expression."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GraphGroupDecl:
+    """A declared execution group."""
+
+    name: str
+    """Group name."""
+    units: Expression
+    """Number of units."""
+    path: Template
+    """Unit path template (`{unit}`)."""
+    carries_state: bool
+    """Whether units carry KV state."""
+    after: tuple[str, ...]
+    """Dependencies."""
+    pointer: str
+    """Where the group is declared."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerDecl:
+    """One owner choice of a parameter group; the first whose `when` holds is used."""
+
+    kind: str
+    """'static', 'any_of' or 'unit'."""
+    roles: tuple[str, ...]
+    """Static role(s)."""
+    group: str | None
+    """Execution group for 'unit' (the first, when several are listed)."""
+    when: Expression | None
+    """Condition, if any."""
+    pointer: str
+    """Where the choice is declared."""
+    groups: tuple[str, ...] = ()
+    """Every execution group for 'unit': the group is instantiated once per unit of each."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardingDecl:
+    """A symbolic member sharding rule."""
+
+    kind: str
+    """One of the MemberShardingKind values."""
+    axis: int | None
+    """The axis."""
+    segments: tuple[Expression, ...]
+    """Segment widths (segment kinds)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamDecl:
+    """A parameter of a module (or a member): name or target, shape, condition, dtype."""
+
+    name: Template
+    """Parameter name (module forms) or full target template (member form)."""
+    shape: tuple[Expression, ...]
+    """Symbolic shape."""
+    when: Expression | None
+    """Condition for the parameter to exist."""
+    dtype: Expression | None
+    """Stored dtype override."""
+    sharding: ShardingDecl | None
+    """Explicit sharding (member form only)."""
+    pointer: str
+    """Where it is declared."""
+    layout: str | None = None
+    """Member form `format:`: 'linear', 'linear_transposed' or 'dense' (None: not linear)."""
+    heads: tuple[Expression, ...] = ()
+    """Member form `heads:`: head counts along the partitioned axis (one per segment)."""
+    shape_pointer: str = ""
+    """Where the shape list is declared; dimension i is at `shape_pointer/i` ('' if unknown)."""
+
+    def dimension_pointer(self, index: int) -> str:
+        """The pointer of shape dimension `index` (the parameter's pointer if unknown)."""
+        return f"{self.shape_pointer}/{index}" if self.shape_pointer else self.pointer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModuleDecl:
+    """A module with parameters: a projection, a fused projection or a plain module."""
+
+    module: Template
+    """Module path template."""
+    params: tuple[ParamDecl, ...]
+    """Its parameters."""
+    sharding: ProjectionSharding | None
+    """Projection sharding (projections only)."""
+    segments: tuple[Expression, ...]
+    """Segment widths (fused projections only)."""
+    when: Expression | None
+    """Condition for the module to exist."""
+    linear: bool
+    """Whether a linear format may encode its weight."""
+    pointer: str
+    """Where it is declared."""
+    heads: tuple[Expression, ...] = ()
+    """`heads:` hint: head count of the split axis (one per segment for a fused projection)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupDecl:
+    """A declared parameter group (one YAML entry, possibly repeated over units and loops)."""
+
+    name: Template
+    """Logical name template."""
+    role: ParameterRole
+    """Semantic role."""
+    owners: tuple[OwnerDecl, ...]
+    """Owner choices."""
+    when: Expression | None
+    """Per-instance condition."""
+    loops: tuple[tuple[str, Expression], ...]
+    """Repetition variables and their counts."""
+    units: Expression | None
+    """Partition units."""
+    units_text: str
+    """The units expression as written, for messages."""
+    policy: ShardingPolicy | None
+    """Per-group policy."""
+    kv_replication: bool
+    """Whether KV heads may repeat across ranks."""
+    form: str
+    """'members', 'module', 'projections' or 'fused'."""
+    members: tuple[ParamDecl, ...]
+    """Members (form 'members')."""
+    module: ModuleDecl | None
+    """The module (form 'module')."""
+    module_sharding: ShardingDecl | None
+    """Rule of every parameter (form 'module')."""
+    projections: tuple[ModuleDecl, ...]
+    """Projections (form 'projections'), or the fused projection and its output ('fused')."""
+    pointer: str
+    """Where the group is declared."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryTensorDecl:
+    """A declared boundary tensor."""
+
+    role: str
+    """Role."""
+    shape: tuple[str | Expression, ...]
+    """'batch', 'sequence' or an expression for a fixed size."""
+    dtype: str
+    """activation, uint32 or int32."""
+    pointer: str
+    """Where it is declared."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinearFormatDecl:
+    """A declared checkpoint encoding of linear weights."""
+
+    format: str
+    """dense, block_fp8, mlx_affine, mxfp4 or gguf."""
+    when: Expression | None
+    """Condition selecting it."""
+    options: tuple[tuple[str, Any], ...]
+    """Remaining keys (block, bits, ...), expressions parsed."""
+    pointer: str
+    """Where it is declared."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FamilyDecl:
+    """A checked symbolic family: what a YAML or TOML file declares."""
+
+    name: str
+    """Family name."""
+    model_types: tuple[str, ...]
+    """HF model types it describes."""
+    config: tuple[ConfigFieldDecl, ...]
+    """Config fields."""
+    graph: tuple[GraphGroupDecl, ...]
+    """Execution groups."""
+    static_roles: tuple[tuple[str, StageSide], ...]
+    """Static roles and sides."""
+    groups: tuple[GroupDecl, ...]
+    """Parameter groups."""
+    boundary_identity: str
+    """Boundary schema identity."""
+    boundary: tuple[BoundaryTensorDecl, ...]
+    """Primary then auxiliary boundary tensors."""
+    linear_formats: tuple[LinearFormatDecl, ...]
+    """Declared linear formats."""
+    policy: ShardingPolicy | None
+    """Family default policy."""
+    document: RawDocument
+    """The source document (for locations)."""
+
+    def locate_error(self, error: PartcError, pointer: str) -> PartcError:
+        """Attach this family's source location for `pointer` to `error` when it has none."""
+        if error.location is None or error.location.line == 0:
+            error.location = self.document.locate(pointer)
+            error.pointer = error.pointer or pointer
+        return error
+
+
+# ---------------------------------------------------------------- semantic checks
+
+

@@ -1,0 +1,1 @@
+"""The `parallel` vocabulary: parameter groups, shardings, linear formats, realization, layouts."""

@@ -1,0 +1,264 @@
+"""Realization of one parameter group for a tensor-parallel size: placements, KV replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import fields
+
+from partc.parallel.layout import (
+    LOCAL,
+    REPLICATED,
+    LocalTensorLayout,
+    ParameterRole,
+    PlacementKind,
+    TensorPlacement,
+    _invalid_group,
+    _is_count,
+)
+from partc.parallel.specs import (
+    MemberShardingKind,
+    ParameterGroupSpec,
+    ParameterMemberSpec,
+    ShardingPolicy,
+    balanced_contiguous_range,
+)
+
+
+def _merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if a == b:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return tuple(merged)
+
+
+def _head_range(width: int, heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """Rank's range of a `heads`-head axis under KV replication: split, or one repeated head."""
+    if heads % tp == 0:
+        return rank * width // tp, (rank + 1) * width // tp
+    head = rank * heads // tp
+    return head * width // heads, (head + 1) * width // heads
+
+
+def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
+                   unit_range: tuple[int, int] | None, units: int | None,
+                   kv: bool) -> TensorPlacement:
+    """The placement of `member` on tensor-parallel rank `rank` (legality already checked)."""
+    rule = member.sharding
+    kind = rule.kind
+    if tp == 1 or kind is MemberShardingKind.REPLICATED:
+        return LOCAL if tp == 1 else REPLICATED
+    assert rule.axis is not None
+    dim = member.shape[rule.axis]
+    if kind is MemberShardingKind.EQUAL:
+        return TensorPlacement(kind=PlacementKind.SHARD, axis=rule.axis, index=rank, parts=tp)
+    if kind is MemberShardingKind.BALANCED:
+        start, end = balanced_contiguous_range(-(-dim // rule.granule), tp, rank)
+        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis,
+                               start=start * rule.granule, end=min(end * rule.granule, dim))
+    ranges: list[tuple[int, int]] = []
+    offset = 0
+    for i, width in enumerate(member.widths):
+        if kind is MemberShardingKind.SEGMENTED:
+            a, b = rank * width // tp, (rank + 1) * width // tp
+        elif kv:
+            a, b = _head_range(width, member.heads[i], tp, rank)
+        else:
+            assert unit_range is not None and units is not None
+            a, b = unit_range[0] * width // units, unit_range[1] * width // units
+        ranges.append((offset + a, offset + b))
+        offset += width
+    if kind is MemberShardingKind.PARTITIONED:
+        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis, start=ranges[0][0],
+                               end=ranges[0][1])
+    return TensorPlacement(kind=PlacementKind.INDICES, axis=rule.axis, ranges=_merge_ranges(ranges))
+
+
+def _kv_replicas(member: ParameterMemberSpec, tp: int) -> int:
+    return max((tp // h for h in member.heads if h < tp and tp % h == 0), default=1)
+
+
+def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
+    """Why KV replication cannot realize `group` over `tp` ranks (docs/kv_replication.md).
+
+    Members (or segments) with the group's largest head count hold query-side heads and are
+    split; those with fewer heads hold KV heads and are repeated when they cannot be split.
+    """
+    query = max(h for m in group.members for h in m.heads)
+    problems: list[tuple[str, str]] = []
+    counts = False
+    for member in group.members:
+        if not member.sharding.is_partitioned:
+            continue
+        target, granule = member.target, member.sharding.granule
+        whole = f"whole {granule}-element blocks" if granule > 1 else "whole elements"
+        for width, heads in zip(member.widths, member.heads, strict=True):
+            if heads % tp == 0:
+                if width % (tp * granule):
+                    problems.append((target, f"`{target}`: splitting its {heads} heads over "
+                                             f"{tp} ranks cuts its {width} elements into pieces "
+                                             f"that are not {whole}"))
+            elif heads == query:
+                counts = True
+                problems.append((target, f"`{target}` has {heads} query heads, not divisible by "
+                                         f"tensor_parallel_size {tp}"))
+            elif tp % heads:
+                counts = True
+                problems.append((target, f"`{target}` has {heads} KV heads and "
+                                         f"tensor_parallel_size {tp} is not a multiple of {heads}"))
+            elif width % (heads * granule):
+                problems.append((target, f"`{target}`: one of its {heads} KV heads spans "
+                                         f"{width}/{heads} elements, not {whole}, so it cannot "
+                                         "be repeated"))
+    if counts:
+        problems.append(("", "KV replication (vLLM's rule) needs tensor_parallel_size to divide "
+                             "the query head count and to be a multiple of the KV head count"))
+    return problems
+
+
+def _problems(group: ParameterGroupSpec, tp: int) -> tuple[list[tuple[str, str]], bool]:
+    """(target, message) for every reason `group` cannot be sharded over `tp`; and KV mode."""
+    problems: list[tuple[str, str]] = []
+    if tp == 1:
+        return problems, False
+    for member in group.members:
+        rule, target = member.sharding, member.target
+        if rule.axis is None:
+            continue
+        dim, g = member.shape[rule.axis], rule.granule
+        unit = f"{g}-element blocks" if g > 1 else "elements"
+        if rule.kind is MemberShardingKind.EQUAL and dim % (tp * g):
+            problems.append((target, f"`{target}`: axis {rule.axis} has {dim} elements, not "
+                                     f"divisible into {tp} equal shards of whole {unit}"))
+        elif rule.kind is MemberShardingKind.BALANCED and -(-dim // g) < tp:
+            problems.append((target, f"`{target}`: axis {rule.axis} has {-(-dim // g)} {unit}, "
+                                     f"fewer than tensor_parallel_size {tp} (balanced ranges)"))
+        elif rule.kind is MemberShardingKind.SEGMENTED and any(
+                segment % (tp * g) for segment in rule.segments):
+            problems.append((target, f"`{target}`: segments {list(rule.segments)} are not each "
+                                     f"divisible into {tp} shards of whole {unit}"))
+    units = group.units
+    if units is None or units >= tp:
+        return problems, False
+    label = f" ({group.units_label})" if group.units_label else ""
+    if group.kv_replication:
+        kv = _kv_problems(group, tp)
+        if not kv:
+            return problems, True
+        problems.append((kv[0][0], f"it has {units} partition units{label}, fewer than "
+                                   f"{tp} ranks, so KV replication applies and {kv[0][1]}"))
+        problems.extend(kv[1:])
+        return problems, False
+    hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV heads,"
+            " see docs/kv_replication.md)") if group.role is ParameterRole.ATTENTION_HEADS else ""
+    problems.append(("", f"it (role {group.role.value}) has {units} partition units{label} but "
+                         f"tensor_parallel_size is {tp}: every rank needs at least one unit; use a "
+                         f"tensor_parallel_size of at most {units}{hint}"))
+    return problems, False
+
+
+def group_sharding_problems(group: ParameterGroupSpec, tp: int) -> list[str]:
+    """Why `group` cannot be sharded over `tp` ranks (empty when it can)."""
+    return [message for _, message in _problems(group, tp)[0]]
+
+
+def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
+                  policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
+                  policy_overrides_group: bool = False
+                  ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+    """Each tensor-parallel rank's layouts of `group`'s members (outer index: rank).
+
+    An illegal shard raises ParallelPlanError under Require (the group's own policy wins over
+    `policy`); under ReplicateUnsupported the whole group is replicated and every layout records
+    `fell_back_to_replication`. With `kv_replication` and fewer units than ranks, query heads are
+    split over all ranks and each KV head repeated (docs/kv_replication.md).
+    `policy_overrides_group` makes `policy` win over the group's own (a command-line choice).
+    """
+    template = realize_group_template(group, tensor_parallel_size, policy,
+                                      policy_overrides_group=policy_overrides_group)
+    return tuple(tuple(layout.renamed(member.target, group.name)
+                       for layout, member in zip(rank_layouts, group.members, strict=True))
+                 for rank_layouts in template)
+
+
+def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
+                           policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
+                           policy_overrides_group: bool = False,
+                           cache: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]]
+                           | None = None) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+    """`realize_group` up to names: the one realization every group of `group`'s structure
+    shares (the same object for all of them), named after the first such group realized.
+
+    Groups differ structurally when any member's dtype, shape or sharding, or the group's role,
+    units, KV replication or effective policy differ; names take no part in realization.
+    `cache` holds the realizations by structure (default: one kept by this module); a plan
+    passes its own, so that what it shares never depends on earlier plans.
+    """
+    tp = tensor_parallel_size
+    if not _is_count(tp) or tp < 1:
+        raise _invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
+                             group=group.name)
+    effective = policy if policy_overrides_group else (group.policy or policy)
+    key = (tp, effective, group.role, group.units, group.kv_replication,
+           tuple(_member_structure(m) for m in group.members))
+    realized = _REALIZED if cache is None else cache
+    template = realized.get(key)
+    if template is None:
+        template = _realize_uncached(group, tp, effective)
+        if cache is None and len(_REALIZED) > 4096:
+            _REALIZED.clear()
+        realized[key] = template
+    return template
+
+
+_REALIZED: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
+"""Realizations by group structure: groups that differ only in names share one."""
+
+
+_MEMBER_FIELDS = tuple(f.name for f in fields(ParameterMemberSpec) if f.name != "target")
+
+
+def _member_structure(member: ParameterMemberSpec) -> tuple[object, ...]:
+    return tuple(getattr(member, name) for name in _MEMBER_FIELDS)
+
+
+def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy
+                      ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+    problems, kv = _problems(group, tp)
+    if problems and effective is ShardingPolicy.REQUIRE:
+        targets = {t for t, _ in problems}
+        raise _invalid_group(
+            f"group `{group.name}` cannot be sharded over tensor_parallel_size {tp}: "
+            + "; ".join(m for _, m in problems) + ". Use a tensor-parallel size the group "
+            f"allows, or set `policy: replicate_unsupported` on group `{group.name}` (CLI: "
+            "--policy replicate-unsupported) to replicate it", group=group.name,
+            target=targets.pop() if len(targets) == 1 else "")
+    fallback = bool(problems)
+    result = []
+    for rank in range(tp):
+        units: int | None = None
+        unit_range: tuple[int, int] | None = None
+        if group.units is not None and not fallback:
+            units, unit_range = group.units, balanced_contiguous_range(group.units, tp, rank)
+            if kv:
+                units, unit_range = tp, (rank, rank + 1)
+        layouts = []
+        for member in group.members:
+            placement = REPLICATED if fallback else _placement_for(
+                member, tp, rank, unit_range, group.units, kv)
+            axis, ranges = placement.selection(member.shape)
+            local = list(member.shape)
+            if axis is not None:
+                local[axis] = sum(b - a for a, b in ranges)
+            layouts.append(LocalTensorLayout(
+                target=member.target, logical_name=group.name, role=group.role,
+                dtype=member.dtype, global_shape=member.shape, local_shape=tuple(local),
+                placement=placement, logical_units=units, logical_range=unit_range,
+                fell_back_to_replication=fallback,
+                kv_replicas=_kv_replicas(member, tp) if kv else 1))
+        result.append(tuple(layouts))
+    return tuple(result)

@@ -1,0 +1,1 @@
+"""The `partition` vocabulary: graph, ownership, pipeline realization, boundaries, driver."""

@@ -1,0 +1,268 @@
+"""An opened checkpoint: one safetensors file or a sharded folder with its index."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import stat
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from types import MappingProxyType
+
+from partc.errors import CheckpointError, SourceLocation
+from partc.runtime.files import (
+    checked_member,
+    file_kind,
+    open_regular,
+    present,
+    read_exactly,
+    stat_or_none,
+)
+from partc.runtime.headers import (
+    FileHeader,
+    TensorEntry,
+    TensorTable,
+    _fail,
+    _kind,
+    _load_object,
+    _unique,
+    paused_gc,
+    read_header,
+)
+
+MAX_INDEX_BYTES = 64 * 1024 * 1024
+"""Largest model.safetensors.index.json partc agrees to read (64 MiB; DeepSeek-V3's is 8.9 MB)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A validated checkpoint: one .safetensors file, or the shards of an HF index."""
+
+    path: Path
+    """The file or directory the checkpoint was opened from."""
+    index_path: Path | None
+    """The model.safetensors.index.json used, or None for a single file."""
+    files: tuple[FileHeader, ...]
+    """The headers of every file, in shard-name order."""
+    names: tuple[str, ...]
+    """Every tensor name, sorted."""
+    owners: Mapping[str, int]
+    """Tensor name -> index into `files` of the file holding it."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.owners
+
+    def tensor(self, name: str) -> tuple[FileHeader, TensorEntry]:
+        """The file holding tensor `name` and its entry; CheckpointError when absent."""
+        index = self.owners.get(name)
+        if index is None:
+            close = _suggest(name, self.names)
+            hint = f"; did you mean {close!r}?" if close else ""
+            _fail(self.index_path or self.path, f"tensor {name!r} not in checkpoint{hint}", name)
+        header = self.files[index]
+        return header, header.tensors[name]
+
+
+    def signature(self, name: str) -> tuple[FileHeader, str, list[int]] | None:
+        """(file, dtype, shape) of tensor `name`, or None: the cheap lookup of header checks."""
+        index = self.owners.get(name)
+        if index is None:
+            return None
+        header = self.files[index]
+        found = header.tensors.signature(name)
+        assert found is not None
+        return header, found[0], found[1]
+
+    def header_digest(self) -> str:
+        """sha256 over the stored header bytes of every file, in file order: equal only for
+        byte-identical headers (cheap; `fingerprint` is the layout-independent identity)."""
+        if len(self.files) == 1:
+            return self.files[0].digest
+        return hashlib.sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
+
+    def fingerprint_error(self, expected: str, header_digest: str | None, *, override: str
+                          ) -> CheckpointError | None:
+        """The error when this checkpoint's fingerprint is not `expected` (None when it is).
+
+        When `header_digest` (of the checkpoint `expected` was taken from) equals this one's,
+        the headers are byte-identical and the fingerprint is not recomputed. `override` names
+        how to skip the check.
+        """
+        if header_digest is not None and header_digest == self.header_digest():
+            return None
+        found = self.fingerprint()
+        if found == expected:
+            return None
+        return CheckpointError(
+            f"checkpoint header fingerprint {found[:16]} does not match the plan's "
+            f"{expected[:16]}; recompile against this checkpoint or pass {override}",
+            location=SourceLocation(str(self.path)))
+
+    def fingerprint(self) -> str:
+        """sha256 over every tensor of every file in name order: the JSON arrays of names and
+        dtypes, then each shape's length and the dimensions as little-endian u64 (what a plan
+        compiled against this checkpoint depends on)."""
+        with paused_gc():
+            return self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        names: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[list[int]] = []
+        for header in self.files:
+            n, d, s = header.tensors.columns()
+            names += n
+            dtypes += d
+            shapes += s
+        if len(self.files) > 1:
+            order = sorted(range(len(names)), key=names.__getitem__)
+            names = [names[i] for i in order]
+            dtypes = [dtypes[i] for i in order]
+            shapes = [shapes[i] for i in order]
+        digest = hashlib.sha256(json.dumps(names).encode())
+        digest.update(json.dumps(dtypes).encode())
+        lengths = array("Q", map(len, shapes))
+        dims = array("Q", chain.from_iterable(shapes))
+        if sys.byteorder != "little":
+            lengths.byteswap()
+            dims.byteswap()
+        digest.update(lengths.tobytes())
+        digest.update(dims.tobytes())
+        return digest.hexdigest()
+
+
+def _suggest(name: str, names: tuple[str, ...]) -> str | None:
+    """The tensor name closest to `name`; big checkpoints only consider one-component edits."""
+    pool: Iterable[str] = names
+    if len(names) > 2000:
+        parts = name.split(".")
+        pool = [n for n in names if abs(len(n) - len(name)) <= 12
+                and len(q := n.split(".")) == len(parts)
+                and sum(a != b for a, b in zip(q, parts, strict=True)) <= 1]
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors.
+
+    Every file is checked before it is opened: it must be a regular file, and a symbolic link
+    must resolve inside the checkpoint folder or its Hugging Face cache `blobs/` folder.
+    """
+    p = Path(path)
+    st = stat_or_none(p, "checkpoint path")
+    if st is None:
+        _fail(p, "no such checkpoint file or directory")
+    if stat.S_ISDIR(st.st_mode):
+        index, single = p / "model.safetensors.index.json", p / "model.safetensors"
+        if present(index, "checkpoint index"):
+            return _open_index(p, checked_member(p, index, "index"))
+        if present(single, "checkpoint file"):
+            return _open_single(p, checked_member(p, single, "checkpoint file"))
+        _fail(p, "checkpoint directory holds neither model.safetensors "
+                 "nor model.safetensors.index.json")
+    if not stat.S_ISREG(st.st_mode):
+        _fail(p, "checkpoint path is not a regular file or folder (found "
+                 f"{file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
+    member = checked_member(p.parent, p, "checkpoint file")
+    if p.name.endswith(".index.json"):
+        return _open_index(p, member)
+    return _open_single(p, member)
+
+
+def _open_single(origin: Path, file: Path) -> Checkpoint:
+    """A checkpoint made of one .safetensors file."""
+    header = read_header(file)
+    return Checkpoint(path=origin, index_path=None, files=(header,), names=tuple(header.tensors),
+                      owners=_OneFile(header.tensors))
+
+
+class _OneFile(Mapping[str, int]):
+    """`Checkpoint.owners` of a single file: every tensor of `table` is in file 0 (no copy of
+    a ~10^5-name index)."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: TensorTable) -> None:
+        self._table = table
+
+    def __getitem__(self, name: str) -> int:
+        if name not in self._table:
+            raise KeyError(name)
+        return 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+def _open_index(origin: Path, index: Path) -> Checkpoint:
+    """A checkpoint described by an HF model.safetensors.index.json."""
+    fd, st = open_regular(index, "checkpoint index")
+    try:
+        if st.st_size > MAX_INDEX_BYTES:
+            _fail(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
+                         "(partc.checkpoint.MAX_INDEX_BYTES); refusing to read it")
+        raw = read_exactly(fd, index, 0, st.st_size, "index")
+    except MemoryError:
+        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(index, f"index is not valid UTF-8: {exc.reason} at byte {exc.start}")
+    except MemoryError:
+        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+    del raw
+    top = _load_object(index, text, "index")
+    if "metadata" in top and not isinstance(top["metadata"], tuple):
+        _fail(index, f"index metadata must be an object (found {_kind(top['metadata'])})")
+    if not isinstance(top.get("weight_map"), tuple):
+        _fail(index, f"index must have a weight_map object (found {_kind(top.get('weight_map'))})")
+    weight_map = _unique(index, top["weight_map"], "the weight_map")
+    for name, shard in weight_map.items():
+        if type(shard) is not str:
+            _fail(index, f"weight_map[{name!r}] must be a shard file name (found {_kind(shard)})",
+                  name)
+        if (shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard
+                or Path(shard).is_absolute()):
+            _fail(index, f"shard filename {shard!r} for tensor {name!r} is not a plain file name "
+                         "inside the checkpoint directory", name)
+    folder = index.parent
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not present(folder / shard, "shard file"):
+            _fail(index, f"missing shard file {shard} named by the index")
+    files = tuple(read_header(checked_member(folder, folder / shard, "shard file"))
+                  for shard in shards)
+    owners: dict[str, int] = {}
+    for i, header in enumerate(files):
+        for name in header.tensors:
+            first = owners.setdefault(name, i)
+            if first != i:
+                _fail(header.path, f"tensor {name!r} is in two shards: {shards[first]} and "
+                                   f"{shards[i]}; expected exactly one", name)
+    for name, shard in weight_map.items():
+        found = owners.get(name)
+        if found is None or shards[found] != shard:
+            where = f"it is in {shards[found]}" if found is not None else "no shard holds it"
+            _fail(index, f"tensor {name!r} mapped to {shard} by the index is not in that shard's "
+                         f"header ({where})", name)
+    for name, i in owners.items():
+        if name not in weight_map:
+            _fail(files[i].path, f"tensor {name!r} in shard {shards[i]} is not in the index's "
+                                 "weight_map", name)
+    return Checkpoint(path=origin, index_path=index, files=files, names=tuple(sorted(owners)),
+                      owners=MappingProxyType(owners))

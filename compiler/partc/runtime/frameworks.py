@@ -1,0 +1,52 @@
+"""Conversion of loaded numpy arrays: widened float dtypes and torch tensors sharing memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from partc.errors import CheckpointError
+from partc.runtime.headers import DTYPES
+
+_FLOAT_DTYPES = frozenset(dt for name, dt in DTYPES.items() if name.startswith(("F", "BF")))
+"""Floating dtypes a `dtype=` conversion applies to (bf16 and fp8 are numpy kind 'V')."""
+
+
+_TORCH_VIEWS = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
+                "float8_e5m2": "float8_e5m2", "float8_e8m0fnu": "float8_e8m0fnu"}
+"""ml_dtypes dtype name -> torch dtype name, for types torch.from_numpy does not know."""
+
+
+def _float_dtype(dtype: Any) -> np.dtype[Any]:
+    """`dtype` as a numpy floating dtype (ml_dtypes' bf16/fp8 included), or CheckpointError."""
+    try:
+        found: np.dtype[Any] = np.dtype(dtype)
+    except TypeError:
+        raise CheckpointError(f"dtype must be a numpy floating dtype such as np.float32 or "
+                              f"'bfloat16', found {dtype!r}") from None
+    if found.kind != "f" and found not in _FLOAT_DTYPES:
+        raise CheckpointError(f"dtype must be a floating dtype, found {found}; integer and "
+                              "packed tensors are never converted")
+    return found
+
+
+def _to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Torch tensors sharing each array's memory (bf16/fp8 through an integer view)."""
+    try:
+        import torch  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        raise CheckpointError("framework='torch' needs torch installed") from None
+    out = {}
+    for name, array in tensors.items():
+        special = _TORCH_VIEWS.get(array.dtype.name)
+        if special is None:
+            out[name] = torch.from_numpy(array)
+            continue
+        torch_dtype = getattr(torch, special, None)
+        if torch_dtype is None:
+            raise CheckpointError(f"torch {torch.__version__} has no {special} for tensor "
+                                  f"`{name}`", tensor=name)
+        bits = array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint8)
+        out[name] = torch.from_numpy(bits).view(torch_dtype)
+    return out

@@ -1,0 +1,203 @@
+"""The small runtime that generated rank modules import.
+
+A rank module holds literal tables; these functions turn them into the `parallel` and
+`partition` values (through their validating constructors) and read the rank's slices from a
+checkpoint after checking its header against the plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+from partc.parallel.layout import (
+    LocalModelLayout,
+    ParallelModelInfo,
+)
+from partc.runtime.checkpoint import Checkpoint, open_checkpoint
+from partc.runtime.digests import VERIFY_MODES, manifest_digests, verify_digests
+from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, _to_torch
+from partc.runtime.manifest import ShardManifest, read_shard_manifest
+from partc.runtime.progress import progress_bar
+from partc.runtime.ranks import rank_from_environment, rank_out_of_range
+from partc.runtime.reader import TensorSelection, read_tensors
+from partc.runtime.tables import RankTable, _lines, local_model_layout, parallel_model_info
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """What `load` returns: the rank's arrays with their layout and accounting."""
+
+    tensors: dict[str, np.ndarray]
+    """Local arrays by checkpoint target, in target order."""
+    layout: LocalModelLayout
+    """This rank's layouts."""
+    info: ParallelModelInfo
+    """Topology and byte accounting."""
+
+
+def header_fingerprint(checkpoint: Checkpoint) -> str:
+    """sha256 over every tensor's (name, dtype, shape) in name order."""
+    return checkpoint.fingerprint()
+
+
+def check_header(table: RankTable, checkpoint: Checkpoint, *,
+                 verify_fingerprint: bool = True) -> list[PartcError]:
+    """Every mismatch between the rank's tensors and the checkpoint header."""
+    errors: list[PartcError] = []
+    if verify_fingerprint and table.checkpoint_fingerprint is not None:
+        mismatch = checkpoint.fingerprint_error(
+            table.checkpoint_fingerprint, table.checkpoint_header_digest,
+            override="verify_fingerprint=False")
+        if mismatch is not None:
+            errors.append(mismatch)
+    for target, _, dtype, shape, _, _ in table.tensor_rows():
+        signature = checkpoint.signature(target)
+        if signature is None:
+            errors.append(CheckpointError(
+                f"tensor `{target}` of the plan is not in the checkpoint",
+                location=SourceLocation(str(checkpoint.path)), tensor=target))
+            continue
+        header, found_dtype, found_shape = signature
+        if found_dtype != dtype:
+            errors.append(CheckpointError(
+                f"tensor `{target}` has dtype {found_dtype} in the checkpoint; the plan expects "
+                f"{dtype}", location=SourceLocation(str(header.path)), tensor=target))
+        if tuple(found_shape) != shape:
+            errors.append(CheckpointError(
+                f"tensor `{target}` has shape {list(found_shape)} in the checkpoint; the plan "
+                f"expects {list(shape)}", location=SourceLocation(str(header.path)),
+                tensor=target))
+    return errors
+
+
+def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,
+              verify_fingerprint: bool = True, dtype: Any = None, reader: Any = None,
+              framework: str = "numpy", workers: int | None = None,
+              progress: bool | None = None, verify: str | None = None) -> RankState:
+    """Check the checkpoint header against the plan, then read only this rank's slices.
+
+    `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
+    Checkpoint, or a folder written by `partc shard` for this plan (its rank file is read
+    whole). `dtype` converts every floating tensor (bf16/fp8 included) after reading, e.g.
+    `np.float32`, and leaves integer and packed tensors alone; `framework="torch"` returns
+    torch tensors sharing the numpy memory; `reader` is told of every byte run read;
+    `workers` caps the reader threads; `progress` shows a bar (None: on a terminal only);
+    `verify="digest"` checks the sha256 of every tensor read against the shard manifest (a
+    `partc shard` folder) or the digests compiled into the build (`--digests`).
+    """
+    if framework not in ("numpy", "torch"):
+        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+    if verify not in VERIFY_MODES:
+        raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
+    target_dtype = None if dtype is None else _float_dtype(dtype)
+    layout = local_model_layout(table)
+    manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
+    if manifest is not None:
+        opened = _open_presharded(table, manifest, layout)
+        requests = [(item.target, TensorSelection()) for item in layout.tensors]
+    else:
+        opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
+            Path(checkpoint))
+        errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
+        if errors:
+            raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+        requests = [(item.target, TensorSelection(axis=item.selection[0],
+                                                  ranges=item.selection[1]))
+                    for item in layout.tensors]
+    total = sum(item.local_bytes for item in layout.tensors)
+    with progress_bar(total, f"rank {table.rank}", progress) as update:
+        tensors = read_tensors(opened, requests, reader=reader, workers=workers,
+                               progress=update)
+    if verify == "digest":
+        _verify_payloads(table, manifest, opened, tensors, workers)
+    if target_dtype is not None:
+        for name, array in tensors.items():  # one tensor at a time: the original is freed
+            if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
+                tensors[name] = array.astype(target_dtype)
+    if framework == "torch":
+        tensors = _to_torch(tensors)
+    return RankState(tensors=tensors, layout=layout, info=parallel_model_info(table))
+
+
+def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
+                     tensors: dict[str, np.ndarray], workers: int | None) -> None:
+    """Check every tensor read against its recorded digest (manifest first, else the build)."""
+    expected = None if manifest is None else manifest_digests(manifest.path, table.rank)
+    source = f"the shard manifest {manifest.path}" if manifest is not None else ""
+    if expected is None and table.digests is not None:
+        targets, digests = _lines(table.targets), _lines(table.digests)
+        if len(targets) != len(digests):
+            raise CheckpointError(f"the generated tables of rank {table.rank} list "
+                                  f"{len(digests)} DIGESTS for {len(targets)} TARGETS; "
+                                  "regenerate the build")
+        expected, source = dict(zip(targets, digests, strict=True)), "the build's plan"
+    if expected is None:
+        where = "its shard manifest records none (cut by an older partc: run `partc shard` " \
+            "again)" if manifest is not None else "this build was compiled without digests"
+        raise CheckpointError(f"verify='digest' needs recorded digests, but {where}; compile "
+                              "with `partc compile ... --checkpoint DIR --digests`, or load a "
+                              "folder written by `partc shard`",
+                              location=SourceLocation(str(opened.path)))
+    files = {}
+    for name in tensors:
+        signature = opened.signature(name)
+        files[name] = signature[0].path if signature is not None else opened.path
+    verify_digests(tensors, expected, files, source, workers)
+
+
+def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalModelLayout
+                     ) -> Checkpoint:
+    """The rank's file of a `partc shard` folder, checked against the plan before any read."""
+    where = SourceLocation(str(manifest.path))
+    if manifest.plan_hash != table.plan_hash:
+        raise CheckpointError(
+            f"pre-sharded checkpoint was cut for plan {manifest.plan_hash[:16]}, this loader is "
+            f"plan {table.plan_hash[:16]}; run `partc shard` again for this build",
+            location=where)
+    opened = open_checkpoint(manifest.rank_file(table.rank))
+    errors: list[PartcError] = []
+    expected = {item.target for item in layout.tensors}
+    for extra in sorted(set(opened.names) - expected):
+        errors.append(CheckpointError(f"tensor `{extra}` in the rank file is not one of rank "
+                                      f"{table.rank}'s tensors", location=where, tensor=extra))
+    for item in layout.tensors:
+        target, dtype, shape = item.target, item.dtype, item.local_shape
+        if target not in opened:
+            errors.append(CheckpointError(f"tensor `{target}` of the plan is not in the rank "
+                                          "file", location=where, tensor=target))
+            continue
+        header, entry = opened.tensor(target)
+        if entry.dtype != dtype or tuple(entry.shape) != shape:
+            errors.append(CheckpointError(
+                f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the rank file; the "
+                f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
+                tensor=target))
+    if errors:
+        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    return opened
+
+
+def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None = None) -> Any:
+    """The generated module of `rank` in a build package (default: the rank under torchrun)."""
+    world_size = len(modules)
+    if rank is None:
+        rank = rank_from_environment(world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise CheckpointError(f"rank must be an integer, found {rank!r}")
+    if not 0 <= rank < world_size:
+        raise rank_out_of_range(rank, world_size)
+    return importlib.import_module("." + modules[rank], package)
+
+
+def load_package_rank(package: str, modules: tuple[str, ...], checkpoint: Any,
+                      rank: int | None = None, **options: Any) -> RankState:
+    """`load` of a build package: the rank module's `load(checkpoint, **options)`."""
+    state: RankState = package_rank_module(package, modules, rank).load(checkpoint, **options)
+    return state

@@ -1,0 +1,89 @@
+"""The manifest of a pre-sharded folder written by `partc shard`."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from partc.runtime.checkpoint import MAX_INDEX_BYTES
+from partc.runtime.files import open_regular, read_exactly, stat_or_none
+from partc.runtime.headers import _DECODER, _fail
+
+SHARD_MANIFEST = "partc-shards.json"
+"""Name of the manifest `partc shard` writes next to the per-rank files."""
+
+
+SHARD_FORMAT = "partc-shards"
+"""The manifest's `format` value."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardManifest:
+    """A pre-sharded checkpoint: one safetensors file per rank of one plan."""
+
+    path: Path
+    """The manifest file."""
+    plan_hash: str
+    """Hash of the plan the files were cut for."""
+    source_fingerprint: str | None
+    """Header fingerprint of the checkpoint the files were cut from."""
+    files: tuple[str, ...]
+    """File name of each global rank, in rank order."""
+    tensors: tuple[tuple[str, ...], ...]
+    """Tensor names of each rank's file, in rank order."""
+
+    def rank_file(self, rank: int) -> Path:
+        """The file holding `rank`'s tensors."""
+        if not 0 <= rank < len(self.files):
+            _fail(self.path, f"rank {rank} is outside the pre-sharded ranks "
+                             f"0..{len(self.files) - 1}")
+        return self.path.parent / self.files[rank]
+
+
+def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
+    """The manifest of a pre-sharded checkpoint folder; None when `folder` holds none."""
+    path = Path(folder) / SHARD_MANIFEST
+    found = stat_or_none(path, "shard manifest")
+    if found is None or not stat.S_ISREG(found.st_mode):
+        return None
+    fd, st = open_regular(path, "shard manifest")
+    try:
+        if st.st_size > MAX_INDEX_BYTES:
+            _fail(path, f"shard manifest of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte "
+                        "limit; refusing to read it")
+        raw = read_exactly(fd, path, 0, st.st_size, "shard manifest")
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(path, f"cannot read the shard manifest: {exc}")
+    try:
+        doc = _DECODER.decode(text)
+    except (ValueError, RecursionError, MemoryError) as exc:
+        _fail(path, f"shard manifest is not valid JSON: {exc}")
+    if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT or doc.get("version") != 1:
+        _fail(path, f"not a partc shard manifest: expected format {SHARD_FORMAT!r} version 1")
+    ranks, plan_hash = doc.get("ranks"), doc.get("plan_hash")
+    fingerprint = doc.get("source_fingerprint")
+    if not isinstance(plan_hash, str) or not isinstance(ranks, list) or not (
+            fingerprint is None or isinstance(fingerprint, str)):
+        _fail(path, "shard manifest needs a plan_hash string and a ranks list")
+    files, tensors = [], []
+    for position, item in enumerate(ranks):
+        file = item.get("file") if isinstance(item, dict) else None
+        names = item.get("tensors") if isinstance(item, dict) else None
+        if (not isinstance(item, dict) or item.get("rank") != position
+                or not isinstance(file, str) or not isinstance(names, list)
+                or not all(isinstance(n, str) for n in names)):
+            _fail(path, f"shard manifest entry {position} must be {{rank: {position}, file, "
+                        "tensors}")
+        if (file in ("", ".", "..") or "/" in file or "\\" in file or "\0" in file
+                or Path(file).is_absolute()):
+            _fail(path, f"rank file {file!r} is not a plain file name inside the folder")
+        files.append(file)
+        tensors.append(tuple(names))
+    return ShardManifest(path=path, plan_hash=plan_hash, source_fingerprint=fingerprint,
+                         files=tuple(files), tensors=tuple(tensors))

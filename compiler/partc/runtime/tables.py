@@ -1,0 +1,226 @@
+"""A rank module's literal tables, decoded into layouts, accounting and boundaries."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from partc.errors import CheckpointError
+from partc.parallel.layout import (
+    LocalModelLayout,
+    LocalTensorLayout,
+    ParallelModelInfo,
+    ParameterRole,
+    TensorPlacement,
+)
+from partc.partition.boundary import (
+    ArchitectureBoundary,
+    BoundaryTensorDimension,
+    BoundaryTensorDimensionKind,
+    BoundaryTensorDtype,
+    BoundaryTensorSpec,
+    BoundaryWireSchema,
+    PipelineActivationDtype,
+    PipelineWireContract,
+)
+from partc.partition.boundary import architecture_boundary as _boundary_for
+from partc.partition.driver import LayeredPartitionDriver
+from partc.partition.pipeline import ArchitecturePartition, PartitionState
+from partc.runtime.headers import paused_gc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankTable:
+    """The literal tables of one generated rank module."""
+
+    plan_hash: str
+    """Hash of the plan the module was generated from."""
+    model_type: str
+    """HF model type."""
+    rank: int
+    """Global rank."""
+    tensor_parallel_rank: int
+    """Rank within the stage."""
+    pipeline_stage: int
+    """Stage."""
+    tensor_parallel_size: int
+    """T."""
+    pipeline_parallel_size: int
+    """S."""
+    checkpoint_fingerprint: str | None
+    """Expected header fingerprint, when the plan was compiled against a checkpoint."""
+    checkpoint_header_digest: str | None
+    """sha256 of that checkpoint's stored header bytes (equal: fingerprint not recomputed)."""
+    kinds: tuple[tuple[Any, ...], ...]
+    """KINDS rows: role, logical units, logical range, fell back, members (dtype, global shape,
+    compact placement, KV replicas)."""
+    owners: tuple[Mapping[str, Any], ...]
+    """OWNERS rows: JSON form of each group owner."""
+    groups: str | tuple[str, ...]
+    """GROUPS: one line per group, `<kind> <owner> <logical name>` (text, or a tuple of lines
+    when a name is not plain ASCII)."""
+    targets: str | tuple[str, ...]
+    """TARGETS: one checkpoint name per line, group by group (text or a tuple, as GROUPS)."""
+    partition: Mapping[str, Any]
+    """The stage's partition (JSON form)."""
+    info: Mapping[str, Any]
+    """Byte accounting (JSON form)."""
+    boundary: Mapping[str, Any]
+    """Boundary wire schema (JSON form)."""
+    activation_dtype: str
+    """Pipeline activation dtype."""
+    digests: str | tuple[str, ...] | None = None
+    """DIGESTS: sha256 of each target's rank-local bytes, in TARGETS order, one per line (only
+    in a build compiled with `--digests`)."""
+    _rows: list[tuple[list[GroupRow], list[TensorRow]]] = field(
+        default_factory=list, compare=False, repr=False)
+
+    def group_rows(self) -> list[GroupRow]:
+        """One row per group in binding order: (logical name, role, owner, logical units,
+        logical range, fell back)."""
+        return self._decoded()[0]
+
+    def tensor_rows(self) -> list[TensorRow]:
+        """One row per tensor, group by group: (target, group index, dtype, global shape,
+        compact placement, KV replicas)."""
+        return self._decoded()[1]
+
+    def _decoded(self) -> tuple[list[GroupRow], list[TensorRow]]:
+        """The columnar tables joined into rows (once; a rank has up to ~10^4 tensors)."""
+        if not self._rows:
+            with paused_gc():
+                self._rows.append(_join_tables(self))
+        return self._rows[0]
+
+
+GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
+"""(logical name, role, owner JSON, logical units, logical range, fell back to replication)."""
+
+
+TensorRow = tuple[str, int, str, tuple[int, ...], tuple[Any, ...], int]
+"""(target, index of its group, dtype, global shape, compact placement, KV replicas)."""
+
+
+def _lines(value: str | tuple[str, ...]) -> list[str]:
+    """The items of a GROUPS or TARGETS table: lines of a text, or a tuple's strings."""
+    if isinstance(value, str):
+        return value.split("\n")[:-1]
+    return list(value)
+
+
+def _join_tables(table: RankTable) -> tuple[list[GroupRow], list[TensorRow]]:
+    """Rows from KINDS, OWNERS, GROUPS and TARGETS; CheckpointError if they do not fit."""
+    targets, lines = _lines(table.targets), _lines(table.groups)
+    groups: list[GroupRow] = []
+    tensors: list[TensorRow] = []
+    kinds: dict[str, tuple[Any, ...]] = {}  # KINDS index text -> row with tuple shapes
+    try:
+        for index, line in enumerate(lines):
+            kind_text, owner_text, name = line.split(" ", 2)
+            kind = kinds.get(kind_text)
+            if kind is None:
+                role, units, logical, fell_back, members = table.kinds[int(kind_text)]
+                kind = kinds[kind_text] = (
+                    role, units, None if logical is None else tuple(logical), fell_back,
+                    [(dtype, tuple(shape), placement, kv_replicas)
+                     for dtype, shape, placement, kv_replicas in members])
+            groups.append((name, kind[0], table.owners[int(owner_text)], kind[1], kind[2],
+                           kind[3]))
+            first = len(tensors)
+            tensors += [(targets[first + i], index, *member)
+                        for i, member in enumerate(kind[4])]
+    except (ValueError, IndexError, TypeError):
+        raise CheckpointError(f"the generated tables of rank {table.rank} are malformed at "
+                              f"GROUPS line {len(groups) + 1}; regenerate the build") from None
+    if len(tensors) != len(targets):
+        raise CheckpointError(f"the generated tables of rank {table.rank} list {len(targets)} "
+                              f"TARGETS for {len(tensors)} group members; regenerate the build")
+    return groups, tensors
+
+
+def local_model_layout(table: RankTable) -> LocalModelLayout:
+    """The rank's LocalModelLayout, rebuilt through the validating constructors."""
+    groups = table.group_rows()
+    validated: dict[tuple[Any, ...], LocalTensorLayout] = {}  # one per distinct structure
+    layouts = []
+    for target, index, dtype, shape, compact, kv_replicas in table.tensor_rows():
+        name, role, _, units, logical, fell_back = groups[index]
+        key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas)
+        first = validated.get(key)
+        if first is None:
+            placement = TensorPlacement.from_compact(compact)
+            axis, ranges = placement.selection(shape)
+            local = list(shape)
+            if axis is not None:
+                local[axis] = sum(b - a for a, b in ranges)
+            first = validated[key] = LocalTensorLayout(
+                target=target, logical_name=name, role=ParameterRole(role), dtype=dtype,
+                global_shape=shape, local_shape=tuple(local), placement=placement,
+                logical_units=units, logical_range=logical, fell_back_to_replication=fell_back,
+                kv_replicas=kv_replicas)
+        layouts.append(first.renamed(target, name))
+    return LocalModelLayout(tensors=tuple(layouts))
+
+
+def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
+    """The stage's parameter bindings (JSON form) from the GROUPS and TARGETS tables."""
+    groups = table.group_rows()
+    targets: list[list[str]] = [[] for _ in groups]
+    for row in table.tensor_rows():
+        targets[row[1]].append(row[0])
+    return [{"group": group[0], "owner": group[2], "targets": names}
+            for group, names in zip(groups, targets, strict=True)]
+
+
+def parallel_model_info(table: RankTable) -> ParallelModelInfo:
+    """The rank's ParallelModelInfo."""
+    return ParallelModelInfo(
+        model_type=table.model_type, tensor_parallel_size=table.tensor_parallel_size,
+        pipeline_parallel_size=table.pipeline_parallel_size, rank=table.rank,
+        tensor_parallel_rank=table.tensor_parallel_rank, pipeline_stage=table.pipeline_stage,
+        **{**table.info, "local_bytes_by_dtype": tuple(sorted(
+            table.info.get("local_bytes_by_dtype", {}).items()))})
+
+
+def architecture_partition(table: RankTable) -> ArchitecturePartition:
+    """The stage's ArchitecturePartition (graph, bindings and wire contract included)."""
+    return ArchitecturePartition.from_json(
+        {**table.partition, "parameter_bindings": _parameter_bindings(table)},
+        boundary=wire_contract(table))
+
+
+def partition_state(table: RankTable) -> PartitionState:
+    """The stage's KV-state geometry and global state-layer range."""
+    return architecture_partition(table).state
+
+
+def wire_contract(table: RankTable) -> PipelineWireContract:
+    """The pipeline wire contract: boundary schema and the compiled activation dtype."""
+    return PipelineWireContract(schema=BoundaryWireSchema.from_json(table.boundary),
+                                activation_dtype=PipelineActivationDtype(table.activation_dtype))
+
+
+def architecture_boundary(table: RankTable) -> ArchitectureBoundary:
+    """Typed encode/decode of the pipeline boundary under the wire contract."""
+    return _boundary_for(wire_contract(table))
+
+
+def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None = None
+                             ) -> LayeredPartitionDriver:
+    """The stage's LayeredPartitionDriver, checking the executor's `storage` ranges if given."""
+    return LayeredPartitionDriver.for_partition(architecture_partition(table), storage)
+
+
+def boundary_schema(table: RankTable) -> BoundaryWireSchema:
+    """The pipeline boundary wire schema."""
+    def spec(data: Mapping[str, Any]) -> BoundaryTensorSpec:
+        dims = tuple(BoundaryTensorDimension(kind=BoundaryTensorDimensionKind.FIXED, size=d)
+                     if isinstance(d, int) else
+                     BoundaryTensorDimension(kind=BoundaryTensorDimensionKind(d))
+                     for d in data["shape"])
+        return BoundaryTensorSpec(role=data["role"], shape=dims,
+                                  dtype=BoundaryTensorDtype(data["dtype"]))
+    b = table.boundary
+    return BoundaryWireSchema(identity=b["identity"], primary=spec(b["primary"]),
+                              auxiliary=tuple(spec(a) for a in b["auxiliary"]))
