@@ -728,7 +728,7 @@ def _limits() -> list[str]:
     from partc.bind import meanings as hfconfig
     from partc.family import expr
     from partc.front import load
-    from partc.runtime import reader as checkpoint
+    from partc.runtime import checkpoint, headers
 
     rows = [
         ("family file size", f"{load.MAX_DOCUMENT_BYTES} bytes", "load.MAX_DOCUMENT_BYTES"),
@@ -752,13 +752,18 @@ def _limits() -> list[str]:
          "bind.MAX_GROUP_INSTANCES"),
         ("--tp, --pp", str(cli.MAX_PARALLEL_SIZE), "cli.MAX_PARALLEL_SIZE"),
         ("--tp x --pp", str(cli.MAX_WORLD_SIZE), "cli.MAX_WORLD_SIZE"),
-        ("safetensors JSON header", f"{checkpoint.MAX_HEADER_SIZE} bytes",
-         "checkpoint.MAX_HEADER_SIZE"),
+        ("safetensors JSON header", f"{headers.MAX_HEADER_SIZE} bytes",
+         "headers.MAX_HEADER_SIZE"),
         ("model.safetensors.index.json size", f"{checkpoint.MAX_INDEX_BYTES} bytes",
          "checkpoint.MAX_INDEX_BYTES"),
     ]
+    modules = {m.__name__.rsplit(".", 1)[-1]: m.__name__ for m in (
+        cli, bind, hfconfig, expr, load, checkpoint, headers)}
+    modules.update(bind=bind.__name__, hfconfig=hfconfig.__name__)
+    spelled = [(what, value, f"{modules[name.split('.')[0]]}.{name.split('.', 1)[1]}")
+               for what, value, name in rows]
     return ["## Limits", "", "| input | at most | constant |", "|---|---|---|",
-            *(f"| {what} | {value} | `partc.{name}` |" for what, value, name in rows), "",
+            *(f"| {what} | {value} | `{name}` |" for what, value, name in spelled), "",
             "## Faults", ""]
 
 
