@@ -213,7 +213,7 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
     try:
         if st.st_size > MAX_INDEX_BYTES:
             _fail(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
-                         "(partc.checkpoint.MAX_INDEX_BYTES); refusing to read it")
+                         "(partc.runtime.checkpoint.MAX_INDEX_BYTES); refusing to read it")
         raw = read_exactly(fd, index, 0, st.st_size, "index")
     except MemoryError:
         _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")

@@ -1,5 +1,7 @@
-"""Safetensors checkpoints as validated headers: one file or an HF index of shards, and the
-manifest of a pre-sharded folder. No payload byte is read here (`partc.checkpoint` reads).
+"""Safetensors headers, validated: tensor tables, offsets tiling the data region, metadata.
+
+No payload byte is read here (`partc.runtime.reader` reads); `partc.runtime.checkpoint` opens
+one file or an index of shards, `partc.runtime.manifest` a pre-sharded folder.
 """
 
 from __future__ import annotations
