@@ -1,6 +1,6 @@
 """Checkpoint files on disk: opened only when regular, read exactly, stamped to notice a later
-change, and followed through symbolic links only within the checkpoint (`partc.runtime.headers` and
-`partc.runtime.reader` use these; nothing here parses a header).
+change, and followed through symbolic links only within the checkpoint (the runtime's headers,
+checkpoint and reader modules use these; nothing here parses a header).
 """
 
 from __future__ import annotations

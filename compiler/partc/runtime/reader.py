@@ -1,5 +1,5 @@
 """Read safetensors checkpoints: only the byte runs of the requested slices, straight into
-preallocated arrays. Headers, indexes and manifests come from `partc.runtime.headers` (re-exported).
+preallocated arrays. Opened checkpoints come from `partc.runtime.checkpoint`.
 """
 
 from __future__ import annotations
