@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,11 +12,10 @@ def progress_bar(total: int, description: str, enabled: bool | None = None
                  ) -> Iterator[Callable[[int], None] | None]:
     """A byte-count progress callback drawing a tqdm bar once a task passes one second.
 
-    `enabled=None` draws only on a terminal and never under pytest; the callback is None
-    when no bar is drawn (also when tqdm is not installed).
+    `enabled=None` draws only when stderr is a terminal; the callback is None when no bar is
+    drawn (also when tqdm is not installed).
     """
-    interactive = (sys.stderr is not None and sys.stderr.isatty()
-                   and "PYTEST_CURRENT_TEST" not in os.environ)
+    interactive = sys.stderr is not None and sys.stderr.isatty()
     if enabled is False or (enabled is None and not interactive) or total <= 0:
         yield None
         return
