@@ -230,14 +230,21 @@ def _fingerprinted_build(scratch: Path) -> list[str]:
             "fingerprinted"]
 
 
+def _fresh_import(folder: Path, name: str) -> Any:
+    """Import the generated package `name` from `folder`, never a same-named one imported
+    earlier in this process (another build of the same family and topology)."""
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+
+
 def _load_other_checkpoint(scratch: Path, args: list[str]) -> Any:
     name = package_name_of(scratch / "fingerprinted")
-    sys.path.insert(0, str(scratch / "fingerprinted"))
-    try:
-        package = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(scratch / "fingerprinted"))
-    return package.load("other", rank=0)
+    return _fresh_import(scratch / "fingerprinted", name).load("other", rank=0)
 
 
 def package_name_of(build: Path) -> str:
@@ -648,11 +655,7 @@ def _good_build(work: Path) -> tuple[Path, Any]:
         out = work / "good-build"
         result = compile_family("llama", FIXTURE / "config.json", tensor_parallel_size=2,
                                 out=out)
-        sys.path.insert(0, str(out))
-        try:
-            _GOOD_BUILD["package"] = importlib.import_module(package_name(result.plan))
-        finally:
-            sys.path.remove(str(out))
+        _GOOD_BUILD["package"] = _fresh_import(out, package_name(result.plan))
         _GOOD_BUILD["out"] = out
     return _GOOD_BUILD["out"], _GOOD_BUILD["package"]
 
