@@ -38,8 +38,8 @@ def require_libraries() -> tuple[Any, Any]:
     except ImportError as missing:
         raise VerifyError(f"partc verify needs torch and transformers ({missing.name} is not "
                           f"installed): {INSTALL_HINT}") from None
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     return torch, transformers
 
 
@@ -57,7 +57,7 @@ def _shrunk_heads(config: dict[str, Any]) -> dict[str, Any]:
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     group = heads // kv if heads % kv == 0 else 1
-    kv_small = min(kv, 2)
+    kv_small = min(kv, max(2, 4 // group))  # at least 4 query heads when there are
     heads_small = kv_small * min(group, 8)  # query heads per KV head kept (up to 8)
     out = {"num_attention_heads": heads_small, "hidden_size": heads_small * HEAD_DIM}
     if "num_key_value_heads" in config:

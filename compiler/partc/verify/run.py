@@ -564,8 +564,9 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                                     message=f"T=1 x S={pp} does not compile: {first}"))
             seconds[f"pp{pp}"] = time.perf_counter() - begin
         else:
-            skipped.append({"tp": 1, "pp": pipeline_parallel_size or 2,
-                            "reason": f"the model has {units} unit(s); no pipeline split"})
+            skipped.append({"tp": 1, "pp": pipeline_parallel_size or 2, "reason":
+                            "no pipeline split asked for (S=1)" if pipeline_parallel_size == 1
+                            else f"the model has {units} unit(s); no pipeline split"})
     seconds["total"] = time.perf_counter() - start
     return VerifyReport(family=family_name or str(family or given["model_type"]),
                         model_type=str(given["model_type"]), checks=tuple(checks),
