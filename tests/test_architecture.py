@@ -36,7 +36,8 @@ STAGE_RANK = {
     "output": 6,
     "api": 7,
     "shard": 7,
-    "cli": 8,
+    "verify": 8,  # over the api (compile_family), beside shard in spirit; cli reports it
+    "cli": 9,
 }
 # Rooms that hold data, not code.
 DATA_ROOMS = {"examples", "schemas", "architectures"}
@@ -45,10 +46,14 @@ LIBRARY_OWNERS = {
     "jinja2": {"emit"},
     "yaml": {"front"},
     "jsonschema": {"front"},
-    "safetensors": set(),
-    "numpy": {"runtime", "partition", "shard", "api"},
+    "safetensors": {"verify"},
+    "numpy": {"runtime", "partition", "shard", "api", "verify"},
     "ml_dtypes": {"runtime", "partition", "shard"},
-    "torch": {"runtime"},
+    "torch": {"runtime", "verify"},
+    # `partc verify` only: the reference implementation it checks against, and the masked
+    # checkpoints it writes for transformers to load (safetensors comes with transformers)
+    "transformers": {"verify"},
+    "accelerate": set(),
     "tqdm": {"runtime"},
 }
 # Packages whose `__init__` is a public face: names listed in its `__all__` may be imported

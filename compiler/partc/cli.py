@@ -1,4 +1,4 @@
-"""The `partc` command line: compile, check, demo, families and shard."""
+"""The `partc` command line: compile, check, demo, families, shard and verify."""
 
 from __future__ import annotations
 
@@ -136,7 +136,30 @@ def _parser() -> argparse.ArgumentParser:
                        help="accept a checkpoint whose header differs from the plan's fingerprint"
                             " (names, dtypes and shapes are still checked)")
     shard.add_argument("--format", choices=["text", "json"], default="text")
+
+    verify = commands.add_parser("verify", help="check the split against Hugging Face "
+                                 "transformers' modeling code (needs partc[verify])")
+    verify.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
+    verify.add_argument("--config", required=True, help="the model's config.json (shrunk to "
+                        "a tiny random model of the same structure when large)")
+    verify.add_argument("--tp", type=_size_list, default=None,
+                        help="tensor-parallel sizes, e.g. 1,2,4 (default: every T up to 8 "
+                             "that compiles)")
+    verify.add_argument("--pp", type=_positive, default=None,
+                        help="pipeline stages of the pipeline check (default 2; 1 skips it)")
+    verify.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
+                        help="sharding policy for groups that cannot be sharded")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
+    verify.add_argument("--format", choices=["text", "json"], default="text")
     return parser
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    values = tuple(_positive(v) for v in text.split(","))
+    if any(v > MAX_WORLD_SIZE for v in values):
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be at most "
+                                         f"{MAX_WORLD_SIZE}, found {text!r}")
+    return values
 
 
 def _policy(value: str | None):  # type: ignore[no-untyped-def]
@@ -326,8 +349,37 @@ def _shard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from partc.verify.run import verify_family
+
+    report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
+                           pipeline_parallel_size=args.pp, policy=_policy(args.policy),
+                           seed=args.seed)
+    if args.format == "json":
+        print(json.dumps(report.to_json(), indent=1))
+        return EXIT_OK if report.ok else EXIT_ERRORS
+    for note in report.notes:
+        print(f"note: {note}")
+    for skipped in report.skipped:
+        print(f"skipped T={skipped['tp']} x S={skipped['pp']}: {skipped['reason']}")
+    topologies = sorted({(c.tp, c.pp) for c in report.checks})
+    for tp, pp in topologies:
+        mine = [c for c in report.checks if (c.tp, c.pp) == (tp, pp)]
+        failed = sum(not c.ok for c in mine)
+        print(f"T={tp} x S={pp}: {len(mine) - failed}/{len(mine)} checks hold")
+    failure = report.first_failure
+    if failure is not None:
+        print(f"error: {failure.message}", file=sys.stderr)
+        return EXIT_ERRORS
+    if not report.checks:
+        print("error: no topology compiled, nothing was verified", file=sys.stderr)
+        return EXIT_ERRORS
+    print(f"verified {report.family} ({report.model_type}): every check holds")
+    return EXIT_OK
+
+
 _COMMANDS = {"compile": _compile, "check": _check, "demo": _demo, "families": _families,
-             "shard": _shard}
+             "shard": _shard, "verify": _verify}
 
 
 def _internal(exc: BaseException, fmt: str) -> int:
@@ -367,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "count per pipeline stage")
     if args.command == "compile" and args.pp is None:
         args.pp = 1
-    if (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE:
+    if args.command != "verify" and (
+            (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE):
         parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
                      f"{MAX_WORLD_SIZE} ranks")
     if args.command == "check" and args.config is None and (

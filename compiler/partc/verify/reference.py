@@ -1,0 +1,244 @@
+"""The reference model of `partc verify`: a small random Hugging Face model of the architecture.
+
+The config is shrunk (when large) to a tiny model of the same structure, built with
+transformers' own `AutoModelForCausalLM.from_config`, given seeded noise on every weight and
+saved with `save_pretrained`, so the checkpoint has exactly the on-disk names and layout that
+transformers writes and reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from partc.errors import PartcError
+
+INSTALL_HINT = "pip install 'partc[verify]'"
+"""How to get the libraries `partc verify` needs."""
+NOISE = 0.1
+"""Standard deviation of the seeded noise added to every weight (norms and biases included)."""
+HEAD_DIM = 16
+"""Head width of a shrunk model."""
+
+
+class VerifyError(PartcError):
+    """`partc verify` could not run: a missing library, or a config transformers refuses."""
+
+    stage = "verify"
+
+
+def require_libraries() -> tuple[Any, Any]:
+    """Import torch and transformers, or raise a VerifyError saying how to install them."""
+    try:
+        import torch
+        import transformers
+    except ImportError as missing:
+        raise VerifyError(f"partc verify needs torch and transformers ({missing.name} is not "
+                          f"installed): {INSTALL_HINT}") from None
+    transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    return torch, transformers
+
+
+# ---------------------------------------------------------------- shrinking
+
+LARGE = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 512,
+         "intermediate_size": 512, "num_attention_heads": 16}
+"""A config is shrunk when any of these fields exceeds its value; a tiny config is kept as is."""
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token")
+
+
+def _shrunk_heads(config: dict[str, Any]) -> dict[str, Any]:
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    group = heads // kv if heads % kv == 0 else 1
+    kv_small = min(kv, max(2, 4 // group))  # at least 4 query heads when there are
+    heads_small = kv_small * min(group, 8)  # query heads per KV head kept (up to 8)
+    out = {"num_attention_heads": heads_small, "hidden_size": heads_small * HEAD_DIM}
+    if "num_key_value_heads" in config:
+        out["num_key_value_heads"] = kv_small
+    if "head_dim" in config:
+        out["head_dim"] = HEAD_DIM
+    return out
+
+
+def _shrunk_mla(config: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                           "v_head_dim": 16}
+    if config.get("q_lora_rank") is not None:
+        out["q_lora_rank"] = 32
+    if "head_dim" in config:
+        out["head_dim"] = 8  # DeepSeek's head_dim is the rope width
+    return out
+
+
+def _shrunk_experts(config: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _EXPERT_COUNTS:
+        if (config.get(name) or 0) > 8:
+            out[name] = 8
+    for name in _EXPERTS_PER_TOKEN:
+        if (config.get(name) or 0) > 2:
+            out[name] = 2
+    for name in ("n_group", "topk_group"):
+        if config.get(name):
+            out[name] = 1
+    return out
+
+
+def _shrunk_layers(config: dict[str, Any]) -> dict[str, Any]:
+    dense = min(config.get("first_k_dense_replace") or 0, 1)
+    step = config.get("decoder_sparse_step") or 1
+    layers = min(config["num_hidden_layers"], max(2, dense + 2, step + 1))
+    out: dict[str, Any] = {"num_hidden_layers": layers}
+    if "first_k_dense_replace" in config:
+        out["first_k_dense_replace"] = dense
+    if isinstance(config.get("layer_types"), list):
+        out["layer_types"] = config["layer_types"][:layers]
+    if isinstance(config.get("mlp_only_layers"), list):
+        out["mlp_only_layers"] = [u for u in config["mlp_only_layers"] if u < layers]
+    if config.get("max_window_layers") is not None:
+        out["max_window_layers"] = min(config["max_window_layers"], layers)
+    if config.get("num_nextn_predict_layers"):
+        out["num_nextn_predict_layers"] = 0  # transformers builds no MTP layer
+    return out
+
+
+def _shrunk_widths(config: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"vocab_size": 131}  # odd on purpose: balanced, uneven vocab split
+    for name, small in (("intermediate_size", 128), ("moe_intermediate_size", 32),
+                        ("shared_expert_intermediate_size", 32)):
+        if (config.get(name) or 0) > small:
+            out[name] = small
+    if (config.get("max_position_embeddings") or 0) > 128:
+        out["max_position_embeddings"] = 128
+    if (config.get("sliding_window") or 0) > 64:
+        out["sliding_window"] = 64
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(name)
+        if isinstance(value, int) and value >= 131 or isinstance(value, list):
+            out[name] = None
+    return out
+
+
+SHRINK_RULES: tuple[tuple[str, Callable[[dict[str, Any]], bool],
+                          Callable[[dict[str, Any]], dict[str, Any]]], ...] = (
+    ("attention heads (query heads per KV head kept)",
+     lambda c: bool(c.get("num_attention_heads")), _shrunk_heads),
+    ("multi-head latent attention ranks", lambda c: "kv_lora_rank" in c, _shrunk_mla),
+    ("experts (at most 8, 2 per token, one routing group)",
+     lambda c: any(n in c for n in _EXPERT_COUNTS), _shrunk_experts),
+    ("layers (first dense layers and sparse steps kept)",
+     lambda c: bool(c.get("num_hidden_layers")), _shrunk_layers),
+    ("vocabulary, feed-forward widths, positions", lambda c: True, _shrunk_widths),
+)
+"""The size fields a large config is shrunk on, in order: (what, applies, new values)."""
+
+
+def is_large(config: dict[str, Any]) -> bool:
+    """Whether a config is shrunk before the reference model is built."""
+    return any((config.get(name) or 0) > limit for name, limit in LARGE.items())
+
+
+def reference_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The config of the reference model and one note per change made to it.
+
+    Always: float32 weights, eager attention, no quantization. A large config (`is_large`) is
+    shrunk by SHRINK_RULES to a tiny model of the same structure.
+    """
+    out = {k: v for k, v in config.items() if k not in ("quantization_config", "quantization")}
+    notes = [f"dropped {k}: the reference model is dense float32"
+             for k in ("quantization_config", "quantization") if k in config]
+    out["dtype"] = "float32"
+    out.pop("torch_dtype", None)
+    if is_large(config):
+        for what, applies, rule in SHRINK_RULES:
+            if not applies(out):
+                continue
+            changes = {k: v for k, v in rule(out).items() if out.get(k) != v}
+            if changes:
+                notes.append(f"shrunk {what}: " + ", ".join(
+                    f"{k} {out.get(k)} -> {v}" for k, v in sorted(changes.items())))
+                out.update(changes)
+    return out, notes
+
+
+# ---------------------------------------------------------------- building
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """A config.json as a dict, or a VerifyError naming the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise VerifyError(f"cannot read config {path}: {error}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
+        raise VerifyError(f"config {path} must be a JSON object with a string `model_type`")
+    return value
+
+
+def build_reference(config: dict[str, Any], folder: Path, seed: int) -> None:
+    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`."""
+    torch, transformers = require_libraries()
+    fields = dict(config)
+    model_type = fields.pop("model_type")
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, dtype=torch.float32, attn_implementation="eager")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise VerifyError(f"transformers {transformers.__version__} cannot build a "
+                          f"`{model_type}` causal LM from the config: {error}") from None
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, parameter in sorted(model.named_parameters()):
+            parameter.add_(NOISE * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def load_model(folder: Path) -> Any:
+    """A checkpoint folder loaded by transformers (its own on-disk to in-memory conversion)."""
+    torch, transformers = require_libraries()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    return model
+
+
+def parameter_sources(folder: Path, names: list[str]) -> dict[str, tuple[str, ...]]:
+    """For every in-memory parameter, the on-disk tensors it is made of.
+
+    Found by loading a copy of the checkpoint whose tensor i is filled with the constant i + 1:
+    transformers' conversions (renames, stacking experts, fusing gate and up) move values
+    without computing with them, so the constants a parameter holds name its sources.
+    """
+    torch, _ = require_libraries()
+    from safetensors.torch import save_file
+
+    tagged = folder.parent / f"{folder.name}-tagged"
+    tagged.mkdir()
+    (tagged / "config.json").write_bytes((folder / "config.json").read_bytes())
+    shapes = tensor_shapes(folder)
+    save_file({name: torch.full(shapes[name], float(i + 1)) for i, name in enumerate(names)},
+              str(tagged / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(tagged)
+    sources = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        values = torch.unique(parameter.detach()).tolist()
+        sources[name] = tuple(names[int(v) - 1] for v in values
+                              if v == math.floor(v) and 1 <= v <= len(names))
+    return sources
+
+
+def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every tensor of a single-file checkpoint folder."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as handle:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118

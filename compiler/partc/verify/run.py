@@ -1,0 +1,573 @@
+"""`verify_family`: the ranks' parts of every module must add up to the full module's output.
+
+For each tensor-parallel size T the family is compiled for the reference checkpoint, every rank
+is loaded with its generated loader, and each rank's tensors are scattered back into an
+otherwise-zeroed copy of the checkpoint (under the on-disk names, so transformers applies its
+own on-disk to in-memory conversion when it loads it). Every module that owns parameters (the
+direct children of each decoder layer, the embedding, the final norm, the head) is run on the
+inputs captured from the full model:
+
+- a module whose tensors are whole on every rank must give the full output on every rank;
+- otherwise the ranks' outputs, less T - 1 times the output of the *shared part* (the module
+  with only the elements every rank holds), must add up to the full output. Subtracting the
+  shared part counts replicated parts once (a row projection's bias, a replicated router)
+  without classifying any tensor by name or role.
+
+A failing module is narrowed to the first parameter group that fails alone (the other groups
+whole) and then to the first rank whose part is not separable (that rank plus the union of the
+others, less the shared part). For a pipeline split each stage must own every tensor it
+executes (decoder layer i on the stage of unit i, input-side modules on the first stage,
+output-side ones on the last, a tied embedding on both) and the model assembled from the
+stages' tensors must give the full model's logits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from partc.api import compile_family
+from partc.errors import PartcError, PartcErrors
+from partc.verify.reference import (
+    build_reference,
+    load_config,
+    load_model,
+    parameter_sources,
+    reference_config,
+    require_libraries,
+    tensor_shapes,
+)
+
+if TYPE_CHECKING:
+    from partc.parallel.specs import ShardingPolicy
+
+INPUT_IDS = (1, 5, 9, 17, 33, 64, 100, 130)
+"""The token ids every module's inputs are captured from (clipped to the vocabulary)."""
+MAX_TENSOR_PARALLEL = 8
+"""By default every T from 1 to this that compiles is checked."""
+RELATIVE_TOLERANCE = 1e-4
+"""Tolerance relative to the largest magnitude of the full output."""
+ABSOLUTE_TOLERANCE = 1e-5
+"""Tolerance added to the relative one."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Check:
+    """One verified claim: a module (or the logits, or a tensor's ownership) at one topology."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    module: str
+    """Hugging Face module path (or `logits`, or the on-disk tensor for ownership)."""
+    group: str
+    """The parameter group(s) concerned ('' when not narrowed to groups)."""
+    rank: int | None
+    """The global rank concerned; None when the claim is about all ranks together."""
+    ok: bool
+    """Whether the claim holds."""
+    max_error: float
+    """Largest absolute difference from the full model's output."""
+    tolerance: float
+    """The largest difference allowed."""
+    message: str = ""
+    """What failed, in words ('' when ok)."""
+
+    def to_json(self) -> dict[str, object]:
+        """The check as a JSON object."""
+        return {"tp": self.tp, "pp": self.pp, "module": self.module, "group": self.group,
+                "rank": self.rank, "ok": self.ok, "max_error": self.max_error,
+                "tolerance": self.tolerance, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyReport:
+    """Every check of one `partc verify` run, the topologies skipped and notes on the model."""
+
+    family: str
+    """The family's name."""
+    model_type: str
+    """The config's model type."""
+    checks: tuple[Check, ...]
+    """Every check, in the order they ran."""
+    skipped: tuple[dict[str, object], ...] = ()
+    """Topologies not checked, each with the reason (the compile error)."""
+    notes: tuple[str, ...] = ()
+    """How the reference model differs from the given config."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall-clock time per phase, for the report only."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether every check holds (and at least one ran)."""
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def first_failure(self) -> Check | None:
+        """The first check that failed."""
+        return next((c for c in self.checks if not c.ok), None)
+
+    def to_json(self) -> dict[str, object]:
+        """The report as a JSON object."""
+        return {"family": self.family, "model_type": self.model_type, "ok": self.ok,
+                "checks": [c.to_json() for c in self.checks], "skipped": list(self.skipped),
+                "notes": list(self.notes),
+                "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}}
+
+
+# ---------------------------------------------------------------- the compiled ranks
+
+
+@dataclass(slots=True)
+class _Build:
+    tp: int
+    pp: int
+    plan: dict[str, Any]
+    states: list[Any]
+
+
+@contextmanager
+def _imported(out: Path) -> Iterator[Any]:
+    """The generated package of a build folder, forgotten again afterwards."""
+    (package,) = [p.name for p in out.iterdir() if (p / "__init__.py").is_file()]
+    sys.path.insert(0, str(out))
+    try:
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
+        yield importlib.import_module(package)
+    finally:
+        sys.path.remove(str(out))
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
+
+
+def _compile(family: str | Path | None, reference: Path, out: Path, tp: int, pp: int,
+             policy: ShardingPolicy | None) -> _Build:
+    compile_family(family, reference / "config.json", tensor_parallel_size=tp,
+                   pipeline_parallel_size=pp, policy=policy, checkpoint=reference, out=out)
+    plan = json.loads((out / "plan.json").read_text())
+    with _imported(out) as package:
+        states = [package.load(reference, rank=r) for r in range(tp * pp)]
+    return _Build(tp=tp, pp=pp, plan=plan, states=states)
+
+
+def _scatter(shape: tuple[int, ...], selection: tuple[int | None, Sequence[tuple[int, int]]],
+             local: np.ndarray) -> np.ndarray:
+    """A zeroed global array holding `local` at the global ranges it was read from."""
+    axis, ranges = selection
+    out = np.zeros(shape, dtype=local.dtype)
+    if axis is None:
+        out[...] = local
+        return out
+    offset = 0
+    for start, end in ranges:
+        index: list[slice] = [slice(None)] * len(shape)
+        index[axis] = slice(start, end)
+        source: list[slice] = [slice(None)] * len(shape)
+        source[axis] = slice(offset, offset + end - start)
+        out[tuple(index)] = local[tuple(source)]
+        offset += end - start
+    return out
+
+
+# ---------------------------------------------------------------- the session
+
+
+class _Session:
+    """The reference model, its captured module inputs and outputs, and masked copies of it."""
+
+    def __init__(self, folder: Path, work: Path) -> None:
+        self.torch, _ = require_libraries()
+        from safetensors.torch import load_file
+
+        self.folder = folder
+        self.work = work
+        self.shapes = tensor_shapes(folder)
+        self.names = sorted(self.shapes)
+        self.full = {k: v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+        self.sources = parameter_sources(folder, self.names)
+        self.model = load_model(folder)
+        self.count = 0
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        self.ids = self.torch.tensor([[min(i, vocab - 1) for i in INPUT_IDS]])
+        self.order, self.layers = self._top_level()
+        self.modules = self._modules()
+        self.captured = self._capture()
+        with self.torch.no_grad():
+            self.logits = self.model(input_ids=self.ids, use_cache=False).logits
+
+    def _top_level(self) -> tuple[list[str], str]:
+        """Top-level module paths in execution order and the one holding the decoder layers."""
+        model = self.model
+        plan = getattr(model, "_pp_plan", None)
+        if plan:  # its keys, in the order the modules are registered (the execution order)
+            registered = {name: i for i, (name, _) in enumerate(model.named_modules())}
+            order = sorted(plan, key=lambda p: registered.get(p, len(registered)))
+        else:
+            prefix = model.base_model_prefix
+            order = [f"{prefix}.{n}" for n, _ in model.base_model.named_children()]
+            output = model.get_output_embeddings()
+            order += [n for n, m in model.named_children() if m is output]
+        layers = [p for p in order if isinstance(model.get_submodule(p),
+                                                 self.torch.nn.ModuleList)]
+        return order, layers[0]
+
+    def _modules(self) -> list[str]:
+        """Every module checked: decoder layers' children with parameters, other top levels."""
+        found = []
+        for path in self.order:
+            module = self.model.get_submodule(path)
+            if path != self.layers:
+                if any(True for _ in module.parameters()):
+                    found.append(path)
+                continue
+            for index, layer in enumerate(module):
+                found.extend(f"{path}.{index}.{name}" for name, child in layer.named_children()
+                             if any(True for _ in child.parameters()))
+        return found
+
+    def targets(self, module: str) -> tuple[str, ...]:
+        """The on-disk tensors a module's parameters are made of (a tied head: the embedding)."""
+        found: set[str] = set()
+        for name, _ in self.model.get_submodule(module).named_parameters(
+                remove_duplicate=False):
+            found.update(self.sources.get(f"{module}.{name}", ()))
+        return tuple(sorted(found))
+
+    def _capture(self) -> dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]]:
+        captured: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
+        handles = []
+        for path in self.modules:
+            module = self.model.get_submodule(path)
+
+            def keep(_: Any, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
+                captured[path] = (args, kwargs, _first_tensor(output))
+            handles.append(module.register_forward_hook(keep, with_kwargs=True))
+        try:
+            with self.torch.no_grad():
+                self.model(input_ids=self.ids, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured
+
+    def model_of(self, tensors: dict[str, np.ndarray]) -> Any:
+        """A model loaded by transformers from these on-disk tensors (the rest: zeros)."""
+        from safetensors.torch import save_file
+
+        self.count += 1
+        folder = self.work / f"masked-{self.count}"
+        folder.mkdir()
+        shutil.copyfile(self.folder / "config.json", folder / "config.json")
+        save_file({name: self.torch.from_numpy(np.ascontiguousarray(tensors[name]))
+                   if name in tensors else self.torch.zeros(self.shapes[name])
+                   for name in self.names}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        model = load_model(folder)
+        shutil.rmtree(folder)
+        return model
+
+    def run(self, model: Any, module: str) -> Any:
+        """`module` of `model` run on the inputs captured from the full model."""
+        args, kwargs, _ = self.captured[module]
+        with self.torch.no_grad():
+            return _first_tensor(model.get_submodule(module)(*args, **kwargs))
+
+
+def _first_tensor(output: Any) -> Any:
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    return output
+
+
+def _error(got: Any, want: Any) -> float:
+    return float((got - want).abs().max()) if want.numel() else 0.0
+
+
+def _tolerance(want: Any) -> float:
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return RELATIVE_TOLERANCE * scale + ABSOLUTE_TOLERANCE
+
+
+# ---------------------------------------------------------------- tensor-parallel checks
+
+
+class _Ranks:
+    """The masks and masked models of one tensor-parallel build (one stage)."""
+
+    def __init__(self, session: _Session, build: _Build) -> None:
+        self.session = session
+        self.build = build
+        self.masks: list[dict[str, np.ndarray]] = []
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.loader_faults: list[tuple[int, str]] = []
+        for rank, state in enumerate(build.states):
+            masks, parts = {}, {}
+            for layout in state.layout.tensors:
+                target, shape = layout.target, tuple(layout.global_shape)
+                local = np.asarray(state.tensors[target])
+                parts[target] = _scatter(shape, layout.selection, local)
+                masks[target] = _scatter(shape, layout.selection, np.ones(local.shape, bool))
+                if not np.array_equal(parts[target][masks[target]],
+                                      session.full[target][masks[target]]):
+                    self.loader_faults.append((rank, target))
+            self.masks.append(masks)
+            self.parts.append(parts)
+        self.whole = {name: all(m.get(name) is not None and bool(m[name].all())
+                                for m in self.masks) for name in session.names}
+        self.models = [session.model_of(p) for p in self.parts]
+        self.shared_model = session.model_of(self._shared(session.names)) if build.tp > 1 \
+            else None
+
+    def _shared(self, targets: Sequence[str]) -> dict[str, np.ndarray]:
+        """Only the elements every rank holds of `targets`; the other tensors whole."""
+        full = self.session.full
+        out = dict(full)
+        for name in targets:
+            every = np.logical_and.reduce([m.get(name, np.zeros(self.session.shapes[name], bool))
+                                           for m in self.masks])
+            out[name] = np.where(every, full[name], 0).astype(full[name].dtype)
+        return out
+
+    def _masked(self, targets: Sequence[str], masks: Sequence[dict[str, np.ndarray]]
+                ) -> dict[str, np.ndarray]:
+        """The union of `masks` on `targets`; the other tensors whole."""
+        full = self.session.full
+        out = dict(full)
+        for name in targets:
+            union = np.logical_or.reduce([m.get(name, np.zeros(self.session.shapes[name], bool))
+                                          for m in masks])
+            out[name] = np.where(union, full[name], 0).astype(full[name].dtype)
+        return out
+
+    def check(self, module: str) -> Check:
+        """The claim for one module: every rank equals it, or the ranks add up to it."""
+        session, tp = self.session, self.build.tp
+        want = session.captured[module][2]
+        tolerance = _tolerance(want)
+        targets = session.targets(module)
+        split = [t for t in targets if not self.whole[t]]
+        groups = self._groups(split)
+        if not split:
+            for rank, model in enumerate(self.models):
+                error = _error(session.run(model, module), want)
+                if error > tolerance:
+                    return self._fail(module, "", rank, error, tolerance,
+                                      "its tensors are whole on every rank, but the rank's "
+                                      "output differs from the full module's")
+            return Check(tp=tp, pp=1, module=module, group=", ".join(self._groups(targets)),
+                         rank=None, ok=True, max_error=0.0, tolerance=tolerance)
+        total = sum(session.run(m, module) for m in self.models)
+        if self.shared_model is not None:
+            total = total - (tp - 1) * session.run(self.shared_model, module)
+        error = _error(total, want)
+        if error <= tolerance:
+            return Check(tp=tp, pp=1, module=module, group=", ".join(groups), rank=None,
+                         ok=True, max_error=error, tolerance=tolerance)
+        return self._narrow(module, groups, error, tolerance)
+
+    def _groups(self, targets: Sequence[str]) -> list[str]:
+        names: list[str] = []
+        for target in targets:
+            for state in self.build.states:
+                if target in state.layout:
+                    name = state.layout[target].logical_name
+                    if name not in names:
+                        names.append(name)
+                    break
+        return names
+
+    def _group_targets(self, group: str, targets: Sequence[str]) -> list[str]:
+        return [t for t in targets if self._groups([t]) == [group]]
+
+    def _narrow(self, module: str, groups: list[str], error: float, tolerance: float) -> Check:
+        """The first group (then rank) whose split alone breaks the module."""
+        session, tp = self.session, self.build.tp
+        want = session.captured[module][2]
+        targets = session.targets(module)
+        for group in groups:
+            mine = self._group_targets(group, targets)
+            shared = session.run(session.model_of(self._shared(mine)), module)
+            outs = [session.run(session.model_of(self._masked(mine, [m])), module)
+                    for m in self.masks]
+            alone = _error(sum(outs) - (tp - 1) * shared, want)
+            if alone <= tolerance:
+                continue
+            for rank in range(tp):
+                others = [m for r, m in enumerate(self.masks) if r != rank]
+                rest = session.run(session.model_of(self._masked(mine, others)), module) \
+                    if others else 0
+                separable = _error(outs[rank] + rest - shared, want) if others else alone
+                if separable > tolerance:
+                    return self._fail(module, group, rank, alone, tolerance,
+                                      "the rank's part of the group is not separable from the "
+                                      "other ranks' (rank + the others - the shared part "
+                                      f"differs by {separable:.3g})")
+            return self._fail(module, group, None, alone, tolerance,
+                              "the ranks' parts of the group do not add up to the full module")
+        return self._fail(module, ", ".join(groups), None, error, tolerance,
+                          "the ranks' parts do not add up to the full module, though each "
+                          "group alone does")
+
+    def _fail(self, module: str, group: str, rank: int | None, error: float,
+              tolerance: float, why: str) -> Check:
+        tp = self.build.tp
+        where = f"rank {rank}" if rank is not None else f"ranks 0-{tp - 1}"
+        return Check(tp=tp, pp=1, module=module, group=group, rank=rank, ok=False,
+                     max_error=error, tolerance=tolerance,
+                     message=f"T={tp} x S=1: module `{module}`"
+                             f"{f' (group `{group}`)' if group else ''}, {where}: {why}; max "
+                             f"abs error {error:.3g}, tolerance {tolerance:.3g}")
+
+
+# ---------------------------------------------------------------- pipeline checks
+
+
+def _unit_stages(plan: dict[str, Any]) -> dict[str, int]:
+    """Unit path -> the pipeline stage executing it, from plan.json."""
+    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    stages = {}
+    for rank in plan["ranks"]:
+        partition = rank["partition"]
+        for owned in partition["groups"]:
+            start, end = owned["unit_range"]
+            for unit in range(start, end):
+                stages[paths[owned["group"]][unit]] = partition["stage"]
+    return stages
+
+
+def _pipeline_checks(session: _Session, build: _Build) -> list[Check]:
+    """Each stage owns what it executes; the stages' tensors give the full logits."""
+    stages = build.pp
+    units = _unit_stages(build.plan)
+    layers_at = session.order.index(session.layers)
+    executing: dict[str, dict[int, str]] = {}
+    for name in sorted(session.sources):
+        unit = max((p for p in units if name.startswith(p + ".")), key=len, default=None)
+        if unit is not None:
+            stage = units[unit]
+        else:
+            top = [i for i, p in enumerate(session.order) if name.startswith(p + ".")]
+            if not top:
+                continue
+            stage = 0 if top[0] < layers_at else stages - 1
+        for target in session.sources[name]:
+            executing.setdefault(target, {}).setdefault(stage, name)
+    checks, composite = [], {}
+    owned = [set(state.layout.targets) for state in build.states]
+    for target in session.names:
+        users = executing.get(target, {})
+        missing = [s for s in sorted(users) if target not in owned[s]]
+        for stage in missing:
+            checks.append(Check(
+                tp=1, pp=stages, module=target, group="", rank=stage, ok=False,
+                max_error=float("inf"), tolerance=0.0,
+                message=f"T=1 x S={stages}: stage {stage} executes `{users[stage]}`, made of "
+                        f"`{target}`, but does not own that tensor"))
+        holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
+        if holders and not missing:
+            composite[target] = np.asarray(build.states[holders[0]].tensors[target])
+    logits = session.model_of(composite)
+    with session.torch.no_grad():
+        got = logits(input_ids=session.ids, use_cache=False).logits
+    error, tolerance = _error(got, session.logits), _tolerance(session.logits)
+    checks.append(Check(
+        tp=1, pp=stages, module="logits", group="", rank=None, ok=error <= tolerance,
+        max_error=error, tolerance=tolerance,
+        message="" if error <= tolerance else
+        f"T=1 x S={stages}: the model assembled from each stage's tensors gives logits that "
+        f"differ from the full model's; max abs error {error:.3g}, tolerance {tolerance:.3g}"))
+    return checks
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def verify_family(family: str | Path | None, config: str | Path, *,
+                  tensor_parallel_sizes: Sequence[int] | None = None,
+                  pipeline_parallel_size: int | None = None,
+                  policy: ShardingPolicy | None = None, seed: int = 0) -> VerifyReport:
+    """Verify a family's split against transformers' modeling code for `config`'s architecture.
+
+    `tensor_parallel_sizes`: the T to check (default: every T up to 8 that compiles, the others
+    reported as skipped); `pipeline_parallel_size`: the S of the pipeline check (default 2, or
+    the number of units if smaller; 1 skips it). Raises a VerifyError when torch or
+    transformers is missing or the model cannot be built.
+    """
+    require_libraries()
+    given = load_config(Path(config))
+    reference, notes = reference_config(given)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
+        work = Path(scratch)
+        folder = work / "reference"
+        build_reference(reference, folder, seed)
+        session = _Session(folder, work)
+        seconds["reference"] = time.perf_counter() - start
+        checks: list[Check] = []
+        skipped: list[dict[str, object]] = []
+        family_name = ""
+        last_plan: dict[str, Any] | None = None
+        sizes = list(tensor_parallel_sizes or range(1, MAX_TENSOR_PARALLEL + 1))
+        for tp in sizes:
+            begin = time.perf_counter()
+            try:
+                build = _compile(family, folder, work / f"tp{tp}", tp, 1, policy)
+            except PartcError as error:
+                first = error.errors[0] if isinstance(error, PartcErrors) else error
+                if tensor_parallel_sizes is None:
+                    skipped.append({"tp": tp, "pp": 1, "reason": str(first)})
+                    continue
+                checks.append(Check(tp=tp, pp=1, module="", group="", rank=None, ok=False,
+                                    max_error=float("inf"), tolerance=0.0,
+                                    message=f"T={tp} x S=1 does not compile: {first}"))
+                continue
+            family_name, last_plan = build.plan["family"], build.plan
+            ranks = _Ranks(session, build)
+            checks.extend(Check(
+                tp=tp, pp=1, module=target, group="", rank=rank, ok=False,
+                max_error=float("inf"), tolerance=0.0,
+                message=f"T={tp} x S=1: rank {rank}'s loader read `{target}` bytes that differ "
+                        "from the checkpoint's") for rank, target in ranks.loader_faults)
+            checks.extend(ranks.check(module) for module in session.modules)
+            seconds[f"tp{tp}"] = time.perf_counter() - begin
+        if last_plan is None:
+            try:
+                last_plan = _compile(family, folder, work / "units", 1, 1, policy).plan
+            except PartcError:
+                last_plan = {"graph": []}
+        units = sum(len(g["unit_paths"]) for g in last_plan["graph"])
+        pp = min(pipeline_parallel_size or 2, units)
+        if pp > 1:
+            begin = time.perf_counter()
+            try:
+                staged = _compile(family, folder, work / f"pp{pp}", 1, pp, policy)
+                checks.extend(_pipeline_checks(session, staged))
+                family_name = family_name or staged.plan["family"]
+            except PartcError as error:
+                first = error.errors[0] if isinstance(error, PartcErrors) else error
+                checks.append(Check(tp=1, pp=pp, module="", group="", rank=None, ok=False,
+                                    max_error=float("inf"), tolerance=0.0,
+                                    message=f"T=1 x S={pp} does not compile: {first}"))
+            seconds[f"pp{pp}"] = time.perf_counter() - begin
+        else:
+            skipped.append({"tp": 1, "pp": pipeline_parallel_size or 2, "reason":
+                            "no pipeline split asked for (S=1)" if pipeline_parallel_size == 1
+                            else f"the model has {units} unit(s); no pipeline split"})
+    seconds["total"] = time.perf_counter() - start
+    return VerifyReport(family=family_name or str(family or given["model_type"]),
+                        model_type=str(given["model_type"]), checks=tuple(checks),
+                        skipped=tuple(skipped), notes=tuple(notes), seconds=seconds)

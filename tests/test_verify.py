@@ -1,0 +1,209 @@
+"""`partc verify`: every built-in family's split checked against transformers' modeling code.
+
+The oracle is Hugging Face transformers itself (its modules run on masked checkpoints it loads
+with its own on-disk conversion), never partc's numpy executor. Wrong declarations of existing
+families are refused either statically (`partc check`) or semantically (verify), each with the
+message (or the failing module, group and rank) asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import HF_MODELS, ROOT, hf
+
+pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+from partc.api import check_family  # noqa: E402
+from partc.cli import main  # noqa: E402
+from partc.parallel.specs import ShardingPolicy  # noqa: E402
+from partc.plan import Topology  # noqa: E402
+from partc.verify.reference import is_large, reference_config  # noqa: E402
+from partc.verify.run import verify_family  # noqa: E402
+
+ARCHITECTURES = ROOT / "architectures"
+
+
+def _family(name: str) -> str:
+    config = json.loads((hf(name) / "config.json").read_text())
+    return str(config["model_type"])
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_every_built_in_family_passes_verify_at_t_1_2_4_and_a_pipeline_split(name):
+    # over 4 ranks 2 KV heads are too few: the attention group is replicated (and checked as
+    # such) under replicate-unsupported; DeepSeek's MLA splits by its 4 heads
+    report = verify_family(None, hf(name) / "config.json", tensor_parallel_sizes=[1, 2, 4],
+                           pipeline_parallel_size=2,
+                           policy=ShardingPolicy.REPLICATE_UNSUPPORTED)
+    assert report.ok, report.first_failure
+    assert {(c.tp, c.pp) for c in report.checks} == {(1, 1), (2, 1), (4, 1), (1, 2)}
+    modules = {c.module for c in report.checks if c.tp == 4}
+    assert {"model.embed_tokens", "model.norm", "model.layers.0.self_attn"} <= modules
+    split = [c for c in report.checks if c.tp == 2 and c.module.endswith(".self_attn")]
+    assert split and all(c.rank is None and c.group for c in split)  # summed over the ranks
+    assert all(c.max_error <= c.tolerance for c in report.checks)
+
+
+def test_kv_replication_verifies_at_more_ranks_than_kv_heads(tmp_path):
+    family = tmp_path / "llama_kv.yaml"
+    text = (ARCHITECTURES / "llama.yaml").read_text()
+    assert "    units: num_key_value_heads" in text
+    family.write_text(text.replace("    units: num_key_value_heads",
+                                   "    units: num_key_value_heads\n    kv_replication: true", 1))
+    report = verify_family(family, hf("llama") / "config.json", tensor_parallel_sizes=[4],
+                           pipeline_parallel_size=1)
+    assert report.ok, report.first_failure
+    attention = [c for c in report.checks if c.module == "model.layers.0.self_attn"]
+    assert attention[0].group == "layers.0.attention" and attention[0].max_error > 0
+    assert report.skipped == ({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)"},)
+
+
+# ---------------------------------------------------------------- wrong declarations
+
+# (case, fixture, family file, text replaced, replacement, T, how it is refused, expected):
+# "check" cases assert the static message; "verify" cases the failing module, group and rank.
+WRONG = [
+    ("phi3 qkv segments in the wrong order", "phi3", "phi3.yaml",
+     "        - num_attention_heads * head_dim\n        - num_key_value_heads * head_dim\n"
+     "        - num_key_value_heads * head_dim\n"
+     "      heads: [num_attention_heads, num_key_value_heads, num_key_value_heads]",
+     "        - num_key_value_heads * head_dim\n        - num_attention_heads * head_dim\n"
+     "        - num_key_value_heads * head_dim\n"
+     "      heads: [num_key_value_heads, num_attention_heads, num_key_value_heads]",
+     2, "verify", ("model.layers.0.self_attn", r"layers\.0\.attention", 0)),
+    ("llama attention by query heads without heads hints", "llama", "llama.yaml",
+     None, None, 4, "verify", ("model.layers.0.self_attn", r"layers\.0\.attention", 0)),
+    ("llama down_proj declared column", "llama", "llama.yaml",
+     'mlp.down_proj"\n        sharding: row', 'mlp.down_proj"\n        sharding: column',
+     2, "verify", ("model.layers.0.mlp", r"layers\.0\.mlp", 0)),
+    ("gpt_oss interleaved gate_up declared as two contiguous segments", "gpt_oss",
+     "gpt_oss.yaml",
+     "        shape: [num_local_experts, hidden_size, 2 * intermediate_size]\n"
+     "        sharding: {partitioned: 2}",
+     "        shape: [num_local_experts, hidden_size, 2 * intermediate_size]\n"
+     "        sharding: {partitioned_segments: {axis: 2, segments: [intermediate_size, "
+     "intermediate_size]}}",
+     2, "verify", ("model.layers.0.mlp", r"layers\.0\.experts", 0)),
+    ("qwen3_moe expert down_proj split on its output axis", "qwen3_moe", "qwen3_moe.yaml",
+     'experts.{expert}.down_proj"\n        sharding: row',
+     'experts.{expert}.down_proj"\n        sharding: column',
+     2, "verify", ("model.layers.0.mlp", r"layers\.0\.experts\.\d+", 0)),
+    ("phi3 qkv segments that miss the v segment", "phi3", "phi3.yaml",
+     "        - num_key_value_heads * head_dim\n"
+     "      heads: [num_attention_heads, num_key_value_heads, num_key_value_heads]",
+     "      heads: [num_attention_heads, num_key_value_heads]",
+     2, "check", "segments [64, 32] sum to 96 but axis 0 has 128 elements"),
+    ("llama kv_replication without heads hints", "llama", "llama.yaml",
+     None, None, 4, "check", "sets kv_replication but"),
+]
+
+
+def _wrong_family(tmp_path: Path, case: tuple[object, ...]) -> Path:
+    label, _, file, old, new = case[:5]
+    text = (ARCHITECTURES / str(file)).read_text()
+    if old is None:  # the two llama attention cases edit the attention group's lines
+        start = text.index('  - name: "layers.{unit}.attention"')
+        end = text.index("  - name:", start + 1)
+        block = re.sub(r"\n +heads: num_\w+", "", text[start:end])
+        if "query heads" in str(label):
+            block = block.replace("units: num_key_value_heads", "units: num_attention_heads")
+        else:
+            block = block.replace("units: num_key_value_heads",
+                                  "units: num_key_value_heads\n    kv_replication: true")
+        assert block != text[start:end]
+        text = text[:start] + block + text[end:]
+    else:
+        assert isinstance(old, str) and isinstance(new, str) and text.count(old) == 1, label
+        text = text.replace(old, new)
+    path = tmp_path / str(file)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", WRONG, ids=[c[0] for c in WRONG])
+def test_a_wrong_declaration_is_refused_by_check_or_by_verify(tmp_path, case):
+    _, fixture, _, _, _, tp, how, expected = case
+    family = _wrong_family(tmp_path, case)
+    config = hf(str(fixture)) / "config.json"
+    if how == "check":
+        errors = check_family(family, config, topology=Topology(
+            tensor_parallel_size=int(tp), pipeline_parallel_size=1))  # type: ignore[call-overload]
+        assert errors and any(str(expected) in str(e) for e in errors), errors
+        return
+    # statically fine: check finds nothing, only the semantic check refuses it
+    assert check_family(family, config, topology=Topology(
+        tensor_parallel_size=int(tp), pipeline_parallel_size=1)) == []  # type: ignore[call-overload]
+    report = verify_family(family, config, tensor_parallel_sizes=[int(tp)],  # type: ignore[call-overload]
+                           pipeline_parallel_size=1)
+    failure = report.first_failure
+    assert not report.ok and failure is not None
+    module, group, rank = expected  # type: ignore[misc]
+    # (an expert is exercised only when the input routes a token to it: the first failing
+    # expert is the first routed one)
+    assert (failure.module, failure.rank) == (module, rank) and re.fullmatch(
+        group, failure.group), failure
+    assert failure.max_error > failure.tolerance
+    assert failure.message.startswith(f"T={tp} x S=1: module `{module}` (group "
+                                      f"`{failure.group}`), rank {rank}: ")
+
+
+# ---------------------------------------------------------------- command line and shrinking
+
+
+def test_the_cli_reports_json_and_exits_0_when_every_check_holds(capsys):
+    status = main(["verify", "--config", str(hf("qwen3") / "config.json"), "--tp", "1,2",
+                   "--pp", "2", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["ok"] is True
+    assert report["family"] == "qwen3" and report["model_type"] == "qwen3"
+    assert {(c["tp"], c["pp"]) for c in report["checks"]} == {(1, 1), (2, 1), (1, 2)}
+    assert {"tp", "pp", "module", "group", "rank", "ok", "max_error", "tolerance"} <= set(
+        report["checks"][0])
+
+
+def test_the_cli_skips_illegal_sizes_by_default_and_names_the_first_failure(tmp_path, capsys):
+    family = _wrong_family(tmp_path, WRONG[2])
+    status = main(["verify", str(family), "--config", str(hf("llama") / "config.json"),
+                   "--pp", "1"])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "skipped T=3 x S=1: " in captured.out and "skipped T=8 x S=1: " in captured.out
+    assert "T=1 x S=1: 15/15 checks hold" in captured.out
+    assert re.search(r"error: T=2 x S=1: module `model.layers.0.mlp` \(group `layers.0.mlp`\), "
+                     r"rank 0: .*max abs error [0-9.e-]+, tolerance [0-9.e-]+", captured.err)
+
+
+def test_verify_without_transformers_says_how_to_install_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    status = main(["verify", "--config", str(hf("llama") / "config.json")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "partc verify needs torch and transformers (transformers is not installed): " \
+           "pip install 'partc[verify]'" in err
+
+
+def test_a_large_config_is_shrunk_keeping_its_structure():
+    config = json.loads((ROOT / "tests" / "fixtures" / "fullsize" / "DeepSeek-V3"
+                         / "config.json").read_text())
+    assert is_large(config)
+    small, notes = reference_config(config)
+    assert small["num_attention_heads"] == 4 and small["num_key_value_heads"] == 4
+    assert small["n_routed_experts"] == 8 and small["num_experts_per_tok"] == 2
+    assert small["first_k_dense_replace"] == 1 and small["num_hidden_layers"] == 3
+    assert "quantization_config" not in small and small["dtype"] == "float32"
+    assert notes[0] == "dropped quantization_config: the reference model is dense float32"
+    tiny = json.loads((hf("llama") / "config.json").read_text())
+    assert not is_large(tiny) and reference_config(tiny)[0]["hidden_size"] == tiny["hidden_size"]
+
+
+def test_a_shrunk_deepseek_v3_verifies():
+    report = verify_family(None, ROOT / "tests" / "fixtures" / "fullsize" / "DeepSeek-V3"
+                           / "config.json", tensor_parallel_sizes=[2], pipeline_parallel_size=2)
+    assert report.ok, report.first_failure
+    assert any(n.startswith("shrunk experts") for n in report.notes)
