@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
+from partc.family.declaration import ConfigType, GroupForm, OwnerKind
 from partc.family.expr import Expression, Template, format_value
 from partc.front.positions import join_pointer
 from partc.parallel.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, unchecked_replace
 from partc.parallel.specs import (
-    LinearWeightLayout,
     MemberSharding,
     MemberShardingKind,
     ParameterGroupSpec,
@@ -33,7 +33,6 @@ from partc.parallel.specs import (
 from partc.partition.boundary import (
     BoundaryTensorDimension,
     BoundaryTensorDimensionKind,
-    BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
 )
@@ -184,27 +183,32 @@ def _lookup(data: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     return node is not None, node
 
 
-def _check_type(kind: str, value: Any) -> Value | None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _list_of(fits: Any) -> Any:
+    """A converter taking a list whose every item `fits` to a tuple."""
+    return lambda value: (tuple(value) if isinstance(value, list) and all(map(fits, value))
+                          else None)
+
+
+_CONVERTERS: dict[ConfigType, Any] = {
+    ConfigType.INT: lambda value: value if _is_int(value) else None,
+    ConfigType.BOOL: lambda value: value if isinstance(value, bool) else None,
+    ConfigType.STR: lambda value: value if isinstance(value, str) else None,
+    ConfigType.FLOAT: lambda value: (value if _is_int(value) or isinstance(value, float)
+                                     else None),
+    ConfigType.INT_LIST: _list_of(_is_int),
+    ConfigType.STR_LIST: _list_of(lambda item: isinstance(item, str)),
+    ConfigType.ANY: lambda value: tuple(value) if isinstance(value, list) else value,
+}
+"""Per declared type: the config.json value converted to it, or None when it does not fit."""
+
+
+def _check_type(kind: ConfigType, value: Any) -> Value | None:
     """The value converted to the declared type, or None when it does not fit."""
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if kind == "int":
-        return value if is_int else None
-    if kind == "bool":
-        return value if isinstance(value, bool) else None
-    if kind == "str":
-        return value if isinstance(value, str) else None
-    if kind == "float":
-        return value if (is_int or isinstance(value, float)) else None
-    if kind == "int_list":
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                           for v in value):
-            return tuple(value)
-        return None
-    if kind == "str_list":
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        return None
-    return tuple(value) if isinstance(value, list) else value
+    return _CONVERTERS[kind](value)
 
 
 def read_config_values(family: FamilyDecl, config: RawDocument,
@@ -234,7 +238,7 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
                 converted = _check_type(field.type, raw)
                 if converted is None:
                     raise SemanticError(
-                        f"config field `{source}` must be {field.type}, found "
+                        f"config field `{source}` must be {field.type.value}, found "
                         f"{type(raw).__name__} {raw!r} (declared at "
                         f"{family.document.locate(field.pointer)})",
                         location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
@@ -247,7 +251,7 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
             if field.default is None:
                 raise SemanticError(
                     f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
-                    f"requires (declared as {field.type} with no default)",
+                    f"requires (declared as {field.type.value} with no default)",
                     location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
             pending.append(field)
     while pending:
@@ -310,8 +314,7 @@ def _shape(binder: _Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple
 
 def _member_sharding(binder: _Binder, decl: ShardingDecl, env: Mapping[str, Value],
                      pointer: str) -> MemberSharding:
-    kind = MemberShardingKind(decl.kind)
-    return MemberSharding(kind=kind, axis=decl.axis,
+    return MemberSharding(kind=decl.kind, axis=decl.axis,
                           segments=_segments(binder, decl.segments, env, pointer))
 
 
@@ -330,7 +333,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     units = (binder.integer(decl.units, env, join_pointer(decl.pointer, "units"),
                             "`units`", minimum=1) if decl.units is not None else None)
     label = decl.units_text
-    if decl.form == "members":
+    if decl.form is GroupForm.MEMBERS:
         members = []
         for param in decl.members:
             if not binder.boolean(param.when, env, param.pointer):
@@ -341,7 +344,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                 shape=_shape(binder, param, env),
                 sharding=_member_sharding(binder, param.sharding, env, param.pointer),
                 dtype=_dtype(binder, param, env, dtype),
-                linear=_LINEAR_LAYOUTS.get(param.layout or ""),
+                linear=param.layout,
                 heads=_heads(binder, param, env)))
         if not members:
             return None
@@ -349,7 +352,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         return ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
                                   units=units if partitioned else None, units_label=label,
                                   policy=decl.policy, kv_replication=decl.kv_replication)
-    if decl.form == "module":
+    if decl.form is GroupForm.MODULE:
         assert decl.module is not None and decl.module_sharding is not None
         module = binder.render(decl.module.module, env, decl.module.pointer)
         sharding = _member_sharding(binder, decl.module_sharding, env, decl.pointer)
@@ -365,7 +368,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
-    if decl.form == "fused":
+    if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)
         assert units is not None
@@ -407,10 +410,6 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                replace(m, dtype=dtypes[m.target]) for m in group.members]
     return replace(group, members=tuple(members), policy=decl.policy,
                    kv_replication=decl.kv_replication)
-
-
-_LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
-                   "linear_transposed": LinearWeightLayout.IN_OUT}
 
 
 # ---------------------------------------------------------------- structural cache
@@ -532,7 +531,7 @@ def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: s
                             minimum=1) if decl.units is not None else None)
     values: list[object] = [units]
     layout: list[Any] = []
-    if decl.form == "members":
+    if decl.form is GroupForm.MEMBERS:
         for param in decl.members:
             if not binder.boolean(param.when, env, param.pointer):
                 values.append(None)
@@ -542,7 +541,7 @@ def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: s
             values.append((_shape(binder, param, env),
                            _segments(binder, param.sharding.segments, env, param.pointer),
                            _dtype(binder, param, env, dtype), _heads(binder, param, env)))
-    elif decl.form == "module":
+    elif decl.form is GroupForm.MODULE:
         assert decl.module is not None and decl.module_sharding is not None
         params = _params(binder, decl.module, env, dtype)
         values += [_segments(binder, decl.module_sharding.segments, env, decl.pointer),
@@ -564,18 +563,18 @@ def _targets(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], layout:
              ) -> tuple[tuple[str, ...] | None, tuple[bool, ...]]:
     """(the dense member targets of an instance in order, or None when its module paths cannot
     be summarized; which targets the fused output's prefix starts)."""
-    if decl.form == "members":
+    if decl.form is GroupForm.MEMBERS:
         return tuple(binder.render(p.name, env, p.pointer) for p in layout), ()
-    if decl.form == "module":
+    if decl.form is GroupForm.MODULE:
         assert decl.module is not None
         module = binder.render(decl.module.module, env, decl.module.pointer)
         return tuple(f"{module}.{p}" for p in layout[0]), ()
     modules = [binder.render(m.module, env, m.pointer) for m, _ in layout]
-    if not all(modules) or (decl.form == "fused" and len(modules) != 2):
+    if not all(modules) or (decl.form is GroupForm.FUSED and len(modules) != 2):
         return None, ()  # an empty module path names members without a `.`
     targets = tuple(f"{module}.{p}" for module, (_, params) in zip(modules, layout, strict=True)
                     for p in params)
-    if decl.form == "fused":
+    if decl.form is GroupForm.FUSED:
         return targets, tuple(t.startswith(modules[1] + ".") for t in targets)
     return targets, ()
 
@@ -649,7 +648,7 @@ def _linear_format(binder: _Binder, values: Mapping[str, Value]) -> LinearFormat
 
 def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
                graph: ExecutionGraph) -> Iterator[tuple[dict[str, Value], int | None]]:
-    unit_owner = next((o for o in decl.owners if o.kind == "unit"), None)
+    unit_owner = next((o for o in decl.owners if o.kind is OwnerKind.UNIT), None)
     units: list[tuple[str, int, str] | None] = [None]
     if unit_owner is not None:
         assert unit_owner.group is not None
@@ -685,11 +684,11 @@ def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
            unit: int | None) -> ParameterGroupOwner:
     for choice in decl.owners:
         if binder.boolean(choice.when, env, join_pointer(choice.pointer, "when")):
-            if choice.kind == "unit":
+            if choice.kind is OwnerKind.UNIT:
                 assert choice.group is not None and unit is not None
                 return ParameterGroupOwner.execution_unit(str(env.get("group", choice.group)),
                                                           unit)
-            if choice.kind == "static":
+            if choice.kind is OwnerKind.STATIC:
                 return ParameterGroupOwner.static_role(choice.roles[0])
             return ParameterGroupOwner.static_any_of(choice.roles)
     raise binder.fail("no owner choice applies: every `when` is false", decl.pointer)
@@ -790,14 +789,14 @@ def _boundary(binder: _Binder, values: Mapping[str, Value]) -> BoundaryWireSchem
     for tensor in binder.family.boundary:
         dims = []
         for dim in tensor.shape:
-            if isinstance(dim, str):
-                dims.append(BoundaryTensorDimension(kind=BoundaryTensorDimensionKind(dim)))
+            if isinstance(dim, BoundaryTensorDimensionKind):
+                dims.append(BoundaryTensorDimension(kind=dim))
             else:
                 dims.append(BoundaryTensorDimension(
                     kind=BoundaryTensorDimensionKind.FIXED,
                     size=binder.integer(dim, values, tensor.pointer, "a boundary dimension",
                                         minimum=1)))
         specs.append(BoundaryTensorSpec(role=tensor.role, shape=tuple(dims),
-                                        dtype=BoundaryTensorDtype(tensor.dtype)))
+                                        dtype=tensor.dtype))
     return BoundaryWireSchema(identity=binder.family.boundary_identity, primary=specs[0],
                               auxiliary=tuple(specs[1:]))

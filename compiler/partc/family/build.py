@@ -9,12 +9,15 @@ from partc.family.checks import iter_semantic_errors
 from partc.family.declaration import (
     BoundaryTensorDecl,
     ConfigFieldDecl,
+    ConfigType,
     FamilyDecl,
     GraphGroupDecl,
     GroupDecl,
+    GroupForm,
     LinearFormatDecl,
     ModuleDecl,
     OwnerDecl,
+    OwnerKind,
     ParamDecl,
     ShardingDecl,
 )
@@ -23,8 +26,18 @@ from partc.front.load import RawDocument
 from partc.front.positions import join_pointer
 from partc.parallel.formats import GGUF_BLOCK_TYPES
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, ParameterRole
-from partc.parallel.specs import ProjectionSharding, ShardingPolicy
+from partc.parallel.specs import (
+    LinearWeightLayout,
+    MemberShardingKind,
+    ProjectionSharding,
+    ShardingPolicy,
+)
+from partc.partition.boundary import BoundaryTensorDimensionKind, BoundaryTensorDtype
 from partc.partition.ownership import StageSide
+
+_LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
+                   "linear_transposed": LinearWeightLayout.IN_OUT}
+"""A member's `format:` as a linear weight layout (`dense`, or none: not a linear weight)."""
 
 
 class _Builder:
@@ -78,7 +91,7 @@ class _Builder:
 
 def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | None:
     if value in (None, "replicated"):
-        return ShardingDecl(kind="replicated", axis=None, segments=())
+        return ShardingDecl(kind=MemberShardingKind.REPLICATED, axis=None, segments=())
     (kind, arg), = value.items()
     if isinstance(arg, dict):
         segments = []
@@ -87,8 +100,9 @@ def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | Non
                 join_pointer(pointer, kind), "segments"), i))
             if parsed is not None:
                 segments.append(parsed)
-        return ShardingDecl(kind=kind, axis=int(arg["axis"]), segments=tuple(segments))
-    return ShardingDecl(kind=kind, axis=int(arg), segments=())
+        return ShardingDecl(kind=MemberShardingKind(kind), axis=int(arg["axis"]),
+                            segments=tuple(segments))
+    return ShardingDecl(kind=MemberShardingKind(kind), axis=int(arg), segments=())
 
 
 def _params(builder: _Builder, params: dict[str, Any], pointer: str) -> tuple[ParamDecl, ...]:
@@ -163,14 +177,14 @@ def _owners(builder: _Builder, value: Any, pointer: str) -> tuple[OwnerDecl, ...
         when = (builder.expression(choice["when"], join_pointer(ptr, "when"))
                 if "when" in choice else None)
         if "static" in choice:
-            out.append(OwnerDecl(kind="static", roles=(choice["static"],), group=None, when=when,
-                                 pointer=ptr))
+            out.append(OwnerDecl(kind=OwnerKind.STATIC, roles=(choice["static"],), group=None,
+                                 when=when, pointer=ptr))
         elif "any_of" in choice:
-            out.append(OwnerDecl(kind="any_of", roles=tuple(choice["any_of"]), group=None,
+            out.append(OwnerDecl(kind=OwnerKind.ANY_OF, roles=tuple(choice["any_of"]), group=None,
                                  when=when, pointer=ptr))
         else:
             groups = choice["unit"] if isinstance(choice["unit"], list) else [choice["unit"]]
-            out.append(OwnerDecl(kind="unit", roles=(), group=groups[0], when=when,
+            out.append(OwnerDecl(kind=OwnerKind.UNIT, roles=(), group=groups[0], when=when,
                                  pointer=ptr, groups=tuple(groups)))
     return tuple(out)
 
@@ -192,7 +206,7 @@ def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl |
     module_sharding = None
     projections: list[ModuleDecl] = []
     if "members" in data:
-        form = "members"
+        form = GroupForm.MEMBERS
         out = []
         for i, member in enumerate(data["members"]):
             ptr = join_pointer(join_pointer(pointer, "members"), i)
@@ -207,27 +221,28 @@ def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl |
                      if "dtype" in member else None)
             if target is not None:
                 out.append(ParamDecl(name=target, shape=shape, when=m_when, dtype=dtype,
-                                     sharding=sharding, pointer=ptr, layout=member.get("format"),
+                                     sharding=sharding, pointer=ptr,
+                                     layout=_LINEAR_LAYOUTS.get(member.get("format", "")),
                                      shape_pointer=join_pointer(ptr, "shape")
                                      if len(shape) == len(member["shape"]) else "",
                                      heads=_heads(builder, member.get("heads"),
                                                   join_pointer(ptr, "heads"))))
         members = tuple(out)
     elif "module" in data:
-        form = "module"
+        form = GroupForm.MODULE
         module = _module(builder, {"module": data["module"], "params": data["params"]}, pointer,
                          None, None)
         module_sharding = _sharding(builder, data.get("sharding"),
                                     join_pointer(pointer, "sharding"))
     elif "projections" in data:
-        form = "projections"
+        form = GroupForm.PROJECTIONS
         for i, proj in enumerate(data["projections"]):
             decl = _module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
                            ProjectionSharding(proj["sharding"]), None)
             if decl is not None:
                 projections.append(decl)
     else:
-        form = "fused"
+        form = GroupForm.FUSED
         fused = _module(builder, data["fused"], join_pointer(pointer, "fused"),
                         ProjectionSharding.COLUMN, "segments")
         if "output" not in data:
@@ -257,14 +272,15 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
     for name, spec in data["config"].items():
         ptr = join_pointer("/config", name)
         if isinstance(spec, str):
-            config.append(ConfigFieldDecl(name=name, type=spec, default=None, sources=(name,),
-                                          pointer=ptr))
+            config.append(ConfigFieldDecl(name=name, type=ConfigType(spec), default=None,
+                                          sources=(name,), pointer=ptr))
             continue
         default = None
         literal: tuple[bool, Any] = (False, None)
         if "default" in spec:
             raw = spec["default"]
-            if isinstance(raw, str) and spec["type"] in ("str", "str_list"):
+            if isinstance(raw, str) and ConfigType(spec["type"]) in (ConfigType.STR,
+                                                                     ConfigType.STR_LIST):
                 default = builder.constant(raw, join_pointer(ptr, "default"))
             elif isinstance(raw, list):
                 default = builder.constant(tuple(raw), join_pointer(ptr, "default"))
@@ -278,11 +294,11 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         present = None
         if "present" in spec:
             present = builder.template(spec["present"], join_pointer(ptr, "present"))
-            if spec["type"] != "bool":
+            if ConfigType(spec["type"]) is not ConfigType.BOOL:
                 builder.error(f"config field `{name}` probes the checkpoint with `present`, so "
                               f"its type must be bool, found {spec['type']}", ptr)
         config.append(ConfigFieldDecl(
-            name=name, type=spec["type"], default=default,
+            name=name, type=ConfigType(spec["type"]), default=default,
             sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr,
             present=present, literal_default=literal))
     graph = []
@@ -309,14 +325,15 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
     tensors = [("/boundary/primary", bdata["primary"])] + [
         (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(auxiliary)]
     for ptr, tensor in tensors:
-        shape: list[str | Expression] = []
+        shape: list[BoundaryTensorDimensionKind | Expression] = []
         for j, dim in enumerate(tensor["shape"]):
             if dim in ("batch", "sequence"):
-                shape.append(dim)
+                shape.append(BoundaryTensorDimensionKind(dim))
             elif (parsed := builder.expression(dim, join_pointer(join_pointer(ptr, "shape"), j))):
                 shape.append(parsed)
         boundary.append(BoundaryTensorDecl(role=tensor["role"], shape=tuple(shape),
-                                           dtype=tensor["dtype"], pointer=ptr))
+                                           dtype=BoundaryTensorDtype(tensor["dtype"]),
+                                           pointer=ptr))
     formats = []
     for i, fmt in enumerate(data.get("linear_formats", [])):
         ptr = join_pointer("/linear_formats", i)

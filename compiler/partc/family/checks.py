@@ -6,7 +6,14 @@ import difflib
 from collections.abc import Iterator
 
 from partc.errors import PartcError, SemanticError
-from partc.family.declaration import UNIT_VARIABLE, UNIT_VARIABLES, FamilyDecl, GroupDecl
+from partc.family.declaration import (
+    UNIT_VARIABLE,
+    UNIT_VARIABLES,
+    FamilyDecl,
+    GroupDecl,
+    GroupForm,
+    OwnerKind,
+)
 from partc.family.expr import Expression, Template
 from partc.front.positions import join_pointer
 
@@ -69,7 +76,7 @@ def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
         yield from _group_errors(family, group, config_names, set(graph_names), static_names)
     for tensor in family.boundary:
         for dim in tensor.shape:
-            if not isinstance(dim, str):
+            if isinstance(dim, Expression):
                 yield from check(dim, config_names, tensor.pointer, "a boundary dimension")
     for fmt in family.linear_formats:
         yield from check(fmt.when, config_names, join_pointer(fmt.pointer, "when"),
@@ -88,7 +95,7 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
     loc = family.document.locate
     unit_owned = False
     for owner in group.owners:
-        if owner.kind == "unit":
+        if owner.kind is OwnerKind.UNIT:
             unit_owned = True
             for name in owner.groups or (owner.group,):
                 if name not in graph_names:
@@ -106,10 +113,10 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
                     f"owner names undeclared static role `{role}`; declared under `static`: "
                     f"{', '.join(sorted(static_names)) or '(none)'}", location=loc(owner.pointer),
                     pointer=owner.pointer)
-    if unit_owned and any(o.kind != "unit" for o in group.owners):
+    if unit_owned and any(o.kind is not OwnerKind.UNIT for o in group.owners):
         yield SemanticError("a group is either unit-owned or statically owned, not both",
                             location=loc(group.pointer), pointer=group.pointer)
-    if sum(o.kind == "unit" for o in group.owners) > 1:
+    if sum(o.kind is OwnerKind.UNIT for o in group.owners) > 1:
         yield SemanticError("a unit-owned group has one `unit` owner (list several execution "
                             "groups in it, e.g. `unit: [decoder, mtp]`)",
                             location=loc(group.pointer), pointer=group.pointer)
@@ -160,19 +167,15 @@ def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
         if param.sharding:
             for seg in param.sharding.segments:
                 yield from check(seg, loop_scope, param.pointer, "a segment width")
-    has_partition = (group.form in ("fused",) or group.form == "projections" and group.units
-                     or any(p.sharding and p.sharding.kind.startswith("partitioned")
-                            for p in group.members)
-                     or (group.module_sharding is not None
-                         and group.module_sharding.kind.startswith("partitioned")))
+    partitions = (any(p.sharding is not None and p.sharding.partitions for p in group.members)
+                  or (group.module_sharding is not None and group.module_sharding.partitions))
+    has_partition = (group.form is GroupForm.FUSED
+                     or group.form is GroupForm.PROJECTIONS and group.units or partitions)
     if has_partition and group.units is None:
         yield SemanticError("this group partitions a member but declares no `units`",
                             location=loc(group.pointer), pointer=group.pointer)
-    partitions = (any(p.sharding and p.sharding.kind.startswith("partitioned")
-                      for p in group.members)
-                  or (group.module_sharding is not None
-                      and group.module_sharding.kind.startswith("partitioned")))
-    if group.units is not None and group.form in ("members", "module") and not partitions:
+    if (group.units is not None and group.form in (GroupForm.MEMBERS, GroupForm.MODULE)
+            and not partitions):
         pointer = join_pointer(group.pointer, "units")
         yield SemanticError(
             f"this group declares `units: {group.units_text}` but no member is partitioned; "
