@@ -8,17 +8,18 @@ are expanded over units and loop variables, and the result is a validated
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_group
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
 from partc.family.declaration import ConfigType, GroupForm, OwnerKind
 from partc.family.expr import Expression, Template, format_value
 from partc.front.positions import join_pointer
-from partc.parallel.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
-from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, unchecked_replace
+from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
+from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
     MemberSharding,
     MemberShardingKind,
@@ -84,29 +85,21 @@ DeepSeek-V3's 15,214)."""
 
 
 class _Binder:
-    def __init__(self, family: FamilyDecl, config: RawDocument) -> None:
+    def __init__(self, family: FamilyDecl, config: RawDocument, cache: bool = True) -> None:
         self.family = family
         self.config = config
-        self.errors: list[PartcError] = []
         self.instances = 0
-        self.values: dict[tuple[object, ...], Value] = {}
-        """Successful evaluations by (expression id, `_env_key` of the names it reads)."""
-        self.structures: dict[tuple[object, ...], _Template] = {}
-        """Built groups by (declaration id, signature): see `_group`."""
-        self.read_sets: dict[int, list[tuple[tuple[str, ...], dict[object, _Values]]]] = {}
-        """Per declaration id: the names its values read, and its values by theirs."""
-        self.value_idents: dict[int, dict[tuple[object, ...], int]] = {}
-        """Per declaration id: a number for each distinct evaluation."""
+        self.cache = BindCache(enabled=cache)
+        """Evaluation memo and group templates: see `partc.bind.cache`."""
 
     def fail(self, message: str, pointer: str) -> SemanticError:
         return SemanticError(message, location=self.family.document.locate(pointer),
                              pointer=pointer)
 
     def evaluate(self, expr: Expression, env: Mapping[str, Value], pointer: str) -> Value:
-        values = _env_key(env, expr.names)
-        key = None if values is None else (id(expr), values)
-        if key is not None and key in self.values:
-            return self.values[key]
+        key = self.cache.evaluation_key(expr, env)
+        if key is not None and key in self.cache.evaluations:
+            return self.cache.evaluations[key]
         try:
             value = expr.evaluate(env)
         except ExpressionError as exc:
@@ -114,7 +107,7 @@ class _Binder:
             exc.pointer = pointer
             raise
         if key is not None:
-            self.values[key] = value
+            self.cache.evaluations[key] = value
         return value
 
     def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
@@ -143,32 +136,6 @@ class _Binder:
             exc.location = self.family.document.locate_offset(pointer, exc.offset)
             exc.pointer = pointer
             raise
-
-
-def _env_key(env: Mapping[str, Value], names: Iterable[str]) -> tuple[object, ...] | None:
-    """The type and value of each of `names` in `env`, or the name alone when unbound (None:
-    one holds a value that is not plainly comparable). Evaluation reads nothing else."""
-    key: list[object] = []
-    for name in names:
-        if name not in env:
-            key.append((name,))
-            continue
-        value = _typed(env[name])
-        if value is None:
-            return None
-        key.append(value)
-    return tuple(key)
-
-
-def _typed(value: Value) -> tuple[object, ...] | None:
-    """`value` tagged with its type, so that `True` and `1` differ (None: not a plain value)."""
-    kind = type(value)
-    if kind is int or kind is str or kind is bool or value is None:
-        return (kind, value)
-    if kind is tuple:
-        items = tuple(_typed(item) for item in value)
-        return None if None in items else (kind, items)
-    return None
 
 
 # ---------------------------------------------------------------- config values
@@ -212,17 +179,19 @@ def _check_type(kind: ConfigType, value: Any) -> Value | None:
 
 
 def read_config_values(family: FamilyDecl, config: RawDocument,
-                       checkpoint_names: Collection[str] | None = None) -> dict[str, Value]:
+                       checkpoint_names: Collection[str] | None = None, *,
+                       cache: bool = True) -> dict[str, Value]:
     """Every declared config field's value: from config.json, else its default.
 
     A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
-    without checkpoint names it takes its default.
+    without checkpoint names it takes its default. `cache=False` evaluates every default
+    without the evaluation memo (`partc.bind.cache`).
     """
     meaning: list[PartcError] = list(config_errors(config, read_fields(config.data, (
         f.sources for f in family.config if f.present is None))))
     if meaning:
         raise meaning[0] if len(meaning) == 1 else PartcErrors(meaning)
-    binder = _Binder(family, config)
+    binder = _Binder(family, config, cache)
     values: dict[str, Value] = {"model_type": config.data.get("model_type")}
     pending = []
     for field in family.config:
@@ -413,114 +382,37 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
 
 
 # ---------------------------------------------------------------- structural cache
-#
-# Instances of one declaration (every unit, every expert) mostly build groups that differ only
-# by their names. An instance's signature is what `_build_group` evaluates besides the names
-# (memoized by the values of the names that evaluation reads) plus every fact it reads of the
-# names; the first instance of each signature is built and validated in full, and the others
-# are renamed copies of it. An instance that fails a name check of the full build (empty or
-# repeated names), or whose evaluation fails, is built in full: it raises exactly the error an
-# uncached build raises.
-
-
-@dataclass(frozen=True, slots=True)
-class _Template:
-    """A group built in full and, per member, where its target comes from."""
-
-    group: ParameterGroupSpec
-    """The group, validated."""
-    sources: tuple[MemberSource, ...]
-    """Per member: the dense member whose target its own is made from, and how."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Values:
-    """What an instance of a declaration evaluates besides its names."""
-
-    ident: int
-    """Equal for equal values (of one declaration)."""
-    layout: tuple[Any, ...]
-    """Whose names make the member targets: see `_targets`."""
 
 
 def _group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str, dtype: str,
            linear_format: LinearFormat | None) -> ParameterGroupSpec | None:
     """The group of one instance of `decl` in its stored representation: a renamed copy of an
-    earlier instance with the same signature when there is one."""
-    try:
-        values = _instance_values(binder, decl, env, dtype)
-        targets, facts = _targets(binder, decl, env, values.layout)
-    except PartcError:
-        targets = None  # the full build below raises the first error in its own order
-    key: tuple[object, ...] = ()
-    if targets is not None:
-        key = (id(decl), values.ident, facts, target_facts(linear_format, targets))
-        template = binder.structures.get(key)
-        if template is not None:
-            copy = _renamed_group(template, name, targets)
-            if copy is not None:
-                return copy
+    earlier instance with the same structure when there is one (`partc.bind.cache`)."""
+    cache = binder.cache
+    key = targets = None
+    if cache.enabled:
+        try:
+            values = cache.instance_values(decl.pointer, env, lambda reads: _values(
+                binder, decl, reads, dtype))
+            targets, prefix = _targets(binder, decl, env, values.layout)
+        except PartcError:
+            targets = None  # the full build below raises the first error in its own order
+        if targets is not None:
+            key = StructureKey(declaration=decl.pointer, values=values.ident,
+                               fused_prefix=prefix,
+                               format_facts=target_facts(linear_format, targets))
+            template = cache.templates.get(key)
+            if template is not None:
+                copy = renamed_group(template, name, targets)
+                if copy is not None:
+                    return copy
     group = _build_group(binder, decl, env, name, dtype)
     if group is None:
         return None
     expanded, sources = linear_format_expansion(group, linear_format)
-    if targets is not None and group.targets == targets:  # (a guard: always true today)
-        binder.structures.setdefault(key, _Template(expanded, sources))
+    if key is not None and group.targets == targets:  # (a guard: always true today)
+        cache.templates.setdefault(key, GroupTemplate(expanded, sources))
     return expanded
-
-
-class _Reads(Mapping[str, Value]):
-    """An environment that records the names looked up in it, in order."""
-
-    def __init__(self, env: Mapping[str, Value]) -> None:
-        self.env = env
-        self.names: dict[str, None] = {}
-
-    def __getitem__(self, name: str) -> Value:
-        self.names[name] = None
-        return self.env[name]
-
-    def __contains__(self, name: object) -> bool:
-        self.names[str(name)] = None
-        return name in self.env
-
-    def __iter__(self) -> Iterator[str]:
-        self.names.update(dict.fromkeys(self.env))
-        return iter(self.env)
-
-    def __len__(self) -> int:
-        return len(self.env)
-
-
-MAX_READ_SETS = 16
-"""Most distinct sets of names one declaration's values are memoized under."""
-
-
-def _instance_values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
-                     dtype: str) -> _Values:
-    """`_values` of an instance, memoized by the values of the names its evaluation reads:
-    evaluation is deterministic, so an instance agreeing on those reads the same and agrees."""
-    tables = binder.read_sets.setdefault(id(decl), [])
-    for names, table in tables:
-        found = table.get(_env_key(env, names))
-        if found is not None:
-            return found
-    reads = _Reads(env)
-    evaluated, layout = _values(binder, decl, reads, dtype)
-    idents = binder.value_idents.setdefault(id(decl), {})
-    result = _Values(ident=idents.setdefault(evaluated, len(idents)), layout=layout)
-    names = tuple(reads.names)
-    key = _env_key(env, names)
-    if key is None:
-        return result
-    same = next((table for known, table in tables if known == names), None)
-    if same is None:
-        if len(tables) == MAX_READ_SETS:
-            return result
-        same = {}
-        tables.append((names, same))
-    same[key] = result
-    return result
 
 
 def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: str
@@ -583,26 +475,6 @@ def _segments(binder: _Binder, segments: tuple[Expression, ...], env: Mapping[st
               pointer: str) -> tuple[int, ...]:
     """Evaluated segment widths (as `_member_sharding` and fused projections read them)."""
     return tuple(binder.integer(s, env, pointer, "a segment width", minimum=1) for s in segments)
-
-
-def _renamed_group(template: _Template, name: str,
-                   targets: tuple[str, ...]) -> ParameterGroupSpec | None:
-    """`template.group` for another instance: group `name`, dense member targets `targets`.
-
-    None when a name check of the full build would fail (an empty or repeated name).
-    """
-    stored = [targets[index] + suffix if not strip else targets[index][:-strip] + suffix
-              for index, strip, suffix in template.sources]
-    if not (name and all(targets) and all(stored) and len(set(targets)) == len(targets)
-            and len(set(stored)) == len(stored)):
-        return None
-    group = template.group
-    members = tuple(member if member.target == target else
-                    unchecked_replace(member, target=target)  # checks are name-blind
-                    for member, target in zip(group.members, stored, strict=True))
-    return unchecked_replace(group, name=name, members=members)
-
-
 
 
 def _heads(binder: _Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]
@@ -695,11 +567,13 @@ def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
 
 
 def bind_family(family: FamilyDecl, config: RawDocument,
-                checkpoint_names: Collection[str] | None = None) -> BoundArchitecture:
+                checkpoint_names: Collection[str] | None = None, *,
+                cache: bool = True) -> BoundArchitecture:
     """Bind `family` to `config`; raises the first error found (a PartcError).
 
     `checkpoint_names` (the checkpoint's tensor names) answers the config fields that probe the
-    checkpoint with `present`.
+    checkpoint with `present`. `cache=False` turns the structural cache off (every instance
+    evaluated and built in full, `partc.bind.cache`): the result is the same, only slower.
     """
     model_type = config.data.get("model_type")
     if model_type not in family.model_types:
@@ -707,8 +581,8 @@ def bind_family(family: FamilyDecl, config: RawDocument,
             f"config model_type is {model_type!r} but family `{family.name}` describes "
             f"{', '.join(repr(t) for t in family.model_types)}",
             location=config.locate("/model_type"), pointer="/model_type")
-    values = read_config_values(family, config, checkpoint_names)
-    binder = _Binder(family, config)
+    values = read_config_values(family, config, checkpoint_names, cache=cache)
+    binder = _Binder(family, config, cache)
     dtype = _default_dtype(config)
     groups = []
     for node in family.graph:
