@@ -92,9 +92,9 @@ class _Binder:
         self.cache = BindCache(enabled=cache)
         """Evaluation memo and group templates: see `partc.bind.cache`."""
 
-    def fail(self, message: str, pointer: str) -> SemanticError:
+    def fail(self, message: str, pointer: str, tensor: str | None = None) -> SemanticError:
         return SemanticError(message, location=self.family.document.locate(pointer),
-                             pointer=pointer)
+                             pointer=pointer, tensor=tensor)
 
     def evaluate(self, expr: Expression, env: Mapping[str, Value], pointer: str) -> Value:
         key = self.cache.evaluation_key(expr, env)
@@ -103,9 +103,8 @@ class _Binder:
         try:
             value = expr.evaluate(env)
         except ExpressionError as exc:
-            exc.location = self.family.document.locate_offset(pointer, exc.offset)
-            exc.pointer = pointer
-            raise
+            raise exc.located(self.family.document.locate_offset(pointer, exc.offset),
+                              pointer) from None
         if key is not None:
             self.cache.evaluations[key] = value
         return value
@@ -133,9 +132,8 @@ class _Binder:
         try:
             return template.render(env)
         except ExpressionError as exc:
-            exc.location = self.family.document.locate_offset(pointer, exc.offset)
-            exc.pointer = pointer
-            raise
+            raise exc.located(self.family.document.locate_offset(pointer, exc.offset),
+                              pointer) from None
 
 
 # ---------------------------------------------------------------- config values
@@ -512,9 +510,8 @@ def _linear_format(binder: _Binder, values: Mapping[str, Value]) -> LinearFormat
         try:
             return LinearFormat.from_options(decl.format, options)
         except SemanticError as error:
-            error.pointer = decl.pointer + error.pointer
-            error.location = family.document.locate(error.pointer)
-            raise
+            pointer = decl.pointer + error.pointer
+            raise error.located(family.document.locate(pointer), pointer) from None
     return None
 
 
@@ -643,12 +640,10 @@ def _check_bytes(binder: _Binder, member: ParameterMemberSpec, pointer: str) -> 
         elements *= dim
     size = -(-elements * DTYPE_BITS[member.dtype] // 8)
     if size > MAX_TENSOR_BYTES:
-        error = binder.fail(f"tensor `{member.target}` of shape {list(member.shape)} "
-                            f"({member.dtype}) holds {size} bytes; partc accepts at most "
-                            f"{MAX_TENSOR_BYTES} bytes per tensor (check the sizes in "
-                            f"{binder.config.file})", pointer)
-        error.tensor = member.target
-        raise error
+        raise binder.fail(f"tensor `{member.target}` of shape {list(member.shape)} "
+                          f"({member.dtype}) holds {size} bytes; partc accepts at most "
+                          f"{MAX_TENSOR_BYTES} bytes per tensor (check the sizes in "
+                          f"{binder.config.file})", pointer, tensor=member.target)
 
 
 def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:

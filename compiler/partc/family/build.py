@@ -77,9 +77,8 @@ class _Builder:
             return None
 
     def located(self, exc: ExpressionError, pointer: str) -> None:
-        exc.location = self.document.locate_offset(pointer, exc.offset)
-        exc.pointer = pointer
-        self.errors.append(exc)
+        self.errors.append(exc.located(self.document.locate_offset(pointer, exc.offset),
+                                       pointer))
 
     def template(self, value: str, pointer: str) -> Template | None:
         try:

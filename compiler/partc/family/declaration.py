@@ -291,8 +291,8 @@ class FamilyDecl:
     """The source document (for locations)."""
 
     def locate_error(self, error: PartcError, pointer: str) -> PartcError:
-        """Attach this family's source location for `pointer` to `error` when it has none."""
+        """`error` as created at this family's source location for `pointer`, when it has
+        none of its own (a lower stage's error about the declaration at `pointer`)."""
         if error.location is None or error.location.line == 0:
-            error.location = self.document.locate(pointer)
-            error.pointer = error.pointer or pointer
+            return error.located(self.document.locate(pointer), error.pointer or pointer)
         return error
