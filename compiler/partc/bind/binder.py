@@ -47,7 +47,14 @@ from partc.partition.ownership import (
 )
 
 if TYPE_CHECKING:
-    from partc.family.declaration import FamilyDecl, GroupDecl, ModuleDecl, ParamDecl, ShardingDecl
+    from partc.family.declaration import (
+        ConfigFieldDecl,
+        FamilyDecl,
+        GroupDecl,
+        ModuleDecl,
+        ParamDecl,
+        ShardingDecl,
+    )
     from partc.front.load import RawDocument
 
 Value = Any
@@ -194,57 +201,75 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
     pending = []
     for field in family.config:
         if field.present is not None:
-            if checkpoint_names is not None or field.default is not None:
-                pending.append(field)
-                continue
-            raise binder.fail(f"config field `{field.name}` probes the checkpoint and has no "
-                              "default; give a checkpoint or declare a default", field.pointer)
-        for source in field.sources:
-            present, raw = _lookup(config.data, source)
-            if present:
-                converted = _check_type(field.type, raw)
-                if converted is None:
-                    raise SemanticError(
-                        f"config field `{source}` must be {field.type.value}, found "
-                        f"{type(raw).__name__} {raw!r} (declared at "
-                        f"{family.document.locate(field.pointer)})",
-                        location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
-                values[field.name] = converted
-                break
-        else:
-            if field.literal_default[0]:
-                values[field.name] = field.literal_default[1]
-                continue
-            if field.default is None:
-                raise SemanticError(
-                    f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
-                    f"requires (declared as {field.type.value} with no default)",
-                    location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
+            if checkpoint_names is None and field.default is None:
+                raise binder.fail(f"config field `{field.name}` probes the checkpoint and has "
+                                  "no default; give a checkpoint or declare a default",
+                                  field.pointer)
+            pending.append(field)
+        elif not _read_field(binder, field, values):
             pending.append(field)
     while pending:
         progressed = False
-        for field in list(pending):
-            if field.present is not None and checkpoint_names is not None:
-                if any(n in {p.name for p in pending} for n in field.present.names):
-                    continue
-                target = binder.render(field.present, values,
-                                       join_pointer(field.pointer, "present"))
-                values[field.name] = target in checkpoint_names
+        for field in list(pending):  # in declaration order, each seeing the values before it
+            if not _waits(field, pending, checkpoint_names):
+                values[field.name] = _derived(binder, field, values, checkpoint_names)
                 pending.remove(field)
                 progressed = True
-                continue
-            assert field.default is not None
-            if any(n in {p.name for p in pending} for n in field.default.names):
-                continue
-            values[field.name] = binder.evaluate(field.default, values,
-                                                 join_pointer(field.pointer, "default"))
-            pending.remove(field)
-            progressed = True
         if not progressed:
             names = ", ".join(f"`{f.name}`" for f in pending)
             raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
                               pending[0].pointer)
     return values
+
+
+def _read_field(binder: _Binder, field: ConfigFieldDecl, values: dict[str, Value]) -> bool:
+    """Set `values[field.name]` from config.json, or from a literal default; False when the
+    field's default expression must be evaluated (after the fields it reads)."""
+    config, family = binder.config, binder.family
+    for source in field.sources:
+        present, raw = _lookup(config.data, source)
+        if present:
+            converted = _check_type(field.type, raw)
+            if converted is None:
+                raise SemanticError(
+                    f"config field `{source}` must be {field.type.value}, found "
+                    f"{type(raw).__name__} {raw!r} (declared at "
+                    f"{family.document.locate(field.pointer)})",
+                    location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
+            values[field.name] = converted
+            return True
+    if field.literal_default[0]:
+        values[field.name] = field.literal_default[1]
+        return True
+    if field.default is None:
+        raise SemanticError(
+            f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
+            f"requires (declared as {field.type.value} with no default)",
+            location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
+    return False
+
+
+def _probes(field: ConfigFieldDecl, checkpoint_names: Collection[str] | None) -> bool:
+    return field.present is not None and checkpoint_names is not None
+
+
+def _waits(field: ConfigFieldDecl, pending: list[ConfigFieldDecl],
+           checkpoint_names: Collection[str] | None) -> bool:
+    """Whether a pending field reads another pending field (its probe, else its default)."""
+    expr = field.present if _probes(field, checkpoint_names) else field.default
+    assert expr is not None
+    return any(n in {p.name for p in pending} for n in expr.names)
+
+
+def _derived(binder: _Binder, field: ConfigFieldDecl, values: Mapping[str, Value],
+             checkpoint_names: Collection[str] | None) -> Value:
+    """A pending field's value: whether the checkpoint holds its probe, else its default."""
+    if _probes(field, checkpoint_names):
+        assert field.present is not None and checkpoint_names is not None
+        return binder.render(field.present, values,
+                             join_pointer(field.pointer, "present")) in checkpoint_names
+    assert field.default is not None
+    return binder.evaluate(field.default, values, join_pointer(field.pointer, "default"))
 
 
 def _default_dtype(config: RawDocument) -> str:
