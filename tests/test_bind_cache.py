@@ -20,24 +20,15 @@ from partc.errors import ExpressionError, PartcError
 from partc.family.expr import parse
 from partc.front.load import load_json, parse_json
 from partc.library import builtin_families
-from partc.parallel.formats import expand_linear_format_parameter_group
 
 from support import FULLSIZE, HF, QUANTIZED
 
 ARCHITECTURES = Path(__file__).resolve().parent.parent / "architectures"
 
 
-def uncached_bind(monkeypatch, family, config, names=None):
-    """`bind_family` with every instance evaluated and built in full."""
-    def full_build(binder, decl, env, name, dtype, linear_format):
-        group = bind_module._build_group(binder, decl, env, name, dtype)
-        return None if group is None else expand_linear_format_parameter_group(group,
-                                                                               linear_format)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(bind_module, "_group", full_build)
-        patch.setattr(bind_module, "_env_key", lambda env, names: None)
-        return outcome(lambda: bind_family(family, config, names))
+def uncached_bind(family, config, names=None):
+    """`bind_family` with the cache off: every instance evaluated and built in full."""
+    return outcome(lambda: bind_family(family, config, names, cache=False))
 
 
 def outcome(run):
@@ -60,9 +51,9 @@ def assert_same(cached, uncached):
     assert repr(cached) == repr(uncached)
 
 
-def both(monkeypatch, family, config, names=None):
+def both(family, config, names=None):
     cached = outcome(lambda: bind_family(family, config, names))
-    assert_same(cached, uncached_bind(monkeypatch, family, config, names))
+    assert_same(cached, uncached_bind(family, config, names))
     return cached
 
 
@@ -76,10 +67,10 @@ TINY = sorted(p for root in (HF, QUANTIZED) for p in root.iterdir()
 
 
 @pytest.mark.parametrize("folder", TINY, ids=lambda p: p.name)
-def test_every_tiny_fixture_binds_the_same_cached_and_uncached(monkeypatch, folder):
+def test_every_tiny_fixture_binds_the_same_cached_and_uncached(folder):
     config = load_json(folder / "config.json")
     family, _ = load_family(config.data["model_type"])
-    bound = both(monkeypatch, family, config, fixture_names(folder))
+    bound = both(family, config, fixture_names(folder))
     assert not isinstance(bound, tuple), bound
 
 
@@ -96,10 +87,13 @@ def test_full_size_inventories_bind_the_same_from_a_few_full_builds(
     with monkeypatch.context() as patch:
         patch.setattr(bind_module, "_build_group", lambda *args: built.append(1) or real(*args))
         bound = bind_family(decl, config, names)
+        cached_builds = len(built)
+        uncached = uncached_bind(decl, config, names)
     assert len(bound.description.groups) == groups
-    assert len(built) <= full_builds  # one per structure, not one per layer or expert
+    assert cached_builds <= full_builds  # one per structure, not one per layer or expert
+    assert len(built) - cached_builds >= groups  # the switch: off, every instance is built
     assert set(bound.description.targets) == names
-    assert_same(bound, uncached_bind(monkeypatch, decl, config, names))
+    assert_same(bound, uncached)
 
 
 # ---------------------------------------------------------------- edited families
@@ -145,18 +139,18 @@ def expert_shape(dim: str) -> tuple[str, str]:
      "template field `{expert if expert < 5 else true}` must be an integer or a string"),
 ])
 def test_an_error_in_a_later_expert_of_a_cached_structure_is_still_reported(
-        tmp_path, monkeypatch, edit, expected):
+        tmp_path, edit, expected):
     family = edited(tmp_path, "deepseek_v3", edit)
-    found = both(monkeypatch, family, config_of(QUANTIZED / "deepseek_v3_fp8"))
+    found = both(family, config_of(QUANTIZED / "deepseek_v3_fp8"))
     assert isinstance(found, tuple) and expected in found[1], found
 
 
-def test_values_that_vary_by_expert_or_unit_build_one_structure_each(tmp_path, monkeypatch):
+def test_values_that_vary_by_expert_or_unit_build_one_structure_each(tmp_path):
     router_dtype = "dtype: \"'F32' if fp8 else dtype\""
     family = edited(tmp_path, "deepseek_v3",
                     expert_shape("moe_intermediate_size * (1 + expert % 3)"),
                     (router_dtype, router_dtype.replace("fp8", "unit == 2")))
-    bound = both(monkeypatch, family, config_of(QUANTIZED / "deepseek_v3_fp8"))
+    bound = both(family, config_of(QUANTIZED / "deepseek_v3_fp8"))
     groups = {o.group.name: o.group for o in bound.description.groups}
     assert [groups[f"model.layers.1.experts.{e}"].members[0].shape[0] for e in range(4)] == [
         32, 64, 96, 32]
@@ -205,12 +199,12 @@ NOT_WEIGHT = "stores `scales`/`biases` next to a `<module>.weight`, but `{}` is 
      "a parameter group needs a non-empty name", "a parameter group needs a non-empty name"),
 ], ids=["patterns", "except", "not-weight", "companion-clash", "empty-target", "empty-module",
         "empty-name"])
-def test_name_dependent_checks_run_on_every_instance(tmp_path, monkeypatch, edits, mlx, dense):
+def test_name_dependent_checks_run_on_every_instance(tmp_path, edits, mlx, dense):
     """Format patterns, `.weight` suffixes and name clashes that differ between units: the
     error expected, or stored targets that only some units have."""
     family = edited(tmp_path, "llama", *edits)
     for folder, expected in ((QUANTIZED / "llama_mlx4", mlx), (HF / "llama", dense)):
-        found = both(monkeypatch, family, config_of(folder))
+        found = both(family, config_of(folder))
         if isinstance(expected, str):
             assert isinstance(found, tuple) and expected in found[1], found
             continue
@@ -221,7 +215,7 @@ def test_name_dependent_checks_run_on_every_instance(tmp_path, monkeypatch, edit
 
 
 def test_a_repeated_dense_target_is_reported_even_when_its_stored_tensors_differ(
-        tmp_path, monkeypatch):
+        tmp_path):
     """Under MXFP4 an encoded weight keeps no tensor of its own name, so only the dense targets
     show that unit 1 names two members alike."""
     experts = "{path}.mlp.experts.gate_up_proj"
@@ -235,18 +229,18 @@ def test_a_repeated_dense_target_is_reported_even_when_its_stored_tensors_differ
 
   - name: final_norm
 """))
-    found = both(monkeypatch, family, config_of(QUANTIZED / "gpt_oss_mxfp4"))
+    found = both(family, config_of(QUANTIZED / "gpt_oss_mxfp4"))
     assert isinstance(found, tuple), found
     assert "lists target `model.layers.1.mlp.experts.gate_up_proj.x` twice" in found[1]
 
 
-def test_a_fused_output_prefix_that_differs_between_units_is_honoured(tmp_path, monkeypatch):
+def test_a_fused_output_prefix_that_differs_between_units_is_honoured(tmp_path):
     family = edited(tmp_path, "phi3", (
         '      module: "model.layers.{unit}.self_attn.o_proj"\n',
         '      module: "model.layers.{unit}.self_attn.o_proj"\n      linear: false\n'), (
         'module: "model.layers.{unit}.self_attn.qkv_proj"',
         "module: \"model.layers.{unit}.self_attn.{'o_proj.x' if unit == 1 else 'qkv_proj'}\""))
-    bound = both(monkeypatch, family, config_of(HF / "phi3"))
+    bound = both(family, config_of(HF / "phi3"))
     linear = {m.target: m.linear for o in bound.description.groups for m in o.group.members}
     assert linear["model.layers.1.self_attn.o_proj.x.weight"] is None
     assert linear["model.layers.0.self_attn.qkv_proj.weight"] is not None
@@ -261,8 +255,18 @@ def test_the_tiny_fixtures_cover_every_builtin_family():
 def test_the_evaluation_memo_tells_true_from_one():
     family, _ = load_family("llama")
     binder = bind_module._Binder(family, config_of(HF / "llama"))
+    assert binder.cache.enabled
     expr = parse("x + 1")
     assert binder.evaluate(expr, {"x": 1}, "") == 2
     with pytest.raises(ExpressionError, match="needs integers, found bool"):
         binder.evaluate(expr, {"x": True}, "")
     assert binder.evaluate(expr, {"x": 2}, "") == 3
+
+
+def test_the_evaluation_memo_is_keyed_by_the_expression_not_its_object():
+    """Two parses of one text share a memo entry; with the cache off nothing is memoized."""
+    family, _ = load_family("llama")
+    for enabled, entries in ((True, 1), (False, 0)):
+        binder = bind_module._Binder(family, config_of(HF / "llama"), cache=enabled)
+        assert [binder.evaluate(parse("x * 2"), {"x": 3}, "") for _ in range(2)] == [6, 6]
+        assert len(binder.cache.evaluations) == entries

@@ -19,7 +19,7 @@ from partc.api import compile_family
 from partc.cli import main
 from partc.errors import CheckpointError, LoadError, PartcErrors
 from partc.front.schema import load_schema
-from partc.runtime.manifest import SHARD_MANIFEST
+from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
 from partc.shard import shard_checkpoint
 
 from support import compile_and_import, hf, import_build
@@ -175,6 +175,33 @@ def test_verify_digest_without_recorded_digests_is_a_clear_error(sharded, tmp_pa
         package.load(copy, rank=0, verify="digest")
     with pytest.raises(CheckpointError, match="verify must be None or 'digest', found 'sha1'"):
         package.load(LLAMA, rank=0, verify="sha1")
+
+
+@pytest.mark.parametrize("digests", [["0" * 64], {"x": "0" * 63}, {"x": "A" * 64}, {"x": 1}])
+def test_a_malformed_manifest_digest_is_refused_when_the_manifest_is_read(
+        sharded, tmp_path: Path, digests: object) -> None:
+    """The manifest's digests are parsed with it: a bad one fails before any tensor is read,
+    naming the manifest, whether or not the load verifies digests."""
+    _, _, package, shards = sharded
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    manifest = json.loads((copy / SHARD_MANIFEST).read_text())
+    manifest["ranks"][1]["digests"] = digests
+    (copy / SHARD_MANIFEST).write_text(json.dumps(manifest))
+    parsed = read_shard_manifest(shards)
+    assert parsed is not None and parsed.rank_digests(1) == manifest_before(shards)[1]
+    for verify in (None, "digest"):
+        with pytest.raises(CheckpointError) as caught:
+            package.load(copy, rank=0, verify=verify)
+        assert caught.value.message == ("the shard manifest's digests of rank 1 must map "
+                                        "tensor names to 64 lowercase hex digits")
+        assert caught.value.location.file == str(copy / SHARD_MANIFEST)
+
+
+def manifest_before(folder: Path) -> list[dict[str, str]]:
+    """The digests of every rank as the manifest file holds them (read with json)."""
+    return [entry["digests"] for entry in json.loads((folder / SHARD_MANIFEST).read_text())[
+        "ranks"]]
 
 
 def test_digests_need_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -86,8 +86,9 @@ def _locator(decl: FamilyDecl, bound: BoundArchitecture):  # type: ignore[no-unt
     pointers = dict(bound.group_pointers)
 
     def locate(error: PartcError, group: str) -> None:
+        """Raise `error` (a plan error about `group`) as created at the group's declaration."""
         if group in pointers:
-            decl.locate_error(error, pointers[group])
+            raise decl.locate_error(error, pointers[group]) from None
     return locate
 
 
@@ -113,12 +114,9 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
 
 def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[PartcError]:
     """Ownership gaps and name/dtype/shape mismatches between a family and a checkpoint."""
-    errors: list[PartcError] = list(bound.description.check_targets(checkpoint.names))
-    for error in errors:  # ownership gaps are about the checkpoint: name its file
-        if error.location is None:
-            owner = checkpoint.owners.get(error.tensor or "")
-            error.location = SourceLocation(str(
-                checkpoint.files[owner].path if owner is not None else checkpoint.path))
+    errors: list[PartcError] = [  # ownership gaps are about the checkpoint: name its file
+        error if error.location is not None else error.located(_tensor_file(checkpoint, error))
+        for error in bound.description.check_targets(checkpoint.names)]
     for owned in bound.description.groups:
         for member in owned.group.members:
             signature = checkpoint.signature(member.target)
@@ -136,6 +134,13 @@ def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[
                     f"the family declares {list(member.shape)}",
                     location=SourceLocation(str(header.path)), tensor=member.target))
     return sorted(errors, key=lambda e: (e.tensor or "", e.message))
+
+
+def _tensor_file(checkpoint: Checkpoint, error: PartcError) -> SourceLocation:
+    """The checkpoint file holding the tensor `error` is about (the checkpoint without one)."""
+    owner = checkpoint.owners.get(error.tensor or "")
+    return SourceLocation(str(checkpoint.files[owner].path if owner is not None
+                              else checkpoint.path))
 
 
 def compile_family(family: str | Path | None, config: str | Path, *,

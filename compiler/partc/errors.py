@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Self
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -39,12 +40,36 @@ class PartcError(Exception):
         super().__init__(message)
         self.message = message
         """What is wrong: the rule, the value expected and the value found."""
-        self.location = location
-        """Where in the user's file the problem is, when known."""
-        self.pointer = pointer
+        self._location = location
+        self._pointer = pointer
+        self._tensor = tensor
+
+    @property
+    def location(self) -> SourceLocation | None:
+        """Where in the user's file the problem is, when known (fixed at construction)."""
+        return self._location
+
+    @property
+    def pointer(self) -> str:
         """RFC 6901 JSON pointer of the offending node inside the document ('' for the root)."""
-        self.tensor = tensor
+        return self._pointer
+
+    @property
+    def tensor(self) -> str | None:
         """The checkpoint tensor concerned, when the problem is about one."""
+        return self._tensor
+
+    def located(self, location: SourceLocation | None, pointer: str | None = None) -> Self:
+        """A new error of this kind, with these fields and message, created at `location` (and
+        `pointer` when given): how a stage that knows where a lower stage's error is (an
+        expression's offset in its file, a group's declaration) reports it."""
+        copy = type(self).__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.args = self.args
+        copy._location = location
+        if pointer is not None:
+            copy._pointer = pointer
+        return copy
 
     def sort_key(self) -> tuple[str, int, int, str, str]:
         """Order in which errors are reported: file, line, column, pointer, message."""

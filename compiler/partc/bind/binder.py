@@ -8,18 +8,19 @@ are expanded over units and loop variables, and the result is a validated
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_group
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
+from partc.family.declaration import ConfigType, GroupForm, OwnerKind
 from partc.family.expr import Expression, Template, format_value
 from partc.front.positions import join_pointer
-from partc.parallel.formats import LinearFormat, MemberSource, linear_format_expansion, target_facts
-from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, unchecked_replace
+from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
+from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
-    LinearWeightLayout,
     MemberSharding,
     MemberShardingKind,
     ParameterGroupSpec,
@@ -33,7 +34,6 @@ from partc.parallel.specs import (
 from partc.partition.boundary import (
     BoundaryTensorDimension,
     BoundaryTensorDimensionKind,
-    BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
 )
@@ -47,7 +47,14 @@ from partc.partition.ownership import (
 )
 
 if TYPE_CHECKING:
-    from partc.family.declaration import FamilyDecl, GroupDecl, ModuleDecl, ParamDecl, ShardingDecl
+    from partc.family.declaration import (
+        ConfigFieldDecl,
+        FamilyDecl,
+        GroupDecl,
+        ModuleDecl,
+        ParamDecl,
+        ShardingDecl,
+    )
     from partc.front.load import RawDocument
 
 Value = Any
@@ -85,37 +92,28 @@ DeepSeek-V3's 15,214)."""
 
 
 class _Binder:
-    def __init__(self, family: FamilyDecl, config: RawDocument) -> None:
+    def __init__(self, family: FamilyDecl, config: RawDocument, cache: bool = True) -> None:
         self.family = family
         self.config = config
-        self.errors: list[PartcError] = []
         self.instances = 0
-        self.values: dict[tuple[object, ...], Value] = {}
-        """Successful evaluations by (expression id, `_env_key` of the names it reads)."""
-        self.structures: dict[tuple[object, ...], _Template] = {}
-        """Built groups by (declaration id, signature): see `_group`."""
-        self.read_sets: dict[int, list[tuple[tuple[str, ...], dict[object, _Values]]]] = {}
-        """Per declaration id: the names its values read, and its values by theirs."""
-        self.value_idents: dict[int, dict[tuple[object, ...], int]] = {}
-        """Per declaration id: a number for each distinct evaluation."""
+        self.cache = BindCache(enabled=cache)
+        """Evaluation memo and group templates: see `partc.bind.cache`."""
 
-    def fail(self, message: str, pointer: str) -> SemanticError:
+    def fail(self, message: str, pointer: str, tensor: str | None = None) -> SemanticError:
         return SemanticError(message, location=self.family.document.locate(pointer),
-                             pointer=pointer)
+                             pointer=pointer, tensor=tensor)
 
     def evaluate(self, expr: Expression, env: Mapping[str, Value], pointer: str) -> Value:
-        values = _env_key(env, expr.names)
-        key = None if values is None else (id(expr), values)
-        if key is not None and key in self.values:
-            return self.values[key]
+        key = self.cache.evaluation_key(expr, env)
+        if key is not None and key in self.cache.evaluations:
+            return self.cache.evaluations[key]
         try:
             value = expr.evaluate(env)
         except ExpressionError as exc:
-            exc.location = self.family.document.locate_offset(pointer, exc.offset)
-            exc.pointer = pointer
-            raise
+            raise exc.located(self.family.document.locate_offset(pointer, exc.offset),
+                              pointer) from None
         if key is not None:
-            self.values[key] = value
+            self.cache.evaluations[key] = value
         return value
 
     def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
@@ -141,35 +139,8 @@ class _Binder:
         try:
             return template.render(env)
         except ExpressionError as exc:
-            exc.location = self.family.document.locate_offset(pointer, exc.offset)
-            exc.pointer = pointer
-            raise
-
-
-def _env_key(env: Mapping[str, Value], names: Iterable[str]) -> tuple[object, ...] | None:
-    """The type and value of each of `names` in `env`, or the name alone when unbound (None:
-    one holds a value that is not plainly comparable). Evaluation reads nothing else."""
-    key: list[object] = []
-    for name in names:
-        if name not in env:
-            key.append((name,))
-            continue
-        value = _typed(env[name])
-        if value is None:
-            return None
-        key.append(value)
-    return tuple(key)
-
-
-def _typed(value: Value) -> tuple[object, ...] | None:
-    """`value` tagged with its type, so that `True` and `1` differ (None: not a plain value)."""
-    kind = type(value)
-    if kind is int or kind is str or kind is bool or value is None:
-        return (kind, value)
-    if kind is tuple:
-        items = tuple(_typed(item) for item in value)
-        return None if None in items else (kind, items)
-    return None
+            raise exc.located(self.family.document.locate_offset(pointer, exc.offset),
+                              pointer) from None
 
 
 # ---------------------------------------------------------------- config values
@@ -184,96 +155,121 @@ def _lookup(data: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     return node is not None, node
 
 
-def _check_type(kind: str, value: Any) -> Value | None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _list_of(fits: Any) -> Any:
+    """A converter taking a list whose every item `fits` to a tuple."""
+    return lambda value: (tuple(value) if isinstance(value, list) and all(map(fits, value))
+                          else None)
+
+
+_CONVERTERS: dict[ConfigType, Any] = {
+    ConfigType.INT: lambda value: value if _is_int(value) else None,
+    ConfigType.BOOL: lambda value: value if isinstance(value, bool) else None,
+    ConfigType.STR: lambda value: value if isinstance(value, str) else None,
+    ConfigType.FLOAT: lambda value: (value if _is_int(value) or isinstance(value, float)
+                                     else None),
+    ConfigType.INT_LIST: _list_of(_is_int),
+    ConfigType.STR_LIST: _list_of(lambda item: isinstance(item, str)),
+    ConfigType.ANY: lambda value: tuple(value) if isinstance(value, list) else value,
+}
+"""Per declared type: the config.json value converted to it, or None when it does not fit."""
+
+
+def _check_type(kind: ConfigType, value: Any) -> Value | None:
     """The value converted to the declared type, or None when it does not fit."""
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if kind == "int":
-        return value if is_int else None
-    if kind == "bool":
-        return value if isinstance(value, bool) else None
-    if kind == "str":
-        return value if isinstance(value, str) else None
-    if kind == "float":
-        return value if (is_int or isinstance(value, float)) else None
-    if kind == "int_list":
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                           for v in value):
-            return tuple(value)
-        return None
-    if kind == "str_list":
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        return None
-    return tuple(value) if isinstance(value, list) else value
+    return _CONVERTERS[kind](value)
 
 
 def read_config_values(family: FamilyDecl, config: RawDocument,
-                       checkpoint_names: Collection[str] | None = None) -> dict[str, Value]:
+                       checkpoint_names: Collection[str] | None = None, *,
+                       cache: bool = True) -> dict[str, Value]:
     """Every declared config field's value: from config.json, else its default.
 
     A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
-    without checkpoint names it takes its default.
+    without checkpoint names it takes its default. `cache=False` evaluates every default
+    without the evaluation memo (`partc.bind.cache`).
     """
     meaning: list[PartcError] = list(config_errors(config, read_fields(config.data, (
         f.sources for f in family.config if f.present is None))))
     if meaning:
         raise meaning[0] if len(meaning) == 1 else PartcErrors(meaning)
-    binder = _Binder(family, config)
+    binder = _Binder(family, config, cache)
     values: dict[str, Value] = {"model_type": config.data.get("model_type")}
     pending = []
     for field in family.config:
         if field.present is not None:
-            if checkpoint_names is not None or field.default is not None:
-                pending.append(field)
-                continue
-            raise binder.fail(f"config field `{field.name}` probes the checkpoint and has no "
-                              "default; give a checkpoint or declare a default", field.pointer)
-        for source in field.sources:
-            present, raw = _lookup(config.data, source)
-            if present:
-                converted = _check_type(field.type, raw)
-                if converted is None:
-                    raise SemanticError(
-                        f"config field `{source}` must be {field.type}, found "
-                        f"{type(raw).__name__} {raw!r} (declared at "
-                        f"{family.document.locate(field.pointer)})",
-                        location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
-                values[field.name] = converted
-                break
-        else:
-            if field.literal_default[0]:
-                values[field.name] = field.literal_default[1]
-                continue
-            if field.default is None:
-                raise SemanticError(
-                    f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
-                    f"requires (declared as {field.type} with no default)",
-                    location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
+            if checkpoint_names is None and field.default is None:
+                raise binder.fail(f"config field `{field.name}` probes the checkpoint and has "
+                                  "no default; give a checkpoint or declare a default",
+                                  field.pointer)
+            pending.append(field)
+        elif not _read_field(binder, field, values):
             pending.append(field)
     while pending:
         progressed = False
-        for field in list(pending):
-            if field.present is not None and checkpoint_names is not None:
-                if any(n in {p.name for p in pending} for n in field.present.names):
-                    continue
-                target = binder.render(field.present, values,
-                                       join_pointer(field.pointer, "present"))
-                values[field.name] = target in checkpoint_names
+        for field in list(pending):  # in declaration order, each seeing the values before it
+            if not _waits(field, pending, checkpoint_names):
+                values[field.name] = _derived(binder, field, values, checkpoint_names)
                 pending.remove(field)
                 progressed = True
-                continue
-            assert field.default is not None
-            if any(n in {p.name for p in pending} for n in field.default.names):
-                continue
-            values[field.name] = binder.evaluate(field.default, values,
-                                                 join_pointer(field.pointer, "default"))
-            pending.remove(field)
-            progressed = True
         if not progressed:
             names = ", ".join(f"`{f.name}`" for f in pending)
             raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
                               pending[0].pointer)
     return values
+
+
+def _read_field(binder: _Binder, field: ConfigFieldDecl, values: dict[str, Value]) -> bool:
+    """Set `values[field.name]` from config.json, or from a literal default; False when the
+    field's default expression must be evaluated (after the fields it reads)."""
+    config, family = binder.config, binder.family
+    for source in field.sources:
+        present, raw = _lookup(config.data, source)
+        if present:
+            converted = _check_type(field.type, raw)
+            if converted is None:
+                raise SemanticError(
+                    f"config field `{source}` must be {field.type.value}, found "
+                    f"{type(raw).__name__} {raw!r} (declared at "
+                    f"{family.document.locate(field.pointer)})",
+                    location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
+            values[field.name] = converted
+            return True
+    if field.literal_default[0]:
+        values[field.name] = field.literal_default[1]
+        return True
+    if field.default is None:
+        raise SemanticError(
+            f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
+            f"requires (declared as {field.type.value} with no default)",
+            location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
+    return False
+
+
+def _probes(field: ConfigFieldDecl, checkpoint_names: Collection[str] | None) -> bool:
+    return field.present is not None and checkpoint_names is not None
+
+
+def _waits(field: ConfigFieldDecl, pending: list[ConfigFieldDecl],
+           checkpoint_names: Collection[str] | None) -> bool:
+    """Whether a pending field reads another pending field (its probe, else its default)."""
+    expr = field.present if _probes(field, checkpoint_names) else field.default
+    assert expr is not None
+    return any(n in {p.name for p in pending} for n in expr.names)
+
+
+def _derived(binder: _Binder, field: ConfigFieldDecl, values: Mapping[str, Value],
+             checkpoint_names: Collection[str] | None) -> Value:
+    """A pending field's value: whether the checkpoint holds its probe, else its default."""
+    if _probes(field, checkpoint_names):
+        assert field.present is not None and checkpoint_names is not None
+        return binder.render(field.present, values,
+                             join_pointer(field.pointer, "present")) in checkpoint_names
+    assert field.default is not None
+    return binder.evaluate(field.default, values, join_pointer(field.pointer, "default"))
 
 
 def _default_dtype(config: RawDocument) -> str:
@@ -310,8 +306,7 @@ def _shape(binder: _Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple
 
 def _member_sharding(binder: _Binder, decl: ShardingDecl, env: Mapping[str, Value],
                      pointer: str) -> MemberSharding:
-    kind = MemberShardingKind(decl.kind)
-    return MemberSharding(kind=kind, axis=decl.axis,
+    return MemberSharding(kind=decl.kind, axis=decl.axis,
                           segments=_segments(binder, decl.segments, env, pointer))
 
 
@@ -330,7 +325,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     units = (binder.integer(decl.units, env, join_pointer(decl.pointer, "units"),
                             "`units`", minimum=1) if decl.units is not None else None)
     label = decl.units_text
-    if decl.form == "members":
+    if decl.form is GroupForm.MEMBERS:
         members = []
         for param in decl.members:
             if not binder.boolean(param.when, env, param.pointer):
@@ -341,7 +336,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                 shape=_shape(binder, param, env),
                 sharding=_member_sharding(binder, param.sharding, env, param.pointer),
                 dtype=_dtype(binder, param, env, dtype),
-                linear=_LINEAR_LAYOUTS.get(param.layout or ""),
+                linear=param.layout,
                 heads=_heads(binder, param, env)))
         if not members:
             return None
@@ -349,7 +344,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         return ParameterGroupSpec(name=name, role=decl.role, members=tuple(members),
                                   units=units if partitioned else None, units_label=label,
                                   policy=decl.policy, kv_replication=decl.kv_replication)
-    if decl.form == "module":
+    if decl.form is GroupForm.MODULE:
         assert decl.module is not None and decl.module_sharding is not None
         module = binder.render(decl.module.module, env, decl.module.pointer)
         sharding = _member_sharding(binder, decl.module_sharding, env, decl.pointer)
@@ -365,7 +360,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
-    if decl.form == "fused":
+    if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)
         assert units is not None
@@ -409,119 +404,38 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                    kv_replication=decl.kv_replication)
 
 
-_LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
-                   "linear_transposed": LinearWeightLayout.IN_OUT}
-
-
 # ---------------------------------------------------------------- structural cache
-#
-# Instances of one declaration (every unit, every expert) mostly build groups that differ only
-# by their names. An instance's signature is what `_build_group` evaluates besides the names
-# (memoized by the values of the names that evaluation reads) plus every fact it reads of the
-# names; the first instance of each signature is built and validated in full, and the others
-# are renamed copies of it. An instance that fails a name check of the full build (empty or
-# repeated names), or whose evaluation fails, is built in full: it raises exactly the error an
-# uncached build raises.
-
-
-@dataclass(frozen=True, slots=True)
-class _Template:
-    """A group built in full and, per member, where its target comes from."""
-
-    group: ParameterGroupSpec
-    """The group, validated."""
-    sources: tuple[MemberSource, ...]
-    """Per member: the dense member whose target its own is made from, and how."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Values:
-    """What an instance of a declaration evaluates besides its names."""
-
-    ident: int
-    """Equal for equal values (of one declaration)."""
-    layout: tuple[Any, ...]
-    """Whose names make the member targets: see `_targets`."""
 
 
 def _group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str, dtype: str,
            linear_format: LinearFormat | None) -> ParameterGroupSpec | None:
     """The group of one instance of `decl` in its stored representation: a renamed copy of an
-    earlier instance with the same signature when there is one."""
-    try:
-        values = _instance_values(binder, decl, env, dtype)
-        targets, facts = _targets(binder, decl, env, values.layout)
-    except PartcError:
-        targets = None  # the full build below raises the first error in its own order
-    key: tuple[object, ...] = ()
-    if targets is not None:
-        key = (id(decl), values.ident, facts, target_facts(linear_format, targets))
-        template = binder.structures.get(key)
-        if template is not None:
-            copy = _renamed_group(template, name, targets)
-            if copy is not None:
-                return copy
+    earlier instance with the same structure when there is one (`partc.bind.cache`)."""
+    cache = binder.cache
+    key = targets = None
+    if cache.enabled:
+        try:
+            values = cache.instance_values(decl.pointer, env, lambda reads: _values(
+                binder, decl, reads, dtype))
+            targets, prefix = _targets(binder, decl, env, values.layout)
+        except PartcError:
+            targets = None  # the full build below raises the first error in its own order
+        if targets is not None:
+            key = StructureKey(declaration=decl.pointer, values=values.ident,
+                               fused_prefix=prefix,
+                               format_facts=target_facts(linear_format, targets))
+            template = cache.templates.get(key)
+            if template is not None:
+                copy = renamed_group(template, name, targets)
+                if copy is not None:
+                    return copy
     group = _build_group(binder, decl, env, name, dtype)
     if group is None:
         return None
     expanded, sources = linear_format_expansion(group, linear_format)
-    if targets is not None and group.targets == targets:  # (a guard: always true today)
-        binder.structures.setdefault(key, _Template(expanded, sources))
+    if key is not None and group.targets == targets:  # (a guard: always true today)
+        cache.templates.setdefault(key, GroupTemplate(expanded, sources))
     return expanded
-
-
-class _Reads(Mapping[str, Value]):
-    """An environment that records the names looked up in it, in order."""
-
-    def __init__(self, env: Mapping[str, Value]) -> None:
-        self.env = env
-        self.names: dict[str, None] = {}
-
-    def __getitem__(self, name: str) -> Value:
-        self.names[name] = None
-        return self.env[name]
-
-    def __contains__(self, name: object) -> bool:
-        self.names[str(name)] = None
-        return name in self.env
-
-    def __iter__(self) -> Iterator[str]:
-        self.names.update(dict.fromkeys(self.env))
-        return iter(self.env)
-
-    def __len__(self) -> int:
-        return len(self.env)
-
-
-MAX_READ_SETS = 16
-"""Most distinct sets of names one declaration's values are memoized under."""
-
-
-def _instance_values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
-                     dtype: str) -> _Values:
-    """`_values` of an instance, memoized by the values of the names its evaluation reads:
-    evaluation is deterministic, so an instance agreeing on those reads the same and agrees."""
-    tables = binder.read_sets.setdefault(id(decl), [])
-    for names, table in tables:
-        found = table.get(_env_key(env, names))
-        if found is not None:
-            return found
-    reads = _Reads(env)
-    evaluated, layout = _values(binder, decl, reads, dtype)
-    idents = binder.value_idents.setdefault(id(decl), {})
-    result = _Values(ident=idents.setdefault(evaluated, len(idents)), layout=layout)
-    names = tuple(reads.names)
-    key = _env_key(env, names)
-    if key is None:
-        return result
-    same = next((table for known, table in tables if known == names), None)
-    if same is None:
-        if len(tables) == MAX_READ_SETS:
-            return result
-        same = {}
-        tables.append((names, same))
-    same[key] = result
-    return result
 
 
 def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: str
@@ -532,7 +446,7 @@ def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: s
                             minimum=1) if decl.units is not None else None)
     values: list[object] = [units]
     layout: list[Any] = []
-    if decl.form == "members":
+    if decl.form is GroupForm.MEMBERS:
         for param in decl.members:
             if not binder.boolean(param.when, env, param.pointer):
                 values.append(None)
@@ -542,7 +456,7 @@ def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: s
             values.append((_shape(binder, param, env),
                            _segments(binder, param.sharding.segments, env, param.pointer),
                            _dtype(binder, param, env, dtype), _heads(binder, param, env)))
-    elif decl.form == "module":
+    elif decl.form is GroupForm.MODULE:
         assert decl.module is not None and decl.module_sharding is not None
         params = _params(binder, decl.module, env, dtype)
         values += [_segments(binder, decl.module_sharding.segments, env, decl.pointer),
@@ -564,18 +478,18 @@ def _targets(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], layout:
              ) -> tuple[tuple[str, ...] | None, tuple[bool, ...]]:
     """(the dense member targets of an instance in order, or None when its module paths cannot
     be summarized; which targets the fused output's prefix starts)."""
-    if decl.form == "members":
+    if decl.form is GroupForm.MEMBERS:
         return tuple(binder.render(p.name, env, p.pointer) for p in layout), ()
-    if decl.form == "module":
+    if decl.form is GroupForm.MODULE:
         assert decl.module is not None
         module = binder.render(decl.module.module, env, decl.module.pointer)
         return tuple(f"{module}.{p}" for p in layout[0]), ()
     modules = [binder.render(m.module, env, m.pointer) for m, _ in layout]
-    if not all(modules) or (decl.form == "fused" and len(modules) != 2):
+    if not all(modules) or (decl.form is GroupForm.FUSED and len(modules) != 2):
         return None, ()  # an empty module path names members without a `.`
     targets = tuple(f"{module}.{p}" for module, (_, params) in zip(modules, layout, strict=True)
                     for p in params)
-    if decl.form == "fused":
+    if decl.form is GroupForm.FUSED:
         return targets, tuple(t.startswith(modules[1] + ".") for t in targets)
     return targets, ()
 
@@ -584,26 +498,6 @@ def _segments(binder: _Binder, segments: tuple[Expression, ...], env: Mapping[st
               pointer: str) -> tuple[int, ...]:
     """Evaluated segment widths (as `_member_sharding` and fused projections read them)."""
     return tuple(binder.integer(s, env, pointer, "a segment width", minimum=1) for s in segments)
-
-
-def _renamed_group(template: _Template, name: str,
-                   targets: tuple[str, ...]) -> ParameterGroupSpec | None:
-    """`template.group` for another instance: group `name`, dense member targets `targets`.
-
-    None when a name check of the full build would fail (an empty or repeated name).
-    """
-    stored = [targets[index] + suffix if not strip else targets[index][:-strip] + suffix
-              for index, strip, suffix in template.sources]
-    if not (name and all(targets) and all(stored) and len(set(targets)) == len(targets)
-            and len(set(stored)) == len(stored)):
-        return None
-    group = template.group
-    members = tuple(member if member.target == target else
-                    unchecked_replace(member, target=target)  # checks are name-blind
-                    for member, target in zip(group.members, stored, strict=True))
-    return unchecked_replace(group, name=name, members=members)
-
-
 
 
 def _heads(binder: _Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]
@@ -641,15 +535,14 @@ def _linear_format(binder: _Binder, values: Mapping[str, Value]) -> LinearFormat
         try:
             return LinearFormat.from_options(decl.format, options)
         except SemanticError as error:
-            error.pointer = decl.pointer + error.pointer
-            error.location = family.document.locate(error.pointer)
-            raise
+            pointer = decl.pointer + error.pointer
+            raise error.located(family.document.locate(pointer), pointer) from None
     return None
 
 
 def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
                graph: ExecutionGraph) -> Iterator[tuple[dict[str, Value], int | None]]:
-    unit_owner = next((o for o in decl.owners if o.kind == "unit"), None)
+    unit_owner = next((o for o in decl.owners if o.kind is OwnerKind.UNIT), None)
     units: list[tuple[str, int, str] | None] = [None]
     if unit_owner is not None:
         assert unit_owner.group is not None
@@ -685,22 +578,24 @@ def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
            unit: int | None) -> ParameterGroupOwner:
     for choice in decl.owners:
         if binder.boolean(choice.when, env, join_pointer(choice.pointer, "when")):
-            if choice.kind == "unit":
+            if choice.kind is OwnerKind.UNIT:
                 assert choice.group is not None and unit is not None
                 return ParameterGroupOwner.execution_unit(str(env.get("group", choice.group)),
                                                           unit)
-            if choice.kind == "static":
+            if choice.kind is OwnerKind.STATIC:
                 return ParameterGroupOwner.static_role(choice.roles[0])
             return ParameterGroupOwner.static_any_of(choice.roles)
     raise binder.fail("no owner choice applies: every `when` is false", decl.pointer)
 
 
 def bind_family(family: FamilyDecl, config: RawDocument,
-                checkpoint_names: Collection[str] | None = None) -> BoundArchitecture:
+                checkpoint_names: Collection[str] | None = None, *,
+                cache: bool = True) -> BoundArchitecture:
     """Bind `family` to `config`; raises the first error found (a PartcError).
 
     `checkpoint_names` (the checkpoint's tensor names) answers the config fields that probe the
-    checkpoint with `present`.
+    checkpoint with `present`. `cache=False` turns the structural cache off (every instance
+    evaluated and built in full, `partc.bind.cache`): the result is the same, only slower.
     """
     model_type = config.data.get("model_type")
     if model_type not in family.model_types:
@@ -708,8 +603,8 @@ def bind_family(family: FamilyDecl, config: RawDocument,
             f"config model_type is {model_type!r} but family `{family.name}` describes "
             f"{', '.join(repr(t) for t in family.model_types)}",
             location=config.locate("/model_type"), pointer="/model_type")
-    values = read_config_values(family, config, checkpoint_names)
-    binder = _Binder(family, config)
+    values = read_config_values(family, config, checkpoint_names, cache=cache)
+    binder = _Binder(family, config, cache)
     dtype = _default_dtype(config)
     groups = []
     for node in family.graph:
@@ -770,12 +665,10 @@ def _check_bytes(binder: _Binder, member: ParameterMemberSpec, pointer: str) -> 
         elements *= dim
     size = -(-elements * DTYPE_BITS[member.dtype] // 8)
     if size > MAX_TENSOR_BYTES:
-        error = binder.fail(f"tensor `{member.target}` of shape {list(member.shape)} "
-                            f"({member.dtype}) holds {size} bytes; partc accepts at most "
-                            f"{MAX_TENSOR_BYTES} bytes per tensor (check the sizes in "
-                            f"{binder.config.file})", pointer)
-        error.tensor = member.target
-        raise error
+        raise binder.fail(f"tensor `{member.target}` of shape {list(member.shape)} "
+                          f"({member.dtype}) holds {size} bytes; partc accepts at most "
+                          f"{MAX_TENSOR_BYTES} bytes per tensor (check the sizes in "
+                          f"{binder.config.file})", pointer, tensor=member.target)
 
 
 def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:
@@ -790,14 +683,14 @@ def _boundary(binder: _Binder, values: Mapping[str, Value]) -> BoundaryWireSchem
     for tensor in binder.family.boundary:
         dims = []
         for dim in tensor.shape:
-            if isinstance(dim, str):
-                dims.append(BoundaryTensorDimension(kind=BoundaryTensorDimensionKind(dim)))
+            if isinstance(dim, BoundaryTensorDimensionKind):
+                dims.append(BoundaryTensorDimension(kind=dim))
             else:
                 dims.append(BoundaryTensorDimension(
                     kind=BoundaryTensorDimensionKind.FIXED,
                     size=binder.integer(dim, values, tensor.pointer, "a boundary dimension",
                                         minimum=1)))
         specs.append(BoundaryTensorSpec(role=tensor.role, shape=tuple(dims),
-                                        dtype=BoundaryTensorDtype(tensor.dtype)))
+                                        dtype=tensor.dtype))
     return BoundaryWireSchema(identity=binder.family.boundary_identity, primary=specs[0],
                               auxiliary=tuple(specs[1:]))

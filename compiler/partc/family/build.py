@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
@@ -9,12 +10,15 @@ from partc.family.checks import iter_semantic_errors
 from partc.family.declaration import (
     BoundaryTensorDecl,
     ConfigFieldDecl,
+    ConfigType,
     FamilyDecl,
     GraphGroupDecl,
     GroupDecl,
+    GroupForm,
     LinearFormatDecl,
     ModuleDecl,
     OwnerDecl,
+    OwnerKind,
     ParamDecl,
     ShardingDecl,
 )
@@ -23,8 +27,18 @@ from partc.front.load import RawDocument
 from partc.front.positions import join_pointer
 from partc.parallel.formats import GGUF_BLOCK_TYPES
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, ParameterRole
-from partc.parallel.specs import ProjectionSharding, ShardingPolicy
+from partc.parallel.specs import (
+    LinearWeightLayout,
+    MemberShardingKind,
+    ProjectionSharding,
+    ShardingPolicy,
+)
+from partc.partition.boundary import BoundaryTensorDimensionKind, BoundaryTensorDtype
 from partc.partition.ownership import StageSide
+
+_LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
+                   "linear_transposed": LinearWeightLayout.IN_OUT}
+"""A member's `format:` as a linear weight layout (`dense`, or none: not a linear weight)."""
 
 
 class _Builder:
@@ -64,9 +78,8 @@ class _Builder:
             return None
 
     def located(self, exc: ExpressionError, pointer: str) -> None:
-        exc.location = self.document.locate_offset(pointer, exc.offset)
-        exc.pointer = pointer
-        self.errors.append(exc)
+        self.errors.append(exc.located(self.document.locate_offset(pointer, exc.offset),
+                                       pointer))
 
     def template(self, value: str, pointer: str) -> Template | None:
         try:
@@ -78,7 +91,7 @@ class _Builder:
 
 def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | None:
     if value in (None, "replicated"):
-        return ShardingDecl(kind="replicated", axis=None, segments=())
+        return ShardingDecl(kind=MemberShardingKind.REPLICATED, axis=None, segments=())
     (kind, arg), = value.items()
     if isinstance(arg, dict):
         segments = []
@@ -87,8 +100,9 @@ def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | Non
                 join_pointer(pointer, kind), "segments"), i))
             if parsed is not None:
                 segments.append(parsed)
-        return ShardingDecl(kind=kind, axis=int(arg["axis"]), segments=tuple(segments))
-    return ShardingDecl(kind=kind, axis=int(arg), segments=())
+        return ShardingDecl(kind=MemberShardingKind(kind), axis=int(arg["axis"]),
+                            segments=tuple(segments))
+    return ShardingDecl(kind=MemberShardingKind(kind), axis=int(arg), segments=())
 
 
 def _params(builder: _Builder, params: dict[str, Any], pointer: str) -> tuple[ParamDecl, ...]:
@@ -163,16 +177,82 @@ def _owners(builder: _Builder, value: Any, pointer: str) -> tuple[OwnerDecl, ...
         when = (builder.expression(choice["when"], join_pointer(ptr, "when"))
                 if "when" in choice else None)
         if "static" in choice:
-            out.append(OwnerDecl(kind="static", roles=(choice["static"],), group=None, when=when,
-                                 pointer=ptr))
+            out.append(OwnerDecl(kind=OwnerKind.STATIC, roles=(choice["static"],), group=None,
+                                 when=when, pointer=ptr))
         elif "any_of" in choice:
-            out.append(OwnerDecl(kind="any_of", roles=tuple(choice["any_of"]), group=None,
+            out.append(OwnerDecl(kind=OwnerKind.ANY_OF, roles=tuple(choice["any_of"]), group=None,
                                  when=when, pointer=ptr))
         else:
             groups = choice["unit"] if isinstance(choice["unit"], list) else [choice["unit"]]
-            out.append(OwnerDecl(kind="unit", roles=(), group=groups[0], when=when,
+            out.append(OwnerDecl(kind=OwnerKind.UNIT, roles=(), group=groups[0], when=when,
                                  pointer=ptr, groups=tuple(groups)))
     return tuple(out)
+
+
+def _member(builder: _Builder, member: dict[str, Any], ptr: str) -> ParamDecl | None:
+    """One entry of a members-form group (None when its target does not parse)."""
+    target = builder.template(member["target"], join_pointer(ptr, "target"))
+    shape = tuple(e for j, d in enumerate(member["shape"])
+                  if (e := builder.expression(d, join_pointer(join_pointer(ptr, "shape"), j)))
+                  is not None)
+    sharding = _sharding(builder, member.get("sharding"), join_pointer(ptr, "sharding"))
+    when = (builder.expression(member["when"], join_pointer(ptr, "when"))
+            if "when" in member else None)
+    dtype = (_dtype_expression(builder, member["dtype"], join_pointer(ptr, "dtype"))
+             if "dtype" in member else None)
+    if target is None:
+        return None
+    return ParamDecl(name=target, shape=shape, when=when, dtype=dtype, sharding=sharding,
+                     pointer=ptr, layout=_LINEAR_LAYOUTS.get(member.get("format", "")),
+                     shape_pointer=join_pointer(ptr, "shape")
+                     if len(shape) == len(member["shape"]) else "",
+                     heads=_heads(builder, member.get("heads"), join_pointer(ptr, "heads")))
+
+
+def _members_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """`members:` a list of members, each with its own target, shape and sharding."""
+    members = (_member(builder, member, join_pointer(join_pointer(pointer, "members"), i))
+               for i, member in enumerate(data["members"]))
+    return {"members": tuple(m for m in members if m is not None)}
+
+
+def _module_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """`module:` and `params:` under one `sharding:` rule."""
+    module = _module(builder, {"module": data["module"], "params": data["params"]}, pointer,
+                     None, None)
+    sharding = _sharding(builder, data.get("sharding"), join_pointer(pointer, "sharding"))
+    return {"module": module, "module_sharding": sharding}
+
+
+def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
+                      ) -> dict[str, Any]:
+    """`projections:` column- or row-parallel modules."""
+    decls = (_module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
+                     ProjectionSharding(proj["sharding"]), None)
+             for i, proj in enumerate(data["projections"]))
+    return {"projections": tuple(d for d in decls if d is not None)}
+
+
+def _fused_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """`fused:` a column projection of segments, and its row-parallel `output:` module."""
+    fused = _module(builder, data["fused"], join_pointer(pointer, "fused"),
+                    ProjectionSharding.COLUMN, "segments")
+    if "output" not in data:
+        builder.error("a fused projection group needs its row-parallel `output` module",
+                      pointer)
+        return {}
+    output = _module(builder, data["output"], join_pointer(pointer, "output"),
+                     ProjectionSharding.ROW, None)
+    return {"projections": (fused, output)} if fused is not None and output is not None else {}
+
+
+_FORMS: dict[GroupForm, Callable[[_Builder, dict[str, Any], str], dict[str, Any]]] = {
+    GroupForm.MEMBERS: _members_form,
+    GroupForm.MODULE: _module_form,
+    GroupForm.PROJECTIONS: _projections_form,
+    GroupForm.FUSED: _fused_form,
+}
+"""Per group form, the `GroupDecl` fields its key declares (the schema allows one key)."""
 
 
 def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl | None:
@@ -187,163 +267,147 @@ def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl |
             loops.append((var, parsed))
     units = (builder.expression(data["units"], join_pointer(pointer, "units"))
              if "units" in data else None)
-    members: tuple[ParamDecl, ...] = ()
-    module = None
-    module_sharding = None
-    projections: list[ModuleDecl] = []
-    if "members" in data:
-        form = "members"
-        out = []
-        for i, member in enumerate(data["members"]):
-            ptr = join_pointer(join_pointer(pointer, "members"), i)
-            target = builder.template(member["target"], join_pointer(ptr, "target"))
-            shape = tuple(e for j, d in enumerate(member["shape"])
-                          if (e := builder.expression(d, join_pointer(join_pointer(ptr, "shape"),
-                                                                      j))) is not None)
-            sharding = _sharding(builder, member.get("sharding"), join_pointer(ptr, "sharding"))
-            m_when = (builder.expression(member["when"], join_pointer(ptr, "when"))
-                      if "when" in member else None)
-            dtype = (_dtype_expression(builder, member["dtype"], join_pointer(ptr, "dtype"))
-                     if "dtype" in member else None)
-            if target is not None:
-                out.append(ParamDecl(name=target, shape=shape, when=m_when, dtype=dtype,
-                                     sharding=sharding, pointer=ptr, layout=member.get("format"),
-                                     shape_pointer=join_pointer(ptr, "shape")
-                                     if len(shape) == len(member["shape"]) else "",
-                                     heads=_heads(builder, member.get("heads"),
-                                                  join_pointer(ptr, "heads"))))
-        members = tuple(out)
-    elif "module" in data:
-        form = "module"
-        module = _module(builder, {"module": data["module"], "params": data["params"]}, pointer,
-                         None, None)
-        module_sharding = _sharding(builder, data.get("sharding"),
-                                    join_pointer(pointer, "sharding"))
-    elif "projections" in data:
-        form = "projections"
-        for i, proj in enumerate(data["projections"]):
-            decl = _module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
-                           ProjectionSharding(proj["sharding"]), None)
-            if decl is not None:
-                projections.append(decl)
-    else:
-        form = "fused"
-        fused = _module(builder, data["fused"], join_pointer(pointer, "fused"),
-                        ProjectionSharding.COLUMN, "segments")
-        if "output" not in data:
-            builder.error("a fused projection group needs its row-parallel `output` module",
-                          pointer)
-        else:
-            output = _module(builder, data["output"], join_pointer(pointer, "output"),
-                             ProjectionSharding.ROW, None)
-            if fused is not None and output is not None:
-                projections = [fused, output]
+    form = next((f for f in _FORMS if f.value in data), GroupForm.FUSED)
+    fields: dict[str, Any] = {"members": (), "module": None, "module_sharding": None,
+                              "projections": ()}
+    fields.update(_FORMS[form](builder, data, pointer))
     if name is None:
         return None
     return GroupDecl(
         name=name, role=ParameterRole(data["role"]), owners=owners, when=when, loops=tuple(loops),
         units=units, units_text=str(data.get("units", "")),
         policy=ShardingPolicy(data["policy"]) if "policy" in data else None,
-        kv_replication=bool(data.get("kv_replication", False)), form=form, members=members,
-        module=module, module_sharding=module_sharding, projections=tuple(projections),
-        pointer=pointer)
+        kv_replication=bool(data.get("kv_replication", False)), form=form, pointer=pointer,
+        **fields)
+
+
+def _default(builder: _Builder, spec: dict[str, Any], pointer: str
+             ) -> tuple[Expression | None, tuple[bool, Any]]:
+    """A config field's default: an expression, or (for a float) the literal value itself."""
+    if "default" not in spec:
+        return None, (False, None)
+    raw = spec["default"]
+    if isinstance(raw, float):
+        return None, (True, raw)  # floats never enter expressions; kept as the value
+    if raw is None:
+        return constant(None), (False, None)
+    if isinstance(raw, list):
+        return builder.constant(tuple(raw), pointer), (False, None)
+    if isinstance(raw, str) and ConfigType(spec["type"]) in (ConfigType.STR,
+                                                             ConfigType.STR_LIST):
+        return builder.constant(raw, pointer), (False, None)
+    return builder.expression(raw, pointer), (False, None)
+
+
+def _config_field(builder: _Builder, name: str, spec: str | dict[str, Any]) -> ConfigFieldDecl:
+    """One `config` entry: a bare type, or a mapping with type, default, `from` and probe."""
+    ptr = join_pointer("/config", name)
+    if isinstance(spec, str):
+        return ConfigFieldDecl(name=name, type=ConfigType(spec), default=None, sources=(name,),
+                               pointer=ptr)
+    default, literal = _default(builder, spec, join_pointer(ptr, "default"))
+    sources = spec.get("from", name)
+    present = None
+    if "present" in spec:
+        present = builder.template(spec["present"], join_pointer(ptr, "present"))
+        if ConfigType(spec["type"]) is not ConfigType.BOOL:
+            builder.error(f"config field `{name}` probes the checkpoint with `present`, so "
+                          f"its type must be bool, found {spec['type']}", ptr)
+    return ConfigFieldDecl(
+        name=name, type=ConfigType(spec["type"]), default=default,
+        sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr,
+        present=present, literal_default=literal)
+
+
+def _graph_group(builder: _Builder, i: int, group: dict[str, Any]) -> GraphGroupDecl:
+    """One execution group of `graph`."""
+    ptr = join_pointer("/graph", i)
+    units = builder.expression(group["units"], join_pointer(ptr, "units"))
+    path = builder.template(group["path"], join_pointer(ptr, "path"))
+    # a group whose units or path failed to parse is still declared (its error is already
+    # recorded), so owners naming it do not report it as unknown
+    return GraphGroupDecl(name=group["group"], units=units or constant(0),
+                          path=path or parse_template(""),
+                          carries_state=bool(group.get("state", False)),
+                          after=tuple(group.get("after", ())), pointer=ptr)
+
+
+def _boundary(builder: _Builder, data: dict[str, Any]) -> tuple[BoundaryTensorDecl, ...]:
+    """The primary then the auxiliary boundary tensors."""
+    tensors = [("/boundary/primary", data["primary"])] + [
+        (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(
+            data.get("auxiliary", []))]
+    out = []
+    for ptr, tensor in tensors:
+        shape: list[BoundaryTensorDimensionKind | Expression] = []
+        for j, dim in enumerate(tensor["shape"]):
+            if dim in ("batch", "sequence"):
+                shape.append(BoundaryTensorDimensionKind(dim))
+            elif (parsed := builder.expression(dim, join_pointer(join_pointer(ptr, "shape"), j))):
+                shape.append(parsed)
+        out.append(BoundaryTensorDecl(role=tensor["role"], shape=tuple(shape),
+                                      dtype=BoundaryTensorDtype(tensor["dtype"]), pointer=ptr))
+    return tuple(out)
+
+
+def _option_value(builder: _Builder, key: str, value: Any, pointer: str) -> Any:
+    """A linear format option: names kept as written, numbers and lists parsed."""
+    option = _FORMAT_OPTIONS.get(key)
+    if option is not None and (converted := option(builder, value, pointer)) is not _GENERIC:
+        return converted
+    if isinstance(value, list):
+        return tuple(builder.expression(v, join_pointer(pointer, j)) for j, v in enumerate(value))
+    return builder.expression(value, pointer)
+
+
+_GENERIC = object()
+"""What a `_FORMAT_OPTIONS` entry returns to leave a value to the generic parse."""
+
+
+def _as_written(builder: _Builder, value: Any, pointer: str) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+_FORMAT_OPTIONS: dict[str, Callable[[_Builder, Any, str], Any]] = {
+    "applies_to": _as_written,
+    "except": _as_written,
+    "scale_suffix": _as_written,
+    "scale_dtype": lambda builder, value, pointer: (
+        _dtype_expression(builder, value, pointer) if isinstance(value, str) else _GENERIC),
+    "gguf_type": lambda builder, value, pointer: (
+        constant(value) if value in GGUF_BLOCK_TYPES else _GENERIC),
+}
+"""Linear format options that are not parsed as plain expressions, by key."""
+
+
+def _linear_format(builder: _Builder, i: int, fmt: dict[str, Any]) -> LinearFormatDecl:
+    """One entry of `linear_formats`."""
+    ptr = join_pointer("/linear_formats", i)
+    options = tuple((key, _option_value(builder, key, value, join_pointer(ptr, key)))
+                    for key, value in fmt.items() if key not in ("format", "when"))
+    when = builder.expression(fmt["when"], join_pointer(ptr, "when")) if "when" in fmt else None
+    return LinearFormatDecl(format=fmt["format"], when=when, options=options, pointer=ptr)
 
 
 def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcError]]:
     """Build the symbolic family of a schema-valid document, with every semantic error found."""
     builder = _Builder(document)
     data = document.data
-    config = []
-    for name, spec in data["config"].items():
-        ptr = join_pointer("/config", name)
-        if isinstance(spec, str):
-            config.append(ConfigFieldDecl(name=name, type=spec, default=None, sources=(name,),
-                                          pointer=ptr))
-            continue
-        default = None
-        literal: tuple[bool, Any] = (False, None)
-        if "default" in spec:
-            raw = spec["default"]
-            if isinstance(raw, str) and spec["type"] in ("str", "str_list"):
-                default = builder.constant(raw, join_pointer(ptr, "default"))
-            elif isinstance(raw, list):
-                default = builder.constant(tuple(raw), join_pointer(ptr, "default"))
-            elif raw is None:
-                default = constant(None)
-            elif isinstance(raw, float):
-                literal = (True, raw)  # floats never enter expressions; kept as the value
-            else:
-                default = builder.expression(raw, join_pointer(ptr, "default"))
-        sources = spec.get("from", name)
-        present = None
-        if "present" in spec:
-            present = builder.template(spec["present"], join_pointer(ptr, "present"))
-            if spec["type"] != "bool":
-                builder.error(f"config field `{name}` probes the checkpoint with `present`, so "
-                              f"its type must be bool, found {spec['type']}", ptr)
-        config.append(ConfigFieldDecl(
-            name=name, type=spec["type"], default=default,
-            sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr,
-            present=present, literal_default=literal))
-    graph = []
-    for i, group in enumerate(data["graph"]):
-        ptr = join_pointer("/graph", i)
-        units = builder.expression(group["units"], join_pointer(ptr, "units"))
-        path = builder.template(group["path"], join_pointer(ptr, "path"))
-        # a group whose units or path failed to parse is still declared (its error is already
-        # recorded), so owners naming it do not report it as unknown
-        graph.append(GraphGroupDecl(name=group["group"], units=units or constant(0),
-                                    path=path or parse_template(""),
-                                    carries_state=bool(group.get("state", False)),
-                                    after=tuple(group.get("after", ())), pointer=ptr))
+    config = tuple(_config_field(builder, name, spec) for name, spec in data["config"].items())
+    graph = tuple(_graph_group(builder, i, group) for i, group in enumerate(data["graph"]))
     statics = tuple((name, StageSide(spec["stage"]))
                     for name, spec in data.get("static", {}).items())
-    groups = []
-    for i, group in enumerate(data["parameters"]):
-        decl = _group(builder, group, join_pointer("/parameters", i))
-        if decl is not None:
-            groups.append(decl)
-    boundary = []
-    bdata = data["boundary"]
-    auxiliary = bdata.get("auxiliary", [])
-    tensors = [("/boundary/primary", bdata["primary"])] + [
-        (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(auxiliary)]
-    for ptr, tensor in tensors:
-        shape: list[str | Expression] = []
-        for j, dim in enumerate(tensor["shape"]):
-            if dim in ("batch", "sequence"):
-                shape.append(dim)
-            elif (parsed := builder.expression(dim, join_pointer(join_pointer(ptr, "shape"), j))):
-                shape.append(parsed)
-        boundary.append(BoundaryTensorDecl(role=tensor["role"], shape=tuple(shape),
-                                           dtype=tensor["dtype"], pointer=ptr))
-    formats = []
-    for i, fmt in enumerate(data.get("linear_formats", [])):
-        ptr = join_pointer("/linear_formats", i)
-        options: list[tuple[str, Any]] = []
-        for key, value in fmt.items():
-            if key in ("format", "when"):
-                continue
-            if key in ("applies_to", "except", "scale_suffix"):
-                options.append((key, tuple(value) if isinstance(value, list) else value))
-            elif key == "scale_dtype" and isinstance(value, str):
-                options.append((key, _dtype_expression(builder, value, join_pointer(ptr, key))))
-            elif key == "gguf_type" and value in GGUF_BLOCK_TYPES:
-                options.append((key, constant(value)))
-            elif isinstance(value, list):
-                options.append((key, tuple(builder.expression(v, join_pointer(join_pointer(
-                    ptr, key), j)) for j, v in enumerate(value))))
-            else:
-                options.append((key, builder.expression(value, join_pointer(ptr, key))))
-        formats.append(LinearFormatDecl(
-            format=fmt["format"],
-            when=builder.expression(fmt["when"], join_pointer(ptr, "when")) if "when" in fmt
-            else None, options=tuple(options), pointer=ptr))
+    groups = tuple(decl for i, group in enumerate(data["parameters"])
+                   if (decl := _group(builder, group, join_pointer("/parameters", i)))
+                   is not None)
+    boundary = _boundary(builder, data["boundary"])
+    formats = tuple(_linear_format(builder, i, fmt)
+                    for i, fmt in enumerate(data.get("linear_formats", [])))
     family = FamilyDecl(
-        name=data["family"], model_types=tuple(data["model_types"]), config=tuple(config),
-        graph=tuple(graph), static_roles=statics, groups=tuple(groups),
-        boundary_identity=bdata["identity"], boundary=tuple(boundary),
-        linear_formats=tuple(formats),
+        name=data["family"], model_types=tuple(data["model_types"]), config=config,
+        graph=graph, static_roles=statics, groups=groups,
+        boundary_identity=data["boundary"]["identity"], boundary=boundary,
+        linear_formats=formats,
         policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document)
     builder.errors.extend(iter_semantic_errors(family))
     if builder.errors:

@@ -1,180 +1,283 @@
-"""Semantic checks of a family declaration, each yielding located errors."""
+"""Semantic checks of a family declaration, each yielding located errors.
+
+The checks are small functions in two tables, as jsonschema's validators are: `FAMILY_CHECKS`
+over the whole declaration and `GROUP_CHECKS` over one parameter group. Each yields every
+error it finds, created with its location; `iter_semantic_errors` runs them in table order.
+"""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from partc.errors import PartcError, SemanticError
-from partc.family.declaration import UNIT_VARIABLE, UNIT_VARIABLES, FamilyDecl, GroupDecl
+from partc.family.declaration import (
+    UNIT_VARIABLE,
+    UNIT_VARIABLES,
+    FamilyDecl,
+    GroupDecl,
+    GroupForm,
+    ModuleDecl,
+    OwnerKind,
+    ParamDecl,
+)
 from partc.family.expr import Expression, Template
 from partc.front.positions import join_pointer
 
 
-def _unknown_names(expr: Expression | Template | None, scope: set[str]) -> list[str]:
-    if expr is None:
-        return []
-    return sorted(n for n in expr.names if n not in scope)
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """What a family declares, which its expressions and owners may name."""
+
+    family: FamilyDecl
+    config: frozenset[str]
+    """Config field names."""
+    graph: tuple[str, ...]
+    """Execution group names, in declaration order (repeats included)."""
+    statics: frozenset[str]
+    """Static role names."""
+
+    def error(self, message: str, pointer: str) -> SemanticError:
+        """A semantic error located at `pointer` of the family document."""
+        return SemanticError(message, location=self.family.document.locate(pointer),
+                             pointer=pointer)
+
+    def names(self, expr: Expression | Template | None, scope: Iterable[str], pointer: str,
+              what: str) -> Iterator[PartcError]:
+        """An error for the first unknown name `expr` uses (none when every name is known)."""
+        if expr is None:
+            return
+        known = set(scope)
+        unknown = sorted(n for n in expr.names if n not in known)
+        if unknown:
+            yield _name_error(self, unknown[0], known, pointer, what)
 
 
-def _name_error(family: FamilyDecl, names: list[str], scope: set[str], pointer: str,
+def _name_error(known: _Known, name: str, scope: set[str], pointer: str,
                 what: str) -> SemanticError:
-    name = names[0]
+    note = known.family.document.note(pointer)
+    if note:  # `no`, `off`: YAML 1.1 booleans partc reads as strings
+        return known.error(f"{what} uses unknown name `{name}`; {note}", pointer)
     close = difflib.get_close_matches(name, sorted(scope), n=1)
     hint = f"; did you mean `{close[0]}`?" if close else ""
-    note = family.document.note(pointer)
-    if note:  # `no`, `off`: YAML 1.1 booleans partc reads as strings
-        return SemanticError(f"{what} uses unknown name `{name}`; {note}",
-                             location=family.document.locate(pointer), pointer=pointer)
-    return SemanticError(
+    return known.error(
         f"{what} uses unknown name `{name}`{hint or '.'} Known names: config fields "
-        f"({', '.join(sorted(scope)) or 'none'}); declare it under `config`",
-        location=family.document.locate(pointer), pointer=pointer)
+        f"({', '.join(sorted(scope)) or 'none'}); declare it under `config`", pointer)
+
+
+# ---------------------------------------------------------------- the family
+
+
+def _config_names(known: _Known) -> Iterator[PartcError]:
+    """Defaults read other config fields; probes read fields that probe nothing."""
+    probes = {f.name for f in known.family.config if f.present is not None}
+    for f in known.family.config:
+        yield from known.names(f.default, known.config - {f.name},
+                               join_pointer(f.pointer, "default"), f"the default of `{f.name}`")
+        yield from known.names(f.present, known.config - probes,
+                               join_pointer(f.pointer, "present"), f"the probe of `{f.name}`")
+
+
+def _graph_groups(known: _Known) -> Iterator[PartcError]:
+    """Execution groups: unique names, known dependencies, known names in units and paths."""
+    graph = known.family.graph
+    for i, g in enumerate(graph):
+        if g.name in known.graph[:i]:
+            first = graph[known.graph.index(g.name)]
+            yield known.error(f"execution group `{g.name}` is declared twice (first at "
+                              f"{known.family.document.locate(first.pointer)}); group names "
+                              "must be unique", g.pointer)
+        for dep in g.after:
+            if dep not in known.graph:
+                yield known.error(f"execution group `{g.name}` comes after unknown group "
+                                  f"`{dep}`; known: {', '.join(known.graph)}", g.pointer)
+        yield from known.names(g.units, known.config, join_pointer(g.pointer, "units"),
+                               "`units`")
+        yield from known.names(g.path, known.config | {UNIT_VARIABLE},
+                               join_pointer(g.pointer, "path"), "the unit path")
+
+
+def _parameter_groups(known: _Known) -> Iterator[PartcError]:
+    """Every check of `GROUP_CHECKS` on every parameter group."""
+    for group in known.family.groups:
+        for check in GROUP_CHECKS:
+            yield from check(known, group)
+
+
+def _boundary_names(known: _Known) -> Iterator[PartcError]:
+    """Fixed boundary dimensions read config fields only."""
+    for tensor in known.family.boundary:
+        for dim in tensor.shape:
+            if isinstance(dim, Expression):
+                yield from known.names(dim, known.config, tensor.pointer, "a boundary dimension")
+
+
+def _format_names(known: _Known) -> Iterator[PartcError]:
+    """Linear format conditions and options read config fields only."""
+    for fmt in known.family.linear_formats:
+        yield from known.names(fmt.when, known.config, join_pointer(fmt.pointer, "when"),
+                               "a linear format condition")
+        for key, value in fmt.options:
+            pointer = join_pointer(fmt.pointer, key)
+            items = enumerate(value) if isinstance(value, tuple) else [(None, value)]
+            for i, item in items:
+                if isinstance(item, Expression):
+                    yield from known.names(item, known.config, pointer if i is None
+                                           else join_pointer(pointer, i),
+                                           f"linear format option `{key}`")
+
+
+FamilyCheck = Callable[[_Known], Iterator[PartcError]]
+"""A check of a whole family declaration."""
+
+FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _graph_groups, _parameter_groups,
+                                          _boundary_names, _format_names)
+"""Every check of a family, in the order their errors are yielded."""
+
+
+# ---------------------------------------------------------------- one parameter group
+
+
+def _is_unit_owned(group: GroupDecl) -> bool:
+    return any(o.kind is OwnerKind.UNIT for o in group.owners)
+
+
+def _scope(known: _Known, group: GroupDecl) -> frozenset[str]:
+    """Names a group's loop counts may read: config fields (and the unit's, if unit-owned)."""
+    return known.config | frozenset(UNIT_VARIABLES) if _is_unit_owned(group) else known.config
+
+
+def _loop_scope(known: _Known, group: GroupDecl) -> frozenset[str]:
+    """Names the rest of a group may read: `_scope` and its loop variables."""
+    return _scope(known, group) | {var for var, _ in group.loops}
+
+
+def _owners_known(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """Owners name declared execution groups (each once) and declared static roles."""
+    declared = set(known.graph)
+    for owner in group.owners:
+        if owner.kind is OwnerKind.UNIT:
+            for name in owner.groups or (owner.group,):
+                if name not in declared:
+                    yield known.error(f"owner names unknown execution group `{name}`; declared: "
+                                      f"{', '.join(sorted(declared))}", owner.pointer)
+            if len(set(owner.groups)) != len(owner.groups):
+                yield known.error(f"owner lists an execution group twice: "
+                                  f"{', '.join(owner.groups)}", owner.pointer)
+        for role in owner.roles:
+            if role not in known.statics:
+                yield known.error(
+                    f"owner names undeclared static role `{role}`; declared under `static`: "
+                    f"{', '.join(sorted(known.statics)) or '(none)'}", owner.pointer)
+
+
+def _owners_agree(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A group is unit-owned (by one `unit` owner) or statically owned, not both."""
+    units = sum(o.kind is OwnerKind.UNIT for o in group.owners)
+    if units and units < len(group.owners):
+        yield known.error("a group is either unit-owned or statically owned, not both",
+                          group.pointer)
+    if units > 1:
+        yield known.error("a unit-owned group has one `unit` owner (list several execution "
+                          "groups in it, e.g. `unit: [decoder, mtp]`)", group.pointer)
+
+
+def _loops_shadow_nothing(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """Loop variables are new names."""
+    for var, _ in group.loops:
+        if var in known.config or var in UNIT_VARIABLES:
+            yield known.error(f"loop variable `{var}` shadows a config field or one of "
+                              f"{', '.join(f'`{v}`' for v in UNIT_VARIABLES)}", group.pointer)
+
+
+def _group_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """Owner conditions, loop counts, the name, `when` and `units` read names in scope."""
+    for owner in group.owners:
+        yield from known.names(owner.when, known.config, join_pointer(owner.pointer, "when"),
+                               "an owner condition")
+    scope, inner = _scope(known, group), _loop_scope(known, group)
+    for var, count in group.loops:
+        yield from known.names(count, scope,
+                               join_pointer(join_pointer(group.pointer, "for"), var),
+                               f"the count of `{var}`")
+    yield from known.names(group.name, inner, join_pointer(group.pointer, "name"),
+                           "the group name")
+    yield from known.names(group.when, inner, join_pointer(group.pointer, "when"), "`when`")
+    yield from known.names(group.units, inner, join_pointer(group.pointer, "units"), "`units`")
+
+
+def _modules(group: GroupDecl) -> list[ModuleDecl]:
+    return list(group.projections) + ([group.module] if group.module else [])
+
+
+def _module_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """Module paths, conditions, segment widths and head counts read names in scope."""
+    scope = _loop_scope(known, group)
+    for module in _modules(group):
+        yield from known.names(module.module, scope, join_pointer(module.pointer, "module"),
+                               "the module path")
+        yield from known.names(module.when, scope, join_pointer(module.pointer, "when"),
+                               "`when`")
+        for seg in module.segments:
+            yield from known.names(seg, scope, module.pointer, "a segment width")
+        for heads in module.heads:
+            yield from known.names(heads, scope, join_pointer(module.pointer, "heads"),
+                                   "`heads`")
+
+
+def _param_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """Members' and parameters' names, conditions, dtypes, shapes, heads and segments."""
+    scope = _loop_scope(known, group)
+    params: list[ParamDecl] = list(group.members)
+    for module in _modules(group):
+        params.extend(module.params)
+    for param in params:
+        yield from known.names(param.name, scope, param.pointer, "a target")
+        yield from known.names(param.when, scope, param.pointer, "`when`")
+        yield from known.names(param.dtype, scope, param.pointer, "`dtype`")
+        for index, dim in enumerate(param.shape):
+            yield from known.names(dim, scope, param.dimension_pointer(index), "a shape")
+        for heads in param.heads:
+            yield from known.names(heads, scope, param.pointer, "`heads`")
+        for seg in param.sharding.segments if param.sharding else ():
+            yield from known.names(seg, scope, param.pointer, "a segment width")
+
+
+def _partitions_a_member(group: GroupDecl) -> bool:
+    return (any(p.sharding is not None and p.sharding.partitions for p in group.members)
+            or (group.module_sharding is not None and group.module_sharding.partitions))
+
+
+def _units_where_partitioned(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A group that partitions declares `units`; one that declares `units` partitions."""
+    partitions = _partitions_a_member(group)
+    has_partition = (group.form is GroupForm.FUSED
+                     or group.form is GroupForm.PROJECTIONS and group.units or partitions)
+    if has_partition and group.units is None:
+        yield known.error("this group partitions a member but declares no `units`",
+                          group.pointer)
+    if (group.units is not None and group.form in (GroupForm.MEMBERS, GroupForm.MODULE)
+            and not partitions):
+        yield known.error(
+            f"this group declares `units: {group.units_text}` but no member is partitioned; "
+            "drop `units`, or shard a member with `partitioned` or `partitioned_segments`",
+            join_pointer(group.pointer, "units"))
+
+
+GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
+"""A check of one parameter group."""
+
+GROUP_CHECKS: tuple[GroupCheck, ...] = (
+    _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
+    _param_names, _units_where_partitioned)
+"""Every check of a parameter group, in the order their errors are yielded."""
 
 
 def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
     """Yield every inconsistency of a family that can be found without a config."""
-    config_names = {f.name for f in family.config}
-    graph_names = [g.name for g in family.graph]
-    static_names = {name for name, _ in family.static_roles}
-
-    def check(expr: Expression | Template | None, scope: set[str], pointer: str,
-              what: str) -> Iterator[PartcError]:
-        names = _unknown_names(expr, scope)
-        if names:
-            yield _name_error(family, names, scope, pointer, what)
-
-    probes = {f.name for f in family.config if f.present is not None}
-    for f in family.config:
-        yield from check(f.default, config_names - {f.name}, join_pointer(f.pointer, "default"),
-                         f"the default of `{f.name}`")
-        yield from check(f.present, config_names - probes, join_pointer(f.pointer, "present"),
-                         f"the probe of `{f.name}`")
-    for i, g in enumerate(family.graph):
-        if g.name in graph_names[:i]:
-            first = family.graph[graph_names.index(g.name)]
-            yield SemanticError(f"execution group `{g.name}` is declared twice (first at "
-                                f"{family.document.locate(first.pointer)}); group names must "
-                                "be unique", location=family.document.locate(g.pointer),
-                                pointer=g.pointer)
-        for dep in g.after:
-            if dep not in graph_names:
-                yield SemanticError(f"execution group `{g.name}` comes after unknown group `{dep}`;"
-                                    f" known: {', '.join(graph_names)}",
-                                    location=family.document.locate(g.pointer), pointer=g.pointer)
-        yield from check(g.units, config_names, join_pointer(g.pointer, "units"), "`units`")
-        yield from check(g.path, config_names | {UNIT_VARIABLE}, join_pointer(g.pointer, "path"),
-                         "the unit path")
-    for group in family.groups:
-        yield from _group_errors(family, group, config_names, set(graph_names), static_names)
-    for tensor in family.boundary:
-        for dim in tensor.shape:
-            if not isinstance(dim, str):
-                yield from check(dim, config_names, tensor.pointer, "a boundary dimension")
-    for fmt in family.linear_formats:
-        yield from check(fmt.when, config_names, join_pointer(fmt.pointer, "when"),
-                         "a linear format condition")
-        for key, value in fmt.options:
-            for i, item in enumerate(value if isinstance(value, tuple) else (value,)):
-                if isinstance(item, Expression):
-                    pointer = join_pointer(fmt.pointer, key)
-                    yield from check(item, config_names, join_pointer(pointer, i)
-                                     if isinstance(value, tuple) else pointer,
-                                     f"linear format option `{key}`")
-
-
-def _group_errors(family: FamilyDecl, group: GroupDecl, config_names: set[str],
-                  graph_names: set[str], static_names: set[str]) -> Iterator[PartcError]:
-    loc = family.document.locate
-    unit_owned = False
-    for owner in group.owners:
-        if owner.kind == "unit":
-            unit_owned = True
-            for name in owner.groups or (owner.group,):
-                if name not in graph_names:
-                    yield SemanticError(
-                        f"owner names unknown execution group `{name}`; declared: "
-                        f"{', '.join(sorted(graph_names))}", location=loc(owner.pointer),
-                        pointer=owner.pointer)
-            if len(set(owner.groups)) != len(owner.groups):
-                yield SemanticError(f"owner lists an execution group twice: "
-                                    f"{', '.join(owner.groups)}", location=loc(owner.pointer),
-                                    pointer=owner.pointer)
-        for role in owner.roles:
-            if role not in static_names:
-                yield SemanticError(
-                    f"owner names undeclared static role `{role}`; declared under `static`: "
-                    f"{', '.join(sorted(static_names)) or '(none)'}", location=loc(owner.pointer),
-                    pointer=owner.pointer)
-    if unit_owned and any(o.kind != "unit" for o in group.owners):
-        yield SemanticError("a group is either unit-owned or statically owned, not both",
-                            location=loc(group.pointer), pointer=group.pointer)
-    if sum(o.kind == "unit" for o in group.owners) > 1:
-        yield SemanticError("a unit-owned group has one `unit` owner (list several execution "
-                            "groups in it, e.g. `unit: [decoder, mtp]`)",
-                            location=loc(group.pointer), pointer=group.pointer)
-    scope = set(config_names)
-    if unit_owned:
-        scope.update(UNIT_VARIABLES)
-    for var, _ in group.loops:
-        if var in config_names or var in UNIT_VARIABLES:
-            yield SemanticError(f"loop variable `{var}` shadows a config field or one of "
-                                f"{', '.join(f'`{v}`' for v in UNIT_VARIABLES)}",
-                                location=loc(group.pointer), pointer=group.pointer)
-    loop_scope = scope | {var for var, _ in group.loops}
-
-    def check(expr: Expression | Template | None, names: set[str], pointer: str,
-              what: str) -> Iterator[PartcError]:
-        unknown = _unknown_names(expr, names)
-        if unknown:
-            yield _name_error(family, unknown, names, pointer, what)
-
-    for owner in group.owners:
-        yield from check(owner.when, config_names, join_pointer(owner.pointer, "when"),
-                         "an owner condition")
-    for var, count in group.loops:
-        yield from check(count, scope, join_pointer(join_pointer(group.pointer, "for"), var),
-                         f"the count of `{var}`")
-    yield from check(group.name, loop_scope, join_pointer(group.pointer, "name"), "the group name")
-    yield from check(group.when, loop_scope, join_pointer(group.pointer, "when"), "`when`")
-    yield from check(group.units, loop_scope, join_pointer(group.pointer, "units"), "`units`")
-    modules = list(group.projections) + ([group.module] if group.module else [])
-    params = list(group.members)
-    for module in modules:
-        yield from check(module.module, loop_scope, join_pointer(module.pointer, "module"),
-                         "the module path")
-        yield from check(module.when, loop_scope, join_pointer(module.pointer, "when"), "`when`")
-        for seg in module.segments:
-            yield from check(seg, loop_scope, module.pointer, "a segment width")
-        for heads in module.heads:
-            yield from check(heads, loop_scope, join_pointer(module.pointer, "heads"), "`heads`")
-        params.extend(module.params)
-    for param in params:
-        yield from check(param.name, loop_scope, param.pointer, "a target")
-        yield from check(param.when, loop_scope, param.pointer, "`when`")
-        yield from check(param.dtype, loop_scope, param.pointer, "`dtype`")
-        for index, dim in enumerate(param.shape):
-            yield from check(dim, loop_scope, param.dimension_pointer(index), "a shape")
-        for heads in param.heads:
-            yield from check(heads, loop_scope, param.pointer, "`heads`")
-        if param.sharding:
-            for seg in param.sharding.segments:
-                yield from check(seg, loop_scope, param.pointer, "a segment width")
-    has_partition = (group.form in ("fused",) or group.form == "projections" and group.units
-                     or any(p.sharding and p.sharding.kind.startswith("partitioned")
-                            for p in group.members)
-                     or (group.module_sharding is not None
-                         and group.module_sharding.kind.startswith("partitioned")))
-    if has_partition and group.units is None:
-        yield SemanticError("this group partitions a member but declares no `units`",
-                            location=loc(group.pointer), pointer=group.pointer)
-    partitions = (any(p.sharding and p.sharding.kind.startswith("partitioned")
-                      for p in group.members)
-                  or (group.module_sharding is not None
-                      and group.module_sharding.kind.startswith("partitioned")))
-    if group.units is not None and group.form in ("members", "module") and not partitions:
-        pointer = join_pointer(group.pointer, "units")
-        yield SemanticError(
-            f"this group declares `units: {group.units_text}` but no member is partitioned; "
-            "drop `units`, or shard a member with `partitioned` or `partitioned_segments`",
-            location=loc(pointer), pointer=pointer)
+    known = _Known(family=family, config=frozenset(f.name for f in family.config),
+                   graph=tuple(g.name for g in family.graph),
+                   statics=frozenset(name for name, _ in family.static_roles))
+    for check in FAMILY_CHECKS:
+        yield from check(known)

@@ -7,13 +7,20 @@ so a typo is reported with its file and line before any config.json is read.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import PartcError
 from partc.family.expr import Expression, Template
 from partc.parallel.layout import ParameterRole
-from partc.parallel.specs import ProjectionSharding, ShardingPolicy
+from partc.parallel.specs import (
+    LinearWeightLayout,
+    MemberShardingKind,
+    ProjectionSharding,
+    ShardingPolicy,
+)
+from partc.partition.boundary import BoundaryTensorDimensionKind, BoundaryTensorDtype
 from partc.partition.ownership import StageSide
 
 if TYPE_CHECKING:
@@ -27,8 +34,46 @@ UNIT_GROUP_VARIABLE = "group"
 """The variable bound to the execution group's name in a unit-owned group."""
 UNIT_VARIABLES = (UNIT_VARIABLE, UNIT_PATH_VARIABLE, UNIT_GROUP_VARIABLE)
 """Every variable a unit-owned group sees besides the config fields."""
-CONFIG_TYPES = ("int", "bool", "str", "float", "int_list", "str_list", "any")
-"""Types a config field may declare."""
+
+
+class ConfigType(enum.Enum):
+    """The type a config field declares (`type:`), which its config.json value must have."""
+
+    INT = "int"
+    BOOL = "bool"
+    STR = "str"
+    FLOAT = "float"
+    INT_LIST = "int_list"
+    STR_LIST = "str_list"
+    ANY = "any"
+
+
+CONFIG_TYPES = tuple(t.value for t in ConfigType)
+"""Types a config field may declare, as written."""
+
+
+class OwnerKind(enum.Enum):
+    """The key an owner choice uses: one static role, any of several, or the units of groups."""
+
+    STATIC = "static"
+    ANY_OF = "any_of"
+    UNIT = "unit"
+
+
+class GroupForm(enum.Enum):
+    """How a parameter group declares its members: the one of these keys it uses."""
+
+    MEMBERS = "members"
+    """An explicit list of members, each with its own target, shape and sharding."""
+    MODULE = "module"
+    """One module's parameters, all sharded by one rule."""
+    PROJECTIONS = "projections"
+    """Column- or row-parallel projections (modules with parameters)."""
+    FUSED = "fused"
+    """A fused column projection of segments and its row-parallel output module."""
+
+
+_PARTITIONED_KINDS = (MemberShardingKind.PARTITIONED, MemberShardingKind.PARTITIONED_SEGMENTS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,8 +82,8 @@ class ConfigFieldDecl:
 
     name: str
     """Name used in expressions."""
-    type: str
-    """One of CONFIG_TYPES."""
+    type: ConfigType
+    """The declared type."""
     default: Expression | None
     """Value when config.json lacks the field (None: the field is required)."""
     sources: tuple[str, ...]
@@ -73,8 +118,8 @@ class GraphGroupDecl:
 class OwnerDecl:
     """One owner choice of a parameter group; the first whose `when` holds is used."""
 
-    kind: str
-    """'static', 'any_of' or 'unit'."""
+    kind: OwnerKind
+    """Which owner key the choice uses."""
     roles: tuple[str, ...]
     """Static role(s)."""
     group: str | None
@@ -91,12 +136,17 @@ class OwnerDecl:
 class ShardingDecl:
     """A symbolic member sharding rule."""
 
-    kind: str
-    """One of the MemberShardingKind values."""
+    kind: MemberShardingKind
+    """The rule."""
     axis: int | None
     """The axis."""
     segments: tuple[Expression, ...]
     """Segment widths (segment kinds)."""
+
+    @property
+    def partitions(self) -> bool:
+        """Whether the rule partitions its axis over the group's units."""
+        return self.kind in _PARTITIONED_KINDS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,8 +165,8 @@ class ParamDecl:
     """Explicit sharding (member form only)."""
     pointer: str
     """Where it is declared."""
-    layout: str | None = None
-    """Member form `format:`: 'linear', 'linear_transposed' or 'dense' (None: not linear)."""
+    layout: LinearWeightLayout | None = None
+    """Member form `format:` linear or linear_transposed (None: dense, not a linear weight)."""
     heads: tuple[Expression, ...] = ()
     """Member form `heads:`: head counts along the partitioned axis (one per segment)."""
     shape_pointer: str = ""
@@ -171,8 +221,8 @@ class GroupDecl:
     """Per-group policy."""
     kv_replication: bool
     """Whether KV heads may repeat across ranks."""
-    form: str
-    """'members', 'module', 'projections' or 'fused'."""
+    form: GroupForm
+    """How the members are declared."""
     members: tuple[ParamDecl, ...]
     """Members (form 'members')."""
     module: ModuleDecl | None
@@ -191,10 +241,10 @@ class BoundaryTensorDecl:
 
     role: str
     """Role."""
-    shape: tuple[str | Expression, ...]
-    """'batch', 'sequence' or an expression for a fixed size."""
-    dtype: str
-    """activation, uint32 or int32."""
+    shape: tuple[BoundaryTensorDimensionKind | Expression, ...]
+    """BATCH, SEQUENCE or an expression for a fixed size."""
+    dtype: BoundaryTensorDtype
+    """The element type."""
     pointer: str
     """Where it is declared."""
 
@@ -241,13 +291,8 @@ class FamilyDecl:
     """The source document (for locations)."""
 
     def locate_error(self, error: PartcError, pointer: str) -> PartcError:
-        """Attach this family's source location for `pointer` to `error` when it has none."""
+        """`error` as created at this family's source location for `pointer`, when it has
+        none of its own (a lower stage's error about the declaration at `pointer`)."""
         if error.location is None or error.location.line == 0:
-            error.location = self.document.locate(pointer)
-            error.pointer = error.pointer or pointer
+            return error.located(self.document.locate(pointer), error.pointer or pointer)
         return error
-
-
-# ---------------------------------------------------------------- semantic checks
-
-

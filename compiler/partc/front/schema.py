@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -115,53 +115,16 @@ class _Explainer:
         return self.keyword_message(error)
 
     def keyword_message(self, error: ValidationError) -> str:
-        """'expected <rule>, found <value>' for one failed keyword."""
+        """'expected <rule>, found <value>' for one failed keyword (`_KEYWORD_MESSAGES`)."""
         keyword, rule, instance, _ = _parts(error)
-        found = _describe(instance)
-        if keyword == "enum" and isinstance(instance, str):
-            close = difflib.get_close_matches(instance, [str(v) for v in rule], n=1)
-            hint = f"; did you mean {json.dumps(close[0])}?" if close else ""
-            return f"expected {self.rule_phrase(error)}, found {found}{hint}"
-        if keyword in ("type", "enum", "const", "pattern"):
-            return f"expected {self.rule_phrase(error)}, found {found}"
-        if keyword == "minItems":
-            return f"expected at least {rule} item{'s' * (rule != 1)}, found {len(instance)}"
-        if keyword == "maxItems":
-            return f"expected at most {rule} items, found {len(instance)}"
-        if keyword == "minLength":
-            return (f"expected a string of at least {rule} character{'s' * (rule != 1)}, found "
-                    f"{found}")
-        if keyword == "maxLength":
-            return f"expected at most {rule} characters, found a string of {len(instance)}"
-        if keyword == "minimum":
-            return f"expected a number >= {rule}, found {found}"
-        if keyword == "maximum":
-            return f"expected a number <= {rule}, found {found}"
-        if keyword == "minProperties":
-            return f"expected at least {rule} key{'s' * (rule != 1)}, found {len(instance)}"
-        if keyword == "maxProperties":
-            return f"expected at most {rule} keys, found {len(instance)}"
-        if keyword == "uniqueItems":
-            return f"expected every item once, found a repeated item in {found}"
-        return str(error.message)
+        message = _KEYWORD_MESSAGES.get(keyword)
+        return str(error.message) if message is None else message(self, error, rule, instance)
 
     def rule_phrase(self, error: ValidationError) -> str:
         """What a failed keyword expected, as a noun phrase ('an integer', 'one of ...')."""
         keyword, rule, _, _ = _parts(error)
-        if keyword == "type":
-            return self.types(rule)
-        if keyword == "enum":
-            return "one of " + ", ".join(json.dumps(v) for v in rule)
-        if keyword == "const":
-            return json.dumps(rule)
-        if keyword == "pattern":
-            if rule == "^[A-Za-z_][A-Za-z0-9_]*$":
-                return "an identifier (letters, digits and `_`, not starting with a digit)"
-            return f"a string matching {rule!r}"
-        if keyword == "required":
-            return "a " + self.words["object"].split()[-1] + " with " + ", ".join(
-                f"`{k}`" for k in rule)
-        return self.keyword_message(error)
+        phrase = _RULE_PHRASES.get(keyword)
+        return self.keyword_message(error) if phrase is None else phrase(self, rule)
 
     def alternatives(self, error: ValidationError) -> Iterator[_Found]:
         """Explain a failed oneOf/anyOf by the alternative that matched furthest."""
@@ -208,28 +171,18 @@ class _Explainer:
     def combined(self, error: ValidationError, branches: dict[int, list[ValidationError]]
                  ) -> str:
         """'expected A, B or C, found X' over alternatives that all failed at the value."""
-        wanted: list[str] = []
-        allowed: set[str] = set()
-        values: list[str] = []
-        for _, errs in sorted(branches.items()):
-            keyword, rule, _, schema = _parts(errs[0])
-            if keyword in ("type", "enum", "const", "pattern", "required"):
-                phrase = self.rule_phrase(errs[0])
-                if phrase not in wanted:
-                    wanted.append(phrase)
-            if keyword in ("enum", "const"):
-                values.extend(str(v) for v in (rule if keyword == "enum" else [rule]))
-            for e in errs:
-                schema = _parts(e)[3]
-                if isinstance(schema, dict):
-                    allowed.update(schema.get("properties") or ())
+        ordered = [errs for _, errs in sorted(branches.items())]
+        wanted = list(dict.fromkeys(self.rule_phrase(errs[0]) for errs in ordered
+                                    if str(errs[0].validator) in _PHRASED))
         if not wanted:
             return ""
         instance = error.instance
         message = f"expected {_or(wanted)}, found {_describe(instance)}"
         if isinstance(instance, str):
+            values = [str(v) for errs in ordered for v in _allowed_values(errs[0])]
             close = difflib.get_close_matches(instance, values, n=1)
             message += f"; did you mean {json.dumps(close[0])}?" if close else ""
+        allowed = {key for errs in ordered for e in errs for key in _properties(e)}
         if isinstance(instance, dict) and allowed:
             for key in instance:
                 if key not in allowed:
@@ -266,6 +219,90 @@ def _fits(errors: list[ValidationError], instance: Any) -> bool:
 
 
 _PHRASED = ("type", "enum", "const", "pattern", "required")
+
+
+def _allowed_values(error: ValidationError) -> list[Any]:
+    """The values an `enum` or `const` keyword allows ([] for another keyword)."""
+    keyword, rule, _, _ = _parts(error)
+    return list(rule) if keyword == "enum" else [rule] if keyword == "const" else []
+
+
+def _properties(error: ValidationError) -> Iterator[str]:
+    """The property names the schema of `error` declares."""
+    schema = _parts(error)[3]
+    if isinstance(schema, dict):
+        yield from schema.get("properties") or ()
+
+
+def _s(count: int) -> str:
+    return "s" * (count != 1)
+
+
+Message = Callable[[_Explainer, ValidationError, Any, Any], str]
+"""A failed keyword's message from (explainer, error, the keyword's value, the instance)."""
+
+
+def _expected(explainer: _Explainer, error: ValidationError, rule: Any, instance: Any) -> str:
+    return f"expected {explainer.rule_phrase(error)}, found {_describe(instance)}"
+
+
+def _enum(explainer: _Explainer, error: ValidationError, rule: Any, instance: Any) -> str:
+    message = _expected(explainer, error, rule, instance)
+    if not isinstance(instance, str):
+        return message
+    close = difflib.get_close_matches(instance, [str(v) for v in rule], n=1)
+    return message + (f"; did you mean {json.dumps(close[0])}?" if close else "")
+
+
+_KEYWORD_MESSAGES: dict[str, Message] = {
+    "type": _expected,
+    "enum": _enum,
+    "const": _expected,
+    "pattern": _expected,
+    "minItems": lambda _x, _e, rule, instance: (
+        f"expected at least {rule} item{_s(rule)}, found {len(instance)}"),
+    "maxItems": lambda _x, _e, rule, instance: (
+        f"expected at most {rule} items, found {len(instance)}"),
+    "minLength": lambda _x, _e, rule, instance: (
+        f"expected a string of at least {rule} character{_s(rule)}, found "
+        f"{_describe(instance)}"),
+    "maxLength": lambda _x, _e, rule, instance: (
+        f"expected at most {rule} characters, found a string of {len(instance)}"),
+    "minimum": lambda _x, _e, rule, instance: (
+        f"expected a number >= {rule}, found {_describe(instance)}"),
+    "maximum": lambda _x, _e, rule, instance: (
+        f"expected a number <= {rule}, found {_describe(instance)}"),
+    "minProperties": lambda _x, _e, rule, instance: (
+        f"expected at least {rule} key{_s(rule)}, found {len(instance)}"),
+    "maxProperties": lambda _x, _e, rule, instance: (
+        f"expected at most {rule} keys, found {len(instance)}"),
+    "uniqueItems": lambda _x, _e, rule, instance: (
+        f"expected every item once, found a repeated item in {_describe(instance)}"),
+}
+"""Per jsonschema keyword, its message (jsonschema's own for a keyword not listed), as
+jsonschema's VALIDATORS table maps each keyword to its check."""
+
+
+IDENTIFIER = "^[A-Za-z_][A-Za-z0-9_]*$"
+"""The schema's identifier pattern, which messages name in words."""
+
+
+def _pattern_phrase(explainer: _Explainer, rule: Any) -> str:
+    if rule == IDENTIFIER:
+        return "an identifier (letters, digits and `_`, not starting with a digit)"
+    return f"a string matching {rule!r}"
+
+
+_RULE_PHRASES: dict[str, Callable[[_Explainer, Any], str]] = {
+    "type": lambda explainer, rule: explainer.types(rule),
+    "enum": lambda _x, rule: "one of " + ", ".join(json.dumps(v) for v in rule),
+    "const": lambda _x, rule: json.dumps(rule),
+    "pattern": _pattern_phrase,
+    "required": lambda explainer, rule: (
+        "a " + explainer.words["object"].split()[-1] + " with "
+        + ", ".join(f"`{k}`" for k in rule)),
+}
+"""Per keyword, what it expects as a noun phrase (others: their `_KEYWORD_MESSAGES`)."""
 
 
 def _parts(error: ValidationError) -> tuple[str, Any, Any, Any]:

@@ -10,8 +10,6 @@ same tensor in a `partc shard` rank file. `partc shard` records them in its mani
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,12 +24,11 @@ from partc.runtime.reader import TensorSelection, default_workers, read_tensors
 if TYPE_CHECKING:
     from partc.parallel.layout import LocalModelLayout, LocalTensorLayout
 
-__all__ = ["VERIFY_MODES", "manifest_digests", "plan_digests", "tensor_digest",
+__all__ = ["VERIFY_MODES", "plan_digests", "tensor_digest",
            "tensor_digests", "verify_digests"]
 
 VERIFY_MODES = (None, "digest")
 """Values of a loader's `verify=` option."""
-_HEX = re.compile(r"[0-9a-f]{64}")
 _BATCH_BYTES = 256 << 20
 """Slices are read for digests in batches of about this many bytes."""
 
@@ -88,27 +85,6 @@ def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
             del arrays
         ranks.append(tuple(sorted((t.target, known[(t.target, t.selection)]) for t in items)))
     return tuple(ranks)
-
-
-def manifest_digests(path: Path, rank: int) -> dict[str, str] | None:
-    """The digests a `partc shard` manifest records for `rank`; None when it records none."""
-    where = SourceLocation(str(path))
-    try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-        entry = doc["ranks"][rank]
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, IndexError,
-            TypeError) as exc:
-        raise CheckpointError(f"cannot read the digests of rank {rank} from the shard "
-                              f"manifest: {exc}", location=where) from None
-    digests = entry.get("digests") if isinstance(entry, dict) else None
-    if digests is None:
-        return None
-    if not isinstance(digests, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and _HEX.fullmatch(v)
-            for k, v in digests.items()):
-        raise CheckpointError(f"the shard manifest's digests of rank {rank} must map tensor "
-                              "names to 64 lowercase hex digits", location=where)
-    return digests
 
 
 def verify_digests(tensors: Mapping[str, np.ndarray[Any, Any]], expected: Mapping[str, str],

@@ -21,7 +21,7 @@ from partc.parallel.layout import (
     ParallelModelInfo,
 )
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.digests import VERIFY_MODES, manifest_digests, verify_digests
+from partc.runtime.digests import VERIFY_MODES, verify_digests
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, _to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
@@ -129,7 +129,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
 def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
                      tensors: dict[str, np.ndarray], workers: int | None) -> None:
     """Check every tensor read against its recorded digest (manifest first, else the build)."""
-    expected = None if manifest is None else manifest_digests(manifest.path, table.rank)
+    expected = None if manifest is None else manifest.rank_digests(table.rank)
     source = f"the shard manifest {manifest.path}" if manifest is not None else ""
     if expected is None and table.digests is not None:
         targets, digests = _lines(table.targets), _lines(table.digests)

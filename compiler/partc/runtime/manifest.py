@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,11 @@ SHARD_MANIFEST = "partc-shards.json"
 
 SHARD_FORMAT = "partc-shards"
 """The manifest's `format` value."""
+_HEX = re.compile(r"[0-9a-f]{64}")
+"""A sha256 digest as the manifest records it."""
+
+RankDigests = tuple[tuple[str, str], ...]
+"""(tensor name, sha256 hex) of one rank's file, in the manifest's order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +39,14 @@ class ShardManifest:
     """File name of each global rank, in rank order."""
     tensors: tuple[tuple[str, ...], ...]
     """Tensor names of each rank's file, in rank order."""
+    digests: tuple[RankDigests | None, ...] = ()
+    """Payload digests of each rank's file, in rank order (None: that entry records none, as
+    a manifest of an older partc; empty: a manifest without digests at all)."""
+
+    def rank_digests(self, rank: int) -> dict[str, str] | None:
+        """The digests recorded for `rank`'s tensors by name; None when it records none."""
+        found = self.digests[rank] if 0 <= rank < len(self.digests) else None
+        return None if found is None else dict(found)
 
     def rank_file(self, rank: int) -> Path:
         """The file holding `rank`'s tensors."""
@@ -71,7 +85,7 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     if not isinstance(plan_hash, str) or not isinstance(ranks, list) or not (
             fingerprint is None or isinstance(fingerprint, str)):
         _fail(path, "shard manifest needs a plan_hash string and a ranks list")
-    files, tensors = [], []
+    files, tensors, digests = [], [], []
     for position, item in enumerate(ranks):
         file = item.get("file") if isinstance(item, dict) else None
         names = item.get("tensors") if isinstance(item, dict) else None
@@ -85,5 +99,18 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
             _fail(path, f"rank file {file!r} is not a plain file name inside the folder")
         files.append(file)
         tensors.append(tuple(names))
+        digests.append(_rank_digests(path, position, item.get("digests")))
     return ShardManifest(path=path, plan_hash=plan_hash, source_fingerprint=fingerprint,
-                         files=tuple(files), tensors=tuple(tensors))
+                         files=tuple(files), tensors=tuple(tensors), digests=tuple(digests))
+
+
+def _rank_digests(path: Path, rank: int, value: object) -> RankDigests | None:
+    """The `digests` of one manifest entry, checked: tensor names to sha256 hex digests."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and _HEX.fullmatch(v)
+            for k, v in value.items()):
+        _fail(path, f"the shard manifest's digests of rank {rank} must map tensor names to 64 "
+                    "lowercase hex digits")
+    return tuple(value.items())

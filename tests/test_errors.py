@@ -1,0 +1,42 @@
+"""Errors carry their location from construction: a stage that learns where a lower stage's
+error is creates a located copy, never edits the error it caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from partc.errors import (
+    ExpressionError,
+    ParallelPlanError,
+    ParallelPlanErrorKind,
+    PartcError,
+    SourceLocation,
+)
+
+
+def test_location_pointer_and_tensor_cannot_be_assigned():
+    error = PartcError("bad", location=SourceLocation("f.yaml", 3, 4), pointer="/a", tensor="t")
+    for name in ("location", "pointer", "tensor"):
+        with pytest.raises(AttributeError):
+            setattr(error, name, None)
+    assert (error.location, error.pointer, error.tensor) == (SourceLocation("f.yaml", 3, 4),
+                                                             "/a", "t")
+
+
+def test_located_creates_a_new_error_of_the_same_kind_and_fields():
+    caught = ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, "group `g` is bad",
+                               group="g", pointer="/x")
+    where = SourceLocation("family.yaml", 7, 2)
+    located = caught.located(where, "/parameters/1")
+    assert located is not caught and type(located) is ParallelPlanError
+    assert (located.kind, located.group, located.message, located.args) == (
+        caught.kind, caught.group, caught.message, caught.args)
+    assert str(located) == "family.yaml:7:2: group `g` is bad [at /parameters/1]"
+    assert (caught.location, caught.pointer) == (None, "/x")  # the caught error is unchanged
+    assert caught.located(where).pointer == "/x"  # no pointer given: its own is kept
+
+
+def test_an_expression_error_located_keeps_its_offset_and_text():
+    caught = ExpressionError("division by zero", expression="a // 0", offset=2)
+    located = caught.located(SourceLocation("f.yaml", 1, 9), "/config/x/default")
+    assert (located.expression, located.offset, located.to_json()["line"]) == ("a // 0", 2, 1)
