@@ -320,7 +320,7 @@ def test_an_index_over_the_size_limit_is_refused_unread(tmp_path: Path) -> None:
         open_checkpoint(folder)
     assert info.value.message == (
         f"index of {MAX_INDEX_BYTES + 1} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
-        "(partc.checkpoint.MAX_INDEX_BYTES); refusing to read it")
+        "(partc.runtime.checkpoint.MAX_INDEX_BYTES); refusing to read it")
     assert info.value.location is not None and info.value.location.file == str(index)
 
 
