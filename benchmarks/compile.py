@@ -90,13 +90,13 @@ elif mode == "import":
 elif mode == "header":
     import importlib
     sys.path.insert(0, spec["build"])
-    from partc import runtime
     from partc.runtime.checkpoint import open_checkpoint
+    from partc.runtime.loader import check_header
     module = importlib.import_module(spec["module"])
     t0 = time.perf_counter()
     checkpoint = open_checkpoint(spec["checkpoint"])
     t1 = time.perf_counter()
-    errors = runtime.check_header(module._TABLE, checkpoint)
+    errors = check_header(module._TABLE, checkpoint)
     t2 = time.perf_counter()
     assert not errors, errors[:3]
     checkpoint.fingerprint()  # what the check adds when the header bytes differ (a reshard)
