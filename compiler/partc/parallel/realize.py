@@ -8,9 +8,11 @@ from dataclasses import fields
 from partc.parallel.layout import (
     LOCAL,
     REPLICATED,
+    Indices,
     LocalTensorLayout,
     ParameterRole,
-    PlacementKind,
+    Range,
+    Shard,
     TensorPlacement,
     _invalid_group,
     _is_count,
@@ -55,11 +57,11 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
     assert rule.axis is not None
     dim = member.shape[rule.axis]
     if kind is MemberShardingKind.EQUAL:
-        return TensorPlacement(kind=PlacementKind.SHARD, axis=rule.axis, index=rank, parts=tp)
+        return Shard(axis=rule.axis, index=rank, parts=tp)
     if kind is MemberShardingKind.BALANCED:
         start, end = balanced_contiguous_range(-(-dim // rule.granule), tp, rank)
-        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis,
-                               start=start * rule.granule, end=min(end * rule.granule, dim))
+        return Range(axis=rule.axis, start=start * rule.granule,
+                     end=min(end * rule.granule, dim))
     ranges: list[tuple[int, int]] = []
     offset = 0
     for i, width in enumerate(member.widths):
@@ -73,9 +75,8 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
         ranges.append((offset + a, offset + b))
         offset += width
     if kind is MemberShardingKind.PARTITIONED:
-        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis, start=ranges[0][0],
-                               end=ranges[0][1])
-    return TensorPlacement(kind=PlacementKind.INDICES, axis=rule.axis, ranges=_merge_ranges(ranges))
+        return Range(axis=rule.axis, start=ranges[0][0], end=ranges[0][1])
+    return Indices(axis=rule.axis, ranges=_merge_ranges(ranges))
 
 
 def _kv_replicas(member: ParameterMemberSpec, tp: int) -> int:

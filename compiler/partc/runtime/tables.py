@@ -12,7 +12,7 @@ from partc.parallel.layout import (
     LocalTensorLayout,
     ParallelModelInfo,
     ParameterRole,
-    TensorPlacement,
+    placement_from_compact,
 )
 from partc.partition.boundary import (
     ArchitectureBoundary,
@@ -149,7 +149,7 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
         key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas)
         first = validated.get(key)
         if first is None:
-            placement = TensorPlacement.from_compact(compact)
+            placement = placement_from_compact(compact)
             axis, ranges = placement.selection(shape)
             local = list(shape)
             if axis is not None:
