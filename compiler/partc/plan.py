@@ -19,7 +19,7 @@ from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelM
 from partc.parallel.realize import realize_group_template
 from partc.parallel.specs import ShardingPolicy
 from partc.partition.boundary import PipelineActivationDtype, PipelineWireContract
-from partc.partition.ownership import OwnerKind, ParameterGroupOwner
+from partc.partition.ownership import ParameterGroupOwner
 from partc.partition.pipeline import ArchitecturePartition, realize_partition
 
 if TYPE_CHECKING:
@@ -470,7 +470,3 @@ def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], t
             by_dtype[dtype] = by_dtype.get(dtype, 0) + count * n
     return owned, local, pinned, tuple(sorted(by_dtype.items()))
 
-
-def static_owner_kinds() -> tuple[OwnerKind, ...]:
-    """Owner kinds that are not execution units."""
-    return (OwnerKind.STATIC_ROLE, OwnerKind.STATIC_ANY_OF)
