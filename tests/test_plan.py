@@ -189,7 +189,7 @@ def test_the_plan_text_is_the_canonical_json_and_modules_rebuild_the_plan(
     modules are columnar tables: both must say exactly what the plan objects say."""
     plan, package = compile_and_import(family, folder / "config.json", tmp_path / "b", tp=tp,
                                        pp=pp)
-    body, text = plan.document()
+    body, text = plan.document
     assert text == canonical_json(plan.to_json())
     assert body["plan_hash"] == json.loads(text)["plan_hash"]
     assert text == (tmp_path / "b" / "plan.json").read_text()

@@ -181,7 +181,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
         assert checkpoint is not None
         recorded = plan_digests([rank.layout for rank in plan.ranks],
                                 open_checkpoint(Path(checkpoint)))
-        plan = replace(plan, payload_digests=recorded, _tensors=[], _document=[])
+        plan = replace(plan, payload_digests=recorded)
     files = render_package(plan)
     written = None
     if out is not None:

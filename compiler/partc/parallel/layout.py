@@ -9,6 +9,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import ClassVar, TypeVar
 
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
@@ -524,31 +525,43 @@ def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ..
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalModelLayout:
-    """All of one rank's tensor layouts, sorted by target."""
+    """All of one rank's tensor layouts, sorted by target.
+
+    Construction sorts `tensors` and derives the target index and the byte totals once; the
+    derived fields are not constructor arguments and take no part in equality.
+    """
 
     tensors: tuple[LocalTensorLayout, ...]
     """Layouts in target order (sorted on construction)."""
-    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
-    _totals: list[int] = field(default_factory=list, compare=False, repr=False)
+    index: Mapping[str, int] = field(init=False, compare=False, repr=False)
+    """Position of each target in `tensors` (derived on construction; read-only)."""
+    local_bytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of every local tensor (derived on construction)."""
+    pinned_bytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of the tensors this rank holds whole (derived on construction)."""
 
     def __post_init__(self) -> None:
+        # The one place a frozen layout's fields are set after `__init__`: the normalized
+        # order and the values derived from it, before the value is handed out.
         ordered = tuple(sorted(self.tensors, key=lambda t: t.target))
-        object.__setattr__(self, "tensors", ordered)
         for before, after in zip(ordered, ordered[1:], strict=False):
             if before.target == after.target:
                 raise _invalid_tensor(f"layout lists `{before.target}` twice (groups "
                                       f"`{before.logical_name}` and `{after.logical_name}`)",
                                       target=before.target)
-        self._index.update({t.target: i for i, t in enumerate(ordered)})
         sizes = [t.local_bytes for t in ordered]
-        self._totals[:] = [sum(sizes), sum(n for t, n in zip(ordered, sizes, strict=True)
-                                           if t.is_whole)]
+        object.__setattr__(self, "tensors", ordered)
+        object.__setattr__(self, "index", MappingProxyType(
+            {t.target: i for i, t in enumerate(ordered)}))
+        object.__setattr__(self, "local_bytes", sum(sizes))
+        object.__setattr__(self, "pinned_bytes", sum(
+            n for t, n in zip(ordered, sizes, strict=True) if t.placement.holds_whole))
 
     def __getitem__(self, target: str) -> LocalTensorLayout:
-        return self.tensors[self._index[target]]
+        return self.tensors[self.index[target]]
 
     def __contains__(self, target: object) -> bool:
-        return target in self._index
+        return target in self.index
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -557,16 +570,6 @@ class LocalModelLayout:
     def targets(self) -> tuple[str, ...]:
         """Targets in order."""
         return tuple(t.target for t in self.tensors)
-
-    @property
-    def local_bytes(self) -> int:
-        """Bytes of every local tensor."""
-        return self._totals[0]
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes of the tensors this rank holds whole."""
-        return self._totals[1]
 
     @property
     def bytes_by_dtype(self) -> tuple[tuple[str, int], ...]:
