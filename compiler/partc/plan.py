@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
-from partc.errors import LayoutError, PartcError
+from partc.errors import LayoutError, SourceLocation
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
 from partc.parallel.realize import realize_group_template
 from partc.parallel.specs import ShardingPolicy
@@ -29,6 +29,10 @@ from partc.partition.pipeline import ArchitecturePartition, realize_partition
 
 if TYPE_CHECKING:
     from partc.bind.binder import BoundArchitecture
+
+
+GroupSite = Callable[[str], "tuple[SourceLocation, str] | None"]
+"""Where a parameter group (by name) is declared: source location and JSON pointer, or None."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -388,8 +392,9 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  sources: tuple[tuple[str, str], ...] = (),
                  checkpoint_fingerprint: str | None = None,
                  checkpoint_header_digest: str | None = None,
-                 group_location: Any = None) -> Plan:
-    """The plan of `bound` for `topology`; raises LayoutError (located when possible).
+                 group_location: GroupSite | None = None) -> Plan:
+    """The plan of `bound` for `topology`; raises LayoutError (created located at the group's
+    declaration when `group_location` knows it).
 
     Each group structure is realized once (`realize_group_template`); groups keep an index to
     their kind, so a rank's tensor layouts are only built when asked for.
@@ -402,14 +407,11 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     group_kinds: dict[str, int] = {}
     realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
     for owned in description.groups:
-        try:
-            template = realize_group_template(owned.group, tp, policy,
-                                              policy_overrides_group=topology.policy is not None,
-                                              cache=realized)
-        except PartcError as error:
-            if group_location is not None:
-                group_location(error, owned.group.name)
-            raise
+        site = None if group_location is None else group_location(owned.group.name)
+        location, pointer = (None, "") if site is None else site
+        template = realize_group_template(owned.group, tp, policy,
+                                          policy_overrides_group=topology.policy is not None,
+                                          cache=realized, location=location, pointer=pointer)
         index = kind_index.get(id(template))
         if index is None:
             index = kind_index[id(template)] = len(kinds)

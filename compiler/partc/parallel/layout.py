@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import ClassVar, TypeVar
 
-from partc.errors import ParallelPlanError, ParallelPlanErrorKind
+from partc.errors import ParallelPlanError, ParallelPlanErrorKind, SourceLocation
 
 # ---------------------------------------------------------------- dtypes
 
@@ -43,9 +43,11 @@ def _invalid_tensor(message: str, *, group: str = "", target: str = "") -> Paral
                              target=target, tensor=target or None)
 
 
-def _invalid_group(message: str, *, group: str, target: str = "") -> ParallelPlanError:
+def _invalid_group(message: str, *, group: str, target: str = "",
+                   location: SourceLocation | None = None, pointer: str = "") -> ParallelPlanError:
     return ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, message, group=group,
-                             target=target, tensor=target or None)
+                             target=target, tensor=target or None, location=location,
+                             pointer=pointer)
 
 
 def _is_count(value: object) -> bool:
