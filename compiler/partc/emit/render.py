@@ -102,7 +102,7 @@ class _StageTables:
 
     kinds: tuple[int, ...]
     """Plan kind index of each local KINDS row."""
-    owner_rows: list[str]
+    owner_rows: tuple[str, ...]
     """OWNERS rows."""
     groups_text: str
     """GROUPS literal."""
@@ -123,7 +123,7 @@ def _stage_tables(rank: RankPlan) -> _StageTables:
         owner = owners.setdefault(owner_row, len(owners))
         group_lines.append(f"{kind} {owner} {group.name}")
         targets.extend(group.targets)
-    return _StageTables(kinds=tuple(kinds), owner_rows=list(owners),
+    return _StageTables(kinds=tuple(kinds), owner_rows=tuple(owners),
                         groups_text=lines_literal(group_lines),
                         targets_text=lines_literal(targets), targets=tuple(targets))
 
