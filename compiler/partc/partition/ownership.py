@@ -216,6 +216,14 @@ def _invalid_owner(message: str) -> ArchitectureParameterError:
     return ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER, message)
 
 
+def _json_roles(kind: OwnerKind, data: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `roles` list of a static owner's JSON form (exactly the keys kind and roles)."""
+    roles = data.get("roles")
+    if set(data) != {"kind", "roles"} or not isinstance(roles, (list, tuple)):
+        raise _invalid_owner(f"malformed {kind.value} owner {dict(data)}")
+    return tuple(roles)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StaticRole:
     """Owned by one static role (whether it is declared is checked by
@@ -250,6 +258,14 @@ class StaticRole:
     def to_json(self) -> dict[str, object]:
         """JSON form: kind and a one-role list."""
         return {"kind": self.kind.value, "roles": [self.role]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StaticRole:
+        """The owner from its JSON form (`roles` holds exactly one role)."""
+        roles = _json_roles(cls.kind, data)
+        if len(roles) != 1:
+            raise _invalid_owner(f"malformed {cls.kind.value} owner {dict(data)}")
+        return cls(role=roles[0])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,6 +307,11 @@ class StaticAnyOf:
     def to_json(self) -> dict[str, object]:
         """JSON form: kind and roles."""
         return {"kind": self.kind.value, "roles": list(self.roles)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StaticAnyOf:
+        """The owner from its JSON form."""
+        return cls(roles=_json_roles(cls.kind, data))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -343,6 +364,13 @@ class ExecutionUnit:
         """JSON form: kind, group and unit."""
         return {"kind": self.kind.value, "group": self.group, "unit": self.unit}
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ExecutionUnit:
+        """The owner from its JSON form (exactly the keys kind, group and unit)."""
+        if set(data) != {"kind", "group", "unit"}:
+            raise _invalid_owner(f"malformed {cls.kind.value} owner {dict(data)}")
+        return cls(group=data["group"], unit=data["unit"])
+
 
 ParameterGroupOwner = StaticRole | StaticAnyOf | ExecutionUnit
 """Who owns a parameter group: a static role, any of several, or one execution unit."""
@@ -358,16 +386,7 @@ def owner_from_json(data: Mapping[str, Any]) -> ParameterGroupOwner:
     if cls is None:
         raise _invalid_owner(f"unknown owner kind {data.get('kind')!r}; known: "
                              + ", ".join(k.value for k in OWNER_KINDS))
-    keys = {"kind", "group", "unit"} if cls is ExecutionUnit else {"kind", "roles"}
-    roles = data.get("roles")
-    if set(data) != keys or (cls is not ExecutionUnit and not isinstance(roles, (list, tuple))) or (
-            cls is StaticRole and len(roles or ()) != 1):
-        raise _invalid_owner(f"malformed {cls.kind.value} owner {dict(data)}")
-    if cls is ExecutionUnit:
-        return ExecutionUnit(group=data["group"], unit=data["unit"])
-    if cls is StaticRole:
-        return StaticRole(role=data["roles"][0])
-    return StaticAnyOf(roles=tuple(data["roles"]))
+    return cls.from_json(data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
