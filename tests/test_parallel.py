@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -582,6 +583,9 @@ def test_placements_round_trip_through_json_and_compact_forms_and_select_their_r
     assert [p.holds_whole for p in placements] == [True, True, False, True, True, False, False,
                                                    False]
     assert Replicated() != Local() and len({Replicated(), Local(), Omit()}) == 3
+    assert not any(hasattr(p, "__dict__") for p in placements)  # slotted, frozen values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        placements[5].index = 0  # type: ignore[misc]
 
 
 def layout(target: str, placement: TensorPlacement = LOCAL, shape=(8, 4), local=None,

@@ -128,63 +128,11 @@ def _axis_fits(axis: int, global_shape: Sequence[int], end: int) -> bool:
     return axis < len(global_shape) and end <= global_shape[axis]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Replicated:
-    """The whole tensor on every tensor-parallel rank of its stage."""
+class _Whole:
+    """What the placements that split no axis share: they select the whole tensor and fit any
+    shape. (A field-less mixin for the dataclasses below, not a registry or an interface.)"""
 
-    kind: ClassVar[PlacementKind] = PlacementKind.REPLICATED
-    holds_whole: ClassVar[bool] = True
-    """Whether a rank with this placement holds the whole tensor."""
-
-    def selection(self, global_shape: Sequence[int]) -> Selection:
-        """The whole tensor: (None, ())."""
-        return _WHOLE
-
-    def fits(self, global_shape: Sequence[int]) -> bool:
-        """Whether the placement can apply to a tensor of `global_shape` (always)."""
-        return True
-
-    def to_json(self) -> dict[str, object]:
-        """JSON form: the kind only."""
-        return {"kind": self.kind.value}
-
-    def to_compact(self) -> tuple[object, ...]:
-        """Compact form for generated tables: the kind only."""
-        return (self.kind.value,)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Local:
-    """The whole tensor on the one rank of its stage (tensor-parallel size 1)."""
-
-    kind: ClassVar[PlacementKind] = PlacementKind.LOCAL
-    holds_whole: ClassVar[bool] = True
-    """Whether a rank with this placement holds the whole tensor."""
-
-    def selection(self, global_shape: Sequence[int]) -> Selection:
-        """The whole tensor: (None, ())."""
-        return _WHOLE
-
-    def fits(self, global_shape: Sequence[int]) -> bool:
-        """Whether the placement can apply to a tensor of `global_shape` (always)."""
-        return True
-
-    def to_json(self) -> dict[str, object]:
-        """JSON form: the kind only."""
-        return {"kind": self.kind.value}
-
-    def to_compact(self) -> tuple[object, ...]:
-        """Compact form for generated tables: the kind only."""
-        return (self.kind.value,)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Omit:
-    """Not on this rank."""
-
-    kind: ClassVar[PlacementKind] = PlacementKind.OMIT
-    holds_whole: ClassVar[bool] = False
-    """Whether a rank with this placement holds the whole tensor."""
+    __slots__ = ()
 
     def selection(self, global_shape: Sequence[int]) -> Selection:
         """No split axis: (None, ())."""
@@ -194,6 +142,13 @@ class Omit:
         """Whether the placement can apply to a tensor of `global_shape` (always)."""
         return True
 
+
+class _KindOnly(_Whole):
+    """The JSON and compact forms of a placement without fields: its kind alone."""
+
+    __slots__ = ()
+    kind: ClassVar[PlacementKind]
+
     def to_json(self) -> dict[str, object]:
         """JSON form: the kind only."""
         return {"kind": self.kind.value}
@@ -204,7 +159,34 @@ class Omit:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Rank:
+class Replicated(_KindOnly):
+    """The whole tensor on every tensor-parallel rank of its stage."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.REPLICATED
+    holds_whole: ClassVar[bool] = True
+    """Whether a rank with this placement holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Local(_KindOnly):
+    """The whole tensor on the one rank of its stage (tensor-parallel size 1)."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.LOCAL
+    holds_whole: ClassVar[bool] = True
+    """Whether a rank with this placement holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Omit(_KindOnly):
+    """Not on this rank."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.OMIT
+    holds_whole: ClassVar[bool] = False
+    """Whether a rank with this placement holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rank(_Whole):
     """The whole tensor on one rank only."""
 
     kind: ClassVar[PlacementKind] = PlacementKind.RANK
@@ -216,14 +198,6 @@ class Rank:
     def __post_init__(self) -> None:
         _check_counts(self.kind, self.to_json(), "rank")
 
-    def selection(self, global_shape: Sequence[int]) -> Selection:
-        """The whole tensor: (None, ())."""
-        return _WHOLE
-
-    def fits(self, global_shape: Sequence[int]) -> bool:
-        """Whether the placement can apply to a tensor of `global_shape` (always)."""
-        return True
-
     def to_json(self) -> dict[str, object]:
         """JSON form: kind and rank."""
         return {"kind": self.kind.value, "rank": self.rank}
@@ -234,7 +208,7 @@ class Rank:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PipelineStage:
+class PipelineStage(_Whole):
     """The whole tensor on the ranks of one pipeline stage."""
 
     kind: ClassVar[PlacementKind] = PlacementKind.PIPELINE_STAGE
@@ -245,14 +219,6 @@ class PipelineStage:
 
     def __post_init__(self) -> None:
         _check_counts(self.kind, self.to_json(), "stage")
-
-    def selection(self, global_shape: Sequence[int]) -> Selection:
-        """The whole tensor: (None, ())."""
-        return _WHOLE
-
-    def fits(self, global_shape: Sequence[int]) -> bool:
-        """Whether the placement can apply to a tensor of `global_shape` (always)."""
-        return True
 
     def to_json(self) -> dict[str, object]:
         """JSON form: kind and stage."""
