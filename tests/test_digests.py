@@ -130,7 +130,7 @@ def test_a_plan_without_digests_has_no_digest_key_and_no_digest_table(tmp_path: 
                             checkpoint=LLAMA, out=tmp_path / "build")
     document = json.loads((tmp_path / "build" / "plan.json").read_text())
     assert "digests" not in document and result.plan.payload_digests is None
-    assert (tmp_path / "build" / "plan.json").read_text() == result.plan.document()[1]
+    assert (tmp_path / "build" / "plan.json").read_text() == result.plan.document[1]
     for path, text in result.files.items():
         assert "DIGESTS" not in text and "digests=" not in text, path
 

@@ -30,9 +30,10 @@ from partc.partition.ownership import (
     ArchitectureParameterDescription,
     ExecutionGraph,
     ExecutionGroupSpec,
+    ExecutionUnit,
     OwnedParameterGroupSpec,
-    ParameterGroupOwner,
     StageSide,
+    StaticRole,
     StaticRoleSpec,
 )
 from partc.partition.pipeline import PartitionState, realize_pipeline
@@ -62,12 +63,12 @@ def vision_language_model():
                            dependencies=("vision",)),
         ExecutionGroupSpec(name="vision", unit_paths=("vision.layers.0", "vision.layers.1"))))
     owned = [OwnedParameterGroupSpec(group=_group(f"{u.path}", f"{u.path}.weight"),
-                                     owner=ParameterGroupOwner.execution_unit(u.group, u.unit))
+                                     owner=ExecutionUnit(group=u.group, unit=u.unit))
              for u in graph.unit_layout()]
     owned += [OwnedParameterGroupSpec(group=_group("embedding", "model.embed_tokens.weight"),
-                                      owner=ParameterGroupOwner.static_role("embedding")),
+                                      owner=StaticRole(role="embedding")),
               OwnedParameterGroupSpec(group=_group("lm_head", "lm_head.weight"),
-                                      owner=ParameterGroupOwner.static_role("output"))]
+                                      owner=StaticRole(role="output"))]
     return ArchitectureParameterDescription(
         graph=graph, static_roles=(StaticRoleSpec(name="embedding", side=StageSide.FIRST),
                                    StaticRoleSpec(name="output", side=StageSide.LAST)),

@@ -411,8 +411,8 @@ def test_deepseek_mtp_layer_is_its_own_execution_group_on_the_last_stage(tmp_pat
     result = compile_family(None, config, tensor_parallel_size=2, pipeline_parallel_size=2,
                             checkpoint=path, out=tmp_path / "build")
     plan = result.plan
-    assert [g[0] for g in plan.graph] == ["decoder", "mtp"]
-    assert dict((g[0], g[1]) for g in plan.graph)["mtp"] == ("model.layers.3",)
+    assert [g.name for g in plan.graph] == ["decoder", "mtp"]
+    assert {g.name: g.unit_paths for g in plan.graph}["mtp"] == ("model.layers.3",)
     last = plan.ranks[-1].partition
     assert [(g.group, g.unit_range) for g in last.groups] == [("decoder", (2, 3)), ("mtp", (0, 1))]
     assert plan.ranks[0].partition.state.global_range == (0, 2)
@@ -437,7 +437,7 @@ def test_deepseek_mtp_layer_is_its_own_execution_group_on_the_last_stage(tmp_pat
 
 def test_a_zero_unit_execution_group_owns_nothing_and_takes_no_pipeline_stage(builds):
     plan, states = builds("deepseek_v3", 2, 3)
-    assert dict((g[0], g[1]) for g in plan.graph)["mtp"] == ()
+    assert {g.name: g.unit_paths for g in plan.graph}["mtp"] == ()
     ranges = [[(g.group, g.unit_range) for g in r.partition.groups] for r in plan.ranks[::2]]
     assert ranges == [[("decoder", (0, 1))], [("decoder", (1, 2))], [("decoder", (2, 3))]]
 

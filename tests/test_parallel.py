@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,13 +17,23 @@ from partc.errors import ParallelPlanError, ParallelPlanErrorKind
 from partc.parallel.layout import (
     LOCAL,
     OMIT,
+    PLACEMENT_KINDS,
     REPLICATED,
+    Indices,
+    Local,
     LocalModelLayout,
     LocalTensorLayout,
+    Omit,
     ParallelModelInfo,
     ParameterRole,
-    PlacementKind,
+    PipelineStage,
+    Range,
+    Rank,
+    Replicated,
+    Shard,
     TensorPlacement,
+    placement_from_compact,
+    placement_from_json,
     tensor_bytes,
 )
 from partc.parallel.realize import group_sharding_problems, realize_group
@@ -328,7 +339,7 @@ def test_equal_shards_balanced_ranges_and_tp_one_locals():
               member("b", (10, 4), MemberSharding.balanced(0)), member("n", (4,)))
     ranks = realize_group(g, 4)
     assert [r[0].placement for r in ranks] == [
-        TensorPlacement(kind=PlacementKind.SHARD, axis=0, index=i, parts=4) for i in range(4)]
+        Shard(axis=0, index=i, parts=4) for i in range(4)]
     assert [r[1].selection for r in ranks] == [(0, ((0, 3),)), (0, ((3, 6),)), (0, ((6, 8),)),
                                                (0, ((8, 10),))]
     assert [r[1].local_shape for r in ranks] == [(3, 4), (3, 4), (2, 4), (2, 4)]
@@ -514,33 +525,67 @@ def test_kv_replication_must_keep_block_aligned_cuts():
 # ---------------------------------------------------------------- placements and layouts
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"kind": PlacementKind.SHARD, "axis": 0, "index": 2, "parts": 2},
-    {"kind": PlacementKind.RANGE, "axis": 0, "start": 3, "end": 3},
-    {"kind": PlacementKind.INDICES, "axis": 0, "ranges": ()},
-    {"kind": PlacementKind.INDICES, "axis": 0, "ranges": ((0, 2), (2, 4))},
-    {"kind": PlacementKind.INDICES, "axis": 0, "ranges": ((4, 6), (0, 2))},
-    {"kind": PlacementKind.RANK, "rank": -1},
-    {"kind": PlacementKind.PIPELINE_STAGE},
-    {"kind": PlacementKind.REPLICATED, "axis": 0},
-    {"kind": PlacementKind.RANGE, "axis": 0, "start": 0, "end": 2, "ranges": ((0, 2),)},
+@pytest.mark.parametrize(("build", "kind"), [
+    (lambda: Shard(axis=0, index=2, parts=2), "shard"),
+    (lambda: Shard(axis=-1, index=0, parts=2), "shard"),
+    (lambda: Range(axis=0, start=3, end=3), "range"),
+    (lambda: Range(axis=0, start=True, end=3), "range"),
+    (lambda: Indices(axis=0, ranges=()), "indices"),
+    (lambda: Indices(axis=0, ranges=((0, 2), (2, 4))), "indices"),
+    (lambda: Indices(axis=0, ranges=((4, 6), (0, 2))), "indices"),
+    (lambda: Indices(axis=0, ranges=((0, 2.5),)), "indices"),
+    (lambda: Rank(rank=-1), "rank"),
+    (lambda: PipelineStage(stage="1"), "pipeline_stage"),
 ])
-def test_a_malformed_placement_is_rejected(kwargs):
-    with raises(f"malformed {kwargs['kind'].value} placement"):
-        TensorPlacement(**kwargs)
+def test_a_malformed_placement_is_rejected(build, kind):
+    with raises(f"malformed {kind} placement"):
+        build()
 
 
-def test_placements_round_trip_through_json_and_select_their_ranges():
-    placements = [REPLICATED, LOCAL, OMIT, TensorPlacement(kind=PlacementKind.RANK, rank=3),
-                  TensorPlacement(kind=PlacementKind.PIPELINE_STAGE, stage=1),
-                  TensorPlacement(kind=PlacementKind.SHARD, axis=1, index=1, parts=4),
-                  TensorPlacement(kind=PlacementKind.RANGE, axis=0, start=2, end=5),
-                  TensorPlacement(kind=PlacementKind.INDICES, axis=0, ranges=((0, 2), (4, 6)))]
+@pytest.mark.parametrize(("data", "message"), [
+    ({"kind": "pipeline_stage"}, "malformed pipeline_stage placement {'kind': 'pipeline_stage'}: "
+     "expected the fields ['stage']"),
+    ({"kind": "replicated", "axis": 0}, "malformed replicated placement {'kind': 'replicated', "
+     "'axis': 0}: expected the fields []"),
+    ({"kind": "range", "axis": 0, "start": 0, "end": 2, "ranges": [[0, 2]]},
+     "malformed range placement"),
+    ({"kind": "sideways"}, "unknown placement kind 'sideways' in {'kind': 'sideways'}; known: "
+     "replicated, local, omit, rank, pipeline_stage, shard, range, indices"),
+    ({"kind": "indices", "axis": 0, "ranges": [[0, 1, 2]]}, "malformed indices placement"),
+])
+def test_placement_json_with_missing_or_foreign_fields_is_rejected(data, message):
+    with raises(message):
+        placement_from_json(data)
+
+
+def test_compact_placements_of_the_wrong_length_are_rejected():
+    with raises("malformed shard placement ['shard', 0, 1]"):
+        placement_from_compact(("shard", 0, 1))
+    with raises("unknown placement kind None in []"):
+        placement_from_compact(())
+
+
+def test_placements_round_trip_through_json_and_compact_forms_and_select_their_ranges():
+    placements = [REPLICATED, LOCAL, OMIT, Rank(rank=3), PipelineStage(stage=1),
+                  Shard(axis=1, index=1, parts=4), Range(axis=0, start=2, end=5),
+                  Indices(axis=0, ranges=((0, 2), (4, 6)))]
+    assert [p.kind for p in placements] == list(PLACEMENT_KINDS)
+    assert all(PLACEMENT_KINDS[p.kind] is type(p) for p in placements)
     for placement in placements:
-        assert TensorPlacement.from_json(json.loads(json.dumps(placement.to_json()))) == placement
+        assert placement_from_json(json.loads(json.dumps(placement.to_json()))) == placement
+        assert placement_from_compact(json.loads(json.dumps(placement.to_compact()))) == placement
     assert placements[5].selection((3, 8)) == (1, ((2, 4),))
     assert placements[7].to_json() == {"kind": "indices", "axis": 0, "ranges": [[0, 2], [4, 6]]}
+    assert placements[7].to_compact() == ("indices", 0, ((0, 2), (4, 6)))
+    assert placements[3].to_json() == {"kind": "rank", "rank": 3}
+    assert placements[6].to_compact() == ("range", 0, 2, 5)
     assert placements[3].selection((3, 8)) == (None, ())
+    assert [p.holds_whole for p in placements] == [True, True, False, True, True, False, False,
+                                                   False]
+    assert Replicated() != Local() and len({Replicated(), Local(), Omit()}) == 3
+    assert not any(hasattr(p, "__dict__") for p in placements)  # slotted, frozen values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        placements[5].index = 0  # type: ignore[misc]
 
 
 def layout(target: str, placement: TensorPlacement = LOCAL, shape=(8, 4), local=None,
@@ -551,13 +596,13 @@ def layout(target: str, placement: TensorPlacement = LOCAL, shape=(8, 4), local=
 
 
 def test_local_tensor_layout_checks_its_shape_against_its_placement():
-    shard = TensorPlacement(kind=PlacementKind.SHARD, axis=0, index=0, parts=3)
+    shard = Shard(axis=0, index=0, parts=3)
     with raises("`w`: placement {'kind': 'shard', 'axis': 0, 'index': 0, 'parts': 3} does not fit "
                 "global shape [8, 4]"):
         layout("w", shard, local=(2, 4))
     with raises("`w`: local shape [3, 4] does not match placement {'kind': 'range', 'axis': 0, "
                 "'start': 0, 'end': 2} (expected [2, 4])"):
-        layout("w", TensorPlacement(kind=PlacementKind.RANGE, axis=0, start=0, end=2),
+        layout("w", Range(axis=0, start=0, end=2),
                local=(3, 4))
     with raises("`w`: local shape [8] and global shape [8, 4] differ in rank"):
         layout("w", local=(8,))
@@ -570,8 +615,7 @@ def test_local_tensor_layout_checks_its_shape_against_its_placement():
 
 def test_local_model_layout_is_sorted_by_target_and_rejects_duplicates():
     model = LocalModelLayout(tensors=(layout("b"), layout("a", dtype="F8_E4M3"),
-                                      layout("c", TensorPlacement(kind=PlacementKind.RANGE,
-                                                                  axis=0, start=0, end=4),
+                                      layout("c", Range(axis=0, start=0, end=4),
                                              local=(4, 4), dtype="U8")))
     assert model.targets == ("a", "b", "c")
     assert model["b"].target == "b" and "c" in model and "z" not in model and len(model) == 3
@@ -583,8 +627,8 @@ def test_local_model_layout_is_sorted_by_target_and_rejects_duplicates():
 
 
 def test_parallel_model_info_accounts_bytes_exactly_per_dtype():
-    ranks = [LocalModelLayout(tensors=(layout("w", TensorPlacement(
-        kind=PlacementKind.RANGE, axis=0, start=a, end=b), local=(b - a, 4), dtype="U32"),
+    ranks = [LocalModelLayout(tensors=(layout("w", Range(
+        axis=0, start=a, end=b), local=(b - a, 4), dtype="U32"),
         layout("n", REPLICATED, shape=(4,), dtype="BF16"))) for a, b in ((0, 5), (5, 8))]
     info = ParallelModelInfo.from_layouts(model_type="llama", tensor_parallel_size=2,
                                           pipeline_parallel_size=1, rank=1, layouts=ranks,

@@ -21,15 +21,18 @@ from partc.errors import (
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import MemberSharding, ParameterGroupSpec, ParameterMemberSpec
 from partc.partition.ownership import (
+    OWNER_KINDS,
     ArchitectureParameterDescription,
     ExecutionGraph,
     ExecutionGroupSpec,
+    ExecutionUnit,
     OwnedParameterGroupSpec,
-    OwnerKind,
-    ParameterGroupOwner,
     StageSide,
+    StaticAnyOf,
+    StaticRole,
     StaticRoleSpec,
     UnitRef,
+    owner_from_json,
     ownership_errors,
 )
 from partc.partition.pipeline import (
@@ -59,12 +62,12 @@ def group(name: str, targets: list[str] | tuple[str, ...], role=ParameterRole.RE
 
 def unit_owned(graph_group: str, unit: int, name: str, *targets: str):
     return OwnedParameterGroupSpec(group=group(name, targets),
-                                   owner=ParameterGroupOwner.execution_unit(graph_group, unit))
+                                   owner=ExecutionUnit(group=graph_group, unit=unit))
 
 
 def static_owned(role: str, name: str, *targets: str, role_kind=ParameterRole.REPLICATED):
     return OwnedParameterGroupSpec(group=group(name, targets, role_kind),
-                                   owner=ParameterGroupOwner.static_role(role))
+                                   owner=StaticRole(role=role))
 
 
 def layers(group_name: str, count: int, path="model.layers.{}", start=0, state=True, after=()):
@@ -162,21 +165,43 @@ def test_every_graph_mistake_is_refused_with_its_message(build, message):
 
 
 OWNER_MISTAKES = [
-    (dict(kind=OwnerKind.EXECUTION_UNIT, group="decoder"),
-     "an execution-unit owner needs a group and a unit and no static roles"),
-    (dict(kind=OwnerKind.STATIC_ROLE, roles=("a",), unit=1),
-     "a static_role owner takes no group or unit"),
-    (dict(kind=OwnerKind.STATIC_ROLE, roles=("a", "b")),
-     "a static_role owner names exactly one role, found ['a', 'b']"),
+    ({"kind": "execution_unit", "group": "decoder"},
+     "malformed execution_unit owner {'kind': 'execution_unit', 'group': 'decoder'}"),
+    ({"kind": "static_role", "roles": ["a"], "unit": 1},
+     "malformed static_role owner {'kind': 'static_role', 'roles': ['a'], 'unit': 1}"),
+    ({"kind": "static_role", "roles": ["a", "b"]},
+     "malformed static_role owner {'kind': 'static_role', 'roles': ['a', 'b']}"),
+    ({"kind": "static_any_of", "roles": "ab"},
+     "malformed static_any_of owner {'kind': 'static_any_of', 'roles': 'ab'}"),
+    ({"kind": "execution_unit", "group": "decoder", "unit": True},
+     "an execution-unit owner needs a group name and an integer unit, found 'decoder' and True"),
+    ({"kind": "everyone"},
+     "unknown owner kind 'everyone'; known: static_role, static_any_of, execution_unit"),
 ]
 
 
-@pytest.mark.parametrize(("fields", "message"), OWNER_MISTAKES)
-def test_an_owner_whose_fields_do_not_match_its_kind_is_refused(fields, message):
+@pytest.mark.parametrize(("data", "message"), OWNER_MISTAKES)
+def test_an_owner_whose_fields_do_not_match_its_kind_is_refused(data, message):
     with pytest.raises(ArchitectureParameterError) as caught:
-        ParameterGroupOwner(**fields)
+        owner_from_json(data)
     assert caught.value.kind is PK.INVALID_OWNER
     assert caught.value.message == message
+
+
+def test_owners_round_trip_through_json_through_their_kind_table():
+    owners = [StaticRole(role="embedding"), StaticAnyOf(roles=("output", "embedding")),
+              ExecutionUnit(group="decoder", unit=3)]
+    assert [type(o) for o in owners] == list(OWNER_KINDS.values())
+    assert [o.to_json() for o in owners] == [
+        {"kind": "static_role", "roles": ["embedding"]},
+        {"kind": "static_any_of", "roles": ["output", "embedding"]},
+        {"kind": "execution_unit", "group": "decoder", "unit": 3}]
+    assert [owner_from_json(json.loads(json.dumps(o.to_json()))) for o in owners] == owners
+    assert [o.static_roles for o in owners] == [("embedding",), ("output", "embedding"), ()]
+    assert [o.describe() for o in owners] == [
+        "static role `embedding`", "any of `output`, `embedding`", "unit 3 of `decoder`"]
+    assert [o.is_local({"decoder": (2, 4)}, ["embedding"]) for o in owners] == [True, True, True]
+    assert [o.is_local({"decoder": (0, 3)}, ["output"]) for o in owners] == [False, True, False]
 
 
 def _description(owned=(), roles=LLAMA_ROLES):
@@ -203,11 +228,11 @@ DESCRIPTION_MISTAKES = [
      "a declared static role has an empty name"),
     (PK.EMPTY_STATIC_ROLE, "tied",
      dict(owned=[OwnedParameterGroupSpec(group=group("tied", ["e"]),
-                                         owner=ParameterGroupOwner.static_any_of([]))]),
+                                         owner=StaticAnyOf(roles=()))]),
      "group `tied` is shared by an empty list of static roles; name at least one consumer role"),
     (PK.EMPTY_STATIC_ROLE, "tied",
      dict(owned=[OwnedParameterGroupSpec(group=group("tied", ["e"]),
-                                         owner=ParameterGroupOwner.static_any_of(["output", ""]))]),
+                                         owner=StaticAnyOf(roles=("output", "")))]),
      "group `tied` names an empty static role"),
     (PK.REPEATED_STATIC_ROLE, "",
      dict(roles=LLAMA_ROLES + (StaticRoleSpec(name="output", side=FIRST),)),
@@ -215,7 +240,7 @@ DESCRIPTION_MISTAKES = [
     (PK.REPEATED_STATIC_ROLE, "tied",
      dict(owned=[OwnedParameterGroupSpec(
          group=group("tied", ["e"]),
-         owner=ParameterGroupOwner.static_any_of(["embedding", "output", "embedding"]))]),
+         owner=StaticAnyOf(roles=("embedding", "output", "embedding")))]),
      "group `tied` names static role `embedding` twice in ['embedding', 'output', 'embedding']"),
     (PK.UNKNOWN_STATIC_ROLE, "head",
      dict(owned=[static_owned("lm_output", "head", "lm_head.weight")]),
@@ -258,7 +283,7 @@ def test_ownership_errors_yields_every_mistake_in_declaration_order():
     graph = ExecutionGraph(groups=(layers("decoder", 1),))
     bad = [unit_owned("decoder", 5, "a", "x"), static_owned("nope", "b", "x"),
            OwnedParameterGroupSpec(group=group("c", ["y"]),
-                                   owner=ParameterGroupOwner.static_any_of(["out", "out"]))]
+                                   owner=StaticAnyOf(roles=("out", "out")))]
     roles = (StaticRoleSpec(name="out", side=LAST), StaticRoleSpec(name="out", side=FIRST))
     errors = list(ownership_errors(graph, roles, bad))
     assert [(e.kind, e.group) for e in errors] == [
@@ -271,7 +296,7 @@ def test_ownership_errors_yields_every_mistake_in_declaration_order():
 def test_selection_by_semantic_role_static_role_and_partition():
     tied = OwnedParameterGroupSpec(group=group("embedding", ["model.embed_tokens.weight"],
                                                ParameterRole.VOCABULARY),
-                                   owner=ParameterGroupOwner.static_any_of(["embedding", "output"]))
+                                   owner=StaticAnyOf(roles=("embedding", "output")))
     graph = ExecutionGraph(groups=(layers("decoder", 3),))
     description = ArchitectureParameterDescription(
         graph=graph, static_roles=LLAMA_ROLES, groups=(
@@ -372,15 +397,15 @@ PARTITION_MISTAKES = [
     (AK.OUT_OF_BOUNDS, dict(state=PartitionState(units=2, global_range=(2, 4))),
      "state range [2, 4) exceeds the 3 state-carrying units of the graph"),
     (AK.NON_LOCAL_OWNER, dict(parameter_bindings=(
-        _binding(ParameterGroupOwner.execution_unit("decoder", 0), "model.layers.0.w",
+        _binding(ExecutionUnit(group="decoder", unit=0), "model.layers.0.w",
                  name="layers.0"),)),
      "stage 1 binds group `layers.0` whose owner (unit 0 of `decoder`) is not local to it"),
     (AK.NON_LOCAL_OWNER, dict(parameter_bindings=(
-        _binding(ParameterGroupOwner.static_role("embedding"), "e", name="embedding"),)),
+        _binding(StaticRole(role="embedding"), "e", name="embedding"),)),
      "stage 1 binds group `embedding` whose owner (static role `embedding`) is not local to it"),
     (AK.REPEATED_TARGET, dict(parameter_bindings=(
-        _binding(ParameterGroupOwner.static_role("output"), "w", name="lm_head"),
-        _binding(ParameterGroupOwner.static_any_of(["final_norm", "embedding"]), "w",
+        _binding(StaticRole(role="output"), "w", name="lm_head"),
+        _binding(StaticAnyOf(roles=("final_norm", "embedding")), "w",
                  name="shared"))),
      "stage 1 binds tensor `w` twice: in group `lm_head` and in group `shared`"),
 ]
@@ -544,8 +569,8 @@ def deepseek_description(names, layers_count: int, mtp_layers: int):
         else:
             owned.append(static_owned(statics[name], statics[name], name))
     for layer, targets in sorted(by_layer.items()):
-        owner = (ParameterGroupOwner.execution_unit("decoder", layer) if layer < layers_count
-                 else ParameterGroupOwner.execution_unit("mtp", layer - layers_count))
+        owner = (ExecutionUnit(group="decoder", unit=layer) if layer < layers_count
+                 else ExecutionUnit(group="mtp", unit=layer - layers_count))
         owned.append(OwnedParameterGroupSpec(group=group(f"layers.{layer}", targets),
                                              owner=owner))
     return ArchitectureParameterDescription(graph=graph, static_roles=DEEPSEEK_ROLES,
@@ -642,7 +667,7 @@ def architectures(draw):
         consumers = draw(st.lists(st.sampled_from(role_names), min_size=1, unique=True))
         owned.append(OwnedParameterGroupSpec(
             group=group("shared", ["shared.weight"]),
-            owner=ParameterGroupOwner.static_any_of(consumers)))
+            owner=StaticAnyOf(roles=tuple(consumers))))
     description = ArchitectureParameterDescription(graph=graph, static_roles=roles,
                                                    groups=tuple(owned))
     return description
@@ -706,10 +731,11 @@ def test_any_pipeline_covers_every_unit_once_in_contiguous_stages(case):
     assert set(loads) == set(targets)
     for owned in description.groups:
         stages_holding = {s for t in owned.group.targets for s in loads[t]}
-        if owned.owner.kind is OwnerKind.EXECUTION_UNIT:
+        owner = owned.owner
+        if isinstance(owner, ExecutionUnit):
             assert len(stages_holding) == 1
             (stage,) = stages_holding
-            assert partitions[stage].owns_unit(owned.owner.group, owned.owner.unit)
+            assert partitions[stage].owns_unit(owner.group, owner.unit)
         else:
             assert stages_holding == {p.stage for p in partitions
-                                      if set(owned.owner.roles) & set(p.ownership.static_roles)}
+                                      if set(owner.static_roles) & set(p.ownership.static_roles)}

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from partc import LayoutError, ParallelPlanError
-from partc.api import compile_family
+from partc.api import compile_family, plan_family
 from partc.errors import ArchitecturePartitionError
 from partc.front.schema import load_schema
 from partc.parallel.layout import PlacementKind
 from partc.parallel.specs import ShardingPolicy, balanced_contiguous_range
-from partc.plan import canonical_json
+from partc.plan import Topology, canonical_json
 
 from support import HF, QUANTIZED, ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 
@@ -189,7 +189,7 @@ def test_the_plan_text_is_the_canonical_json_and_modules_rebuild_the_plan(
     modules are columnar tables: both must say exactly what the plan objects say."""
     plan, package = compile_and_import(family, folder / "config.json", tmp_path / "b", tp=tp,
                                        pp=pp)
-    body, text = plan.document()
+    body, text = plan.document
     assert text == canonical_json(plan.to_json())
     assert body["plan_hash"] == json.loads(text)["plan_hash"]
     assert text == (tmp_path / "b" / "plan.json").read_text()
@@ -209,3 +209,20 @@ def test_a_build_does_not_depend_on_what_the_process_compiled_before():
     for name in ("qwen3_moe", "mixtral", "llama"):
         compile_family(None, HF / name / "config.json", tensor_parallel_size=2)
     assert compile_family("deepseek_v3", config, tensor_parallel_size=2).files == first
+
+
+def test_an_unshardable_group_is_reported_at_its_declaration_as_created():
+    text = (ROOT / "architectures" / "llama.yaml").read_text().splitlines()
+    line = next(i for i, s in enumerate(text, 1)
+                if s.strip() == '- name: "layers.{unit}.attention"')
+    with pytest.raises(ParallelPlanError) as caught:
+        plan_family(None, hf("llama") / "config.json",
+                    Topology(tensor_parallel_size=3, pipeline_parallel_size=1))
+    error = caught.value
+    assert (error.location.file, error.location.line, error.location.column) == (
+        "architectures/llama.yaml", line, 5)
+    assert error.pointer == "/parameters/2"
+    assert error.message.startswith("group `layers.0.attention` cannot be sharded over "
+                                    "tensor_parallel_size 3: it (role attention_heads) has 2 "
+                                    "partition units (num_key_value_heads)")
+    assert str(error).startswith(f"architectures/llama.yaml:{line}:5: group `layers.0.attention`")

@@ -22,7 +22,7 @@ from partc.front.load import (
 from partc.front.schema import validate_document
 from partc.library import family_for_config, family_spec_is_file, read_family_source
 from partc.partition.boundary import PipelineActivationDtype
-from partc.plan import Plan, Topology, realize_plan
+from partc.plan import GroupSite, Plan, Topology, realize_plan
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
@@ -82,13 +82,12 @@ def bind(family: str | Path | None, config: str | Path, checkpoint: Checkpoint |
     return bound, decl, sources
 
 
-def _locator(decl: FamilyDecl, bound: BoundArchitecture):  # type: ignore[no-untyped-def]
+def _locator(decl: FamilyDecl, bound: BoundArchitecture) -> GroupSite:
     pointers = dict(bound.group_pointers)
 
-    def locate(error: PartcError, group: str) -> None:
-        """Raise `error` (a plan error about `group`) as created at the group's declaration."""
-        if group in pointers:
-            raise decl.locate_error(error, pointers[group]) from None
+    def locate(group: str) -> tuple[SourceLocation, str] | None:
+        pointer = pointers.get(group)
+        return None if pointer is None else (decl.document.locate(pointer), pointer)
     return locate
 
 
@@ -186,7 +185,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
         assert checkpoint is not None
         recorded = plan_digests([rank.layout for rank in plan.ranks],
                                 open_checkpoint(Path(checkpoint)))
-        plan = replace(plan, payload_digests=recorded, _tensors=[], _document=[])
+        plan = replace(plan, payload_digests=recorded)
     files = render_package(plan)
     written = None
     if out is not None:

@@ -11,19 +11,28 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
-from partc.errors import LayoutError, PartcError
+from partc.errors import LayoutError, SourceLocation
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
 from partc.parallel.realize import realize_group_template
 from partc.parallel.specs import ShardingPolicy
-from partc.partition.boundary import PipelineActivationDtype, PipelineWireContract
-from partc.partition.ownership import OwnerKind, ParameterGroupOwner
+from partc.partition.boundary import (
+    BoundaryWireSchema,
+    PipelineActivationDtype,
+    PipelineWireContract,
+)
+from partc.partition.ownership import ExecutionGroupSpec, ParameterGroupOwner, StaticRoleSpec
 from partc.partition.pipeline import ArchitecturePartition, realize_partition
 
 if TYPE_CHECKING:
     from partc.bind.binder import BoundArchitecture
+
+
+GroupSite = Callable[[str], "tuple[SourceLocation, str] | None"]
+"""Where a parameter group (by name) is declared: source location and JSON pointer, or None."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +74,19 @@ class Topology:
         }
 
 
+Accounting = tuple[int, int, tuple[tuple[str, int], ...]]
+"""(local bytes, pinned bytes, local bytes by dtype) of one group on one tensor-parallel rank."""
+
+
+def _accounting(layouts: tuple[LocalTensorLayout, ...]) -> Accounting:
+    sizes = [(x.dtype, x.local_bytes, x.placement.holds_whole) for x in layouts]
+    by_dtype: dict[str, int] = {}
+    for dtype, nbytes, _ in sizes:
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    return (sum(n for _, n, _ in sizes), sum(n for _, n, whole in sizes if whole),
+            tuple(sorted(by_dtype.items())))
+
+
 @dataclass(frozen=True, slots=True)
 class GroupKind:
     """The realization shared by every parameter group of one structure (groups that differ
@@ -72,21 +94,17 @@ class GroupKind:
 
     layouts: tuple[tuple[LocalTensorLayout, ...], ...]
     """Outer index: tensor-parallel rank; inner: member. Named after the kind's first group."""
-    _accounting: list[tuple[int, int, tuple[tuple[str, int], ...]]] = field(
-        default_factory=list, compare=False, repr=False)
+    rank_accounting: tuple[Accounting, ...] = field(init=False, compare=False, repr=False)
+    """Per tensor-parallel rank, the accounting of one group of this kind (derived on
+    construction)."""
 
-    def accounting(self, tensor_parallel_rank: int) -> tuple[int, int, tuple[tuple[str, int], ...]]:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank_accounting",
+                           tuple(_accounting(layouts) for layouts in self.layouts))
+
+    def accounting(self, tensor_parallel_rank: int) -> Accounting:
         """(local bytes, pinned bytes, local bytes by dtype) of one group of this kind on a rank."""
-        if not self._accounting:
-            for layouts in self.layouts:
-                sizes = [(x.dtype, x.local_bytes, x.is_whole) for x in layouts]
-                by_dtype: dict[str, int] = {}
-                for dtype, nbytes, _ in sizes:
-                    by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
-                self._accounting.append((sum(n for _, n, _ in sizes),
-                                         sum(n for _, n, whole in sizes if whole),
-                                         tuple(sorted(by_dtype.items()))))
-        return self._accounting[tensor_parallel_rank]
+        return self.rank_accounting[tensor_parallel_rank]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,9 +123,14 @@ class PlannedGroup:
     """Pipeline stages that load it."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RankPlan:
-    """Everything one rank needs: its partition, its parameter groups and its accounting."""
+    """Everything one rank needs: its partition, its parameter groups and its accounting.
+
+    Not slotted: `layout` is a `functools.cached_property`, derived from the fields on first
+    use (large models have ~10^4 tensors per rank and a compile needs none of them); the
+    fields never change and equality sees only them.
+    """
 
     rank: int
     """Global rank."""
@@ -123,19 +146,30 @@ class RankPlan:
     """The stage's parameter groups, in binding order (shared by the stage's ranks)."""
     kinds: tuple[GroupKind, ...] = field(repr=False)
     """The plan's group kinds (`PlannedGroup.kind` indexes it)."""
-    _layout: list[LocalModelLayout] = field(default_factory=list, compare=False, repr=False)
 
-    @property
+    @cached_property
     def layout(self) -> LocalModelLayout:
-        """This rank's tensors (built on first use: large models have ~10^4 per rank)."""
-        if not self._layout:
-            t = self.tensor_parallel_rank
-            self._layout.append(LocalModelLayout(tensors=tuple(
-                layout.renamed(target, group.name)
-                for group in self.groups
-                for layout, target in zip(self.kinds[group.kind].layouts[t], group.targets,
-                                          strict=True))))
-        return self._layout[0]
+        """This rank's tensors (derived on first use, then kept)."""
+        t = self.tensor_parallel_rank
+        return LocalModelLayout(tensors=tuple(
+            layout.renamed(target, group.name)
+            for group in self.groups
+            for layout, target in zip(self.kinds[group.kind].layouts[t], group.targets,
+                                      strict=True)))
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (the plan's `ranks` entries)."""
+        info = self.info
+        return {
+            "rank": self.rank, "tensor_parallel_rank": self.tensor_parallel_rank,
+            "pipeline_stage": self.pipeline_stage, "partition": self.partition.to_json(),
+            "info": {"owned_tensors": info.owned_tensors,
+                     "local_parameter_bytes": info.local_parameter_bytes,
+                     "global_parameter_bytes": info.global_parameter_bytes,
+                     "pinned_parameter_bytes": info.pinned_parameter_bytes,
+                     "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
+                     "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)},
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,15 +184,20 @@ class GlobalTensor:
     """Global shape."""
     group: str
     """Owning parameter group."""
-    owner: dict[str, object]
-    """The group's owner (JSON form)."""
+    owner: ParameterGroupOwner
+    """The group's owner."""
     stages: tuple[int, ...]
     """Pipeline stages that load it (Omit on every other)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    """The frozen plan IR of one (family, config, topology)."""
+    """The frozen plan IR of one (family, config, topology).
+
+    Not slotted: `tensors` and `document` are `functools.cached_property` values, derived from
+    the fields on first use and then kept (the tensor table has ~10^5 entries for the largest
+    models); the fields never change and equality sees only them.
+    """
 
     family: str
     """Family name."""
@@ -170,12 +209,12 @@ class Plan:
     """Input names and their sha256, sorted."""
     config_values: tuple[tuple[str, Any], ...]
     """Bound config values."""
-    graph: tuple[tuple[str, tuple[str, ...], bool, tuple[str, ...]], ...]
-    """Execution groups: (name, unit paths, carries state, dependencies), canonical order."""
-    static_roles: tuple[tuple[str, str], ...]
-    """Static roles and sides."""
-    boundary: dict[str, object]
-    """Boundary wire schema (JSON form)."""
+    graph: tuple[ExecutionGroupSpec, ...]
+    """Execution groups in canonical order."""
+    static_roles: tuple[StaticRoleSpec, ...]
+    """Static roles and their sides, in declaration order."""
+    boundary: BoundaryWireSchema
+    """What crosses a pipeline cut."""
     groups: tuple[PlannedGroup, ...]
     """Every parameter group, in declaration order."""
     kinds: tuple[GroupKind, ...]
@@ -190,23 +229,15 @@ class Plan:
     """Per rank, (target, sha256 of its rank-local bytes) sorted by target; only when compiled
     with `--digests` (the JSON key `digests` is absent otherwise)."""
 
-    _tensors: list[tuple[GlobalTensor, ...]] = field(default_factory=list, compare=False,
-                                                     repr=False)
-    _document: list[tuple[dict[str, Any], str]] = field(default_factory=list, compare=False,
-                                                        repr=False)
-
-    @property
+    @cached_property
     def tensors(self) -> tuple[GlobalTensor, ...]:
-        """Global tensor table, sorted by target (built on first use)."""
-        if not self._tensors:
-            table = [GlobalTensor(target=target, dtype=layout.dtype, shape=layout.global_shape,
-                                  group=group.name, owner=owner, stages=group.stages)
-                     for group in self.groups
-                     for owner in [group.owner.to_json()]
-                     for layout, target in zip(self.kinds[group.kind].layouts[0], group.targets,
-                                               strict=True)]
-            self._tensors.append(tuple(sorted(table, key=lambda t: t.target)))
-        return self._tensors[0]
+        """Global tensor table, sorted by target (derived on first use, then kept)."""
+        table = [GlobalTensor(target=target, dtype=layout.dtype, shape=layout.global_shape,
+                              group=group.name, owner=group.owner, stages=group.stages)
+                 for group in self.groups
+                 for layout, target in zip(self.kinds[group.kind].layouts[0], group.targets,
+                                           strict=True)]
+        return tuple(sorted(table, key=lambda t: t.target))
 
     @property
     def global_parameter_bytes(self) -> int:
@@ -225,21 +256,17 @@ class Plan:
     @property
     def plan_hash(self) -> str:
         """The content hash of the plan (`plan_hash` of its JSON document)."""
-        return str(self.document()[0]["plan_hash"])
+        return str(self.document[0]["plan_hash"])
 
+    @cached_property
     def document(self) -> tuple[dict[str, Any], str]:
         """`to_json()` without its `tensors` list, and the canonical text of the whole document
-        (equal to `canonical_json(to_json())`), each part encoded once; computed once per plan
-        (treat the dict as read-only).
+        (equal to `canonical_json(to_json())`), each part encoded once; derived on first use,
+        then kept (treat the dict as read-only).
 
         The tensor table (~10^5 entries for the largest models) is spelled directly from the
         group kinds, whose shape and placement text its tensors share.
         """
-        if not self._document:
-            self._document.append(self._spell_document())
-        return self._document[0]
-
-    def _spell_document(self) -> tuple[dict[str, Any], str]:
         body = self._body()
         parts = {key: canonical_json(value)[:-1] for key, value in body.items()}
         parts["tensors"] = self._tensors_text()
@@ -258,12 +285,13 @@ class Plan:
             "checkpoint_fingerprint": self.checkpoint_fingerprint,
             "checkpoint_header_digest": self.checkpoint_header_digest,
             "config": {k: list(v) if isinstance(v, tuple) else v for k, v in self.config_values},
-            "graph": [{"group": n, "unit_paths": list(p), "state": s, "after": list(a)}
-                      for n, p, s, a in self.graph],
-            "static_roles": [{"role": n, "stage": s} for n, s in self.static_roles],
-            "boundary": self.boundary,
+            "graph": [{"group": g.name, "unit_paths": list(g.unit_paths),
+                       "state": g.carries_state, "after": list(g.dependencies)}
+                      for g in self.graph],
+            "static_roles": [{"role": r.name, "stage": r.side.value} for r in self.static_roles],
+            "boundary": self.boundary.to_json(),
             "groups": self._groups_json(),
-            "ranks": [_rank_json(r) for r in self.ranks],
+            "ranks": [r.to_json() for r in self.ranks],
         } | ({} if self.payload_digests is None else {
             "digests": [dict(rank) for rank in self.payload_digests]})
 
@@ -349,20 +377,6 @@ def _compact_json(value: tuple[object, ...]) -> list[object]:
     return [[list(r) for r in v] if isinstance(v, tuple) else v for v in value]
 
 
-def _rank_json(r: RankPlan) -> dict[str, object]:
-    info = r.info
-    return {
-        "rank": r.rank, "tensor_parallel_rank": r.tensor_parallel_rank,
-        "pipeline_stage": r.pipeline_stage, "partition": r.partition.to_json(),
-        "info": {"owned_tensors": info.owned_tensors,
-                 "local_parameter_bytes": info.local_parameter_bytes,
-                 "global_parameter_bytes": info.global_parameter_bytes,
-                 "pinned_parameter_bytes": info.pinned_parameter_bytes,
-                 "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
-                 "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)},
-    }
-
-
 def canonical_json(data: object) -> str:
     """Deterministic JSON text: sorted keys, compact separators, ASCII only, trailing newline."""
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n"
@@ -378,8 +392,9 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  sources: tuple[tuple[str, str], ...] = (),
                  checkpoint_fingerprint: str | None = None,
                  checkpoint_header_digest: str | None = None,
-                 group_location: Any = None) -> Plan:
-    """The plan of `bound` for `topology`; raises LayoutError (located when possible).
+                 group_location: GroupSite | None = None) -> Plan:
+    """The plan of `bound` for `topology`; raises LayoutError (created located at the group's
+    declaration when `group_location` knows it).
 
     Each group structure is realized once (`realize_group_template`); groups keep an index to
     their kind, so a rank's tensor layouts are only built when asked for.
@@ -392,14 +407,11 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     group_kinds: dict[str, int] = {}
     realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
     for owned in description.groups:
-        try:
-            template = realize_group_template(owned.group, tp, policy,
-                                              policy_overrides_group=topology.policy is not None,
-                                              cache=realized)
-        except PartcError as error:
-            if group_location is not None:
-                group_location(error, owned.group.name)
-            raise
+        site = None if group_location is None else group_location(owned.group.name)
+        location, pointer = (None, "") if site is None else site
+        template = realize_group_template(owned.group, tp, policy,
+                                          policy_overrides_group=topology.policy is not None,
+                                          cache=realized, location=location, pointer=pointer)
         index = kind_index.get(id(template))
         if index is None:
             index = kind_index[id(template)] = len(kinds)
@@ -444,10 +456,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     return Plan(
         family=bound.family, model_type=bound.model_type, topology=topology, sources=sources,
         config_values=bound.config_values,
-        graph=tuple((g.name, g.unit_paths, g.carries_state, g.dependencies)
-                    for g in graph.canonical_order()),
-        static_roles=tuple((r.name, r.side.value) for r in description.static_roles),
-        boundary=bound.boundary.to_json(),
+        graph=graph.canonical_order(), static_roles=description.static_roles,
+        boundary=bound.boundary,
         groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
         checkpoint_fingerprint=checkpoint_fingerprint,
         checkpoint_header_digest=checkpoint_header_digest)
@@ -470,7 +480,3 @@ def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], t
             by_dtype[dtype] = by_dtype.get(dtype, 0) + count * n
     return owned, local, pinned, tuple(sorted(by_dtype.items()))
 
-
-def static_owner_kinds() -> tuple[OwnerKind, ...]:
-    """Owner kinds that are not execution units."""
-    return (OwnerKind.STATIC_ROLE, OwnerKind.STATIC_ANY_OF)

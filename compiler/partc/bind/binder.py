@@ -41,8 +41,11 @@ from partc.partition.ownership import (
     ArchitectureParameterDescription,
     ExecutionGraph,
     ExecutionGroupSpec,
+    ExecutionUnit,
     OwnedParameterGroupSpec,
     ParameterGroupOwner,
+    StaticAnyOf,
+    StaticRole,
     StaticRoleSpec,
 )
 
@@ -580,11 +583,10 @@ def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
         if binder.boolean(choice.when, env, join_pointer(choice.pointer, "when")):
             if choice.kind is OwnerKind.UNIT:
                 assert choice.group is not None and unit is not None
-                return ParameterGroupOwner.execution_unit(str(env.get("group", choice.group)),
-                                                          unit)
+                return ExecutionUnit(group=str(env.get("group", choice.group)), unit=unit)
             if choice.kind is OwnerKind.STATIC:
-                return ParameterGroupOwner.static_role(choice.roles[0])
-            return ParameterGroupOwner.static_any_of(choice.roles)
+                return StaticRole(role=choice.roles[0])
+            return StaticAnyOf(roles=tuple(choice.roles))
     raise binder.fail("no owner choice applies: every `when` is false", decl.pointer)
 
 

@@ -102,7 +102,7 @@ class _StageTables:
 
     kinds: tuple[int, ...]
     """Plan kind index of each local KINDS row."""
-    owner_rows: list[str]
+    owner_rows: tuple[str, ...]
     """OWNERS rows."""
     groups_text: str
     """GROUPS literal."""
@@ -123,7 +123,7 @@ def _stage_tables(rank: RankPlan) -> _StageTables:
         owner = owners.setdefault(owner_row, len(owners))
         group_lines.append(f"{kind} {owner} {group.name}")
         targets.extend(group.targets)
-    return _StageTables(kinds=tuple(kinds), owner_rows=list(owners),
+    return _StageTables(kinds=tuple(kinds), owner_rows=tuple(owners),
                         groups_text=lines_literal(group_lines),
                         targets_text=lines_literal(targets), targets=tuple(targets))
 
@@ -164,7 +164,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
                                              "graph": plan_json["graph"]}),
         "state_range_literal": python_literal(rank.partition.state.global_range),
         "info_literal": python_literal(rank_json["info"]),
-        "boundary_literal": python_literal(plan.boundary),
+        "boundary_literal": python_literal(plan_json["boundary"]),
         "activation_dtype_literal": python_literal(plan.topology.activation_dtype.value),
     }
     template = _environment().get_template("rank_module.py.jinja2")
@@ -191,7 +191,7 @@ def _docstring_safe(text: str) -> str:
 
 def render_package(plan: Plan) -> dict[str, str]:
     """Every file of the generated build, by relative path: plan.json and the loader package."""
-    plan_json, plan_text = plan.document()
+    plan_json, plan_text = plan.document
     sources = ", ".join(f"{_comment_safe(n)} (sha256 {h[:16]})" for n, h in plan.sources
                         ) or "(no sources)"
     header = _Header(version=__version__, sources=sources,

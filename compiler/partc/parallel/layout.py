@@ -9,9 +9,10 @@ import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TypeVar
+from types import MappingProxyType
+from typing import ClassVar, TypeVar
 
-from partc.errors import ParallelPlanError, ParallelPlanErrorKind
+from partc.errors import ParallelPlanError, ParallelPlanErrorKind, SourceLocation
 
 # ---------------------------------------------------------------- dtypes
 
@@ -42,9 +43,11 @@ def _invalid_tensor(message: str, *, group: str = "", target: str = "") -> Paral
                              target=target, tensor=target or None)
 
 
-def _invalid_group(message: str, *, group: str, target: str = "") -> ParallelPlanError:
+def _invalid_group(message: str, *, group: str, target: str = "",
+                   location: SourceLocation | None = None, pointer: str = "") -> ParallelPlanError:
     return ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, message, group=group,
-                             target=target, tensor=target or None)
+                             target=target, tensor=target or None, location=location,
+                             pointer=pointer)
 
 
 def _is_count(value: object) -> bool:
@@ -108,121 +111,297 @@ class PlacementKind(enum.Enum):
 Selection = tuple[int | None, tuple[tuple[int, int], ...]]
 """(axis, ranges) of a global tensor: the ranges along `axis`, concatenated; axis None = whole."""
 
+_WHOLE: Selection = (None, ())
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorPlacement:
-    """Where a tensor (or which part of it) lives on a rank."""
 
-    kind: PlacementKind
-    """Which placement."""
-    axis: int | None = None
-    """Split axis for Shard, Range and Indices."""
-    index: int | None = None
-    """Shard index (Shard)."""
-    parts: int | None = None
-    """Number of equal shards (Shard)."""
-    start: int | None = None
-    """First element on the axis (Range)."""
-    end: int | None = None
-    """One past the last element on the axis (Range)."""
-    ranges: tuple[tuple[int, int], ...] = ()
-    """Element ranges on the axis, ascending, disjoint and non-adjacent (Indices)."""
-    rank: int | None = None
-    """The one rank holding the tensor (Rank)."""
-    stage: int | None = None
-    """The pipeline stage holding the tensor (PipelineStage)."""
+def _malformed(kind: PlacementKind, spelled: object) -> ParallelPlanError:
+    return _invalid_tensor(f"malformed {kind.value} placement: {spelled}")
 
-    def __post_init__(self) -> None:
-        kind = self.kind
-        used = {"axis", "index", "parts", "start", "end", "rank", "stage"}
-        needed = {PlacementKind.SHARD: {"axis", "index", "parts"},
-                  PlacementKind.RANGE: {"axis", "start", "end"}, PlacementKind.INDICES: {"axis"},
-                  PlacementKind.RANK: {"rank"}, PlacementKind.PIPELINE_STAGE: {"stage"}
-                  }.get(kind, set())
-        ok = all(_is_count(getattr(self, n)) and getattr(self, n) >= 0 for n in needed)
-        ok = ok and all(getattr(self, n) is None for n in used - needed)
-        if kind is PlacementKind.SHARD and ok:
-            ok = self.index is not None and self.parts is not None and self.index < self.parts
-        elif kind is PlacementKind.RANGE and ok:
-            ok = self.start is not None and self.end is not None and self.start < self.end
-        elif kind is PlacementKind.INDICES:
-            bounds = [b for r in self.ranges for b in r]
-            ok = ok and bool(self.ranges) and all(_is_count(b) for b in bounds) and all(
-                0 <= a < b for a, b in self.ranges) and all(
-                before[1] < after[0] for before, after in zip(self.ranges, self.ranges[1:],
-                                                               strict=False))
-        if kind is not PlacementKind.INDICES and self.ranges:
-            ok = False
-        if not ok:
-            raise _invalid_tensor(f"malformed {kind.value} placement: {self.to_json()}")
+
+def _check_counts(kind: PlacementKind, spelled: dict[str, object], *names: str) -> None:
+    """Raise unless every named field of a placement is a count (an int >= 0)."""
+    if not all(_is_count(spelled[n]) and spelled[n] >= 0 for n in names):  # type: ignore[operator]
+        raise _malformed(kind, spelled)
+
+
+def _axis_fits(axis: int, global_shape: Sequence[int], end: int) -> bool:
+    return axis < len(global_shape) and end <= global_shape[axis]
+
+
+class _Whole:
+    """What the placements that split no axis share: they select the whole tensor and fit any
+    shape. (A field-less mixin for the dataclasses below, not a registry or an interface.)"""
+
+    __slots__ = ()
 
     def selection(self, global_shape: Sequence[int]) -> Selection:
-        """The global element ranges this placement selects: (axis, ranges), axis None = whole."""
-        if self.kind is PlacementKind.SHARD:
-            assert self.axis is not None and self.parts is not None and self.index is not None
-            width = global_shape[self.axis] // self.parts
-            return self.axis, ((self.index * width, (self.index + 1) * width),)
-        if self.kind is PlacementKind.RANGE:
-            assert self.start is not None and self.end is not None
-            return self.axis, ((self.start, self.end),)
-        if self.kind is PlacementKind.INDICES:
-            return self.axis, self.ranges
-        return None, ()
+        """No split axis: (None, ())."""
+        return _WHOLE
+
+    def fits(self, global_shape: Sequence[int]) -> bool:
+        """Whether the placement can apply to a tensor of `global_shape` (always)."""
+        return True
+
+
+class _KindOnly(_Whole):
+    """The JSON and compact forms of a placement without fields: its kind alone."""
+
+    __slots__ = ()
+    kind: ClassVar[PlacementKind]
 
     def to_json(self) -> dict[str, object]:
-        """The placement as a JSON object with only its meaningful fields."""
-        out: dict[str, object] = {"kind": self.kind.value}
-        for name in ("axis", "index", "parts", "start", "end", "rank", "stage"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        if self.ranges:
-            out["ranges"] = [list(r) for r in self.ranges]
-        return out
+        """JSON form: the kind only."""
+        return {"kind": self.kind.value}
 
     def to_compact(self) -> tuple[object, ...]:
-        """A short tuple form for generated tables: the kind, then its fields in order."""
-        kind = self.kind
-        if kind is PlacementKind.SHARD:
-            return (kind.value, self.axis, self.index, self.parts)
-        if kind is PlacementKind.RANGE:
-            return (kind.value, self.axis, self.start, self.end)
-        if kind is PlacementKind.INDICES:
-            return (kind.value, self.axis, self.ranges)
-        if kind is PlacementKind.RANK:
-            return (kind.value, self.rank)
-        if kind is PlacementKind.PIPELINE_STAGE:
-            return (kind.value, self.stage)
-        return (kind.value,)
-
-    @classmethod
-    def from_compact(cls, data: Sequence[object]) -> TensorPlacement:
-        """Rebuild (and re-validate) a placement from `to_compact` output."""
-        kind = PlacementKind(data[0])
-        names = {PlacementKind.SHARD: ("axis", "index", "parts"),
-                 PlacementKind.RANGE: ("axis", "start", "end"),
-                 PlacementKind.INDICES: ("axis", "ranges"), PlacementKind.RANK: ("rank",),
-                 PlacementKind.PIPELINE_STAGE: ("stage",)}.get(kind, ())
-        if len(data) != len(names) + 1:
-            raise _invalid_tensor(f"malformed {kind.value} placement {list(data)}")
-        values = dict(zip(names, data[1:], strict=True))
-        if "ranges" in values:
-            values["ranges"] = tuple((int(a), int(b)) for a, b in values["ranges"])  # type: ignore[attr-defined]
-        return cls(kind=kind, **values)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> TensorPlacement:
-        """Rebuild (and re-validate) a placement from `to_json` output."""
-        kwargs = {k: v for k, v in data.items() if k not in ("kind", "ranges")}
-        ranges = tuple((int(a), int(b)) for a, b in data.get("ranges", ()))  # type: ignore[attr-defined]
-        return cls(kind=PlacementKind(data["kind"]), ranges=ranges, **kwargs)  # type: ignore[arg-type]
+        """Compact form for generated tables: the kind only."""
+        return (self.kind.value,)
 
 
-REPLICATED = TensorPlacement(kind=PlacementKind.REPLICATED)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replicated(_KindOnly):
+    """The whole tensor on every tensor-parallel rank of its stage."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.REPLICATED
+    holds_whole: ClassVar[bool] = True
+    """Whether a rank with this placement holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Local(_KindOnly):
+    """The whole tensor on the one rank of its stage (tensor-parallel size 1)."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.LOCAL
+    holds_whole: ClassVar[bool] = True
+    """Whether a rank with this placement holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Omit(_KindOnly):
+    """Not on this rank."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.OMIT
+    holds_whole: ClassVar[bool] = False
+    """Whether a rank with this placement holds the whole tensor."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rank(_Whole):
+    """The whole tensor on one rank only."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.RANK
+    holds_whole: ClassVar[bool] = True
+    """Whether a rank with this placement holds the whole tensor."""
+    rank: int
+    """The one global rank holding the tensor."""
+
+    def __post_init__(self) -> None:
+        _check_counts(self.kind, self.to_json(), "rank")
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind and rank."""
+        return {"kind": self.kind.value, "rank": self.rank}
+
+    def to_compact(self) -> tuple[object, ...]:
+        """Compact form for generated tables: (kind, rank)."""
+        return (self.kind.value, self.rank)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineStage(_Whole):
+    """The whole tensor on the ranks of one pipeline stage."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.PIPELINE_STAGE
+    holds_whole: ClassVar[bool] = True
+    """Whether a rank with this placement holds the whole tensor."""
+    stage: int
+    """The pipeline stage holding the tensor."""
+
+    def __post_init__(self) -> None:
+        _check_counts(self.kind, self.to_json(), "stage")
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind and stage."""
+        return {"kind": self.kind.value, "stage": self.stage}
+
+    def to_compact(self) -> tuple[object, ...]:
+        """Compact form for generated tables: (kind, stage)."""
+        return (self.kind.value, self.stage)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shard:
+    """Shard `index` of `parts` equal shards along `axis`."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.SHARD
+    holds_whole: ClassVar[bool] = False
+    """Whether a rank with this placement holds the whole tensor."""
+    axis: int
+    """The split axis."""
+    index: int
+    """Which shard, 0 <= index < parts."""
+    parts: int
+    """Number of equal shards."""
+
+    def __post_init__(self) -> None:
+        spelled = self.to_json()
+        _check_counts(self.kind, spelled, "axis", "index", "parts")
+        if self.index >= self.parts:
+            raise _malformed(self.kind, spelled)
+
+    def selection(self, global_shape: Sequence[int]) -> Selection:
+        """(axis, the shard's one range)."""
+        width = global_shape[self.axis] // self.parts
+        return self.axis, ((self.index * width, (self.index + 1) * width),)
+
+    def fits(self, global_shape: Sequence[int]) -> bool:
+        """Whether `axis` exists and `parts` divides it."""
+        return self.axis < len(global_shape) and global_shape[self.axis] % self.parts == 0
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind, axis, index and parts."""
+        return {"kind": self.kind.value, "axis": self.axis, "index": self.index,
+                "parts": self.parts}
+
+    def to_compact(self) -> tuple[object, ...]:
+        """Compact form for generated tables: (kind, axis, index, parts)."""
+        return (self.kind.value, self.axis, self.index, self.parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Range:
+    """Elements [start, end) along `axis`."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.RANGE
+    holds_whole: ClassVar[bool] = False
+    """Whether a rank with this placement holds the whole tensor."""
+    axis: int
+    """The split axis."""
+    start: int
+    """First element on the axis."""
+    end: int
+    """One past the last element on the axis (> start)."""
+
+    def __post_init__(self) -> None:
+        spelled = self.to_json()
+        _check_counts(self.kind, spelled, "axis", "start", "end")
+        if self.start >= self.end:
+            raise _malformed(self.kind, spelled)
+
+    def selection(self, global_shape: Sequence[int]) -> Selection:
+        """(axis, the one range)."""
+        return self.axis, ((self.start, self.end),)
+
+    def fits(self, global_shape: Sequence[int]) -> bool:
+        """Whether `axis` exists and holds `end` elements."""
+        return _axis_fits(self.axis, global_shape, self.end)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind, axis, start and end."""
+        return {"kind": self.kind.value, "axis": self.axis, "start": self.start,
+                "end": self.end}
+
+    def to_compact(self) -> tuple[object, ...]:
+        """Compact form for generated tables: (kind, axis, start, end)."""
+        return (self.kind.value, self.axis, self.start, self.end)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Indices:
+    """Several element ranges along `axis`, concatenated."""
+
+    kind: ClassVar[PlacementKind] = PlacementKind.INDICES
+    holds_whole: ClassVar[bool] = False
+    """Whether a rank with this placement holds the whole tensor."""
+    axis: int
+    """The split axis."""
+    ranges: tuple[tuple[int, int], ...]
+    """Element ranges on the axis: non-empty, ascending, disjoint and non-adjacent."""
+
+    def __post_init__(self) -> None:
+        spelled = self.to_json()
+        _check_counts(self.kind, spelled, "axis")
+        ranges = self.ranges
+        if not (ranges and all(_is_count(b) for r in ranges for b in r)
+                and all(0 <= a < b for a, b in ranges)
+                and all(before[1] < after[0]
+                        for before, after in zip(ranges, ranges[1:], strict=False))):
+            raise _malformed(self.kind, spelled)
+
+    def selection(self, global_shape: Sequence[int]) -> Selection:
+        """(axis, the ranges)."""
+        return self.axis, self.ranges
+
+    def fits(self, global_shape: Sequence[int]) -> bool:
+        """Whether `axis` exists and holds the last range."""
+        return _axis_fits(self.axis, global_shape, self.ranges[-1][1])
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind, axis and ranges (a list of [start, end] pairs)."""
+        return {"kind": self.kind.value, "axis": self.axis,
+                "ranges": [list(r) for r in self.ranges]}
+
+    def to_compact(self) -> tuple[object, ...]:
+        """Compact form for generated tables: (kind, axis, ranges)."""
+        return (self.kind.value, self.axis, self.ranges)
+
+
+TensorPlacement = Replicated | Local | Omit | Rank | PipelineStage | Shard | Range | Indices
+"""Where a tensor (or which part of it) lives on a rank: one class per kind."""
+
+PLACEMENT_KINDS: dict[PlacementKind, type[TensorPlacement]] = {
+    cls.kind: cls for cls in (Replicated, Local, Omit, Rank, PipelineStage, Shard, Range, Indices)}
+"""Each placement kind and its class (the JSON and compact forms' tag)."""
+
+
+def _placement_class(tag: object, spelled: object) -> type[TensorPlacement]:
+    cls = next((c for k, c in PLACEMENT_KINDS.items() if k.value == tag), None)
+    if cls is None:
+        raise _invalid_tensor(f"unknown placement kind {tag!r} in {spelled}; known: "
+                              + ", ".join(k.value for k in PLACEMENT_KINDS))
+    return cls
+
+
+def _field_names(cls: type[TensorPlacement]) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
+def _build(cls: type[TensorPlacement], values: dict[str, object]) -> TensorPlacement:
+    if "ranges" in values:
+        try:
+            values["ranges"] = tuple((a, b) for a, b in values["ranges"])  # type: ignore[attr-defined]
+        except (TypeError, ValueError):
+            raise _malformed(cls.kind, values) from None
+    return cls(**values)  # type: ignore[arg-type]
+
+
+def placement_from_compact(data: Sequence[object]) -> TensorPlacement:
+    """Rebuild (and re-validate) a placement from its `to_compact` form."""
+    cls = _placement_class(data[0] if data else None, list(data))
+    names = _field_names(cls)
+    if len(data) != len(names) + 1:
+        raise _invalid_tensor(f"malformed {cls.kind.value} placement {list(data)}")
+    return _build(cls, dict(zip(names, data[1:], strict=True)))
+
+
+def placement_from_json(data: Mapping[str, object]) -> TensorPlacement:
+    """Rebuild (and re-validate) a placement from its `to_json` form."""
+    cls = _placement_class(data.get("kind"), dict(data))
+    names = _field_names(cls)
+    if set(data) != {"kind", *names}:
+        raise _invalid_tensor(f"malformed {cls.kind.value} placement {dict(data)}: expected "
+                              f"the fields {sorted(names)}")
+    return _build(cls, {n: data[n] for n in names})
+
+
+REPLICATED = Replicated()
 """The whole tensor on every tensor-parallel rank of its stage."""
-LOCAL = TensorPlacement(kind=PlacementKind.LOCAL)
+LOCAL = Local()
 """The whole tensor on the one rank of its stage (tensor-parallel size 1)."""
-OMIT = TensorPlacement(kind=PlacementKind.OMIT)
+OMIT = Omit()
 """Not on this rank."""
 
 
@@ -262,14 +441,12 @@ class LocalTensorLayout:
                                   f"global shape {list(self.global_shape)} differ in rank",
                                   target=target)
         placement = self.placement
+        if not placement.fits(self.global_shape):
+            raise _invalid_tensor(f"`{target}`: placement {placement.to_json()} does not fit "
+                                  f"global shape {list(self.global_shape)}", target=target)
         axis, ranges = placement.selection(self.global_shape)
         expected = list(self.global_shape)
         if axis is not None:
-            dim = self.global_shape[axis] if axis < len(self.global_shape) else -1
-            if dim < 0 or any(b > dim for _, b in ranges) or (
-                    placement.kind is PlacementKind.SHARD and dim % (placement.parts or 1)):
-                raise _invalid_tensor(f"`{target}`: placement {placement.to_json()} does not fit "
-                                      f"global shape {list(self.global_shape)}", target=target)
             expected[axis] = sum(b - a for a, b in ranges)
         if tuple(expected) != self.local_shape:
             raise _invalid_tensor(f"`{target}`: local shape {list(self.local_shape)} does not "
@@ -299,8 +476,7 @@ class LocalTensorLayout:
     @property
     def is_whole(self) -> bool:
         """Whether this rank holds the whole tensor (replicated or unsplit)."""
-        return self.placement.kind in (PlacementKind.REPLICATED, PlacementKind.LOCAL,
-                                       PlacementKind.RANK, PlacementKind.PIPELINE_STAGE)
+        return self.placement.holds_whole
 
     @property
     def selection(self) -> Selection:
@@ -317,31 +493,43 @@ def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ..
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LocalModelLayout:
-    """All of one rank's tensor layouts, sorted by target."""
+    """All of one rank's tensor layouts, sorted by target.
+
+    Construction sorts `tensors` and derives the target index and the byte totals once; the
+    derived fields are not constructor arguments and take no part in equality.
+    """
 
     tensors: tuple[LocalTensorLayout, ...]
     """Layouts in target order (sorted on construction)."""
-    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
-    _totals: list[int] = field(default_factory=list, compare=False, repr=False)
+    index: Mapping[str, int] = field(init=False, compare=False, repr=False)
+    """Position of each target in `tensors` (derived on construction; read-only)."""
+    local_bytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of every local tensor (derived on construction)."""
+    pinned_bytes: int = field(init=False, compare=False, repr=False)
+    """Bytes of the tensors this rank holds whole (derived on construction)."""
 
     def __post_init__(self) -> None:
+        # The one place a frozen layout's fields are set after `__init__`: the normalized
+        # order and the values derived from it, before the value is handed out.
         ordered = tuple(sorted(self.tensors, key=lambda t: t.target))
-        object.__setattr__(self, "tensors", ordered)
         for before, after in zip(ordered, ordered[1:], strict=False):
             if before.target == after.target:
                 raise _invalid_tensor(f"layout lists `{before.target}` twice (groups "
                                       f"`{before.logical_name}` and `{after.logical_name}`)",
                                       target=before.target)
-        self._index.update({t.target: i for i, t in enumerate(ordered)})
         sizes = [t.local_bytes for t in ordered]
-        self._totals[:] = [sum(sizes), sum(n for t, n in zip(ordered, sizes, strict=True)
-                                           if t.is_whole)]
+        object.__setattr__(self, "tensors", ordered)
+        object.__setattr__(self, "index", MappingProxyType(
+            {t.target: i for i, t in enumerate(ordered)}))
+        object.__setattr__(self, "local_bytes", sum(sizes))
+        object.__setattr__(self, "pinned_bytes", sum(
+            n for t, n in zip(ordered, sizes, strict=True) if t.placement.holds_whole))
 
     def __getitem__(self, target: str) -> LocalTensorLayout:
-        return self.tensors[self._index[target]]
+        return self.tensors[self.index[target]]
 
     def __contains__(self, target: object) -> bool:
-        return target in self._index
+        return target in self.index
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -350,16 +538,6 @@ class LocalModelLayout:
     def targets(self) -> tuple[str, ...]:
         """Targets in order."""
         return tuple(t.target for t in self.tensors)
-
-    @property
-    def local_bytes(self) -> int:
-        """Bytes of every local tensor."""
-        return self._totals[0]
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes of the tensors this rank holds whole."""
-        return self._totals[1]
 
     @property
     def bytes_by_dtype(self) -> tuple[tuple[str, int], ...]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import fields
 
+from partc.errors import SourceLocation
 from partc.parallel.layout import (
     LOCAL,
     REPLICATED,
+    Indices,
     LocalTensorLayout,
     ParameterRole,
-    PlacementKind,
+    Range,
+    Shard,
     TensorPlacement,
     _invalid_group,
     _is_count,
@@ -55,11 +58,11 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
     assert rule.axis is not None
     dim = member.shape[rule.axis]
     if kind is MemberShardingKind.EQUAL:
-        return TensorPlacement(kind=PlacementKind.SHARD, axis=rule.axis, index=rank, parts=tp)
+        return Shard(axis=rule.axis, index=rank, parts=tp)
     if kind is MemberShardingKind.BALANCED:
         start, end = balanced_contiguous_range(-(-dim // rule.granule), tp, rank)
-        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis,
-                               start=start * rule.granule, end=min(end * rule.granule, dim))
+        return Range(axis=rule.axis, start=start * rule.granule,
+                     end=min(end * rule.granule, dim))
     ranges: list[tuple[int, int]] = []
     offset = 0
     for i, width in enumerate(member.widths):
@@ -73,9 +76,8 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
         ranges.append((offset + a, offset + b))
         offset += width
     if kind is MemberShardingKind.PARTITIONED:
-        return TensorPlacement(kind=PlacementKind.RANGE, axis=rule.axis, start=ranges[0][0],
-                               end=ranges[0][1])
-    return TensorPlacement(kind=PlacementKind.INDICES, axis=rule.axis, ranges=_merge_ranges(ranges))
+        return Range(axis=rule.axis, start=ranges[0][0], end=ranges[0][1])
+    return Indices(axis=rule.axis, ranges=_merge_ranges(ranges))
 
 
 def _kv_replicas(member: ParameterMemberSpec, tp: int) -> int:
@@ -189,26 +191,28 @@ def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
                            policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
                            policy_overrides_group: bool = False,
                            cache: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]]
-                           | None = None) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+                           | None = None, location: SourceLocation | None = None,
+                           pointer: str = "") -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """`realize_group` up to names: the one realization every group of `group`'s structure
     shares (the same object for all of them), named after the first such group realized.
 
     Groups differ structurally when any member's dtype, shape or sharding, or the group's role,
     units, KV replication or effective policy differ; names take no part in realization.
     `cache` holds the realizations by structure (default: one kept by this module); a plan
-    passes its own, so that what it shares never depends on earlier plans.
+    passes its own, so that what it shares never depends on earlier plans. `location` and
+    `pointer` name where the group is declared; the errors raised carry them.
     """
     tp = tensor_parallel_size
     if not _is_count(tp) or tp < 1:
         raise _invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
-                             group=group.name)
+                             group=group.name, location=location, pointer=pointer)
     effective = policy if policy_overrides_group else (group.policy or policy)
     key = (tp, effective, group.role, group.units, group.kv_replication,
            tuple(_member_structure(m) for m in group.members))
     realized = _REALIZED if cache is None else cache
     template = realized.get(key)
     if template is None:
-        template = _realize_uncached(group, tp, effective)
+        template = _realize_uncached(group, tp, effective, location, pointer)
         if cache is None and len(_REALIZED) > 4096:
             _REALIZED.clear()
         realized[key] = template
@@ -226,7 +230,8 @@ def _member_structure(member: ParameterMemberSpec) -> tuple[object, ...]:
     return tuple(getattr(member, name) for name in _MEMBER_FIELDS)
 
 
-def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy
+def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy,
+                      location: SourceLocation | None = None, pointer: str = ""
                       ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     problems, kv = _problems(group, tp)
     if problems and effective is ShardingPolicy.REQUIRE:
@@ -236,7 +241,8 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
             + "; ".join(m for _, m in problems) + ". Use a tensor-parallel size the group "
             f"allows, or set `policy: replicate_unsupported` on group `{group.name}` (CLI: "
             "--policy replicate-unsupported) to replicate it", group=group.name,
-            target=targets.pop() if len(targets) == 1 else "")
+            target=targets.pop() if len(targets) == 1 else "", location=location,
+            pointer=pointer)
     fallback = bool(problems)
     result = []
     for rank in range(tp):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from partc.errors import (
     ArchitectureParameterError,
@@ -205,88 +205,188 @@ class StaticRoleSpec:
 
 
 class OwnerKind(enum.Enum):
-    """The kinds of parameter-group owner."""
+    """The kinds of parameter-group owner (the tag of the owners' JSON form)."""
 
     STATIC_ROLE = "static_role"
     STATIC_ANY_OF = "static_any_of"
     EXECUTION_UNIT = "execution_unit"
 
 
+def _invalid_owner(message: str) -> ArchitectureParameterError:
+    return ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER, message)
+
+
+def _json_roles(kind: OwnerKind, data: Mapping[str, Any]) -> tuple[str, ...]:
+    """The `roles` list of a static owner's JSON form (exactly the keys kind and roles)."""
+    roles = data.get("roles")
+    if set(data) != {"kind", "roles"} or not isinstance(roles, (list, tuple)):
+        raise _invalid_owner(f"malformed {kind.value} owner {dict(data)}")
+    return tuple(roles)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ParameterGroupOwner:
-    """Who owns a parameter group: a static role, any of several, or one execution unit.
+class StaticRole:
+    """Owned by one static role (whether it is declared is checked by
+    ArchitectureParameterDescription)."""
 
-    The fields match the kind (one role; roles; group and unit); whether the roles are declared,
-    distinct and non-empty and the unit exists is checked by ArchitectureParameterDescription.
-    """
-
-    kind: OwnerKind
-    """Which kind of owner."""
-    roles: tuple[str, ...] = ()
-    """The static role(s)."""
-    group: str | None = None
-    """Execution group (ExecutionUnit)."""
-    unit: int | None = None
-    """Group-local unit index (ExecutionUnit)."""
+    kind: ClassVar[OwnerKind] = OwnerKind.STATIC_ROLE
+    role: str
+    """The static role."""
 
     def __post_init__(self) -> None:
-        unit_kind = self.kind is OwnerKind.EXECUTION_UNIT
-        if unit_kind and (self.group is None or self.unit is None or self.roles):
-            raise ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER,
-                                             "an execution-unit owner needs a group and a unit "
-                                             "and no static roles")
-        if not unit_kind and (self.group is not None or self.unit is not None):
-            raise ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER,
-                                             f"a {self.kind.value} owner takes no group or unit")
-        if self.kind is OwnerKind.STATIC_ROLE and len(self.roles) != 1:
-            raise ArchitectureParameterError(ArchitectureParameterErrorKind.INVALID_OWNER,
-                                             "a static_role owner names exactly one role, found "
-                                             f"{list(self.roles)}")
+        if not isinstance(self.role, str):
+            raise _invalid_owner(f"a static_role owner names one role, found {self.role!r}")
 
-    @classmethod
-    def static_role(cls, role: str) -> ParameterGroupOwner:
-        """Owned by one static role."""
-        return cls(kind=OwnerKind.STATIC_ROLE, roles=(role,))
-
-    @classmethod
-    def static_any_of(cls, roles: Iterable[str]) -> ParameterGroupOwner:
-        """A shared module: local wherever any of `roles` is local."""
-        return cls(kind=OwnerKind.STATIC_ANY_OF, roles=tuple(roles))
-
-    @classmethod
-    def execution_unit(cls, group: str, unit: int) -> ParameterGroupOwner:
-        """Owned by one unit of an execution group."""
-        return cls(kind=OwnerKind.EXECUTION_UNIT, group=group, unit=unit)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ParameterGroupOwner:
-        """The owner from its JSON form."""
-        kind = OwnerKind(data["kind"])
-        if kind is OwnerKind.EXECUTION_UNIT:
-            return cls(kind=kind, group=data["group"], unit=data["unit"])
-        return cls(kind=kind, roles=tuple(data["roles"]))
+    @property
+    def static_roles(self) -> tuple[str, ...]:
+        """The static roles that hold this owner: the one role."""
+        return (self.role,)
 
     def describe(self) -> str:
         """A short spelling for messages."""
-        if self.kind is OwnerKind.EXECUTION_UNIT:
-            return f"unit {self.unit} of `{self.group}`"
-        if self.kind is OwnerKind.STATIC_ANY_OF:
-            return "any of " + ", ".join(f"`{r}`" for r in self.roles)
-        return f"static role `{self.roles[0]}`"
+        return f"static role `{self.role}`"
 
     def is_local(self, units: Mapping[str, Range], static_roles: Iterable[str]) -> bool:
-        """Whether a rank with group-local `units` ranges and `static_roles` holds this owner."""
-        if self.kind is OwnerKind.EXECUTION_UNIT:
-            assert self.group is not None and self.unit is not None
-            start, end = units.get(self.group, (0, 0))
-            return start <= self.unit < end
-        return not set(self.roles).isdisjoint(static_roles)
+        """Whether a rank holding `static_roles` holds this owner."""
+        return self.role in set(static_roles)
+
+    def declaration_errors(self, name: str, units: Mapping[str, int],
+                           role_names: Sequence[str]) -> Iterator[ArchitectureParameterError]:
+        """Errors of this owner of group `name` against the declared units and roles."""
+        return _role_errors((self.role,), name, role_names)
 
     def to_json(self) -> dict[str, object]:
-        """JSON form."""
-        if self.kind is OwnerKind.EXECUTION_UNIT:
-            return {"kind": self.kind.value, "group": self.group, "unit": self.unit}
+        """JSON form: kind and a one-role list."""
+        return {"kind": self.kind.value, "roles": [self.role]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StaticRole:
+        """The owner from its JSON form (`roles` holds exactly one role)."""
+        roles = _json_roles(cls.kind, data)
+        if len(roles) != 1:
+            raise _invalid_owner(f"malformed {cls.kind.value} owner {dict(data)}")
+        return cls(role=roles[0])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StaticAnyOf:
+    """A shared module: local wherever any of `roles` is local (whether the roles are declared,
+    distinct and non-empty is checked by ArchitectureParameterDescription)."""
+
+    kind: ClassVar[OwnerKind] = OwnerKind.STATIC_ANY_OF
+    roles: tuple[str, ...]
+    """The static roles, in declaration order."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.roles, tuple) or not all(isinstance(r, str) for r in self.roles):
+            raise _invalid_owner(f"a static_any_of owner names a tuple of roles, found "
+                                 f"{self.roles!r}")
+
+    @property
+    def static_roles(self) -> tuple[str, ...]:
+        """The static roles that hold this owner."""
+        return self.roles
+
+    def describe(self) -> str:
+        """A short spelling for messages."""
+        return "any of " + ", ".join(f"`{r}`" for r in self.roles)
+
+    def is_local(self, units: Mapping[str, Range], static_roles: Iterable[str]) -> bool:
+        """Whether a rank holding `static_roles` holds this owner."""
+        return not set(self.roles).isdisjoint(static_roles)
+
+    def declaration_errors(self, name: str, units: Mapping[str, int],
+                           role_names: Sequence[str]) -> Iterator[ArchitectureParameterError]:
+        """Errors of this owner of group `name` against the declared units and roles."""
+        if not self.roles:
+            yield _param_error(ArchitectureParameterErrorKind.EMPTY_STATIC_ROLE,
+                               f"group `{name}` is shared by an empty list of static roles; "
+                               "name at least one consumer role", group=name)
+        yield from _role_errors(self.roles, name, role_names)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind and roles."""
         return {"kind": self.kind.value, "roles": list(self.roles)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StaticAnyOf:
+        """The owner from its JSON form."""
+        return cls(roles=_json_roles(cls.kind, data))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutionUnit:
+    """Owned by one unit of an execution group (whether the unit exists is checked by
+    ArchitectureParameterDescription)."""
+
+    kind: ClassVar[OwnerKind] = OwnerKind.EXECUTION_UNIT
+    group: str
+    """Execution group."""
+    unit: int
+    """Group-local unit index."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group, str) or not isinstance(self.unit, int) or isinstance(
+                self.unit, bool):
+            raise _invalid_owner("an execution-unit owner needs a group name and an integer "
+                                 f"unit, found {self.group!r} and {self.unit!r}")
+
+    @property
+    def static_roles(self) -> tuple[str, ...]:
+        """The static roles that hold this owner: none."""
+        return ()
+
+    def describe(self) -> str:
+        """A short spelling for messages."""
+        return f"unit {self.unit} of `{self.group}`"
+
+    def is_local(self, units: Mapping[str, Range], static_roles: Iterable[str]) -> bool:
+        """Whether a rank with group-local `units` ranges holds this unit."""
+        start, end = units.get(self.group, (0, 0))
+        return start <= self.unit < end
+
+    def declaration_errors(self, name: str, units: Mapping[str, int],
+                           role_names: Sequence[str]) -> Iterator[ArchitectureParameterError]:
+        """Errors of this owner of group `name` against the declared units and roles."""
+        kinds = ArchitectureParameterErrorKind
+        if self.group not in units:
+            yield _param_error(kinds.UNKNOWN_GROUP,
+                               f"group `{name}` is owned by unknown execution group "
+                               f"`{self.group}`; known: {', '.join(units)}", group=name)
+        elif not 0 <= self.unit < units[self.group]:
+            have = units[self.group]
+            yield _param_error(kinds.UNIT_OUT_OF_RANGE,
+                               f"group `{name}` is owned by unit {self.unit} of "
+                               f"`{self.group}`, which has "
+                               f"{f'units 0..{have - 1}' if have else 'no units'}", group=name)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form: kind, group and unit."""
+        return {"kind": self.kind.value, "group": self.group, "unit": self.unit}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ExecutionUnit:
+        """The owner from its JSON form (exactly the keys kind, group and unit)."""
+        if set(data) != {"kind", "group", "unit"}:
+            raise _invalid_owner(f"malformed {cls.kind.value} owner {dict(data)}")
+        return cls(group=data["group"], unit=data["unit"])
+
+
+ParameterGroupOwner = StaticRole | StaticAnyOf | ExecutionUnit
+"""Who owns a parameter group: a static role, any of several, or one execution unit."""
+
+OWNER_KINDS: dict[OwnerKind, type[ParameterGroupOwner]] = {
+    cls.kind: cls for cls in (StaticRole, StaticAnyOf, ExecutionUnit)}
+"""Each owner kind and its class (the JSON form's tag)."""
+
+
+def owner_from_json(data: Mapping[str, Any]) -> ParameterGroupOwner:
+    """The owner from its JSON form (re-validated)."""
+    cls = next((c for k, c in OWNER_KINDS.items() if k.value == data.get("kind")), None)
+    if cls is None:
+        raise _invalid_owner(f"unknown owner kind {data.get('kind')!r}; known: "
+                             + ", ".join(k.value for k in OWNER_KINDS))
+    return cls.from_json(data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,7 +422,7 @@ def ownership_errors(graph: ExecutionGraph, static_roles: Sequence[StaticRoleSpe
     owners: dict[str, str] = {}
     units = {g.name: g.units for g in graph.groups}
     for owned in groups:
-        yield from _owner_errors(owned, units, role_names)
+        yield from owned.owner.declaration_errors(owned.group.name, units, role_names)
         for target in owned.group.targets:
             if target in owners:
                 yield _param_error(
@@ -332,36 +432,19 @@ def ownership_errors(graph: ExecutionGraph, static_roles: Sequence[StaticRoleSpe
             owners[target] = owned.group.name
 
 
-def _owner_errors(owned: OwnedParameterGroupSpec, units: Mapping[str, int],
-                  role_names: Sequence[str]) -> Iterator[ArchitectureParameterError]:
+def _role_errors(roles: Sequence[str], name: str, role_names: Sequence[str]
+                 ) -> Iterator[ArchitectureParameterError]:
+    """Empty, repeated and undeclared static roles of group `name`'s owner."""
     kinds = ArchitectureParameterErrorKind
-    owner, name = owned.owner, owned.group.name
-    if owner.kind is OwnerKind.EXECUTION_UNIT:
-        assert owner.group is not None and owner.unit is not None
-        if owner.group not in units:
-            yield _param_error(kinds.UNKNOWN_GROUP,
-                               f"group `{name}` is owned by unknown execution group "
-                               f"`{owner.group}`; known: {', '.join(units)}", group=name)
-        elif not 0 <= owner.unit < units[owner.group]:
-            have = units[owner.group]
-            yield _param_error(kinds.UNIT_OUT_OF_RANGE,
-                               f"group `{name}` is owned by unit {owner.unit} of "
-                               f"`{owner.group}`, which has "
-                               f"{f'units 0..{have - 1}' if have else 'no units'}", group=name)
-        return
-    if not owner.roles:
-        yield _param_error(kinds.EMPTY_STATIC_ROLE,
-                           f"group `{name}` is shared by an empty list of static roles; "
-                           "name at least one consumer role", group=name)
     seen: set[str] = set()
-    for role in owner.roles:
+    for role in roles:
         if not role or not role.strip():
             yield _param_error(kinds.EMPTY_STATIC_ROLE,
                                f"group `{name}` names an empty static role", group=name)
         elif role in seen:
             yield _param_error(kinds.REPEATED_STATIC_ROLE,
                                f"group `{name}` names static role `{role}` twice in "
-                               f"{list(owner.roles)}", group=name)
+                               f"{list(roles)}", group=name)
         elif role not in role_names:
             yield _param_error(kinds.UNKNOWN_STATIC_ROLE,
                                f"group `{name}` is owned by undeclared static role `{role}`; "
@@ -418,8 +501,8 @@ class ArchitectureParameterDescription:
 
     def targets_for_static_role(self, role: str) -> tuple[str, ...]:
         """Targets of groups owned by static role `role` (alone or shared), sorted."""
-        return tuple(sorted(t for g in self.groups if g.owner.kind is not OwnerKind.EXECUTION_UNIT
-                            and role in g.owner.roles for t in g.group.targets))
+        return tuple(sorted(t for g in self.groups if role in g.owner.static_roles
+                            for t in g.group.targets))
 
     def select_owned(self, partition: ArchitecturePartition) -> tuple[OwnedParameterGroupSpec, ...]:
         """The groups `partition` holds, with their owners, in declaration order."""
@@ -429,8 +512,8 @@ class ArchitectureParameterDescription:
 
     def select_static_roles(self, partition: ArchitecturePartition) -> tuple[str, ...]:
         """Static storage roles `partition` holds (a shared group's first role), sorted."""
-        return tuple(sorted({g.owner.roles[0] for g in self.select_owned(partition)
-                             if g.owner.kind is not OwnerKind.EXECUTION_UNIT}))
+        return tuple(sorted({g.owner.static_roles[0] for g in self.select_owned(partition)
+                             if g.owner.static_roles}))
 
 
 # ---------------------------------------------------------------- one stage's partition

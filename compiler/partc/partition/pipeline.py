@@ -19,6 +19,7 @@ from partc.partition.ownership import (
     UnitRef,
     _partition_error,
     _spell,
+    owner_from_json,
 )
 
 
@@ -97,7 +98,7 @@ class PartitionParameterBinding:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PartitionParameterBinding:
         """The binding from its JSON form."""
-        return cls(group=data["group"], owner=ParameterGroupOwner.from_json(data["owner"]),
+        return cls(group=data["group"], owner=owner_from_json(data["owner"]),
                    targets=tuple(data["targets"]))
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from partc.errors import CheckpointError
@@ -12,7 +13,7 @@ from partc.parallel.layout import (
     LocalTensorLayout,
     ParallelModelInfo,
     ParameterRole,
-    TensorPlacement,
+    placement_from_compact,
 )
 from partc.partition.boundary import (
     ArchitectureBoundary,
@@ -30,9 +31,13 @@ from partc.partition.pipeline import ArchitecturePartition, PartitionState
 from partc.runtime.headers import paused_gc
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RankTable:
-    """The literal tables of one generated rank module."""
+    """The literal tables of one generated rank module.
+
+    Not slotted: the joined rows are a `functools.cached_property`, derived from the columnar
+    tables on first use and then kept; the fields never change and equality sees only them.
+    """
 
     plan_hash: str
     """Hash of the plan the module was generated from."""
@@ -73,25 +78,23 @@ class RankTable:
     digests: str | tuple[str, ...] | None = None
     """DIGESTS: sha256 of each target's rank-local bytes, in TARGETS order, one per line (only
     in a build compiled with `--digests`)."""
-    _rows: list[tuple[list[GroupRow], list[TensorRow]]] = field(
-        default_factory=list, compare=False, repr=False)
 
     def group_rows(self) -> list[GroupRow]:
         """One row per group in binding order: (logical name, role, owner, logical units,
         logical range, fell back)."""
-        return self._decoded()[0]
+        return self._decoded[0]
 
     def tensor_rows(self) -> list[TensorRow]:
         """One row per tensor, group by group: (target, group index, dtype, global shape,
         compact placement, KV replicas)."""
-        return self._decoded()[1]
+        return self._decoded[1]
 
+    @cached_property
     def _decoded(self) -> tuple[list[GroupRow], list[TensorRow]]:
-        """The columnar tables joined into rows (once; a rank has up to ~10^4 tensors)."""
-        if not self._rows:
-            with paused_gc():
-                self._rows.append(_join_tables(self))
-        return self._rows[0]
+        """The columnar tables joined into rows (on first use; a rank has up to ~10^4
+        tensors)."""
+        with paused_gc():
+            return _join_tables(self)
 
 
 GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
@@ -149,7 +152,7 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
         key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas)
         first = validated.get(key)
         if first is None:
-            placement = TensorPlacement.from_compact(compact)
+            placement = placement_from_compact(compact)
             axis, ranges = placement.selection(shape)
             local = list(shape)
             if axis is not None:
