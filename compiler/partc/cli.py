@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
         if _Parser.json_errors:
             print(json.dumps({"ok": False, "errors": [{
                 "stage": "usage", "kind": "usage", "file": None, "line": None, "column": None,
-                "pointer": "", "tensor": None, "message": f"{self.prog}: {message}"}]},
+                "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}"}]},
                 indent=1))
             sys.exit(EXIT_USAGE)
         super().error(message)
@@ -328,12 +328,13 @@ def _caret_context(error: PartcError) -> list[str]:
 
 COLLAPSE_AFTER = 3
 """Errors of one shape beyond this many are reported as one line with a count and an example."""
-_NUMBERS = re.compile(r"\d+")
+_VARYING = re.compile(r"`[^`]*`|\d+")
 
 
 def _shape(error: PartcError) -> tuple[str, str]:
-    """What makes errors "the same" for collapsing: their class and message with numbers out."""
-    return type(error).__name__, _NUMBERS.sub("N", error.message)
+    """What makes errors "the same" for collapsing: their class and message (the rule), with
+    the names in backticks and the numbers taken out."""
+    return type(error).__name__, _VARYING.sub("_", error.message)
 
 
 def _collapsed(errors: Sequence[PartcError]) -> list[tuple[PartcError, int]]:
@@ -627,7 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, fmt: str) -> int:
     """Run one parsed command: errors reported, a closed pipe quiet, bugs in one line."""
     try:
-        return _COMMANDS[args.command](args)
+        status: int = _COMMANDS[args.command](args)
+        return status
     except PartcError as error:
         return _report(_flatten(error), fmt)
     except BrokenPipeError:

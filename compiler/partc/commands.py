@@ -136,9 +136,9 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise LoadError(f"folder {parent} does not exist", location=SourceLocation(str(out)))
-    handle, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
+    descriptor, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)
         os.chmod(scratch, 0o644)
         os.replace(scratch, out)

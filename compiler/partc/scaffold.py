@@ -134,9 +134,9 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     opened = open_checkpoint(checkpoint)
     header: dict[str, tuple[str, list[int]]] = {}
     for tensor in opened.names:
-        signature = opened.signature(tensor)
-        assert signature is not None
-        header[tensor] = (signature[1], list(signature[2]))
+        found = opened.signature(tensor)
+        assert found is not None
+        header[tensor] = (found[1], list(found[2]))
     model_type = str(config.get("model_type") or "unknown")
     family = name or re.sub(r"[^A-Za-z0-9_]", "_", model_type)
     torch_dtype = config.get("torch_dtype") or config.get("dtype")

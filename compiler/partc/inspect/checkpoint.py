@@ -27,9 +27,11 @@ def collapse(name: str) -> tuple[str, tuple[int, ...]]:
 
 def _ranges(values: list[int]) -> str:
     """`0..3,5,7..9` of sorted distinct integers."""
-    out, ordered = [], sorted(set(values))
+    out: list[str] = []
+    ordered: list[int | None] = [*sorted(set(values)), None]
     start = prev = ordered[0]
-    for v in ordered[1:] + [None]:  # type: ignore[list-item]
+    assert start is not None and prev is not None
+    for v in ordered[1:]:
         if v is not None and v == prev + 1:
             prev = v
             continue
@@ -55,12 +57,12 @@ def inventory(path: str | Path) -> dict[str, Any]:
         total += nbytes
         by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
     entries = []
-    for (pattern, shape, dtype), numbers in sorted(rows.items()):
-        ranges = {PLACEHOLDERS[i]: _ranges([n[i] for n in numbers])
-                  for i in range(min(len(numbers[0]), len(PLACEHOLDERS)))}
-        entries.append({"pattern": pattern, "shape": list(shape), "dtype": dtype,
-                        "count": len(numbers), "ranges": ranges,
-                        "bytes": len(numbers) * tensor_bytes(dtype, shape)})
+    for (pattern, dims, dtype), found in sorted(rows.items()):
+        ranges = {PLACEHOLDERS[i]: _ranges([n[i] for n in found])
+                  for i in range(min(len(found[0]), len(PLACEHOLDERS)))}
+        entries.append({"pattern": pattern, "shape": list(dims), "dtype": dtype,
+                        "count": len(found), "ranges": ranges,
+                        "bytes": len(found) * tensor_bytes(dtype, dims)})
     return {"path": str(checkpoint.path), "files": [str(f.path) for f in checkpoint.files],
             "tensors": len(checkpoint.names), "bytes": total,
             "bytes_by_dtype": dict(sorted(by_dtype.items())), "entries": entries}
