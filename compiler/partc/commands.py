@@ -208,8 +208,8 @@ def run_families(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({"ok": True, "families": entries}, indent=1))
     else:
-        for entry in entries:
-            print(f"{entry['model_type']:<20} {entry['path']}")
+        for entry in entries:  # absolute paths: --format json, or `partc families --copy`
+            print(f"{entry['model_type']:<20} architectures/{entry['file']}")
     return EXIT_OK
 
 
