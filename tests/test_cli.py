@@ -36,7 +36,9 @@ def test_compile_in_json_reports_the_plan_hash_of_the_written_plan(tmp_path, cap
 def test_the_summary_counts_each_rank_s_tensors(tmp_path, capsys):
     main(["compile", "llama", "--config", CONFIG, "--tp", "2", "--pp", "3", "--out",
           str(tmp_path / "b")])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = [line.split() for line in lines[:lines.index("")]]  # the stage table follows
+    assert len(rows) == 6
     written = json.loads((tmp_path / "b" / "plan.json").read_text())
     for rank, row in enumerate(rows):
         stage = rank // 2

@@ -378,4 +378,5 @@ def test_command_lines_that_cannot_mean_anything_are_usage_errors(capsys, args, 
 def test_a_checkpoint_folder_with_its_config_needs_no_config_flag(capsys):
     status, out, _ = _cli(["check", "llama", "--checkpoint", str(hf("llama")), "--tp", "2"],
                           capsys)
-    assert (status, out) == (0, "ok: family, config binding, checkpoint, topology checked\n")
+    assert status == 0
+    assert out.splitlines()[0] == "ok: family, config binding, checkpoint, topology checked"

@@ -1,18 +1,21 @@
-"""The `partc` command line: compile, check, demo, families, shard and verify."""
+"""The `partc` command line: compile, check, inspect, explain, report, init, shard, verify."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any, NoReturn
 
-from partc import __version__
+from partc import __version__, commands
+from partc.commands import progress as _progress
 from partc.errors import PartcError, PartcErrors
 
 EXIT_OK = 0
@@ -23,6 +26,33 @@ EXIT_USAGE = 2
 """The command line itself was wrong."""
 EXIT_INTERNAL = 70
 """A bug in partc."""
+EXIT_INTERRUPTED = 130
+"""Interrupted (Ctrl-C)."""
+EXIT_CODES = ((EXIT_OK, "success (also when output stops early because a pipe was closed)"),
+              (EXIT_ERRORS, "the input had errors; every one was reported"),
+              (EXIT_USAGE, "the command line itself was wrong"),
+              (EXIT_INTERNAL, "a bug in partc (PARTC_TRACEBACK=1 prints the traceback)"),
+              (EXIT_INTERRUPTED, "interrupted"))
+"""Every exit status and what it means (documented in --help and docs/cli.md)."""
+FORMAT_HELP = "text: human tables on stdout, errors on stderr; json: one JSON document on stdout"
+"""Help of every --format option."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors come out as JSON under `--format json`."""
+
+    json_errors = False
+    """Set by main when the command line asks for --format json."""
+
+    def error(self, message: str) -> NoReturn:
+        """Report a usage error (as JSON when asked for) and exit 2."""
+        if _Parser.json_errors:
+            print(json.dumps({"ok": False, "errors": [{
+                "stage": "usage", "kind": "usage", "file": None, "line": None, "column": None,
+                "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}"}]},
+                indent=1))
+            sys.exit(EXIT_USAGE)
+        super().error(message)
 
 
 def _stage_units(text: str) -> tuple[int, ...]:
@@ -78,19 +108,36 @@ def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
                              "family's, else require)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="partc", description="Compile LLM family descriptions into rank-local loaders.")
-    parser.add_argument("--version", action="version", version=f"partc {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
+    return (f"exit status:\n{codes}\n\nDocumentation: `partc docs` prints where the installed "
+            "guides are (authoring, cli, faults).")
 
-    compile_ = commands.add_parser("compile", help="write plan.json and the rank loader package")
+
+def _add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=["text", "json"], default="text", help=FORMAT_HELP)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="partc", description="Compile LLM family descriptions into rank-local loaders.",
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"partc {__version__}",
+                        help="print the partc version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_Parser)
+
+    compile_ = commands.add_parser("compile", help="write plan.json and the rank loader package",
+                                   description="Bind a family to a config, realize it for "
+                                   "TP x PP and write plan.json and one loader module per rank.")
     compile_.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
-    compile_.add_argument("--config", required=True, help="the model's config.json")
+    compile_.add_argument("--config", default=None,
+                          help="the model's config.json (default: config.json in the "
+                               "--checkpoint folder)")
     _add_topology(compile_, required=True)
     compile_.add_argument("--activation-dtype", default="bfloat16",
                           choices=["float16", "bfloat16", "float32"],
-                          help="dtype of activations crossing pipeline cuts")
+                          help="dtype of activations crossing pipeline cuts (default bfloat16)")
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
     compile_.add_argument("--out", required=True,
@@ -104,21 +151,102 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("--digests", action="store_true",
                           help="with --checkpoint: read every rank's slices once and record their "
                                "sha256 in the plan, for load(..., verify='digest')")
-    compile_.add_argument("--format", choices=["text", "json"], default="text")
+    _add_format(compile_)
 
-    check = commands.add_parser("check", help="validate without writing anything")
+    check = commands.add_parser("check", help="validate without writing anything",
+                                description="Validate a family; with --config its binding, "
+                                "with --checkpoint the checkpoint's tensors, with a topology "
+                                "the plan (and print its per-stage summary).")
     check.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
-    check.add_argument("--config", default=None, help="a config.json to bind to")
+    check.add_argument("--config", default=None,
+                       help="a config.json to bind to (default with --checkpoint: the "
+                            "config.json in its folder)")
     check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
     _add_topology(check, required=False)
-    check.add_argument("--format", choices=["text", "json"], default="text")
+    _add_format(check)
+
+    inspect = commands.add_parser(
+        "inspect", help="show a build's totals, fallbacks and tensors, or a checkpoint's "
+                        "inventory",
+        description="For a build (a folder holding plan.json): per-stage and per-rank totals and "
+                    "every fallback; with --rank/--group/--target a table of tensors. For a "
+                    "checkpoint: its inventory with layer and expert numbers collapsed.")
+    inspect.add_argument("path", help="a build folder, a plan.json, or a checkpoint (folder or "
+                                      ".safetensors file)")
+    inspect.add_argument("--rank", type=int, default=None,
+                         help="list the tensors of this global rank")
+    inspect.add_argument("--group", default=None,
+                         help="list the tensors of the groups matching this glob "
+                              "(e.g. 'model.layers.3.*')")
+    inspect.add_argument("--target", default=None,
+                         help="list the tensors whose checkpoint name matches this glob")
+    inspect.add_argument("--family", default=None,
+                         help="the family file the build was compiled from, to show the line "
+                              "of each split (built-in families are found by themselves)")
+    _add_format(inspect)
+
+    explain = commands.add_parser(
+        "explain", help="why one tensor or group is split the way it is",
+        description="Group, role, units, every rank's range and placement of a tensor or a "
+                    "group, and the reasons: policy fallback, KV replication, alignment, the "
+                    "family line.")
+    explain.add_argument("build", help="a build folder (or its plan.json)")
+    explain.add_argument("target", help="a checkpoint tensor name or a group name")
+    explain.add_argument("--family", default=None,
+                         help="the family file the build was compiled from (for its line)")
+    _add_format(explain)
+
+    report = commands.add_parser(
+        "report", help="write one self-contained HTML report of a build",
+        description="An HTML page with no network access: ownership map (ranks x units), bytes "
+                    "per rank by role, the boundary wire schema and the fallbacks.")
+    report.add_argument("build", help="a build folder (or its plan.json)")
+    report.add_argument("--out", required=True,
+                        help="the HTML file to write (replaced atomically; never a folder)")
+    report.add_argument("--family", default=None,
+                        help="the family file the build was compiled from (for its lines)")
+    _add_format(report)
+
+    init = commands.add_parser(
+        "init", help="write a family scaffold from a checkpoint header and config",
+        description="Guess a family from a checkpoint: layer repetition, projections, norms, "
+                    "embeddings, a tied head, experts. Lines it could not decide are marked "
+                    "`# partc init: CHECK`.")
+    init.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
+    init.add_argument("--config", default=None,
+                      help="the model's config.json (default: config.json in the checkpoint "
+                           "folder)")
+    init.add_argument("--out", default=None,
+                      help="the family file to write (default: print it on stdout); never "
+                           "replaces an existing file")
+    init.add_argument("--name", default=None, help="the family name (default: the model type)")
+    _add_format(init)
 
     demo = commands.add_parser("demo", help="compile and load the embedded tiny Llama")
-    demo.add_argument("--tp", type=_positive, default=2)
-    demo.add_argument("--pp", type=_positive, default=2)
+    demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size (default 2)")
+    demo.add_argument("--pp", type=_positive, default=2, help="pipeline stages (default 2)")
     demo.add_argument("--out", default=None, help="where to write the build (default: temp)")
 
-    commands.add_parser("families", help="list the built-in families and their model types")
+    families = commands.add_parser("families",
+                                   help="list the built-in families and their model types")
+    families.add_argument("--copy", nargs=2, metavar=("NAME", "FILE"), default=None,
+                          help="copy built-in family NAME to FILE to edit it (never replaces "
+                               "an existing file)")
+    _add_format(families)
+
+    schema = commands.add_parser("schema", help="print the family JSON Schema (for editors)",
+                                 description="Print schemas/architecture.schema.json, or with "
+                                 "--path where it is installed, for a `# yaml-language-server: "
+                                 "$schema=...` line.")
+    schema.add_argument("--path", action="store_true",
+                        help="print the installed schema's path instead of its text")
+
+    docs = commands.add_parser("docs", help="print where the installed documentation is",
+                               description="Print the path of an installed guide (or of the "
+                               "docs folder) so that it can be opened without the repository.")
+    docs.add_argument("topic", nargs="?", default=None,
+                      help="a guide: authoring, cli, faults, kv_replication, linear_formats, "
+                           "architecture (default: the folder)")
 
     shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
                                               "build, for sequential loading")
@@ -135,7 +263,7 @@ def _parser() -> argparse.ArgumentParser:
     shard.add_argument("--no-verify-fingerprint", action="store_true",
                        help="accept a checkpoint whose header differs from the plan's fingerprint"
                             " (names, dtypes and shapes are still checked)")
-    shard.add_argument("--format", choices=["text", "json"], default="text")
+    _add_format(shard)
 
     verify = commands.add_parser("verify", help="check the split against Hugging Face "
                                  "transformers' modeling code (needs partc[verify])")
@@ -150,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="sharding policy for groups that cannot be sharded")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
-    verify.add_argument("--format", choices=["text", "json"], default="text")
+    _add_format(verify)
     return parser
 
 
@@ -221,15 +349,49 @@ def _caret_context(error: PartcError) -> list[str]:
     return [f"    {shown}", f"    {'   ' if start else ''}{pad}^"]
 
 
-def _report(errors: Sequence[PartcError], fmt: str) -> int:
+COLLAPSE_AFTER = 3
+"""Errors of one shape beyond this many are reported as one line with a count and an example."""
+_VARYING = re.compile(r"`[^`]*`|\d+")
+
+
+def _shape(error: PartcError) -> tuple[str, str]:
+    """What makes errors "the same" for collapsing: their class and message (the rule), with
+    the names in backticks and the numbers taken out."""
+    return type(error).__name__, _VARYING.sub("_", error.message)
+
+
+def _collapsed(errors: Sequence[PartcError]) -> list[tuple[PartcError, int]]:
+    """Each error with how many errors of its shape it stands for (1: shown as it is)."""
+    shapes: dict[tuple[str, str], list[PartcError]] = {}
+    for error in errors:
+        shapes.setdefault(_shape(error), []).append(error)
+    out = []
+    for error in errors:
+        same = shapes[_shape(error)]
+        if len(same) <= COLLAPSE_AFTER:
+            out.append((error, 1))
+        elif same[0] is error:
+            out.append((error, len(same)))
+    return out
+
+
+def _report(errors: Sequence[PartcError], fmt: str, hints: Sequence[str] = ()) -> int:
     ordered = sorted(errors, key=PartcError.sort_key)
     if fmt == "json":
-        print(json.dumps({"ok": False, "errors": [e.to_json() for e in ordered]}, indent=1))
+        groups = [{"count": n, "example": e.to_json()} for e, n in _collapsed(ordered) if n > 1]
+        print(json.dumps({"ok": False, "errors": [e.to_json() for e in ordered],
+                          "collapsed": groups, "hints": list(hints)}, indent=1))
     else:
-        for error in ordered:
-            print(f"error: {error}", file=sys.stderr)
+        for error, count in _collapsed(ordered):
+            if count > 1:
+                print(f"error: {count} errors like this one (first shown): {error}",
+                      file=sys.stderr)
+            else:
+                print(f"error: {error}", file=sys.stderr)
             for line in _caret_context(error):
                 print(line, file=sys.stderr)
+        for hint in hints:
+            print(f"hint: {hint}", file=sys.stderr)
         print(f"partc: {len(ordered)} error(s)", file=sys.stderr)
     return EXIT_ERRORS
 
@@ -238,22 +400,92 @@ def _flatten(error: PartcError) -> list[PartcError]:
     return list(error.errors) if isinstance(error, PartcErrors) else [error]
 
 
+def _plan_facts(plan: Any) -> dict[str, Any]:
+    """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
+    from partc.inspect.build import kv_replicated, plan_summary
+    from partc.parallel.layout import tensor_bytes
+
+    body = plan.document[0]
+    sizes: dict[str, int] = {}
+    fell = {g["name"] for g in body["groups"] if g["fell_back_to_replication"]}
+    kv = []
+    for group in plan.groups:
+        layouts = plan.kinds[group.kind].layouts[0]
+        for layout, target in zip(layouts, group.targets, strict=True):
+            if group.name in fell:
+                sizes[group.name] = sizes.get(group.name, 0) + tensor_bytes(
+                    layout.dtype, layout.global_shape)
+            if layout.kv_replicas > 1:
+                kv.append({"group": group.name, "target": target,
+                           "kv_replicas": layout.kv_replicas})
+    facts = plan_summary(body, lambda name: sizes.get(name, 0))
+    facts["kv_replication"] = kv_replicated(kv)
+    return facts
+
+
+def _print_facts(facts: dict[str, Any]) -> None:
+    from partc.inspect.text import fallback_lines, stage_lines
+
+    print()
+    for line in stage_lines(facts["stages"], imbalance=facts["stage_imbalance"]):
+        print(line)
+    for line in fallback_lines(facts["fallbacks"], facts["kv_replication"]) or [
+            "fallbacks: none; KV replication: none"]:
+        print(line)
+
+
+def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Take --config from the --checkpoint folder when it holds config.json."""
+    if args.config is not None:
+        return
+    beside = Path(args.checkpoint or "") / "config.json"
+    if args.checkpoint and beside.is_file():
+        args.config = str(beside)  # an HF checkpoint folder carries its config
+    elif args.command == "compile":
+        parser.error("compile needs --config (or a --checkpoint folder holding config.json)")
+    elif args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy:
+        parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
+                     "pass --config (or a checkpoint folder holding config.json)")
+
+
+def _builtin_hint(args: argparse.Namespace, errors: Sequence[PartcError]) -> list[str]:
+    """When a family file does not fit a checkpoint, the built-in family that does (if any)."""
+    from partc.api import check_family
+    from partc.errors import CheckpointError
+    from partc.library import family_spec_is_file
+
+    if (args.family is None or not family_spec_is_file(args.family) or not args.checkpoint
+            or args.config is None
+            or not any(isinstance(e, CheckpointError) or e.tensor for e in errors)):
+        return []
+    try:
+        if check_family(None, args.config, args.checkpoint):
+            return []
+    except Exception:  # a hint is never worth a failure of its own
+        return []
+    return [f"the built-in family for this config's model_type fits {args.checkpoint}: run "
+            f"without the family argument, or `partc families --copy NAME FILE` to edit it"]
+
+
 def _compile(args: argparse.Namespace) -> int:
     from partc.api import compile_family
 
-    result = compile_family(
-        args.family, args.config, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-        stage_units=args.pp_layers, policy=_policy(args.policy),
-        activation_dtype=args.activation_dtype, checkpoint=args.checkpoint, out=args.out,
-        force=args.force, digests=args.digests)
+    with _progress(f"compiling for TP={args.tp} x PP={args.pp}"):
+        result = compile_family(
+            args.family, args.config, tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
+            policy=_policy(args.policy), activation_dtype=args.activation_dtype,
+            checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests)
     plan = result.plan
+    facts = _plan_facts(plan)
     if args.format == "json":
         print(json.dumps({"ok": True, "errors": [], "out": str(result.out), "plan_hash":
-                          plan.plan_hash, "files": sorted(result.files)}, indent=1))
+                          plan.plan_hash, "files": sorted(result.files)} | facts, indent=1))
         return EXIT_OK
     print(f"compiled {plan.family} ({plan.model_type}) for TP={plan.topology.tensor_parallel_size}"
           f" x PP={plan.topology.pipeline_parallel_size} into {result.out}")
     _print_ranks(plan)
+    _print_facts(facts)
     return EXIT_OK
 
 
@@ -273,22 +505,28 @@ def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
 
 
 def _check(args: argparse.Namespace) -> int:
-    from partc.api import check_family
+    from partc.api import check_family, plan_family
     from partc.plan import Topology
 
     topology = None
     if args.tp is not None or args.pp is not None or args.pp_layers or args.policy:
         topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
                             stage_units=args.pp_layers, policy=_policy(args.policy))
-    errors = check_family(args.family, args.config, args.checkpoint, topology=topology)
+    with _progress("checking"):
+        errors = check_family(args.family, args.config, args.checkpoint)
+        facts = None
+        if not errors and topology is not None:
+            facts = _plan_facts(plan_family(args.family, args.config, topology))
     if errors:
-        return _report(errors, args.format)
+        return _report(errors, args.format, _builtin_hint(args, errors))
     if args.format == "json":
-        print(json.dumps({"ok": True, "errors": []}))
+        print(json.dumps({"ok": True, "errors": []} | (facts or {}), indent=1))
     else:
         what = ["family"] + (["config binding"] if args.config else []) + (
             ["checkpoint"] if args.checkpoint else []) + (["topology"] if topology else [])
         print(f"ok: {', '.join(what)} checked")
+        if facts is not None:
+            _print_facts(facts)
     return EXIT_OK
 
 
@@ -323,14 +561,6 @@ def _demo(args: argparse.Namespace) -> int:
                 if name.startswith(package_name(plan)):
                     del _sys.modules[name]
         _print_ranks(plan, loaded)
-    return EXIT_OK
-
-
-def _families(_: argparse.Namespace) -> int:
-    from partc.library import builtin_families
-
-    for model_type, file in sorted(builtin_families().items()):
-        print(f"{model_type:<20} architectures/{file}")
     return EXIT_OK
 
 
@@ -378,8 +608,24 @@ def _verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"compile": _compile, "check": _check, "demo": _demo, "families": _families,
-             "shard": _shard, "verify": _verify}
+_COMMANDS: dict[str, Any] = {
+    "compile": _compile, "check": _check, "demo": _demo, "families": commands.run_families,
+    "shard": _shard, "inspect": commands.run_inspect, "explain": commands.run_explain,
+    "report": commands.run_report, "init": commands.run_init, "schema": commands.run_schema,
+    "docs": commands.run_docs, "verify": _verify}
+
+
+def _quiet_pipe() -> None:
+    """The reader of stdout went away (`partc inspect ... | head`): stop without a word.
+
+    stdout is pointed at /dev/null so that the interpreter's final flush cannot fail again.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _internal(exc: BaseException, fmt: str) -> int:
@@ -408,7 +654,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with exit 70.
     """
     parser = _parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    _Parser.json_errors = any(w == "--format=json" or (w == "--format" and i + 1 < len(words)
+                                                       and words[i + 1] == "json")
+                              for i, w in enumerate(words))
+    args = parser.parse_args(words)
     fmt = getattr(args, "format", "text")
     layers = getattr(args, "pp_layers", None)
     if layers and args.pp is None:
@@ -423,21 +673,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE):
         parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
                      f"{MAX_WORLD_SIZE} ranks")
-    if args.command == "check" and args.config is None and (
-            args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy):
-        beside = Path(args.checkpoint or "") / "config.json"
-        if args.checkpoint and beside.is_file():
-            args.config = str(beside)  # an HF checkpoint folder carries its config
-        else:
-            parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
-                         "pass --config (or a checkpoint folder holding config.json)")
+    if args.command in ("compile", "check"):
+        _config_beside(args, parser)
+    return _run(args, fmt)
+
+
+def _run(args: argparse.Namespace, fmt: str) -> int:
+    """Run one parsed command: errors reported, a closed pipe quiet, bugs in one line."""
     try:
-        return _COMMANDS[args.command](args)
+        status: int = _COMMANDS[args.command](args)
+        return status
     except PartcError as error:
         return _report(_flatten(error), fmt)
+    except BrokenPipeError:
+        _quiet_pipe()
+        return EXIT_OK
     except KeyboardInterrupt:
         print("partc: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # the last line of defence against tracebacks
         return _internal(exc, fmt)
 

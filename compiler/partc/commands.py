@@ -1,0 +1,244 @@
+"""The seeing and authoring commands of the command line: inspect, explain, report, init,
+families, schema and docs (cli.py parses the arguments and reports errors)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from partc.errors import LoadError, SourceLocation
+
+EXIT_OK = 0
+"""Success (cli.EXIT_OK)."""
+REPORT_MARKER = "<!-- partc report -->"
+"""The first line of every report partc writes: only such a file is ever replaced."""
+DOC_TOPICS = ("architecture", "authoring", "cli", "faults", "kv_replication", "linear_formats")
+"""The guides shipped in the wheel as `partc.docs`."""
+
+
+@contextmanager
+def progress(what: str, *, stream: Any = None, interval: float = 0.5) -> Iterator[None]:
+    """`partc: <what> ... 3 s` redrawn on a terminal while a long step runs; silent otherwise."""
+    out = sys.stderr if stream is None else stream
+    if not (out is not None and out.isatty() and "PYTEST_CURRENT_TEST" not in os.environ):
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def draw() -> None:
+        while not done.wait(interval):
+            out.write(f"\rpartc: {what} ... {time.monotonic() - start:.0f} s")
+            out.flush()
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if time.monotonic() - start >= interval:
+            out.write("\r\033[K")
+            out.flush()
+
+
+def _print(lines: list[str]) -> None:
+    for line in lines:
+        print(line)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
+    from partc.inspect.build import is_build, read_build, summary, tensor_rows
+    from partc.inspect.text import inventory_lines, summary_lines, tensor_lines
+
+    path = Path(args.path)
+    if not path.exists():
+        raise LoadError(f"{path} does not exist; expected a build folder, a plan.json or a "
+                        "checkpoint", location=SourceLocation(str(path)))
+    if not is_build(path):
+        from partc.inspect.checkpoint import inventory
+
+        if args.rank is not None or args.group or args.target:
+            raise LoadError(f"{path} is a checkpoint, not a build: --rank, --group and --target "
+                            "select the tensors of a build")
+        with progress("reading the header"):
+            found = inventory(path)
+        if args.format == "json":
+            print(json.dumps({"ok": True, "kind": "checkpoint"} | found, indent=1))
+        else:
+            _print(inventory_lines(found))
+        return EXIT_OK
+    build = read_build(path)
+    if args.rank is not None or args.group or args.target:
+        from partc.inspect.origins import group_origins
+
+        origins = group_origins(build.plan, args.family)
+        rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
+                           origins=origins.lines)
+        if args.format == "json":
+            print(json.dumps({"ok": True, "kind": "tensors", "origin_note": origins.note,
+                              "tensors": rows}, indent=1))
+        else:
+            _print(tensor_lines(rows, origins.note))
+        return EXIT_OK
+    found = summary(build)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "kind": "build"} | found, indent=1))
+    else:
+        _print(summary_lines(found))
+    return EXIT_OK
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """`partc explain BUILD TARGET`."""
+    from partc.inspect.build import read_build
+    from partc.inspect.explain import explain
+    from partc.inspect.origins import group_origins
+    from partc.inspect.text import explain_lines
+
+    build = read_build(args.build)
+    found = explain(build, args.target, group_origins(build.plan, args.family))
+    if args.format == "json":
+        print(json.dumps({"ok": True} | found, indent=1))
+    else:
+        _print(explain_lines(found))
+    return EXIT_OK
+
+
+def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
+    """Write one file atomically (temporary file, then rename); never replace a file that is
+    not partc's (its first line must be `marker`), a folder or a link."""
+    if out.is_symlink() or out.is_dir():
+        raise LoadError(f"{out} is a {'link' if out.is_symlink() else 'folder'}; expected a "
+                        "new file path", location=SourceLocation(str(out)))
+    if out.exists():
+        head = ""
+        try:
+            with out.open(encoding="utf-8", errors="replace") as handle:
+                head = handle.readline().rstrip("\n")
+        except OSError:
+            pass
+        if marker is None or head != marker:
+            raise LoadError(f"{out} exists and partc did not write it; choose a new path (partc "
+                            "never replaces a file it did not write)",
+                            location=SourceLocation(str(out)))
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise LoadError(f"folder {parent} does not exist", location=SourceLocation(str(out)))
+    descriptor, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(scratch, 0o644)
+        os.replace(scratch, out)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """`partc report BUILD --out report.html`."""
+    from partc.inspect.build import read_build
+    from partc.inspect.origins import group_origins
+    from partc.inspect.report import render_report
+
+    build = read_build(args.build)
+    html = render_report(build, group_origins(build.plan, args.family))
+    out = Path(args.out)
+    write_text_file(out, html, marker=REPORT_MARKER)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "out": str(out), "bytes": len(html.encode())}, indent=1))
+    else:
+        print(f"wrote {out} ({len(html.encode())} bytes): open it in a browser; it needs no "
+              "network")
+    return EXIT_OK
+
+
+def run_init(args: argparse.Namespace) -> int:
+    """`partc init --checkpoint DIR [--config FILE] [--out FILE]`."""
+    from partc.scaffold import scaffold
+
+    checkpoint = Path(args.checkpoint)
+    config = Path(args.config) if args.config else (
+        checkpoint / "config.json" if checkpoint.is_dir() else checkpoint.parent / "config.json")
+    result = scaffold(checkpoint, config, name=args.name)
+    if args.out:
+        write_text_file(Path(args.out), result.text)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "out": args.out, "text": result.text,
+                          "undecided": list(result.undecided)}, indent=1))
+    elif args.out:
+        print(f"wrote {args.out}: {len(result.undecided)} line(s) marked `# partc init: CHECK`;"
+              f" next: partc check {args.out} --checkpoint {args.checkpoint}")
+    else:
+        sys.stdout.write(result.text)
+    return EXIT_OK
+
+
+def run_families(args: argparse.Namespace) -> int:
+    """`partc families`: the built-in families, their model types and files; `--copy`."""
+    from partc.library import builtin_families
+
+    root = resources.files("partc.architectures")
+    if args.copy:
+        name, target = args.copy
+        files = builtin_families()
+        if name not in files:
+            raise LoadError(f"no built-in family {name!r}; known: {', '.join(sorted(files))}")
+        write_text_file(Path(target), root.joinpath(files[name]).read_text(encoding="utf-8"))
+        if args.format == "json":
+            print(json.dumps({"ok": True, "copied": files[name], "out": target}))
+        else:
+            print(f"copied architectures/{files[name]} to {target}; check it with "
+                  f"`partc check {target}`")
+        return EXIT_OK
+    entries = [{"model_type": t, "file": f, "path": str(Path(str(root.joinpath(f))).resolve())}
+               for t, f in sorted(builtin_families().items())]
+    if args.format == "json":
+        print(json.dumps({"ok": True, "families": entries}, indent=1))
+    else:
+        for entry in entries:  # absolute paths: --format json, or `partc families --copy`
+            print(f"{entry['model_type']:<20} architectures/{entry['file']}")
+    return EXIT_OK
+
+
+def schema_path() -> Path:
+    """The installed family JSON Schema."""
+    return Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
+
+
+def run_schema(args: argparse.Namespace) -> int:
+    """`partc schema [--path]`."""
+    path = schema_path()
+    if args.path:
+        print(path)
+    else:
+        sys.stdout.write(path.read_text(encoding="utf-8"))
+    return EXIT_OK
+
+
+def docs_path(topic: str | None = None) -> Path:
+    """Where an installed guide is (the folder when `topic` is None)."""
+    root = Path(str(resources.files("partc.docs")))
+    if topic is None:
+        return root
+    if topic.removesuffix(".md") not in DOC_TOPICS:
+        raise LoadError(f"no guide {topic!r}; the guides are {', '.join(DOC_TOPICS)}")
+    return root / f"{topic.removesuffix('.md')}.md"
+
+
+def run_docs(args: argparse.Namespace) -> int:
+    """`partc docs [TOPIC]`: print the path of the installed guide."""
+    print(docs_path(args.topic))
+    return EXIT_OK

@@ -1,0 +1,1 @@
+"""Seeing a plan: inspect, explain and report a build; inventory a checkpoint."""

@@ -1,0 +1,299 @@
+"""What a build holds, read from its plan.json: per-rank and per-stage totals, fallbacks, tensors.
+
+Everything here works from the plan document (schemas/plan.schema.json), the build's public and
+stable output, so that a build can be inspected without the family or the config it came from.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partc.errors import LoadError, SourceLocation
+from partc.parallel.layout import tensor_bytes
+
+MAX_PLAN_BYTES = 1 << 30
+"""Largest plan.json inspect reads (DeepSeek-V3 at 8 x 8 is ~60 MB)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Build:
+    """A plan document and where it was read from."""
+
+    path: Path
+    """The plan.json file."""
+    plan: dict[str, Any]
+    """The parsed plan document."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """T."""
+        return int(self.plan["topology"]["tensor_parallel_size"])
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """S."""
+        return int(self.plan["topology"]["pipeline_parallel_size"])
+
+    def groups(self) -> dict[str, dict[str, Any]]:
+        """Every parameter group's JSON entry by name."""
+        return {g["name"]: g for g in self.plan["groups"]}
+
+
+def is_build(path: Path) -> bool:
+    """True when `path` is a build folder (holding plan.json) or a plan.json file."""
+    return (path / "plan.json").is_file() if path.is_dir() else (
+        path.suffix == ".json" and path.name != "model.safetensors.index.json" and path.is_file())
+
+
+def read_build(path: str | Path) -> Build:
+    """Read a build folder's plan.json (or a plan file); LoadError when it is not one."""
+    where = Path(path)
+    file = where / "plan.json" if where.is_dir() else where
+    try:
+        if file.stat().st_size > MAX_PLAN_BYTES:
+            raise LoadError(f"{file} is {file.stat().st_size} bytes; a plan is at most "
+                            f"{MAX_PLAN_BYTES}", location=SourceLocation(str(file)))
+        plan = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoadError(f"cannot read a plan from {file}: {exc}; expected a folder written by "
+                        "`partc compile` (it holds plan.json)",
+                        location=SourceLocation(str(file))) from None
+    needed = ("topology", "groups", "ranks", "tensors", "boundary", "family", "plan_hash")
+    missing = [key for key in needed if not isinstance(plan, dict) or key not in plan]
+    if missing:
+        raise LoadError(f"{file} is not a partc plan: it lacks {', '.join(missing)}",
+                        location=SourceLocation(str(file)))
+    return Build(path=file, plan=plan)
+
+
+def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_rank: int
+                ) -> tuple[int, ...] | None:
+    """The rank-local shape of a tensor under a compact placement (None: not on this rank)."""
+    kind = placement[0]
+    out = list(shape)
+    if kind in ("replicated", "local", "pipeline_stage", "whole"):
+        return tuple(out)
+    if kind == "rank":
+        return tuple(out) if placement[1] == tensor_parallel_rank else None
+    if kind == "omit":
+        return None
+    axis = int(placement[1])
+    if kind == "shard":
+        out[axis] = shape[axis] // int(placement[3])
+    elif kind == "range":
+        out[axis] = int(placement[3]) - int(placement[2])
+    elif kind == "indices":
+        out[axis] = sum(int(b) - int(a) for a, b in placement[2])
+    return tuple(out)
+
+
+def placement_text(placement: Sequence[Any]) -> str:
+    """A placement as people read it: `rows 0:66`, `cols 32:64`, `replicated`."""
+    kind = placement[0]
+    if kind in ("range", "shard", "indices"):
+        axis = int(placement[1])
+        name = {0: "rows", 1: "cols"}.get(axis, f"axis {axis}")
+        if kind == "range":
+            return f"{name} {placement[2]}:{placement[3]}"
+        if kind == "shard":
+            return f"{name} part {placement[2]}/{placement[3]}"
+        return f"{name} " + ",".join(f"{a}:{b}" for a, b in placement[2])
+    if kind == "rank":
+        return f"whole on tp rank {placement[1]}"
+    return str(kind)
+
+
+def _units_text(partition: Mapping[str, Any]) -> str:
+    return ", ".join(f"{g['group']}[{g['unit_range'][0]}:{g['unit_range'][1]}]"
+                     for g in partition["groups"]) or "-"
+
+
+def rank_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per rank: stage, TP rank, units, tensors, bytes (total and by dtype), roles."""
+    rows = []
+    for rank in plan["ranks"]:
+        info, part = rank["info"], rank["partition"]
+        rows.append({
+            "rank": rank["rank"], "tensor_parallel_rank": rank["tensor_parallel_rank"],
+            "pipeline_stage": rank["pipeline_stage"], "units": _units_text(part),
+            "tensors": info["owned_tensors"], "bytes": info["local_parameter_bytes"],
+            "bytes_by_dtype": dict(info["local_bytes_by_dtype"]),
+            "static_roles": list(part["ownership"]["static_roles"])})
+    return rows
+
+
+def stage_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per pipeline stage: units, tensors and bytes summed over its TP ranks."""
+    stages: dict[int, dict[str, Any]] = {}
+    for row in rank_rows(plan):
+        stage = stages.setdefault(row["pipeline_stage"], {
+            "pipeline_stage": row["pipeline_stage"], "ranks": [], "units": row["units"],
+            "tensors": 0, "bytes": 0, "bytes_by_dtype": {},
+            "static_roles": row["static_roles"], "max_rank_bytes": 0})
+        stage["ranks"].append(row["rank"])
+        stage["tensors"] += row["tensors"]
+        stage["bytes"] += row["bytes"]
+        stage["max_rank_bytes"] = max(stage["max_rank_bytes"], row["bytes"])
+        for dtype, n in row["bytes_by_dtype"].items():
+            stage["bytes_by_dtype"][dtype] = stage["bytes_by_dtype"].get(dtype, 0) + n
+    return [stages[s] for s in sorted(stages)]
+
+
+def imbalance(values: Iterable[int]) -> float:
+    """Largest over mean (1.0 is perfect balance; 0 when there is nothing)."""
+    numbers = list(values)
+    mean = sum(numbers) / len(numbers) if numbers else 0
+    return round(max(numbers) / mean, 4) if mean else 0.0
+
+
+def group_bytes_from_tensors(tensors: Iterable[Mapping[str, Any]]) -> Callable[[str], int]:
+    """A function giving a group's global bytes, summed over the plan's tensor entries."""
+    totals: dict[str, int] = {}
+    for t in tensors:
+        totals[t["group"]] = totals.get(t["group"], 0) + tensor_bytes(t["dtype"], t["shape"])
+    return lambda name: totals.get(name, 0)
+
+
+def fallbacks(groups: Iterable[Mapping[str, Any]], tensor_parallel_size: int,
+              group_bytes: Callable[[str], int]) -> list[dict[str, Any]]:
+    """Groups the policy replicated instead of sharding, each with the bytes that costs.
+
+    A fallen-back group is whole on each of the T ranks of each stage that loads it, where a
+    sharded one would have been split across them: it costs (T - 1) x its bytes per stage.
+    """
+    out = []
+    for group in groups:
+        if group.get("fell_back_to_replication"):
+            nbytes = group_bytes(group["name"])
+            out.append({"group": group["name"], "role": group["role"],
+                        "units": group.get("logical_units"), "stages": list(group["stages"]),
+                        "bytes": nbytes,
+                        "extra_bytes": (tensor_parallel_size - 1) * nbytes
+                        * len(group["stages"])})
+    return sorted(out, key=lambda f: f["group"])
+
+
+def kv_replicated(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Groups whose KV heads are repeated across ranks (kv_replicas > 1), one entry per group."""
+    found: dict[str, dict[str, Any]] = {}
+    for t in tensors:
+        if int(t.get("kv_replicas", 1)) > 1:
+            entry = found.setdefault(t["group"], {"group": t["group"],
+                                                  "kv_replicas": t["kv_replicas"], "tensors": []})
+            entry["tensors"].append(t["target"])
+    return [found[g] for g in sorted(found)]
+
+
+def plan_summary(plan: Mapping[str, Any], group_bytes: Callable[[str], int]
+                 ) -> dict[str, Any]:
+    """Stages, ranks, imbalance and fallbacks of a plan body (plan.json without `tensors` is
+    enough); `group_bytes` gives a group's global bytes."""
+    ranks, stages = rank_rows(plan), stage_rows(plan)
+    tp = int(plan["topology"]["tensor_parallel_size"])
+    return {"topology": plan["topology"],
+            "rank_imbalance": imbalance(r["bytes"] for r in ranks),
+            "stage_imbalance": imbalance(s["bytes"] for s in stages),
+            "stages": stages, "ranks": ranks,
+            "fallbacks": fallbacks(plan["groups"], tp, group_bytes)}
+
+
+def summary(build: Build) -> dict[str, Any]:
+    """The whole build in numbers: topology, stages, ranks, fallbacks, KV replication."""
+    plan = build.plan
+    return {
+        "path": str(build.path.parent), "family": plan["family"],
+        "model_type": plan.get("model_type"), "plan_hash": plan["plan_hash"],
+        "sources": plan.get("sources", []),
+        "global_bytes": sum(tensor_bytes(t["dtype"], t["shape"]) for t in plan["tensors"]),
+        "tensors": len(plan["tensors"]), "groups": len(plan["groups"]),
+    } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
+        "kv_replication": kv_replicated(plan["tensors"]), "boundary": plan["boundary"]}
+
+
+def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = None,
+                target: str | None = None,
+                origins: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The tensors selected by rank, group glob and target glob, one row per (tensor, rank)."""
+    tp = build.tensor_parallel_size
+    wanted_ranks = [r for r in build.plan["ranks"] if rank is None or r["rank"] == rank]
+    if rank is not None and not wanted_ranks:
+        raise LoadError(f"--rank {rank} is not a rank of this build: it has ranks 0 to "
+                        f"{len(build.plan['ranks']) - 1}")
+    rows = []
+    for t in build.plan["tensors"]:
+        if group is not None and not fnmatch.fnmatchcase(t["group"], group):
+            continue
+        if target is not None and not fnmatch.fnmatchcase(t["target"], target):
+            continue
+        for r in wanted_ranks:
+            if r["pipeline_stage"] not in t["stages"]:
+                continue
+            tp_rank = r["tensor_parallel_rank"]
+            placement = t["placements"][tp_rank] if len(t["placements"]) == tp else ["whole"]
+            shape = local_shape(placement, t["shape"], tp_rank)
+            if shape is None:
+                continue
+            rows.append({"rank": r["rank"], "target": t["target"], "group": t["group"],
+                         "dtype": t["dtype"], "global_shape": list(t["shape"]),
+                         "local_shape": list(shape), "placement": placement_text(placement),
+                         "kv_replicas": t.get("kv_replicas", 1),
+                         "origin": None if origins is None else origins.get(t["group"])})
+    return rows
+
+
+def byte_text(n: float) -> str:
+    """Bytes in binary units with three significant digits: `7.41 GiB`, `99.5 KiB`."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} TiB"  # pragma: no cover - the loop always returns
+
+
+FALLBACK_ROLE = "fallback"
+"""The role name `rank_role_bytes` gives the bytes of groups the policy replicated."""
+
+
+def rank_role_bytes(plan: Mapping[str, Any]) -> list[dict[str, int]]:
+    """Per rank (by global rank), its local bytes by group role; fallen-back groups' bytes are
+    counted under FALLBACK_ROLE."""
+    tp = int(plan["topology"]["tensor_parallel_size"])
+    roles = {g["name"]: FALLBACK_ROLE if g.get("fell_back_to_replication") else g["role"]
+             for g in plan["groups"]}
+    out: list[dict[str, int]] = [{} for _ in plan["ranks"]]
+    for t in plan["tensors"]:
+        role = roles[t["group"]]
+        for tp_rank in range(tp):
+            placement = t["placements"][tp_rank] if len(t["placements"]) == tp else ["whole"]
+            shape = local_shape(placement, t["shape"], tp_rank)
+            if shape is None:
+                continue
+            nbytes = tensor_bytes(t["dtype"], shape)
+            for stage in t["stages"]:
+                row = out[stage * tp + tp_rank]
+                row[role] = row.get(role, 0) + nbytes
+    return out
+
+
+def unit_columns(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The columns of an ownership map: every execution unit (graph order), then every static
+    role; each with the global ranks that own it."""
+    columns: list[dict[str, Any]] = []
+    for node in plan["graph"]:
+        for unit, path in enumerate(node["unit_paths"]):
+            owners = [r["rank"] for r in plan["ranks"] if any(
+                g["group"] == node["group"] and g["unit_range"][0] <= unit < g["unit_range"][1]
+                for g in r["partition"]["groups"])]
+            columns.append({"label": f"{node['group']} {unit}", "path": path, "kind": "unit",
+                            "owners": owners})
+    for role in plan.get("static_roles", []):
+        owners = [r["rank"] for r in plan["ranks"]
+                  if role["role"] in r["partition"]["ownership"]["static_roles"]]
+        columns.append({"label": role["role"], "path": f"static role ({role['stage']})",
+                        "kind": "static", "owners": owners})
+    return columns

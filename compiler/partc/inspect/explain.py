@@ -1,0 +1,99 @@
+"""Why one tensor (or group) of a build is split the way it is."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from partc.errors import LoadError
+from partc.inspect.build import Build, local_shape, placement_text
+from partc.inspect.origins import Origins
+
+
+def _suggest(name: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, Any]],
+             origin: str | None) -> list[str]:
+    """The causes behind a group's split, each a sentence."""
+    tp = build.tensor_parallel_size
+    policy = build.plan["topology"].get("policy")
+    why = []
+    if group.get("fell_back_to_replication"):
+        why.append(f"policy fallback: the group could not be sharded over TP={tp}, and the "
+                   f"policy {policy or 'of the family'} (replicate_unsupported) replicated it "
+                   "on every rank of its stages instead of failing")
+    elif group["role"] == "replicated":
+        why.append("role `replicated`: every rank of the stage loads it whole")
+    units = group.get("logical_units")
+    if units and group.get("logical_ranges"):
+        sizes = [b - a for a, b in group["logical_ranges"]]
+        if len(set(sizes)) > 1:
+            why.append(f"{units} units do not divide evenly by TP={tp}: balanced contiguous "
+                       f"ranges of {', '.join(map(str, sizes))} units")
+        else:
+            why.append(f"{units} units split evenly: {sizes[0]} per rank")
+    for t in tensors:
+        if int(t.get("kv_replicas", 1)) > 1:
+            why.append(f"KV replication: `{t['target']}` has fewer KV heads than TP={tp} ranks; "
+                       f"each KV head is repeated on {t['kv_replicas']} ranks "
+                       "(docs/kv_replication.md)")
+        placements = t["placements"]
+        logical = group.get("logical_ranges")
+        if units and logical and placements and all(p[0] == "range" for p in placements):
+            axis = int(placements[0][1])
+            per_unit = t["shape"][axis] / units
+            expected = [[a * per_unit, b * per_unit] for a, b in logical]
+            actual = [[int(p[2]), int(p[3])] for p in placements]
+            if actual != expected:
+                why.append(f"`{t['target']}`: cuts {actual} on axis {axis} differ from the unit "
+                           f"boundaries {[[int(a), int(b)] for a, b in expected]}: the ranges "
+                           "are aligned to blocks (quantization) or heads")
+    if origin:
+        why.append(f"declared at {origin}")
+    return why
+
+
+def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
+    """Group, role, units, each rank's range and placement of a tensor or group, and why."""
+    plan = build.plan
+    groups = build.groups()
+    by_target = {t["target"]: t for t in plan["tensors"]}
+    if target in by_target:
+        group = groups[by_target[target]["group"]]
+        tensors = [by_target[target]]
+    elif target in groups:
+        group = groups[target]
+        tensors = [t for t in plan["tensors"] if t["group"] == target]
+    else:
+        raise LoadError(f"`{target}` is neither a tensor nor a group of this build"
+                        + _suggest(target, sorted(by_target) + sorted(groups)))
+    tp = build.tensor_parallel_size
+    ranks = []
+    for rank in plan["ranks"]:
+        if rank["pipeline_stage"] not in group["stages"]:
+            continue
+        tp_rank = rank["tensor_parallel_rank"]
+        logical = (group["logical_ranges"][tp_rank] if group.get("logical_ranges") else None)
+        members = []
+        for t in tensors:
+            placement = t["placements"][tp_rank] if len(t["placements"]) == tp else ["whole"]
+            shape = local_shape(placement, t["shape"], tp_rank)
+            members.append({"target": t["target"], "placement": placement_text(placement),
+                            "local_shape": None if shape is None else list(shape)})
+        ranks.append({"rank": rank["rank"], "tensor_parallel_rank": tp_rank,
+                      "pipeline_stage": rank["pipeline_stage"], "logical_range": logical,
+                      "tensors": members})
+    origin = origins.lines.get(group["name"])
+    return {"target": target, "group": group["name"], "role": group["role"],
+            "owner": group["owner"], "stages": group["stages"],
+            "logical_units": group.get("logical_units"),
+            "fell_back_to_replication": bool(group.get("fell_back_to_replication")),
+            "tensors": [{"target": t["target"], "dtype": t["dtype"], "shape": t["shape"],
+                         "kv_replicas": t.get("kv_replicas", 1)} for t in tensors],
+            "ranks": ranks, "origin": origin, "origin_note": origins.note,
+            "why": _reasons(build, group, tensors, origin)}

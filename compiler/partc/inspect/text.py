@@ -1,0 +1,131 @@
+"""Human tables for inspect and explain: aligned columns, totals, one line per fact."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from partc.inspect.build import byte_text
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
+          right: Sequence[bool] | None = None) -> list[str]:
+    """Columns padded to their widest cell; `right` marks right-aligned (numeric) columns."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    align = right or [False] * len(header)
+    out = []
+    for row in cells:
+        out.append("  ".join(c.rjust(w) if a else c.ljust(w)
+                             for c, w, a in zip(row, widths, align, strict=True)).rstrip())
+    return out
+
+
+def _dtypes(by_dtype: Mapping[str, int]) -> str:
+    return ", ".join(f"{d} {byte_text(n)}" for d, n in sorted(by_dtype.items())) or "-"
+
+
+def fallback_lines(fallbacks: Sequence[Mapping[str, Any]],
+                   kv: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per policy fallback (with its extra bytes) and per KV-replicated group."""
+    out = []
+    if fallbacks:
+        extra = sum(f["extra_bytes"] for f in fallbacks)
+        out.append(f"fallbacks: {len(fallbacks)} group(s) replicated by the policy instead of "
+                   f"sharded, {byte_text(extra)} extra in all")
+        out += [f"  {f['group']} ({f['role']}): {byte_text(f['bytes'])} "
+                f"on every rank of stage(s) {','.join(map(str, f['stages']))}, "
+                f"+{byte_text(f['extra_bytes'])}" for f in fallbacks]
+    if kv:
+        out.append(f"KV replication: {len(kv)} group(s) repeat KV heads across ranks")
+        out += [f"  {k['group']}: each KV head on {k['kv_replicas']} ranks "
+                f"({len(k['tensors'])} tensors)" for k in kv]
+    return out
+
+
+def stage_lines(stages: Sequence[Mapping[str, Any]], *, imbalance: float | None = None
+                ) -> list[str]:
+    """The per-stage table."""
+    rows = [(s["pipeline_stage"], ",".join(map(str, s["ranks"])), s["units"], s["tensors"],
+             byte_text(s["bytes"]), byte_text(s["max_rank_bytes"]), _dtypes(s["bytes_by_dtype"]),
+             ", ".join(s["static_roles"]) or "-") for s in stages]
+    out = table(("stage", "ranks", "units", "tensors", "bytes", "max/rank", "by dtype",
+                 "static roles"), rows, right=(True, False, False, True, True, True, False,
+                                               False))
+    if imbalance is not None:
+        out.append(f"stage imbalance (largest / mean bytes): {imbalance:.3f}")
+    return out
+
+
+def summary_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The whole build: header, stages, ranks, fallbacks."""
+    topology = summary["topology"]
+    out = [f"build {summary['path']}: {summary['family']} ({summary['model_type']}) at "
+           f"TP={topology['tensor_parallel_size']} x PP={topology['pipeline_parallel_size']}, "
+           f"plan {summary['plan_hash'][:16]}",
+           f"{summary['tensors']} tensors in {summary['groups']} groups, "
+           f"{byte_text(summary['global_bytes'])} in the checkpoint; policy "
+           f"{topology.get('policy') or 'the family default'}", ""]
+    out += stage_lines(summary["stages"], imbalance=summary["stage_imbalance"])
+    out.append("")
+    rows = [(r["rank"], r["pipeline_stage"], r["tensor_parallel_rank"], r["units"], r["tensors"],
+             byte_text(r["bytes"]), _dtypes(r["bytes_by_dtype"]),
+             ", ".join(r["static_roles"]) or "-") for r in summary["ranks"]]
+    out += table(("rank", "stage", "tp", "units", "tensors", "bytes", "by dtype", "static roles"),
+                 rows, right=(True, True, True, False, True, True, False, False))
+    out.append(f"rank imbalance (largest / mean bytes): {summary['rank_imbalance']:.3f}")
+    extra = fallback_lines(summary["fallbacks"], summary["kv_replication"])
+    out += [""] + (extra or ["fallbacks: none; KV replication: none"])
+    return out
+
+
+def tensor_lines(rows: Sequence[Mapping[str, Any]], note: str) -> list[str]:
+    """The tensor table of `inspect --rank/--group/--target`."""
+    body = [(r["rank"], r["target"], r["dtype"], r["global_shape"], r["local_shape"],
+             r["placement"] + (f" (KV x{r['kv_replicas']})" if r["kv_replicas"] > 1 else ""),
+             r["origin"] or "?") for r in rows]
+    out = table(("rank", "tensor", "dtype", "global shape", "local shape", "placement",
+                 "family line"), body, right=(True, False, False, False, False, False, False))
+    out.append(f"{len(rows)} row(s); family lines: {note}")
+    return out
+
+
+def inventory_lines(inv: Mapping[str, Any]) -> list[str]:
+    """The collapsed checkpoint inventory."""
+    out = [f"checkpoint {inv['path']}: {inv['tensors']} tensors in {len(inv['files'])} file(s), "
+           f"{byte_text(inv['bytes'])} ({_dtypes(inv['bytes_by_dtype'])})", ""]
+    rows = [(e["pattern"], e["shape"], e["dtype"], f"x{e['count']}",
+             " ".join(f"{k}={v}" for k, v in e["ranges"].items()), byte_text(e["bytes"]))
+            for e in inv["entries"]]
+    out += table(("name", "shape", "dtype", "count", "numbers", "bytes"), rows,
+                 right=(False, False, False, True, False, True))
+    return out
+
+
+def explain_lines(e: Mapping[str, Any]) -> list[str]:
+    """What `partc explain` prints."""
+    owner = e["owner"]
+    who = (f"unit {owner.get('unit')} of `{owner.get('group')}`" if owner.get("kind") ==
+           "execution_unit" else f"static role {', '.join(owner.get('roles', []))}")
+    out = [f"{e['target']}",
+           f"  group   {e['group']}",
+           f"  role    {e['role']}" + ("  (FELL BACK TO REPLICATION)"
+                                       if e["fell_back_to_replication"] else ""),
+           f"  owner   {who}; stage(s) {', '.join(map(str, e['stages']))}",
+           f"  units   {e['logical_units'] if e['logical_units'] is not None else '-'}",
+           f"  family  {e['origin'] or '? (' + e['origin_note'] + ')'}"]
+    for t in e["tensors"]:
+        out.append(f"  tensor  {t['target']}  {t['dtype']} {t['shape']}"
+                   + (f"  KV x{t['kv_replicas']}" if t["kv_replicas"] > 1 else ""))
+    out.append("")
+    rows = []
+    for r in e["ranks"]:
+        logical = r["logical_range"]
+        for m in r["tensors"]:
+            rows.append((r["rank"], r["pipeline_stage"], r["tensor_parallel_rank"],
+                         "-" if logical is None else f"{logical[0]}:{logical[1]}",
+                         m["target"], m["placement"], m["local_shape"]))
+    out += table(("rank", "stage", "tp", "units", "tensor", "placement", "local shape"), rows,
+                 right=(True, True, True, False, False, False, False))
+    out += ["", "why:"] + [f"  - {w}" for w in e["why"]]
+    return out

@@ -1,0 +1,1 @@
+"""The guides (Markdown), shipped as package data so that error messages can point to them."""

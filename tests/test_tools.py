@@ -1,0 +1,318 @@
+"""The seeing and authoring commands: inspect, explain, report, init, families, schema, docs,
+and the command-line conventions (JSON usage errors, quiet broken pipes, help everywhere)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from partc.cli import EXIT_CODES, _parser, main
+
+from support import ROOT, hf
+
+DEEPSEEK = hf("deepseek_v3")
+LLAMA = hf("llama")
+LLAMA_LIKE = ("llama", "llama_tied", "mistral", "qwen2", "qwen3")
+
+
+def _run(args, capsys):
+    status = main(args)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def deepseek_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds") / "build"
+    assert main(["compile", "--checkpoint", str(DEEPSEEK), "--tp", "2", "--pp", "3",
+                 "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def fallback_build(tmp_path_factory):
+    """Llama at TP=4 (2 KV heads): the policy replicates every attention group."""
+    out = tmp_path_factory.mktemp("l4") / "build"
+    assert main(["compile", "--config", str(LLAMA / "config.json"), "--tp", "4",
+                 "--policy", "replicate-unsupported", "--out", str(out)]) == 0
+    return out
+
+
+def _loaded(build: Path, rank: int):
+    """The arrays a rank really loads, through its generated module (the oracle)."""
+    plan = json.loads((build / "plan.json").read_text())
+    sys.path.insert(0, str(build))
+    try:
+        name = next(p.name for p in build.iterdir() if p.is_dir() and p.name.startswith("partc_"))
+        package = importlib.import_module(name)
+        return package.load(DEEPSEEK, rank=rank).tensors, plan
+    finally:
+        sys.path.remove(str(build))
+
+
+def test_inspect_json_gives_stage_totals_equal_to_the_bytes_each_rank_loads(deepseek_build,
+                                                                             capsys):
+    status, out, _ = _run(["inspect", str(deepseek_build), "--format", "json"], capsys)
+    report = json.loads(out)
+    assert status == 0 and report["ok"] and report["kind"] == "build"
+    per_rank = {}
+    for rank in range(6):
+        tensors, _ = _loaded(deepseek_build, rank)
+        per_rank[rank] = sum(a.nbytes for a in tensors.values())
+    assert [r["bytes"] for r in report["ranks"]] == [per_rank[r] for r in range(6)]
+    assert [s["bytes"] for s in report["stages"]] == [per_rank[2 * s] + per_rank[2 * s + 1]
+                                                     for s in range(3)]
+    assert [s["static_roles"] for s in report["stages"]] == [["embedding"], [],
+                                                             ["final_norm", "output"]]
+    mean = sum(per_rank.values()) / 6
+    assert report["rank_imbalance"] == round(max(per_rank.values()) / mean, 4)
+    assert report["fallbacks"] == []
+
+
+def test_inspect_text_prints_the_stage_and_rank_tables(deepseek_build, capsys):
+    status, out, _ = _run(["inspect", str(deepseek_build)], capsys)
+    assert status == 0
+    assert "deepseek_v3 (deepseek_v3) at TP=2 x PP=3" in out
+    assert "stage imbalance (largest / mean bytes)" in out
+    assert "final_norm, output" in out and "fallbacks: none" in out
+
+
+def test_inspect_rank_lists_local_shapes_equal_to_the_loaded_arrays_with_family_lines(
+        deepseek_build, capsys):
+    status, out, _ = _run(["inspect", str(deepseek_build), "--rank", "3", "--group",
+                           "*attention*", "--format", "json"], capsys)
+    rows = json.loads(out)["tensors"]
+    tensors, _ = _loaded(deepseek_build, 3)
+    assert status == 0 and rows
+    family = (ROOT / "architectures" / "deepseek_v3.yaml").read_text().splitlines()
+    for row in rows:
+        assert row["local_shape"] == list(tensors[row["target"]].shape), row["target"]
+        file, line = row["origin"].rsplit(":", 1)
+        assert file == "architectures/deepseek_v3.yaml"
+        assert "name:" in family[int(line) - 1]  # the group's declaration line
+    assert {r["rank"] for r in rows} == {3}
+
+
+def test_inspect_of_a_checkpoint_collapses_layer_and_expert_numbers(capsys):
+    status, out, _ = _run(["inspect", str(DEEPSEEK), "--format", "json"], capsys)
+    report = json.loads(out)
+    with safe_open(str(DEEPSEEK / "model.safetensors"), "np") as f:
+        names = list(f.keys())
+    assert status == 0 and report["tensors"] == len(names)
+    assert sum(e["count"] for e in report["entries"]) == len(names)
+    experts = next(e for e in report["entries"]
+                   if e["pattern"] == "model.layers.N.mlp.experts.M.down_proj.weight")
+    expected = [n for n in names if ".mlp.experts." in n and n.endswith("down_proj.weight")]
+    assert experts["count"] == len(expected)
+    status, text, _ = _run(["inspect", str(DEEPSEEK)], capsys)
+    assert "model.layers.N.mlp.experts.M.down_proj.weight" in text and f"x{len(expected)}" in text
+
+
+def test_explain_gives_each_rank_s_range_and_the_family_line(deepseek_build, capsys):
+    target = "model.layers.0.self_attn.q_b_proj.weight"
+    status, out, _ = _run(["explain", str(deepseek_build), target, "--format", "json"], capsys)
+    found = json.loads(out)
+    assert status == 0 and found["group"] == "model.layers.0.attention.heads"
+    assert [r["logical_range"] for r in found["ranks"]] == [[0, 2], [2, 4]]
+    assert [r["tensors"][0]["placement"] for r in found["ranks"]] == ["rows 0:48", "rows 48:96"]
+    assert any(w.startswith("declared at architectures/deepseek_v3.yaml:") for w in found["why"])
+    status, text, _ = _run(["explain", str(deepseek_build), target], capsys)
+    assert "why:" in text and "4 units split evenly: 2 per rank" in text
+
+
+def test_explain_of_an_unknown_name_suggests_the_closest(deepseek_build, capsys):
+    status, _, err = _run(["explain", str(deepseek_build),
+                           "model.layers.0.self_attn.q_b_proj.weigh"], capsys)
+    assert status == 1
+    assert "did you mean `model.layers.0.self_attn.q_b_proj.weight`" in err
+
+
+def test_compile_and_check_report_fallbacks_with_their_extra_bytes(fallback_build, capsys):
+    with safe_open(str(LLAMA / "model.safetensors"), "np") as f:
+        attention = sum(f.get_slice(n).get_shape()[0] * f.get_slice(n).get_shape()[1] * 4
+                        for n in f.keys() if n.startswith("model.layers.0.self_attn."))
+    status, out, _ = _run(["check", "--config", str(LLAMA / "config.json"), "--tp", "4",
+                           "--policy", "replicate-unsupported", "--format", "json"], capsys)
+    report = json.loads(out)
+    assert status == 0 and len(report["fallbacks"]) == 3
+    first = report["fallbacks"][0]
+    assert first["group"] == "layers.0.attention" and first["bytes"] == attention
+    assert first["extra_bytes"] == 3 * attention
+    status, text, _ = _run(["inspect", str(fallback_build)], capsys)
+    assert "fallbacks: 3 group(s) replicated by the policy" in text
+
+
+def test_compile_takes_the_config_from_the_checkpoint_folder_and_pp_from_pp_layers(
+        tmp_path, capsys):
+    status, out, _ = _run(["compile", "--checkpoint", str(LLAMA), "--pp-layers", "1,2", "--out",
+                           str(tmp_path / "b"), "--format", "json"], capsys)
+    report = json.loads(out)
+    assert status == 0 and report["topology"]["pipeline_parallel_size"] == 2
+    assert [s["units"] for s in report["stages"]] == ["decoder[0:1]", "decoder[1:3]"]
+
+
+def _report_html(build: Path, tmp_path: Path, capsys) -> dict:
+    out = tmp_path / f"{build.parent.name}.html"
+    status, _, _ = _run(["report", str(build), "--out", str(out)], capsys)
+    assert status == 0
+
+    class Collect(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.found = {"cell": [], "segment": [], "wire": 0, "fallback_rows": 0,
+                          "links": [], "tables": set()}
+            self.table = None
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            css = (a.get("class") or "").split()
+            if tag == "rect" and "cell" in css:
+                self.found["cell"].append(a)
+            if tag == "rect" and "segment" in css:
+                self.found["segment"].append(a)
+            if tag == "table":
+                self.table = a.get("id")
+                self.found["tables"].add(self.table)
+            if tag == "tr" and self.table == "wire":
+                self.found["wire"] += 1
+            if tag == "tr" and "fallback" in css:
+                self.found["fallback_rows"] += 1
+            self.found["links"] += [v for k, v in attrs if k in ("src", "href") and v]
+
+    parser = Collect()
+    parser.feed(out.read_text())
+    return parser.found
+
+
+def test_the_report_maps_every_rank_and_unit_and_the_wire_schema(deepseek_build, tmp_path,
+                                                                  capsys):
+    found = _report_html(deepseek_build, tmp_path, capsys)
+    plan = json.loads((deepseek_build / "plan.json").read_text())
+    units = sum(len(g["unit_paths"]) for g in plan["graph"]) + len(plan["static_roles"])
+    assert len(found["cell"]) == len(plan["ranks"]) * units
+    owned = [c for c in found["cell"] if "owned" in c["class"].split()]
+    assert len(owned) == 6 * 1 + 2 + 2 * 2  # one decoder unit per stage; 1 + 2 static roles
+    assert {float(c["y"]) for c in found["segment"]} and len(
+        {float(c["y"]) for c in found["segment"]}) == len(plan["ranks"])
+    assert found["wire"] == 1 + 1 + len(plan["boundary"]["auxiliary"])  # header + primary
+    assert found["links"] == [] and found["fallback_rows"] == 0
+
+
+def test_the_report_highlights_fallbacks(fallback_build, tmp_path, capsys):
+    found = _report_html(fallback_build, tmp_path, capsys)
+    assert found["fallback_rows"] == 3
+    assert any("fallback" in s["class"].split() for s in found["segment"])
+
+
+def test_the_report_never_replaces_a_file_partc_did_not_write(deepseek_build, tmp_path, capsys):
+    mine = tmp_path / "notes.html"
+    mine.write_text("my notes")
+    status, _, err = _run(["report", str(deepseek_build), "--out", str(mine)], capsys)
+    assert status == 1 and "partc did not write it" in err and mine.read_text() == "my notes"
+
+
+@pytest.mark.parametrize("fixture", LLAMA_LIKE)
+def test_init_writes_a_family_that_checks_as_written(fixture, tmp_path, capsys):
+    family = tmp_path / "family.yaml"
+    status, out, _ = _run(["init", "--checkpoint", str(hf(fixture)), "--out", str(family)],
+                          capsys)
+    assert status == 0 and family.is_file() and "partc check" in out
+    status, out, err = _run(["check", str(family), "--checkpoint", str(hf(fixture)), "--tp", "2",
+                             "--pp", "2"], capsys)
+    assert status == 0, err
+    assert out.startswith("ok: family, config binding, checkpoint, topology checked")
+
+
+def test_init_marks_what_it_could_not_decide(tmp_path, capsys):
+    status, out, _ = _run(["init", "--checkpoint", str(hf("phi3")), "--format", "json"], capsys)
+    report = json.loads(out)
+    assert status == 0
+    assert any("qkv_proj" in u for u in report["undecided"])
+    assert report["text"].count("# partc init: CHECK") == len(report["undecided"]) + 1
+
+
+def test_repeated_errors_collapse_into_one_line_and_the_built_in_family_is_suggested(
+        tmp_path, capsys):
+    text = (ROOT / "architectures" / "llama.yaml").read_text()
+    start = text.index('  - name: "layers.{unit}.mlp"')
+    family = tmp_path / "no_mlp.yaml"
+    family.write_text(text[:start] + text[text.index("  - name: final_norm"):])
+    status, _, err = _run(["check", str(family), "--checkpoint", str(LLAMA)], capsys)
+    assert status == 1
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: 9 errors like this one")
+    assert "mlp" in lines[0]
+    assert "hint: the built-in family for this config's model_type fits" in err
+    assert err.splitlines()[-1] == "partc: 9 error(s)"
+
+
+def test_usage_errors_are_json_under_format_json(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["inspect", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert exited.value.code == 2 and report["ok"] is False
+    assert report["errors"][0]["stage"] == "usage"
+    assert "path" in report["errors"][0]["message"]
+
+
+def test_a_closed_pipe_ends_quietly(deepseek_build):
+    process = subprocess.Popen([sys.executable, "-m", "partc.cli", "inspect", str(DEEPSEEK)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.readline()
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=60) == 0
+    assert b"internal error" not in err and b"Traceback" not in err
+
+
+def test_every_option_of_every_command_has_help_and_every_exit_code_is_documented():
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {action.dest}" for name, sub in commands.choices.items()
+               for action in sub._actions if not action.help]
+    assert missing == []
+    assert {code for code, _ in EXIT_CODES} == {0, 1, 2, 70, 130}
+    epilog = parser.format_help()
+    assert all(f"{code:>3}  {meaning}" in epilog for code, meaning in EXIT_CODES)
+
+
+def test_the_cli_reference_is_up_to_date():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "cli_reference.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout
+
+
+def test_families_in_json_give_absolute_paths_and_copy_writes_an_editable_file(tmp_path,
+                                                                              capsys):
+    status, out, _ = _run(["families", "--format", "json"], capsys)
+    entries = json.loads(out)["families"]
+    assert status == 0 and {"llama", "deepseek_v3", "mistral"} <= {e["model_type"]
+                                                                     for e in entries}
+    assert all(Path(e["path"]).is_absolute() and Path(e["path"]).is_file() for e in entries)
+    copy = tmp_path / "mine.yaml"
+    assert main(["families", "--copy", "llama", str(copy)]) == 0
+    assert copy.read_text() == (ROOT / "architectures" / "llama.yaml").read_text()
+    capsys.readouterr()
+    assert main(["families", "--copy", "llama", str(copy)]) == 1  # never replaced
+    assert "partc did not write it" in capsys.readouterr().err
+
+
+def test_schema_prints_the_family_schema_and_docs_the_installed_guides(capsys):
+    status, out, _ = _run(["schema"], capsys)
+    assert status == 0
+    assert json.loads(out) == json.loads(
+        (ROOT / "schemas" / "architecture.schema.json").read_text())
+    status, out, _ = _run(["docs", "authoring"], capsys)
+    assert status == 0 and Path(out.strip()).is_file()
+    assert Path(out.strip()).read_text() == (ROOT / "docs" / "authoring.md").read_text()
+    status, _, err = _run(["docs", "nope"], capsys)
+    assert status == 1 and "authoring" in err
