@@ -4,7 +4,6 @@ and the command-line conventions (JSON usage errors, quiet broken pipes, help ev
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from safetensors import safe_open
 
 from partc.cli import EXIT_CODES, _parser, main
 
-from support import ROOT, hf
+from support import ROOT, hf, import_build
 
 DEEPSEEK = hf("deepseek_v3")
 LLAMA = hf("llama")
@@ -49,13 +48,7 @@ def fallback_build(tmp_path_factory):
 def _loaded(build: Path, rank: int):
     """The arrays a rank really loads, through its generated module (the oracle)."""
     plan = json.loads((build / "plan.json").read_text())
-    sys.path.insert(0, str(build))
-    try:
-        name = next(p.name for p in build.iterdir() if p.is_dir() and p.name.startswith("partc_"))
-        package = importlib.import_module(name)
-        return package.load(DEEPSEEK, rank=rank).tensors, plan
-    finally:
-        sys.path.remove(str(build))
+    return import_build(build).load(DEEPSEEK, rank=rank).tensors, plan
 
 
 def test_inspect_json_gives_stage_totals_equal_to_the_bytes_each_rank_loads(deepseek_build,

@@ -79,9 +79,11 @@ def checkpoint_tensors(folder: Path) -> dict[str, np.ndarray]:
     return load_file(str(folder / "model.safetensors"))
 
 
-def import_build(out: Path, plan: Any) -> Any:
-    """Import the generated package of a build folder (fresh, even if imported before)."""
-    name = package_name(plan)
+def import_build(out: Path, plan: Any = None) -> Any:
+    """Import the generated package of a build folder (fresh, even if imported before); the
+    package is found in the folder when no plan is given."""
+    name = package_name(plan) if plan is not None else next(
+        p.name for p in sorted(out.iterdir()) if p.is_dir() and p.name.startswith("partc_"))
     for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[module]
     sys.path.insert(0, str(out))
