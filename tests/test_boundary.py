@@ -455,3 +455,59 @@ def test_the_generated_stage_refuses_a_damaged_payload(residual_build, damage, k
         last.boundary().decode(damage(values))
     assert caught.value.kind is kind
     assert caught.value.message == message
+
+
+# ---------------------------------------------------------------- torch tensors
+
+
+def _torch_payload(batch=2, sequence=5):
+    """The numpy payload as torch tensors sharing its memory (bf16 through its bit pattern)."""
+    import torch
+
+    def as_torch(array):
+        if array.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+
+    return {name: as_torch(array) for name, array in payload(batch, sequence).items()}
+
+
+def test_torch_tensors_cross_a_cut_unconverted_and_are_checked_like_arrays():
+    import torch
+
+    boundary = residual_boundary()
+    tensors = _torch_payload()
+    assert tensors["hidden"].dtype is torch.bfloat16 and tensors["positions"].dtype is torch.int32
+    values = boundary.encode_values(tensors)
+    assert [v.role for v in values] == ["hidden", "residual", "positions", "expert_counts"]
+    assert all(isinstance(v.tensor, torch.Tensor) for v in values)
+    decoded = boundary.decode_tensors([v.tensor for v in values])
+    assert decoded["hidden"] is tensors["hidden"]
+    # the bytes are the numpy payload's, so nothing was converted on the way
+    assert np.array_equal(decoded["hidden"].view(torch.uint16).numpy(),
+                          payload()["hidden"].view(np.uint16))
+
+
+def test_a_torch_tensor_of_the_wrong_dtype_or_shape_is_refused_by_name():
+    import torch
+
+    boundary = residual_boundary()
+    tensors = _torch_payload()
+    tensors["residual"] = tensors["residual"].to(torch.float32)
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.encode_values(tensors)
+    assert caught.value.kind is BK.WRONG_DTYPE
+    assert caught.value.message == (
+        "boundary tensor `residual` of `toy.residual` has dtype torch.float32; expected bfloat16 "
+        "(the pipeline activation dtype bfloat16)")
+    tensors = _torch_payload()
+    tensors["positions"] = tensors["positions"].to(torch.int64)
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.encode_values(tensors)
+    assert caught.value.message == ("boundary tensor `positions` of `toy.residual` has dtype "
+                                    "torch.int64; expected int32 (declared)")
+    tensors = _torch_payload()
+    tensors["hidden"] = tensors["hidden"][:, :4]
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.encode_values(tensors)
+    assert caught.value.kind is BK.WRONG_SHAPE

@@ -534,6 +534,10 @@ class ArchitectureBoundary:
 
 
 def _same_dtype(found: Any, expected: np.dtype[Any]) -> bool:
+    """Whether an array's dtype is `expected`: a numpy dtype, or a torch dtype of that name
+    (`torch.bfloat16` is ml_dtypes' `bfloat16`), so torch tensors cross a cut unconverted."""
+    if type(found).__module__ == "torch":
+        return str(found).removeprefix("torch.") == expected.name
     try:
         return bool(found == expected)
     except TypeError:

@@ -1,27 +1,82 @@
-"""Rank discovery from the launcher's environment."""
+"""Rank discovery from the launcher's environment, data parallelism included."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from partc.errors import CheckpointError
 
 
-def rank_from_environment(world_size: int) -> int:
-    """This process's global rank from torchrun's environment (`RANK`, `WORLD_SIZE`)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPosition:
+    """Where this process sits in a job that runs a build D times side by side.
+
+    A job of WORLD_SIZE = D·T·S processes holds D data-parallel replicas of the build, each
+    replica a contiguous block of T·S global ranks: global rank g runs build rank g mod (T·S)
+    of replica g div (T·S).
+    """
+
+    global_rank: int
+    """This process's rank in the whole job (`RANK`)."""
+    world_size: int
+    """Processes in the whole job (`WORLD_SIZE`)."""
+    rank: int
+    """This process's rank in the build (the rank module it loads)."""
+    build_world_size: int
+    """Ranks of one replica of the build (T·S)."""
+    data_parallel_rank: int
+    """Which replica of the build this process belongs to."""
+    data_parallel_size: int
+    """Replicas of the build in the job."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.build_world_size and self.world_size
+                == self.build_world_size * self.data_parallel_size
+                and self.global_rank == self.data_parallel_rank * self.build_world_size
+                + self.rank and 0 <= self.data_parallel_rank < self.data_parallel_size):
+            raise CheckpointError(f"inconsistent launch position {self}")
+
+
+def _integer(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CheckpointError(f"environment {name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise CheckpointError(f"environment {name}={raw!r} must not be negative")
+    return value
+
+
+def launch_position(build_world_size: int) -> LaunchPosition:
+    """This process's position from torchrun's environment (`RANK`, `WORLD_SIZE`).
+
+    WORLD_SIZE must be a multiple of the build's T·S ranks (the quotient is the data-parallel
+    size); without WORLD_SIZE the job is taken to be one replica.
+    """
     raw = os.environ.get("RANK")
     if raw is None:
         raise CheckpointError("no rank given and RANK is not set; pass rank= or run under "
                               "torchrun")
-    try:
-        rank = int(raw)
-    except ValueError:
-        raise CheckpointError(f"environment RANK={raw!r} is not an integer") from None
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and world != str(world_size):
-        raise CheckpointError(f"WORLD_SIZE={world} but this build has {world_size} ranks "
-                              "(TP x PP)")
-    return rank
+    global_rank = _integer("RANK", raw)
+    world_raw = os.environ.get("WORLD_SIZE")
+    world = build_world_size if world_raw is None else _integer("WORLD_SIZE", world_raw)
+    if world == 0 or world % build_world_size:
+        raise CheckpointError(
+            f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} ranks "
+            f"(T x S); run {build_world_size} x D processes for D data-parallel replicas")
+    if global_rank >= world:
+        raise CheckpointError(f"RANK={global_rank} is outside WORLD_SIZE={world}")
+    return LaunchPosition(global_rank=global_rank, world_size=world,
+                          rank=global_rank % build_world_size,
+                          build_world_size=build_world_size,
+                          data_parallel_rank=global_rank // build_world_size,
+                          data_parallel_size=world // build_world_size)
+
+
+def rank_from_environment(world_size: int) -> int:
+    """This process's rank in the build, from torchrun's environment (see `launch_position`)."""
+    return launch_position(world_size).rank
 
 
 def rank_out_of_range(rank: int, world_size: int) -> CheckpointError:

@@ -1,0 +1,67 @@
+"""Rank discovery under a launcher: RANK and WORLD_SIZE, with data-parallel replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from partc.errors import CheckpointError
+from partc.runtime.ranks import launch_position, rank_from_environment
+
+from support import HF, compile_and_import
+
+
+def _env(monkeypatch, rank, world):
+    monkeypatch.setenv("RANK", str(rank))
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+
+
+@pytest.mark.parametrize(("rank", "world", "expected"), [
+    (0, 4, (0, 0, 1)), (3, 4, (3, 0, 1)),               # one replica of a 4-rank build
+    (4, 8, (0, 1, 2)), (7, 8, (3, 1, 2)),               # two data-parallel replicas
+    (9, 12, (1, 2, 3)), (2, None, (2, 0, 1)),           # three replicas; no WORLD_SIZE
+])
+def test_a_job_of_d_replicas_gives_each_process_its_build_rank_and_replica(
+        monkeypatch, rank, world, expected):
+    _env(monkeypatch, rank, world)
+    position = launch_position(4)
+    assert (position.rank, position.data_parallel_rank, position.data_parallel_size) == expected
+    assert position.global_rank == rank
+    assert position.global_rank == position.data_parallel_rank * 4 + position.rank
+    assert rank_from_environment(4) == expected[0]
+
+
+@pytest.mark.parametrize(("rank", "world", "message"), [
+    ("1", "6", "WORLD_SIZE=6 is not a multiple of this build's 4 ranks (T x S); run 4 x D "
+               "processes for D data-parallel replicas"),
+    ("8", "8", "RANK=8 is outside WORLD_SIZE=8"),
+    ("x", "4", "environment RANK='x' is not an integer"),
+    ("1", "-4", "environment WORLD_SIZE='-4' must not be negative"),
+    ("1", "0", "WORLD_SIZE=0 is not a multiple of this build's 4 ranks"),
+])
+def test_a_world_size_that_is_no_multiple_of_the_build_is_refused(monkeypatch, rank, world,
+                                                                 message):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(CheckpointError) as caught:
+        launch_position(4)
+    assert message in str(caught.value)
+
+
+def test_without_rank_the_message_says_how_to_give_one(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(CheckpointError, match="pass rank= or run under torchrun"):
+        launch_position(4)
+
+
+def test_a_data_parallel_process_loads_the_rank_module_of_its_build_rank(tmp_path, monkeypatch):
+    fixture = HF / "llama"
+    _, package = compile_and_import(None, fixture / "config.json", tmp_path / "build", tp=2,
+                                    pp=1)
+    _env(monkeypatch, 3, 4)  # replica 1, build rank 1
+    from_env = package.load(fixture)
+    explicit = package.load(fixture, rank=1)
+    assert from_env.info == explicit.info
+    assert list(from_env.tensors) == list(explicit.tensors)
