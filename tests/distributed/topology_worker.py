@@ -1,0 +1,48 @@
+"""Run under torchrun: create partc's process groups and device mesh, and check membership with
+real collectives (gloo on CPU). Prints one JSON line per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from partc.runtime.topology import BuildTopology
+
+
+def main() -> None:
+    tp, pp, dp = (int(v) for v in sys.argv[1:4])
+    dist.init_process_group("gloo")
+    me = dist.get_rank()
+    topology = BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                             data_parallel_size=dp)
+    groups = topology.process_groups()
+    seen = {}
+    for name, group in (("tp", groups.tensor_parallel), ("pp", groups.pipeline_parallel),
+                        ("dp", groups.data_parallel)):
+        members = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, torch.tensor([me]), group=group)
+        seen[name] = [int(m) for m in members]
+    mesh = topology.device_mesh("cpu")
+    meshed = {name: sorted(int(r) for r in mesh[name].mesh.flatten().tolist())
+              for name in ("dp", "pp", "tp")}
+    following = topology.next_stage_peer(me)
+    received = None
+    if following is not None:
+        dist.send(torch.tensor([me * 10]), dst=following)
+    previous = topology.previous_stage_peer(me)
+    if previous is not None:
+        buffer = torch.zeros(1, dtype=torch.int64)
+        dist.recv(buffer, src=previous)
+        received = int(buffer)
+    print(json.dumps({"rank": me, "local_rank": int(os.environ["LOCAL_RANK"]), "seen": seen,
+                      "mesh": meshed, "received": received}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The rank layout of a build: coordinates and groups by arithmetic, then the same groups as
+real torch.distributed process groups and a DeviceMesh under torchrun (gloo, 4 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partc.errors import CheckpointError
+from partc.runtime.topology import BuildTopology, RankCoordinates
+
+WORKER = Path(__file__).resolve().parent / "distributed" / "topology_worker.py"
+
+
+def test_coordinates_follow_g_equals_d_ts_plus_p_t_plus_t_and_round_trip():
+    topology = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=3,
+                             data_parallel_size=2)
+    assert topology.world_size == 12
+    for g in range(12):
+        c = topology.coordinates(g)
+        assert g == c.data_parallel_rank * 6 + c.pipeline_stage * 2 + c.tensor_parallel_rank
+        assert topology.global_rank(c) == g
+        assert topology.build_rank(g) == g % 6
+    assert topology.coordinates(9) == RankCoordinates(data_parallel_rank=1, pipeline_stage=1,
+                                                      tensor_parallel_rank=1)
+
+
+def test_groups_and_peers_of_a_two_by_three_by_two_job():
+    topology = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=3,
+                             data_parallel_size=2)
+    assert topology.tensor_parallel_group(9) == (8, 9)
+    assert topology.pipeline_group(9) == (7, 9, 11)
+    assert topology.data_parallel_group(9) == (3, 9)
+    assert (topology.previous_stage_peer(9), topology.next_stage_peer(9)) == (7, 11)
+    assert topology.previous_stage_peer(6) is None and topology.next_stage_peer(11) is None
+    groups = topology.all_groups()
+    # every rank is in exactly one group of each dimension
+    for dimension, expected_size in (("tp", 2), ("pp", 3), ("dp", 2)):
+        members = [r for group in groups[dimension] for r in group]
+        assert sorted(members) == list(range(12))
+        assert {len(g) for g in groups[dimension]} == {expected_size}
+
+
+def test_a_rank_outside_the_job_is_refused_by_name():
+    topology = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(CheckpointError, match=r"rank 4 is outside this job's ranks 0..3"):
+        topology.coordinates(4)
+    with pytest.raises(CheckpointError, match="tensor_parallel_size must be a positive"):
+        BuildTopology(tensor_parallel_size=0, pipeline_parallel_size=1)
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (2, 1, 2)])
+def test_torchrun_creates_the_same_groups_and_mesh_and_the_stage_peers_exchange(tp, pp, dp):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+         "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
+         str(WORKER), str(tp), str(pp), str(dp)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = sorted((json.loads(line) for line in done.stdout.splitlines()
+                      if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    topology = BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                             data_parallel_size=dp)
+    for report in reports:
+        g = report["rank"]
+        assert report["seen"]["tp"] == list(topology.tensor_parallel_group(g))
+        assert report["seen"]["pp"] == list(topology.pipeline_group(g))
+        assert report["seen"]["dp"] == list(topology.data_parallel_group(g))
+        assert report["mesh"]["tp"] == list(topology.tensor_parallel_group(g))
+        assert report["mesh"]["pp"] == list(topology.pipeline_group(g))
+        assert report["mesh"]["dp"] == list(topology.data_parallel_group(g))
+        previous = topology.previous_stage_peer(g)
+        assert report["received"] == (None if previous is None else previous * 10)
