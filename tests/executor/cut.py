@@ -65,7 +65,8 @@ def _fused_ranges(arch: Arch, q0: int, q1: int) -> Ranges:
         ranges: Ranges = []
         for g in range(k0, k1):
             s0, s1 = max(q0, g * group) - g * group, min(q1, (g + 1) * group) - g * group
-            ranges += [(g * size + s0 * hd, g * size + s1 * hd), (g * size + group * hd, (g + 1) * size)]
+            queries = (g * size + s0 * hd, g * size + s1 * hd)
+            ranges += [queries, (g * size + group * hd, (g + 1) * size)]  # then k_g, v_g
         return ranges
     raise ValueError(f"no fused layout {layout!r}")
 

@@ -45,7 +45,8 @@ def load_fixture(
     """Return ``(config, tensors, reference)`` of ``hf/<name>``, ``hf_pending/<name>`` or
     ``quantized/<name>`` (the first folder that exists, in that order)."""
     folder = fixture_folder(name)
-    reference_file = "reference_dequant.npz" if folder.parent.name == "quantized" else "reference.npz"
+    quantized = folder.parent.name == "quantized"
+    reference_file = "reference_dequant.npz" if quantized else "reference.npz"
     config = json.loads((folder / "config.json").read_text())
     tensors = load_safetensors(folder / "model.safetensors")
     with np.load(folder / reference_file) as npz:
