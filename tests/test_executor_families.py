@@ -214,6 +214,19 @@ def test_replicated_kv_ranks_that_disagree_are_refused() -> None:
         forward_tensor_parallel(config, ranks, ref["input_ids"])
 
 
+@pytest.mark.parametrize("family,key,value", [
+    ("gpt_neox", "use_parallel_residual", False),
+    ("falcon", "alibi", True),
+    ("falcon", "num_ln_in_parallel_attn", 1),
+])
+def test_config_switches_the_executor_does_not_model_are_refused(
+    family: str, key: str, value: Any
+) -> None:
+    config, tensors, ref = fixture(family)
+    with pytest.raises(NotImplementedError, match=key):
+        forward({**config, key: value}, tensors, ref["input_ids"])
+
+
 # --------------------------------------------------------------------------- fixture folders
 
 

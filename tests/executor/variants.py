@@ -115,6 +115,19 @@ SPECS: dict[str, Spec] = {
     ),
 }
 SUPPORTED = frozenset(SPECS)
+# Config switches whose other setting these specs do not model: (model_type, key, supported value).
+_FIXED = [
+    ("gpt2", "scale_attn_by_inverse_layer_idx", False),
+    ("gpt2", "scale_attn_weights", True),
+    ("gpt_neox", "use_parallel_residual", True),
+    ("falcon", "alibi", False),
+    ("falcon", "parallel_attn", True),
+    ("falcon", "new_decoder_architecture", True),
+    ("bloom", "apply_residual_connection_post_layernorm", False),
+    ("stablelm", "qk_layernorm", False),
+    ("stablelm", "use_parallel_residual", False),
+    ("phi", "qk_layernorm", False),
+]
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,11 @@ def describe(config: Mapping[str, Any]) -> Arch:
     if mt not in SPECS:
         raise NotImplementedError(f"model_type {mt!r}")
     spec = SPECS[mt]
+    for family, key, value in _FIXED:
+        if family == mt and key in config and bool(config[key]) != value:
+            raise NotImplementedError(f"{mt}: {key}={config[key]!r} (executor models {value})")
+    if mt == "falcon" and config.get("num_ln_in_parallel_attn") not in (None, 2):
+        raise NotImplementedError("falcon: only ln_attn + ln_mlp (num_ln_in_parallel_attn 2)")
     hidden = int(_first(config, "hidden_size", "n_embd"))
     n_heads = int(_first(config, "num_attention_heads", "n_head"))
     head_dim = hidden // n_heads
