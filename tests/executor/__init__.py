@@ -6,7 +6,8 @@ from full tensors (:func:`forward`) or from per-rank tensor-parallel slices
 slices a partc loader produces can be checked against HF's own logits.
 """
 
-from .fixtures import FIXTURES, load_fixture, load_safetensors
+from .cut import cut_shards
+from .fixtures import FIXTURES, fixture_folder, load_fixture, load_safetensors
 from .model import (
     PipelineResult,
     Result,
@@ -24,7 +25,9 @@ __all__ = [
     "Result",
     "Selection",
     "ShardingError",
+    "cut_shards",
     "dequantize",
+    "fixture_folder",
     "forward",
     "forward_pipeline",
     "forward_tensor_parallel",

@@ -26,15 +26,27 @@ def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return dict(load_file(str(path)))
 
 
+def fixture_folder(name: str) -> Path:
+    """The folder of fixture ``name``: ``hf/`` first, then ``hf_pending/``, then ``quantized/``.
+
+    Fixtures of newly added families start in ``hf_pending/`` and move to ``hf/`` later; both
+    are accepted and ``hf/`` wins when both exist.
+    """
+    for parent in ("hf", "hf_pending", "quantized"):
+        folder = FIXTURES / parent / name
+        if folder.is_dir():
+            return folder
+    raise FileNotFoundError(f"no fixture {name!r} under {FIXTURES}/(hf|hf_pending|quantized)")
+
+
 def load_fixture(
     name: str,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Return ``(config, tensors, reference)`` of ``hf/<name>`` or ``quantized/<name>``."""
-    folder = FIXTURES / "hf" / name
-    reference_file = "reference.npz"
-    if not folder.is_dir():
-        folder = FIXTURES / "quantized" / name
-        reference_file = "reference_dequant.npz"
+    """Return ``(config, tensors, reference)`` of ``hf/<name>``, ``hf_pending/<name>`` or
+    ``quantized/<name>`` (the first folder that exists, in that order)."""
+    folder = fixture_folder(name)
+    quantized = folder.parent.name == "quantized"
+    reference_file = "reference_dequant.npz" if quantized else "reference.npz"
     config = json.loads((folder / "config.json").read_text())
     tensors = load_safetensors(folder / "model.safetensors")
     with np.load(folder / reference_file) as npz:

@@ -6,7 +6,9 @@ results meet in the simulated collectives of :mod:`.shard` (vocab-parallel embed
 row-parallel all-reduce, vocab-parallel logit gather).
 
 Supported ``model_type`` values: llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss. Tensor names are the on-disk checkpoint names.
+qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss, plus the families of :mod:`.variants` (gpt2,
+gpt_neox, falcon, bloom, olmo2, granite, stablelm, phi), which have their own tensor names.
+Tensor names are the on-disk checkpoint names.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ops
+from . import ops, variants
 from .quant import dequantize
 from .shard import (
     RankShard,
@@ -71,6 +73,7 @@ class Result:
     ``logits`` [B, S, V] is None unless the call ran the last layer. ``hidden`` is the residual
     stream after the last layer run (before the final norm): what a pipeline stage sends on.
     ``layer_inputs[k]`` / ``layer_outputs[k]`` belong to decoder layer ``layers[k]``.
+    ``normed`` is the final norm's output (HF's last ``hidden_states`` entry) when it ran.
     """
 
     logits: Array | None
@@ -78,6 +81,7 @@ class Result:
     layers: range
     layer_inputs: list[Array] = field(default_factory=list)
     layer_outputs: list[Array] = field(default_factory=list)
+    normed: Array | None = None
 
 
 @dataclass
@@ -263,16 +267,28 @@ def forward_tensor_parallel(
     stream a previous stage sent. If ``layers`` ends at the last decoder layer, the final norm
     and the (vocab-parallel) lm_head run too. ``input_ids`` [B, S] always fixes the positions.
     """
-    arch = _describe(config)
-    layers = range(arch.n_layers) if layers is None else layers
-    if layers.step != 1 or layers.start < 0 or layers.stop > arch.n_layers:
-        raise ValueError(f"layers {layers} not a contiguous part of range({arch.n_layers})")
+    n_layers = _n_layers(config)
+    layers = range(n_layers) if layers is None else layers
+    if layers.step != 1 or layers.start < 0 or layers.stop > n_layers:
+        raise ValueError(f"layers {layers} not a contiguous part of range({n_layers})")
     if not ranks:
         raise ShardingError("no ranks")
     input_ids = np.asarray(input_ids)
+    if hidden_in is None and layers.start != 0:
+        raise ValueError("a stage that does not start at layer 0 needs hidden_in")
+    if config["model_type"] in variants.SUPPORTED:
+        hidden_f32 = None if hidden_in is None else np.asarray(hidden_in, dtype=F32)
+        done = variants.run(config, ranks, input_ids, layers, hidden_f32)
+        return Result(
+            logits=done.logits,
+            hidden=done.hidden,
+            layers=layers,
+            layer_inputs=done.layer_inputs,
+            layer_outputs=done.layer_outputs,
+            normed=done.normed,
+        )
+    arch = _describe(config)
     if hidden_in is None:
-        if layers.start != 0:
-            raise ValueError("a stage that does not start at layer 0 needs hidden_in")
         hidden = _embed(arch, ranks, input_ids)
     else:
         hidden = np.asarray(hidden_in, dtype=F32)
@@ -284,8 +300,15 @@ def forward_tensor_parallel(
         result.layer_outputs.append(hidden)
     result.hidden = hidden
     if layers.stop == arch.n_layers:
-        result.logits = _lm_head(arch, ranks, hidden)
+        result.normed = _norm(arch, hidden, replicated(ranks, FINAL_NORM))
+        result.logits = _lm_head(arch, ranks, result.normed)
     return result
+
+
+def _n_layers(config: Mapping[str, Any]) -> int:
+    if config["model_type"] in variants.SUPPORTED:
+        return variants.describe(config).n_layers
+    return _describe(config).n_layers
 
 
 def forward_pipeline(
@@ -300,7 +323,7 @@ def forward_pipeline(
     ``transfer`` is applied to the hidden state at every stage cut (e.g. an encode/decode round
     trip); the result records what each cut sent and received.
     """
-    n_layers = _describe(config).n_layers
+    n_layers = _n_layers(config)
     if len(stages) != len(stage_layers) or not stages:
         raise ValueError("need one layer range per stage")
     expected = 0
@@ -353,9 +376,8 @@ def _embed(arch: _Arch, ranks: Sequence[RankShard], ids: Array) -> Array:
     return hidden.astype(F32)
 
 
-def _lm_head(arch: _Arch, ranks: Sequence[RankShard], hidden: Array) -> Array:
-    """Final norm, then vocab-parallel logits gathered over ranks (tied: the embedding)."""
-    x = _norm(arch, hidden, replicated(ranks, FINAL_NORM))
+def _lm_head(arch: _Arch, ranks: Sequence[RankShard], x: Array) -> Array:
+    """Vocab-parallel logits of the final-norm output, gathered over ranks (tied: embedding)."""
     if all(rank.has(LM_HEAD) for rank in ranks):
         name = LM_HEAD
     elif arch.config.get("tie_word_embeddings"):

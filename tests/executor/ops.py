@@ -32,11 +32,28 @@ def gelu_tanh(x: Array) -> Array:
     return (F32(0.5) * x * (F32(1.0) + np.tanh(inner))).astype(F32)
 
 
+_ERF = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def gelu(x: Array) -> Array:
+    """Exact (erf) GELU (HF ``gelu``); numpy has no erf, the tiny tensors allow ``math.erf``."""
+    return (x * F32(0.5) * (F32(1.0) + _ERF(x / math.sqrt(2.0)).astype(F32))).astype(F32)
+
+
+def bloom_gelu(x: Array) -> Array:
+    """BLOOM's ``bloom_gelu_forward``: the tanh approximation with its rounded constant."""
+    inner = F32(0.79788456) * x * (F32(1.0) + F32(0.044715) * x * x)
+    return (x * F32(0.5) * (F32(1.0) + np.tanh(inner))).astype(F32)
+
+
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "silu": silu,
     "swish": silu,
     "gelu_pytorch_tanh": gelu_tanh,
     "gelu_tanh": gelu_tanh,
+    "gelu_new": gelu_tanh,
+    "gelu": gelu,
+    "bloom_gelu": bloom_gelu,
 }
 
 
@@ -56,6 +73,16 @@ def rms_norm(x: Array, weight: Array, eps: float, *, offset: float = 0.0) -> Arr
     variance = np.mean(x * x, axis=-1, keepdims=True)
     normed = x / np.sqrt(variance + F32(eps))
     return (normed * (F32(offset) + weight.astype(F32))).astype(F32)
+
+
+def layer_norm(x: Array, weight: Array, bias: Array | None, eps: float) -> Array:
+    """LayerNorm over the last axis (biased variance, as ``torch.nn.LayerNorm``)."""
+    x = x.astype(F32)
+    mean = np.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    variance = np.mean(centered * centered, axis=-1, keepdims=True)
+    out = centered / np.sqrt(variance + F32(eps)) * weight.astype(F32)
+    return (out if bias is None else out + bias.astype(F32)).astype(F32)
 
 
 # --------------------------------------------------------------------------- rotary embeddings
@@ -151,15 +178,19 @@ def attend(
     softcap: float | None = None,
     sinks: Array | None = None,
     window: int | None = None,
+    bias: Array | None = None,
 ) -> Array:
     """Causal eager attention. ``q``/``k`` [B, h, S, dk], ``v`` [B, h, S, dv] -> [B, h, S, dv].
 
     ``k`` and ``v`` are already expanded to one entry per query head. ``softcap`` is Gemma-2's
     ``tanh`` logit cap; ``sinks`` [h] are gpt-oss's per-head sink logits (a softmax column
-    that is dropped afterwards); ``window`` keeps keys with ``i - j < window``.
+    that is dropped afterwards); ``window`` keeps keys with ``i - j < window``; ``bias``
+    [h, S, S] is added to the scaled scores (BLOOM's ALiBi).
     """
     seq = q.shape[-2]
     scores = (q @ k.swapaxes(-1, -2)) * F32(scaling)
+    if bias is not None:
+        scores = (scores + bias.astype(F32)).astype(F32)
     if softcap is not None:
         scores = np.tanh(scores / F32(softcap)) * F32(softcap)
     i = np.arange(seq)[:, None]

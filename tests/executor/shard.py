@@ -220,3 +220,47 @@ def replicated_optional(ranks: Sequence[RankShard], name: str) -> np.ndarray | N
     """
     holders = [rank for rank in ranks if rank.has(name)]
     return replicated(holders, name) if holders else None
+
+
+def all_reduce_distinct(
+    parts: Sequence[tuple[np.ndarray, np.ndarray]], domain: int, what: str
+) -> np.ndarray:
+    """All-reduce where replicated ranks (same covered set) count once.
+
+    Used for a norm statistic over features that KV replication puts on several ranks: ranks
+    covering the same indices must agree, and the distinct sets must partition the domain.
+    """
+    groups: dict[tuple[int, ...], list[np.ndarray]] = {}
+    for value, covered in parts:
+        groups.setdefault(tuple(np.sort(covered).tolist()), []).append(value)
+    distinct = []
+    for covered, values in groups.items():
+        for value in values[1:]:
+            if not np.allclose(value, values[0], rtol=1e-5, atol=1e-6):
+                raise ShardingError(f"{what}: ranks holding the same slice disagree")
+        distinct.append((values[0], np.array(covered, dtype=np.int64)))
+    return all_reduce(distinct, domain, what)
+
+
+def conv_column(rank: RankShard, prefix: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Column-parallel Conv1D ``x @ W + b`` (weight ``[in, out]``, sliced on axis 1)."""
+    name = f"{prefix}.weight"
+    sel = rank.selection(name)
+    if sel is not None and sel.axis != 1:
+        raise ShardingError(f"{name}: column-parallel Conv1D weight sliced on axis {sel.axis}")
+    out_idx = rank.indices(name, 1)
+    y = x @ rank.array(name)
+    if rank.has(f"{prefix}.bias"):
+        bias_idx = rank.indices(f"{prefix}.bias", 0)
+        y = y + rank.array(f"{prefix}.bias")[positions(out_idx, bias_idx, f"{prefix}.bias")]
+    return y.astype(F32), out_idx
+
+
+def conv_row(rank: RankShard, prefix: str, a: np.ndarray, a_idx: np.ndarray) -> np.ndarray:
+    """Row-parallel Conv1D partial product over the local input rows ``a_idx`` (no bias)."""
+    name = f"{prefix}.weight"
+    sel = rank.selection(name)
+    if sel is not None and sel.axis != 0:
+        raise ShardingError(f"{name}: row-parallel Conv1D weight sliced on axis {sel.axis}")
+    rows = positions(a_idx, rank.indices(name, 0), name)
+    return (a @ rank.array(name)[rows]).astype(F32)
