@@ -31,7 +31,7 @@ def _float_dtype(dtype: Any) -> np.dtype[Any]:
     return found
 
 
-def _to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+def to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     """Torch tensors sharing each array's memory (bf16/fp8 through an integer view)."""
     try:
         import torch  # type: ignore[import-not-found, unused-ignore]

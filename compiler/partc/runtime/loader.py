@@ -22,7 +22,7 @@ from partc.parallel.layout import (
 )
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import VERIFY_MODES, verify_digests
-from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, _to_torch
+from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
 from partc.runtime.ranks import rank_from_environment, rank_out_of_range
@@ -122,7 +122,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
                 tensors[name] = array.astype(target_dtype)
     if framework == "torch":
-        tensors = _to_torch(tensors)
+        tensors = to_torch(tensors)
     return RankState(tensors=tensors, layout=layout, info=parallel_model_info(table))
 
 

@@ -1,0 +1,103 @@
+"""A rank's loaded tensors as torch DTensors on a tensor-parallel mesh, or a loud refusal.
+
+DTensor's `Shard(axis)` follows `torch.chunk`: with n elements over T ranks, rank i holds
+`[i·c, min((i+1)·c, n))` for `c = ceil(n / T)`. partc's balanced ranges give the first `n mod T`
+ranks one extra element instead, and its fused-segment (`Indices`) placements and repeated KV
+heads have no DTensor spelling at all. A tensor is converted only when its partc placement is
+exactly what DTensor would hold on that rank; otherwise `dtensor_placement` raises a
+CheckpointError naming the tensor, partc's range and DTensor's, so a DTensor is never silently
+wrong. torch is imported only when DTensors are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from partc.errors import CheckpointError
+from partc.parallel.layout import LocalTensorLayout, PlacementKind
+from partc.runtime.frameworks import to_torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DTensorSpec:
+    """How one local tensor maps to a DTensor: replicated, or sharded on one axis."""
+
+    target: str
+    """Checkpoint tensor name."""
+    shard_axis: int | None
+    """The sharded axis; None when every rank holds the whole tensor."""
+    global_shape: tuple[int, ...]
+    """The DTensor's global shape."""
+
+
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """The half-open range `torch.chunk` gives part `index` of `size` elements over `parts`."""
+    width = -(-size // parts)
+    return min(index * width, size), min((index + 1) * width, size)
+
+
+def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
+                      tensor_parallel_rank: int) -> DTensorSpec:
+    """The DTensor form of one layout on one TP rank, or a CheckpointError saying why not."""
+    target, placement = layout.target, layout.placement
+    if layout.kv_replicas > 1:
+        raise CheckpointError(
+            f"`{target}` repeats KV heads over {layout.kv_replicas} ranks (KV replication); "
+            "DTensor has no placement for repeated shards", tensor=target)
+    if placement.holds_whole:
+        return DTensorSpec(target=target, shard_axis=None, global_shape=layout.global_shape)
+    axis, ranges = layout.selection
+    if placement.kind is PlacementKind.INDICES or axis is None or len(ranges) != 1:
+        raise CheckpointError(
+            f"`{target}` holds rows {_spell(ranges)} of axis {axis} (fused segments); DTensor's "
+            "Shard holds one contiguous range per rank", tensor=target)
+    expected = chunk_range(layout.global_shape[axis], tensor_parallel_size, tensor_parallel_rank)
+    if ranges[0] != expected:
+        raise CheckpointError(
+            f"`{target}`: partc split axis {axis} of {layout.global_shape[axis]} so that TP rank "
+            f"{tensor_parallel_rank} holds {_spell(ranges)}, but DTensor's Shard({axis}) (torch."
+            f"chunk) would hold {_spell((expected,))} there; compile with an even split or use "
+            "the plain tensors", tensor=target)
+    return DTensorSpec(target=target, shard_axis=axis, global_shape=layout.global_shape)
+
+
+def _spell(ranges: Any) -> str:
+    return ", ".join(f"{a}:{b}" for a, b in ranges)
+
+
+def dtensor_specs(layouts: Mapping[str, LocalTensorLayout] | Any, tensor_parallel_size: int,
+                  tensor_parallel_rank: int) -> dict[str, DTensorSpec]:
+    """`dtensor_placement` of every layout of a rank (a LocalModelLayout or a mapping)."""
+    items = layouts.tensors if hasattr(layouts, "tensors") else tuple(layouts.values())
+    return {layout.target: dtensor_placement(layout, tensor_parallel_size, tensor_parallel_rank)
+            for layout in items}
+
+
+def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
+    """A loaded RankState's tensors as DTensors on `mesh` (1-D, or a mesh with a `tp` dim).
+
+    Every tensor is checked first, so either all are converted or none is.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp_mesh = mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
+    info = state.info
+    tp_size, tp_rank = info.tensor_parallel_size, info.tensor_parallel_rank
+    if tp_mesh.size() != tp_size:
+        raise CheckpointError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
+                              f"has tensor-parallel size {tp_size}")
+    specs = dtensor_specs(state.layout, tp_size, tp_rank)
+    arrays = state.tensors
+    if not all(isinstance(a, torch.Tensor) for a in arrays.values()):
+        arrays = to_torch(dict(arrays))
+    out: dict[str, Any] = {}
+    for target, local in arrays.items():
+        spec = specs[target]
+        placement = Replicate() if spec.shard_axis is None else Shard(spec.shard_axis)
+        stride = tuple(int(s) for s in torch.empty(spec.global_shape, device="meta").stride())
+        out[target] = DTensor.from_local(local, tp_mesh, [placement], run_check=False,
+                                         shape=torch.Size(spec.global_shape), stride=stride)
+    return out

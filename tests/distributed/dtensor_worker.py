@@ -1,0 +1,43 @@
+"""Run under torchrun: load this process's rank of a build, turn its tensors into DTensors on a
+(pp, tp) DeviceMesh and check that full_tensor() of each equals the checkpoint tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.numpy import load_file
+
+from partc.runtime.dtensor import to_dtensors
+from partc.runtime.topology import BuildTopology
+
+
+def main() -> None:
+    build, checkpoint, package, tp, pp = sys.argv[1:6]
+    dist.init_process_group("gloo")
+    sys.path.insert(0, build)
+    loaders = __import__(package)
+    state = loaders.load(checkpoint)  # the rank from torchrun's RANK
+    mesh = BuildTopology(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp)
+                         ).device_mesh("cpu")
+    dtensors = to_dtensors(state, mesh)
+    reference = load_file(f"{checkpoint}/model.safetensors")
+    checked, sharded = 0, 0
+    for target, dtensor in dtensors.items():
+        full = dtensor.full_tensor()
+        assert np.array_equal(full.numpy(), reference[target]), target
+        assert tuple(dtensor.to_local().shape) == tuple(state.tensors[target].shape), target
+        checked += 1
+        sharded += int(dtensor.placements[0].is_shard())
+    print(json.dumps({"rank": dist.get_rank(), "checked": checked, "sharded": sharded,
+                      "names": sorted(dtensors)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

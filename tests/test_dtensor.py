@@ -1,0 +1,91 @@
+"""DTensor output: a rank's tensors as DTensors whose full_tensor() is the checkpoint tensor, or
+a refusal naming the tensor wherever partc's split is not DTensor's (torch.chunk) split."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partc.api import compile_family
+from partc.errors import CheckpointError
+from partc.parallel.specs import ShardingPolicy
+from partc.runtime.dtensor import chunk_range, dtensor_specs
+
+from support import HF, import_build
+
+WORKER = Path(__file__).resolve().parent / "distributed" / "dtensor_worker.py"
+LLAMA = HF / "llama"
+
+
+def test_chunk_range_is_torch_chunk():
+    import torch
+
+    for size in (1, 7, 64, 131):
+        for parts in (1, 2, 3, 4, 8):
+            pieces = torch.arange(size).chunk(parts)
+            for index in range(parts):
+                a, b = chunk_range(size, parts, index)
+                expected = pieces[index].tolist() if index < len(pieces) else []
+                assert list(range(a, b)) == expected
+
+
+def test_every_tensor_of_an_even_llama_split_maps_to_shard_or_replicate(tmp_path):
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    package = import_build(tmp_path / "b")
+    for rank in range(2):
+        specs = dtensor_specs(package.load(LLAMA, rank=rank).layout, 2, rank)
+        assert specs["model.layers.0.self_attn.q_proj.weight"].shard_axis == 0
+        assert specs["model.layers.0.self_attn.o_proj.weight"].shard_axis == 1
+        assert specs["model.norm.weight"].shard_axis is None
+
+
+def test_an_uneven_vocabulary_split_is_refused_with_both_ranges(tmp_path):
+    # vocab 131 over 8: partc gives rank 7 rows 115:131, torch.chunk 119:131
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
+                   policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
+    package = import_build(tmp_path / "b")
+    layout = package.load(LLAMA, rank=7).layout
+    with pytest.raises(CheckpointError) as caught:
+        dtensor_specs(layout, 8, 7)
+    message = str(caught.value)
+    assert "model.embed_tokens.weight" in message or "lm_head.weight" in message
+    assert "holds 115:131" in message
+    assert "would hold 119:131" in message
+
+
+def test_repeated_kv_heads_are_refused(tmp_path):
+    family = tmp_path / "llama_kv.yaml"
+    text = (Path(__file__).resolve().parent.parent / "architectures" / "llama.yaml").read_text()
+    family.write_text(text.replace("units: num_key_value_heads          # the q heads of a KV "
+                                   "head travel with it",
+                                   "units: num_key_value_heads\n    kv_replication: true"))
+    compile_family(family, LLAMA / "config.json", tensor_parallel_size=4, out=tmp_path / "b")
+    layout = import_build(tmp_path / "b").load(LLAMA, rank=0).layout
+    with pytest.raises(CheckpointError, match=r"repeats KV heads over 2 ranks"):
+        dtensor_specs(layout, 4, 0)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1)])
+def test_under_torchrun_full_tensor_of_every_dtensor_is_the_checkpoint_tensor(tmp_path, tp, pp):
+    result = compile_family(None, LLAMA / "config.json", tensor_parallel_size=tp,
+                            pipeline_parallel_size=pp, out=tmp_path / "b")
+    package = f"partc_llama_tp{tp}_pp{pp}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}",
+         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER),
+         str(tmp_path / "b"), str(LLAMA), package, str(tp), str(pp)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == list(range(tp * pp))
+    owned = {r["rank"]: set(r["names"]) for r in reports}
+    for rank in owned:
+        expected = {layout.target for layout in result.plan.ranks[rank].layout.tensors}
+        assert owned[rank] == expected
+    assert all(r["sharded"] > 0 for r in reports)
