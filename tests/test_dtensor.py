@@ -76,13 +76,16 @@ def test_under_torchrun_full_tensor_of_every_dtensor_is_the_checkpoint_tensor(tm
                             pipeline_parallel_size=pp, out=tmp_path / "b")
     package = f"partc_llama_tp{tp}_pp{pp}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    reports_dir = tmp_path / "reports"
+    reports_dir.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}",
          "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER),
          str(tmp_path / "b"), str(LLAMA), package, str(tp), str(pp)],
-        capture_output=True, text=True, timeout=240, env=env)
+        capture_output=True, text=True, timeout=240,
+        env={**env, "PARTC_TEST_REPORTS": str(reports_dir)})
     assert done.returncode == 0, done.stderr[-3000:]
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    reports = [json.loads(p.read_text()) for p in sorted(reports_dir.glob("rank-*.json"))]
     assert sorted(r["rank"] for r in reports) == list(range(tp * pp))
     owned = {r["rank"]: set(r["names"]) for r in reports}
     for rank in owned:

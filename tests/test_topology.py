@@ -55,16 +55,20 @@ def test_a_rank_outside_the_job_is_refused_by_name():
 
 
 @pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (2, 1, 2)])
-def test_torchrun_creates_the_same_groups_and_mesh_and_the_stage_peers_exchange(tp, pp, dp):
+def test_torchrun_creates_the_same_groups_and_mesh_and_the_stage_peers_exchange(tmp_path, tp, pp,
+                                                                              dp):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    reports_dir = tmp_path / "reports"
+    reports_dir.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
          "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
          str(WORKER), str(tp), str(pp), str(dp)],
-        capture_output=True, text=True, timeout=240, env=env)
+        capture_output=True, text=True, timeout=240,
+        env={**env, "PARTC_TEST_REPORTS": str(reports_dir)})
     assert done.returncode == 0, done.stderr[-3000:]
-    reports = sorted((json.loads(line) for line in done.stdout.splitlines()
-                      if line.startswith("{")), key=lambda r: r["rank"])
+    reports = sorted((json.loads(p.read_text()) for p in reports_dir.glob("rank-*.json")),
+                     key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1, 2, 3]
     topology = BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                              data_parallel_size=dp)

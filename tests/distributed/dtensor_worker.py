@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -13,6 +14,13 @@ from safetensors.numpy import load_file
 
 from partc.runtime.dtensor import to_dtensors
 from partc.runtime.topology import BuildTopology
+
+
+def _report(line: str) -> None:
+    """One JSON report per process, in its own file (stdout lines of processes interleave)."""
+    folder = os.environ["PARTC_TEST_REPORTS"]
+    with open(os.path.join(folder, f"rank-{os.environ['RANK']}.json"), "w") as handle:
+        handle.write(line)
 
 
 def main() -> None:
@@ -32,8 +40,8 @@ def main() -> None:
         assert tuple(dtensor.to_local().shape) == tuple(state.tensors[target].shape), target
         checked += 1
         sharded += int(dtensor.placements[0].is_shard())
-    print(json.dumps({"rank": dist.get_rank(), "checked": checked, "sharded": sharded,
-                      "names": sorted(dtensors)}), flush=True)
+    _report(json.dumps({"rank": dist.get_rank(), "checked": checked, "sharded": sharded,
+                      "names": sorted(dtensors)}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,6 +13,13 @@ import torch.distributed as dist
 from partc.runtime.topology import BuildTopology
 
 
+def _report(line: str) -> None:
+    """One JSON report per process, in its own file (stdout lines of processes interleave)."""
+    folder = os.environ["PARTC_TEST_REPORTS"]
+    with open(os.path.join(folder, f"rank-{os.environ['RANK']}.json"), "w") as handle:
+        handle.write(line)
+
+
 def main() -> None:
     tp, pp, dp = (int(v) for v in sys.argv[1:4])
     dist.init_process_group("gloo")
@@ -38,8 +45,8 @@ def main() -> None:
         buffer = torch.zeros(1, dtype=torch.int64)
         dist.recv(buffer, src=previous)
         received = int(buffer)
-    print(json.dumps({"rank": me, "local_rank": int(os.environ["LOCAL_RANK"]), "seen": seen,
-                      "mesh": meshed, "received": received}), flush=True)
+    _report(json.dumps({"rank": me, "local_rank": int(os.environ["LOCAL_RANK"]), "seen": seen,
+                      "mesh": meshed, "received": received}))
     dist.barrier()
     dist.destroy_process_group()
 
