@@ -7,9 +7,11 @@ are expanded over units and loop variables, and the result is a validated
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_group
@@ -83,6 +85,13 @@ class BoundArchitecture:
     """Each logical group name and the pointer of the declaration it came from, sorted."""
     linear_format: LinearFormat | None = None
     """The linear format the config selected (None: every weight dense)."""
+    omit: tuple[str, ...] = ()
+    """Globs of checkpoint tensors loaded by no rank (the family's `omit`)."""
+
+    def omitted(self, names: Collection[str]) -> tuple[str, ...]:
+        """The checkpoint tensor names the `omit` globs match, sorted."""
+        return tuple(sorted(n for n in names
+                            if any(fnmatch.fnmatchcase(n, glob) for glob in self.omit)))
 
 
 MAX_UNITS = 4096
@@ -122,6 +131,10 @@ class _Binder:
     def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
                 minimum: int | None = None) -> int:
         value = self.evaluate(expr, env, pointer)
+        if isinstance(value, Fraction):
+            raise self.fail(f"{what} `{expr.text}` must be an integer, found the float "
+                            f"{format_value(value)}; round it explicitly with floor(), ceil() "
+                            "or round()", pointer)
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.fail(f"{what} `{expr.text}` must be an integer, found "
                             f"{format_value(value)}", pointer)
@@ -222,7 +235,28 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
             names = ", ".join(f"`{f.name}`" for f in pending)
             raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
                               pending[0].pointer)
+    _derived_values(binder, values)
     return values
+
+
+def _derived_values(binder: _Binder, values: dict[str, Value]) -> None:
+    """Add every derived value, each after the derived values it reads (cycles are refused by
+    the family checks)."""
+    waiting = list(binder.family.derived)
+    while waiting:
+        names = {d.name for d in waiting}
+        ready = [d for d in waiting if not d.expression.names & names]
+        if not ready:
+            raise binder.fail("derived values depend on each other in a cycle: "
+                              + ", ".join(f"`{d.name}`" for d in waiting), waiting[0].pointer)
+        for decl in ready:
+            values[decl.name] = binder.evaluate(decl.expression, values, decl.pointer)
+            waiting.remove(decl)
+
+
+def _recorded(value: Value) -> Value:
+    """A bound value as the plan records it (a float derived value as a JSON number)."""
+    return float(value) if isinstance(value, Fraction) else value
 
 
 def _read_field(binder: _Binder, field: ConfigFieldDecl, values: dict[str, Value]) -> bool:
@@ -649,11 +683,25 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         for member in spec.group.members:
             _check_bytes(binder, member, pointers[spec.group.name])
     boundary = _located(family, lambda: _boundary(binder, values), "/boundary")
+    _check_omit(binder, description.targets)
     return BoundArchitecture(
         family=family.name, model_type=str(model_type),
-        config_values=tuple(sorted(values.items())), description=description, boundary=boundary,
+        config_values=tuple(sorted((k, _recorded(v)) for k, v in values.items())),
+        description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
-        linear_format=linear_format)
+        linear_format=linear_format, omit=family.omit)
+
+
+def _check_omit(binder: _Binder, targets: tuple[str, ...]) -> None:
+    """An `omit` glob matches no declared parameter: omitted tensors are not parameters."""
+    for i, glob in enumerate(binder.family.omit):
+        hits = [t for t in targets if fnmatch.fnmatchcase(t, glob)]
+        if hits:
+            raise binder.fail(f"`omit` glob {glob!r} matches declared parameter `{hits[0]}`"
+                              + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
+                              + "; expected it to match only checkpoint tensors that are not "
+                              "parameters (buffers such as `inv_freq`)", join_pointer("/omit", i),
+                              tensor=hits[0])
 
 
 MAX_TENSOR_BYTES = 2**40

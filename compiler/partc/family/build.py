@@ -11,6 +11,7 @@ from partc.family.declaration import (
     BoundaryTensorDecl,
     ConfigFieldDecl,
     ConfigType,
+    DerivedDecl,
     FamilyDecl,
     GraphGroupDecl,
     GroupDecl,
@@ -394,6 +395,11 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
     builder = _Builder(document)
     data = document.data
     config = tuple(_config_field(builder, name, spec) for name, spec in data["config"].items())
+    derived = tuple(DerivedDecl(name=name, expression=parsed,
+                                pointer=join_pointer("/derived", name))
+                    for name, value in data.get("derived", {}).items()
+                    if (parsed := builder.expression(value, join_pointer("/derived", name)))
+                    is not None)
     graph = tuple(_graph_group(builder, i, group) for i, group in enumerate(data["graph"]))
     statics = tuple((name, StageSide(spec["stage"]))
                     for name, spec in data.get("static", {}).items())
@@ -408,7 +414,8 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         graph=graph, static_roles=statics, groups=groups,
         boundary_identity=data["boundary"]["identity"], boundary=boundary,
         linear_formats=formats,
-        policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document)
+        policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document,
+        derived=derived, omit=tuple(data.get("omit", ())))
     builder.errors.extend(iter_semantic_errors(family))
     if builder.errors:
         return None, builder.errors

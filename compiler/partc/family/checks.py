@@ -72,11 +72,49 @@ def _name_error(known: _Known, name: str, scope: set[str], pointer: str,
 def _config_names(known: _Known) -> Iterator[PartcError]:
     """Defaults read other config fields; probes read fields that probe nothing."""
     probes = {f.name for f in known.family.config if f.present is not None}
+    fields = frozenset(f.name for f in known.family.config)
     for f in known.family.config:
-        yield from known.names(f.default, known.config - {f.name},
+        yield from known.names(f.default, fields - {f.name},
                                join_pointer(f.pointer, "default"), f"the default of `{f.name}`")
-        yield from known.names(f.present, known.config - probes,
+        yield from known.names(f.present, fields - probes,
                                join_pointer(f.pointer, "present"), f"the probe of `{f.name}`")
+
+
+def _derived_values(known: _Known) -> Iterator[PartcError]:
+    """Derived values: new names, reading known names, with no cycle among them."""
+    fields = {f.name for f in known.family.config}
+    derived = {d.name: d for d in known.family.derived}
+    for d in known.family.derived:
+        if d.name in fields:
+            yield known.error(f"derived value `{d.name}` has the name of a config field; "
+                              "give it a name of its own", d.pointer)
+        yield from known.names(d.expression, known.config - {d.name}, d.pointer,
+                               f"derived value `{d.name}`")
+    state: dict[str, int] = {}  # 1: being visited, 2: done
+
+    def visit(name: str, path: tuple[str, ...]) -> Iterator[PartcError]:
+        state[name] = 1
+        for used in sorted(derived[name].expression.names & derived.keys()):
+            if state.get(used) == 1:
+                cycle = " -> ".join(f"`{n}`" for n in (*path[path.index(used):], used))
+                yield known.error(f"derived values depend on each other in a cycle: {cycle}",
+                                  derived[used].pointer)
+            elif used not in state:
+                yield from visit(used, (*path, used))
+        state[name] = 2
+
+    for name in derived:
+        if name not in state:
+            yield from visit(name, (name,))
+
+
+def _omit_globs(known: _Known) -> Iterator[PartcError]:
+    """`omit` globs are unique and not empty."""
+    seen: set[str] = set()
+    for i, glob in enumerate(known.family.omit):
+        if glob in seen:
+            yield known.error(f"`omit` lists glob {glob!r} twice", join_pointer("/omit", i))
+        seen.add(glob)
 
 
 def _graph_groups(known: _Known) -> Iterator[PartcError]:
@@ -131,8 +169,9 @@ def _format_names(known: _Known) -> Iterator[PartcError]:
 FamilyCheck = Callable[[_Known], Iterator[PartcError]]
 """A check of a whole family declaration."""
 
-FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _graph_groups, _parameter_groups,
-                                          _boundary_names, _format_names)
+FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _derived_values, _omit_globs,
+                                          _graph_groups, _parameter_groups, _boundary_names,
+                                          _format_names)
 """Every check of a family, in the order their errors are yielded."""
 
 
@@ -276,7 +315,7 @@ GROUP_CHECKS: tuple[GroupCheck, ...] = (
 
 def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
     """Yield every inconsistency of a family that can be found without a config."""
-    known = _Known(family=family, config=frozenset(f.name for f in family.config),
+    known = _Known(family=family, config=family.value_names,
                    graph=tuple(g.name for g in family.graph),
                    statics=frozenset(name for name, _ in family.static_roles))
     for check in FAMILY_CHECKS:
