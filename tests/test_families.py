@@ -54,6 +54,7 @@ FIXTURE_FAMILIES = {
     "gemma2": "gemma2",
     "deepseek_v3": "deepseek_v3",
     "gpt_oss": "gpt_oss",
+    "granite": "granite",
 }
 # Quantized fixture -> its family: the same family file, selected linear format.
 QUANTIZED_FAMILIES = {

@@ -24,8 +24,8 @@ Value: TypeAlias = int | bool | str | None | Fraction | tuple["Value", ...]
 """A value of the language: integer, bool, string, null, float, or a tuple (a list) of values.
 
 Floats come only from config values (there are no float literals). A config float is the exact
-rational of the shortest decimal that reads back as it (Python's `repr`, which is the JSON text
-for any value written with at most 15 significant digits: `0.4` is 2/5, never 0.4000000000000000222);
+rational of the shortest decimal that reads back as it (Python's `repr`: the JSON text for any
+value written with at most 15 significant digits; `0.4` is 2/5, never 0.40000000000000002220446).
 `+ - *` and comparisons compute exactly, and `floor`, `ceil` and `round` (half to even) turn a
 float into an integer. A float is never an integer by itself: a shape or a count needs one of
 those three, and is refused naming the value otherwise."""
@@ -71,7 +71,7 @@ _BAD_OPS = {
 _TWO_CHAR_OPS = frozenset(op for op in (*_OPS, *_BAD_OPS) if len(op) == 2)
 _ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "t": "\t"}
 _EXPONENT = re.compile(r"[0-9]+[eE][+-]?[0-9]+")
-_ARITH: dict[str, Callable[[int, int], int]] = {
+_ARITH: dict[str, Callable[[Any, Any], Any]] = {  # ints, and Fractions for + - *
     "+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv,
     "%": operator.mod,
 }
@@ -253,8 +253,8 @@ def _arith(node: _Node, ctx: _Context) -> Value:
     acc = _eval(node.children[0], ctx)
     for (op, offset), kid in zip(node.ops, node.children[1:], strict=True):
         rhs = _eval(kid, ctx)
-        floats = op in ("+", "-", "*") and _is_number(acc) and _is_number(rhs)
-        if not (floats or _is_int(acc) and _is_int(rhs)):
+        if not (_is_number(acc) and _is_number(rhs)) or (
+                op in ("//", "%") and not (_is_int(acc) and _is_int(rhs))):
             floated = isinstance(acc, Fraction) or isinstance(rhs, Fraction)
             needs = "integers (floor a float first)" if floated else "integers"
             ctx.fail(f"`{op}` needs {needs}, found {_describe(acc)} and {_describe(rhs)}", offset)

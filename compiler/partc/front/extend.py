@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from partc.errors import LoadError
+from partc.errors import LoadError, SourceLocation
 from partc.front.load import RawDocument
 from partc.front.positions import join_pointer
 
@@ -33,16 +33,19 @@ class _Merged:
 
     def __init__(self) -> None:
         self.data: dict[str, Any] = {}
-        self.document = RawDocument(file="", format="yaml", data=self.data)
+        self.locations: dict[str, SourceLocation] = {}
+        self.notes: dict[str, str] = {}
+        self.verbatim: dict[str, int] = {}
 
     def copy(self, source: RawDocument, src: str, dst: str) -> None:
         """Copy the positions, notes and columns of `source`'s subtree at `src` to `dst`."""
-        for table, target in ((source.locations, self.document.locations),
-                              (source.notes, self.document.notes),
-                              (source.verbatim, self.document.verbatim)):
+        tables: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+            (source.locations, self.locations), (source.notes, self.notes),
+            (source.verbatim, self.verbatim))
+        for table, target in tables:
             for pointer, value in table.items():
                 if pointer == src or pointer.startswith(src + "/"):
-                    target[dst + pointer[len(src):]] = value  # type: ignore[index]
+                    target[dst + pointer[len(src):]] = value
 
 
 def _group_name(entry: Any) -> Any:
@@ -81,7 +84,7 @@ def _parameters(merged: _Merged, base: RawDocument, child: RawDocument) -> None:
                         join_pointer("/parameters", len(out)))
             out.append(group)
     merged.data["parameters"] = out
-    merged.document.locations["/parameters"] = (child if "parameters" in child.data
+    merged.locations["/parameters"] = (child if "parameters" in child.data
                                                  else base).locate("/parameters")
 
 
@@ -90,7 +93,6 @@ def merge_documents(base: RawDocument, child: RawDocument) -> RawDocument:
     if not isinstance(base.data, dict) or not isinstance(child.data, dict):
         return child
     merged = _Merged()
-    merged.document.file, merged.document.format = child.file, child.format
     keys = [k for k in base.data if k not in _CHILD_ONLY] + [
         k for k in child.data if k not in base.data and k not in _CHILD_ONLY]
     for key in keys:
@@ -106,7 +108,7 @@ def merge_documents(base: RawDocument, child: RawDocument) -> RawDocument:
                     merged.copy(base, join_pointer(pointer, name), join_pointer(pointer, name))
             for name in child.data[key]:
                 merged.copy(child, join_pointer(pointer, name), join_pointer(pointer, name))
-            merged.document.locations[pointer] = child.locate(pointer)
+            merged.locations[pointer] = child.locate(pointer)
         elif key == "omit" and in_child and isinstance(child.data[key], list) \
                 and isinstance(base.data.get(key), list):
             merged.data[key] = [*base.data[key], *child.data[key]]
@@ -118,5 +120,6 @@ def merge_documents(base: RawDocument, child: RawDocument) -> RawDocument:
             source = child if in_child else base
             merged.data[key] = source.data[key]
             merged.copy(source, pointer, pointer)
-    merged.document.locations[""] = child.locate("")
-    return merged.document
+    merged.locations[""] = child.locate("")
+    return RawDocument(file=child.file, format=child.format, data=merged.data,
+                       locations=merged.locations, notes=merged.notes, verbatim=merged.verbatim)
