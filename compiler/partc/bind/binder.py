@@ -15,6 +15,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_group
+from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
 from partc.family.declaration import ConfigType, GroupForm, OwnerKind
@@ -397,6 +398,9 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
+    check_projections(binder.family.document, decl, [BoundProjection(
+        module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
+        heads=next(iter(_heads(binder, m, env)), None)) for mod, m, params in rendered])
     if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)

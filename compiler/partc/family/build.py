@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
@@ -231,7 +232,30 @@ def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
     decls = (_module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
                      ProjectionSharding(proj["sharding"]), None)
              for i, proj in enumerate(data["projections"]))
-    return {"projections": tuple(d for d in decls if d is not None)}
+    projections = tuple(d for d in decls if d is not None)
+    if "bias" in data:
+        projections = _default_biases(builder, data["bias"], join_pointer(pointer, "bias"),
+                                      projections)
+    return {"projections": projections}
+
+
+def _default_biases(builder: _Builder, condition: Any, pointer: str,
+                    projections: tuple[ModuleDecl, ...]) -> tuple[ModuleDecl, ...]:
+    """A group's `bias: <condition>`: every column or row projection that declares no `bias`
+    of its own gets `bias: {shape: [the weight's rows], when: <condition>}`."""
+    when = builder.expression(condition, pointer)
+    out = []
+    for module in projections:
+        names = {p.name.text for p in module.params}
+        weight = next((p for p in module.params if p.name.text == "weight"), None)
+        if (when is None or "bias" in names or weight is None or not weight.shape
+                or module.sharding not in (ProjectionSharding.COLUMN, ProjectionSharding.ROW)):
+            out.append(module)
+            continue
+        bias = ParamDecl(name=parse_template("bias"), shape=(weight.shape[0],), when=when,
+                         dtype=None, sharding=None, pointer=pointer)
+        out.append(replace(module, params=(*module.params, bias)))
+    return tuple(out)
 
 
 def _fused_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from partc.family.declaration import (
 )
 from partc.family.expr import Expression, Template
 from partc.front.positions import join_pointer
+from partc.parallel.layout import ParameterRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,12 +305,42 @@ def _units_where_partitioned(known: _Known, group: GroupDecl) -> Iterator[PartcE
             join_pointer(group.pointer, "units"))
 
 
+def _split_modules(group: GroupDecl) -> list[ModuleDecl]:
+    """The projections of a partitioned group that split an axis (column or row)."""
+    if group.units is None or group.form not in (GroupForm.PROJECTIONS, GroupForm.FUSED):
+        return []
+    return [m for m in group.projections
+            if m.sharding is not None and m.sharding.value in ("column", "row")]
+
+
+def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """An `attention_heads` group whose members are split states `heads:` on each of them, so
+    no partition unit can cut a head (without it, `units: hidden_size` at T=3 splits the
+    columns 22/21/21 and cuts 16-wide heads)."""
+    if group.role is not ParameterRole.ATTENTION_HEADS:
+        return
+    for module in _split_modules(group):
+        if not module.heads:
+            yield known.error(
+                f"this `attention_heads` group splits `{module.module.text}` "
+                f"({module.sharding.value if module.sharding else ''}) over `units: "
+                f"{group.units_text}` but it states no `heads:`; expected its head count "
+                "(e.g. `heads: num_attention_heads`), found none, so a partition unit could "
+                "cut a head", module.pointer)
+    for member in group.members:
+        if member.sharding is not None and member.sharding.partitions and not member.heads:
+            yield known.error(
+                f"this `attention_heads` group partitions `{member.name.text}` but it states "
+                "no `heads:`; expected its head count, found none, so a partition unit could "
+                "cut a head", member.pointer)
+
+
 GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
 """A check of one parameter group."""
 
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
-    _param_names, _units_where_partitioned)
+    _param_names, _units_where_partitioned, _attention_heads_stated)
 """Every check of a parameter group, in the order their errors are yielded."""
 
 
