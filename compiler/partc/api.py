@@ -66,15 +66,18 @@ def _extended(document: RawDocument, chain: tuple[str, ...]) -> tuple[RawDocumen
     if not isinstance(data, dict) or "extends" not in data:
         if isinstance(data, dict) and "remove" in data:
             raise LoadError("`remove` drops parameter groups of a base family, so it needs "
-                            "`extends`", location=document.locate("/remove"))
+                            "`extends`", location=document.locate("/remove"),
+                        pointer="/remove")
         return document, []
     spec = data["extends"]
     if not isinstance(spec, str) or not spec:
         raise LoadError(f"`extends` names a built-in family or a family file, found {spec!r}",
-                        location=document.locate("/extends"))
+                        location=document.locate("/extends"),
+                        pointer="/extends")
     if len(chain) > MAX_EXTENDS_DEPTH:
         raise LoadError(f"`extends` chains more than {MAX_EXTENDS_DEPTH} families: "
-                        f"{' -> '.join(chain)}", location=document.locate("/extends"))
+                        f"{' -> '.join(chain)}", location=document.locate("/extends"),
+                        pointer="/extends")
     is_file = family_spec_is_file(spec)
     if is_file and not Path(spec).is_absolute() and not document.file.startswith(
             BUILTIN_PREFIX):
@@ -82,7 +85,8 @@ def _extended(document: RawDocument, chain: tuple[str, ...]) -> tuple[RawDocumen
     base_label, base_text = read_family_source(spec, builtin=not is_file)
     if base_label in chain:
         raise LoadError(f"`extends` makes a cycle: {' -> '.join((*chain, base_label))}",
-                        location=document.locate("/extends"))
+                        location=document.locate("/extends"),
+                        pointer="/extends")
     base, texts = _extended(load_document(base_label, text=base_text), (*chain, base_label))
     return merge_documents(base, document), [base_text, *texts]
 

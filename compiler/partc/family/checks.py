@@ -349,5 +349,9 @@ def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
     known = _Known(family=family, config=family.value_names,
                    graph=tuple(g.name for g in family.graph),
                    statics=frozenset(name for name, _ in family.static_roles))
+    seen: set[tuple[str, str]] = set()  # a group's default bias is checked once, not per use
     for check in FAMILY_CHECKS:
-        yield from check(known)
+        for error in check(known):
+            if (error.message, error.pointer) not in seen:
+                seen.add((error.message, error.pointer))
+                yield error

@@ -63,7 +63,8 @@ def _parameters(merged: _Merged, base: RawDocument, child: RawDocument) -> None:
             raise LoadError(f"`remove` names parameter group {name!r}, which base family "
                             f"`{base.data.get('family')}` does not declare; its groups: "
                             f"{', '.join(str(n) for n in names)}",
-                            location=child.locate(join_pointer("/remove", i)))
+                            location=child.locate(join_pointer("/remove", i)),
+                            pointer=join_pointer("/remove", i))
     replacing = {_group_name(g): j for j, g in enumerate(child_groups)
                  if _group_name(g) in names}
     out: list[Any] = []
