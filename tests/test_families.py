@@ -55,6 +55,7 @@ FIXTURE_FAMILIES = {
     "deepseek_v3": "deepseek_v3",
     "gpt_oss": "gpt_oss",
     "granite": "granite",
+    "stablelm": "stablelm",
 }
 # Quantized fixture -> its family: the same family file, selected linear format.
 QUANTIZED_FAMILIES = {

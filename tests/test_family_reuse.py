@@ -326,3 +326,12 @@ parameters:
     errors = check_family(family, hf("llama") / "config.json",
                           topology=Topology(tensor_parallel_size=1, pipeline_parallel_size=1))
     assert errors == []  # default 1.0: rotary_dim 16, a [144] norm (no checkpoint given)
+
+
+def test_stablelm_records_its_rotary_dim_derived_from_the_float_factor(tmp_path):
+    config = json.loads((hf("stablelm") / "config.json").read_text())
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.25
+    compile_family(None, hf("stablelm") / "config.json", checkpoint=hf("stablelm"),
+                   out=tmp_path / "build")
+    recorded = json.loads((tmp_path / "build" / "plan.json").read_text())["config"]
+    assert (recorded["partial_rotary_factor"], recorded["rotary_dim"]) == (0.25, 4)  # 16 // 4
