@@ -56,6 +56,7 @@ FIXTURE_FAMILIES = {
     "gpt_oss": "gpt_oss",
     "granite": "granite",
     "stablelm": "stablelm",
+    "phi": "phi",
 }
 # Quantized fixture -> its family: the same family file, selected linear format.
 QUANTIZED_FAMILIES = {

@@ -335,3 +335,13 @@ def test_stablelm_records_its_rotary_dim_derived_from_the_float_factor(tmp_path)
                    out=tmp_path / "build")
     recorded = json.loads((tmp_path / "build" / "plan.json").read_text())["config"]
     assert (recorded["partial_rotary_factor"], recorded["rotary_dim"]) == (0.25, 4)  # 16 // 4
+
+
+def test_phi_floors_its_float_rotary_factor_as_hf_truncates(tmp_path):
+    bound, decl, _ = bind(None, hf("phi") / "config.json")
+    assert dict(bound.config_values)["rotary_dim"] == 6  # floor(16 * 2/5), not round: 6.4
+    assert "layers.{unit}.post_attention_layernorm" not in [g.name.text for g in decl.groups]
+    biases = sorted(t for g in bound.description.groups if g.group.name == "layers.0.attention"
+                    for t in g.group.targets if t.endswith(".bias"))
+    assert biases == [f"model.layers.0.self_attn.{p}.bias" for p in ("dense", "k_proj", "q_proj",
+                                                                     "v_proj")]

@@ -24,7 +24,7 @@ FULLSIZE = FIXTURES / "fullsize"
 HF_MODELS = [
     "llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
     "qwen2_moe", "gemma2", "deepseek_v3", "gpt_oss", "granite",
-    "stablelm",
+    "stablelm", "phi",
 ]
 """Every tiny HF fixture with reference outputs, one or more per built-in family."""
 
