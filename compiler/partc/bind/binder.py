@@ -400,7 +400,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
                 for m in modules]
     check_projections(binder.family.document, decl, [BoundProjection(
         module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
-        heads=next(iter(_heads(binder, m, env)), None)) for mod, m, params in rendered])
+        heads=_heads(binder, m, env)) for mod, m, params in rendered])
     if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)

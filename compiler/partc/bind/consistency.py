@@ -37,8 +37,8 @@ class BoundProjection:
     """Its declaration."""
     shapes: Mapping[str, tuple[int, ...]]
     """Each present parameter's shape, by name (`weight`, `bias`)."""
-    heads: int | None
-    """Its evaluated `heads:` (None: not stated)."""
+    heads: tuple[int, ...]
+    """Its evaluated `heads:`, one per segment of a fused projection (empty: not stated)."""
 
 
 def _error(document: RawDocument, message: str, pointer: str, tensor: str) -> SemanticError:
@@ -70,25 +70,25 @@ def _head_counts(document: RawDocument, group: GroupDecl,
     if group.role is not ParameterRole.ATTENTION_HEADS or group.units is None:
         return
     columns = [p for p in projections if p.decl.sharding is ProjectionSharding.COLUMN
-               and p.heads is not None]
+               and p.heads]
     if not columns:
         return
-    query = max(columns, key=lambda p: p.heads or 0)
-    q = query.heads or 0
+    query = max(columns, key=lambda p: max(p.heads))
+    q = max(query.heads)
     for p in columns:
-        if p.heads and q % p.heads:
-            yield _error(document, f"on every rank the local query and key/value head counts "
-                         f"must agree: `{p.module}` states {p.heads} heads, which does not "
-                         f"divide the {q} query heads of `{query.module}`; expected a divisor "
-                         f"of {q}, found {p.heads}", join_pointer(p.decl.pointer, "heads"),
-                         p.module)
+        for heads in p.heads:
+            if q % heads:
+                yield _error(document, f"on every rank the local query and key/value head "
+                             f"counts must agree: `{p.module}` states {heads} heads, which does "
+                             f"not divide the {q} query heads of `{query.module}`; expected a "
+                             f"divisor of {q}, found {heads}",
+                             join_pointer(p.decl.pointer, "heads"), p.module)
     for p in projections:
-        if (p.decl.sharding is ProjectionSharding.ROW and p.heads is not None
-                and p.heads != q):
+        if p.decl.sharding is ProjectionSharding.ROW and p.heads and p.heads[0] != q:
             yield _error(document, f"on every rank the local output and query head counts "
-                         f"must agree: output projection `{p.module}` states {p.heads} heads; "
-                         f"expected {q} (the query heads of `{query.module}`), found {p.heads}",
-                         join_pointer(p.decl.pointer, "heads"), p.module)
+                         f"must agree: output projection `{p.module}` states {p.heads[0]} "
+                         f"heads; expected {q} (the query heads of `{query.module}`), found "
+                         f"{p.heads[0]}", join_pointer(p.decl.pointer, "heads"), p.module)
 
 
 ProjectionCheck = Callable[[RawDocument, GroupDecl, Sequence[BoundProjection]],
