@@ -398,9 +398,8 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
-    check_projections(binder.family.document, decl, [BoundProjection(
-        module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
-        heads=_heads(binder, m, env)) for mod, m, params in rendered])
+    bound = [BoundProjection(module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
+                             heads=_heads(binder, m, env)) for mod, m, params in rendered]
     if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)
@@ -439,6 +438,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         else:
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
+    check_projections(binder.family.document, decl, bound)  # after the group's own checks
     members = [m if dtypes.get(m.target, dtype) == m.dtype else
                replace(m, dtype=dtypes[m.target]) for m in group.members]
     return replace(group, members=tuple(members), policy=decl.policy,
