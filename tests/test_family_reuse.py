@@ -345,3 +345,13 @@ def test_phi_floors_its_float_rotary_factor_as_hf_truncates(tmp_path):
                     for t in g.group.targets if t.endswith(".bias"))
     assert biases == [f"model.layers.0.self_attn.{p}.bias" for p in ("dense", "k_proj", "q_proj",
                                                                      "v_proj")]
+
+
+def test_inspect_finds_the_base_file_line_of_an_inherited_group(tmp_path):
+    from partc.inspect.origins import group_origins
+
+    compile_family(None, hf("granite") / "config.json", out=tmp_path / "build")
+    plan = json.loads((tmp_path / "build" / "plan.json").read_text())
+    origins = group_origins(plan)
+    assert origins.lines["layers.1.attention"] == "architectures/llama.yaml:49"
+    assert origins.lines["lm_head"] == "architectures/llama.yaml:116"

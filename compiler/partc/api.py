@@ -49,15 +49,22 @@ def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl,
     `builtin`: `spec` is a model type naming a built-in family, never a file.
     """
     label, text = read_family_source(spec, builtin=builtin)
-    document, texts = _extended(load_document(label, text=text), (label,))
+    document, digest = family_document(label, text)
     _raise_all(validate_document(document))
     family, errors = build_family(document)
     _raise_all(errors)
     assert family is not None
+    return family, digest
+
+
+def family_document(label: str, text: str) -> tuple[RawDocument, str]:
+    """The loaded family document (written over the families it `extends`) and its sha256:
+    of the text alone, or, for an extending family, of its text and every base's."""
+    document, texts = _extended(load_document(label, text=text), (label,))
     digest = hashlib.sha256(text.encode())
     for base_text in texts:  # an extending family is identified by every file it reads
         digest.update(b"\0" + base_text.encode())
-    return family, digest.hexdigest()
+    return document, digest.hexdigest()
 
 
 def _extended(document: RawDocument, chain: tuple[str, ...]) -> tuple[RawDocument, list[str]]:
