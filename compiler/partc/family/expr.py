@@ -19,16 +19,11 @@ from fractions import Fraction
 from typing import Any, NoReturn, TypeAlias, TypeGuard
 
 from partc.errors import ExpressionError
+from partc.family.numbers import ROUNDING, exact, fraction_text
 
 Value: TypeAlias = int | bool | str | None | Fraction | tuple["Value", ...]
-"""A value of the language: integer, bool, string, null, float, or a tuple (a list) of values.
-
-Floats come only from config values (there are no float literals). A config float is the exact
-rational of the shortest decimal that reads back as it (Python's `repr`: the JSON text for any
-value written with at most 15 significant digits; `0.4` is 2/5, never 0.40000000000000002220446).
-`+ - *` and comparisons compute exactly, and `floor`, `ceil` and `round` (half to even) turn a
-float into an integer. A float is never an integer by itself: a shape or a count needs one of
-those three, and is refused naming the value otherwise."""
+"""A value of the language: integer, bool, string, null, float (an exact rational, only from
+config values: `partc.family.numbers`), or a tuple (a list) of values."""
 
 MAX_TEXT_LENGTH = 1000
 """Longest expression or template text accepted, in characters."""
@@ -97,21 +92,13 @@ def format_value(value: object) -> str:
     if isinstance(value, int):
         return str(value) if value.bit_length() <= 256 else f"<{value.bit_length()}-bit integer>"
     if isinstance(value, Fraction):
-        return _fraction_text(value)
+        return fraction_text(value)
     if isinstance(value, str):
         body = value.replace("\\", "\\\\").replace("'", "\\'")
         return "'" + body.replace("\n", "\\n").replace("\t", "\\t") + "'"
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(format_value(item) for item in value) + "]"
     return repr(value)
-
-
-def _fraction_text(value: Fraction) -> str:
-    """A float's decimal spelling when `repr` is exact (`0.4`), else `n/d`."""
-    as_float = float(value)
-    if math.isfinite(as_float) and Fraction(repr(as_float)) == value:
-        return repr(as_float)
-    return f"{value.numerator}/{value.denominator}"
 
 
 def _clip(text: str, limit: int = 60) -> str:
@@ -171,10 +158,10 @@ def _coerce(value: object, what: str, depth: int = 0, floats: bool = True) -> Va
     if isinstance(value, float | Fraction) and floats:
         if isinstance(value, float) and not math.isfinite(value):
             raise _BadValue(f"{what} is {value!r}; expressions handle only finite floats")
-        exact = Fraction(repr(value)) if isinstance(value, float) else value
-        if not -INT_BOUND < exact < INT_BOUND:
-            raise _BadValue(f"float overflow: {what} = {_fraction_text(exact)} exceeds 2**63")
-        return exact
+        rational = exact(value)
+        if not -INT_BOUND < rational < INT_BOUND:
+            raise _BadValue(f"float overflow: {what} = {fraction_text(rational)} exceeds 2**63")
+        return rational
     if isinstance(value, (list, tuple)):
         if depth >= MAX_DEPTH:
             raise _BadValue(f"{what} nests lists deeper than {MAX_DEPTH} levels")
@@ -360,11 +347,11 @@ def _call(node: _Node, ctx: _Context, values: list[Value]) -> Value:
             ctx.fail(f"`len` needs a list or a string, found {_describe(first)} for "
                      f"`{ctx.src(args[0])}`", args[0].start)
         return len(first)
-    if func in _ROUNDING:
+    if func in ROUNDING:
         if not _is_number(first):
             ctx.fail(f"`{func}` needs a number, found {_describe(first)} for "
                      f"`{ctx.src(args[0])}`", args[0].start)
-        return _ROUNDING[func](first)
+        return ROUNDING[func](first)
     a = _need_int(ctx, node, first, args[0])
     if func == "abs":
         return abs(a)
@@ -374,11 +361,6 @@ def _call(node: _Node, ctx: _Context, values: list[Value]) -> Value:
                  args[1].start)
     return -(-a // b)
 
-
-_ROUNDING: dict[str, Callable[[int | Fraction], int]] = {
-    "floor": math.floor, "ceil": math.ceil, "round": round,  # round: half to even, exactly
-}
-"""A number to an integer: exact on the rational value (`round(5/2)` is 2, `round(7/2)` is 4)."""
 
 _FUNCTIONS: dict[str, tuple[int, int | None]] = {  # name: (fewest, most) arguments
     "min": (1, None), "max": (1, None), "gcd": (1, None), "ceil_div": (2, 2), "len": (1, 1),
@@ -667,7 +649,7 @@ class Expression:
         """Evaluate and require an integer (bool is not one)."""
         value = self.evaluate(env)
         if isinstance(value, Fraction):
-            _fail(self.text, f"expected an integer, found float {_fraction_text(value)}; "
+            _fail(self.text, f"expected an integer, found float {fraction_text(value)}; "
                   "round it explicitly with floor(), ceil() or round()", self._root.start)
         if not _is_int(value):
             _fail(self.text, f"expected an integer, found {_describe(value)}", self._root.start)
