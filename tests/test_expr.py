@@ -275,7 +275,7 @@ def test_unknown_function_is_a_parse_error_with_a_suggestion() -> None:
     with pytest.raises(ExpressionError) as info:
         parse("1 + ceil_dv(a, b)")
     assert info.value.message == ("unknown function `ceil_dv`; did you mean `ceil_div`? "
-                                  "(known: abs, ceil_div, gcd, len, max, min)")
+                                  "(known: abs, ceil, ceil_div, floor, gcd, len, max, min, round)")
     assert info.value.offset == 4
 
 
@@ -309,9 +309,9 @@ def test_environment_lists_are_read_as_tuples() -> None:
 
 
 def test_an_environment_value_of_an_unsupported_type_is_an_error_at_the_name() -> None:
-    error = fails("1 + rms_norm_eps", rms_norm_eps=1e-06)
-    assert error.message == ("`rms_norm_eps` is a float (1e-06); expressions handle only "
-                             "integers, bools, strings, null and lists")
+    error = fails("1 + rope", rope={"type": "yarn"})
+    assert error.message == ("`rope` is a dict ({'type': 'yarn'}); expressions handle only "
+                             "integers, floats, bools, strings, null and lists")
     assert error.offset == 4
 
 

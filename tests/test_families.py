@@ -54,6 +54,9 @@ FIXTURE_FAMILIES = {
     "gemma2": "gemma2",
     "deepseek_v3": "deepseek_v3",
     "gpt_oss": "gpt_oss",
+    "granite": "granite",
+    "stablelm": "stablelm",
+    "phi": "phi",
 }
 # Quantized fixture -> its family: the same family file, selected linear format.
 QUANTIZED_FAMILIES = {

@@ -31,9 +31,9 @@ def test_the_mini_family_checks_clean(tmp_path, monkeypatch):
     ("    units: hidden_size\n", "    units: 'hidden_size / 2'\n",
      "family.yaml:21:25: `/` is not supported: use `//` for integer (floor) division "
      "[at /parameters/1/units]"),
-    ("    units: hidden_size\n", "    units: floor(hidden_size)\n",
-     "family.yaml:21:12: unknown function `floor` (known: abs, ceil_div, gcd, len, max, min) "
-     "[at /parameters/1/units]"),
+    ("    units: hidden_size\n", "    units: sqrt(hidden_size)\n",
+     "family.yaml:21:12: unknown function `sqrt` (known: abs, ceil, ceil_div, floor, gcd, len, "
+     "max, min, round) [at /parameters/1/units]"),
     ("    units: hidden_size\n", "    units: 2 * 99999999999999999999\n",
      "family.yaml:21:16: integer overflow: `99999999999999999999` exceeds 2**63 "
      "[at /parameters/1/units]"),

@@ -884,10 +884,11 @@ def test_the_global_policy_replicates_every_illegal_group(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("edit", "message", "line"), [
+    # a split attention projection without `heads:` is refused by the family checks, at the
+    # projection, before KV replication would need its head count
     (lambda t: t.replace("        heads: num_key_value_heads\n", "", 1),
-     "group `layers.0.attention` sets kv_replication but "
-     "`model.layers.0.self_attn.k_proj.weight` declares no `heads`; KV replication needs the "
-     "head count of every partitioned projection (`heads:` in YAML)", 59),
+     "this `attention_heads` group splits `model.layers.{unit}.self_attn.k_proj` (column) over "
+     "`units: num_key_value_heads` but it states no `heads:`", 71),
     (lambda t: t.replace("        heads: num_key_value_heads\n", "        heads: 3\n", 1),
      "`model.layers.0.self_attn.k_proj.weight`: 32 elements on axis 0 cannot hold 3 whole heads",
      59),

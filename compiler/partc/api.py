@@ -12,15 +12,22 @@ from partc.bind.binder import BoundArchitecture, bind_family
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
 from partc.family.build import build_family
 from partc.family.declaration import FamilyDecl
+from partc.front.extend import MAX_EXTENDS_DEPTH, merge_documents
 from partc.front.load import (
     MAX_CONFIG_BYTES,
+    RawDocument,
     decode_text,
     load_document,
     parse_json,
     read_bytes,
 )
 from partc.front.schema import validate_document
-from partc.library import family_for_config, family_spec_is_file, read_family_source
+from partc.library import (
+    BUILTIN_PREFIX,
+    family_for_config,
+    family_spec_is_file,
+    read_family_source,
+)
 from partc.partition.boundary import PipelineActivationDtype
 from partc.plan import GroupSite, Plan, Topology, realize_plan
 
@@ -42,12 +49,53 @@ def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl,
     `builtin`: `spec` is a model type naming a built-in family, never a file.
     """
     label, text = read_family_source(spec, builtin=builtin)
-    document = load_document(label, text=text)
+    document, digest = family_document(label, text)
     _raise_all(validate_document(document))
     family, errors = build_family(document)
     _raise_all(errors)
     assert family is not None
-    return family, hashlib.sha256(text.encode()).hexdigest()
+    return family, digest
+
+
+def family_document(label: str, text: str) -> tuple[RawDocument, str]:
+    """The loaded family document (written over the families it `extends`) and its sha256:
+    of the text alone, or, for an extending family, of its text and every base's."""
+    document, texts = _extended(load_document(label, text=text), (label,))
+    digest = hashlib.sha256(text.encode())
+    for base_text in texts:  # an extending family is identified by every file it reads
+        digest.update(b"\0" + base_text.encode())
+    return document, digest.hexdigest()
+
+
+def _extended(document: RawDocument, chain: tuple[str, ...]) -> tuple[RawDocument, list[str]]:
+    """`document` written over the family it `extends` (recursively), and the base texts."""
+    data = document.data
+    if not isinstance(data, dict) or "extends" not in data:
+        if isinstance(data, dict) and "remove" in data:
+            raise LoadError("`remove` drops parameter groups of a base family, so it needs "
+                            "`extends`", location=document.locate("/remove"),
+                        pointer="/remove")
+        return document, []
+    spec = data["extends"]
+    if not isinstance(spec, str) or not spec:
+        raise LoadError(f"`extends` names a built-in family or a family file, found {spec!r}",
+                        location=document.locate("/extends"),
+                        pointer="/extends")
+    if len(chain) > MAX_EXTENDS_DEPTH:
+        raise LoadError(f"`extends` chains more than {MAX_EXTENDS_DEPTH} families: "
+                        f"{' -> '.join(chain)}", location=document.locate("/extends"),
+                        pointer="/extends")
+    is_file = family_spec_is_file(spec)
+    if is_file and not Path(spec).is_absolute() and not document.file.startswith(
+            BUILTIN_PREFIX):
+        spec = str(Path(document.file).parent / spec)
+    base_label, base_text = read_family_source(spec, builtin=not is_file)
+    if base_label in chain:
+        raise LoadError(f"`extends` makes a cycle: {' -> '.join((*chain, base_label))}",
+                        location=document.locate("/extends"),
+                        pointer="/extends")
+    base, texts = _extended(load_document(base_label, text=base_text), (*chain, base_label))
+    return merge_documents(base, document), [base_text, *texts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,21 +149,24 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
         opened = open_checkpoint(Path(checkpoint))
     bound, decl, sources = bind(family, config, opened)
     fingerprint = digest = None
+    omitted: tuple[str, ...] = ()
     if opened is not None:
+        omitted = bound.omitted(opened.names)
         from partc.runtime.loader import header_fingerprint
 
         _raise_all(checkpoint_errors(bound, opened))
         fingerprint, digest = header_fingerprint(opened), opened.header_digest()
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
                         checkpoint_header_digest=digest,
-                        group_location=_locator(decl, bound))
+                        group_location=_locator(decl, bound), omitted=omitted)
 
 
 def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[PartcError]:
     """Ownership gaps and name/dtype/shape mismatches between a family and a checkpoint."""
     errors: list[PartcError] = [  # ownership gaps are about the checkpoint: name its file
         error if error.location is not None else error.located(_tensor_file(checkpoint, error))
-        for error in bound.description.check_targets(checkpoint.names)]
+        for error in bound.description.check_targets(
+            set(checkpoint.names) - set(bound.omitted(checkpoint.names)))]
     for owned in bound.description.groups:
         for member in owned.group.members:
             signature = checkpoint.signature(member.target)

@@ -228,6 +228,9 @@ class Plan:
     payload_digests: tuple[tuple[tuple[str, str], ...], ...] | None = None
     """Per rank, (target, sha256 of its rank-local bytes) sorted by target; only when compiled
     with `--digests` (the JSON key `digests` is absent otherwise)."""
+    omitted: tuple[str, ...] = ()
+    """Checkpoint tensors the family's `omit` globs matched: loaded by no rank (the JSON key
+    `omitted` is absent when there are none)."""
 
     @cached_property
     def tensors(self) -> tuple[GlobalTensor, ...]:
@@ -293,7 +296,8 @@ class Plan:
             "groups": self._groups_json(),
             "ranks": [r.to_json() for r in self.ranks],
         } | ({} if self.payload_digests is None else {
-            "digests": [dict(rank) for rank in self.payload_digests]})
+            "digests": [dict(rank) for rank in self.payload_digests]}) | (
+            {"omitted": list(self.omitted)} if self.omitted else {})
 
     def _groups_json(self) -> list[dict[str, object]]:
         """Each parameter group: owner, logical units and every TP rank's logical range."""
@@ -392,7 +396,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  sources: tuple[tuple[str, str], ...] = (),
                  checkpoint_fingerprint: str | None = None,
                  checkpoint_header_digest: str | None = None,
-                 group_location: GroupSite | None = None) -> Plan:
+                 group_location: GroupSite | None = None,
+                 omitted: tuple[str, ...] = ()) -> Plan:
     """The plan of `bound` for `topology`; raises LayoutError (created located at the group's
     declaration when `group_location` knows it).
 
@@ -460,7 +465,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         boundary=bound.boundary,
         groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
         checkpoint_fingerprint=checkpoint_fingerprint,
-        checkpoint_header_digest=checkpoint_header_digest)
+        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted)
 
 
 def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp_rank: int

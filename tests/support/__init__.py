@@ -23,7 +23,8 @@ FULLSIZE = FIXTURES / "fullsize"
 
 HF_MODELS = [
     "llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
-    "qwen2_moe", "gemma2", "deepseek_v3", "gpt_oss",
+    "qwen2_moe", "gemma2", "deepseek_v3", "gpt_oss", "granite",
+    "stablelm", "phi",
 ]
 """Every tiny HF fixture with reference outputs, one or more per built-in family."""
 

@@ -7,12 +7,15 @@ are expanded over units and loop variables, and the result is a validated
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_group
+from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
 from partc.family.declaration import ConfigType, GroupForm, OwnerKind
@@ -83,6 +86,13 @@ class BoundArchitecture:
     """Each logical group name and the pointer of the declaration it came from, sorted."""
     linear_format: LinearFormat | None = None
     """The linear format the config selected (None: every weight dense)."""
+    omit: tuple[str, ...] = ()
+    """Globs of checkpoint tensors loaded by no rank (the family's `omit`)."""
+
+    def omitted(self, names: Collection[str]) -> tuple[str, ...]:
+        """The checkpoint tensor names the `omit` globs match, sorted."""
+        return tuple(sorted(n for n in names
+                            if any(fnmatch.fnmatchcase(n, glob) for glob in self.omit)))
 
 
 MAX_UNITS = 4096
@@ -122,6 +132,10 @@ class _Binder:
     def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
                 minimum: int | None = None) -> int:
         value = self.evaluate(expr, env, pointer)
+        if isinstance(value, Fraction):
+            raise self.fail(f"{what} `{expr.text}` must be an integer, found the float "
+                            f"{format_value(value)}; round it explicitly with floor(), ceil() "
+                            "or round()", pointer)
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.fail(f"{what} `{expr.text}` must be an integer, found "
                             f"{format_value(value)}", pointer)
@@ -222,7 +236,28 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
             names = ", ".join(f"`{f.name}`" for f in pending)
             raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
                               pending[0].pointer)
+    _derived_values(binder, values)
     return values
+
+
+def _derived_values(binder: _Binder, values: dict[str, Value]) -> None:
+    """Add every derived value, each after the derived values it reads (cycles are refused by
+    the family checks)."""
+    waiting = list(binder.family.derived)
+    while waiting:
+        names = {d.name for d in waiting}
+        ready = [d for d in waiting if not d.expression.names & names]
+        if not ready:
+            raise binder.fail("derived values depend on each other in a cycle: "
+                              + ", ".join(f"`{d.name}`" for d in waiting), waiting[0].pointer)
+        for decl in ready:
+            values[decl.name] = binder.evaluate(decl.expression, values, decl.pointer)
+            waiting.remove(decl)
+
+
+def _recorded(value: Value) -> Value:
+    """A bound value as the plan records it (a float derived value as a JSON number)."""
+    return float(value) if isinstance(value, Fraction) else value
 
 
 def _read_field(binder: _Binder, field: ConfigFieldDecl, values: dict[str, Value]) -> bool:
@@ -363,6 +398,8 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
+    bound = [BoundProjection(module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
+                             heads=_heads(binder, m, env)) for mod, m, params in rendered]
     if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)
@@ -401,6 +438,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         else:
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
+    check_projections(binder.family.document, decl, bound)  # after the group's own checks
     members = [m if dtypes.get(m.target, dtype) == m.dtype else
                replace(m, dtype=dtypes[m.target]) for m in group.members]
     return replace(group, members=tuple(members), policy=decl.policy,
@@ -649,11 +687,25 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         for member in spec.group.members:
             _check_bytes(binder, member, pointers[spec.group.name])
     boundary = _located(family, lambda: _boundary(binder, values), "/boundary")
+    _check_omit(binder, description.targets)
     return BoundArchitecture(
         family=family.name, model_type=str(model_type),
-        config_values=tuple(sorted(values.items())), description=description, boundary=boundary,
+        config_values=tuple(sorted((k, _recorded(v)) for k, v in values.items())),
+        description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
-        linear_format=linear_format)
+        linear_format=linear_format, omit=family.omit)
+
+
+def _check_omit(binder: _Binder, targets: tuple[str, ...]) -> None:
+    """An `omit` glob matches no declared parameter: omitted tensors are not parameters."""
+    for i, glob in enumerate(binder.family.omit):
+        hits = [t for t in targets if fnmatch.fnmatchcase(t, glob)]
+        if hits:
+            raise binder.fail(f"`omit` glob {glob!r} matches declared parameter `{hits[0]}`"
+                              + (f" (and {len(hits) - 1} more)" if len(hits) > 1 else "")
+                              + "; expected it to match only checkpoint tensors that are not "
+                              "parameters (buffers such as `inv_freq`)", join_pointer("/omit", i),
+                              tensor=hits[0])
 
 
 MAX_TENSOR_BYTES = 2**40

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from partc.errors import ExpressionError, PartcError, SemanticError
@@ -11,6 +12,7 @@ from partc.family.declaration import (
     BoundaryTensorDecl,
     ConfigFieldDecl,
     ConfigType,
+    DerivedDecl,
     FamilyDecl,
     GraphGroupDecl,
     GroupDecl,
@@ -230,7 +232,30 @@ def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
     decls = (_module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
                      ProjectionSharding(proj["sharding"]), None)
              for i, proj in enumerate(data["projections"]))
-    return {"projections": tuple(d for d in decls if d is not None)}
+    projections = tuple(d for d in decls if d is not None)
+    if "bias" in data:
+        projections = _default_biases(builder, data["bias"], join_pointer(pointer, "bias"),
+                                      projections)
+    return {"projections": projections}
+
+
+def _default_biases(builder: _Builder, condition: Any, pointer: str,
+                    projections: tuple[ModuleDecl, ...]) -> tuple[ModuleDecl, ...]:
+    """A group's `bias: <condition>`: every column or row projection that declares no `bias`
+    of its own gets `bias: {shape: [the weight's rows], when: <condition>}`."""
+    when = builder.expression(condition, pointer)
+    out = []
+    for module in projections:
+        names = {p.name.text for p in module.params}
+        weight = next((p for p in module.params if p.name.text == "weight"), None)
+        if (when is None or "bias" in names or weight is None or not weight.shape
+                or module.sharding not in (ProjectionSharding.COLUMN, ProjectionSharding.ROW)):
+            out.append(module)
+            continue
+        bias = ParamDecl(name=parse_template("bias"), shape=(weight.shape[0],), when=when,
+                         dtype=None, sharding=None, pointer=pointer)
+        out.append(replace(module, params=(*module.params, bias)))
+    return tuple(out)
 
 
 def _fused_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[str, Any]:
@@ -394,6 +419,11 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
     builder = _Builder(document)
     data = document.data
     config = tuple(_config_field(builder, name, spec) for name, spec in data["config"].items())
+    derived = tuple(DerivedDecl(name=name, expression=parsed,
+                                pointer=join_pointer("/derived", name))
+                    for name, value in data.get("derived", {}).items()
+                    if (parsed := builder.expression(value, join_pointer("/derived", name)))
+                    is not None)
     graph = tuple(_graph_group(builder, i, group) for i, group in enumerate(data["graph"]))
     statics = tuple((name, StageSide(spec["stage"]))
                     for name, spec in data.get("static", {}).items())
@@ -408,7 +438,8 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         graph=graph, static_roles=statics, groups=groups,
         boundary_identity=data["boundary"]["identity"], boundary=boundary,
         linear_formats=formats,
-        policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document)
+        policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document,
+        derived=derived, omit=tuple(data.get("omit", ())))
     builder.errors.extend(iter_semantic_errors(family))
     if builder.errors:
         return None, builder.errors

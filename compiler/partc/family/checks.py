@@ -24,6 +24,7 @@ from partc.family.declaration import (
 )
 from partc.family.expr import Expression, Template
 from partc.front.positions import join_pointer
+from partc.parallel.layout import ParameterRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +73,49 @@ def _name_error(known: _Known, name: str, scope: set[str], pointer: str,
 def _config_names(known: _Known) -> Iterator[PartcError]:
     """Defaults read other config fields; probes read fields that probe nothing."""
     probes = {f.name for f in known.family.config if f.present is not None}
+    fields = frozenset(f.name for f in known.family.config)
     for f in known.family.config:
-        yield from known.names(f.default, known.config - {f.name},
+        yield from known.names(f.default, fields - {f.name},
                                join_pointer(f.pointer, "default"), f"the default of `{f.name}`")
-        yield from known.names(f.present, known.config - probes,
+        yield from known.names(f.present, fields - probes,
                                join_pointer(f.pointer, "present"), f"the probe of `{f.name}`")
+
+
+def _derived_values(known: _Known) -> Iterator[PartcError]:
+    """Derived values: new names, reading known names, with no cycle among them."""
+    fields = {f.name for f in known.family.config}
+    derived = {d.name: d for d in known.family.derived}
+    for d in known.family.derived:
+        if d.name in fields:
+            yield known.error(f"derived value `{d.name}` has the name of a config field; "
+                              "give it a name of its own", d.pointer)
+        yield from known.names(d.expression, known.config - {d.name}, d.pointer,
+                               f"derived value `{d.name}`")
+    state: dict[str, int] = {}  # 1: being visited, 2: done
+
+    def visit(name: str, path: tuple[str, ...]) -> Iterator[PartcError]:
+        state[name] = 1
+        for used in sorted(derived[name].expression.names & derived.keys()):
+            if state.get(used) == 1:
+                cycle = " -> ".join(f"`{n}`" for n in (*path[path.index(used):], used))
+                yield known.error(f"derived values depend on each other in a cycle: {cycle}",
+                                  derived[used].pointer)
+            elif used not in state:
+                yield from visit(used, (*path, used))
+        state[name] = 2
+
+    for name in derived:
+        if name not in state:
+            yield from visit(name, (name,))
+
+
+def _omit_globs(known: _Known) -> Iterator[PartcError]:
+    """`omit` globs are unique and not empty."""
+    seen: set[str] = set()
+    for i, glob in enumerate(known.family.omit):
+        if glob in seen:
+            yield known.error(f"`omit` lists glob {glob!r} twice", join_pointer("/omit", i))
+        seen.add(glob)
 
 
 def _graph_groups(known: _Known) -> Iterator[PartcError]:
@@ -131,8 +170,9 @@ def _format_names(known: _Known) -> Iterator[PartcError]:
 FamilyCheck = Callable[[_Known], Iterator[PartcError]]
 """A check of a whole family declaration."""
 
-FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _graph_groups, _parameter_groups,
-                                          _boundary_names, _format_names)
+FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _derived_values, _omit_globs,
+                                          _graph_groups, _parameter_groups, _boundary_names,
+                                          _format_names)
 """Every check of a family, in the order their errors are yielded."""
 
 
@@ -265,19 +305,53 @@ def _units_where_partitioned(known: _Known, group: GroupDecl) -> Iterator[PartcE
             join_pointer(group.pointer, "units"))
 
 
+def _split_modules(group: GroupDecl) -> list[ModuleDecl]:
+    """The projections of a partitioned group that split an axis (column or row)."""
+    if group.units is None or group.form not in (GroupForm.PROJECTIONS, GroupForm.FUSED):
+        return []
+    return [m for m in group.projections
+            if m.sharding is not None and m.sharding.value in ("column", "row")]
+
+
+def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """An `attention_heads` group whose members are split states `heads:` on each of them, so
+    no partition unit can cut a head (without it, `units: hidden_size` at T=3 splits the
+    columns 22/21/21 and cuts 16-wide heads)."""
+    if group.role is not ParameterRole.ATTENTION_HEADS:
+        return
+    for module in _split_modules(group):
+        if not module.heads:
+            yield known.error(
+                f"this `attention_heads` group splits `{module.module.text}` "
+                f"({module.sharding.value if module.sharding else ''}) over `units: "
+                f"{group.units_text}` but it states no `heads:`; expected its head count "
+                "(e.g. `heads: num_attention_heads`), found none, so a partition unit could "
+                "cut a head", module.pointer)
+    for member in group.members:
+        if member.sharding is not None and member.sharding.partitions and not member.heads:
+            yield known.error(
+                f"this `attention_heads` group partitions `{member.name.text}` but it states "
+                "no `heads:`; expected its head count, found none, so a partition unit could "
+                "cut a head", member.pointer)
+
+
 GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
 """A check of one parameter group."""
 
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
-    _param_names, _units_where_partitioned)
+    _param_names, _units_where_partitioned, _attention_heads_stated)
 """Every check of a parameter group, in the order their errors are yielded."""
 
 
 def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
     """Yield every inconsistency of a family that can be found without a config."""
-    known = _Known(family=family, config=frozenset(f.name for f in family.config),
+    known = _Known(family=family, config=family.value_names,
                    graph=tuple(g.name for g in family.graph),
                    statics=frozenset(name for name, _ in family.static_roles))
+    seen: set[tuple[str, str]] = set()  # a group's default bias is checked once, not per use
     for check in FAMILY_CHECKS:
-        yield from check(known)
+        for error in check(known):
+            if (error.message, error.pointer) not in seen:
+                seen.add((error.message, error.pointer))
+                yield error

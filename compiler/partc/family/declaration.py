@@ -97,6 +97,18 @@ class ConfigFieldDecl:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DerivedDecl:
+    """A named value computed from config fields and other derived values (`derived:`)."""
+
+    name: str
+    """Name used in expressions."""
+    expression: Expression
+    """How it is computed."""
+    pointer: str
+    """Where it is declared."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GraphGroupDecl:
     """A declared execution group."""
 
@@ -289,6 +301,15 @@ class FamilyDecl:
     """Family default policy."""
     document: RawDocument
     """The source document (for locations)."""
+    derived: tuple[DerivedDecl, ...] = ()
+    """Named derived values, in declaration order (bound in dependency order)."""
+    omit: tuple[str, ...] = ()
+    """Globs of checkpoint tensors that are not parameters: loaded by no rank."""
+
+    @property
+    def value_names(self) -> frozenset[str]:
+        """Every name an expression may read besides loop variables: config and derived."""
+        return frozenset(f.name for f in self.config) | {d.name for d in self.derived}
 
     def locate_error(self, error: PartcError, pointer: str) -> PartcError:
         """`error` as created at this family's source location for `pointer`, when it has

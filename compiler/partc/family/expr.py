@@ -15,12 +15,15 @@ import re
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any, NoReturn, TypeAlias, TypeGuard
 
 from partc.errors import ExpressionError
+from partc.family.numbers import ROUNDING, exact, fraction_text
 
-Value: TypeAlias = int | bool | str | None | tuple["Value", ...]
-"""A value of the language: integer, bool, string, null, or a tuple (a list) of values."""
+Value: TypeAlias = int | bool | str | None | Fraction | tuple["Value", ...]
+"""A value of the language: integer, bool, string, null, float (an exact rational, only from
+config values: `partc.family.numbers`), or a tuple (a list) of values."""
 
 MAX_TEXT_LENGTH = 1000
 """Longest expression or template text accepted, in characters."""
@@ -63,7 +66,7 @@ _BAD_OPS = {
 _TWO_CHAR_OPS = frozenset(op for op in (*_OPS, *_BAD_OPS) if len(op) == 2)
 _ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "t": "\t"}
 _EXPONENT = re.compile(r"[0-9]+[eE][+-]?[0-9]+")
-_ARITH: dict[str, Callable[[int, int], int]] = {
+_ARITH: dict[str, Callable[[Any, Any], Any]] = {  # ints, and Fractions for + - *
     "+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv,
     "%": operator.mod,
 }
@@ -88,6 +91,8 @@ def format_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value) if value.bit_length() <= 256 else f"<{value.bit_length()}-bit integer>"
+    if isinstance(value, Fraction):
+        return fraction_text(value)
     if isinstance(value, str):
         body = value.replace("\\", "\\\\").replace("'", "\\'")
         return "'" + body.replace("\n", "\\n").replace("\t", "\\t") + "'"
@@ -107,6 +112,8 @@ def _kind(value: Value) -> str:
         return "bool"
     if isinstance(value, int):
         return "int"
+    if isinstance(value, Fraction):
+        return "float"
     return "str" if isinstance(value, str) else "list"
 
 
@@ -116,6 +123,10 @@ def _describe(value: Value) -> str:
 
 def _is_int(value: Value) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Value) -> TypeGuard[int | Fraction]:
+    return _is_int(value) or isinstance(value, Fraction)
 
 
 def _unknown(kind: str, name: str, known: Sequence[str]) -> str:
@@ -134,7 +145,7 @@ class _BadValue(Exception):
     """A host value that the language cannot represent."""
 
 
-def _coerce(value: object, what: str, depth: int = 0) -> Value:
+def _coerce(value: object, what: str, depth: int = 0, floats: bool = True) -> Value:
     """Return a host value as a Value (lists become tuples), or raise _BadValue."""
     if value is None or isinstance(value, bool):
         return value
@@ -144,12 +155,19 @@ def _coerce(value: object, what: str, depth: int = 0) -> Value:
         return int(value)
     if isinstance(value, str):
         return str(value)
+    if isinstance(value, float | Fraction) and floats:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _BadValue(f"{what} is {value!r}; expressions handle only finite floats")
+        rational = exact(value)
+        if not -INT_BOUND < rational < INT_BOUND:
+            raise _BadValue(f"float overflow: {what} = {fraction_text(rational)} exceeds 2**63")
+        return rational
     if isinstance(value, (list, tuple)):
         if depth >= MAX_DEPTH:
             raise _BadValue(f"{what} nests lists deeper than {MAX_DEPTH} levels")
-        return tuple(_coerce(item, what, depth + 1) for item in value)
+        return tuple(_coerce(item, what, depth + 1, floats) for item in value)
     raise _BadValue(f"{what} is a {type(value).__name__} ({_clip(repr(value))}); expressions "
-                    "handle only integers, bools, strings, null and lists")
+                    "handle only integers, floats, bools, strings, null and lists")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +215,7 @@ def _eval(node: _Node, ctx: _Context) -> Value:
         return _compare_chain(node, ctx) if kind == "compare" else _bool_chain(node, ctx)
     if kind == "neg":
         value = _eval(kids[0], ctx)
-        if not _is_int(value):
+        if not _is_number(value):
             ctx.fail(f"unary `-` needs an integer, found {_describe(value)}", node.start)
         return -value
     if kind == "not":
@@ -222,8 +240,11 @@ def _arith(node: _Node, ctx: _Context) -> Value:
     acc = _eval(node.children[0], ctx)
     for (op, offset), kid in zip(node.ops, node.children[1:], strict=True):
         rhs = _eval(kid, ctx)
-        if not (_is_int(acc) and _is_int(rhs)):
-            ctx.fail(f"`{op}` needs integers, found {_describe(acc)} and {_describe(rhs)}", offset)
+        if not (_is_number(acc) and _is_number(rhs)) or (
+                op in ("//", "%") and not (_is_int(acc) and _is_int(rhs))):
+            floated = isinstance(acc, Fraction) or isinstance(rhs, Fraction)
+            needs = "integers (floor a float first)" if floated else "integers"
+            ctx.fail(f"`{op}` needs {needs}, found {_describe(acc)} and {_describe(rhs)}", offset)
         source = ctx.text[node.start:kid.end]
         if op in ("//", "%") and rhs == 0:
             kind = "division" if op == "//" else "modulo"
@@ -231,7 +252,7 @@ def _arith(node: _Node, ctx: _Context) -> Value:
             ctx.fail(f"{kind} by zero: `{source}`{where}", offset)
         acc = _ARITH[op](acc, rhs)
         if not -INT_BOUND < acc < INT_BOUND:
-            ctx.fail(f"integer overflow: `{source}` = {acc} exceeds 2**63", offset)
+            ctx.fail(f"integer overflow: `{source}` = {format_value(acc)} exceeds 2**63", offset)
     return acc
 
 
@@ -250,6 +271,8 @@ def _bool_chain(node: _Node, ctx: _Context) -> Value:
 def _equal(a: Value, b: Value) -> bool:
     if isinstance(a, tuple) and isinstance(b, tuple):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if _is_number(a) and _is_number(b):
+        return a == b
     return type(a) is type(b) and a == b
 
 
@@ -265,7 +288,8 @@ def _compare_chain(node: _Node, ctx: _Context) -> Value:
 
 def _compare(ctx: _Context, op: str, offset: int, a: Value, b: Value) -> bool:
     if op in ("==", "!="):
-        if a is not None and b is not None and _kind(a) != _kind(b):
+        if (a is not None and b is not None and _kind(a) != _kind(b)
+            and not (_is_number(a) and _is_number(b))):
             ctx.fail(f"`{op}` compares values of the same type, found {_describe(a)} and "
                      f"{_describe(b)}", offset)
         return _equal(a, b) == (op == "==")
@@ -281,7 +305,7 @@ def _compare(ctx: _Context, op: str, offset: int, a: Value, b: Value) -> bool:
             ctx.fail(f"`{op}` needs a list or a string on the right, found {_describe(b)}",
                      offset)
         return found == (op == "in")
-    if (_is_int(a) and _is_int(b)) or (isinstance(a, str) and isinstance(b, str)):
+    if (_is_number(a) and _is_number(b)) or (isinstance(a, str) and isinstance(b, str)):
         return bool(_ORDER[op](a, b))
     ctx.fail(f"`{op}` needs two integers or two strings, found {_describe(a)} and "
              f"{_describe(b)}", offset)
@@ -323,6 +347,11 @@ def _call(node: _Node, ctx: _Context, values: list[Value]) -> Value:
             ctx.fail(f"`len` needs a list or a string, found {_describe(first)} for "
                      f"`{ctx.src(args[0])}`", args[0].start)
         return len(first)
+    if func in ROUNDING:
+        if not _is_number(first):
+            ctx.fail(f"`{func}` needs a number, found {_describe(first)} for "
+                     f"`{ctx.src(args[0])}`", args[0].start)
+        return ROUNDING[func](first)
     a = _need_int(ctx, node, first, args[0])
     if func == "abs":
         return abs(a)
@@ -335,7 +364,7 @@ def _call(node: _Node, ctx: _Context, values: list[Value]) -> Value:
 
 _FUNCTIONS: dict[str, tuple[int, int | None]] = {  # name: (fewest, most) arguments
     "min": (1, None), "max": (1, None), "gcd": (1, None), "ceil_div": (2, 2), "len": (1, 1),
-    "abs": (1, 1),
+    "abs": (1, 1), "floor": (1, 1), "ceil": (1, 1), "round": (1, 1),
 }
 
 
@@ -619,6 +648,9 @@ class Expression:
     def evaluate_int(self, env: Mapping[str, Value]) -> int:
         """Evaluate and require an integer (bool is not one)."""
         value = self.evaluate(env)
+        if isinstance(value, Fraction):
+            _fail(self.text, f"expected an integer, found float {fraction_text(value)}; "
+                  "round it explicitly with floor(), ceil() or round()", self._root.start)
         if not _is_int(value):
             _fail(self.text, f"expected an integer, found {_describe(value)}", self._root.start)
         return value
@@ -659,7 +691,7 @@ def _parse(text: str) -> Expression:
 def constant(value: Value) -> Expression:
     """An Expression that always yields `value`; its text is the canonical spelling."""
     try:
-        checked = _coerce(value, "the constant")
+        checked = _coerce(value, "the constant", floats=False)  # no float literals
     except _BadValue as bad:
         raise ExpressionError(str(bad), expression=_clip(repr(value)), offset=0) from None
     text = format_value(checked)

@@ -9,16 +9,16 @@ document.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from partc.api import family_document
 from partc.bind.binder import bind_family
 from partc.errors import PartcError
 from partc.family.build import build_family
-from partc.front.load import load_document, parse_json
+from partc.front.load import parse_json
 from partc.front.schema import validate_document
 from partc.library import read_family_source
 
@@ -68,10 +68,10 @@ def group_origins(plan: dict[str, Any], family: str | Path | None = None) -> Ori
     spec: str | Path = family if family is not None else str(plan.get("model_type"))
     try:
         name, text = read_family_source(spec, builtin=family is None)
-        if recorded and hashlib.sha256(text.encode()).hexdigest() != recorded:
+        document, digest = family_document(name, text)  # with the families it extends
+        if recorded and digest != recorded:
             return Origins(lines={}, note=f"{name} changed since this build was compiled (its "
                                           "sha256 differs from plan.json's): lines not shown")
-        document = load_document(name, text=text)
         if validate_document(document):
             return Origins(lines={}, note=f"{name} does not validate: lines not shown")
         decl, errors = build_family(document)
