@@ -26,12 +26,14 @@ from executor import (
     load_fixture,
 )
 from executor.model import SUPPORTED
+from executor.variants import SUPPORTED as VARIANTS
 from support import HF, HF_MODELS
 
-# The fixtures of the model types the executor implements (`executor.model.SUPPORTED`); a
-# family it does not run yet (granite) is checked against transformers by tests/test_verify.py.
+# The fixtures of the model types the executor implements (`executor.model.SUPPORTED` and the
+# table-described families of `executor.variants`).
 FAMILIES = [name for name in HF_MODELS
-            if json.loads((HF / name / "config.json").read_text())["model_type"] in SUPPORTED]
+            if json.loads((HF / name / "config.json").read_text())["model_type"]
+            in SUPPORTED | VARIANTS]
 QUANTIZED_SOURCES = {
     "qwen3_fp8": "qwen3",
     "deepseek_v3_fp8": "deepseek_v3",

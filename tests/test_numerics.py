@@ -20,14 +20,16 @@ from partc.parallel.layout import PlacementKind
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
 from executor.model import SUPPORTED
+from executor.variants import SUPPORTED as VARIANTS
 from support import HF_MODELS, QUANTIZED, compile_and_load, hf
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4
-# The fixtures of the model types the numpy executor implements (`executor.model.SUPPORTED`);
-# a family it does not run yet (granite) is checked against transformers by tests/test_verify.py.
+# The fixtures of the model types the numpy executor implements (`executor.model.SUPPORTED`
+# and the table-described families of `executor.variants`).
 FIXTURES = [name for name in HF_MODELS
-            if json.loads((hf(name) / "config.json").read_text())["model_type"] in SUPPORTED]
+            if json.loads((hf(name) / "config.json").read_text())["model_type"]
+            in SUPPORTED | VARIANTS]
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 # More ranks than the tiny models' 2 KV heads: attention (and block-misaligned groups) fall back
 # to replication under ReplicateUnsupported; the rest stays sharded (DeepSeek's 4 MLA heads too).
