@@ -143,27 +143,95 @@ _MAPPED_ARRAY_BYTES = 1 << 20
 
 
 def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """A new writable array; a large one gets its own private anonymous mapping, pre-faulted.
+    """A new writable array; a large one gets its own private anonymous mapping, not faulted in.
 
-    Every destination page is first touched by the load itself. The kernel populates a mapping
-    in one call instead of one trap per 4 KiB page (measured ~10% of a load), and numpy's own
-    large arrays ask for transparent huge pages, which measured ~1.6x slower to fault in here
-    than the 4 KiB pages a sequential `read()` gets.
+    Every destination page is first touched by the load itself, so the reader thread that fills
+    a job faults its pages in first, in one call (`_populate`), instead of one trap per 4 KiB
+    page (measured ~10% of a load) or all of them serially here before any read starts
+    (MAP_POPULATE: measured 54-59% of a load). numpy's own large arrays ask for transparent huge
+    pages, which measured ~1.6x slower to fault in here than 4 KiB pages.
     """
     count = math.prod(shape)
     if count * dtype.itemsize < _MAPPED_ARRAY_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
         return np.empty(shape, dtype=dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    memory = mmap.mmap(-1, count * dtype.itemsize, flags=flags)
+    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
 
 
-def default_workers() -> int:
-    """Reader threads used by default: `PARTC_READ_THREADS`, else min(8, CPUs)."""
-    raw = os.environ.get("PARTC_READ_THREADS", "")
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return max(1, min(8, os.cpu_count() or 1))
+_MADV_POPULATE_WRITE = 23
+"""Linux's madvise(MADV_POPULATE_WRITE) (5.14+): fault a writable range in, in one call."""
+_PAGE = mmap.PAGESIZE
+_MADVISE: list[Callable[[int, int, int], int] | None] = []
+"""libc's madvise once looked up (None: unavailable or refused); empty before."""
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, looked up once (Linux only); None where there is none."""
+    if not _MADVISE:
+        found: Callable[[int, int, int], int] | None = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                function = ctypes.CDLL(None, use_errno=True).madvise
+                function.restype = ctypes.c_int
+                function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                found = function
+            except (OSError, AttributeError, ImportError):
+                found = None
+        _MADVISE.append(found)
+    return _MADVISE[0]
+
+
+def _populate(address: int, start: int, end: int) -> None:
+    """Fault in the destination bytes [start, end) of the array at `address`, in this thread.
+
+    Best effort: where the call is missing or refused, the copy faults the pages in itself.
+    ctypes releases the GIL, so reader threads fault their own jobs in parallel.
+    """
+    advise = _madvise() if end - start >= _PAGE else None
+    if advise is None:
+        return
+    first = (address + start) // _PAGE * _PAGE
+    last = -(-(address + end) // _PAGE) * _PAGE
+    if advise(first, last - first, _MADV_POPULATE_WRITE) != 0:
+        _MADVISE[:] = [None]  # an older kernel (EINVAL): let the copies fault
+
+
+def _positive(raw: str | None) -> int | None:
+    """`raw` as a positive integer, or None (unset, empty, not a number, zero)."""
+    raw = (raw or "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where known)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def node_ranks(local_ranks: int | None = None) -> int:
+    """Ranks loading on this node at once: `local_ranks`, else `PARTC_LOCAL_RANKS`, else
+    torchrun's `LOCAL_WORLD_SIZE`, else 1."""
+    if local_ranks is not None:
+        return max(1, int(local_ranks))
+    return (_positive(os.environ.get("PARTC_LOCAL_RANKS"))
+            or _positive(os.environ.get("LOCAL_WORLD_SIZE")) or 1)
+
+
+def default_workers(local_ranks: int | None = None) -> int:
+    """Reader threads of one rank: `PARTC_READ_THREADS`, else the node's cores shared among its
+    loading ranks (`node_ranks`), at least 1 and at most 8.
+
+    Reads from the page cache are memory copies: more threads than cores on a node only make
+    the ranks take turns (measured: 2T threads on 2 cores made the slowest of T ranks 2x-4x
+    slower than one rank alone).
+    """
+    forced = _positive(os.environ.get("PARTC_READ_THREADS"))
+    if forced is not None:
+        return forced
+    return max(1, min(8, usable_cores() // node_ranks(local_ranks)))
 
 
 @dataclass(slots=True)
@@ -174,6 +242,7 @@ class _Job:
     path: Path
     names: list[str]
     views: list[memoryview]
+    addresses: list[int]
     src: _Ints
     dst: _Ints
     length: _Ints
@@ -188,6 +257,7 @@ class _ReadPlan:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.views: list[memoryview] = []
+        self.addresses: list[int] = []
         self.parts: dict[int, list[tuple[_Ints, _Ints, _Ints, _Ints]]] = {}
         self.nbytes = 0
 
@@ -197,6 +267,7 @@ class _ReadPlan:
         owner = np.full(len(src), len(self.names), dtype=np.int64)
         self.names.append(name)
         self.views.append(array.reshape(-1).view(np.uint8).data)
+        self.addresses.append(int(array.ctypes.data))
         self.parts.setdefault(file, []).append((src + base, dst, length, owner))
         self.nbytes += int(length.sum())
 
@@ -216,7 +287,7 @@ class _ReadPlan:
             cuts = [0, *(np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist(), len(src)]
             for i, j in zip(cuts, cuts[1:], strict=False):
                 jobs.append(_Job(file=file, path=files[file].path, names=self.names,
-                                 views=self.views, src=src[i:j], dst=dst[i:j],
+                                 views=self.views, addresses=self.addresses, src=src[i:j], dst=dst[i:j],
                                  length=length[i:j], owner=owner[i:j],
                                  nbytes=int(ends[j - 1] - ends[i] + length[i])))
         return jobs
@@ -337,6 +408,7 @@ class CheckpointReader:
             except OSError as exc:
                 _fail(header.path, f"cannot open checkpoint file: {exc.strerror or exc}")
             self._fds[header.path] = fd  # closed by close() even when a check below fails
+            _no_readahead(fd)
             try:
                 st = os.fstat(fd)
             except OSError as exc:
@@ -487,6 +559,7 @@ class CheckpointReader:
             self._run_gather(job)
             return
         path, names, views = str(job.path), job.names, job.views
+        _populate_job(job)
         src, dst, length, owner = (a.tolist() for a in (job.src, job.dst, job.length, job.owner))
         fd, recorder, preadv = job.fd, self.recorder, os.preadv
         i, count = 0, len(src)
@@ -548,6 +621,8 @@ class CheckpointReader:
                             "(truncated file?)", job.name)
         except OSError as exc:
             _fail(job.path, f"cannot map tensor data: {exc.strerror or exc}", job.name)
+        if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            mapping.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not its neighbours
         try:
             view = np.frombuffer(mapping, dtype=np.uint8)  # for its address only: never read
             remote_base = int(view.ctypes.data) + start - aligned
@@ -560,6 +635,8 @@ class CheckpointReader:
             remote = iovecs.reshape(-1, 2)
             sizes = remote[:, 1].astype(np.int64)
             out = job.out[first:last]
+            address = int(out.ctypes.data)
+            _populate(address, 0, out.nbytes)
             local = np.empty((1, 2), dtype=np.uint64)
             local_base, done = int(out.ctypes.data), 0
             pid = os.getpid()
@@ -588,6 +665,7 @@ class CheckpointReader:
         first, last = job.rows
         preadv, fd, path, name = os.preadv, job.fd, str(job.path), job.name
         out, recorder = job.out, self.recorder
+        _populate(int(out.ctypes.data), first * out.shape[1], last * out.shape[1])
         try:
             for row in range(first, last):
                 at = job.base + row * job.row_bytes
@@ -655,6 +733,35 @@ class CheckpointReader:
             if not bufs:
                 return
             got = None
+
+
+def _populate_job(job: _Job) -> None:
+    """Fault in every destination range of a job (per array: from its first to its last byte)."""
+    if len(job.owner) == 1:
+        d = int(job.dst[0])
+        _populate(job.addresses[int(job.owner[0])], d, d + int(job.length[0]))
+        return
+    owners = job.owner
+    if bool(np.all(owners[1:] >= owners[:-1])):
+        cuts = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), len(owners)]
+        groups = [(int(owners[i]), job.dst[i:j], job.length[i:j])
+                  for i, j in zip(cuts, cuts[1:], strict=False)]
+    else:
+        groups = [(int(o), job.dst[owners == o], job.length[owners == o])
+                  for o in np.unique(owners).tolist()]
+    for owner, dst, length in groups:
+        _populate(job.addresses[owner], int(dst.min()), int((dst + length).max()))
+
+
+def _no_readahead(fd: int) -> None:
+    """Tell the kernel reads of `fd` are random: a cold read then fetches the pages it asks for,
+    not a readahead window of the neighbouring tensors (other ranks' columns). Large reads
+    still go to storage in large requests; only the speculative window is dropped."""
+    if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_RANDOM"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:  # advice only (e.g. a FIFO or a file system that refuses it)
+            pass
 
 
 def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
