@@ -31,6 +31,7 @@ from partc.runtime.headers import (
     read_header,
 )
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST, ShardManifest, read_shard_manifest
+from partc.runtime.memory import _empty, _populate
 
 __all__ = [
     "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE",
@@ -138,66 +139,6 @@ _GATHER_RUN = 32 << 10
 """Selections whose runs average at most this many bytes are gathered from a mapping."""
 
 
-_MAPPED_ARRAY_BYTES = 1 << 20
-"""Arrays at least this large get their own anonymous mapping (see `_empty`)."""
-
-
-def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """A new writable array; a large one gets its own private anonymous mapping, not faulted in.
-
-    Every destination page is first touched by the load itself, so the reader thread that fills
-    a job faults its pages in first, in one call (`_populate`), instead of one trap per 4 KiB
-    page (measured ~10% of a load) or all of them serially here before any read starts
-    (MAP_POPULATE: measured 54-59% of a load). numpy's own large arrays ask for transparent huge
-    pages, which measured ~1.6x slower to fault in here than 4 KiB pages.
-    """
-    count = math.prod(shape)
-    if count * dtype.itemsize < _MAPPED_ARRAY_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return np.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
-
-
-_MADV_POPULATE_WRITE = 23
-"""Linux's madvise(MADV_POPULATE_WRITE) (5.14+): fault a writable range in, in one call."""
-_PAGE = mmap.PAGESIZE
-_MADVISE: list[Callable[[int, int, int], int] | None] = []
-"""libc's madvise once looked up (None: unavailable or refused); empty before."""
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise, looked up once (Linux only); None where there is none."""
-    if not _MADVISE:
-        found: Callable[[int, int, int], int] | None = None
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                function = ctypes.CDLL(None, use_errno=True).madvise
-                function.restype = ctypes.c_int
-                function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                found = function
-            except (OSError, AttributeError, ImportError):
-                found = None
-        _MADVISE.append(found)
-    return _MADVISE[0]
-
-
-def _populate(address: int, start: int, end: int) -> None:
-    """Fault in the destination bytes [start, end) of the array at `address`, in this thread.
-
-    Best effort: where the call is missing or refused, the copy faults the pages in itself.
-    ctypes releases the GIL, so reader threads fault their own jobs in parallel.
-    """
-    advise = _madvise() if end - start >= _PAGE else None
-    if advise is None:
-        return
-    first = (address + start) // _PAGE * _PAGE
-    last = -(-(address + end) // _PAGE) * _PAGE
-    if advise(first, last - first, _MADV_POPULATE_WRITE) != 0:
-        _MADVISE[:] = [None]  # an older kernel (EINVAL): let the copies fault
-
-
 def _positive(raw: str | None) -> int | None:
     """`raw` as a positive integer, or None (unset, empty, not a number, zero)."""
     raw = (raw or "").strip()
@@ -287,8 +228,8 @@ class _ReadPlan:
             cuts = [0, *(np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist(), len(src)]
             for i, j in zip(cuts, cuts[1:], strict=False):
                 jobs.append(_Job(file=file, path=files[file].path, names=self.names,
-                                 views=self.views, addresses=self.addresses, src=src[i:j], dst=dst[i:j],
-                                 length=length[i:j], owner=owner[i:j],
+                                 views=self.views, addresses=self.addresses, src=src[i:j],
+                                 dst=dst[i:j], length=length[i:j], owner=owner[i:j],
                                  nbytes=int(ends[j - 1] - ends[i] + length[i])))
         return jobs
 
@@ -373,18 +314,23 @@ class CheckpointReader:
     """Reads selected tensor elements straight into fresh arrays; opens each file once."""
 
     def __init__(self, checkpoint: Checkpoint, *, recorder: ReadRecorder | None = None,
-                 max_gap: int = 0, workers: int | None = None, mapped: bool = True) -> None:
+                 max_gap: int = 0, workers: int | None = None, mapped: bool = True,
+                 zero_copy: bool = False, local_ranks: int | None = None) -> None:
         self.checkpoint = checkpoint
         """The checkpoint read from."""
         self.recorder = recorder
         """Told of every byte run read, when set."""
         self.max_gap = max_gap
         """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
-        self.workers = default_workers() if workers is None else max(1, workers)
+        self.workers = default_workers(local_ranks) if workers is None else max(1, workers)
         """Threads `read_many` may use for a large read."""
         self.mapped = mapped
         """Whether `read_many` gathers finely cut selections from read-only mappings."""
+        self.zero_copy = zero_copy
+        """Whether `read_many` returns a selection that is one contiguous byte run as a
+        read-only view of the mapped file (see `_view`) instead of a copy."""
         self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -396,6 +342,7 @@ class CheckpointReader:
     def close(self) -> None:
         """Close every file opened so far."""
         fds, self._fds = self._fds, {}
+        self._maps = {}  # views keep their mapping alive; it is unmapped with the last one
         for fd in fds.values():
             os.close(fd)
 
@@ -483,10 +430,15 @@ class CheckpointReader:
         for name, selection in todo:
             header, entry = self.checkpoint.tensor(name)
             _check_selection(header, entry, selection)
+            file = self.checkpoint.owners[name]
+            if self.zero_copy:
+                view = self._view(header, entry, selection)
+                if view is not None:
+                    out[name] = view
+                    continue
             gather = self.mapped and _gatherable(entry, selection)
             array = _empty(selection.local_shape(entry.shape), DTYPES[entry.dtype])
             out[name] = array
-            file = self.checkpoint.owners[name]
             if gather:
                 gathers.extend(_gathers(file, header, entry, selection, array))
                 continue
@@ -505,8 +457,36 @@ class CheckpointReader:
                     progress(job.nbytes)
         else:
             self._run_threaded(jobs, progress)
-        self._check_unchanged(job.file for job in jobs)
+        mapped = [i for i, h in enumerate(self.checkpoint.files) if h.path in self._maps]
+        self._check_unchanged([*(job.file for job in jobs), *mapped])
         return out
+
+    def _view(self, header: FileHeader, entry: TensorEntry, sel: TensorSelection
+              ) -> np.ndarray[Any, Any] | None:
+        """The selection as a read-only view of the mapped file, when it is one byte run.
+
+        Nothing is read here: pages come in when the view is first touched. Unlike the copying
+        path, a view can raise SIGBUS on first touch if the file is truncated after the load.
+        """
+        src, _, _ = _runs(entry, sel)
+        if len(src) != 1:
+            return None
+        mapping = self._maps.get(header.path)
+        if mapping is None:
+            fd = self._fd(header)
+            try:
+                mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_READ)
+            except ValueError:  # Python's mmap checks the size first: the file shrank
+                _fail(header.path, f"file changed since its header was read: it is shorter "
+                                   f"than {header.file_size} bytes (truncated file?)", entry.name)
+            except OSError as exc:
+                _fail(header.path, f"cannot map checkpoint file: {exc.strerror or exc}",
+                      entry.name)
+            self._maps[header.path] = mapping
+        shape = sel.local_shape(entry.shape)
+        view = np.frombuffer(mapping, dtype=DTYPES[entry.dtype], count=math.prod(shape),
+                             offset=header.data_start + entry.begin + int(src[0]))
+        return view.reshape(shape)
 
     def _run_threaded(self, jobs: list[_Job | _Gather], progress: Callable[[int], None] | None
                       ) -> None:
@@ -826,8 +806,11 @@ def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = 
 
 def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]], *,
                  reader: ReadRecorder | None = None, workers: int | None = None,
-                 progress: Callable[[int], None] | None = None
-                 ) -> dict[str, np.ndarray[Any, Any]]:
-    """Read several selections in (file, offset) order, opening each file once."""
-    with CheckpointReader(checkpoint, recorder=reader, workers=workers) as r:
+                 progress: Callable[[int], None] | None = None, zero_copy: bool = False,
+                 local_ranks: int | None = None) -> dict[str, np.ndarray[Any, Any]]:
+    """Read several selections in (file, offset) order, opening each file once (`zero_copy`:
+    one-run selections as read-only views of the mapped file; `local_ranks`: see
+    `default_workers`)."""
+    with CheckpointReader(checkpoint, recorder=reader, workers=workers, zero_copy=zero_copy,
+                          local_ranks=local_ranks) as r:
         return r.read_many(requests, progress=progress)
