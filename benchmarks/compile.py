@@ -145,9 +145,9 @@ def main() -> None:
                         help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="runs of the import and header measurements (median)")
-    parser.add_argument("--compile-repeats", type=int, default=1,
+    parser.add_argument("--compile-repeats", type=int, default=3,
                         help="runs of the compile (median; DeepSeek-V3 is slow)")
     parser.add_argument("--profile", default=None, help="print a cProfile of one model's compile")
     args = parser.parse_args()

@@ -80,7 +80,8 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
 def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,
               verify_fingerprint: bool = True, dtype: Any = None, reader: Any = None,
               framework: str = "numpy", workers: int | None = None,
-              progress: bool | None = None, verify: str | None = None) -> RankState:
+              progress: bool | None = None, verify: str | None = None,
+              zero_copy: bool = False, local_ranks: int | None = None) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
     `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
@@ -91,11 +92,24 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `workers` caps the reader threads; `progress` shows a bar (None: on a terminal only);
     `verify="digest"` checks the sha256 of every tensor read against the shard manifest (a
     `partc shard` folder) or the digests compiled into the build (`--digests`).
+    `zero_copy=True` returns every tensor whose local slice is one contiguous byte run of its
+    file (whole tensors, row slices; every tensor of a `partc shard` folder) as a read-only
+    view of the mapped file, and copies the rest (README, "Zero-copy loading", for lifetime,
+    memory accounting and the SIGBUS a truncated file can raise); `local_ranks` is the number
+    of ranks loading on this node at once, which sizes the reader threads (default:
+    `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`, else 1).
     """
     if framework not in ("numpy", "torch"):
         raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
+    if zero_copy and framework == "torch":
+        raise CheckpointError("zero_copy=True returns read-only views of the checkpoint file, "
+                              "which torch tensors cannot be; load with framework='numpy', or "
+                              "without zero_copy")
+    if local_ranks is not None and (isinstance(local_ranks, bool) or not isinstance(
+            local_ranks, int) or local_ranks < 1):
+        raise CheckpointError(f"local_ranks must be a positive integer, found {local_ranks!r}")
     target_dtype = None if dtype is None else _float_dtype(dtype)
     layout = local_model_layout(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
@@ -114,7 +128,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     total = sum(item.local_bytes for item in layout.tensors)
     with progress_bar(total, f"rank {table.rank}", progress) as update:
         tensors = read_tensors(opened, requests, reader=reader, workers=workers,
-                               progress=update)
+                               progress=update, zero_copy=zero_copy, local_ranks=local_ranks)
     if verify == "digest":
         _verify_payloads(table, manifest, opened, tensors, workers)
     if target_dtype is not None:

@@ -31,6 +31,7 @@ from partc.runtime.headers import (
     read_header,
 )
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST, ShardManifest, read_shard_manifest
+from partc.runtime.memory import _empty, _populate
 
 __all__ = [
     "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE",
@@ -138,32 +139,40 @@ _GATHER_RUN = 32 << 10
 """Selections whose runs average at most this many bytes are gathered from a mapping."""
 
 
-_MAPPED_ARRAY_BYTES = 1 << 20
-"""Arrays at least this large get their own anonymous mapping (see `_empty`)."""
+def _positive(raw: str | None) -> int | None:
+    """`raw` as a positive integer, or None (unset, empty, not a number, zero)."""
+    raw = (raw or "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
-def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """A new writable array; a large one gets its own private anonymous mapping, pre-faulted.
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where known)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
-    Every destination page is first touched by the load itself. The kernel populates a mapping
-    in one call instead of one trap per 4 KiB page (measured ~10% of a load), and numpy's own
-    large arrays ask for transparent huge pages, which measured ~1.6x slower to fault in here
-    than the 4 KiB pages a sequential `read()` gets.
+
+def node_ranks(local_ranks: int | None = None) -> int:
+    """Ranks loading on this node at once: `local_ranks`, else `PARTC_LOCAL_RANKS`, else
+    torchrun's `LOCAL_WORLD_SIZE`, else 1."""
+    if local_ranks is not None:
+        return max(1, int(local_ranks))
+    return (_positive(os.environ.get("PARTC_LOCAL_RANKS"))
+            or _positive(os.environ.get("LOCAL_WORLD_SIZE")) or 1)
+
+
+def default_workers(local_ranks: int | None = None) -> int:
+    """Reader threads of one rank: `PARTC_READ_THREADS`, else the node's cores shared among its
+    loading ranks (`node_ranks`), at least 1 and at most 8.
+
+    Reads from the page cache are memory copies: more threads than cores on a node only make
+    the ranks take turns (measured: 2T threads on 2 cores made the slowest of T ranks 2x-4x
+    slower than one rank alone).
     """
-    count = math.prod(shape)
-    if count * dtype.itemsize < _MAPPED_ARRAY_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return np.empty(shape, dtype=dtype)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    memory = mmap.mmap(-1, count * dtype.itemsize, flags=flags)
-    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
-
-
-def default_workers() -> int:
-    """Reader threads used by default: `PARTC_READ_THREADS`, else min(8, CPUs)."""
-    raw = os.environ.get("PARTC_READ_THREADS", "")
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
-    return max(1, min(8, os.cpu_count() or 1))
+    forced = _positive(os.environ.get("PARTC_READ_THREADS"))
+    if forced is not None:
+        return forced
+    return max(1, min(8, usable_cores() // node_ranks(local_ranks)))
 
 
 @dataclass(slots=True)
@@ -174,6 +183,7 @@ class _Job:
     path: Path
     names: list[str]
     views: list[memoryview]
+    addresses: list[int]
     src: _Ints
     dst: _Ints
     length: _Ints
@@ -188,6 +198,7 @@ class _ReadPlan:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.views: list[memoryview] = []
+        self.addresses: list[int] = []
         self.parts: dict[int, list[tuple[_Ints, _Ints, _Ints, _Ints]]] = {}
         self.nbytes = 0
 
@@ -197,6 +208,7 @@ class _ReadPlan:
         owner = np.full(len(src), len(self.names), dtype=np.int64)
         self.names.append(name)
         self.views.append(array.reshape(-1).view(np.uint8).data)
+        self.addresses.append(int(array.ctypes.data))
         self.parts.setdefault(file, []).append((src + base, dst, length, owner))
         self.nbytes += int(length.sum())
 
@@ -216,8 +228,8 @@ class _ReadPlan:
             cuts = [0, *(np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist(), len(src)]
             for i, j in zip(cuts, cuts[1:], strict=False):
                 jobs.append(_Job(file=file, path=files[file].path, names=self.names,
-                                 views=self.views, src=src[i:j], dst=dst[i:j],
-                                 length=length[i:j], owner=owner[i:j],
+                                 views=self.views, addresses=self.addresses, src=src[i:j],
+                                 dst=dst[i:j], length=length[i:j], owner=owner[i:j],
                                  nbytes=int(ends[j - 1] - ends[i] + length[i])))
         return jobs
 
@@ -302,18 +314,23 @@ class CheckpointReader:
     """Reads selected tensor elements straight into fresh arrays; opens each file once."""
 
     def __init__(self, checkpoint: Checkpoint, *, recorder: ReadRecorder | None = None,
-                 max_gap: int = 0, workers: int | None = None, mapped: bool = True) -> None:
+                 max_gap: int = 0, workers: int | None = None, mapped: bool = True,
+                 zero_copy: bool = False, local_ranks: int | None = None) -> None:
         self.checkpoint = checkpoint
         """The checkpoint read from."""
         self.recorder = recorder
         """Told of every byte run read, when set."""
         self.max_gap = max_gap
         """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
-        self.workers = default_workers() if workers is None else max(1, workers)
+        self.workers = default_workers(local_ranks) if workers is None else max(1, workers)
         """Threads `read_many` may use for a large read."""
         self.mapped = mapped
         """Whether `read_many` gathers finely cut selections from read-only mappings."""
+        self.zero_copy = zero_copy
+        """Whether `read_many` returns a selection that is one contiguous byte run as a
+        read-only view of the mapped file (see `_view`) instead of a copy."""
         self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -325,6 +342,7 @@ class CheckpointReader:
     def close(self) -> None:
         """Close every file opened so far."""
         fds, self._fds = self._fds, {}
+        self._maps = {}  # views keep their mapping alive; it is unmapped with the last one
         for fd in fds.values():
             os.close(fd)
 
@@ -337,6 +355,7 @@ class CheckpointReader:
             except OSError as exc:
                 _fail(header.path, f"cannot open checkpoint file: {exc.strerror or exc}")
             self._fds[header.path] = fd  # closed by close() even when a check below fails
+            _no_readahead(fd)
             try:
                 st = os.fstat(fd)
             except OSError as exc:
@@ -411,10 +430,15 @@ class CheckpointReader:
         for name, selection in todo:
             header, entry = self.checkpoint.tensor(name)
             _check_selection(header, entry, selection)
+            file = self.checkpoint.owners[name]
+            if self.zero_copy:
+                view = self._view(header, entry, selection)
+                if view is not None:
+                    out[name] = view
+                    continue
             gather = self.mapped and _gatherable(entry, selection)
             array = _empty(selection.local_shape(entry.shape), DTYPES[entry.dtype])
             out[name] = array
-            file = self.checkpoint.owners[name]
             if gather:
                 gathers.extend(_gathers(file, header, entry, selection, array))
                 continue
@@ -433,8 +457,36 @@ class CheckpointReader:
                     progress(job.nbytes)
         else:
             self._run_threaded(jobs, progress)
-        self._check_unchanged(job.file for job in jobs)
+        mapped = [i for i, h in enumerate(self.checkpoint.files) if h.path in self._maps]
+        self._check_unchanged([*(job.file for job in jobs), *mapped])
         return out
+
+    def _view(self, header: FileHeader, entry: TensorEntry, sel: TensorSelection
+              ) -> np.ndarray[Any, Any] | None:
+        """The selection as a read-only view of the mapped file, when it is one byte run.
+
+        Nothing is read here: pages come in when the view is first touched. Unlike the copying
+        path, a view can raise SIGBUS on first touch if the file is truncated after the load.
+        """
+        src, _, _ = _runs(entry, sel)
+        if len(src) != 1:
+            return None
+        mapping = self._maps.get(header.path)
+        if mapping is None:
+            fd = self._fd(header)
+            try:
+                mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_READ)
+            except ValueError:  # Python's mmap checks the size first: the file shrank
+                _fail(header.path, f"file changed since its header was read: it is shorter "
+                                   f"than {header.file_size} bytes (truncated file?)", entry.name)
+            except OSError as exc:
+                _fail(header.path, f"cannot map checkpoint file: {exc.strerror or exc}",
+                      entry.name)
+            self._maps[header.path] = mapping
+        shape = sel.local_shape(entry.shape)
+        view = np.frombuffer(mapping, dtype=DTYPES[entry.dtype], count=math.prod(shape),
+                             offset=header.data_start + entry.begin + int(src[0]))
+        return view.reshape(shape)
 
     def _run_threaded(self, jobs: list[_Job | _Gather], progress: Callable[[int], None] | None
                       ) -> None:
@@ -487,6 +539,7 @@ class CheckpointReader:
             self._run_gather(job)
             return
         path, names, views = str(job.path), job.names, job.views
+        _populate_job(job)
         src, dst, length, owner = (a.tolist() for a in (job.src, job.dst, job.length, job.owner))
         fd, recorder, preadv = job.fd, self.recorder, os.preadv
         i, count = 0, len(src)
@@ -548,6 +601,8 @@ class CheckpointReader:
                             "(truncated file?)", job.name)
         except OSError as exc:
             _fail(job.path, f"cannot map tensor data: {exc.strerror or exc}", job.name)
+        if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            mapping.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not its neighbours
         try:
             view = np.frombuffer(mapping, dtype=np.uint8)  # for its address only: never read
             remote_base = int(view.ctypes.data) + start - aligned
@@ -560,6 +615,8 @@ class CheckpointReader:
             remote = iovecs.reshape(-1, 2)
             sizes = remote[:, 1].astype(np.int64)
             out = job.out[first:last]
+            address = int(out.ctypes.data)
+            _populate(address, 0, out.nbytes)
             local = np.empty((1, 2), dtype=np.uint64)
             local_base, done = int(out.ctypes.data), 0
             pid = os.getpid()
@@ -588,6 +645,7 @@ class CheckpointReader:
         first, last = job.rows
         preadv, fd, path, name = os.preadv, job.fd, str(job.path), job.name
         out, recorder = job.out, self.recorder
+        _populate(int(out.ctypes.data), first * out.shape[1], last * out.shape[1])
         try:
             for row in range(first, last):
                 at = job.base + row * job.row_bytes
@@ -657,6 +715,35 @@ class CheckpointReader:
             got = None
 
 
+def _populate_job(job: _Job) -> None:
+    """Fault in every destination range of a job (per array: from its first to its last byte)."""
+    if len(job.owner) == 1:
+        d = int(job.dst[0])
+        _populate(job.addresses[int(job.owner[0])], d, d + int(job.length[0]))
+        return
+    owners = job.owner
+    if bool(np.all(owners[1:] >= owners[:-1])):
+        cuts = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), len(owners)]
+        groups = [(int(owners[i]), job.dst[i:j], job.length[i:j])
+                  for i, j in zip(cuts, cuts[1:], strict=False)]
+    else:
+        groups = [(int(o), job.dst[owners == o], job.length[owners == o])
+                  for o in np.unique(owners).tolist()]
+    for owner, dst, length in groups:
+        _populate(job.addresses[owner], int(dst.min()), int((dst + length).max()))
+
+
+def _no_readahead(fd: int) -> None:
+    """Tell the kernel reads of `fd` are random: a cold read then fetches the pages it asks for,
+    not a readahead window of the neighbouring tensors (other ranks' columns). Large reads
+    still go to storage in large requests; only the speculative window is dropped."""
+    if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_RANDOM"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:  # advice only (e.g. a FIFO or a file system that refuses it)
+            pass
+
+
 def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
     """Refuse a file whose stat no longer matches the one taken when its header was read."""
     stamp, now = header.stamp, FileStamp.of(st)
@@ -719,8 +806,11 @@ def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = 
 
 def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]], *,
                  reader: ReadRecorder | None = None, workers: int | None = None,
-                 progress: Callable[[int], None] | None = None
-                 ) -> dict[str, np.ndarray[Any, Any]]:
-    """Read several selections in (file, offset) order, opening each file once."""
-    with CheckpointReader(checkpoint, recorder=reader, workers=workers) as r:
+                 progress: Callable[[int], None] | None = None, zero_copy: bool = False,
+                 local_ranks: int | None = None) -> dict[str, np.ndarray[Any, Any]]:
+    """Read several selections in (file, offset) order, opening each file once (`zero_copy`:
+    one-run selections as read-only views of the mapped file; `local_ranks`: see
+    `default_workers`)."""
+    with CheckpointReader(checkpoint, recorder=reader, workers=workers, zero_copy=zero_copy,
+                          local_ranks=local_ranks) as r:
         return r.read_many(requests, progress=progress)

@@ -1,0 +1,196 @@
+"""Load paths: zero-copy views, exact byte runs with readahead off, destinations faulted in by
+the reader threads, and reader threads sized from the cores and the node's loading ranks."""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from partc.errors import CheckpointError
+from partc.runtime import reader as checkpoint
+from partc.runtime.checkpoint import open_checkpoint
+from partc.runtime.headers import DTYPES
+from partc.runtime.reader import CheckpointReader, TensorSelection, default_workers
+
+from support import Recorder, assert_same_tensors, compile_and_import, hf
+
+LLAMA = hf("llama")
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The llama fixture compiled for T=2, S=1."""
+    out = tmp_path_factory.mktemp("load-paths") / "build"
+    return compile_and_import("llama", LLAMA / "config.json", out, tp=2, pp=1,
+                              checkpoint=LLAMA)[1]
+
+
+def one_run(shape: tuple[int, ...], axis: int | None, ranges: tuple[tuple[int, int], ...]
+            ) -> bool:
+    """Whether a selection is one contiguous byte run of its tensor (computed from the shape)."""
+    if axis is None:
+        return True
+    kept = [r for r in ranges if r[1] > r[0]]
+    return math.prod(shape[:axis]) == 1 and len(kept) == 1
+
+
+def mapped_base(array: np.ndarray) -> object:
+    """The object at the bottom of an array's base chain."""
+    base: object = array
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def test_zero_copy_views_are_read_only_and_equal_the_gathered_arrays(llama_tp2: Any) -> None:
+    views = copies = 0
+    for rank in range(2):
+        gathered = llama_tp2.load(LLAMA, rank=rank)
+        state = llama_tp2.load(LLAMA, rank=rank, zero_copy=True)
+        assert_same_tensors(state.tensors, gathered.tensors)
+        full = load_file(str(LLAMA / "model.safetensors"))
+        for item in state.layout.tensors:
+            array = state.tensors[item.target]
+            axis, ranges = item.selection
+            if one_run(full[item.target].shape, axis, ranges):
+                views += 1
+                assert not array.flags.writeable, item.target
+                assert isinstance(mapped_base(array), mmap.mmap), item.target
+                with pytest.raises(ValueError, match="read-only"):
+                    array.reshape(-1)[:1] = 0
+            else:
+                copies += 1
+                assert array.flags.writeable and array.flags.c_contiguous, item.target
+            assert gathered.tensors[item.target].flags.writeable, item.target
+    assert views and copies, "the fixture has both one-run and gathered selections"
+
+
+def test_zero_copy_views_outlive_the_reader_and_leave_the_file_unchanged(
+        tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes((LLAMA / "model.safetensors").read_bytes())
+    before = path.read_bytes()
+    ckpt = open_checkpoint(path)
+    name = "model.embed_tokens.weight"
+    rows = ckpt.tensor(name)[1].shape[0]
+    with CheckpointReader(ckpt, zero_copy=True) as r:
+        got = r.read_many([(name, TensorSelection(axis=0, ranges=((1, rows - 1),)))])[name]
+    want = load_file(str(path))[name][1:rows - 1]
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert path.read_bytes() == before
+
+
+def test_zero_copy_is_refused_for_torch_and_local_ranks_must_be_positive(
+        llama_tp2: Any) -> None:
+    with pytest.raises(CheckpointError, match="read-only views .* torch tensors cannot be"):
+        llama_tp2.load(LLAMA, rank=0, zero_copy=True, framework="torch")
+    with pytest.raises(CheckpointError, match="local_ranks must be a positive integer, "
+                                              "found 0"):
+        llama_tp2.load(LLAMA, rank=0, local_ranks=0)
+
+
+@pytest.mark.parametrize("vm_read", [True, False])
+def test_column_runs_are_read_exactly_with_readahead_off(
+        monkeypatch: pytest.MonkeyPatch, vm_read: bool) -> None:
+    advice: list[tuple[int, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, how: int) -> None:
+        advice.append((fd, offset, length, how))
+        real(fd, offset, length, how)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    monkeypatch.setattr(checkpoint, "_USE_VM_READ", vm_read)
+    ckpt = open_checkpoint(LLAMA)
+    name = "model.layers.0.mlp.down_proj.weight"
+    header, entry = ckpt.tensor(name)
+    rows, cols = entry.shape
+    item = DTYPES[entry.dtype].itemsize
+    sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
+    recorder = Recorder()
+    with CheckpointReader(ckpt, recorder=recorder) as r:
+        got = r.read_many([(name, sel)])[name]
+    base = header.data_start + entry.begin
+    want = {(str(header.path), base + (row * cols + cols // 4) * item, (cols // 2 - cols // 4)
+             * item) for row in range(rows)}
+    assert sorted(recorder.runs) == sorted(want), "one run per row: the selected columns only"
+    np.testing.assert_array_equal(got.view(np.uint8),
+                                  load_file(str(header.path))[name][:, cols // 4:cols // 2]
+                                  .view(np.uint8))
+    assert [(o, n, h) for _, o, n, h in advice] == [(0, 0, os.POSIX_FADV_RANDOM)]
+
+
+def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int, int, int]] = []
+    lock = threading.Lock()
+
+    def populate(address: int, start: int, end: int) -> None:
+        with lock:
+            calls.append((threading.current_thread().name, address, start, end))
+
+    monkeypatch.setattr(checkpoint, "_populate", populate)
+    monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(checkpoint, "_JOB_BYTES", 4096)
+    monkeypatch.setattr(checkpoint, "_SPAN_LIMIT", 4096)
+    ckpt = open_checkpoint(LLAMA)
+    requests = [(n, TensorSelection(axis=len(ckpt.tensor(n)[1].shape) - 1,
+                                    ranges=((0, ckpt.tensor(n)[1].shape[-1] // 2),)))
+                for n in ckpt.names if ckpt.tensor(n)[1].shape]
+    with CheckpointReader(ckpt, workers=3) as r:
+        got = r.read_many(requests)
+    assert calls and {name for name, *_ in calls} <= {f"partc-read-{i}" for i in range(3)}
+    covered = {id(a): np.zeros(a.nbytes, bool) for a in got.values()}
+    spans = [(int(a.ctypes.data), a.nbytes, id(a)) for a in got.values() if a.nbytes]
+    for _, address, start, end in calls:
+        base, size, key = next(s for s in spans if s[0] <= address + start < s[0] + s[1])
+        assert address + end <= base + size, "a populate stays inside its destination"
+        covered[key][address - base + start:address - base + end] = True
+    for name, array in got.items():
+        assert covered[id(array)].all(), f"every destination byte of {name} is faulted in"
+
+
+def test_reader_threads_share_the_cores_among_the_node_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("PARTC_READ_THREADS", "PARTC_LOCAL_RANKS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 8)
+    assert default_workers() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_workers() == 2
+    assert default_workers(local_ranks=2) == 4, "an explicit count overrides torchrun's"
+    monkeypatch.setenv("PARTC_LOCAL_RANKS", "8")
+    assert default_workers() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    monkeypatch.delenv("PARTC_LOCAL_RANKS")
+    assert default_workers() == 1, "at least one thread however many ranks share the node"
+    monkeypatch.setenv("PARTC_READ_THREADS", "3")
+    assert default_workers() == 3, "PARTC_READ_THREADS wins"
+
+
+def test_a_load_under_torchrun_uses_its_share_of_the_cores(
+        monkeypatch: pytest.MonkeyPatch, llama_tp2: Any) -> None:
+    monkeypatch.delenv("PARTC_READ_THREADS", raising=False)
+    monkeypatch.delenv("PARTC_LOCAL_RANKS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 8)
+    monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(checkpoint, "_JOB_BYTES", 1024)
+    threads: set[str] = set()
+
+    class Threads(Recorder):
+        def record(self, path: str, offset: int, length: int) -> None:
+            threads.add(threading.current_thread().name)
+            super().record(path, offset, length)
+
+    state = llama_tp2.load(LLAMA, rank=1, reader=Threads())
+    assert_same_tensors(state.tensors, llama_tp2.load(LLAMA, rank=1, workers=1).tensors)
+    assert threads and threads <= {"partc-read-0", "partc-read-1"}, threads
