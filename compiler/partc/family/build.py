@@ -28,6 +28,7 @@ from partc.front.positions import join_pointer
 from partc.parallel.formats import GGUF_BLOCK_TYPES
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, ParameterRole
 from partc.parallel.specs import (
+    FusedLayout,
     LinearWeightLayout,
     MemberShardingKind,
     ProjectionSharding,
@@ -152,7 +153,9 @@ def _module(builder: _Builder, data: dict[str, Any], pointer: str,
         return None
     return ModuleDecl(module=module, params=params, sharding=sharding, segments=tuple(segments),
                       when=when, linear=bool(data.get("linear", True)), pointer=pointer,
-                      heads=heads)
+                      heads=heads, layout=FusedLayout(data.get("layout", "component_major")),
+                      orientation=LinearWeightLayout(data.get("orientation", "out_in")),
+                      tp_reduction=data.get("reduction") == "tensor_parallel")
 
 
 def _heads(builder: _Builder, value: Any, pointer: str) -> tuple[Expression, ...]:
@@ -230,6 +233,17 @@ def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
     decls = (_module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
                      ProjectionSharding(proj["sharding"]), None)
              for i, proj in enumerate(data["projections"]))
+    for i, proj in enumerate(data["projections"]):
+        if proj.get("reduction") and proj["sharding"] != "column":
+            builder.error(f"`reduction: {proj['reduction']}` marks a norm over a column-split "
+                          f"projection's width, so its sharding must be column, found "
+                          f"{proj['sharding']}", join_pointer(join_pointer(join_pointer(
+                              pointer, "projections"), i), "reduction"))
+        if proj.get("reduction") and "units" not in data:
+            builder.error("a norm with `reduction: tensor_parallel` must share the group's "
+                          "partition (`units:`) with the projection it normalizes, so no "
+                          "rank's piece cuts a head", join_pointer(join_pointer(join_pointer(
+                              pointer, "projections"), i), "reduction"))
     return {"projections": tuple(d for d in decls if d is not None)}
 
 
