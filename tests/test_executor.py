@@ -24,9 +24,9 @@ from executor import (
     forward_tensor_parallel,
     load_fixture,
 )
-from support import HF_MODELS
+from support import EXECUTOR_MODELS
 
-FAMILIES = HF_MODELS
+FAMILIES = EXECUTOR_MODELS
 QUANTIZED_SOURCES = {
     "qwen3_fp8": "qwen3",
     "deepseek_v3_fp8": "deepseek_v3",

@@ -19,11 +19,11 @@ import pytest
 from partc.parallel.layout import PlacementKind
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
-from support import HF_MODELS, QUANTIZED, compile_and_load, hf
+from support import EXECUTOR_MODELS, QUANTIZED, compile_and_load, hf
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-4
-FIXTURES = HF_MODELS
+FIXTURES = EXECUTOR_MODELS
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 # More ranks than the tiny models' 2 KV heads: attention (and block-misaligned groups) fall back
 # to replication under ReplicateUnsupported; the rest stays sharded (DeepSeek's 4 MLA heads too).
