@@ -314,7 +314,7 @@ class Plan:
 
         Groups of one kind share the shape and placement lists (the text is the same).
         """
-        members: dict[int, list[tuple[str, list[int], int, list[list[object]]]]] = {}
+        members: dict[int, list[tuple[str, list[int], int, list[list[object]], bool]]] = {}
         out = []
         for group in self.groups:
             shared = members.get(group.kind)
