@@ -320,3 +320,37 @@ def test_a_wrong_layout_declaration_is_refused_by_check_or_by_verify(tmp_path, c
     assert failure.max_error > failure.tolerance
     assert re.match(rf"T={tp} x S=1: module `{re.escape(module)}` \(group `{group}`\), rank "
                     rf"{rank}: ", failure.message), failure.message
+
+
+# ---------------------------------------------------------------- TOML spelling
+
+
+@pytest.mark.parametrize(("family", "tp"), [("falcon", 4), ("gpt2", 2), ("olmo2", 2)])
+def test_the_layout_vocabulary_reads_the_same_in_toml(tmp_path, family, tp):
+    import yaml
+    from regenerate_cases import toml_spelling
+
+    from partc.api import compile_family
+
+    data = yaml.safe_load((ARCHITECTURES / f"{family}.yaml").read_text())
+    toml = tmp_path / f"{family}.toml"
+    toml.write_text(toml_spelling(data))
+    config = hf(family) / "config.json"
+    from_toml = compile_family(toml, config, tensor_parallel_size=tp).plan
+    from_yaml = compile_family(ARCHITECTURES / f"{family}.yaml", config,
+                               tensor_parallel_size=tp).plan
+    tensors = json.loads(from_yaml.document[1])["tensors"]
+    # the YAML plan's placements are the ones the tests above check against HF's slices
+    assert json.loads(from_toml.document[1])["tensors"] == tensors
+
+
+def test_only_partitioned_segments_interleave_groups():
+    from partc.errors import ParallelPlanError
+    from partc.parallel.specs import MemberSharding, MemberShardingKind
+
+    with pytest.raises(ParallelPlanError, match="equal sharding takes no interleaved groups"):
+        MemberSharding(kind=MemberShardingKind.EQUAL, axis=0, groups=2)
+    with pytest.raises(ParallelPlanError, match="in each of 4 interleaved groups"):
+        MemberSharding.partitioned_segments(0, [16, 16, 18], groups=4)
+    assert MemberSharding.partitioned_segments(0, [64, 64], groups=4).describe() == (
+        "partitioned_segments(axis 0, segments [64, 64], 4 interleaved groups)")
