@@ -80,7 +80,7 @@ def test_an_unknown_name_explains_how_a_file_is_recognised():
         read_family_source("nosuchmodel")
     assert str(caught.value).startswith(
         "nosuchmodel: no built-in family for model type 'nosuchmodel' (a family file needs a "
-        ".yaml, .yml or .toml suffix or a path with a `/`); built-in: deepseek_v3, ")
+        ".yaml, .yml or .toml suffix or a path with a `/`); built-in: bloom, deepseek_v3, falcon, ")
 
 
 @pytest.mark.parametrize("directive", ["%YAML 1.1", "%YAML 1.0"])

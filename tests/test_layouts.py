@@ -354,3 +354,18 @@ def test_only_partitioned_segments_interleave_groups():
         MemberSharding.partitioned_segments(0, [16, 16, 18], groups=4)
     assert MemberSharding.partitioned_segments(0, [64, 64], groups=4).describe() == (
         "partitioned_segments(axis 0, segments [64, 64], 4 interleaved groups)")
+
+
+def test_kv_replication_refuses_to_repeat_kv_heads_of_a_norm_needing_a_reduction(tmp_path):
+    text = (ARCHITECTURES / "olmo2.yaml").read_text()
+    anchor = "    units: num_key_value_heads          # the q heads of a KV head travel with it\n"
+    path = tmp_path / "olmo2.yaml"
+    path.write_text(text.replace(anchor, anchor + "    kv_replication: true\n"))
+    errors = check_family(path, hf("olmo2") / "config.json",
+                          topology=Topology(tensor_parallel_size=4, pipeline_parallel_size=1))
+    assert any("`model.layers.0.self_attn.k_norm.weight` needs a tensor-parallel reduction of "
+               "its statistic, and repeating its 2 KV heads over 4 ranks would count each of "
+               "them 2 times in it" in str(e) for e in errors), [str(e) for e in errors]
+    # over 2 ranks nothing is repeated: the same file is fine
+    assert check_family(path, hf("olmo2") / "config.json", topology=Topology(
+        tensor_parallel_size=2, pipeline_parallel_size=1)) == []

@@ -139,6 +139,11 @@ def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
                 problems.append((target, f"`{target}`: one of its {heads} KV heads spans "
                                          f"{width}/{heads} elements, not {whole}, so it cannot "
                                          "be repeated"))
+            elif member.tp_reduction:
+                problems.append((target, f"`{target}` needs a tensor-parallel reduction of its "
+                                         f"statistic, and repeating its {heads} KV heads over "
+                                         f"{tp} ranks would count each of them {tp // heads} "
+                                         "times in it"))
     if counts:
         problems.append(("", "KV replication (vLLM's rule) needs tensor_parallel_size to divide "
                              "the query head count and to be a multiple of the KV head count"))
