@@ -7,7 +7,6 @@ Rank shards are built here by slicing the full fixture tensors with balanced spl
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -25,15 +24,12 @@ from executor import (
     forward_tensor_parallel,
     load_fixture,
 )
-from executor.model import SUPPORTED
-from executor.variants import SUPPORTED as VARIANTS
-from support import HF, HF_MODELS
+from support import EXECUTOR_MODELS
 
-# The fixtures of the model types the executor implements (`executor.model.SUPPORTED` and the
-# table-described families of `executor.variants`).
-FAMILIES = [name for name in HF_MODELS
-            if json.loads((HF / name / "config.json").read_text())["model_type"]
-            in SUPPORTED | VARIANTS]
+# The executor's own families; the table-described ones (tests/executor/variants.py) have their
+# own file, tests/test_executor_families.py, and every family runs from partc's loaded shards in
+# tests/test_numerics.py.
+FAMILIES = EXECUTOR_MODELS
 QUANTIZED_SOURCES = {
     "qwen3_fp8": "qwen3",
     "deepseek_v3_fp8": "deepseek_v3",

@@ -57,6 +57,11 @@ FIXTURE_FAMILIES = {
     "granite": "granite",
     "stablelm": "stablelm",
     "phi": "phi",
+    "gpt_neox": "gpt_neox",
+    "falcon": "falcon",
+    "bloom": "bloom",
+    "gpt2": "gpt2",
+    "olmo2": "olmo2",
 }
 # Quantized fixture -> its family: the same family file, selected linear format.
 QUANTIZED_FAMILIES = {
@@ -71,7 +76,8 @@ WIDE_TOPOLOGIES = [(4, 1), (4, 2)]
 # (fixture, T) pairs that are illegal under Require and run under ReplicateUnsupported (why:
 # support.policy_for). Listed here on their own, so that the test below checks that table.
 NEEDS_REPLICATION_FALLBACK = {(name, 4) for name in [*FIXTURE_FAMILIES, *QUANTIZED_FAMILIES]
-                              if name != "deepseek_v3"}
+                              if name not in {"deepseek_v3", "gpt_neox", "falcon", "bloom",
+                                              "gpt2"}}
 
 
 def config_of(name: str) -> dict:
@@ -79,7 +85,8 @@ def config_of(name: str) -> dict:
 
 
 def layers_of(name: str) -> int:
-    return int(config_of(name)["num_hidden_layers"])
+    config = config_of(name)
+    return int(config.get("num_hidden_layers", config.get("n_layer")))
 
 
 CASES = [(name, topology) for name in [*FIXTURE_FAMILIES, *QUANTIZED_FAMILIES]
@@ -477,7 +484,7 @@ HF_MODULE_STRATEGIES = {"moe_tp_experts", "ep_dispatch_experts", "grouped_gemm"}
 ABSENT_FROM_FIXTURE = {
     name: {f"model.layers.*.mlp.{p}_proj" for p in ("gate", "up", "down")}
     for name in ("qwen2_moe", "qwen3_moe")
-}
+} | {"gpt_neox": {"lm_head"}}  # GPT-NeoX stores its head as `embed_out` (HF renames on load)
 # Every plan entry where partc deliberately slices differently from HF, with the reason's key
 # phrase; each must be explained in docs/families/<family>.md.
 DELIBERATE_DIFFERENCES = {

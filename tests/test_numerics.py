@@ -36,12 +36,17 @@ TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 WIDE_TOPOLOGIES = [(4, 1), (4, 2)]
 
 
+def layer_count(config: dict) -> int:
+    """Decoder layers of an HF config (GPT-2 lineage spells it `n_layer`)."""
+    return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
+
+
 def config_of(name: str) -> dict:
     return json.loads((hf(name) / "config.json").read_text())
 
 
 CASES = [(name, topology) for name in FIXTURES for topology in TOPOLOGIES + WIDE_TOPOLOGIES
-         if topology[1] < 3 or config_of(name)["num_hidden_layers"] >= 3]
+         if topology[1] < 3 or layer_count(config_of(name)) >= 3]
 CASE_IDS = [f"{name}-tp{t}-pp{s}" for name, (t, s) in CASES]
 
 
@@ -139,12 +144,13 @@ def test_a_family_opted_into_kv_replication_reproduces_hf_logits_on_four_ranks(t
 @pytest.mark.parametrize("name", FIXTURES)
 def test_every_stage_runs_the_layers_its_partition_owns_and_nothing_else(runs, name):
     plan, states, layers, result, reference = runs(name, 2, 2)
-    n = config_of(name)["num_hidden_layers"]
+    n = layer_count(config_of(name))
     assert [r.start for r in layers] == [0, layers[0].stop] and layers[-1].stop == n
     for stage, layer_range in enumerate(layers):
         loaded = set(states[2 * stage].tensors) | set(states[2 * stage + 1].tensors)
+        paths = plan.graph[0].unit_paths  # `model.layers.7`, `transformer.h.7`, ...
         for layer in range(n):
-            has_layer = any(t.startswith(f"model.layers.{layer}.") for t in loaded)
+            has_layer = any(t.startswith(f"{paths[layer]}.") for t in loaded)
             assert has_layer == (layer in layer_range), (stage, layer)
 
 
@@ -153,8 +159,11 @@ def test_the_uneven_vocabulary_of_131_is_split_66_and_65_and_still_exact(runs, n
     plan, states, layers, result, reference = runs(name, 2, 1)
     config = config_of(name)
     assert config["vocab_size"] == 131
-    output = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
-    for target in {"model.embed_tokens.weight", output}:
+    # the vocabulary tensors: the embedding and (untied) output head, whatever their names
+    vocabulary = {t.target for t in states[0].layout.tensors
+                  if t.logical_name in ("embedding", "lm_head") and len(t.global_shape) == 2}
+    assert len(vocabulary) == (1 if config.get("tie_word_embeddings") else 2)
+    for target in vocabulary:
         placements = [s.layout[target].placement for s in states]
         assert [p.kind for p in placements] == [PlacementKind.RANGE, PlacementKind.RANGE]
         assert [(p.start, p.end) for p in placements] == [(0, 66), (66, 131)]
@@ -166,8 +175,8 @@ def test_the_uneven_vocabulary_of_131_is_split_66_and_65_and_still_exact(runs, n
 QUANTIZED_FIXTURES = ["qwen3_fp8", "deepseek_v3_fp8", "llama_mlx4", "gpt_oss_mxfp4"]
 QUANTIZED_CASES = [(name, topology) for name in QUANTIZED_FIXTURES
                    for topology in TOPOLOGIES + WIDE_TOPOLOGIES
-                   if topology[1] < 3 or json.loads((QUANTIZED / name / "config.json")
-                                                     .read_text())["num_hidden_layers"] >= 3]
+                   if topology[1] < 3 or layer_count(json.loads(
+                       (QUANTIZED / name / "config.json").read_text())) >= 3]
 QUANTIZED_IDS = [f"{name}-tp{t}-pp{s}" for name, (t, s) in QUANTIZED_CASES]
 
 

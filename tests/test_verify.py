@@ -34,6 +34,19 @@ def _family(name: str) -> str:
     return str(config["model_type"])
 
 
+# (embedding, final norm, first attention) module of the families not named `model.*`
+MODULES = {
+    "gpt_neox": ("gpt_neox.embed_in", "gpt_neox.final_layer_norm",
+                 "gpt_neox.layers.0.attention"),
+    "falcon": ("transformer.word_embeddings", "transformer.ln_f",
+               "transformer.h.0.self_attention"),
+    "bloom": ("transformer.word_embeddings", "transformer.ln_f",
+              "transformer.h.0.self_attention"),
+    "gpt2": ("transformer.wte", "transformer.ln_f", "transformer.h.0.attn"),
+    "phi": ("model.embed_tokens", "model.final_layernorm", "model.layers.0.self_attn"),
+}
+
+
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_every_built_in_family_passes_verify_at_t_1_2_4_and_a_pipeline_split(name):
     # over 4 ranks 2 KV heads are too few: the attention group is replicated (and checked as
@@ -44,9 +57,10 @@ def test_every_built_in_family_passes_verify_at_t_1_2_4_and_a_pipeline_split(nam
     assert report.ok, report.first_failure
     assert {(c.tp, c.pp) for c in report.checks} == {(1, 1), (2, 1), (4, 1), (1, 2)}
     modules = {c.module for c in report.checks if c.tp == 4}
-    final_norm = {"phi": "model.final_layernorm"}.get(name, "model.norm")
-    assert {"model.embed_tokens", final_norm, "model.layers.0.self_attn"} <= modules
-    split = [c for c in report.checks if c.tp == 2 and c.module.endswith(".self_attn")]
+    embed, norm, attention = MODULES.get(name, ("model.embed_tokens", "model.norm",
+                                                "model.layers.0.self_attn"))
+    assert {embed, norm, attention} <= modules
+    split = [c for c in report.checks if c.tp == 2 and c.module == attention]
     assert split and all(c.rank is None and c.group for c in split)  # summed over the ranks
     assert all(c.max_error <= c.tolerance for c in report.checks)
 

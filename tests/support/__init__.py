@@ -21,12 +21,20 @@ QUANTIZED = FIXTURES / "quantized"
 FULLSIZE = FIXTURES / "fullsize"
 
 
-HF_MODELS = [
+EXECUTOR_MODELS = [
     "llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
     "qwen2_moe", "gemma2", "deepseek_v3", "gpt_oss", "granite",
     "stablelm", "phi",
 ]
+"""The fixtures whose model types the numpy reference executor (tests/executor) implements."""
+LAYOUT_MODELS = ["gpt_neox", "falcon", "bloom", "gpt2", "olmo2"]
+"""Fixtures of the fused-layout, Conv1D and TP-reduced-norm families (docs/layouts.md); their
+numerics are checked by `partc verify` against transformers, not (yet) by the executor."""
+HF_MODELS = [*EXECUTOR_MODELS, *LAYOUT_MODELS]
 """Every tiny HF fixture with reference outputs, one or more per built-in family."""
+SHARDS_OVER_FOUR = {"deepseek_v3", "gpt_neox", "falcon", "bloom", "gpt2"}
+"""Fixtures legal over 4 ranks under Require: 4 (MLA or multi-head) heads, or Falcon's KV
+replication; the others have 2 KV heads."""
 
 
 def hf(name: str) -> Path:
@@ -43,10 +51,11 @@ def policy_for(name: str, tp: int) -> ShardingPolicy:
     """The sharding policy a fixture needs at T: Require, except over more ranks than KV heads.
 
     Every fixture shards legally over 2 ranks. Over 4: 2 KV heads are too few (only
-    DeepSeek-V3's MLA, partitioned by its 4 heads, is legal), and DeepSeek's FP8 blocks of 16
-    rows leave 2 units of 2 heads (24 q_b rows each).
+    DeepSeek-V3's MLA, partitioned by its 4 heads, the multi-head GPT-NeoX, BLOOM and GPT-2,
+    and Falcon with KV replication are legal), and DeepSeek's FP8 blocks of 16 rows leave 2
+    units of 2 heads (24 q_b rows each).
     """
-    if tp > 2 and name != "deepseek_v3":
+    if tp > 2 and name not in SHARDS_OVER_FOUR:
         return ShardingPolicy.REPLICATE_UNSUPPORTED
     return ShardingPolicy.REQUIRE
 

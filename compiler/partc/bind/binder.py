@@ -412,7 +412,8 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
             output_params={k: v[0] for k, v in out_params.items()}, units=units, dtype=dtype,
             units_label=label, linear=fused.linear,
             fused_heads=_heads(binder, fused, env),
-            output_heads=out_heads[0] if out_heads else None)
+            output_heads=out_heads[0] if out_heads else None, layout=fused.layout,
+            orientation=fused.orientation, output_orientation=out_decl.orientation)
         if not out_decl.linear:
             group = replace(group, members=tuple(
                 replace(m, linear=None) if m.target.startswith(out_name + ".") else m
@@ -423,7 +424,8 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
         projections = [Projection(
             module=mod, sharding=m.sharding or ProjectionSharding.REPLICATED,
             params={k: v[0] for k, v in params.items()}, linear=m.linear,
-            heads=next(iter(_heads(binder, m, env)), None)) for mod, m, params in rendered]
+            heads=next(iter(_heads(binder, m, env)), None), orientation=m.orientation,
+            tp_reduction=m.tp_reduction) for mod, m, params in rendered]
         dtypes = {f"{mod}.{k}": v[1] for mod, _, params in rendered for k, v in params.items()}
         if units is None:
             members = []

@@ -4,8 +4,8 @@ They run once per group structure, on the concrete shapes and head counts bindin
 before the group is built: what they refuse would otherwise surface later as a less direct
 message, or not at all (a bias sliced by ranges its length does not fit).
 
-- a column projection's `bias` has the length of its `weight`'s output axis (axis 0), so the
-  unit ranges that cut the weight's rows cut the bias the same way;
+- a column projection's `bias` has the length of its `weight`'s output axis (axis 0, or 1 for
+  an `orientation: in_out` weight), so the unit ranges that cut the weight cut the bias too;
 - in an `attention_heads` group, every rank's local query, key/value and output head counts
   agree: each key/value head count divides the query head count (the most heads of a column
   projection), and every row (output) projection has the query head count. With a shared
@@ -24,7 +24,7 @@ from partc.family.declaration import GroupDecl, ModuleDecl
 from partc.front.load import RawDocument
 from partc.front.positions import join_pointer
 from partc.parallel.layout import ParameterRole
-from partc.parallel.specs import ProjectionSharding
+from partc.parallel.specs import LinearWeightLayout, ProjectionSharding
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,11 +57,13 @@ def _column_bias(document: RawDocument, group: GroupDecl,
         weight, bias = p.shapes.get("weight"), p.shapes.get("bias")
         if p.decl.sharding is not ProjectionSharding.COLUMN or not weight or bias is None:
             continue
-        if bias != (weight[0],):
+        # the output axis: 0 of an nn.Linear `[out, in]` weight, 1 of a Conv1D `[in, out]` one
+        axis = 1 if p.decl.orientation is LinearWeightLayout.IN_OUT and len(weight) > 1 else 0
+        if bias != (weight[axis],):
             yield _error(document, f"the bias of column projection `{p.module}` must have the "
-                         f"length of its weight's output axis (axis 0 of {list(weight)}), so the "
-                         f"same unit ranges cut both: expected [{weight[0]}], found {list(bias)}",
-                         _bias_pointer(p.decl), f"{p.module}.bias")
+                         f"length of its weight's output axis (axis {axis} of {list(weight)}), so "
+                         f"the same unit ranges cut both: expected [{weight[axis]}], found "
+                         f"{list(bias)}", _bias_pointer(p.decl), f"{p.module}.bias")
 
 
 def _head_counts(document: RawDocument, group: GroupDecl,

@@ -136,6 +136,7 @@ def _kind_row(kind: GroupKind, tp_rank: int) -> str:
         first.role.value, first.logical_units, first.logical_range,
         first.fell_back_to_replication,
         tuple((x.dtype, x.global_shape, x.placement.to_compact(), x.kv_replicas)
+              + ((True,) if x.needs_tp_reduction else ())  # a fifth field only when set
               for x in layouts)))
 
 

@@ -30,6 +30,7 @@ from partc.front.positions import join_pointer
 from partc.parallel.formats import GGUF_BLOCK_TYPES
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, ParameterRole
 from partc.parallel.specs import (
+    FusedLayout,
     LinearWeightLayout,
     MemberShardingKind,
     ProjectionSharding,
@@ -154,7 +155,9 @@ def _module(builder: _Builder, data: dict[str, Any], pointer: str,
         return None
     return ModuleDecl(module=module, params=params, sharding=sharding, segments=tuple(segments),
                       when=when, linear=bool(data.get("linear", True)), pointer=pointer,
-                      heads=heads)
+                      heads=heads, layout=FusedLayout(data.get("layout", "component_major")),
+                      orientation=LinearWeightLayout(data.get("orientation", "out_in")),
+                      tp_reduction=data.get("reduction") == "tensor_parallel")
 
 
 def _heads(builder: _Builder, value: Any, pointer: str) -> tuple[Expression, ...]:
@@ -232,6 +235,17 @@ def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
     decls = (_module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
                      ProjectionSharding(proj["sharding"]), None)
              for i, proj in enumerate(data["projections"]))
+    for i, proj in enumerate(data["projections"]):
+        if proj.get("reduction") and proj["sharding"] != "column":
+            builder.error(f"`reduction: {proj['reduction']}` marks a norm over a column-split "
+                          f"projection's width, so its sharding must be column, found "
+                          f"{proj['sharding']}", join_pointer(join_pointer(join_pointer(
+                              pointer, "projections"), i), "reduction"))
+        if proj.get("reduction") and "units" not in data:
+            builder.error("a norm with `reduction: tensor_parallel` must share the group's "
+                          "partition (`units:`) with the projection it normalizes, so no "
+                          "rank's piece cuts a head", join_pointer(join_pointer(join_pointer(
+                              pointer, "projections"), i), "reduction"))
     projections = tuple(d for d in decls if d is not None)
     if "bias" in data:
         projections = _default_biases(builder, data["bias"], join_pointer(pointer, "bias"),
@@ -252,7 +266,9 @@ def _default_biases(builder: _Builder, condition: Any, pointer: str,
                 or module.sharding not in (ProjectionSharding.COLUMN, ProjectionSharding.ROW)):
             out.append(module)
             continue
-        bias = ParamDecl(name=parse_template("bias"), shape=(weight.shape[0],), when=when,
+        rows = weight.shape[1] if module.orientation is LinearWeightLayout.IN_OUT else (
+            weight.shape[0])  # the output features: axis 1 of a Conv1D `[in, out]` weight
+        bias = ParamDecl(name=parse_template("bias"), shape=(rows,), when=when,
                          dtype=None, sharding=None, pointer=pointer)
         out.append(replace(module, params=(*module.params, bias)))
     return tuple(out)

@@ -15,6 +15,7 @@ from partc.errors import PartcError
 from partc.family.expr import Expression, Template
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import (
+    FusedLayout,
     LinearWeightLayout,
     MemberShardingKind,
     ProjectionSharding,
@@ -209,6 +210,12 @@ class ModuleDecl:
     """Where it is declared."""
     heads: tuple[Expression, ...] = ()
     """`heads:` hint: head count of the split axis (one per segment for a fused projection)."""
+    layout: FusedLayout = FusedLayout.COMPONENT_MAJOR
+    """Row order of a fused projection's segments (`layout:`)."""
+    orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN
+    """How the weight stores its matrix axes (`orientation: in_out`: a GPT-2 Conv1D)."""
+    tp_reduction: bool = False
+    """`reduction: tensor_parallel`: a norm whose statistic spans the split projection."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

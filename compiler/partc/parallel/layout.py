@@ -431,6 +431,9 @@ class LocalTensorLayout:
     """True when the policy replicated a group that could not be sharded."""
     kv_replicas: int = 1
     """How many ranks hold this same slice because KV heads are repeated (1: not repeated)."""
+    needs_tp_reduction: bool = False
+    """A norm split with its projection whose statistic spans every rank's piece: the engine
+    must all-reduce the statistic (sum of squares) over the tensor-parallel group."""
 
     def __post_init__(self) -> None:
         target = self.target

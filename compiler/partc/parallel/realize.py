@@ -73,11 +73,34 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
         else:
             assert unit_range is not None and units is not None
             a, b = unit_range[0] * width // units, unit_range[1] * width // units
-        ranges.append((offset + a, offset + b))
+        if rule.groups == 1:
+            ranges.append((offset + a, offset + b))
+        else:
+            ranges.extend(_interleaved_rows(member.widths, rule.groups, i, offset, a, b))
         offset += width
     if kind is MemberShardingKind.PARTITIONED:
         return Range(axis=rule.axis, start=ranges[0][0], end=ranges[0][1])
-    return Indices(axis=rule.axis, ranges=_merge_ranges(ranges))
+    return Indices(axis=rule.axis, ranges=_merge_ranges(sorted(ranges)))
+
+
+def _interleaved_rows(widths: tuple[int, ...], groups: int, segment: int, offset: int,
+                      start: int, end: int) -> list[tuple[int, int]]:
+    """The stored rows of rows `[start, end)` of segment `segment` (in its own numbering) when
+    the axis interleaves `groups` blocks, each holding `width / groups` rows of every segment.
+
+    Block `g` starts at `g * sum(widths) / groups`; inside it segment `i` starts after the
+    block's rows of the segments before it (`offset / groups`).
+    """
+    block = sum(widths) // groups
+    width = widths[segment] // groups
+    inner = offset // groups
+    out = []
+    for g in range(start // width, -(-end // width)):
+        lo, hi = max(start, g * width), min(end, (g + 1) * width)
+        if lo < hi:
+            base = g * block + inner - g * width
+            out.append((base + lo, base + hi))
+    return out
 
 
 def _kv_replicas(member: ParameterMemberSpec, tp: int) -> int:
@@ -116,6 +139,11 @@ def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
                 problems.append((target, f"`{target}`: one of its {heads} KV heads spans "
                                          f"{width}/{heads} elements, not {whole}, so it cannot "
                                          "be repeated"))
+            elif member.tp_reduction:
+                problems.append((target, f"`{target}` needs a tensor-parallel reduction of its "
+                                         f"statistic, and repeating its {heads} KV heads over "
+                                         f"{tp} ranks would count each of them {tp // heads} "
+                                         "times in it"))
     if counts:
         problems.append(("", "KV replication (vLLM's rule) needs tensor_parallel_size to divide "
                              "the query head count and to be a multiple of the KV head count"))
@@ -265,6 +293,7 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
                 dtype=member.dtype, global_shape=member.shape, local_shape=tuple(local),
                 placement=placement, logical_units=units, logical_range=unit_range,
                 fell_back_to_replication=fallback,
-                kv_replicas=_kv_replicas(member, tp) if kv else 1))
+                kv_replicas=_kv_replicas(member, tp) if kv else 1,
+                needs_tp_reduction=member.tp_reduction and not placement.holds_whole))
         result.append(tuple(layouts))
     return tuple(result)

@@ -64,6 +64,17 @@ class LinearWeightLayout(enum.Enum):
         return (ndim - 2, ndim - 1) if self is LinearWeightLayout.OUT_IN else (ndim - 1, ndim - 2)
 
 
+class FusedLayout(enum.Enum):
+    """The row order of a fused projection's segments (docs/layouts.md has a picture of each)."""
+
+    COMPONENT_MAJOR = "component_major"
+    """`[c0 | c1 | ...]`: each segment one contiguous block (Phi-3 `qkv_proj`)."""
+    PER_HEAD = "per_head"
+    """`[h0: c0 c1 ... | h1: ...]`: every head holds its slice of each segment (GPT-NeoX, BLOOM)."""
+    GROUPED_PER_KV = "grouped_per_kv"
+    """`[g0: q.. k v | g1: ...]`: per KV group its query heads, its k and its v (Falcon)."""
+
+
 class MemberShardingKind(enum.Enum):
     """The kinds of rank-local selection rule of one physical tensor."""
 
@@ -91,11 +102,20 @@ class MemberSharding:
     """Fused segment widths along the axis (segment kinds only)."""
     granule: int = 1
     """Cuts fall only on multiples of this many elements (a packed or block-quantized axis)."""
+    groups: int = 1
+    """The axis interleaves this many equal blocks, each holding `1/groups` of every segment in
+    order (1: component-major; the head count: per head; the KV head count: per KV group)."""
 
     def __post_init__(self) -> None:
         if not _is_count(self.granule) or self.granule < 1:
             raise _invalid_tensor(f"a sharding granule must be a positive integer, found "
                                   f"{self.granule!r}")
+        if not _is_count(self.groups) or self.groups < 1:
+            raise _invalid_tensor(f"a sharding's interleaved groups must be a positive integer, "
+                                  f"found {self.groups!r}")
+        if self.groups > 1 and self.kind is not MemberShardingKind.PARTITIONED_SEGMENTS:
+            raise _invalid_tensor(f"{self.kind.value} sharding takes no interleaved groups "
+                                  f"(found {self.groups}); only partitioned_segments does")
         if self.kind is MemberShardingKind.REPLICATED:
             if self.axis is not None or self.segments or self.granule != 1:
                 raise _invalid_tensor("a replicated sharding takes no axis, segments or granule")
@@ -108,10 +128,12 @@ class MemberSharding:
                 raise _invalid_tensor(
                     f"{self.kind.value} sharding needs positive segment widths, found "
                     f"{list(self.segments)}")
-            if any(s % self.granule for s in self.segments):
+            if any(s % (self.granule * self.groups) for s in self.segments):
                 raise _invalid_tensor(
                     f"{self.kind.value} sharding: segments {list(self.segments)} do not all fall "
-                    f"on {self.granule}-element granule boundaries")
+                    f"on {self.granule}-element granule boundaries"
+                    + (f" in each of {self.groups} interleaved groups" if self.groups > 1
+                       else ""))
         elif self.segments:
             raise _invalid_tensor(f"{self.kind.value} sharding takes no segments")
 
@@ -137,10 +159,14 @@ class MemberSharding:
 
     @classmethod
     def partitioned_segments(cls, axis: int, segments: Iterable[int], *,
-                             granule: int = 1) -> MemberSharding:
-        """The group's logical range mapped into each fused segment along `axis`."""
+                             granule: int = 1, groups: int = 1) -> MemberSharding:
+        """The group's logical range mapped into each fused segment along `axis`.
+
+        With `groups > 1` the segments are interleaved: the axis holds `groups` blocks, each
+        with `segment / groups` elements of every segment in order.
+        """
         return cls(kind=MemberShardingKind.PARTITIONED_SEGMENTS, axis=axis,
-                   segments=tuple(segments), granule=granule)
+                   segments=tuple(segments), granule=granule, groups=groups)
 
     @classmethod
     def segmented(cls, axis: int, segments: Iterable[int], *, granule: int = 1) -> MemberSharding:
@@ -159,6 +185,7 @@ class MemberSharding:
             return "replicated"
         extra = f", segments {list(self.segments)}" if self.segments else ""
         extra += f", granule {self.granule}" if self.granule > 1 else ""
+        extra += f", {self.groups} interleaved groups" if self.groups > 1 else ""
         return f"{self.kind.value}(axis {self.axis}{extra})"
 
 
@@ -180,6 +207,9 @@ class ParameterMemberSpec:
     """Attention heads along the partitioned axis (one count per segment); empty if unknown."""
     encoding: str = ""
     """The linear-format part this tensor stores, e.g. `block_fp8.scale` ('' when dense)."""
+    tp_reduction: bool = False
+    """A norm whose statistic spans the whole split axis: an engine must all-reduce it over
+    the tensor-parallel ranks (OLMo2's q_norm / k_norm)."""
 
     def __post_init__(self) -> None:
         target = self.target
@@ -353,6 +383,10 @@ class Projection:
     """Attention heads along its split axis, when known."""
     linear: bool = True
     """Whether its `weight` is a linear weight a linear format may encode."""
+    orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN
+    """How its weight stores the matrix axes (`IN_OUT`: a GPT-2 `Conv1D`)."""
+    tp_reduction: bool = False
+    """A norm whose statistic spans the split axis, so it needs a TP all-reduce."""
 
 
 _Rule = Callable[[tuple[int, ...]], MemberSharding]
@@ -360,17 +394,20 @@ _Rule = Callable[[tuple[int, ...]], MemberSharding]
 
 def _params_members(module: str, params: Mapping[str, Sequence[int]], dtype: str,
                     rule: MemberSharding | _Rule, *, linear: bool = False,
-                    heads: int | None = None) -> tuple[ParameterMemberSpec, ...]:
+                    heads: int | None = None,
+                    orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN,
+                    tp_reduction: bool = False) -> tuple[ParameterMemberSpec, ...]:
     members = []
     for param, shape in params.items():
         shape = tuple(shape)
         sharding = rule(shape) if callable(rule) else rule
         members.append(ParameterMemberSpec(
             target=f"{module}.{param}" if module else param, shape=shape, sharding=sharding,
-            dtype=dtype, linear=LinearWeightLayout.OUT_IN if linear and param == "weight"
+            dtype=dtype, linear=orientation if linear and param == "weight"
             and len(shape) >= 2 else None,
             heads=(heads,) * len(sharding.segments or (1,))
-            if heads is not None and sharding.is_partitioned else ()))
+            if heads is not None and sharding.is_partitioned else (),
+            tp_reduction=tp_reduction and sharding.is_partitioned))
     return tuple(members)
 
 
@@ -392,12 +429,19 @@ def partitioned_module_parameter_group(name: str, role: ParameterRole, module: s
                                                       MemberSharding.partitioned(axis)))
 
 
-def _projection_rule(sharding: ProjectionSharding, partitioned: bool) -> _Rule:
+def _projection_rule(sharding: ProjectionSharding, partitioned: bool,
+                     orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN) -> _Rule:
+    """Column splits the output axis (axis 0, or the last of an `in_out` weight), row the input
+    axis (1, or the one before last of an `in_out` weight) of members with 2+ dimensions."""
+    transposed = orientation is LinearWeightLayout.IN_OUT
+
     def rule(shape: tuple[int, ...]) -> MemberSharding:
         if sharding is ProjectionSharding.COLUMN and len(shape) >= 1:
-            return MemberSharding.partitioned(0) if partitioned else MemberSharding.equal(0)
+            axis = len(shape) - 1 if transposed and len(shape) >= 2 else 0
+            return MemberSharding.partitioned(axis) if partitioned else MemberSharding.equal(axis)
         if sharding is ProjectionSharding.ROW and len(shape) >= 2:
-            return MemberSharding.partitioned(1) if partitioned else MemberSharding.equal(1)
+            axis = len(shape) - 2 if transposed else 1
+            return MemberSharding.partitioned(axis) if partitioned else MemberSharding.equal(axis)
         return MemberSharding.replicated()
     return rule
 
@@ -454,8 +498,10 @@ def partitioned_projection_group(
     for item in projections:
         proj = _as_projection(item)
         members.extend(_params_members(proj.module, proj.params, dtype,
-                                       _projection_rule(proj.sharding, True),
-                                       linear=proj.linear, heads=proj.heads))
+                                       _projection_rule(proj.sharding, True, proj.orientation),
+                                       linear=proj.linear, heads=proj.heads,
+                                       orientation=proj.orientation,
+                                       tp_reduction=proj.tp_reduction))
     partitioned = any(m.sharding.is_partitioned for m in members)
     reduced = reduced_partition_units(units, members)
     return ParameterGroupSpec(name=name, role=role, members=tuple(members),
@@ -479,28 +525,70 @@ def _companion_segments(group: str, target: str, segments: tuple[int, ...],
         target=target)
 
 
+def _interleaved(name: str, layout: FusedLayout, segments: tuple[int, ...],
+                 heads: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(global segment widths, heads per segment, interleaved groups) of a fused layout.
+
+    Component-major segments are the global widths. Per-head and grouped segments are the
+    widths inside one block (one head, one KV group): per head, `heads` is the one head count
+    (every segment has that many heads); grouped per KV, `heads` gives each segment's count and
+    the group count is the smallest (the KV heads), dividing every other.
+    """
+    if layout is FusedLayout.COMPONENT_MAJOR:
+        return segments, heads, 1
+    if not heads:
+        raise _invalid_group(f"group `{name}`: a {layout.value} fused projection needs `heads:` "
+                             "(the head count of each segment) to know its row order",
+                             group=name)
+    if layout is FusedLayout.PER_HEAD:
+        if len(set(heads)) != 1:
+            raise _invalid_group(
+                f"group `{name}`: a per_head fused projection interleaves whole heads, so every "
+                f"segment has the same head count, found heads {list(heads)}", group=name)
+        groups = heads[0]
+        return tuple(s * groups for s in segments), (groups,) * len(segments), groups
+    if len(heads) != len(segments):
+        raise _invalid_group(f"group `{name}`: {len(heads)} head counts {list(heads)} for "
+                             f"{len(segments)} segments; a grouped_per_kv fused projection "
+                             "gives one per segment", group=name)
+    groups = min(heads)
+    for seg, count in zip(segments, heads, strict=True):
+        if count % groups or seg % (count // groups):
+            raise _invalid_group(
+                f"group `{name}`: grouped_per_kv segment of {seg} rows with {count} heads "
+                f"does not hold a whole number of heads in each of the {groups} KV groups "
+                f"(heads {list(heads)}, segments per group {list(segments)})", group=name)
+    return tuple(s * groups for s in segments), heads, groups
+
+
 def segmented_projection_group(
     name: str, role: ParameterRole, *, fused_module: str, segments: Sequence[int],
     fused_params: Mapping[str, Sequence[int]], output_module: str,
     output_params: Mapping[str, Sequence[int]], units: int, dtype: str = "F32",
     units_label: str = "", fused_heads: Sequence[int] = (), output_heads: int | None = None,
     linear: bool = True, kv_replication: bool = False, policy: ShardingPolicy | None = None,
+    layout: FusedLayout = FusedLayout.COMPONENT_MAJOR,
+    orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN,
+    output_orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN,
 ) -> ParameterGroupSpec:
-    """A component-major fused column projection (`qkv_proj`, `gate_up_proj`) and its row output.
+    """A fused column projection (`qkv_proj`, `gate_up_proj`) and its row output.
 
-    Every fused member is PartitionedSegments on axis 0 (the same logical range taken inside each
-    segment; a companion with fewer rows, e.g. a block scale, gets the segments scaled down);
-    the output weight is Partitioned on axis 1 (it consumes the local hidden partition) and its
-    bias replicated. Segments must be positive and cover the fused width in order.
+    Every fused member is PartitionedSegments on its output axis (axis 0; the last axis of an
+    `in_out` weight): the same logical range taken inside each segment, the segments stored
+    component-major or interleaved per head or per KV group (`layout`); a companion with fewer
+    rows, e.g. a block scale, gets the segments scaled down. The output weight is Partitioned on
+    its input axis (it consumes the local hidden partition) and its bias replicated. Segments
+    must be positive and cover the fused width in order.
     """
     segments = tuple(segments)
     if not segments or any(not _is_count(s) or s <= 0 for s in segments):
         raise _invalid_group(f"group `{name}`: segments must be positive widths, found "
                              f"{list(segments)}", group=name)
-    if fused_heads and len(fused_heads) != len(segments):
+    if fused_heads and len(fused_heads) != len(segments) and layout is not FusedLayout.PER_HEAD:
         raise _invalid_group(f"group `{name}`: {len(fused_heads)} head counts "
                              f"{list(fused_heads)} for {len(segments)} segments; give one per "
                              "segment", group=name)
+    segments, heads, groups = _interleaved(name, layout, segments, tuple(fused_heads))
     members: list[ParameterMemberSpec] = []
     for param, shape in fused_params.items():
         shape = tuple(shape)
@@ -509,16 +597,19 @@ def segmented_projection_group(
             members.append(ParameterMemberSpec(target=target, shape=shape, dtype=dtype,
                                                sharding=MemberSharding.replicated()))
             continue
+        axis = (len(shape) - 1 if orientation is LinearWeightLayout.IN_OUT and len(shape) >= 2
+                else 0)
         members.append(ParameterMemberSpec(
             target=target, shape=shape, dtype=dtype,
             sharding=MemberSharding.partitioned_segments(
-                0, segments if param in ("weight", "bias")
-                else _companion_segments(name, target, segments, shape[0])),
-            linear=LinearWeightLayout.OUT_IN if linear and param == "weight" and len(shape) >= 2
-            else None, heads=tuple(fused_heads)))
+                axis, segments if param in ("weight", "bias")
+                else _companion_segments(name, target, segments, shape[axis]), groups=groups),
+            linear=orientation if linear and param == "weight" and len(shape) >= 2
+            else None, heads=heads))
     members.extend(_params_members(output_module, output_params, dtype,
-                                   _projection_rule(ProjectionSharding.ROW, True), linear=linear,
-                                   heads=output_heads))
+                                   _projection_rule(ProjectionSharding.ROW, True,
+                                                    output_orientation), linear=linear,
+                                   heads=output_heads, orientation=output_orientation))
     reduced = reduced_partition_units(units, members)
     return ParameterGroupSpec(name=name, role=role, members=tuple(members), units=reduced,
                               units_label=_reduced_label(units_label, units, reduced),

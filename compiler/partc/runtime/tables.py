@@ -89,8 +89,13 @@ class RankTable:
         compact placement, KV replicas)."""
         return self._decoded[1]
 
+    def reduced_rows(self) -> frozenset[int]:
+        """Indices (into `tensor_rows()`) of the tensors that need a tensor-parallel reduction
+        (a KINDS member with a fifth field `True`: a norm spanning a split projection)."""
+        return self._decoded[2]
+
     @cached_property
-    def _decoded(self) -> tuple[list[GroupRow], list[TensorRow]]:
+    def _decoded(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int]]:
         """The columnar tables joined into rows (on first use; a rank has up to ~10^4
         tensors)."""
         with paused_gc():
@@ -112,11 +117,14 @@ def _lines(value: str | tuple[str, ...]) -> list[str]:
     return list(value)
 
 
-def _join_tables(table: RankTable) -> tuple[list[GroupRow], list[TensorRow]]:
-    """Rows from KINDS, OWNERS, GROUPS and TARGETS; CheckpointError if they do not fit."""
+def _join_tables(table: RankTable
+                 ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int]]:
+    """Rows from KINDS, OWNERS, GROUPS and TARGETS, and the rows needing a TP reduction;
+    CheckpointError if they do not fit."""
     targets, lines = _lines(table.targets), _lines(table.groups)
     groups: list[GroupRow] = []
     tensors: list[TensorRow] = []
+    reduced: set[int] = set()
     kinds: dict[str, tuple[Any, ...]] = {}  # KINDS index text -> row with tuple shapes
     try:
         for index, line in enumerate(lines):
@@ -127,19 +135,21 @@ def _join_tables(table: RankTable) -> tuple[list[GroupRow], list[TensorRow]]:
                 kind = kinds[kind_text] = (
                     role, units, None if logical is None else tuple(logical), fell_back,
                     [(dtype, tuple(shape), placement, kv_replicas)
-                     for dtype, shape, placement, kv_replicas in members])
+                     for dtype, shape, placement, kv_replicas, *_ in members],
+                    [i for i, member in enumerate(members) if member[4:] == (True,)])
             groups.append((name, kind[0], table.owners[int(owner_text)], kind[1], kind[2],
                            kind[3]))
             first = len(tensors)
             tensors += [(targets[first + i], index, *member)
                         for i, member in enumerate(kind[4])]
+            reduced.update(first + i for i in kind[5])
     except (ValueError, IndexError, TypeError):
         raise CheckpointError(f"the generated tables of rank {table.rank} are malformed at "
                               f"GROUPS line {len(groups) + 1}; regenerate the build") from None
     if len(tensors) != len(targets):
         raise CheckpointError(f"the generated tables of rank {table.rank} list {len(targets)} "
                               f"TARGETS for {len(tensors)} group members; regenerate the build")
-    return groups, tensors
+    return groups, tensors, frozenset(reduced)
 
 
 def local_model_layout(table: RankTable) -> LocalModelLayout:
@@ -147,9 +157,13 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
     groups = table.group_rows()
     validated: dict[tuple[Any, ...], LocalTensorLayout] = {}  # one per distinct structure
     layouts = []
-    for target, index, dtype, shape, compact, kv_replicas in table.tensor_rows():
+    reduced = table.reduced_rows()
+    for row, (target, index, dtype, shape, compact, kv_replicas) in enumerate(
+            table.tensor_rows()):
         name, role, _, units, logical, fell_back = groups[index]
-        key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas)
+        needs_reduction = row in reduced
+        key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas,
+               needs_reduction)
         first = validated.get(key)
         if first is None:
             placement = placement_from_compact(compact)
@@ -161,7 +175,7 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
                 target=target, logical_name=name, role=ParameterRole(role), dtype=dtype,
                 global_shape=shape, local_shape=tuple(local), placement=placement,
                 logical_units=units, logical_range=logical, fell_back_to_replication=fell_back,
-                kv_replicas=kv_replicas)
+                kv_replicas=kv_replicas, needs_tp_reduction=needs_reduction)
         layouts.append(first.renamed(target, name))
     return LocalModelLayout(tensors=tuple(layouts))
 

@@ -253,7 +253,9 @@ class _Session:
             module = self.model.get_submodule(path)
 
             def keep(_: Any, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
-                captured[path] = (args, kwargs, _first_tensor(output))
+                # a copy: a caller may add into the output in place (Falcon's parallel
+                # attention does `mlp_output += attention_output`)
+                captured[path] = (args, kwargs, _first_tensor(output).clone())
             handles.append(module.register_forward_hook(keep, with_kwargs=True))
         try:
             with self.torch.no_grad():
@@ -369,7 +371,11 @@ class _Ranks:
                                       "output differs from the full module's")
             return Check(tp=tp, pp=1, module=module, group=", ".join(self._groups(targets)),
                          rank=None, ok=True, max_error=0.0, tolerance=tolerance)
-        total = sum(session.run(m, module) for m in self.models)
+        norms = self._reduced_norms(module, split)
+        if norms:  # the engine all-reduces these norms' statistic: so does the check
+            total = sum(self._run_reduced(module, norms))
+        else:
+            total = sum(session.run(m, module) for m in self.models)
         if self.shared_model is not None:
             total = total - (tp - 1) * session.run(self.shared_model, module)
         error = _error(total, want)
@@ -377,6 +383,60 @@ class _Ranks:
             return Check(tp=tp, pp=1, module=module, group=", ".join(groups), rank=None,
                          ok=True, max_error=error, tolerance=tolerance)
         return self._narrow(module, groups, error, tolerance)
+
+    def _reduced_norms(self, module: str, targets: Sequence[str]) -> list[str]:
+        """Submodules of `module` holding a split tensor that needs a TP reduction (a norm
+        whose statistic spans the split projection, `reduction: tensor_parallel`)."""
+        norms: list[str] = []
+        for target in targets:
+            layouts = [state.layout[target] for state in self.build.states
+                       if target in state.layout]
+            path = target.rsplit(".", 1)[0]
+            if any(x.needs_tp_reduction for x in layouts) and path.startswith(module + ".") \
+                    and path not in norms:
+                norms.append(path)
+        return norms
+
+    def _run_reduced(self, module: str, norms: Sequence[str]) -> list[Any]:
+        """Each rank's output of `module` with the RMS statistic of every norm in `norms` taken
+        over all ranks' pieces (the all-reduce an engine does), not over the rank's own.
+
+        A first pass records each rank's sum of squares at each norm's input; the second
+        rescales each norm's output by sqrt((own + eps) / (all + eps)) (mean squares over the
+        full width): the RMSNorm the whole model computes, restricted to the rank's rows.
+        """
+        torch, session = self.session.torch, self.session
+        sums: list[dict[str, Any]] = [{} for _ in self.models]
+
+        def record(rank: int, path: str) -> Any:
+            def hook(_: Any, args: Any, output: Any) -> None:
+                sums[rank][path] = args[0].float().pow(2).sum(-1, keepdim=True)
+            return hook
+
+        def rescale(rank: int, path: str, eps: float) -> Any:
+            def hook(_: Any, args: Any, output: Any) -> Any:
+                width = args[0].shape[-1]
+                own = sums[rank][path] / width
+                full = sum(s[path] for s in sums) / width
+                return (output.float() * torch.sqrt((own + eps) / (full + eps))).to(
+                    output.dtype)
+            return hook
+
+        for make in (record, None):
+            outputs = []
+            for rank, model in enumerate(self.models):
+                handles = []
+                for path in norms:
+                    norm = model.get_submodule(path)
+                    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+                    hook = make(rank, path) if make else rescale(rank, path, eps)
+                    handles.append(norm.register_forward_hook(hook))
+                try:
+                    outputs.append(session.run(model, module))
+                finally:
+                    for handle in handles:
+                        handle.remove()
+        return outputs
 
     def _groups(self, targets: Sequence[str]) -> list[str]:
         names: list[str] = []
