@@ -1,6 +1,6 @@
 """Family constructs beyond projections: `omit`, `derived`, `extends` and float config values.
 
-Checkpoints with buffers are real: tests/fixtures/hf_pending/{gpt2,gpt_neox}/with_buffers were
+Checkpoints with buffers are real: tests/fixtures/hf/{gpt2,gpt_neox}/with_buffers were
 written by transformers with their causal-mask buffers and `inv_freq` kept, and the Llama ones
 here are the Llama fixture plus `inv_freq` tensors computed as HF's rotary init computes them.
 Every loaded tensor is compared with what the safetensors library reads.
@@ -25,7 +25,7 @@ from partc.plan import Topology
 
 from support import ROOT, compile_and_load, hf
 
-PENDING = ROOT / "tests" / "fixtures" / "hf_pending"
+HF = ROOT / "tests" / "fixtures" / "hf"
 LLAMA = ROOT / "architectures" / "llama.yaml"
 
 
@@ -146,7 +146,7 @@ def replicated_family(checkpoint: Path, *, family: str, layers_path: str, layers
 ])
 def test_hf_written_buffers_are_omitted_from_real_checkpoints(tmp_path, fixture, layers_path,
                                                                buffers):
-    checkpoint = PENDING / fixture / "with_buffers"
+    checkpoint = HF / fixture / "with_buffers"
     config = json.loads((checkpoint / "config.json").read_text())
     layers = config.get("n_layer", config.get("num_hidden_layers"))
     family = write_family(tmp_path, "family.yaml", replicated_family(
@@ -355,3 +355,22 @@ def test_inspect_finds_the_base_file_line_of_an_inherited_group(tmp_path):
     origins = group_origins(plan)
     assert origins.lines["layers.1.attention"] == "architectures/llama.yaml:49"
     assert origins.lines["lm_head"] == "architectures/llama.yaml:116"
+
+
+@pytest.mark.parametrize("fixture", ["gpt2", "gpt_neox"])
+def test_the_built_in_family_loads_a_released_style_checkpoint_with_its_buffers_omitted(
+        tmp_path, fixture):
+    checkpoint = HF / fixture / "with_buffers"
+    want = load_file(str(checkpoint / "model.safetensors"))
+    plain = set(load_file(str(HF / fixture / "model.safetensors")))
+    buffers = sorted(set(want) - plain)
+    assert buffers  # the HF-written buffers: causal masks (and inv_freq for gpt_neox)
+    plan, states = compile_and_load(None, checkpoint / "config.json", tmp_path / "build",
+                                    checkpoint, tp=2, pp=2, checkpoint=checkpoint)
+    assert json.loads((tmp_path / "build" / "plan.json").read_text())["omitted"] == buffers
+    loaded = {t for s in states for t in s.tensors}
+    assert loaded == plain  # every parameter on some rank, no buffer on any
+    # the plain checkpoint (no buffers) still compiles with the same family, nothing omitted
+    plan, _ = compile_and_load(None, HF / fixture / "config.json", tmp_path / "plain",
+                               HF / fixture, tp=2, pp=1, checkpoint=HF / fixture)
+    assert "omitted" not in json.loads((tmp_path / "plain" / "plan.json").read_text())

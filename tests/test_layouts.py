@@ -275,7 +275,8 @@ WRONG = [
       ("      - module: \"model.layers.{unit}.self_attn.v_proj\"\n        sharding: column\n"
        "        heads: num_key_value_heads\n",
        "      - module: \"model.layers.{unit}.self_attn.v_proj\"\n        sharding: column\n")],
-     4, "verify", ("model.layers.0.self_attn", "layers.0.attention", 0)),
+     4, "check", "splits `model.layers.{unit}.self_attn.k_proj` (column) over `units: 2 * "
+     "num_key_value_heads`"),
     ("a reduction on a row projection", "olmo2", "olmo2.yaml",
      [('self_attn.o_proj"\n        sharding: row\n',
        'self_attn.o_proj"\n        sharding: row\n        reduction: tensor_parallel\n')], 2,
@@ -286,7 +287,7 @@ WRONG = [
      "check", "every segment has the same head count, found heads [4, 4, 2]"),
     ("a per_head layout without heads", "gpt_neox", "gpt_neox.yaml",
      [("      heads: [num_attention_heads]\n", "")], 2, "check",
-     "a per_head fused projection needs `heads:`"),
+     "expected its head count (e.g. `heads: num_attention_heads`), found none"),
     ("a grouped layout whose query heads do not fill the KV groups", "falcon", "falcon.yaml",
      [("        - num_attention_heads\n", "        - 3\n")], 2, "check",
      "does not hold a whole number of heads in each of the 2 KV groups"),
