@@ -16,6 +16,7 @@ from partc import shard
 from partc.cli import main
 from partc.errors import CheckpointError, LoadError, PartcError
 from partc.output import MARKER
+from partc.runtime import digests
 from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
 from partc.shard import rank_file_name, shard_checkpoint
 
@@ -185,7 +186,7 @@ def test_shard_streams_one_batch_of_one_rank_at_a_time(
         llama: tuple[Path, Any, Any, Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     root, plan, _, _ = llama
-    monkeypatch.setattr(shard, "_BATCH_BYTES", 20_000)
+    monkeypatch.setattr(digests, "BATCH_BYTES", 20_000)
     batches: list[list[str]] = []
     real = shard.read_tensors
 

@@ -27,7 +27,7 @@ from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, So
 from partc.output import check_output, write_atomically
 from partc.plan import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.digests import tensor_digest
+from partc.runtime.digests import byte_batches, tensor_digest
 from partc.runtime.headers import DTYPES
 from partc.runtime.loader import header_fingerprint
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
@@ -36,8 +36,6 @@ from partc.runtime.reader import TensorSelection, read_tensors
 
 __all__ = ["ShardResult", "rank_file_name", "shard_checkpoint"]
 
-_BATCH_BYTES = 256 << 20
-"""Tensors of one rank are read and written in batches of about this many bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +218,7 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
     """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
     record the digest of each into `digests`."""
     handle.write(_safetensors_header(slices, metadata))
-    for batch in _batches(slices):
+    for batch in byte_batches(slices, lambda s: s.nbytes):
         arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
                               workers=workers, progress=update)
         for s in batch:
@@ -234,15 +232,3 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
             del array
 
 
-def _batches(slices: list[_Slice]) -> Iterator[list[_Slice]]:
-    """Consecutive groups of about `_BATCH_BYTES` (a larger tensor is a batch of its own)."""
-    batch: list[_Slice] = []
-    size = 0
-    for s in slices:
-        if batch and size + s.nbytes > _BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(s)
-        size += s.nbytes
-    if batch:
-        yield batch

@@ -10,10 +10,10 @@ same tensor in a `partc shard` rank file. `partc shard` records them in its mani
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -22,15 +22,16 @@ from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.reader import TensorSelection, default_workers, read_tensors
 
 if TYPE_CHECKING:
-    from partc.parallel.layout import LocalModelLayout, LocalTensorLayout
+    from partc.parallel.layout import LocalModelLayout
 
-__all__ = ["VERIFY_MODES", "plan_digests", "tensor_digest",
+__all__ = ["BATCH_BYTES", "VERIFY_MODES", "byte_batches", "plan_digests", "tensor_digest",
            "tensor_digests", "verify_digests"]
 
 VERIFY_MODES = (None, "digest")
 """Values of a loader's `verify=` option."""
-_BATCH_BYTES = 256 << 20
-"""Slices are read for digests in batches of about this many bytes."""
+BATCH_BYTES = 256 << 20
+"""Slices are read (for digests, and by `partc shard`) in batches of about this many bytes."""
+_Item = TypeVar("_Item")
 
 
 def tensor_digest(array: np.ndarray[Any, Any]) -> str:
@@ -48,16 +49,19 @@ def tensor_digests(tensors: Mapping[str, np.ndarray[Any, Any]], workers: int | N
         return dict(zip(names, found, strict=True))
 
 
-def _batches(items: Sequence[LocalTensorLayout]) -> Iterator[list[LocalTensorLayout]]:
-    """Consecutive groups of about `_BATCH_BYTES` (a larger tensor is a batch of its own)."""
-    batch: list[LocalTensorLayout] = []
+def byte_batches(items: Sequence[_Item], nbytes: Callable[[_Item], int],
+                 limit: int | None = None) -> Iterator[list[_Item]]:
+    """Consecutive groups of `items` of about `limit` bytes each (default `BATCH_BYTES`; a larger
+    item is a batch of its own), so a pass over a rank's tensors holds one batch in memory."""
+    limit = BATCH_BYTES if limit is None else limit
+    batch: list[_Item] = []
     size = 0
     for item in items:
-        if batch and size + item.local_bytes > _BATCH_BYTES:
+        if batch and size + nbytes(item) > limit:
             yield batch
             batch, size = [], 0
         batch.append(item)
-        size += item.local_bytes
+        size += nbytes(item)
     if batch:
         yield batch
 
@@ -76,7 +80,7 @@ def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
         items = layout.tensors
         missing = list({(t.target, t.selection): t for t in items
                         if (t.target, t.selection) not in known}.values())
-        for batch in _batches(missing):
+        for batch in byte_batches(missing, lambda layout: layout.local_bytes):
             arrays = read_tensors(checkpoint, [(t.target, TensorSelection(*t.selection))
                                                for t in batch], workers=workers)
             for item, digest in zip(batch, tensor_digests(arrays, workers).values(),
