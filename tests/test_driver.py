@@ -365,7 +365,7 @@ def test_an_incoming_payload_that_breaks_the_wire_contract_is_refused_before_run
 
 def test_generated_tiny_llama_stages_drive_an_executor_end_to_end(tmp_path):
     plan, package = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "b",
-                                       tp=2, pp=2)
+                                       tp=2, pp=2, activation_dtype="bfloat16")
     tokens = np.array([[3, 1, 4, 1]], dtype=np.int32)
     sent = package.rank_module(0).driver().run(RecordingExecutor(64), tokens=tokens)
     assert sent.boundary[0].tensor.dtype == np.dtype(ml_dtypes.bfloat16)
@@ -379,3 +379,17 @@ def test_generated_tiny_llama_stages_drive_an_executor_end_to_end(tmp_path):
         package.rank_module(2).driver({"decoder": (0, 3)})
     assert caught.value.message == ("storage of group `decoder` holds units [0, 3), but stage 1 "
                                     "of 2 owns its canonical range [2, 3)")
+
+
+def test_the_wire_dtype_follows_the_checkpoint_unless_it_is_given(tmp_path):
+    # the tiny Llama is float32 throughout (config dtype float32, every tensor F32)
+    plan, package = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "f32",
+                                       tp=1, pp=2)
+    assert plan.topology.activation_dtype is PipelineActivationDtype.FLOAT32
+    assert plan.to_json()["topology"]["activation_dtype"] == "float32"
+    hidden = np.zeros((1, 2, 64), np.float32)
+    boundary = package.rank_module(0).boundary()
+    assert boundary.decode_hidden(boundary.encode_hidden(hidden)) is hidden
+    plan, _ = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "bf16", tp=1,
+                                 pp=2, activation_dtype="bfloat16")
+    assert plan.topology.activation_dtype is PipelineActivationDtype.BFLOAT16

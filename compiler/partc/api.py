@@ -197,7 +197,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    stage_units: Sequence[int] | None = None,
                    policy: ShardingPolicy | None = None,
-                   activation_dtype: str = "bfloat16",
+                   activation_dtype: str | None = None,
                    checkpoint: str | Path | None = None,
                    out: str | Path | None = None, force: bool = False,
                    digests: bool = False) -> CompileResult:
@@ -210,8 +210,8 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     from partc.emit.render import render_package
     from partc.output import check_output, write_atomically
 
-    try:
-        dtype = PipelineActivationDtype(activation_dtype)
+    try:  # None: the model's own dtype (plan.model_activation_dtype)
+        dtype = None if activation_dtype is None else PipelineActivationDtype(activation_dtype)
     except ValueError:
         raise LoadError(f"activation dtype must be one of "
                         f"{', '.join(d.value for d in PipelineActivationDtype)}, found "

@@ -135,9 +135,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="the model's config.json (default: config.json in the "
                                "--checkpoint folder)")
     _add_topology(compile_, required=True)
-    compile_.add_argument("--activation-dtype", default="bfloat16",
+    compile_.add_argument("--activation-dtype", default=None,
                           choices=["float16", "bfloat16", "float32"],
-                          help="dtype of activations crossing pipeline cuts (default bfloat16)")
+                          help="dtype of activations crossing pipeline cuts (default: the "
+                               "model's own, the most common float dtype of its tensors)")
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
     compile_.add_argument("--out", required=True,

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +48,9 @@ class Topology:
     """Explicit units per stage (None: balanced)."""
     policy: ShardingPolicy | None = None
     """Sharding policy override (None: the family's, else Require)."""
-    activation_dtype: PipelineActivationDtype = PipelineActivationDtype.BFLOAT16
-    """Dtype of activations on the pipeline wire."""
+    activation_dtype: PipelineActivationDtype | None = None
+    """Dtype of activations on the pipeline wire (None: the model's own, `model_activation_dtype`;
+    a plan always records the resolved dtype)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -70,7 +72,8 @@ class Topology:
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "stage_units": list(self.stage_units) if self.stage_units else None,
             "policy": self.policy.value if self.policy else None,
-            "activation_dtype": self.activation_dtype.value,
+            "activation_dtype": None if self.activation_dtype is None
+            else self.activation_dtype.value,
         }
 
 
@@ -397,6 +400,25 @@ def plan_hash(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(clean).encode()).hexdigest()
 
 
+_ACTIVATION_DTYPES = {"F32": PipelineActivationDtype.FLOAT32,
+                      "F16": PipelineActivationDtype.FLOAT16,
+                      "BF16": PipelineActivationDtype.BFLOAT16}
+"""Checkpoint float dtypes that are also pipeline activation dtypes."""
+
+
+def model_activation_dtype(bound: BoundArchitecture) -> PipelineActivationDtype:
+    """The model's own activation dtype: the most common of F32/F16/BF16 among its tensors'
+    elements (an FP8 or packed checkpoint's companions decide it), bfloat16 when there is none."""
+    counts: dict[str, int] = {}
+    for owned in bound.description.groups:
+        for member in owned.group.members:
+            if member.dtype in _ACTIVATION_DTYPES:
+                counts[member.dtype] = counts.get(member.dtype, 0) + math.prod(member.shape)
+    if not counts:
+        return PipelineActivationDtype.BFLOAT16
+    return _ACTIVATION_DTYPES[max(sorted(counts), key=lambda d: counts[d])]
+
+
 def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  sources: tuple[tuple[str, str], ...] = (),
                  checkpoint_fingerprint: str | None = None,
@@ -409,6 +431,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     Each group structure is realized once (`realize_group_template`); groups keep an index to
     their kind, so a rank's tensor layouts are only built when asked for.
     """
+    activation = topology.activation_dtype or model_activation_dtype(bound)
+    topology = replace(topology, activation_dtype=activation)  # the plan records it resolved
     tp, pp = topology.tensor_parallel_size, topology.pipeline_parallel_size
     policy = topology.policy or bound.policy or ShardingPolicy.REQUIRE
     description = bound.description
@@ -427,7 +451,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             index = kind_index[id(template)] = len(kinds)
             kinds.append(GroupKind(layouts=template))
         group_kinds[owned.group.name] = index
-    wire = PipelineWireContract(schema=bound.boundary, activation_dtype=topology.activation_dtype)
+    wire = PipelineWireContract(schema=bound.boundary, activation_dtype=activation)
     partitions = [realize_partition(description, s, pp, topology.stage_units, boundary=wire)
                   for s in range(pp)]
     group_stages: dict[str, list[int]] = {}

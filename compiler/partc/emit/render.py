@@ -166,7 +166,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "state_range_literal": python_literal(rank.partition.state.global_range),
         "info_literal": python_literal(rank_json["info"]),
         "boundary_literal": python_literal(plan_json["boundary"]),
-        "activation_dtype_literal": python_literal(plan.topology.activation_dtype.value),
+        "activation_dtype_literal": python_literal(plan_json["topology"]["activation_dtype"]),
     }
     template = _environment().get_template("rank_module.py.jinja2")
     # The module is checked with its two line tables left empty: they are `lines_literal`
