@@ -125,7 +125,7 @@ def test_a_tensor_whose_byte_count_overflows_is_refused_at_its_declaration(tmp_p
     errors = check_family(None, "config.json")
     # 4 bytes per F32 element: (2**31 - 1)**2 * 4 is beyond 2**63, let alone the 1 TiB limit
     assert [str(e) for e in errors] == [
-        "architectures/llama.yaml:33:5: tensor `model.embed_tokens.weight` of shape "
+        "architectures/llama.yaml:34:5: tensor `model.embed_tokens.weight` of shape "
         f"[2147483647, 2147483647] (F32) holds {(2**31 - 1) ** 2 * 4} bytes; partc accepts at "
         "most 1099511627776 bytes per tensor (check the sizes in config.json) "
         "[at /parameters/0]"]

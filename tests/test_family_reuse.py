@@ -251,7 +251,7 @@ parameters:
     assert decl.document.locate("/parameters/5").file == str(family)
     assert decl.document.locate("/parameters/5").line == 6
     assert decl.document.locate("/parameters/0").file == str(tmp_path / LLAMA.name)
-    assert decl.document.locate("/parameters/0").line == 33  # `- name: embedding`
+    assert decl.document.locate("/parameters/0").line == 34  # `- name: embedding`
 
 
 def test_an_error_in_the_base_points_into_the_base_file(tmp_path):
@@ -261,7 +261,7 @@ def test_an_error_in_the_base_points_into_the_base_file(tmp_path):
                          "model_types: [llama]\n")
     errors = check_family(child)
     assert len(errors) == 1
-    assert str(errors[0]).startswith(f"{base}:91:12: `units` uses unknown name "
+    assert str(errors[0]).startswith(f"{base}:92:12: `units` uses unknown name "
                                      "`intermediate_sise`; did you mean `intermediate_size`?")
 
 
@@ -353,8 +353,8 @@ def test_inspect_finds_the_base_file_line_of_an_inherited_group(tmp_path):
     compile_family(None, hf("granite") / "config.json", out=tmp_path / "build")
     plan = json.loads((tmp_path / "build" / "plan.json").read_text())
     origins = group_origins(plan)
-    assert origins.lines["layers.1.attention"] == "architectures/llama.yaml:49"
-    assert origins.lines["lm_head"] == "architectures/llama.yaml:116"
+    assert origins.lines["layers.1.attention"] == "architectures/llama.yaml:50"
+    assert origins.lines["lm_head"] == "architectures/llama.yaml:117"
 
 
 @pytest.mark.parametrize("fixture", ["gpt2", "gpt_neox"])

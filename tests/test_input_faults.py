@@ -232,5 +232,5 @@ def test_the_largest_unit_count_compiles(tmp_path):
     with pytest.raises(Exception) as caught:
         compile_family(None, tmp_path / "config.json")
     assert str(caught.value) == (
-        f"architectures/llama.yaml:25:29: execution group `decoder` has {MAX_UNITS + 1} units; "
+        f"architectures/llama.yaml:26:29: execution group `decoder` has {MAX_UNITS + 1} units; "
         f"partc accepts at most {MAX_UNITS} per group [at /graph/0/units]")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
 import pytest
 
 from partc.errors import SchemaError
@@ -127,3 +132,52 @@ def test_a_key_too_long_for_an_identifier_is_explained_not_recursed_on():
     (message,) = edited("  hidden_size: int", f"  {key}: int")
     assert message == (f'f.yaml:4:3: key "{key[:56]}... is not allowed: expected at most 128 '
                        "characters, found a string of 200 [at /config]")
+
+
+SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "architecture.schema.json"
+
+
+def _properties(node: object, pointer: str = "") -> Iterator[tuple[str, object]]:
+    """Every `properties` entry of the schema at every depth, with its JSON pointer."""
+    if isinstance(node, dict):
+        props = node.get("properties")
+        if isinstance(props, dict):
+            for name, sub in props.items():
+                yield f"{pointer}/properties/{name}", sub
+        for key, value in node.items():
+            yield from _properties(value, f"{pointer}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _properties(value, f"{pointer}/{i}")
+
+
+def _undescribed(schema: object) -> list[str]:
+    return [pointer for pointer, sub in _properties(schema)
+            if not (isinstance(sub, dict) and isinstance(sub.get("description"), str)
+                    and sub["description"].strip())]
+
+
+def test_the_walker_finds_nested_properties_and_flags_a_missing_description():
+    # the oracle for the walk: a property nested in a oneOf inside $defs, one without a text
+    sample = {"$defs": {"a": {"oneOf": [{"properties": {
+        "x": {"type": "integer", "description": "An x."},
+        "y": {"type": "integer"},
+        "z": {"description": "  "}}}]}}}
+    assert _undescribed(sample) == ["/$defs/a/oneOf/0/properties/y",
+                                    "/$defs/a/oneOf/0/properties/z"]
+
+
+def test_every_schema_property_has_a_description_for_editors():
+    schema = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+    pointers = [pointer for pointer, _ in _properties(schema)]
+    # the walk reaches top-level keys and keys nested in $defs alternatives
+    assert "/properties/family" in pointers
+    assert "/$defs/sharding/oneOf/1/properties/equal" in pointers
+    missing = _undescribed(schema)
+    assert missing == [], f"schema properties without a description: {', '.join(missing)}"
+
+
+def test_the_schema_is_a_valid_draft_2020_12_schema():
+    schema = json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    jsonschema.Draft202012Validator.check_schema(schema)
