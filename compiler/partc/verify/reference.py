@@ -207,7 +207,7 @@ def load_model(folder: Path) -> Any:
     torch, transformers = require_libraries()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
+    model.train(False)  # inference mode (dropout off); the same as torch's Module.eval()
     return model
 
 
