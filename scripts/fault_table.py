@@ -729,7 +729,7 @@ def _limits() -> list[str]:
     from partc import cli
     from partc.bind import binder as bind
     from partc.bind import meanings as hfconfig
-    from partc.family import expr
+    from partc.family import expr, expr_values
     from partc.front import load
     from partc.runtime import checkpoint, headers
 
@@ -744,8 +744,8 @@ def _limits() -> list[str]:
          "load.MAX_INTEGER_BITS"),
         ("expression or template length", f"{expr.MAX_TEXT_LENGTH} characters",
          "expr.MAX_TEXT_LENGTH"),
-        ("expression nesting", str(expr.MAX_DEPTH), "expr.MAX_DEPTH"),
-        ("expression integers", "magnitude below 2**63", "expr.INT_BOUND"),
+        ("expression nesting", str(expr_values.MAX_DEPTH), "expr_values.MAX_DEPTH"),
+        ("expression integers", "magnitude below 2**63", "expr_values.INT_BOUND"),
         ("bytes of one tensor", f"{bind.MAX_TENSOR_BYTES} bytes", "bind.MAX_TENSOR_BYTES"),
         ("a size field of config.json (hidden_size, vocab_size, heads, experts, ...)",
          str(hfconfig.MAX_CONFIG_DIMENSION), "hfconfig.MAX_CONFIG_DIMENSION"),
@@ -761,7 +761,7 @@ def _limits() -> list[str]:
          "checkpoint.MAX_INDEX_BYTES"),
     ]
     modules = {m.__name__.rsplit(".", 1)[-1]: m.__name__ for m in (
-        cli, bind, hfconfig, expr, load, checkpoint, headers)}
+        cli, bind, hfconfig, expr, expr_values, load, checkpoint, headers)}
     modules.update(bind=bind.__name__, hfconfig=hfconfig.__name__)
     spelled = [(what, value, f"{modules[name.split('.')[0]]}.{name.split('.', 1)[1]}")
                for what, value, name in rows]

@@ -10,15 +10,9 @@ from hypothesis import strategies as st
 
 from partc.errors import ExpressionError
 from partc.family import expr as expr_module
-from partc.family.expr import (
-    INT_BOUND,
-    MAX_DEPTH,
-    MAX_TEXT_LENGTH,
-    constant,
-    format_value,
-    parse,
-    parse_template,
-)
+from partc.family import expr_parse
+from partc.family.expr import MAX_TEXT_LENGTH, constant, parse, parse_template
+from partc.family.expr_values import INT_BOUND, MAX_DEPTH, format_value
 
 
 def ev(text: str, **env: Any) -> Any:
@@ -497,7 +491,7 @@ def test_depth_is_bounded_even_when_the_length_limit_is_lifted(
 
 
 def test_a_list_literal_longer_than_the_limit_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(expr_module, "MAX_TUPLE_LENGTH", 3)
+    monkeypatch.setattr(expr_parse, "MAX_TUPLE_LENGTH", 3)
     assert ev("[5, 6, 7]") == (5, 6, 7)
     with pytest.raises(ExpressionError) as info:
         parse("[5, 6, 7, 8]")

@@ -19,7 +19,8 @@ from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
 from partc.family.declaration import ConfigType, GroupForm, OwnerKind
-from partc.family.expr import Expression, Template, format_value
+from partc.family.expr import Expression, Template
+from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
 from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
