@@ -389,7 +389,7 @@ def test_indices_of_adjacent_segments_are_stored_compactly():
      "it (role attention_heads) has 2 partition units (kv) but tensor_parallel_size is 4: every "
      "rank needs at least one unit; use a tensor_parallel_size of at most 2 (or set "
      "`kv_replication: true` with `heads:` on its projections to repeat KV heads, see "
-     "docs/kv_replication.md)"),
+     "`partc docs kv_replication`)"),
 ])
 def test_an_illegal_shard_is_rejected_under_require_with_the_numbers_and_the_fix(members, units,
                                                                                   tp, problem):

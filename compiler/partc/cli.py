@@ -244,10 +244,15 @@ def _parser() -> argparse.ArgumentParser:
 
     docs = commands.add_parser("docs", help="print where the installed documentation is",
                                description="Print the path of an installed guide (or of the "
-                               "docs folder) so that it can be opened without the repository.")
+                               "docs folder) so that it can be opened without the repository; "
+                               "TOPIC#section prints PATH:LINE of that section, as the `see:` "
+                               "line under an error does.")
     docs.add_argument("topic", nargs="?", default=None,
-                      help="a guide: authoring, cli, faults, kv_replication, linear_formats, "
-                           "architecture (default: the folder)")
+                      help="a guide, optionally with a section: authoring, policy, "
+                           "kv_replication#the-rule-vllms, ... (default: the folder; --list "
+                           "prints every topic)")
+    docs.add_argument("--list", action="store_true",
+                      help="list every installed guide and the anchors of its sections")
 
     shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
                                               "build, for sequential loading")
@@ -376,11 +381,17 @@ def _collapsed(errors: Sequence[PartcError]) -> list[tuple[PartcError, int]]:
     return out
 
 
+def _error_json(error: PartcError) -> dict[str, object]:
+    """An error's JSON with `see`: where its guide (`doc`) is installed, None without one."""
+    return error.to_json() | {"see": commands.error_reference(error.doc)}
+
+
 def _report(errors: Sequence[PartcError], fmt: str, hints: Sequence[str] = ()) -> int:
     ordered = sorted(errors, key=PartcError.sort_key)
     if fmt == "json":
-        groups = [{"count": n, "example": e.to_json()} for e, n in _collapsed(ordered) if n > 1]
-        print(json.dumps({"ok": False, "errors": [e.to_json() for e in ordered],
+        groups = [{"count": n, "example": _error_json(e)} for e, n in _collapsed(ordered)
+                  if n > 1]
+        print(json.dumps({"ok": False, "errors": [_error_json(e) for e in ordered],
                           "collapsed": groups, "hints": list(hints)}, indent=1))
     else:
         for error, count in _collapsed(ordered):
@@ -391,6 +402,9 @@ def _report(errors: Sequence[PartcError], fmt: str, hints: Sequence[str] = ()) -
                 print(f"error: {error}", file=sys.stderr)
             for line in _caret_context(error):
                 print(line, file=sys.stderr)
+            see = commands.error_reference(error.doc)
+            if see is not None:
+                print(f"    see: {see}", file=sys.stderr)
         for hint in hints:
             print(f"hint: {hint}", file=sys.stderr)
         print(f"partc: {len(ordered)} error(s)", file=sys.stderr)

@@ -22,8 +22,6 @@ EXIT_OK = 0
 """Success (cli.EXIT_OK)."""
 REPORT_MARKER = "<!-- partc report -->"
 """The first line of every report partc writes: only such a file is ever replaced."""
-DOC_TOPICS = ("architecture", "authoring", "cli", "faults", "kv_replication", "linear_formats")
-"""The guides shipped in the wheel as `partc.docs`."""
 
 
 @contextmanager
@@ -228,17 +226,79 @@ def run_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def docs_folder() -> Path:
+    """Where the installed guides are: the `partc.docs` package data of the wheel."""
+    return Path(str(resources.files("partc.docs")))
+
+
+def doc_topics() -> tuple[str, ...]:
+    """The installed guides' topics: their file names without `.md`, sorted."""
+    return tuple(sorted(p.stem for p in docs_folder().glob("*.md")))
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor of a Markdown heading as GitHub spells it: `## 3. Parameter groups` gives
+    `3-parameter-groups` (lower case, punctuation dropped, spaces to hyphens)."""
+    text = heading.lstrip("#").strip().lower()
+    return "".join(c for c in text.replace(" ", "-") if c.isalnum() or c in "-_")
+
+
+def doc_sections(path: Path) -> dict[str, int]:
+    """Each heading anchor of a guide and its 1-based line (fenced code is not a heading)."""
+    sections: dict[str, int] = {}
+    fenced = False
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            sections.setdefault(heading_anchor(line), number)
+    return sections
+
+
 def docs_path(topic: str | None = None) -> Path:
-    """Where an installed guide is (the folder when `topic` is None)."""
-    root = Path(str(resources.files("partc.docs")))
+    """Where an installed guide is (the folder when `topic` is None); `TOPIC#section` names a
+    section of it."""
     if topic is None:
-        return root
-    if topic.removesuffix(".md") not in DOC_TOPICS:
-        raise LoadError(f"no guide {topic!r}; the guides are {', '.join(DOC_TOPICS)}")
-    return root / f"{topic.removesuffix('.md')}.md"
+        return docs_folder()
+    page = topic.partition("#")[0].removesuffix(".md")
+    if page not in doc_topics():
+        raise LoadError(f"no guide {page!r}; the guides are {', '.join(doc_topics())}")
+    return docs_folder() / f"{page}.md"
+
+
+def doc_reference(topic: str) -> str:
+    """What an error's `see:` hint and `partc docs TOPIC` print: the installed guide's path, and
+    `:LINE` of the section for `page#section`, so that an editor or terminal opens it there."""
+    path = docs_path(topic)
+    section = topic.partition("#")[2]
+    if not section:
+        return str(path)
+    line = doc_sections(path).get(section)
+    if line is None:
+        raise LoadError(f"guide {path.stem!r} has no section {section!r}; its sections are "
+                        f"{', '.join(doc_sections(path))}")
+    return f"{path}:{line}"
+
+
+def error_reference(topic: str | None) -> str | None:
+    """An error's `see:` hint, or None when it names no guide, or one that is not installed
+    (a hint never fails the report it belongs to)."""
+    if topic is None:
+        return None
+    try:
+        return doc_reference(topic)
+    except (LoadError, OSError):
+        return None
 
 
 def run_docs(args: argparse.Namespace) -> int:
-    """`partc docs [TOPIC]`: print the path of the installed guide."""
-    print(docs_path(args.topic))
+    """`partc docs [TOPIC[#section]]`: print the path of the installed guide (`:LINE` for a
+    section); with `--list`, every topic and its sections."""
+    if getattr(args, "list", False):
+        for topic in doc_topics():
+            print(topic)
+            for anchor in doc_sections(docs_path(topic)):
+                print(f"  {topic}#{anchor}")
+        return EXIT_OK
+    print(doc_reference(args.topic) if args.topic else docs_path())
     return EXIT_OK

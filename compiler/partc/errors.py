@@ -28,6 +28,10 @@ class PartcError(Exception):
     """Root of every error partc raises on bad input, shown as `file:line:col: msg [at ptr]`."""
 
     stage = "partc"
+    doc_topic: str | None = None
+    """The guide that explains the rule errors of this class enforce, as `page` or
+    `page#section` (a heading's anchor); None when no guide does. The guides ship in the wheel
+    (`partc.docs`); `partc docs TOPIC` prints where."""
 
     def __init__(
         self,
@@ -36,6 +40,7 @@ class PartcError(Exception):
         location: SourceLocation | None = None,
         pointer: str = "",
         tensor: str | None = None,
+        doc: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -43,6 +48,7 @@ class PartcError(Exception):
         self._location = location
         self._pointer = pointer
         self._tensor = tensor
+        self._doc = self.doc_topic if doc is None else doc
 
     @property
     def location(self) -> SourceLocation | None:
@@ -58,6 +64,12 @@ class PartcError(Exception):
     def tensor(self) -> str | None:
         """The checkpoint tensor concerned, when the problem is about one."""
         return self._tensor
+
+    @property
+    def doc(self) -> str | None:
+        """The guide explaining this error's rule (`page` or `page#section`), fixed at
+        construction: the raise site's, else the class's `doc_topic`."""
+        return self._doc
 
     def located(self, location: SourceLocation | None, pointer: str | None = None) -> Self:
         """A new error of this kind, with these fields and message, created at `location` (and
@@ -97,6 +109,7 @@ class PartcError(Exception):
             "pointer": self.pointer,
             "tensor": self.tensor,
             "message": self.message,
+            "doc": self.doc,
         }
 
 
@@ -110,6 +123,7 @@ class SchemaError(PartcError):
     """A document that violates the JSON Schema of the authoring format."""
 
     stage = "schema"
+    doc_topic = "authoring"
 
     def __init__(self, message: str, *, schema_path: str = "", **kwargs: object) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
@@ -121,6 +135,7 @@ class ExpressionError(PartcError):
     """An expression of the safe language that does not parse or cannot be evaluated."""
 
     stage = "family"
+    doc_topic = "authoring#2-header-config-fields-graph"
 
     def __init__(self, message: str, *, expression: str = "", offset: int = 0, **kwargs: object):
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
@@ -134,24 +149,28 @@ class SemanticError(PartcError):
     """A schema-valid family that is inconsistent, or that cannot bind to a model config."""
 
     stage = "family"
+    doc_topic = "authoring"
 
 
 class LayoutError(PartcError):
     """A bound family that cannot be realized for the requested topology."""
 
     stage = "plan"
+    doc_topic = "policy"
 
 
 class EmitError(PartcError):
     """Generated code that fails its own checks, or an output folder that cannot be written."""
 
     stage = "emit"
+    doc_topic = "output"
 
 
 class CheckpointError(PartcError):
     """A safetensors checkpoint that is malformed or does not match the plan."""
 
     stage = "runtime"
+    doc_topic = "faults"
 
 
 class ParallelPlanErrorKind(enum.Enum):
@@ -199,7 +218,7 @@ class PartcErrors(PartcError):
         ordered = sorted(errors, key=PartcError.sort_key)
         best = best_error(ordered)
         super().__init__(best.message, location=best.location, pointer=best.pointer,
-                         tensor=best.tensor)
+                         tensor=best.tensor, doc=best.doc)
         self.errors = ordered
         """Every error found, sorted by location."""
         self.stage = best.stage
@@ -229,6 +248,7 @@ class ArchitectureParameterError(PartcError):
     """An ownership declaration that does not own every checkpoint target exactly once."""
 
     stage = "family"
+    doc_topic = "boundaries#units-and-stages"
 
     def __init__(self, kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
                  **kwargs: object) -> None:
@@ -259,6 +279,7 @@ class ArchitecturePartitionError(PartcError):
     """A pipeline partition that is not realizable or not self-consistent."""
 
     stage = "plan"
+    doc_topic = "boundaries#what-each-ranks-partition-checks"
 
     def __init__(self, kind: ArchitecturePartitionErrorKind, message: str, **kwargs: object):
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
@@ -283,6 +304,7 @@ class LayeredPartitionError(PartcError):
     """A rank's unit storage, state or inputs that disagree with its canonical partition."""
 
     stage = "runtime"
+    doc_topic = "boundaries#what-each-ranks-partition-checks"
 
     def __init__(self, kind: LayeredPartitionErrorKind, message: str, *, group: str = "",
                  **kwargs: object) -> None:
@@ -297,6 +319,7 @@ class LayeredPartitionBeginError(PartcError):
     """The executor failed to begin the partition or to enter its first group."""
 
     stage = "runtime"
+    doc_topic = "boundaries#what-each-ranks-partition-checks"
 
     def __init__(self, message: str, *, phase: str, group: str, cause: BaseException) -> None:
         super().__init__(message)
@@ -328,6 +351,7 @@ class ArchitectureBoundaryError(PartcError):
     """A boundary schema that is malformed, or a payload that does not match it."""
 
     stage = "family"
+    doc_topic = "boundaries#the-boundary"
 
     def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, *, boundary: str = "",
                  role: str | None = None, **kwargs: object) -> None:

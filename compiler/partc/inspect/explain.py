@@ -41,7 +41,7 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
         if int(t.get("kv_replicas", 1)) > 1:
             why.append(f"KV replication: `{t['target']}` has fewer KV heads than TP={tp} ranks; "
                        f"each KV head is repeated on {t['kv_replicas']} ranks "
-                       "(docs/kv_replication.md)")
+                       "(`partc docs kv_replication`)")
         placements = t["placements"]
         logical = group.get("logical_ranges")
         if units and logical and placements and all(p[0] == "range" for p in placements):

@@ -75,7 +75,7 @@ FORMAT_OPTIONS: dict[LinearFormatKind, tuple[str, ...]] = {
 
 
 def _option_error(option: str, message: str) -> SemanticError:
-    return SemanticError(message, pointer="/" + option)
+    return SemanticError(message, pointer="/" + option, doc="linear_formats#formats")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,7 +233,8 @@ class _Part:
 
 def _misaligned(group: str, target: str, message: str) -> ParallelPlanError:
     return ParallelPlanError(ParallelPlanErrorKind.INVALID_TENSOR, message, group=group,
-                             target=target, tensor=target)
+                             target=target, tensor=target,
+                             doc="linear_formats#sharding-stays-block-aligned")
 
 
 def _parts(fmt: LinearFormat, group: str, member: ParameterMemberSpec) -> list[_Part] | None:

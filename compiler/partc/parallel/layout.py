@@ -44,10 +44,11 @@ def _invalid_tensor(message: str, *, group: str = "", target: str = "") -> Paral
 
 
 def _invalid_group(message: str, *, group: str, target: str = "",
-                   location: SourceLocation | None = None, pointer: str = "") -> ParallelPlanError:
+                   location: SourceLocation | None = None, pointer: str = "",
+                   doc: str | None = None) -> ParallelPlanError:
     return ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, message, group=group,
                              target=target, tensor=target or None, location=location,
-                             pointer=pointer)
+                             pointer=pointer, doc=doc)
 
 
 def _is_count(value: object) -> bool:

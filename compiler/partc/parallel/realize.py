@@ -184,7 +184,8 @@ def _problems(group: ParameterGroupSpec, tp: int) -> tuple[list[tuple[str, str]]
         problems.extend(kv[1:])
         return problems, False
     hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV heads,"
-            " see docs/kv_replication.md)") if group.role is ParameterRole.ATTENTION_HEADS else ""
+            " see `partc docs kv_replication`)"
+            ) if group.role is ParameterRole.ATTENTION_HEADS else ""
     problems.append(("", f"it (role {group.role.value}) has {units} partition units{label} but "
                          f"tensor_parallel_size is {tp}: every rank needs at least one unit; use a "
                          f"tensor_parallel_size of at most {units}{hint}"))
@@ -270,7 +271,7 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
             f"allows, or set `policy: replicate_unsupported` on group `{group.name}` (CLI: "
             "--policy replicate-unsupported) to replicate it", group=group.name,
             target=targets.pop() if len(targets) == 1 else "", location=location,
-            pointer=pointer)
+            pointer=pointer, doc="kv_replication#the-rule-vllms" if group.kv_replication else None)
     fallback = bool(problems)
     result = []
     for rank in range(tp):

@@ -1,0 +1,205 @@
+"""Doc links in errors: every guide an error points to ships in the wheel, and the command line
+prints `see: PATH[:LINE]` of the installed guide under the errors that have one."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from partc import errors
+from partc.cli import main
+from partc.commands import doc_reference, doc_sections, docs_folder, heading_anchor
+
+from support import ROOT, hf
+
+BUILD_WHEEL = ("from setuptools import build_meta; import sys; "
+               "print(build_meta.build_wheel(sys.argv[1]))")
+WHEEL_INPUTS = ["pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "compiler", "schemas",
+                "architectures", "docs"]
+
+
+def _source_topics() -> dict[str, list[str]]:
+    """Every doc topic written in partc's source: `doc_topic = "..."` class attributes and
+    `doc="..."` arguments (both branches of a conditional), with where each is written."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "compiler" / "partc").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            values: list[ast.expr] = []
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "doc_topic" for t in node.targets):
+                values.append(node.value)
+            elif isinstance(node, ast.keyword) and node.arg == "doc":
+                values.append(node.value)
+            for value in values:
+                options = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+                for option in options:
+                    if isinstance(option, ast.Constant) and isinstance(option.value, str):
+                        where = f"{path.relative_to(ROOT)}:{option.lineno}"
+                        found.setdefault(option.value, []).append(where)
+    return found
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this tree, built by setuptools from a copy (the tree is left as it is)."""
+    tree = tmp_path_factory.mktemp("tree")
+    for name in WHEEL_INPUTS:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, tree / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy2(source, tree / name)
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-c", BUILD_WHEEL, str(out)], cwd=tree,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out / done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel unpacked as pip would install it (a site folder holding `partc/`)."""
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    return site
+
+
+def test_the_source_names_doc_topics_and_every_error_class_default_is_among_them():
+    topics = _source_topics()
+    classes = [c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.PartcError)]
+    defaults = {c.doc_topic for c in classes if c.doc_topic is not None}
+    assert defaults <= set(topics)
+    # the rules the guides explain: KV replication, policy, boundaries, formats, output, faults
+    pages = {t.partition("#")[0] for t in topics}
+    assert {"kv_replication", "policy", "boundaries", "linear_formats", "output", "authoring",
+            "faults"} <= pages
+
+
+def test_every_topic_an_error_refers_to_is_a_page_and_section_of_the_installed_wheel(
+        wheel, installed):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = []
+    for topic, where in sorted(_source_topics().items()):
+        page, _, section = topic.partition("#")
+        member = f"partc/docs/{page}.md"
+        if member not in names:
+            missing.append(f"{topic} ({', '.join(where)}): {member} is not in the wheel")
+        elif section and section not in doc_sections(installed / member):
+            missing.append(f"{topic} ({', '.join(where)}): no such heading in {member}")
+    assert missing == []
+
+
+def test_the_anchor_check_can_fail_on_a_page_without_that_heading(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n```sh\n# not a heading\n```\n\n## 3. Two words (vLLM's)\n")
+    assert doc_sections(page) == {"title": 1, "3-two-words-vllms": 7}
+    assert heading_anchor("## `fused: {layout: ...}`: row order") == "fused-layout--row-order"
+
+
+def test_an_installed_wheel_prints_a_see_line_into_its_own_docs(installed, tmp_path):
+    """The CLI run from the unpacked wheel (not the repository) points into the wheel."""
+    env = {"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"}
+    script = ("import sys, partc; print(partc.__file__, file=sys.stderr); "
+              "from partc.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, "check", "--config",
+                           str(hf("llama") / "config.json"), "--tp", "3"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    first, *rest = done.stderr.splitlines()
+    assert Path(first).is_relative_to(installed)  # the wheel's partc, not the repository's
+    see = [line.strip().removeprefix("see: ") for line in rest if line.strip().startswith("see:")]
+    assert see == [str(installed / "partc" / "docs" / "policy.md")]
+    assert Path(see[0]).read_text().startswith("# Sharding policy")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    status = main(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _see_lines(err: str) -> list[str]:
+    return [line.strip().removeprefix("see: ") for line in err.splitlines()
+            if line.strip().startswith("see: ")]
+
+
+def test_a_group_the_topology_cannot_split_points_to_the_policy_guide(capsys):
+    status, _, err = _run(["check", "--config", str(hf("llama") / "config.json"), "--tp", "3"],
+                          capsys)
+    assert status == 1
+    assert "cannot be sharded over tensor_parallel_size 3" in err
+    assert _see_lines(err) == [str(docs_folder() / "policy.md")]
+    assert "## `require` and `replicate_unsupported`" in (docs_folder() / "policy.md").read_text()
+
+
+def test_a_kv_replication_group_points_to_the_rule_section_and_json_carries_it(capsys):
+    argv = ["check", str(ROOT / "tests" / "cases" / "qwen3" / "family.yaml"), "--config",
+            str(hf("qwen3") / "config.json"), "--tp", "3"]
+    status, _, err = _run(argv, capsys)
+    assert status == 1 and "so KV replication applies" in err
+    path = docs_folder() / "kv_replication.md"
+    line = path.read_text().split("\n").index("## The rule (vLLM's)") + 1
+    assert _see_lines(err) == [f"{path}:{line}"]
+    status, out, _ = _run([*argv, "--format", "json"], capsys)
+    (error,) = json.loads(out)["errors"]
+    assert status == 1 and error["kind"] == "ParallelPlanError"
+    assert error["doc"] == "kv_replication#the-rule-vllms"
+    assert error["see"] == f"{path}:{line}"
+
+
+def test_an_output_folder_partc_did_not_write_points_to_the_output_guide(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    status, _, err = _run(["compile", "--config", str(hf("llama") / "config.json"), "--out",
+                           str(out)], capsys)
+    assert status == 1 and "was not written by partc" in err
+    assert _see_lines(err) == [str(docs_folder() / "output.md")]
+    assert (out / "mine.txt").read_text() == "keep"
+
+
+def test_a_bad_expression_points_to_the_expression_language_section(tmp_path, capsys):
+    family = tmp_path / "family.yaml"
+    text = (ROOT / "architectures" / "llama.yaml").read_text()
+    assert "hidden_size // num_attention_heads" in text
+    family.write_text(text.replace("hidden_size // num_attention_heads",
+                                   "hidden_size / num_attention_heads", 1))
+    status, _, err = _run(["check", str(family)], capsys)
+    assert status == 1 and "use `//` for integer (floor) division" in err
+    path = docs_folder() / "authoring.md"
+    line = path.read_text().split("\n").index("## 2. Header, config fields, graph") + 1
+    assert _see_lines(err) == [f"{path}:{line}"]
+    assert "safe language" in path.read_text().split("\n## 3.")[0]
+
+
+def test_an_error_without_a_guide_prints_no_see_line_and_json_says_null(tmp_path, capsys):
+    status, out, _ = _run(["check", str(tmp_path / "absent.yaml"), "--format", "json"], capsys)
+    (error,) = json.loads(out)["errors"]
+    assert status == 1 and error["kind"] == "LoadError"
+    assert error["doc"] is None and error["see"] is None
+
+
+def test_docs_names_a_section_by_path_and_line_and_lists_every_topic(capsys):
+    status, out, _ = _run(["docs", "policy#require-and-replicate_unsupported"], capsys)
+    path, line = out.strip().rsplit(":", 1)
+    assert status == 0
+    assert Path(path).read_text().split("\n")[int(line) - 1] == (
+        "## `require` and `replicate_unsupported`")
+    status, _, err = _run(["docs", "policy#nope"], capsys)
+    assert status == 1 and "no section 'nope'" in err and "require-and-replicate_unsupported" in err
+    status, out, _ = _run(["docs", "--list"], capsys)
+    assert status == 0
+    listed = out.split()
+    assert {"policy", "output", "boundaries", "kv_replication#the-rule-vllms"} <= set(listed)
+    assert doc_reference("boundaries").endswith("boundaries.md")
