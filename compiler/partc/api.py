@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from partc.bind.binder import BoundArchitecture, bind_family
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
@@ -34,6 +34,7 @@ from partc.plan import GroupSite, Plan, Topology, realize_plan
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
     from partc.runtime.checkpoint import Checkpoint
+    from partc.runtime.progress import ProgressCallback
 
 
 def _raise_all(errors: Sequence[PartcError]) -> None:
@@ -110,11 +111,24 @@ class CompileResult:
     """Output folder (None when nothing was written)."""
 
 
-def bind(family: str | Path | None, config: str | Path, checkpoint: Checkpoint | None = None
+def _step(progress: ProgressCallback | None, step: str) -> Callable[[int, int], None] | None:
+    """`progress` for one named step, as the stages call it: `(done, total)`."""
+    if progress is None:
+        return None
+    report = progress
+
+    def tick(done: int, total: int) -> None:
+        report(step, done, total)
+    return tick
+
+
+def bind(family: str | Path | None, config: str | Path, checkpoint: Checkpoint | None = None,
+         *, progress: ProgressCallback | None = None
          ) -> tuple[BoundArchitecture, FamilyDecl, tuple[tuple[str, str], ...]]:
     """Load a family (default: the built-in one for the config) and bind it to `config`.
 
-    With `checkpoint`, config fields that probe the checkpoint (`present`) see its tensor names.
+    With `checkpoint`, config fields that probe the checkpoint (`present`) see its tensor names;
+    `progress` hears of the group declarations bound (step `bind groups`).
     """
     raw = read_bytes(config, "config.json", MAX_CONFIG_BYTES)  # read once: parsed and hashed
     config_doc = parse_json(str(config), decode_text(raw, str(config), "config.json"),
@@ -122,7 +136,8 @@ def bind(family: str | Path | None, config: str | Path, checkpoint: Checkpoint |
     spec = family if family is not None else family_for_config(config_doc)
     decl, family_hash = load_family(spec, builtin=family is None)
     bound = bind_family(decl, config_doc,
-                        None if checkpoint is None else frozenset(checkpoint.names))
+                        None if checkpoint is None else frozenset(checkpoint.names),
+                        progress=_step(progress, "bind groups"))
     config_hash = hashlib.sha256(raw).hexdigest()
     is_file = family is not None and family_spec_is_file(family)
     label = Path(str(spec)).name if is_file else f"{decl.name} (built-in)"
@@ -140,14 +155,18 @@ def _locator(decl: FamilyDecl, bound: BoundArchitecture) -> GroupSite:
 
 
 def plan_family(family: str | Path | None, config: str | Path, topology: Topology, *,
-                checkpoint: str | Path | None = None) -> Plan:
-    """Bind and realize a family for `topology`; with `checkpoint`, also fingerprint its header."""
+                checkpoint: str | Path | None = None,
+                progress: ProgressCallback | None = None) -> Plan:
+    """Bind and realize a family for `topology`; with `checkpoint`, also fingerprint its header.
+
+    `progress` hears of the steps `bind groups` and `realize groups`.
+    """
     opened = None
     if checkpoint is not None:
         from partc.runtime.checkpoint import open_checkpoint
 
         opened = open_checkpoint(Path(checkpoint))
-    bound, decl, sources = bind(family, config, opened)
+    bound, decl, sources = bind(family, config, opened, progress=progress)
     fingerprint = digest = None
     omitted: tuple[str, ...] = ()
     if opened is not None:
@@ -158,7 +177,8 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
         fingerprint, digest = header_fingerprint(opened), opened.header_digest()
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
                         checkpoint_header_digest=digest,
-                        group_location=_locator(decl, bound), omitted=omitted)
+                        group_location=_locator(decl, bound), omitted=omitted,
+                        progress=_step(progress, "realize groups"))
 
 
 def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[PartcError]:
@@ -200,12 +220,15 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    activation_dtype: str | None = None,
                    checkpoint: str | Path | None = None,
                    out: str | Path | None = None, force: bool = False,
-                   digests: bool = False) -> CompileResult:
+                   digests: bool = False,
+                   progress: ProgressCallback | None = None) -> CompileResult:
     """Compile a family for a model config and topology; write the build to `out` if given.
 
     `digests` (needs `checkpoint`) records the sha256 of every rank-local tensor in the plan,
     for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. Raises a
     PartcError (PartcErrors when several were found) and writes nothing on failure.
+    `progress` hears of each step: `bind groups`, `realize groups`, `render modules`, `write
+    files` (`partc.runtime.progress.ProgressCallback`); it never changes what is written.
     """
     from partc.emit.render import render_package
     from partc.output import check_output, write_atomically
@@ -223,7 +246,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     if digests and checkpoint is None:
         raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "
                         "--digests")
-    plan = plan_family(family, config, topology, checkpoint=checkpoint)
+    plan = plan_family(family, config, topology, checkpoint=checkpoint, progress=progress)
     inputs = ([("checkpoint", checkpoint)] if checkpoint else []) + [("config file", config)]
     if family is not None and Path(family).is_file():
         inputs.append(("family file", family))
@@ -235,20 +258,44 @@ def compile_family(family: str | Path | None, config: str | Path, *,
 
         assert checkpoint is not None
         recorded = plan_digests([rank.layout for rank in plan.ranks],
-                                open_checkpoint(Path(checkpoint)))
+                                open_checkpoint(Path(checkpoint)),
+                                progress=_step(progress, "digest ranks"))
         plan = replace(plan, payload_digests=recorded)
-    files = render_package(plan)
+    files = render_package(plan, progress=_step(progress, "render modules"))
     written = None
     if out is not None:
-        write_atomically(Path(out), files, kind="build", inputs=inputs, force=force)
+        write_atomically(Path(out), _counted(files, _step(progress, "write files")),
+                         kind="build", inputs=inputs, force=force)
         written = Path(out)
     return CompileResult(plan=plan, files=files, out=written)
 
 
+def _counted(files: dict[str, str], tick: Callable[[int, int], None] | None
+             ) -> dict[str, str | Callable[[BinaryIO], None]]:
+    """`files` as `write_atomically` takes them, each calling `tick(done, total)` once written
+    (the same UTF-8 bytes `write_atomically` writes for a text)."""
+    if tick is None:
+        return dict(files)
+    report = tick
+    total = len(files)
+
+    def writer(text: str, done: int) -> Callable[[BinaryIO], None]:
+        def write(handle: BinaryIO) -> None:
+            handle.write(text.encode("utf-8"))
+            report(done, total)
+        return write
+    report(0, total)
+    return {path: writer(text, done) for done, (path, text) in enumerate(files.items(), 1)}
+
+
 def check_family(family: str | Path | None, config: str | Path | None = None,
                  checkpoint: str | Path | None = None, *,
-                 topology: Topology | None = None) -> list[PartcError]:
-    """Validate a family (and, given them, its binding, a plan and a checkpoint); all errors."""
+                 topology: Topology | None = None,
+                 progress: ProgressCallback | None = None) -> list[PartcError]:
+    """Validate a family (and, given them, its binding, a plan and a checkpoint); all errors.
+
+    `progress` hears of the steps `bind groups` and (with `topology`) `realize groups`.
+    """
     errors: list[PartcError] = []
     try:
         if config is None:
@@ -261,11 +308,12 @@ def check_family(family: str | Path | None, config: str | Path | None = None,
             from partc.runtime.checkpoint import open_checkpoint
 
             opened = open_checkpoint(Path(checkpoint))
-        bound, decl, _ = bind(family, config, opened)
+        bound, decl, _ = bind(family, config, opened, progress=progress)
         if opened is not None:
             errors.extend(checkpoint_errors(bound, opened))
         if topology is not None:
-            realize_plan(bound, topology, group_location=_locator(decl, bound))
+            realize_plan(bound, topology, group_location=_locator(decl, bound),
+                         progress=_step(progress, "realize groups"))
     except PartcErrors as many:
         errors.extend(many.errors)
     except PartcError as one:

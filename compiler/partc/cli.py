@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from partc import __version__, commands
-from partc.commands import progress as _progress
 from partc.errors import PartcError, PartcErrors
 
 EXIT_OK = 0
@@ -118,6 +117,18 @@ def _add_format(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["text", "json"], default="text", help=FORMAT_HELP)
 
 
+def _add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="draw no progress on stderr (progress is drawn only when stderr is "
+                             "a terminal and --format is text; errors are always reported)")
+
+
+def _progress_enabled(args: argparse.Namespace) -> bool | None:
+    """None (draw when stderr is a terminal) for text output, False under --format json or
+    --quiet: the steps of a long command are drawn on stderr and cleared when it ends."""
+    return None if args.format == "text" and not getattr(args, "quiet", False) else False
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="partc", description="Compile LLM family descriptions into rank-local loaders.",
@@ -153,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="with --checkpoint: read every rank's slices once and record their "
                                "sha256 in the plan, for load(..., verify='digest')")
     _add_format(compile_)
+    _add_quiet(compile_)
 
     check = commands.add_parser("check", help="validate without writing anything",
                                 description="Validate a family; with --config its binding, "
@@ -165,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
     _add_topology(check, required=False)
     _add_format(check)
+    _add_quiet(check)
 
     inspect = commands.add_parser(
         "inspect", help="show a build's totals, fallbacks and tensors, or a checkpoint's "
@@ -270,6 +283,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="accept a checkpoint whose header differs from the plan's fingerprint"
                             " (names, dtypes and shapes are still checked)")
     _add_format(shard)
+    _add_quiet(shard)
 
     verify = commands.add_parser("verify", help="check the split against Hugging Face "
                                  "transformers' modeling code (needs partc[verify])")
@@ -484,13 +498,15 @@ def _builtin_hint(args: argparse.Namespace, errors: Sequence[PartcError]) -> lis
 
 def _compile(args: argparse.Namespace) -> int:
     from partc.api import compile_family
+    from partc.runtime.progress import terminal_progress
 
-    with _progress(f"compiling for TP={args.tp} x PP={args.pp}"):
+    with terminal_progress(_progress_enabled(args)) as report:
         result = compile_family(
             args.family, args.config, tensor_parallel_size=args.tp,
             pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
             policy=_policy(args.policy), activation_dtype=args.activation_dtype,
-            checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests)
+            checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests,
+            progress=report)
     plan = result.plan
     facts = _plan_facts(plan)
     if args.format == "json":
@@ -522,16 +538,18 @@ def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
 def _check(args: argparse.Namespace) -> int:
     from partc.api import check_family, plan_family
     from partc.plan import Topology
+    from partc.runtime.progress import terminal_progress
 
     topology = None
     if args.tp is not None or args.pp is not None or args.pp_layers or args.policy:
         topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
                             stage_units=args.pp_layers, policy=_policy(args.policy))
-    with _progress("checking"):
-        errors = check_family(args.family, args.config, args.checkpoint)
+    with terminal_progress(_progress_enabled(args)) as report:
+        errors = check_family(args.family, args.config, args.checkpoint, progress=report)
         facts = None
         if not errors and topology is not None:
-            facts = _plan_facts(plan_family(args.family, args.config, topology))
+            facts = _plan_facts(plan_family(args.family, args.config, topology,
+                                            progress=report))
     if errors:
         return _report(errors, args.format, _builtin_hint(args, errors))
     if args.format == "json":
@@ -580,11 +598,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
+    from partc.runtime.progress import terminal_progress
     from partc.shard import shard_checkpoint
 
-    result = shard_checkpoint(args.build, args.checkpoint, args.out,
-                              verify_fingerprint=not args.no_verify_fingerprint,
-                              force=args.force)
+    with terminal_progress(_progress_enabled(args)) as report:
+        result = shard_checkpoint(args.build, args.checkpoint, args.out,
+                                  verify_fingerprint=not args.no_verify_fingerprint,
+                                  force=args.force, progress=False, report=report)
     if args.format == "json":
         print(json.dumps({"ok": True, "out": str(result.out), "plan_hash": result.plan_hash,
                           "files": list(result.files), "bytes": result.nbytes}, indent=1))

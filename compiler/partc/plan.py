@@ -424,12 +424,14 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  checkpoint_fingerprint: str | None = None,
                  checkpoint_header_digest: str | None = None,
                  group_location: GroupSite | None = None,
-                 omitted: tuple[str, ...] = ()) -> Plan:
+                 omitted: tuple[str, ...] = (),
+                 progress: Callable[[int, int], None] | None = None) -> Plan:
     """The plan of `bound` for `topology`; raises LayoutError (created located at the group's
     declaration when `group_location` knows it).
 
     Each group structure is realized once (`realize_group_template`); groups keep an index to
-    their kind, so a rank's tensor layouts are only built when asked for.
+    their kind, so a rank's tensor layouts are only built when asked for. `progress(done,
+    total)` is called as the groups are realized.
     """
     activation = topology.activation_dtype or model_activation_dtype(bound)
     topology = replace(topology, activation_dtype=activation)  # the plan records it resolved
@@ -440,7 +442,9 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     kind_index: dict[int, int] = {}  # id of a shared template -> its index in `kinds`
     group_kinds: dict[str, int] = {}
     realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
-    for owned in description.groups:
+    for done, owned in enumerate(description.groups):
+        if progress is not None:
+            progress(done, len(description.groups))
         site = None if group_location is None else group_location(owned.group.name)
         location, pointer = (None, "") if site is None else site
         template = realize_group_template(owned.group, tp, policy,
@@ -451,6 +455,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             index = kind_index[id(template)] = len(kinds)
             kinds.append(GroupKind(layouts=template))
         group_kinds[owned.group.name] = index
+    if progress is not None:
+        progress(len(description.groups), len(description.groups))
     wire = PipelineWireContract(schema=bound.boundary, activation_dtype=activation)
     partitions = [realize_partition(description, s, pp, topology.stage_units, boundary=wire)
                   for s in range(pp)]

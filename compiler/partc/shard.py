@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
@@ -33,6 +33,9 @@ from partc.runtime.loader import header_fingerprint
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
 from partc.runtime.progress import progress_bar
 from partc.runtime.reader import TensorSelection, read_tensors
+
+if TYPE_CHECKING:
+    from partc.runtime.progress import ProgressCallback
 
 __all__ = ["ShardResult", "rank_file_name", "shard_checkpoint"]
 
@@ -76,10 +79,13 @@ def rank_file_name(rank: int, world_size: int) -> str:
 def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLike[str],
                      out: str | os.PathLike[str], *, verify_fingerprint: bool = True,
                      workers: int | None = None, progress: bool | None = None,
-                     force: bool = False) -> ShardResult:
+                     force: bool = False, report: ProgressCallback | None = None
+                     ) -> ShardResult:
     """Write one safetensors file per rank of `build` plus a manifest into `out`, atomically.
 
     `force` is `partc.output.write_atomically`'s (write through a link, replace a build).
+    `progress` draws one byte bar over the whole set (None: on a terminal only); `report`
+    instead hears of the bytes written per rank file (step `write <file>`, unit `B`).
     """
     plan_path = Path(build) / "plan.json"
     plan = _read_plan(plan_path)
@@ -96,11 +102,12 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     total = sum(s.nbytes for slices in ranks for s in slices)
     files: dict[str, str | Callable[[BinaryIO], None]] = {}
     digests: list[dict[str, str]] = [{} for _ in range(world)]
-    with progress_bar(total, "shard", progress) as update:
+    with progress_bar(total, "shard", False if report is not None else progress) as update:
         for rank, (name, slices) in enumerate(zip(names, ranks, strict=True)):
             metadata = {"format": "pt", "partc_plan_hash": plan_hash, "partc_rank": str(rank),
                         "partc_world_size": str(world)}
-            files[name] = partial(_write_rank, opened, slices, metadata, workers, update,
+            tick = update if report is None else _file_bytes(report, name, slices)
+            files[name] = partial(_write_rank, opened, slices, metadata, workers, tick,
                                   digests[rank])
         manifest = {
             "format": SHARD_FORMAT, "version": 1, "plan_hash": plan_hash,
@@ -118,6 +125,19 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
         files[SHARD_MANIFEST] = write_manifest  # after the rank files: written in order
         write_atomically(Path(out), files, kind="shard", inputs=inputs, force=force)
     return ShardResult(out=Path(out), plan_hash=plan_hash, files=tuple(names), nbytes=total)
+
+
+def _file_bytes(report: ProgressCallback, name: str, slices: list[_Slice]
+                ) -> Callable[[int], None]:
+    """A byte counter for one rank file that reports `write <name>` done of its bytes."""
+    total = sum(s.nbytes for s in slices)
+    done = 0
+
+    def update(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        report(f"write {name}", done, total, unit="B")
+    return update
 
 
 def _read_plan(path: Path) -> dict[str, Any]:
@@ -218,9 +238,11 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
     """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
     record the digest of each into `digests`."""
     handle.write(_safetensors_header(slices, metadata))
+    if update is not None:
+        update(0)  # the file is begun, even when it holds no bytes
     for batch in byte_batches(slices, lambda s: s.nbytes):
         arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
-                              workers=workers, progress=update)
+                              workers=workers)
         for s in batch:
             array = arrays.pop(s.target)
             if array.shape != s.local_shape:
@@ -228,6 +250,8 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
                                       f"plan expects {list(s.local_shape)}", tensor=s.target)
             if array.size:
                 handle.write(array.reshape(-1).view("u1").data)
+            if update is not None:
+                update(s.nbytes)  # bytes written, so a file's count ends at its size
             digests[s.target] = tensor_digest(array)
             del array
 

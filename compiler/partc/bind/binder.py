@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -633,12 +633,14 @@ def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
 
 def bind_family(family: FamilyDecl, config: RawDocument,
                 checkpoint_names: Collection[str] | None = None, *,
-                cache: bool = True) -> BoundArchitecture:
+                cache: bool = True,
+                progress: Callable[[int, int], None] | None = None) -> BoundArchitecture:
     """Bind `family` to `config`; raises the first error found (a PartcError).
 
     `checkpoint_names` (the checkpoint's tensor names) answers the config fields that probe the
     checkpoint with `present`. `cache=False` turns the structural cache off (every instance
     evaluated and built in full, `partc.bind.cache`): the result is the same, only slower.
+    `progress(done, total)` is called after each group declaration is bound.
     """
     model_type = config.data.get("model_type")
     if model_type not in family.model_types:
@@ -665,7 +667,9 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     owned: list[OwnedParameterGroupSpec] = []
     pointers: dict[str, str] = {}
     linear_format = _linear_format(binder, values)
-    for decl in family.groups:
+    for done, decl in enumerate(family.groups):
+        if progress is not None:
+            progress(done, len(family.groups))
         for env, unit in _instances(binder, decl, values, graph):
             if not binder.boolean(decl.when, env, join_pointer(decl.pointer, "when")):
                 continue
@@ -683,6 +687,8 @@ def bind_family(family: FamilyDecl, config: RawDocument,
             pointers[name] = decl.pointer
             owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
                                                                          unit)))
+    if progress is not None:
+        progress(len(family.groups), len(family.groups))
     statics = tuple(StaticRoleSpec(name=n, side=s) for n, s in family.static_roles)
     description = _located(family, lambda: ArchitectureParameterDescription(
         graph=graph, static_roles=statics, groups=tuple(owned)), "/parameters")

@@ -9,6 +9,7 @@ are parsed and their statement kinds checked before anything is written.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -190,8 +191,12 @@ def _docstring_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_.+ " else "?" for c in text)
 
 
-def render_package(plan: Plan) -> dict[str, str]:
-    """Every file of the generated build, by relative path: plan.json and the loader package."""
+def render_package(plan: Plan, *, progress: Callable[[int, int], None] | None = None
+                   ) -> dict[str, str]:
+    """Every file of the generated build, by relative path: plan.json and the loader package.
+
+    `progress(done, total)` is called as the rank modules are rendered.
+    """
     plan_json, plan_text = plan.document
     sources = ", ".join(f"{_comment_safe(n)} (sha256 {h[:16]})" for n, h in plan.sources
                         ) or "(no sources)"
@@ -202,7 +207,9 @@ def render_package(plan: Plan) -> dict[str, str]:
     files = {"plan.json": plan_text}
     modules = []
     stages: dict[int, _StageTables] = {}
-    for rank in plan.ranks:
+    for done, rank in enumerate(plan.ranks):
+        if progress is not None:
+            progress(done, world)
         module = rank_module_name(rank.rank, world)
         modules.append(module)
         tables = stages.get(rank.pipeline_stage)
@@ -210,6 +217,8 @@ def render_package(plan: Plan) -> dict[str, str]:
             tables = stages[rank.pipeline_stage] = _stage_tables(rank)
         path = f"{package}/{module}.py"
         files[path] = _render_rank(plan, plan_json, rank, header, tables, path)
+    if progress is not None:
+        progress(world, world)
     view = {"family": _docstring_safe(plan.family), "tp": plan.topology.tensor_parallel_size,
             "pp": plan.topology.pipeline_parallel_size, "world_size": world,
             "plan_hash_literal": python_literal(plan_json["plan_hash"]),

@@ -67,16 +67,21 @@ def byte_batches(items: Sequence[_Item], nbytes: Callable[[_Item], int],
 
 
 def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
-                 workers: int | None = None) -> tuple[tuple[tuple[str, str], ...], ...]:
+                 workers: int | None = None,
+                 progress: Callable[[int, int], None] | None = None
+                 ) -> tuple[tuple[tuple[str, str], ...], ...]:
     """Per rank (`layouts` in rank order), (target, digest) of every rank-local tensor, sorted
     by target: the plan's `payload_digests`.
 
     Each distinct slice is read once (a tensor replicated over tensor-parallel ranks is read
     and hashed for the first of them), in batches, so memory stays about one batch.
+    `progress(done, total)` is called as the ranks are done.
     """
     known: dict[tuple[str, Any], str] = {}
     ranks = []
-    for layout in layouts:
+    for done, layout in enumerate(layouts):
+        if progress is not None:
+            progress(done, len(layouts))
         items = layout.tensors
         missing = list({(t.target, t.selection): t for t in items
                         if (t.target, t.selection) not in known}.values())
@@ -88,6 +93,8 @@ def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
                 known[(item.target, item.selection)] = digest
             del arrays
         ranks.append(tuple(sorted((t.target, known[(t.target, t.selection)]) for t in items)))
+    if progress is not None:
+        progress(len(layouts), len(layouts))
     return tuple(ranks)
 
 
