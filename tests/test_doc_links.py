@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -203,3 +204,22 @@ def test_docs_names_a_section_by_path_and_line_and_lists_every_topic(capsys):
     listed = out.split()
     assert {"policy", "output", "boundaries", "kv_replication#the-rule-vllms"} <= set(listed)
     assert doc_reference("boundaries").endswith("boundaries.md")
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_of_the_readme_and_the_guides_leads_to_a_file_and_heading():
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in doc_sections(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == []
