@@ -223,3 +223,11 @@ def test_every_relative_link_of_the_readme_and_the_guides_leads_to_a_file_and_he
             elif anchor and linked.suffix == ".md" and anchor not in doc_sections(linked):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert broken == []
+
+
+def test_a_json_usage_error_points_to_the_command_line_guide(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "--format", "json", "--tp", "0", "--out", "x", "--config", "c.json"])
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert exit_.value.code == 2 and error["kind"] == "usage"
+    assert error["doc"] == "cli" and error["see"] == str(docs_folder() / "cli.md")

@@ -48,7 +48,8 @@ class _Parser(argparse.ArgumentParser):
         if _Parser.json_errors:
             print(json.dumps({"ok": False, "errors": [{
                 "stage": "usage", "kind": "usage", "file": None, "line": None, "column": None,
-                "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}"}]},
+                "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}",
+                "doc": "cli", "see": commands.error_reference("cli")}]},
                 indent=1))
             sys.exit(EXIT_USAGE)
         super().error(message)
@@ -670,7 +671,8 @@ def _internal(exc: BaseException, fmt: str) -> int:
         print(json.dumps({"ok": False, "errors": [{
             "stage": "internal", "kind": type(exc).__name__, "file": None, "line": None,
             "column": None, "pointer": "", "tensor": None,
-            "message": f"internal error (a bug in partc): {what}"}]}, indent=1))
+            "message": f"internal error (a bug in partc): {what}", "doc": None,
+            "see": None}]}, indent=1))
     else:
         print(f"partc: internal error (a bug in partc, please report it): {what}",
               file=sys.stderr)
