@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from partc.cli import CONTEXT_WIDTH, main
+from partc.commands import docs_folder
 
 from support import ROOT, hf
 from support.families import MINI, MINI_CONFIG, MINI_TOML
@@ -197,7 +198,7 @@ def test_an_unreadable_source_prints_the_error_alone(tmp_path, capsys, monkeypat
     assert _report(errors, "text") == 1
     lines = capsys.readouterr().err.splitlines()
     assert [line for line in lines if line.startswith("    see: ")] == [
-        "    see: " + str(ROOT / "docs" / "authoring.md")] * 3  # the guide, never a source line
+        "    see: " + str(docs_folder() / "authoring.md")] * 3  # the guide, never a source line
     assert [line for line in lines if not line.startswith("    see: ")] == [
         "error: architectures/none.yaml:1:1: built in",
         "error: deleted.yaml:3:2: gone",

@@ -17,6 +17,7 @@ import pytest
 from regenerate_cases import case_errors, case_folders, expected_errors, toml_spelling
 
 from partc.api import compile_family, plan_family
+from partc.commands import docs_folder
 from partc.errors import CheckpointError
 from partc.front.load import load_document
 from partc.plan import Topology, canonical_json
@@ -285,7 +286,10 @@ def test_the_cli_prints_every_error_of_a_document_sorted_then_a_count(tmp_path, 
     status, out, err = _cli(["check", "bad.yaml"], capsys)
     lines = err.splitlines()
     assert status == 1 and out == ""
-    # each error line is followed by its source line and a caret (tests/test_cli.py)
+    # each error line is followed by its source line, a caret (tests/test_cli.py) and the
+    # guide of the schema (tests/test_doc_links.py)
+    assert lines[3::4][:3] == [f"    see: {docs_folder() / 'authoring.md'}"] * 3
+    lines = [line for line in lines if not line.startswith("    see: ")]
     assert [line.split(": ")[0] for line in lines[::3]] == ["error", "error", "error", "partc"]
     assert lines[0].startswith("error: bad.yaml:2:14: expected a list")
     assert lines[1:3] == ["    model_types: mini", "    " + " " * 13 + "^"]
@@ -316,7 +320,7 @@ def test_json_reports_are_machine_readable_on_every_path(tmp_path, capsys, monke
     assert first["kind"] == kind
     assert (first["file"], first["line"], first["column"]) == where
     assert set(first) == {"stage", "kind", "file", "line", "column", "pointer", "tensor",
-                          "message"}
+                          "message", "doc", "see"}
 
 
 def test_an_exception_that_is_not_a_partc_error_is_a_one_line_internal_error(
