@@ -112,7 +112,9 @@ def test_compile_on_a_terminal_without_tqdm_draws_every_step_to_completion_then_
 
 def test_compile_on_a_terminal_with_tqdm_draws_bars_that_reach_their_totals(
         tmp_path, monkeypatch, capsys):
-    pytest.importorskip("tqdm")
+    import tqdm  # a dependency of partc (the runtime imports it lazily)
+
+    assert tqdm.__version__
     status, _, err = _on_terminal(_compile_argv(tmp_path / "build"), monkeypatch, capsys)
     assert status == 0, err
     drawn = _drawings(err, TQDM)
