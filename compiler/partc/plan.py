@@ -617,7 +617,7 @@ def _replicate_groups(description: ArchitectureParameterDescription, groups: set
         if (isinstance(owner, ExecutionUnit) and owner.group in groups) or (
                 owner.static_roles and set(owner.static_roles) <= roles):
             spec = replace(item.group, units=None, members=tuple(
-                replace(m, sharding=whole) for m in item.group.members))
+                replace(m, sharding=whole, heads=()) for m in item.group.members))
             owned.append(OwnedParameterGroupSpec(group=spec, owner=owner))
         else:
             owned.append(item)
