@@ -22,6 +22,7 @@ from partc.api import check_family, compile_family
 from partc.cli import main
 from partc.errors import ArchitectureBoundaryError
 from partc.plan import Topology
+
 from support import HF, ROOT, compile_and_load, import_build, reassemble
 from support.families import MINI
 
