@@ -145,6 +145,10 @@ def test_a_cut_inside_the_vision_tower_carries_patches_and_the_merger_cut_image_
     got = ranks[1].receive_boundary().decode_tensors([v.tensor for v in payload])
     np.testing.assert_array_equal(got["hidden"], hidden)
     assert got["image_mask"].dtype == np.bool_ and got["image_mask"].sum() == 6
+    # the driver decodes with the cut the stage receives at
+    entered = ranks[1].driver().input(boundary=payload)
+    assert sorted(entered.boundary) == ["hidden", "image_grid_thw", "image_mask", "input_ids"]
+    assert ranks[0].boundary().identity == "qwen2_vl.hidden"     # the family-level one
     features = ranks[1].send_boundary().encode(ref["image_features"], image_grid_thw=grid,
                                                input_ids=ids, image_mask=mask)
     assert tuple(ranks[1].SEND_BOUNDARY["primary"]["shape"]) == ("image_tokens", 64)
