@@ -446,3 +446,59 @@ def test_a_group_kept_on_one_stage_is_never_cut(tmp_path):
     assert [e.message for e in errors] == [
         "execution group `vision` is kept on one stage (`one_stage`), but the stage sizes cut "
         "it after canonical unit 1 (its units are [0, 3))"]
+
+
+# ---------------------------------------------------------------- the stage choice itself
+
+
+def _brute_force(costs, stages, keep_whole=()):
+    """The least largest-stage cost over every contiguous split (the oracle for the DP)."""
+    from itertools import combinations
+
+    cuts_allowed = [c for c in range(1, len(costs))
+                    if all(not a < c < b for a, b in keep_whole)]
+    best = None
+    for cuts in combinations(cuts_allowed, stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        value = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+        best = value if best is None else min(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_byte_balancing_finds_the_least_largest_stage(seed):
+    from partc.partition.pipeline import cost_balanced_stage_ranges
+
+    rng = np.random.default_rng(seed)
+    costs = [int(c) for c in rng.integers(1, 1000, size=int(rng.integers(4, 11)))]
+    keep = ((1, 3),) if seed % 2 else ()
+    for stages in range(1, 5):
+        if stages > len(costs) - (1 if keep else 0):
+            continue
+        ranges = cost_balanced_stage_ranges(costs, stages, keep)
+        assert ranges[0][0] == 0 and ranges[-1][1] == len(costs)
+        assert all(a < b for a, b in ranges)
+        assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:], strict=False))
+        assert not any(1 < b < 3 for _, b in ranges[:-1]) or not keep
+        assert max(sum(costs[a:b]) for a, b in ranges) == _brute_force(costs, stages, keep)
+
+
+def test_declared_group_weights_balance_instead_of_bytes(tmp_path):
+    text = (ROOT / "architectures" / "qwen2_vl.yaml").read_text()
+    family = tmp_path / "qwen2_vl.yaml"
+    family.write_text(text.replace("    path: \"{vision_root}.blocks.{unit}\"\n",
+                                   "    path: \"{vision_root}.blocks.{unit}\"\n    weight: 5\n"))
+    plan = compile_family(family, HF / "qwen2_vl" / "config.json",
+                          pipeline_parallel_size=2).plan
+    # units weigh vision 5, 5, 5 | merger 1 | decoder 1, 1: the best split is 5+5 | 5+1+1+1
+    assert plan.pipeline.balance == "weight"
+    assert [r.partition.canonical_range for r in plan.ranks] == [(0, 2), (2, 6)]
+    assert plan.pipeline.layout == (
+        "[patch_embed],vision*2|vision,merger,[embedding],decoder*2,[final_norm],[output]")
+
+
+def test_a_single_group_family_keeps_unit_balancing_and_no_pipeline_record():
+    plan = compile_family(None, HF / "llama" / "config.json", pipeline_parallel_size=2).plan
+    assert plan.pipeline is None and plan.cuts == ()
+    assert "pipeline" not in plan.document[0] and "cuts" not in plan.document[0]
+    assert [r.partition.canonical_range for r in plan.ranks] == [(0, 2), (2, 3)]
