@@ -444,7 +444,9 @@ def _patch_embed(arch: VisionArch, ranks: Sequence[RankShard], patches: Array, n
     return all_gather(parts, arch.width, name)
 
 
-def _vision_embed(arch: VisionArch, ranks: Sequence[RankShard], inputs: Mapping[str, Array]) -> Array:
+def _vision_embed(
+    arch: VisionArch, ranks: Sequence[RankShard], inputs: Mapping[str, Array]
+) -> Array:
     pixels = np.asarray(inputs["pixel_values"], dtype=F32)
     if arch.model_type == "qwen2_vl":  # one row per patch, (C, T, p, p) as Conv3d's kernel
         return _patch_embed(arch, ranks, pixels, "visual.patch_embed.proj.weight")
@@ -533,14 +535,15 @@ def _vision_attention(
 ) -> Array:
     """Bidirectional attention over the local heads; out-projection partials all-reduced."""
     out_name = p + arch.names["out"]
+    where = p.rstrip(".")
     parts = []
     for rank in ranks:
         (q, q_idx), (k, k_idx), (v, v_idx) = _local_qkv(arch, rank, p, x)
-        q, q_heads = split_heads(q, q_idx, arch.head_dim, f"{p} q")
-        k, k_heads = split_heads(k, k_idx, arch.head_dim, f"{p} k")
-        v, v_heads = split_heads(v, v_idx, arch.head_dim, f"{p} v")
-        k = k[:, positions(q_heads, k_heads, f"{p}: k heads of the local q heads")]
-        v = v[:, positions(q_heads, v_heads, f"{p}: v heads of the local q heads")]
+        q, q_heads = split_heads(q, q_idx, arch.head_dim, f"{where} q")
+        k, k_heads = split_heads(k, k_idx, arch.head_dim, f"{where} k")
+        v, v_heads = split_heads(v, v_idx, arch.head_dim, f"{where} v")
+        k = k[:, positions(q_heads, k_heads, f"{where}: k heads of the local q heads")]
+        v = v[:, positions(q_heads, v_heads, f"{where}: v heads of the local q heads")]
         if rope is not None:
             q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
         scores = (q @ k.swapaxes(-1, -2)) * F32(arch.head_dim**-0.5)
@@ -564,7 +567,7 @@ def _column_row(
     act: Callable[[Array], Array],
     inner: int,
 ) -> Array:
-    """``second(act(first(x)))``: column-parallel ``first``, row-parallel ``second`` (+ bias once)."""
+    """``second(act(first(x)))``: column-parallel ``first``, row-parallel ``second``."""
     parts = []
     for rank in ranks:
         h, idx = column(rank, first, x)

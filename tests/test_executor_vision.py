@@ -1,0 +1,370 @@
+"""The numpy executor reproduces HF's vision-language fixtures (llava, qwen2_vl), whole and sharded.
+
+Oracles are the arrays HF wrote into each fixture's ``reference.npz`` at every boundary: each
+vision layer's input / output, the projector input, ``image_features``, each decoder layer's
+input / output, the final-norm output and the logits (and, for Qwen2-VL, HF's M-RoPE
+``position_ids``, used only to check the executor's own ones). Rank shards are cut by the
+executor's own numpy plan (``executor.vision_cut``), independent of partc.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from executor import RankShard, Selection, ShardingError, load_fixture
+from executor.vision import (
+    Span,
+    VisionLanguagePipelineResult,
+    VisionLanguageResult,
+    describe,
+    forward_vision_language,
+    forward_vision_language_pipeline,
+    forward_vision_language_tensor_parallel,
+    mrope_position_ids,
+    split_units,
+)
+from executor.vision_cut import cut_vision_language
+
+MODELS = ["llava", "qwen2_vl"]
+TOLERANCE = 1e-4
+# Cut positions in the unit sequence (3 vision layers, projector, 2 decoder layers): a cut c
+# falls before unit c. 1, 2: inside the vision tower; 3: vision -> projector; 4: projector ->
+# decoder; 5: inside the decoder.
+CUTS = [(), *[(c,) for c in range(1, 6)], (1, 4), (2, 3), (2, 5), (3, 5), (4, 5), (1, 2)]
+# What crosses each cut (read off the fixtures README: llava's projector reads vision layer 1's
+# output without CLS, Qwen2-VL's the last vision layer's; image features go to the decoder).
+HANDOFF = {
+    "llava": {1: {"vision_hidden"}, 2: {"vision_hidden", "projector_input"},
+              3: {"projector_input"}, 4: {"image_features"}, 5: {"hidden"}},
+    "qwen2_vl": {1: {"vision_hidden"}, 2: {"vision_hidden"}, 3: {"projector_input"},
+                 4: {"image_features"}, 5: {"hidden"}},
+}
+
+
+@functools.cache
+def fixture(name: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    return load_fixture(name)
+
+
+@functools.cache
+def whole(name: str) -> VisionLanguageResult:
+    config, tensors, ref = fixture(name)
+    return forward_vision_language(config, tensors, ref)
+
+
+@functools.cache
+def pipeline(name: str, tp: int, cuts: tuple[int, ...],
+             replicate_vision: bool = False) -> VisionLanguagePipelineResult:
+    config, tensors, ref = fixture(name)
+    spans = split_units(describe(config), cuts)
+    stages = [cut_vision_language(config, tensors, tp, span=span,
+                                  replicate_vision=replicate_vision) for span in spans]
+    return forward_vision_language_pipeline(config, stages, spans, ref)
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def assert_matches(actual: np.ndarray | None, expected: np.ndarray) -> None:
+    assert actual is not None and actual.dtype == np.float32
+    assert rel_err(actual, expected) < TOLERANCE
+
+
+def assert_every_boundary(result: VisionLanguageResult, ref: dict[str, np.ndarray]) -> None:
+    """Vision layers, projector input, image features, decoder layers, final norm, logits."""
+    assert len(result.vision_layer_outputs) == len(ref["vision_layer_outputs"]) == 3
+    for i, (ins, outs) in enumerate(
+        zip(result.vision_layer_inputs, result.vision_layer_outputs, strict=True)
+    ):
+        assert_matches(ins, ref["vision_layer_inputs"][i])
+        assert_matches(outs, ref["vision_layer_outputs"][i])
+    hidden_states = np.stack([*result.vision_layer_inputs, result.vision_layer_outputs[-1]])
+    assert_matches(hidden_states, ref["vision_hidden_states"])
+    assert_matches(result.projector_input, ref["projector_input"])
+    assert_matches(result.image_features, ref["image_features"])
+    assert len(result.layer_outputs) == len(ref["layer_outputs"]) == 2
+    for i, (ins, outs) in enumerate(zip(result.layer_inputs, result.layer_outputs, strict=True)):
+        assert_matches(ins, ref["layer_inputs"][i])
+        assert_matches(outs, ref["layer_outputs"][i])
+    assert result.normed is not None
+    assert_matches(np.stack([*result.layer_inputs, result.normed]), ref["hidden_states"])
+    assert_matches(result.logits, ref["logits"])
+
+
+# --------------------------------------------------------------------------- whole model
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_weight_forward_reproduces_every_hf_boundary(name: str) -> None:
+    assert_every_boundary(whole(name), fixture(name)[2])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_image_features_fill_exactly_the_image_token_rows_of_the_decoder_input(name: str) -> None:
+    config, _, ref = fixture(name)
+    result = whole(name)
+    image = ref["input_ids"][0] == describe(config).image_token
+    assert int(image.sum()) == {"llava": 4, "qwen2_vl": 6}[name]
+    assert result.image_features is not None
+    np.testing.assert_array_equal(result.layer_inputs[0][0][image], result.image_features)
+    assert_matches(result.layer_inputs[0][0][~image], ref["layer_inputs"][0][0][~image])
+
+
+def test_qwen2_vl_mrope_position_ids_are_computed_from_ids_and_grid_and_match_hf() -> None:
+    config, _, ref = fixture("qwen2_vl")
+    ids, deltas = mrope_position_ids(config, ref["input_ids"], ref["image_grid_thw"])
+    np.testing.assert_array_equal(ids, ref["position_ids"])
+    np.testing.assert_array_equal(deltas, ref["rope_deltas"])
+    assert whole("qwen2_vl").position_ids is not None
+    np.testing.assert_array_equal(whole("qwen2_vl").position_ids, ref["position_ids"])
+    # The text after the 2x3 image grid (which starts at 4) resumes at 4 + max(2, 3) = 7.
+    assert ids[:, 0, 10].tolist() == [7, 7, 7]
+
+
+def test_the_released_llava_naming_runs_the_same() -> None:
+    config, tensors, ref = fixture("llava")
+    released = {name.replace("vision_tower.", "vision_tower.vision_model.", 1): value
+                for name, value in tensors.items()}
+    assert "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight" in released
+    result = forward_vision_language(config, released, ref)
+    np.testing.assert_array_equal(result.logits, whole("llava").logits)
+
+
+# --------------------------------------------------------------------------- TP and PP
+
+
+@pytest.mark.parametrize("replicate_vision", [False, True])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_parallel_rank_shards_reproduce_every_hf_boundary(
+    name: str, tp: int, replicate_vision: bool
+) -> None:
+    assert_every_boundary(pipeline(name, tp, (), replicate_vision).whole, fixture(name)[2])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_two_ranks_really_hold_slices_of_the_vision_heads_projector_and_decoder(name: str) -> None:
+    config, tensors, _ = fixture(name)
+    ranks = cut_vision_language(config, tensors, 2)
+    if name == "llava":
+        attn = "vision_tower.encoder.layers.0.self_attn."
+        sliced = {attn + "q_proj.weight": Selection(0, ((16, 32),)),
+                  attn + "out_proj.weight": Selection(1, ((16, 32),)),
+                  "vision_tower.embeddings.patch_embedding.weight": Selection(0, ((16, 32),)),
+                  "multi_modal_projector.linear_1.weight": Selection(0, ((32, 64),)),
+                  "multi_modal_projector.linear_2.weight": Selection(1, ((32, 64),)),
+                  "language_model.model.embed_tokens.weight": Selection(0, ((66, 131),))}
+    else:  # heads 2-3 of each of the q, k, v blocks (4 heads x 8 rows each)
+        sliced = {"visual.blocks.0.attn.qkv.weight": Selection(0, ((16, 32), (48, 64), (80, 96))),
+                  "visual.blocks.0.attn.qkv.bias": Selection(0, ((16, 32), (48, 64), (80, 96))),
+                  "visual.blocks.0.attn.proj.weight": Selection(1, ((16, 32),)),
+                  "visual.merger.mlp.0.weight": Selection(0, ((64, 128),)),
+                  "visual.merger.mlp.2.weight": Selection(1, ((64, 128),)),
+                  "model.embed_tokens.weight": Selection(0, ((66, 131),))}
+    for tensor, selection in sliced.items():
+        assert ranks[1].selections[tensor] == selection
+        rows = np.concatenate([np.arange(a, b) for a, b in selection.ranges])
+        np.testing.assert_array_equal(ranks[1].tensors[tensor],
+                                      np.take(tensors[tensor], rows, axis=selection.axis))
+
+
+@pytest.mark.parametrize("cuts", CUTS, ids=[f"cuts{'-'.join(map(str, c)) or 'none'}" for c in CUTS])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", MODELS)
+def test_pipeline_stages_reproduce_hf_and_hand_on_exactly_what_crosses_each_cut(
+    name: str, tp: int, cuts: tuple[int, ...]
+) -> None:
+    ref = fixture(name)[2]
+    result = pipeline(name, tp, cuts)
+    assert_every_boundary(result.whole, ref)
+    assert len(result.sent) == len(cuts)
+    for cut, payload in zip(cuts, result.sent, strict=True):
+        assert set(payload) == HANDOFF[name][cut]
+        expected = {"vision_hidden": ref["vision_layer_outputs"][min(cut, 3) - 1],
+                    "projector_input": ref["projector_input"],
+                    "image_features": ref["image_features"],
+                    "hidden": ref["layer_outputs"][0]}
+        for key, value in payload.items():
+            assert_matches(value, expected[key])
+
+
+def test_a_stage_holds_only_the_tensors_of_its_own_units() -> None:
+    config, tensors, _ = fixture("qwen2_vl")
+    spans = split_units(describe(config), (2, 4))
+    assert spans == [Span(vision=range(0, 2)),
+                     Span(vision=range(2, 3), projector=range(0, 1)),
+                     Span(decoder=range(0, 2))]
+    first, middle, last = (set(cut_vision_language(config, tensors, 2, span=s)[0].tensors)
+                           for s in spans)
+    assert "visual.patch_embed.proj.weight" in first and "visual.blocks.1.norm1.weight" in first
+    assert not any(n.startswith(("visual.blocks.2.", "visual.merger", "model.", "lm_head"))
+                   for n in first)
+    assert {n.split(".")[1] for n in middle} == {"blocks", "merger"}
+    assert all(n.startswith(("model.", "lm_head")) for n in last)
+    assert len(first) + len(middle) + len(last) == len(tensors)
+
+
+def test_pipeline_applies_transfer_to_the_payload_of_every_cut() -> None:
+    config, tensors, ref = fixture("llava")
+    spans = split_units(describe(config), (2, 4, 5))
+    stages = [cut_vision_language(config, tensors, 2, span=span) for span in spans]
+    calls: list[int] = []
+
+    def bf16_round_trip(cut: int, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(cut)
+        return {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in payload.items()}
+
+    result = forward_vision_language_pipeline(config, stages, spans, ref, bf16_round_trip)
+    assert calls == [0, 1, 2]
+    for sent, received in zip(result.sent, result.received, strict=True):
+        assert list(sent) == list(received)
+        for key in sent:
+            np.testing.assert_array_equal(
+                received[key], sent[key].astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert result.whole.logits is not None
+    assert 0 < rel_err(result.whole.logits, ref["logits"]) < 1e-2
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def replace(rank: RankShard, name: str, full: np.ndarray, sel: Selection) -> None:
+    rank.tensors[name] = np.concatenate(
+        [np.take(full, np.arange(a, b), axis=sel.axis) for a, b in sel.ranges], axis=sel.axis)
+    rank.selections[name] = sel
+
+
+QKV = "visual.blocks.0.attn.qkv"
+
+
+@pytest.mark.parametrize(("ranges", "message"), [
+    # rank 0 loses head 1 of q, k and v: the heads no longer partition the 32 attention features
+    (((0, 8), (32, 40), (64, 72)), "slices do not partition 32"),
+    # rank 0 keeps q heads 0-1 but takes k / v of heads 2-3
+    (((0, 16), (48, 64), (80, 96)), "k heads of the local q heads"),
+    # a plain contiguous row split of the fused [q | k | v] (q of every head, k of heads 0-1)
+    (((0, 48),), r"k heads of the local q heads: rank lacks global indices \[2, 3\]"),
+    # half a head of q
+    (((0, 12), (32, 48), (64, 80)), "not whole heads|splits a head"),
+])
+def test_fused_qkv_shards_that_lose_or_mismatch_a_head_are_refused(
+    ranges: tuple[tuple[int, int], ...], message: str
+) -> None:
+    config, tensors, ref = fixture("qwen2_vl")
+    ranks = cut_vision_language(config, tensors, 2)
+    for leaf in ("weight", "bias"):
+        replace(ranks[0], f"{QKV}.{leaf}", tensors[f"{QKV}.{leaf}"], Selection(0, ranges))
+    with pytest.raises(ShardingError, match=message):
+        forward_vision_language_tensor_parallel(config, ranks, ref)
+
+
+def test_a_clip_rank_missing_a_value_head_is_refused() -> None:
+    config, tensors, ref = fixture("llava")
+    ranks = cut_vision_language(config, tensors, 2)
+    name = "vision_tower.encoder.layers.1.self_attn.v_proj"
+    for leaf in ("weight", "bias"):  # rank 1 holds v of head 2 only (q, k of heads 2-3)
+        replace(ranks[1], f"{name}.{leaf}", tensors[f"{name}.{leaf}"], Selection(0, ((16, 24),)))
+    with pytest.raises(ShardingError, match="v heads of the local q heads"):
+        forward_vision_language_tensor_parallel(config, ranks, ref)
+
+
+def test_replicated_vision_ranks_that_disagree_are_refused() -> None:
+    config, tensors, ref = fixture("qwen2_vl")
+    ranks = cut_vision_language(config, tensors, 2, replicate_vision=True)
+    ranks[1].tensors["visual.blocks.1.mlp.fc1.weight"] = (
+        ranks[1].tensors["visual.blocks.1.mlp.fc1.weight"] + np.float32(0.25))
+    with pytest.raises(ShardingError, match="visual.blocks.1.mlp.fc2: replicated ranks disagree"):
+        forward_vision_language_tensor_parallel(config, ranks, ref)
+
+
+def block_major_to_raster(t: int, h: int, w: int, m: int) -> np.ndarray:
+    """Row indices that put block-major patch rows (the processor's order) in raster order."""
+    block_major = [(bi * m + di, bj * m + dj) for _ in range(t) for bi in range(h // m)
+                   for bj in range(w // m) for di in range(m) for dj in range(m)]
+    return np.argsort([i * w + j for i, j in block_major], kind="stable")
+
+
+def test_qwen2_vl_patch_rows_in_raster_order_change_the_image_features() -> None:
+    config, tensors, ref = fixture("qwen2_vl")
+    order = block_major_to_raster(*ref["image_grid_thw"][0].tolist(), m=2)
+    assert sorted(order.tolist()) == list(range(24)) and order[:4].tolist() == [0, 1, 4, 5]
+    raster = {**ref, "pixel_values": ref["pixel_values"][order]}
+    result = forward_vision_language(config, tensors, raster)
+    assert result.image_features is not None and result.logits is not None
+    assert rel_err(result.image_features, ref["image_features"]) > 1e-2
+    assert rel_err(result.logits, ref["logits"]) > 1e-3
+
+
+def test_llava_patches_in_another_order_change_the_image_features() -> None:
+    config, tensors, ref = fixture("llava")
+    swapped = {**ref, "pixel_values": ref["pixel_values"].swapaxes(-1, -2)}  # column-major grid
+    result = forward_vision_language(config, tensors, swapped)
+    assert result.image_features is not None
+    assert rel_err(result.image_features, ref["image_features"]) > 1e-2
+
+
+def test_qwen2_vl_one_dimensional_positions_change_the_logits() -> None:
+    config, tensors, ref = fixture("qwen2_vl")
+    flat = np.broadcast_to(np.arange(16), (3, 1, 16))
+    result = forward_vision_language(config, tensors, ref, position_ids=flat)
+    assert result.logits is not None
+    assert rel_err(result.logits, ref["logits"]) > 1e-2
+    assert_matches(result.image_features, ref["image_features"])  # the vision side is untouched
+
+
+def test_llava_reading_the_last_vision_layer_instead_of_the_second_last_changes_the_features(
+) -> None:
+    config, tensors, ref = fixture("llava")
+    result = forward_vision_language({**config, "vision_feature_layer": -1}, tensors, ref)
+    assert result.projector_input is not None and result.image_features is not None
+    assert_matches(result.projector_input, ref["vision_layer_outputs"][2][:, 1:])
+    assert rel_err(result.image_features, ref["image_features"]) > 1e-2
+
+
+def test_image_token_count_must_match_the_feature_rows() -> None:
+    config, tensors, ref = fixture("llava")
+    ids = ref["input_ids"].copy()
+    ids[0, 3] = 5  # 3 image tokens for 4 feature rows
+    with pytest.raises(ValueError, match="3 image tokens in the ids; 4 image feature rows"):
+        forward_vision_language(config, tensors, {**ref, "input_ids": ids})
+
+
+def test_a_payload_missing_what_the_next_stage_needs_is_refused() -> None:
+    config, tensors, ref = fixture("llava")
+    spans = split_units(describe(config), (2,))
+    stages = [cut_vision_language(config, tensors, 1, span=span) for span in spans]
+    with pytest.raises(ValueError, match=r"needs \['vision_hidden', 'projector_input'\]; "
+                                         r"missing \['projector_input'\]"):
+        forward_vision_language_pipeline(
+            config, stages, spans, ref,
+            lambda cut, payload: {"vision_hidden": payload["vision_hidden"]})
+
+
+@pytest.mark.parametrize(("spans", "message"), [
+    ([Span(vision=range(0, 3), decoder=range(0, 2))], "not a non-empty contiguous run"),
+    ([Span(vision=range(0, 2)), Span(projector=range(1), decoder=range(2))], "not consecutive"),
+    ([Span(vision=range(0, 3), projector=range(1))], "cover 4 of 6 units"),
+])
+def test_stage_spans_must_be_contiguous_and_cover_every_unit(
+    spans: list[Span], message: str
+) -> None:
+    config, tensors, ref = fixture("llava")
+    stages = [[RankShard(dict(tensors), {})] for _ in spans]
+    with pytest.raises(ValueError, match=message):
+        forward_vision_language_pipeline(config, stages, spans, ref)
+
+
+def test_split_units_gives_every_stage_a_contiguous_part() -> None:
+    arch = describe(fixture("llava")[0])
+    for cuts in itertools.combinations(range(1, arch.n_units), 2):
+        spans = split_units(arch, cuts)
+        bounds = [span.bounds(arch) for span in spans]
+        assert bounds == list(itertools.pairwise([0, *cuts, arch.n_units]))
