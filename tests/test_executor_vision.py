@@ -38,10 +38,11 @@ TOLERANCE = 1e-4
 # decoder; 5: inside the decoder.
 CUTS = [(), *[(c,) for c in range(1, 6)], (1, 4), (2, 3), (2, 5), (3, 5), (4, 5), (1, 2)]
 # What crosses each cut (read off the fixtures README: llava's projector reads vision layer 1's
-# output without CLS, Qwen2-VL's the last vision layer's; image features go to the decoder).
+# output without CLS, so after vision layer 2 that, not the stream, crosses; Qwen2-VL's reads the
+# last vision layer's; image features go to the decoder).
 HANDOFF = {
-    "llava": {1: {"vision_hidden"}, 2: {"vision_hidden", "projector_input"},
-              3: {"projector_input"}, 4: {"image_features"}, 5: {"hidden"}},
+    "llava": {1: {"vision_hidden"}, 2: {"vision_hidden"}, 3: {"projector_input"},
+              4: {"image_features"}, 5: {"hidden"}},
     "qwen2_vl": {1: {"vision_hidden"}, 2: {"vision_hidden"}, 3: {"projector_input"},
                  4: {"image_features"}, 5: {"hidden"}},
 }
@@ -339,13 +340,14 @@ def test_image_token_count_must_match_the_feature_rows() -> None:
 
 def test_a_payload_missing_what_the_next_stage_needs_is_refused() -> None:
     config, tensors, ref = fixture("llava")
-    spans = split_units(describe(config), (2,))
+    spans = split_units(describe(config), (3,))
     stages = [cut_vision_language(config, tensors, 1, span=span) for span in spans]
-    with pytest.raises(ValueError, match=r"needs \['vision_hidden', 'projector_input'\]; "
-                                         r"missing \['projector_input'\]"):
-        forward_vision_language_pipeline(
+    with pytest.raises(ValueError, match=r"starting at unit 3 needs \['projector_input'\]; "
+                                         r"missing \['projector_input'\] \(received "
+                                         r"\['vision_hidden'\]\)"):
+        forward_vision_language_pipeline(  # the last vision layer's output is the wrong tensor
             config, stages, spans, ref,
-            lambda cut, payload: {"vision_hidden": payload["vision_hidden"]})
+            lambda cut, payload: {"vision_hidden": payload["projector_input"]})
 
 
 @pytest.mark.parametrize(("spans", "message"), [

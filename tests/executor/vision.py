@@ -219,14 +219,15 @@ def handoff_keys(arch: VisionArch, stop: int) -> tuple[str, ...]:
     """What crosses a cut before unit ``stop``: only the tensors a later unit still needs.
 
     ``vision_hidden`` (the vision stream, [B, P, D] / [N, D]) while vision layers remain;
-    ``projector_input`` once the selected vision hidden state exists and until the projector ran;
-    ``image_features`` [image tokens, H] between the projector and decoder layer 0; ``hidden``
-    (the decoder's residual stream) inside the decoder.
+    ``projector_input`` from after the selected vision hidden state until the projector ran
+    (at the cut right after it, while vision layers remain, the stream is that state and the
+    next stage selects it itself); ``image_features`` [image tokens, H] between the projector
+    and decoder layer 0; ``hidden`` (the decoder's residual stream) inside the decoder.
     """
     keys = []
     if 0 < stop < arch.n_vision:
         keys.append("vision_hidden")
-    if arch.feature_index <= stop <= arch.n_vision:
+    if arch.feature_index < stop <= arch.n_vision or stop == arch.feature_index == arch.n_vision:
         keys.append("projector_input")
     if stop == arch.n_vision + 1:
         keys.append("image_features")
@@ -323,6 +324,8 @@ def forward_vision_language_tensor_parallel(
     if missing:
         raise ValueError(f"a stage starting at unit {start} needs {list(needed)}; missing "
                          f"{missing} (received {sorted(state)})")
+    if 0 < start == arch.feature_index < arch.n_vision:  # the stream is the selected state
+        state["projector_input"] = _select(arch, np.asarray(state["vision_hidden"], dtype=F32))
     result = VisionLanguageResult(span=span)
     if span.vision:
         _run_vision(arch, local, span.vision, reference_inputs, state, result)
