@@ -277,6 +277,17 @@ def test_a_clip_rank_missing_a_value_head_is_refused() -> None:
         forward_vision_language_tensor_parallel(config, ranks, ref)
 
 
+def test_projector_ranks_holding_the_same_half_are_refused() -> None:
+    config, tensors, ref = fixture("llava")
+    ranks = cut_vision_language(config, tensors, 2)
+    first, second = "multi_modal_projector.linear_1", "multi_modal_projector.linear_2"
+    for rank in ranks:  # both ranks: linear_1 rows 0-31, linear_2 columns 0-31
+        for name, axis in ((f"{first}.weight", 0), (f"{first}.bias", 0), (f"{second}.weight", 1)):
+            replace(rank, name, tensors[name], Selection(axis, ((0, 32),)))
+    with pytest.raises(ShardingError, match="linear_2: slices do not partition 64"):
+        forward_vision_language_tensor_parallel(config, ranks, ref)
+
+
 def test_replicated_vision_ranks_that_disagree_are_refused() -> None:
     config, tensors, ref = fixture("qwen2_vl")
     ranks = cut_vision_language(config, tensors, 2, replicate_vision=True)

@@ -98,6 +98,7 @@ class VisionArch:
     intermediate: int
     eps: float
     act: Callable[[Array], Array]
+    projector_act: Callable[[Array], Array]
     layer: str  # prefix of vision layer i, with "{}"
     names: Mapping[str, str]  # role -> canonical module name inside a vision layer
     feature_index: int  # which vision hidden state feeds the projector (0: the embedding)
@@ -146,6 +147,7 @@ def describe(config: Mapping[str, Any]) -> VisionArch:
             model_type=mt, width=width, heads=heads, head_dim=width // heads, n_vision=n_vision,
             intermediate=int(v["intermediate_size"]), eps=float(v.get("layer_norm_eps", 1e-5)),
             act=ops.ACTIVATIONS[v.get("hidden_act", "quick_gelu")],
+            projector_act=ops.ACTIVATIONS[config.get("projector_hidden_act", "gelu")],
             layer="vision_tower.encoder.layers.{}.", names=_CLIP_NAMES,
             feature_index=layer % (n_vision + 1), drop_cls=strategy == "default",
             image_token=int(config["image_token_index"]), video_token=None, merge=1,
@@ -159,6 +161,7 @@ def describe(config: Mapping[str, Any]) -> VisionArch:
         model_type=mt, width=width, heads=heads, head_dim=width // heads, n_vision=n_vision,
         intermediate=int(width * float(v["mlp_ratio"])), eps=1e-6,
         act=ops.ACTIVATIONS[v.get("hidden_act", "quick_gelu")],
+        projector_act=ops.gelu,  # the merger's nn.GELU()
         layer="visual.blocks.{}.", names=_QWEN_NAMES, feature_index=n_vision, drop_cls=False,
         image_token=int(config["image_token_id"]), video_token=config.get("video_token_id"),
         merge=int(v.get("spatial_merge_size", 2)), decoder=text,
@@ -592,22 +595,17 @@ def _project(arch: VisionArch, ranks: Sequence[RankShard], features: Array) -> A
     """llava's two-layer projector, or Qwen2-VL's patch merger: ``image_features`` [N, H]."""
     features = np.asarray(features, dtype=F32)
     if arch.model_type == "llava":
-        first = "multi_modal_projector.linear_1"
-        inner = _out_features(ranks, first)
-        out = _column_row(ranks, first, "multi_modal_projector.linear_2", features, ops.gelu, inner)
+        inner = int(arch.decoder["hidden_size"])  # linear_1: vision width -> decoder width
+        out = _column_row(ranks, "multi_modal_projector.linear_1",
+                          "multi_modal_projector.linear_2", features, arch.projector_act, inner)
         return out.reshape(-1, out.shape[-1])
     x = _layer_norm(arch, ranks, "visual.merger.ln_q", features)
     group = arch.merge * arch.merge
     if x.shape[0] % group:
         raise ValueError(f"{x.shape[0]} patches are not whole {arch.merge}x{arch.merge} groups")
     x = x.reshape(-1, group * arch.width)  # each run of merge*merge patch rows, concatenated
-    return _column_row(ranks, "visual.merger.mlp.0", "visual.merger.mlp.2", x, ops.gelu,
-                       group * arch.width)
-
-
-def _out_features(ranks: Sequence[RankShard], prefix: str) -> int:
-    """The global output width of a column-parallel projection (largest index + 1)."""
-    return int(max(rank.indices(f"{prefix}.weight", 0).max() for rank in ranks)) + 1
+    return _column_row(ranks, "visual.merger.mlp.0", "visual.merger.mlp.2", x,
+                       arch.projector_act, group * arch.width)
 
 
 # --------------------------------------------------------------------------- decoder
