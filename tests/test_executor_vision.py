@@ -33,18 +33,26 @@ from executor.vision_cut import cut_vision_language
 
 MODELS = ["llava", "qwen2_vl"]
 TOLERANCE = 1e-4
-# Cut positions in the unit sequence (3 vision layers, projector, 2 decoder layers): a cut c
-# falls before unit c. 1, 2: inside the vision tower; 3: vision -> projector; 4: projector ->
-# decoder; 5: inside the decoder.
-CUTS = [(), *[(c,) for c in range(1, 6)], (1, 4), (2, 3), (2, 5), (3, 5), (4, 5), (1, 2)]
-# What crosses each cut (read off the fixtures README: llava's projector reads vision layer 1's
-# output without CLS, so after vision layer 2 that, not the stream, crosses; Qwen2-VL's reads the
-# last vision layer's; image features go to the decoder).
+# The unit sequence: the vision layers that reach the projector (llava: 2 of its 3, as
+# vision_feature_layer is -2; qwen2_vl: all 3), the projector, the 2 decoder layers. A cut c falls
+# before unit c; every cut of S = 2 and S = 3 is run.
+UNITS = {"llava": 5, "qwen2_vl": 6}
+CASES = [(name, cuts) for name, n in UNITS.items()
+         for cuts in [(), *itertools.combinations(range(1, n), 1),
+                      *itertools.combinations(range(1, n), 2)]]
+# What crosses each cut, read off the fixtures README: the vision stream up to the projector
+# (llava: the output of layer 1 with CLS; the projector drops it), then image features, then the
+# decoder stream; with them the request's ids, image mask (and Qwen2-VL's grid, or M-RoPE ids).
+VISION, MERGED, DECODER = "vision", "projector", "decoder"
+CUT_KINDS = {"llava": {1: VISION, 2: VISION, 3: MERGED, 4: DECODER},
+             "qwen2_vl": {1: VISION, 2: VISION, 3: VISION, 4: MERGED, 5: DECODER}}
 HANDOFF = {
-    "llava": {1: {"vision_hidden"}, 2: {"vision_hidden"}, 3: {"projector_input"},
-              4: {"image_features"}, 5: {"hidden"}},
-    "qwen2_vl": {1: {"vision_hidden"}, 2: {"vision_hidden"}, 3: {"projector_input"},
-                 4: {"image_features"}, 5: {"hidden"}},
+    ("llava", VISION): {"vision_hidden", "input_ids", "image_mask"},
+    ("llava", MERGED): {"image_features", "input_ids", "image_mask"},
+    ("llava", DECODER): {"hidden"},
+    ("qwen2_vl", VISION): {"vision_hidden", "input_ids", "image_mask", "image_grid_thw"},
+    ("qwen2_vl", MERGED): {"image_features", "input_ids", "image_mask", "image_grid_thw"},
+    ("qwen2_vl", DECODER): {"hidden", "position_ids"},
 }
 
 
@@ -177,24 +185,33 @@ def test_two_ranks_really_hold_slices_of_the_vision_heads_projector_and_decoder(
                                       np.take(tensors[tensor], rows, axis=selection.axis))
 
 
-@pytest.mark.parametrize("cuts", CUTS, ids=[f"cuts{'-'.join(map(str, c)) or 'none'}" for c in CUTS])
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(("name", "cuts"), CASES,
+                         ids=[f"{n}-cuts{'-'.join(map(str, c)) or 'none'}" for n, c in CASES])
 def test_pipeline_stages_reproduce_hf_and_hand_on_exactly_what_crosses_each_cut(
-    name: str, tp: int, cuts: tuple[int, ...]
+    name: str, cuts: tuple[int, ...], tp: int
 ) -> None:
     ref = fixture(name)[2]
     result = pipeline(name, tp, cuts)
     assert_every_boundary(result.whole, ref)
     assert len(result.sent) == len(cuts)
     for cut, payload in zip(cuts, result.sent, strict=True):
-        assert set(payload) == HANDOFF[name][cut]
-        expected = {"vision_hidden": ref["vision_layer_outputs"][min(cut, 3) - 1],
-                    "projector_input": ref["projector_input"],
-                    "image_features": ref["image_features"],
-                    "hidden": ref["layer_outputs"][0]}
-        for key, value in payload.items():
-            assert_matches(value, expected[key])
+        kind = CUT_KINDS[name][cut]
+        assert set(payload) == HANDOFF[name, kind]
+        if kind == VISION:
+            assert_matches(payload["vision_hidden"], ref["vision_layer_outputs"][cut - 1])
+        elif kind == MERGED:
+            assert_matches(payload["image_features"], ref["image_features"])
+        else:
+            assert_matches(payload["hidden"], ref["layer_outputs"][0])
+        if "image_mask" in payload:
+            np.testing.assert_array_equal(payload["input_ids"], ref["input_ids"])
+            np.testing.assert_array_equal(payload["image_mask"], ref["input_ids"] == 126)
+            assert payload["input_ids"].dtype == np.int32 and payload["image_mask"].dtype == bool
+        if "image_grid_thw" in payload:
+            np.testing.assert_array_equal(payload["image_grid_thw"], ref["image_grid_thw"])
+        if "position_ids" in payload:
+            np.testing.assert_array_equal(payload["position_ids"], ref["position_ids"])
 
 
 def test_a_stage_holds_only_the_tensors_of_its_own_units() -> None:
@@ -203,6 +220,7 @@ def test_a_stage_holds_only_the_tensors_of_its_own_units() -> None:
     assert spans == [Span(vision=range(0, 2)),
                      Span(vision=range(2, 3), projector=range(0, 1)),
                      Span(decoder=range(0, 2))]
+    assert len(split_units(describe(fixture("llava")[0]), ())[0].vision) == 2  # layer 2 unused
     first, middle, last = (set(cut_vision_language(config, tensors, 2, span=s)[0].tensors)
                            for s in spans)
     assert "visual.patch_embed.proj.weight" in first and "visual.blocks.1.norm1.weight" in first
@@ -215,19 +233,22 @@ def test_a_stage_holds_only_the_tensors_of_its_own_units() -> None:
 
 def test_pipeline_applies_transfer_to_the_payload_of_every_cut() -> None:
     config, tensors, ref = fixture("llava")
-    spans = split_units(describe(config), (2, 4, 5))
+    spans = split_units(describe(config), (2, 3, 4))
     stages = [cut_vision_language(config, tensors, 2, span=span) for span in spans]
     calls: list[int] = []
 
     def bf16_round_trip(cut: int, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         calls.append(cut)
-        return {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in payload.items()}
+        return {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) if v.dtype == np.float32
+                else v for k, v in payload.items()}
 
     result = forward_vision_language_pipeline(config, stages, spans, ref, bf16_round_trip)
     assert calls == [0, 1, 2]
-    for sent, received in zip(result.sent, result.received, strict=True):
+    for cut, (sent, received) in enumerate(zip(result.sent, result.received, strict=True)):
         assert list(sent) == list(received)
-        for key in sent:
+        floats = [key for key in sent if sent[key].dtype == np.float32]
+        assert floats == [("vision_hidden", "image_features", "hidden")[cut]]
+        for key in floats:
             np.testing.assert_array_equal(
                 received[key], sent[key].astype(ml_dtypes.bfloat16).astype(np.float32))
     assert result.whole.logits is not None
@@ -353,18 +374,40 @@ def test_a_payload_missing_what_the_next_stage_needs_is_refused() -> None:
     config, tensors, ref = fixture("llava")
     spans = split_units(describe(config), (3,))
     stages = [cut_vision_language(config, tensors, 1, span=span) for span in spans]
-    with pytest.raises(ValueError, match=r"starting at unit 3 needs \['projector_input'\]; "
-                                         r"missing \['projector_input'\] \(received "
-                                         r"\['vision_hidden'\]\)"):
-        forward_vision_language_pipeline(  # the last vision layer's output is the wrong tensor
+    with pytest.raises(ValueError, match=r"starting at unit 3 needs \['image_features', "
+                                         r"'input_ids', 'image_mask'\]; missing \['image_mask'\]"):
+        forward_vision_language_pipeline(
             config, stages, spans, ref,
-            lambda cut, payload: {"vision_hidden": payload["projector_input"]})
+            lambda cut, payload: {k: v for k, v in payload.items() if k != "image_mask"})
+
+
+def test_a_stage_uses_the_image_mask_and_positions_it_received() -> None:
+    config, tensors, ref = fixture("qwen2_vl")
+    spans = split_units(describe(config), (4, 5))
+    stages = [cut_vision_language(config, tensors, 2, span=span) for span in spans]
+
+    def damage(cut: int, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if cut == 0:  # the image rows one position later
+            return {**payload, "image_mask": np.roll(payload["image_mask"], 1, axis=-1)}
+        return {**payload, "position_ids": np.broadcast_to(np.arange(16, dtype=np.int32),
+                                                           (3, 1, 16))}
+
+    first = forward_vision_language_pipeline(config, stages, spans, ref,
+                                             lambda c, p: damage(c, p) if c == 0 else p)
+    assert first.whole.layer_inputs[0] is not None
+    assert rel_err(first.whole.layer_inputs[0], ref["layer_inputs"][0]) > 1e-2
+    second = forward_vision_language_pipeline(config, stages, spans, ref,
+                                              lambda c, p: damage(c, p) if c == 1 else p)
+    assert_matches(second.whole.layer_outputs[0], ref["layer_outputs"][0])
+    assert second.whole.logits is not None
+    assert rel_err(second.whole.logits, ref["logits"]) > 1e-2
 
 
 @pytest.mark.parametrize(("spans", "message"), [
-    ([Span(vision=range(0, 3), decoder=range(0, 2))], "not a non-empty contiguous run"),
-    ([Span(vision=range(0, 2)), Span(projector=range(1), decoder=range(2))], "not consecutive"),
-    ([Span(vision=range(0, 3), projector=range(1))], "cover 4 of 6 units"),
+    ([Span(vision=range(0, 2), decoder=range(0, 2))], "not a non-empty contiguous run"),
+    ([Span(vision=range(0, 1)), Span(projector=range(1), decoder=range(2))], "not consecutive"),
+    ([Span(vision=range(0, 2), projector=range(1))], "cover 3 of 5 units"),
+    ([Span(vision=range(0, 3))], r"range\(0, 3\) is not a part of range\(2\)"),
 ])
 def test_stage_spans_must_be_contiguous_and_cover_every_unit(
     spans: list[Span], message: str

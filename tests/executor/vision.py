@@ -1,11 +1,12 @@
 """Vision-language forward passes (llava, qwen2_vl): vision tower -> projector -> decoder.
 
-The model is one sequence of units: the vision layers ``0..V-1``, the projector (llava's
-``multi_modal_projector``, Qwen2-VL's ``visual.merger``: one unit) and the decoder layers
-``0..L-1``. A pipeline stage runs a contiguous slice of it (a :class:`Span`); what crosses a cut
-is a dict of named tensors (see :func:`handoff_keys`). Every stage sees the model inputs
-(``input_ids``, ``pixel_values``, ``image_grid_thw``), as a pipeline's first stage feeds the
-pixels and every decoder stage derives its positions from the ids.
+The model is one sequence of units: the vision layers that reach the projector ``0..U-1``
+(llava: the ``vision_feature_layer`` ones; the tower's later layers never reach the logits and
+run with the last vision unit, so that HF's ``vision_layer_outputs`` can still be checked), the
+projector (llava's ``multi_modal_projector``, Qwen2-VL's ``visual.merger``: one unit) and the
+decoder layers ``0..L-1``. A pipeline stage runs a contiguous slice of it (a :class:`Span`); what
+crosses a cut is a dict of named tensors (see :func:`handoff_keys`), and a stage prefers what it
+received (ids, image mask, grid, M-RoPE ids) over the model inputs it also sees.
 
 Each rank computes with its own local tensors only and the results meet in the strict simulated
 collectives of :mod:`.shard`: vision heads split (CLIP's separate q/k/v, Qwen2-VL's fused
@@ -94,14 +95,14 @@ class VisionArch:
     width: int  # vision hidden size (Qwen2-VL: embed_dim)
     heads: int
     head_dim: int
-    n_vision: int
+    n_vision: int  # every layer of the tower
+    n_used: int  # the layers that reach the projector: the vision units
     intermediate: int
     eps: float
     act: Callable[[Array], Array]
     projector_act: Callable[[Array], Array]
     layer: str  # prefix of vision layer i, with "{}"
     names: Mapping[str, str]  # role -> canonical module name inside a vision layer
-    feature_index: int  # which vision hidden state feeds the projector (0: the embedding)
     drop_cls: bool
     image_token: int
     video_token: int | None
@@ -112,7 +113,7 @@ class VisionArch:
     @property
     def n_units(self) -> int:
         """Vision layers, the projector and the decoder layers."""
-        return self.n_vision + 1 + self.n_decoder
+        return self.n_used + 1 + self.n_decoder
 
 
 _CLIP_NAMES = {
@@ -149,7 +150,7 @@ def describe(config: Mapping[str, Any]) -> VisionArch:
             act=ops.ACTIVATIONS[v.get("hidden_act", "quick_gelu")],
             projector_act=ops.ACTIVATIONS[config.get("projector_hidden_act", "gelu")],
             layer="vision_tower.encoder.layers.{}.", names=_CLIP_NAMES,
-            feature_index=layer % (n_vision + 1), drop_cls=strategy == "default",
+            n_used=_used_layers(layer, n_vision), drop_cls=strategy == "default",
             image_token=int(config["image_token_index"]), video_token=None, merge=1,
             decoder=text, n_decoder=int(text["num_hidden_layers"]),
         )
@@ -162,11 +163,19 @@ def describe(config: Mapping[str, Any]) -> VisionArch:
         intermediate=int(width * float(v["mlp_ratio"])), eps=1e-6,
         act=ops.ACTIVATIONS[v.get("hidden_act", "quick_gelu")],
         projector_act=ops.gelu,  # the merger's nn.GELU()
-        layer="visual.blocks.{}.", names=_QWEN_NAMES, feature_index=n_vision, drop_cls=False,
+        layer="visual.blocks.{}.", names=_QWEN_NAMES, n_used=n_vision, drop_cls=False,
         image_token=int(config["image_token_id"]), video_token=config.get("video_token_id"),
         merge=int(v.get("spatial_merge_size", 2)), decoder=text,
         n_decoder=int(text["num_hidden_layers"]),
     )
+
+
+def _used_layers(feature_layer: int, n_vision: int) -> int:
+    """HF ``hidden_states[k]`` is layer ``k - 1``'s output: the projector needs ``k`` layers."""
+    used = feature_layer % (n_vision + 1)
+    if used == 0:
+        raise NotImplementedError("a projector reading the vision embeddings (no vision layer)")
+    return used
 
 
 # --------------------------------------------------------------------------- spans
@@ -183,9 +192,9 @@ class Span:
     def bounds(self, arch: VisionArch) -> tuple[int, int]:
         """``[start, stop)`` in the unit sequence; the parts must be contiguous in it."""
         parts = [
-            (self.vision, 0, arch.n_vision),
-            (self.projector, arch.n_vision, 1),
-            (self.decoder, arch.n_vision + 1, arch.n_decoder),
+            (self.vision, 0, arch.n_used),
+            (self.projector, arch.n_used, 1),
+            (self.decoder, arch.n_used + 1, arch.n_decoder),
         ]
         units: list[int] = []
         for rng, offset, size in parts:
@@ -199,7 +208,7 @@ class Span:
 
 def full_span(arch: VisionArch) -> Span:
     """Every unit of the model."""
-    return Span(range(arch.n_vision), range(1), range(arch.n_decoder))
+    return Span(range(arch.n_used), range(1), range(arch.n_decoder))
 
 
 def split_units(arch: VisionArch, cuts: Sequence[int]) -> list[Span]:
@@ -209,7 +218,7 @@ def split_units(arch: VisionArch, cuts: Sequence[int]) -> list[Span]:
     for start, stop in itertools.pairwise(bounds):
         if not 0 <= start < stop <= arch.n_units:
             raise ValueError(f"cuts {list(cuts)} do not split range({arch.n_units})")
-        v, d0 = arch.n_vision, arch.n_vision + 1
+        v, d0 = arch.n_used, arch.n_used + 1
         spans.append(Span(
             range(min(start, v), min(stop, v)),
             range(0, 1) if start <= v < stop else range(0),
@@ -219,24 +228,24 @@ def split_units(arch: VisionArch, cuts: Sequence[int]) -> list[Span]:
 
 
 def handoff_keys(arch: VisionArch, stop: int) -> tuple[str, ...]:
-    """What crosses a cut before unit ``stop``: only the tensors a later unit still needs.
+    """What crosses a cut before unit ``stop``: only what a later unit still needs.
 
-    ``vision_hidden`` (the vision stream, [B, P, D] / [N, D]) while vision layers remain;
-    ``projector_input`` from after the selected vision hidden state until the projector ran
-    (at the cut right after it, while vision layers remain, the stream is that state and the
-    next stage selects it itself); ``image_features`` [image tokens, H] between the projector
-    and decoder layer 0; ``hidden`` (the decoder's residual stream) inside the decoder.
+    ``vision_hidden`` (the vision stream after the last vision unit run, [B, 1 + P, D] for
+    llava, [N, D] for Qwen2-VL) up to the projector, with the request's ``input_ids`` [B, S]
+    (int32), ``image_mask`` [B, S] (bool) and, for Qwen2-VL, ``image_grid_thw`` [images, 3]
+    (int32); ``image_features`` [image tokens, H] and the same between the projector and decoder
+    layer 0; ``hidden`` (the decoder's residual stream) inside the decoder, with Qwen2-VL's
+    ``position_ids`` [3, B, S] (int32).
     """
-    keys = []
-    if 0 < stop < arch.n_vision:
-        keys.append("vision_hidden")
-    if arch.feature_index < stop <= arch.n_vision or stop == arch.feature_index == arch.n_vision:
-        keys.append("projector_input")
-    if stop == arch.n_vision + 1:
-        keys.append("image_features")
-    if arch.n_vision + 1 < stop < arch.n_units:
-        keys.append("hidden")
-    return tuple(keys)
+    qwen = arch.model_type == "qwen2_vl"
+    request = ("input_ids", "image_mask", *(("image_grid_thw",) if qwen else ()))
+    if 0 < stop <= arch.n_used:
+        return ("vision_hidden", *request)
+    if stop == arch.n_used + 1:
+        return ("image_features", *request)
+    if arch.n_used + 1 < stop < arch.n_units:
+        return ("hidden", *(("position_ids",) if qwen else ()))
+    return ()
 
 
 # --------------------------------------------------------------------------- results
@@ -327,14 +336,18 @@ def forward_vision_language_tensor_parallel(
     if missing:
         raise ValueError(f"a stage starting at unit {start} needs {list(needed)}; missing "
                          f"{missing} (received {sorted(state)})")
-    if 0 < start == arch.feature_index < arch.n_vision:  # the stream is the selected state
-        state["projector_input"] = _select(arch, np.asarray(state["vision_hidden"], dtype=F32))
+    ids = np.asarray(state.get("input_ids", reference_inputs["input_ids"]))
+    state.setdefault("input_ids", ids.astype(np.int32))
+    state.setdefault("image_mask", ids == arch.image_token)
+    if arch.model_type == "qwen2_vl":
+        state.setdefault("image_grid_thw", np.asarray(reference_inputs["image_grid_thw"],
+                                                      dtype=np.int32))
     result = VisionLanguageResult(span=span)
     if span.vision:
         _run_vision(arch, local, span.vision, reference_inputs, state, result)
     if span.projector:
-        result.projector_input = state["projector_input"]
-        state["image_features"] = _project(arch, local, state["projector_input"])
+        result.projector_input = _select(arch, np.asarray(state["vision_hidden"], dtype=F32))
+        state["image_features"] = _project(arch, local, result.projector_input)
         result.image_features = state["image_features"]
     if span.decoder:
         _run_decoder(arch, local, span.decoder, reference_inputs, state, result, position_ids)
@@ -403,33 +416,35 @@ def _gather(results: Sequence[VisionLanguageResult]) -> VisionLanguageResult:
 def _run_vision(
     arch: VisionArch,
     ranks: Sequence[RankShard],
-    layers: range,
+    units: range,
     inputs: Mapping[str, Array],
     state: dict[str, Array],
     result: VisionLanguageResult,
 ) -> None:
-    if layers.start == 0:
+    """The vision units (and, with the last one, the tower's layers past the selected one)."""
+    if units.start == 0:
         stream = _vision_embed(arch, ranks, inputs)
-        if arch.feature_index == 0:
-            state["projector_input"] = _select(arch, stream)
     else:
         stream = np.asarray(state["vision_hidden"], dtype=F32)
     rope = segments = None
     if arch.model_type == "qwen2_vl":
-        grid = np.asarray(inputs["image_grid_thw"])
+        grid = np.asarray(state["image_grid_thw"])
         rope = vision_rope(arch, grid)
         segments = np.repeat(np.arange(int(grid[:, 0].sum())), np.repeat(grid[:, 1] * grid[:, 2],
                                                                            grid[:, 0]))
         if len(segments) != stream.shape[0]:
             raise ValueError(f"image_grid_thw {grid.tolist()} gives {len(segments)} patches; the "
                              f"vision stream has {stream.shape[0]}")
+    layers = list(units)
+    if units.stop == arch.n_used:
+        layers += range(arch.n_used, arch.n_vision)
     for layer in layers:
         result.vision_layer_inputs.append(stream)
-        stream = _vision_layer(arch, ranks, layer, stream, rope, segments)
-        result.vision_layer_outputs.append(stream)
-        if layer + 1 == arch.feature_index:
-            state["projector_input"] = _select(arch, stream)
-    state["vision_hidden"] = stream
+        out = _vision_layer(arch, ranks, layer, stream, rope, segments)
+        result.vision_layer_outputs.append(out)
+        if layer < arch.n_used:
+            state["vision_hidden"] = out
+        stream = out
 
 
 def _select(arch: VisionArch, stream: Array) -> Array:
@@ -683,17 +698,21 @@ def _run_decoder(
     result: VisionLanguageResult,
     position_ids: Array | None,
 ) -> None:
-    ids = np.asarray(inputs["input_ids"])
+    ids = np.asarray(state["input_ids"]).astype(np.int64)
     if layers.start == 0:
         embedded = forward_tensor_parallel(arch.decoder, ranks, ids, layers=range(0, 0)).hidden
-        hidden = merge_image_features(arch, ids, embedded, state["image_features"])
+        hidden = merge_image_features(np.asarray(state["image_mask"]), embedded,
+                                      state["image_features"])
     else:
         hidden = np.asarray(state["hidden"], dtype=F32)
     rope = None
     if arch.model_type == "qwen2_vl":
-        if position_ids is None:
-            position_ids, _ = _mrope_ids(arch, ids, inputs.get("image_grid_thw"))
-        result.position_ids = np.asarray(position_ids)
+        if "position_ids" in state:
+            position_ids = state["position_ids"]
+        elif position_ids is None:
+            position_ids, _ = _mrope_ids(arch, ids, state["image_grid_thw"])
+        result.position_ids = np.asarray(position_ids).astype(np.int64)
+        state["position_ids"] = result.position_ids.astype(np.int32)
         rope = mrope_tables(arch.decoder, result.position_ids)
     out = forward_tensor_parallel(arch.decoder, ranks, ids, layers=layers, hidden_in=hidden,
                                   rope=rope)
@@ -702,9 +721,10 @@ def _run_decoder(
     state["hidden"] = out.hidden
 
 
-def merge_image_features(arch: VisionArch, ids: Array, embedded: Array, features: Array) -> Array:
-    """The token embeddings with the image-token rows replaced, in order, by ``features``."""
-    mask = np.asarray(ids) == arch.image_token
+def merge_image_features(mask: Array, embedded: Array, features: Array) -> Array:
+    """The token embeddings with the ``mask`` rows (image tokens) replaced, in order, by
+    ``features``."""
+    mask = np.asarray(mask, dtype=bool)
     features = np.asarray(features, dtype=F32)
     if int(mask.sum()) != features.shape[0]:
         raise ValueError(f"{int(mask.sum())} image tokens in the ids; {features.shape[0]} image "

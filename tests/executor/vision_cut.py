@@ -53,12 +53,12 @@ def _part(arch: VisionArch, name: str) -> tuple[str, int | None, str]:
 def keeps(arch: VisionArch, span: Span, name: str) -> bool:
     """Whether a stage running ``span`` holds the (canonical) tensor ``name``."""
     part, unit, _ = _part(arch, name)
-    if part == "vision":
-        return unit in span.vision
+    if part == "vision":  # the layers past the selected one stay with the last vision unit
+        return min(unit, arch.n_used - 1) in span.vision if unit is not None else False
     if part == "vision_embed":
         return 0 in span.vision
-    if part == "vision_post":  # never reaches the logits; kept with the last vision layer
-        return arch.n_vision - 1 in span.vision
+    if part == "vision_post":  # never reaches the logits; kept with the last vision unit
+        return arch.n_used - 1 in span.vision
     if part == "projector":
         return bool(span.projector)
     if part == "decoder":
