@@ -29,6 +29,7 @@ from partc.library import (
     read_family_source,
 )
 from partc.partition.boundary import PipelineActivationDtype
+from partc.partition.ownership import GroupParallelMode
 from partc.plan import GroupSite, Plan, Topology, realize_plan
 
 if TYPE_CHECKING:
@@ -195,7 +196,8 @@ def _tensor_file(checkpoint: Checkpoint, error: PartcError) -> SourceLocation:
 
 def compile_family(family: str | Path | None, config: str | Path, *,
                    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                   stage_units: Sequence[int] | None = None,
+                   stage_units: Sequence[int] | Sequence[Sequence[tuple[str, int]]] | None = None,
+                   group_modes: Sequence[tuple[str, GroupParallelMode]] | None = None,
                    policy: ShardingPolicy | None = None,
                    activation_dtype: str | None = None,
                    checkpoint: str | Path | None = None,
@@ -203,6 +205,8 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    digests: bool = False) -> CompileResult:
     """Compile a family for a model config and topology; write the build to `out` if given.
 
+    `stage_units` is one unit count per stage, or per stage its (execution group, units)
+    runs (`partition.stages`); `group_modes` overrides the family's per-group `parallel:`.
     `digests` (needs `checkpoint`) records the sha256 of every rank-local tensor in the plan,
     for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. Raises a
     PartcError (PartcErrors when several were found) and writes nothing on failure.
@@ -216,9 +220,15 @@ def compile_family(family: str | Path | None, config: str | Path, *,
         raise LoadError(f"activation dtype must be one of "
                         f"{', '.join(d.value for d in PipelineActivationDtype)}, found "
                         f"{activation_dtype!r}") from None
+    named = bool(stage_units) and not isinstance(next(iter(stage_units or ())), int)
     topology = Topology(tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size,
-                        stage_units=tuple(stage_units) if stage_units else None, policy=policy,
+                        stage_units=tuple(stage_units) if stage_units and not named  # type: ignore[arg-type]
+                        else None,
+                        stage_layout=tuple(tuple((str(g), int(n)) for g, n in runs)  # type: ignore[union-attr]
+                                           for runs in stage_units) if named and stage_units
+                        else None,
+                        group_modes=tuple(group_modes or ()), policy=policy,
                         activation_dtype=dtype)
     if digests and checkpoint is None:
         raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "

@@ -55,7 +55,15 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-def _stage_units(text: str) -> tuple[int, ...]:
+def _stage_units(text: str) -> Any:
+    """Unit counts per stage (`3,5,4`), or a stage layout naming groups (`vision*3|decoder*2`)."""
+    from partc.partition.stages import is_named_layout, parse_stage_layout
+
+    if is_named_layout(text):
+        try:
+            return parse_stage_layout(text)
+        except PartcError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
@@ -67,6 +75,18 @@ def _stage_units(text: str) -> tuple[int, ...]:
             f"every pipeline stage needs at least one unit: expected positive counts such as "
             f"3,5,4, found {bad} in {text!r}")
     return values
+
+
+def _group_mode(text: str) -> tuple[str, Any]:
+    """`vision=replicated`: an execution group and its parallel mode."""
+    from partc.partition.ownership import GroupParallelMode
+
+    group, _, mode = text.partition("=")
+    modes = ", ".join(m.value for m in GroupParallelMode)
+    if not group or mode not in {m.value for m in GroupParallelMode}:
+        raise argparse.ArgumentTypeError(f"expected GROUP=MODE with MODE one of {modes}, found "
+                                         f"{text!r}")
+    return group, GroupParallelMode(mode)
 
 
 MAX_PARALLEL_SIZE = 1024
@@ -102,7 +122,14 @@ def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
                              "--pp-layers counts)")
     parser.add_argument("--pp-layers", type=_stage_units, default=None,
                         help="explicit units per pipeline stage, e.g. 3,5,4 (one count per "
-                             "stage, summing to the model's units)")
+                             "stage, summing to the model's units), or per stage and "
+                             "execution group in the layout notation partc prints, e.g. "
+                             "'vision*3,projector|decoder*2' (stages split by `|`)")
+    parser.add_argument("--group-mode", type=_group_mode, action="append", default=None,
+                        metavar="GROUP=MODE",
+                        help="parallel mode of an execution group, overriding the family's "
+                             "`parallel:`: split, replicated, one_stage or "
+                             "replicated_one_stage (repeatable)")
     parser.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="what to do with shards illegal for the topology (default: the "
                              "family's, else require)")
@@ -421,7 +448,16 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
                            "kv_replicas": layout.kv_replicas})
     facts = plan_summary(body, lambda name: sizes.get(name, 0))
     facts["kv_replication"] = kv_replicated(kv)
+    if "pipeline" in body:  # a multi-group graph: how its stages were chosen
+        facts["pipeline"] = body["pipeline"]
     return facts
+
+
+def _spell_layers(layers: Any) -> str:
+    """`--pp-layers` as given: counts `3,5,4`, or a named layout `vision*3|decoder*2`."""
+    if layers and isinstance(layers[0], tuple):
+        return "|".join(",".join(f"{g}*{n}" for g, n in runs) for runs in layers)
+    return ",".join(map(str, layers))
 
 
 def _print_facts(facts: dict[str, Any]) -> None:
@@ -430,6 +466,13 @@ def _print_facts(facts: dict[str, Any]) -> None:
     print()
     for line in stage_lines(facts["stages"], imbalance=facts["stage_imbalance"]):
         print(line)
+    pipeline = facts.get("pipeline")
+    if pipeline:
+        modes = ", ".join(f"{g} {m}" for g, m in pipeline["group_modes"].items())
+        how = ("as --pp-layers gives it" if pipeline["balance"] == "explicit"
+               else f"balanced by {pipeline['balance']}")
+        print(f"pipeline layout ({how}): {pipeline['layout']}")
+        print(f"group modes: {modes}")
     for line in fallback_lines(facts["fallbacks"], facts["kv_replication"]) or [
             "fallbacks: none; KV replication: none"]:
         print(line)
@@ -475,6 +518,7 @@ def _compile(args: argparse.Namespace) -> int:
         result = compile_family(
             args.family, args.config, tensor_parallel_size=args.tp,
             pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
+            group_modes=args.group_mode,
             policy=_policy(args.policy), activation_dtype=args.activation_dtype,
             checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests)
     plan = result.plan
@@ -510,9 +554,13 @@ def _check(args: argparse.Namespace) -> int:
     from partc.plan import Topology
 
     topology = None
-    if args.tp is not None or args.pp is not None or args.pp_layers or args.policy:
+    if (args.tp is not None or args.pp is not None or args.pp_layers or args.policy
+            or args.group_mode):
+        named = bool(args.pp_layers) and isinstance(args.pp_layers[0], tuple)
         topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
-                            stage_units=args.pp_layers, policy=_policy(args.policy))
+                            stage_units=None if named else args.pp_layers,
+                            stage_layout=args.pp_layers if named else None,
+                            group_modes=tuple(args.group_mode or ()), policy=_policy(args.policy))
     with _progress("checking"):
         errors = check_family(args.family, args.config, args.checkpoint)
         facts = None
@@ -666,7 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.pp = len(layers)
     elif layers and args.pp != len(layers):
         parser.error(f"--pp-layers gives {len(layers)} stage sizes "
-                     f"({','.join(map(str, layers))}) but --pp is {args.pp}; expected one unit "
+                     f"({_spell_layers(layers)}) but --pp is {args.pp}; expected one unit "
                      "count per pipeline stage")
     if args.command == "compile" and args.pp is None:
         args.pp = 1

@@ -25,11 +25,19 @@ from partc.partition.boundary import (
     PipelineActivationDtype,
     PipelineWireContract,
 )
-from partc.partition.ownership import ExecutionGroupSpec, ParameterGroupOwner, StaticRoleSpec
+from partc.partition.ownership import (
+    ExecutionGroupSpec,
+    ExecutionUnit,
+    GroupParallelMode,
+    ParameterGroupOwner,
+    StaticRoleSpec,
+)
 from partc.partition.pipeline import ArchitecturePartition, realize_partition
+from partc.partition.stages import StageLayout, choose_stages, spell_layout
 
 if TYPE_CHECKING:
     from partc.bind.binder import BoundArchitecture
+    from partc.partition.ownership import ArchitectureParameterDescription, ExecutionGraph
 
 
 GroupSite = Callable[[str], "tuple[SourceLocation, str] | None"]
@@ -51,6 +59,11 @@ class Topology:
     activation_dtype: PipelineActivationDtype | None = None
     """Dtype of activations on the pipeline wire (None: the model's own, `model_activation_dtype`;
     a plan always records the resolved dtype)."""
+    stage_layout: StageLayout | None = None
+    """Explicit units per stage and execution group (`--pp-layers vision*3|decoder*2`)."""
+    group_modes: tuple[tuple[str, GroupParallelMode], ...] = ()
+    """Parallel mode per execution group chosen at compile time (`--group-mode`), overriding
+    the family's `parallel:`."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -74,7 +87,10 @@ class Topology:
             "policy": self.policy.value if self.policy else None,
             "activation_dtype": None if self.activation_dtype is None
             else self.activation_dtype.value,
-        }
+        } | ({} if self.stage_layout is None else {"stage_layout": [
+            [[g, n] for g, n in runs] for runs in self.stage_layout]}) | (
+            {"group_modes": {g: m.value for g, m in self.group_modes}} if self.group_modes
+            else {})
 
 
 Accounting = tuple[int, int, tuple[tuple[str, int], ...]]
@@ -193,6 +209,33 @@ class GlobalTensor:
     """Pipeline stages that load it (Omit on every other)."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSummary:
+    """How the stages of a multi-group graph were chosen, and what each holds."""
+
+    balance: str
+    """`bytes`, `weight`, `units` or `explicit`."""
+    layout: str
+    """The stage layout in Megatron's notation (`partition.stages`)."""
+    stage_bytes: tuple[int, ...]
+    """Parameter bytes of each stage on its largest tensor-parallel rank."""
+    group_modes: tuple[tuple[str, GroupParallelMode], ...]
+    """Parallel mode of every execution group, canonical order."""
+
+    @property
+    def imbalance(self) -> float:
+        """Largest stage bytes over the mean stage bytes (1.0: perfectly even)."""
+        mean = sum(self.stage_bytes) / len(self.stage_bytes)
+        return max(self.stage_bytes) / mean if mean else 1.0
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form."""
+        return {"balance": self.balance, "layout": self.layout,
+                "stage_bytes": list(self.stage_bytes),
+                "imbalance": round(self.imbalance, 6),
+                "group_modes": {g: m.value for g, m in self.group_modes}}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """The frozen plan IR of one (family, config, topology).
@@ -234,6 +277,12 @@ class Plan:
     omitted: tuple[str, ...] = ()
     """Checkpoint tensors the family's `omit` globs matched: loaded by no rank (the JSON key
     `omitted` is absent when there are none)."""
+    pipeline: PipelineSummary | None = None
+    """How a multi-group graph was cut into stages (the JSON key `pipeline` is absent for a
+    single-group graph, whose stages are balanced by unit count)."""
+    cuts: tuple[tuple[int, str, BoundaryWireSchema], ...] = ()
+    """Per pipeline cut, when the family declares boundaries per execution group: (the stage
+    before the cut, the group of the unit before it, what crosses it); JSON key `cuts`."""
 
     @cached_property
     def tensors(self) -> tuple[GlobalTensor, ...]:
@@ -294,11 +343,14 @@ class Plan:
             "graph": [{"group": g.name, "unit_paths": list(g.unit_paths),
                        "state": g.carries_state, "after": list(g.dependencies)}
                       for g in self.graph],
-            "static_roles": [{"role": r.name, "stage": r.side.value} for r in self.static_roles],
+            "static_roles": [{"role": r.name, "stage": r.spell()} for r in self.static_roles],
             "boundary": self.boundary.to_json(),
             "groups": self._groups_json(),
             "ranks": [r.to_json() for r in self.ranks],
-        } | ({} if self.payload_digests is None else {
+        } | ({} if self.pipeline is None else {"pipeline": self.pipeline.to_json()}) | (
+            {"cuts": [{"after_stage": s, "group": g, "boundary": b.to_json()}
+                      for s, g, b in self.cuts]} if self.cuts else {}) | (
+            {} if self.payload_digests is None else {
             "digests": [dict(rank) for rank in self.payload_digests]}) | (
             {"omitted": list(self.omitted)} if self.omitted else {})
 
@@ -436,6 +488,11 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     tp, pp = topology.tensor_parallel_size, topology.pipeline_parallel_size
     policy = topology.policy or bound.policy or ShardingPolicy.REQUIRE
     description = bound.description
+    graph = description.graph
+    modes = _group_modes(bound, topology)
+    replicated = {g for g, m in modes if m.replicated}
+    if replicated:
+        description = _replicate_groups(description, replicated)
     kinds: list[GroupKind] = []
     kind_index: dict[int, int] = {}  # id of a shared template -> its index in `kinds`
     group_kinds: dict[str, int] = {}
@@ -452,8 +509,27 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             kinds.append(GroupKind(layouts=template))
         group_kinds[owned.group.name] = index
     wire = PipelineWireContract(schema=bound.boundary, activation_dtype=activation)
-    partitions = [realize_partition(description, s, pp, topology.stage_units, boundary=wire)
-                  for s in range(pp)]
+    multi = sum(1 for g in graph.groups if g.units) > 1
+    summary: PipelineSummary | None = None
+    cuts: tuple[tuple[int, str, BoundaryWireSchema], ...] = ()
+    if multi or topology.stage_layout is not None or topology.group_modes:
+        unit_bytes = _unit_bytes(description, kinds, group_kinds)
+        choice = _located_layout(lambda: choose_stages(
+            graph, pp, unit_bytes=unit_bytes, weights=dict(bound.group_weights),
+            explicit=topology.stage_units, layout=topology.stage_layout,
+            whole=[g for g, m in modes if m.one_stage], by_bytes=multi))
+        ranges = choice.ranges
+        contracts = _cut_contracts(bound, graph, ranges, activation)
+        cuts = tuple((s, g, c.schema) for s, (g, c) in enumerate(contracts)) if (
+            bound.group_boundaries) else ()
+        partitions = [realize_partition(
+            description, s, pp, boundary=wire, stage_ranges=ranges,
+            receive_boundary=contracts[s - 1][1] if cuts and s else None,
+            send_boundary=contracts[s][1] if cuts and s < pp - 1 else None)
+            for s in range(pp)]
+    else:
+        partitions = [realize_partition(description, s, pp, topology.stage_units, boundary=wire)
+                      for s in range(pp)]
     group_stages: dict[str, list[int]] = {}
     for stage, partition in enumerate(partitions):
         for binding in partition.parameter_bindings:
@@ -473,6 +549,12 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                   for s in range(pp)]
     global_bytes = sum(m.nbytes for g in description.groups for m in g.group.members)
     maximum = max(a[1] for stage in accounting for a in stage)
+    if multi or topology.stage_layout is not None or topology.group_modes:
+        summary = PipelineSummary(
+            balance=choice.balance,
+            layout=spell_layout(graph, ranges, description.static_roles),
+            stage_bytes=tuple(max(a[1] for a in stage) for stage in accounting),
+            group_modes=tuple((g.name, dict(modes)[g.name]) for g in graph.canonical_order()))
     ranks = []
     for stage, partition in enumerate(partitions):
         for tp_rank in range(tp):
@@ -486,7 +568,6 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             ranks.append(RankPlan(rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank,
                                   pipeline_stage=stage, partition=partition, info=info,
                                   groups=stage_groups[stage], kinds=tuple(kinds)))
-    graph = description.graph
     return Plan(
         family=bound.family, model_type=bound.model_type, topology=topology, sources=sources,
         config_values=bound.config_values,
@@ -494,7 +575,98 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         boundary=bound.boundary,
         groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
         checkpoint_fingerprint=checkpoint_fingerprint,
-        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted)
+        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted,
+        pipeline=summary, cuts=cuts)
+
+
+def _located_layout(choose: Callable[[], Any]) -> Any:
+    """A stage choice; its partition error as the LayoutError the CLI reports."""
+    from partc.errors import ArchitecturePartitionError
+
+    try:
+        return choose()
+    except ArchitecturePartitionError as error:
+        raise LayoutError(error.message) from None
+
+
+def _group_modes(bound: BoundArchitecture, topology: Topology
+                 ) -> tuple[tuple[str, GroupParallelMode], ...]:
+    """Every execution group's parallel mode: `--group-mode`, else the family's, else split."""
+    names = [g.name for g in bound.description.graph.canonical_order()]
+    chosen = dict(bound.group_modes)
+    for group, mode in topology.group_modes:
+        if group not in names:
+            raise LayoutError(f"--group-mode names unknown execution group `{group}`; known: "
+                              f"{', '.join(names)}")
+        chosen[group] = mode
+    return tuple((g, chosen.get(g, GroupParallelMode.SPLIT)) for g in names)
+
+
+def _replicate_groups(description: ArchitectureParameterDescription, groups: set[str]
+                      ) -> ArchitectureParameterDescription:
+    """The description with every parameter group owned by a unit of `groups`, or by a static
+    role placed with one of them, whole on every tensor-parallel rank."""
+    from partc.parallel.specs import MemberSharding, MemberShardingKind
+    from partc.partition.ownership import OwnedParameterGroupSpec
+
+    roles = {r.name for r in description.static_roles if r.group in groups}
+    whole = MemberSharding(kind=MemberShardingKind.REPLICATED, axis=None, segments=())
+    owned = []
+    for item in description.groups:
+        owner = item.owner
+        if (isinstance(owner, ExecutionUnit) and owner.group in groups) or (
+                owner.static_roles and set(owner.static_roles) <= roles):
+            spec = replace(item.group, units=None, members=tuple(
+                replace(m, sharding=whole, heads=()) for m in item.group.members))
+            owned.append(OwnedParameterGroupSpec(group=spec, owner=owner))
+        else:
+            owned.append(item)
+    return replace(description, groups=tuple(owned))
+
+
+def _unit_bytes(description: ArchitectureParameterDescription, kinds: list[GroupKind],
+                group_kinds: dict[str, int]) -> list[int]:
+    """Parameter bytes (tensor-parallel rank 0) of each canonical unit, with each static
+    role's bytes counted on the unit it sits with (the first or last of the model or of its
+    group)."""
+    graph = description.graph
+    layout = graph.unit_layout()
+    index = {(u.group, u.unit): i for i, u in enumerate(layout)}
+    costs = [0] * len(layout)
+    if not costs:
+        return costs
+    anchors: dict[str, int] = {}
+    for role in description.static_roles:
+        if role.group is None:
+            anchors[role.name] = 0 if role.side.value == "first" else len(layout) - 1
+        else:
+            start, end = graph.group_range(role.group)
+            unit = start if role.side.value == "first" or start == end else end - 1
+            anchors[role.name] = min(unit, len(layout) - 1)
+    for item in description.groups:
+        nbytes = kinds[group_kinds[item.group.name]].accounting(0)[0]
+        owner = item.owner
+        if isinstance(owner, ExecutionUnit):
+            costs[index[(owner.group, owner.unit)]] += nbytes
+        else:
+            for name in sorted(set(owner.static_roles)):
+                costs[anchors[name]] += nbytes
+    return costs
+
+
+def _cut_contracts(bound: BoundArchitecture, graph: ExecutionGraph, ranges: Any,
+                   activation: PipelineActivationDtype
+                   ) -> list[tuple[str, PipelineWireContract]]:
+    """Per cut (after stage s), the group of the unit before it and what crosses it: that
+    group's declared boundary, else the family's."""
+    layout = graph.unit_layout()
+    schemas = dict(bound.group_boundaries)
+    out = []
+    for _, end in ranges[:-1]:
+        group = layout[end - 1].group
+        out.append((group, PipelineWireContract(schema=schemas.get(group, bound.boundary),
+                                                activation_dtype=activation)))
+    return out
 
 
 def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp_rank: int

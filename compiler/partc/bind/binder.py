@@ -45,6 +45,7 @@ from partc.partition.ownership import (
     ExecutionGraph,
     ExecutionGroupSpec,
     ExecutionUnit,
+    GroupParallelMode,
     OwnedParameterGroupSpec,
     ParameterGroupOwner,
     StaticAnyOf,
@@ -54,6 +55,7 @@ from partc.partition.ownership import (
 
 if TYPE_CHECKING:
     from partc.family.declaration import (
+        BoundaryTensorDecl,
         ConfigFieldDecl,
         FamilyDecl,
         GroupDecl,
@@ -88,6 +90,13 @@ class BoundArchitecture:
     """The linear format the config selected (None: every weight dense)."""
     omit: tuple[str, ...] = ()
     """Globs of checkpoint tensors loaded by no rank (the family's `omit`)."""
+    group_boundaries: tuple[tuple[str, BoundaryWireSchema], ...] = ()
+    """Execution groups that declare their own boundary: what crosses a cut after one of their
+    units (every other group's cuts carry `boundary`), in canonical order."""
+    group_weights: tuple[tuple[str, int], ...] = ()
+    """Declared per-unit pipeline cost of each execution group that has one."""
+    group_modes: tuple[tuple[str, GroupParallelMode], ...] = ()
+    """Declared parallel mode of each execution group that has one."""
 
     def omitted(self, names: Collection[str]) -> tuple[str, ...]:
         """The checkpoint tensor names the `omit` globs match, sorted."""
@@ -236,8 +245,26 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
             names = ", ".join(f"`{f.name}`" for f in pending)
             raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
                               pending[0].pointer)
+    _prefix_values(binder, values, checkpoint_names)
     _derived_values(binder, values)
     return values
+
+
+def _prefix_values(binder: _Binder, values: dict[str, Value],
+                   checkpoint_names: Collection[str] | None) -> None:
+    """Each `prefixes` entry: the first candidate some checkpoint name starts with (then `.`),
+    else the default when no checkpoint is given."""
+    for prefix in binder.family.prefixes:
+        if checkpoint_names is None:
+            values[prefix.name] = prefix.default
+            continue
+        chosen = next((c for c in prefix.candidates
+                       if any(n.startswith(c + ".") for n in checkpoint_names)), None)
+        if chosen is None:
+            raise binder.fail(f"prefix `{prefix.name}`: the checkpoint holds no tensor under any "
+                              f"of its candidates {list(prefix.candidates)}; expected names "
+                              f"starting with one of them and `.`", prefix.pointer)
+        values[prefix.name] = chosen
 
 
 def _derived_values(binder: _Binder, values: dict[str, Value]) -> None:
@@ -682,20 +709,33 @@ def bind_family(family: FamilyDecl, config: RawDocument,
             pointers[name] = decl.pointer
             owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
                                                                          unit)))
-    statics = tuple(StaticRoleSpec(name=n, side=s) for n, s in family.static_roles)
+    placed = dict(family.static_with)
+    statics = tuple(StaticRoleSpec(name=n, side=s, group=placed.get(n))
+                    for n, s in family.static_roles)
     description = _located(family, lambda: ArchitectureParameterDescription(
         graph=graph, static_roles=statics, groups=tuple(owned)), "/parameters")
     for spec in owned:  # every later stage computes byte counts with 64-bit integers
         for member in spec.group.members:
             _check_bytes(binder, member, pointers[spec.group.name])
     boundary = _located(family, lambda: _boundary(binder, values), "/boundary")
+    order = [g.name for g in graph.canonical_order()]
+    nodes = sorted((n for n in family.graph if n.boundary),
+                   key=lambda n: order.index(n.name))
+    group_boundaries = tuple((n.name, _located(family, lambda n=n: _boundary(
+        binder, values, n.boundary, n.boundary_identity), join_pointer(n.pointer, "boundary")))
+        for n in nodes)
+    weights = tuple((n.name, binder.integer(n.weight, values, join_pointer(n.pointer, "weight"),
+                                            "a group weight", minimum=1))
+                    for n in family.graph if n.weight is not None)
     _check_omit(binder, description.targets)
     return BoundArchitecture(
         family=family.name, model_type=str(model_type),
         config_values=tuple(sorted((k, _recorded(v)) for k, v in values.items())),
         description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
-        linear_format=linear_format, omit=family.omit)
+        linear_format=linear_format, omit=family.omit, group_boundaries=group_boundaries,
+        group_weights=weights, group_modes=tuple((n.name, n.parallel) for n in family.graph
+                                                 if n.parallel is not None))
 
 
 def _check_omit(binder: _Binder, targets: tuple[str, ...]) -> None:
@@ -734,13 +774,17 @@ def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:
         raise family.locate_error(error, pointer) from None
 
 
-def _boundary(binder: _Binder, values: Mapping[str, Value]) -> BoundaryWireSchema:
+def _boundary(binder: _Binder, values: Mapping[str, Value],
+              tensors: tuple[BoundaryTensorDecl, ...] | None = None,
+              identity: str | None = None) -> BoundaryWireSchema:
     specs = []
-    for tensor in binder.family.boundary:
+    for tensor in binder.family.boundary if tensors is None else tensors:
         dims = []
         for dim in tensor.shape:
             if isinstance(dim, BoundaryTensorDimensionKind):
                 dims.append(BoundaryTensorDimension(kind=dim))
+            elif isinstance(dim, str):
+                dims.append(BoundaryTensorDimension.request(dim))
             else:
                 dims.append(BoundaryTensorDimension(
                     kind=BoundaryTensorDimensionKind.FIXED,
@@ -748,5 +792,5 @@ def _boundary(binder: _Binder, values: Mapping[str, Value]) -> BoundaryWireSchem
                                         minimum=1)))
         specs.append(BoundaryTensorSpec(role=tensor.role, shape=tuple(dims),
                                         dtype=tensor.dtype))
-    return BoundaryWireSchema(identity=binder.family.boundary_identity, primary=specs[0],
-                              auxiliary=tuple(specs[1:]))
+    return BoundaryWireSchema(identity=identity or binder.family.boundary_identity,
+                              primary=specs[0], auxiliary=tuple(specs[1:]))

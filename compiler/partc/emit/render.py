@@ -167,6 +167,9 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "info_literal": python_literal(rank_json["info"]),
         "boundary_literal": python_literal(plan_json["boundary"]),
         "activation_dtype_literal": python_literal(plan_json["topology"]["activation_dtype"]),
+        "cuts": bool(plan.cuts),
+        "receive_boundary_literal": python_literal(_cut_schema(plan_json, rank.pipeline_stage - 1)),
+        "send_boundary_literal": python_literal(_cut_schema(plan_json, rank.pipeline_stage)),
     }
     template = _environment().get_template("rank_module.py.jinja2")
     # The module is checked with its two line tables left empty: they are `lines_literal`
@@ -177,6 +180,14 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "digests_text": None if digests is None else lines_literal(())}),
         path)
     return template.render(header=header, rank=view)
+
+
+def _cut_schema(plan_json: dict[str, Any], stage: int) -> Any:
+    """The JSON schema of the cut after `stage` (None when there is no such cut)."""
+    for cut in plan_json.get("cuts", ()):
+        if cut["after_stage"] == stage:
+            return cut["boundary"]
+    return None
 
 
 def _comment_safe(text: str) -> str:

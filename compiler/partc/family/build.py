@@ -22,6 +22,7 @@ from partc.family.declaration import (
     OwnerDecl,
     OwnerKind,
     ParamDecl,
+    PrefixDecl,
     ShardingDecl,
 )
 from partc.family.expr import Expression, Template, constant, parse, parse_template
@@ -37,7 +38,7 @@ from partc.parallel.specs import (
     ShardingPolicy,
 )
 from partc.partition.boundary import BoundaryTensorDimensionKind, BoundaryTensorDtype
-from partc.partition.ownership import StageSide
+from partc.partition.ownership import GroupParallelMode, StageSide
 
 _LINEAR_LAYOUTS = {"linear": LinearWeightLayout.OUT_IN,
                    "linear_transposed": LinearWeightLayout.IN_OUT}
@@ -360,30 +361,44 @@ def _config_field(builder: _Builder, name: str, spec: str | dict[str, Any]) -> C
         present=present, literal_default=literal)
 
 
-def _graph_group(builder: _Builder, i: int, group: dict[str, Any]) -> GraphGroupDecl:
+def _graph_group(builder: _Builder, i: int, group: dict[str, Any],
+                 dimensions: tuple[str, ...]) -> GraphGroupDecl:
     """One execution group of `graph`."""
     ptr = join_pointer("/graph", i)
     units = builder.expression(group["units"], join_pointer(ptr, "units"))
     path = builder.template(group["path"], join_pointer(ptr, "path"))
+    weight = (builder.expression(group["weight"], join_pointer(ptr, "weight"))
+              if "weight" in group else None)
+    boundary = group.get("boundary")
     # a group whose units or path failed to parse is still declared (its error is already
     # recorded), so owners naming it do not report it as unknown
     return GraphGroupDecl(name=group["group"], units=units or constant(0),
                           path=path or parse_template(""),
                           carries_state=bool(group.get("state", False)),
-                          after=tuple(group.get("after", ())), pointer=ptr)
+                          after=tuple(group.get("after", ())), pointer=ptr,
+                          boundary_identity=boundary["identity"] if boundary else "",
+                          boundary=_boundary(builder, boundary, join_pointer(ptr, "boundary"),
+                                             dimensions) if boundary else (),
+                          weight=weight,
+                          parallel=GroupParallelMode(group["parallel"])
+                          if "parallel" in group else None)
 
 
-def _boundary(builder: _Builder, data: dict[str, Any]) -> tuple[BoundaryTensorDecl, ...]:
-    """The primary then the auxiliary boundary tensors."""
-    tensors = [("/boundary/primary", data["primary"])] + [
-        (join_pointer("/boundary/auxiliary", i), t) for i, t in enumerate(
+def _boundary(builder: _Builder, data: dict[str, Any], pointer: str = "/boundary",
+              dimensions: tuple[str, ...] = ()) -> tuple[BoundaryTensorDecl, ...]:
+    """The primary then the auxiliary boundary tensors (a dimension named under `dimensions`
+    is a per-request one)."""
+    tensors = [(join_pointer(pointer, "primary"), data["primary"])] + [
+        (join_pointer(join_pointer(pointer, "auxiliary"), i), t) for i, t in enumerate(
             data.get("auxiliary", []))]
     out = []
     for ptr, tensor in tensors:
-        shape: list[BoundaryTensorDimensionKind | Expression] = []
+        shape: list[BoundaryTensorDimensionKind | Expression | str] = []
         for j, dim in enumerate(tensor["shape"]):
             if dim in ("batch", "sequence"):
                 shape.append(BoundaryTensorDimensionKind(dim))
+            elif isinstance(dim, str) and dim in dimensions:
+                shape.append(dim)
             elif (parsed := builder.expression(dim, join_pointer(join_pointer(ptr, "shape"), j))):
                 shape.append(parsed)
         out.append(BoundaryTensorDecl(role=tensor["role"], shape=tuple(shape),
@@ -430,6 +445,24 @@ def _linear_format(builder: _Builder, i: int, fmt: dict[str, Any]) -> LinearForm
     return LinearFormatDecl(format=fmt["format"], when=when, options=options, pointer=ptr)
 
 
+def _static_side(stage: str | dict[str, str]) -> StageSide:
+    """A static role's `stage`: `first`/`last`, or the `unit` of `{with: <group>, unit: ...}`."""
+    if isinstance(stage, dict):
+        return StageSide(stage.get("unit", "first"))
+    return StageSide(stage)
+
+
+def _prefix(builder: _Builder, name: str, spec: dict[str, Any]) -> PrefixDecl:
+    """One `prefixes` entry: its candidates and the value without a checkpoint."""
+    ptr = join_pointer("/prefixes", name)
+    candidates = tuple(spec["candidates"])
+    default = spec.get("default", candidates[0])
+    if default not in candidates:
+        builder.error(f"prefix `{name}` defaults to {default!r}, which is not one of its "
+                      f"candidates {list(candidates)}", join_pointer(ptr, "default"))
+    return PrefixDecl(name=name, candidates=candidates, default=default, pointer=ptr)
+
+
 def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcError]]:
     """Build the symbolic family of a schema-valid document, with every semantic error found."""
     builder = _Builder(document)
@@ -440,13 +473,18 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
                     for name, value in data.get("derived", {}).items()
                     if (parsed := builder.expression(value, join_pointer("/derived", name)))
                     is not None)
-    graph = tuple(_graph_group(builder, i, group) for i, group in enumerate(data["graph"]))
-    statics = tuple((name, StageSide(spec["stage"]))
+    dimensions = tuple(data.get("dimensions", {}))
+    graph = tuple(_graph_group(builder, i, group, dimensions)
+                  for i, group in enumerate(data["graph"]))
+    statics = tuple((name, _static_side(spec["stage"]))
                     for name, spec in data.get("static", {}).items())
+    static_with = tuple((name, spec["stage"]["with"])
+                        for name, spec in data.get("static", {}).items()
+                        if isinstance(spec["stage"], dict))
     groups = tuple(decl for i, group in enumerate(data["parameters"])
                    if (decl := _group(builder, group, join_pointer("/parameters", i)))
                    is not None)
-    boundary = _boundary(builder, data["boundary"])
+    boundary = _boundary(builder, data["boundary"], dimensions=dimensions)
     formats = tuple(_linear_format(builder, i, fmt)
                     for i, fmt in enumerate(data.get("linear_formats", [])))
     family = FamilyDecl(
@@ -455,7 +493,10 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         boundary_identity=data["boundary"]["identity"], boundary=boundary,
         linear_formats=formats,
         policy=ShardingPolicy(data["policy"]) if "policy" in data else None, document=document,
-        derived=derived, omit=tuple(data.get("omit", ())))
+        derived=derived, omit=tuple(data.get("omit", ())),
+        prefixes=tuple(_prefix(builder, name, spec)
+                       for name, spec in data.get("prefixes", {}).items()),
+        dimensions=dimensions, static_with=static_with)
     builder.errors.extend(iter_semantic_errors(family))
     if builder.errors:
         return None, builder.errors

@@ -145,11 +145,39 @@ def _parameter_groups(known: _Known) -> Iterator[PartcError]:
 
 
 def _boundary_names(known: _Known) -> Iterator[PartcError]:
-    """Fixed boundary dimensions read config fields only."""
-    for tensor in known.family.boundary:
+    """Fixed boundary dimensions read config fields only; a name that is not one must be a
+    declared per-request dimension."""
+    tensors = [*known.family.boundary, *(t for g in known.family.graph for t in g.boundary)]
+    declared = known.family.dimensions
+    for tensor in tensors:
         for dim in tensor.shape:
-            if isinstance(dim, Expression):
-                yield from known.names(dim, known.config, tensor.pointer, "a boundary dimension")
+            if not isinstance(dim, Expression):
+                continue
+            unknown = sorted(n for n in dim.names if n not in known.config)
+            if unknown:
+                yield known.error(
+                    f"a boundary dimension uses unknown name `{unknown[0]}`; expected `batch`, "
+                    "`sequence`, a per-request dimension declared under `dimensions` ("
+                    f"{', '.join(f'`{d}`' for d in declared) or 'none declared'}) or an "
+                    "expression over config fields", tensor.pointer)
+    for name in declared:
+        if name in known.config:
+            yield known.error(f"per-request dimension `{name}` has the name of a config "
+                              "value; give it a name of its own",
+                              join_pointer("/dimensions", name))
+
+
+def _static_placements(known: _Known) -> Iterator[PartcError]:
+    """A static role placed `with:` a group names a declared execution group; group weights
+    read config fields only."""
+    for role, group in known.family.static_with:
+        if group not in known.graph:
+            yield known.error(f"static role `{role}` sits with unknown execution group "
+                              f"`{group}`; known: {', '.join(known.graph)}",
+                              join_pointer(join_pointer("/static", role), "stage"))
+    for g in known.family.graph:
+        yield from known.names(g.weight, known.config, join_pointer(g.pointer, "weight"),
+                               "a group weight")
 
 
 def _format_names(known: _Known) -> Iterator[PartcError]:
@@ -172,6 +200,7 @@ FamilyCheck = Callable[[_Known], Iterator[PartcError]]
 
 FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _derived_values, _omit_globs,
                                           _graph_groups, _parameter_groups, _boundary_names,
+                                          _static_placements,
                                           _format_names)
 """Every check of a family, in the order their errors are yielded."""
 

@@ -22,7 +22,7 @@ from partc.parallel.specs import (
     ShardingPolicy,
 )
 from partc.partition.boundary import BoundaryTensorDimensionKind, BoundaryTensorDtype
-from partc.partition.ownership import StageSide
+from partc.partition.ownership import GroupParallelMode, StageSide
 
 if TYPE_CHECKING:
     from partc.front.load import RawDocument
@@ -125,6 +125,29 @@ class GraphGroupDecl:
     """Dependencies."""
     pointer: str
     """Where the group is declared."""
+    boundary_identity: str = ""
+    """Identity of the boundary crossing a cut after one of its units ('' : the family's)."""
+    boundary: tuple[BoundaryTensorDecl, ...] = ()
+    """Primary then auxiliary tensors of that boundary (empty: the family-level boundary)."""
+    weight: Expression | None = None
+    """Declared pipeline cost of one unit (None: not declared)."""
+    parallel: GroupParallelMode | None = None
+    """Declared parallel mode (None: split)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixDecl:
+    """An alternative on-disk name prefix (`prefixes:`): a string value chosen by what the
+    checkpoint holds."""
+
+    name: str
+    """Name used in templates and expressions."""
+    candidates: tuple[str, ...]
+    """Prefixes in order of preference."""
+    default: str
+    """The value without a checkpoint."""
+    pointer: str
+    """Where it is declared."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,8 +283,8 @@ class BoundaryTensorDecl:
 
     role: str
     """Role."""
-    shape: tuple[BoundaryTensorDimensionKind | Expression, ...]
-    """BATCH, SEQUENCE or an expression for a fixed size."""
+    shape: tuple[BoundaryTensorDimensionKind | Expression | str, ...]
+    """BATCH, SEQUENCE, an expression for a fixed size, or a per-request dimension's name."""
     dtype: BoundaryTensorDtype
     """The element type."""
     pointer: str
@@ -312,11 +335,19 @@ class FamilyDecl:
     """Named derived values, in declaration order (bound in dependency order)."""
     omit: tuple[str, ...] = ()
     """Globs of checkpoint tensors that are not parameters: loaded by no rank."""
+    prefixes: tuple[PrefixDecl, ...] = ()
+    """Alternative on-disk name prefixes, chosen against the checkpoint."""
+    dimensions: tuple[str, ...] = ()
+    """Per-request boundary dimension names (`dimensions:`)."""
+    static_with: tuple[tuple[str, str], ...] = ()
+    """Static roles placed with a unit of an execution group: (role, group)."""
 
     @property
     def value_names(self) -> frozenset[str]:
-        """Every name an expression may read besides loop variables: config and derived."""
-        return frozenset(f.name for f in self.config) | {d.name for d in self.derived}
+        """Every name an expression may read besides loop variables: config, derived and
+        prefixes."""
+        return (frozenset(f.name for f in self.config) | {d.name for d in self.derived}
+                | {p.name for p in self.prefixes})
 
     def locate_error(self, error: PartcError, pointer: str) -> PartcError:
         """`error` as created at this family's source location for `pointer`, when it has

@@ -45,9 +45,11 @@ class BoundaryTensorDtype(enum.Enum):
     ACTIVATION = "activation"
     UINT32 = "uint32"
     INT32 = "int32"
+    INT64 = "int64"
+    BOOL = "bool"
 
     def element_dtype(self, activation_dtype: PipelineActivationDtype) -> str:
-        """The concrete numpy dtype name: the activation dtype, `uint32` or `int32`."""
+        """The concrete numpy dtype name: the activation dtype, or the declared integer or bool."""
         return str(activation_dtype.value if self is BoundaryTensorDtype.ACTIVATION else self.value)
 
 
@@ -72,16 +74,25 @@ class BoundaryTensorDimensionKind(enum.Enum):
     BATCH = "batch"
     SEQUENCE = "sequence"
     FIXED = "fixed"
+    REQUEST = "request"
+    """A per-request extent the family declares (`image_tokens`, `patches`): read from the
+    payload's tensors, like batch and sequence."""
+
+
+_BUILTIN_DIMENSIONS = frozenset({"batch", "sequence"})
+"""Dimension spellings that are not per-request names."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BoundaryTensorDimension:
-    """One dimension of a boundary tensor: the batch, the sequence or a fixed size."""
+    """One dimension of a boundary tensor: batch, sequence, a fixed size or a per-request name."""
 
     kind: BoundaryTensorDimensionKind
     """Which kind."""
     size: int | None = None
     """The size (Fixed only, > 0)."""
+    name: str | None = None
+    """The per-request dimension's name (Request only)."""
 
     def __post_init__(self) -> None:
         fixed = self.kind is BoundaryTensorDimensionKind.FIXED
@@ -89,6 +100,17 @@ class BoundaryTensorDimension:
             raise _schema_error(f"a fixed boundary dimension must be positive, found {self.size}")
         if not fixed and self.size is not None:
             raise _schema_error(f"a {self.kind.value} dimension takes no size, found {self.size}")
+        request = self.kind is BoundaryTensorDimensionKind.REQUEST
+        if request and (not self.name or self.name in _BUILTIN_DIMENSIONS):
+            raise _schema_error(f"a per-request boundary dimension needs a name other than batch "
+                                f"and sequence, found {self.name!r}")
+        if not request and self.name is not None:
+            raise _schema_error(f"a {self.kind.value} dimension takes no name, found {self.name}")
+
+    @classmethod
+    def request(cls, name: str) -> BoundaryTensorDimension:
+        """A per-request extent called `name`."""
+        return cls(kind=BoundaryTensorDimensionKind.REQUEST, name=name)
 
     @classmethod
     def batch(cls) -> BoundaryTensorDimension:
@@ -107,13 +129,17 @@ class BoundaryTensorDimension:
 
     @classmethod
     def from_json(cls, data: str | int) -> BoundaryTensorDimension:
-        """The dimension spelled `batch`, `sequence` or as a size."""
+        """The dimension spelled `batch`, `sequence`, as a size or as a per-request name."""
         if isinstance(data, int):
             return cls.fixed(data)
+        if data not in _BUILTIN_DIMENSIONS:
+            return cls.request(data)
         return cls(kind=BoundaryTensorDimensionKind(data))
 
     def spell(self) -> str | int:
-        """`batch`, `sequence` or the fixed size."""
+        """`batch`, `sequence`, the fixed size or the per-request name."""
+        if self.name is not None:
+            return self.name
         return self.size if self.size is not None else self.kind.value
 
 
@@ -159,12 +185,19 @@ class BoundaryTensorSpec:
         """Whether a dimension is the sequence."""
         return any(d.kind is BoundaryTensorDimensionKind.SEQUENCE for d in self.shape)
 
-    def resolve(self, batch: int, sequence: int, activation_dtype: PipelineActivationDtype
-                ) -> ResolvedBoundaryTensorSpec:
-        """The concrete spec for one invocation's batch and sequence."""
+    @property
+    def request_dimensions(self) -> tuple[str, ...]:
+        """Names of its per-request dimensions, in axis order."""
+        return tuple(d.name for d in self.shape if d.name is not None)
+
+    def resolve(self, batch: int, sequence: int, activation_dtype: PipelineActivationDtype,
+                dimensions: Mapping[str, int] | None = None) -> ResolvedBoundaryTensorSpec:
+        """The concrete spec for one invocation's batch, sequence and per-request sizes."""
         sizes = {BoundaryTensorDimensionKind.BATCH: batch,
                  BoundaryTensorDimensionKind.SEQUENCE: sequence}
-        shape = tuple(d.size if d.size is not None else sizes[d.kind] for d in self.shape)
+        named = dimensions or {}
+        shape = tuple(d.size if d.size is not None else named[d.name] if d.name is not None
+                      else sizes[d.kind] for d in self.shape)
         name = self.dtype.element_dtype(activation_dtype)
         return ResolvedBoundaryTensorSpec(role=self.role, shape=shape, dtype=self.dtype,
                                           numpy_dtype=numpy_dtype(name))
@@ -221,19 +254,50 @@ class BoundaryWireSchema:
         """Roles in wire order."""
         return tuple(t.role for t in self.tensors)
 
+    @property
+    def request_dimensions(self) -> tuple[str, ...]:
+        """Names of every per-request dimension its tensors use, in first-use order."""
+        names: list[str] = []
+        for tensor in self.tensors:
+            names.extend(n for n in tensor.request_dimensions if n not in names)
+        return tuple(names)
+
     def resolve(self, batch: int, sequence: int, *,
-                activation_dtype: PipelineActivationDtype) -> ResolvedBoundaryWireSchema:
-        """Concrete shapes and dtypes for one invocation's batch and sequence length."""
+                activation_dtype: PipelineActivationDtype,
+                dimensions: Mapping[str, int] | None = None) -> ResolvedBoundaryWireSchema:
+        """Concrete shapes and dtypes for one invocation's batch, sequence length and
+        per-request dimension sizes (`dimensions`, by name; every one the schema uses)."""
         return self.resolve_each(batch, [sequence] * len(self.tensors),
-                                 activation_dtype=activation_dtype)
+                                 activation_dtype=activation_dtype, dimensions=dimensions)
+
+    def _check_dimensions(self, dimensions: Mapping[str, int] | None) -> None:
+        """Every per-request dimension the schema uses is given, positive, and no other."""
+        given = dict(dimensions or {})
+        needed = self.request_dimensions
+        unknown = sorted(set(given) - set(needed))
+        missing = [n for n in needed if n not in given]
+        bad = [(n, v) for n, v in given.items() if n in needed and (
+            not isinstance(v, int) or isinstance(v, bool) or v < 1)]
+        if unknown or missing or bad:
+            detail = "; ".join(
+                ([f"unknown dimension(s) {', '.join(f'`{n}`' for n in unknown)}"] if unknown
+                 else []) + ([f"no size for {', '.join(f'`{n}`' for n in missing)}"] if missing
+                             else [])
+                + [f"`{n}` must be a positive integer, found {v!r}" for n, v in bad])
+            raise ArchitectureBoundaryError(
+                ArchitectureBoundaryErrorKind.INVALID_GEOMETRY,
+                f"boundary `{self.identity}` per-request dimensions are "
+                f"{', '.join(needed) or '(none)'}: {detail}", boundary=self.identity)
 
     def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int], *,
-                     activation_dtype: PipelineActivationDtype) -> ResolvedBoundaryWireSchema:
+                     activation_dtype: PipelineActivationDtype,
+                     dimensions: Mapping[str, int] | None = None) -> ResolvedBoundaryWireSchema:
         """Concrete shapes with one sequence length per tensor.
 
         `sequences` is in wire order (one per tensor) or keyed by role; a mapping may leave out
         roles whose shape has no sequence dimension.
         """
+        self._check_dimensions(dimensions)
         lengths = self._sequence_lengths(sequences)
         bad = [(r, s) for r, s in zip(self.roles, lengths, strict=True) if s < 1]
         if batch < 1 or bad:
@@ -242,7 +306,7 @@ class BoundaryWireSchema:
                 ArchitectureBoundaryErrorKind.INVALID_GEOMETRY,
                 f"boundary `{self.identity}` needs a positive batch and sequence length; found "
                 f"{found}", boundary=self.identity, role=bad[0][0] if bad else None)
-        resolved = [t.resolve(batch, s, activation_dtype)
+        resolved = [t.resolve(batch, s, activation_dtype, dimensions)
                     for t, s in zip(self.tensors, lengths, strict=True)]
         return ResolvedBoundaryWireSchema(identity=self.identity, primary=resolved[0],
                                           auxiliary=tuple(resolved[1:]),
@@ -358,14 +422,17 @@ class PipelineWireContract:
     activation_dtype: PipelineActivationDtype
     """The dtype of Activation tensors on the wire (`--activation-dtype`)."""
 
-    def resolve(self, batch: int, sequence: int) -> ResolvedBoundaryWireSchema:
-        """The schema for one invocation's batch and sequence length."""
-        return self.schema.resolve(batch, sequence, activation_dtype=self.activation_dtype)
+    def resolve(self, batch: int, sequence: int, dimensions: Mapping[str, int] | None = None
+                ) -> ResolvedBoundaryWireSchema:
+        """The schema for one invocation's batch, sequence length and per-request sizes."""
+        return self.schema.resolve(batch, sequence, activation_dtype=self.activation_dtype,
+                                   dimensions=dimensions)
 
-    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int]
-                     ) -> ResolvedBoundaryWireSchema:
+    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int],
+                     dimensions: Mapping[str, int] | None = None) -> ResolvedBoundaryWireSchema:
         """The schema with one sequence length per tensor (wire order, or keyed by role)."""
-        return self.schema.resolve_each(batch, sequences, activation_dtype=self.activation_dtype)
+        return self.schema.resolve_each(batch, sequences, activation_dtype=self.activation_dtype,
+                                        dimensions=dimensions)
 
     def to_json(self) -> dict[str, object]:
         """JSON form."""
@@ -419,14 +486,15 @@ class ArchitectureBoundary:
         """The schema identity."""
         return self.contract.schema.identity
 
-    def resolve(self, batch: int, sequence: int) -> ResolvedBoundaryWireSchema:
-        """The schema for one invocation's batch and sequence length."""
-        return self.contract.resolve(batch, sequence)
+    def resolve(self, batch: int, sequence: int, dimensions: Mapping[str, int] | None = None
+                ) -> ResolvedBoundaryWireSchema:
+        """The schema for one invocation's batch, sequence length and per-request sizes."""
+        return self.contract.resolve(batch, sequence, dimensions)
 
-    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int]
-                     ) -> ResolvedBoundaryWireSchema:
+    def resolve_each(self, batch: int, sequences: Sequence[int] | Mapping[str, int],
+                     dimensions: Mapping[str, int] | None = None) -> ResolvedBoundaryWireSchema:
         """The schema with one sequence length per tensor (wire order, or keyed by role)."""
-        return self.contract.resolve_each(batch, sequences)
+        return self.contract.resolve_each(batch, sequences, dimensions)
 
     def encode(self, primary: Any, /, **auxiliary: Any) -> tuple[ArchitectureBoundaryValue, ...]:
         """Tag the primary activation and every auxiliary tensor (by role) for the wire.
@@ -488,8 +556,10 @@ class ArchitectureBoundary:
         return self.decode(values, resolved=resolved)
 
     def infer(self, values: Sequence[ArchitectureBoundaryValue]) -> ResolvedBoundaryWireSchema:
-        """The resolved schema whose batch and sequence the tensors themselves declare."""
+        """The resolved schema whose batch, sequence and per-request sizes the tensors
+        themselves declare (the first tensor in wire order with such a dimension fixes it)."""
         batch = sequence = None
+        named: dict[str, int] = {}
         for spec, value in zip(self.schema.tensors, values, strict=True):
             shape = _shape_of(value, self.identity)
             if len(shape) != len(spec.shape):
@@ -499,7 +569,11 @@ class ArchitectureBoundary:
                     batch = size
                 if dim.kind is BoundaryTensorDimensionKind.SEQUENCE and sequence is None:
                     sequence = size
-        return self.resolve(batch or 1, sequence or 1)
+                if dim.name is not None and dim.name not in named:
+                    named[dim.name] = max(size, 1)
+        for name in self.schema.request_dimensions:
+            named.setdefault(name, 1)
+        return self.resolve(batch or 1, sequence or 1, named)
 
     def _check(self, values: tuple[ArchitectureBoundaryValue, ...],
                resolved: ResolvedBoundaryWireSchema | None) -> None:

@@ -241,7 +241,7 @@ class LayeredPartitionDriver:
                          "of them")
         if boundary is None:
             return LayeredPartitionInput(tokens=tokens)
-        decoded = self.partition.architecture_boundary().decode(boundary)
+        decoded = self.partition.receiving_boundary().decode(boundary)
         return LayeredPartitionInput(boundary=decoded)
 
     def run(self, executor: LayeredPartitionExecutor[Any], *, tokens: Any = None,
@@ -284,4 +284,4 @@ class LayeredPartitionDriver:
                          f"return the boundary tensors by role; it returned "
                          f"{type(result).__name__}")
         return LayeredPartitionOutput(
-            boundary=self.partition.architecture_boundary().encode_values(result))
+            boundary=self.partition.sending_boundary().encode_values(result))

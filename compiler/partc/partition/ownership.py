@@ -184,6 +184,29 @@ class ExecutionGraph:
         return sum(g.units for g in self.groups if g.carries_state)
 
 
+class GroupParallelMode(enum.Enum):
+    """How an execution group is parallelized (`parallel:` of a graph group, `--group-mode`)."""
+
+    SPLIT = "split"
+    """Members split over tensor-parallel ranks as declared; pipeline cuts may fall inside."""
+    REPLICATED = "replicated"
+    """Every member whole on every tensor-parallel rank."""
+    ONE_STAGE = "one_stage"
+    """Split as declared, but every unit on one pipeline stage."""
+    REPLICATED_ONE_STAGE = "replicated_one_stage"
+    """Both: whole on every tensor-parallel rank, and on one pipeline stage."""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether members are whole on every tensor-parallel rank."""
+        return self in (GroupParallelMode.REPLICATED, GroupParallelMode.REPLICATED_ONE_STAGE)
+
+    @property
+    def one_stage(self) -> bool:
+        """Whether the group's units stay on one pipeline stage."""
+        return self in (GroupParallelMode.ONE_STAGE, GroupParallelMode.REPLICATED_ONE_STAGE)
+
+
 # ---------------------------------------------------------------- ownership
 
 
@@ -196,12 +219,32 @@ class StageSide(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StaticRoleSpec:
-    """A static role (a module outside the execution units) and its pipeline side."""
+    """A static role (a module outside the execution units) and the stage it sits on."""
 
     name: str
     """Role name, e.g. `embedding`."""
     side: StageSide
-    """First or last stage."""
+    """First or last stage; with `group`, the first or last unit of that group."""
+    group: str | None = None
+    """The execution group whose first or last unit's stage the role sits with (None: the
+    first or last pipeline stage)."""
+
+    def spell(self) -> str | dict[str, str]:
+        """The plan's `stage` of the role: `first`, `last` or `{with, unit}`."""
+        if self.group is None:
+            return self.side.value
+        return {"with": self.group, "unit": self.side.value}
+
+    def stage(self, graph: ExecutionGraph, ranges: Sequence[Range]) -> int:
+        """The stage the role sits on, given each stage's canonical unit range."""
+        if self.group is None:
+            return 0 if self.side is StageSide.FIRST else len(ranges) - 1
+        start, end = graph.group_range(self.group)
+        if start == end:  # an empty group: with the stage where it would begin
+            unit = start if start < graph.total_units else graph.total_units - 1
+        else:
+            unit = start if self.side is StageSide.FIRST else end - 1
+        return next(i for i, (a, b) in enumerate(ranges) if a <= unit < b)
 
 
 class OwnerKind(enum.Enum):
@@ -421,6 +464,11 @@ def ownership_errors(graph: ExecutionGraph, static_roles: Sequence[StaticRoleSpe
         declared.add(name)
     owners: dict[str, str] = {}
     units = {g.name: g.units for g in graph.groups}
+    for role in static_roles:
+        if role.group is not None and role.group not in units:
+            yield _param_error(kinds.UNKNOWN_GROUP,
+                               f"static role `{role.name}` sits with unknown execution group "
+                               f"`{role.group}`; known: {', '.join(units)}")
     for owned in groups:
         yield from owned.owner.declaration_errors(owned.group.name, units, role_names)
         for target in owned.group.targets:

@@ -124,6 +124,12 @@ class ArchitecturePartition:
     """Parameter groups local to the stage, declaration order."""
     boundary: PipelineWireContract | None = None
     """What crosses this stage's cuts (None when not known)."""
+    receive_boundary: PipelineWireContract | None = None
+    """What crosses the cut this stage receives at, when the family declares a boundary per
+    execution group (None: `boundary`, or no cut before the first stage)."""
+    send_boundary: PipelineWireContract | None = None
+    """What crosses the cut this stage sends at, when the family declares a boundary per
+    execution group (None: `boundary`, or no cut after the last stage)."""
 
     def __post_init__(self) -> None:
         kinds = ArchitecturePartitionErrorKind
@@ -225,6 +231,24 @@ class ArchitecturePartition:
                                    "contract; pass `boundary=` to realize_partition")
         return architecture_boundary(self.boundary)
 
+    def receiving_boundary(self) -> ArchitectureBoundary:
+        """Typed decode of the cut this stage receives at (the per-group schema when the family
+        declares one, else the pipeline's one boundary)."""
+        from partc.partition.boundary import architecture_boundary
+
+        if self.receive_boundary is not None:
+            return architecture_boundary(self.receive_boundary)
+        return self.architecture_boundary()
+
+    def sending_boundary(self) -> ArchitectureBoundary:
+        """Typed encode of the cut this stage sends at (the per-group schema when the family
+        declares one, else the pipeline's one boundary)."""
+        from partc.partition.boundary import architecture_boundary
+
+        if self.send_boundary is not None:
+            return architecture_boundary(self.send_boundary)
+        return self.architecture_boundary()
+
     def to_json(self) -> dict[str, object]:
         """JSON form (the graph, bindings and boundary are recorded once, elsewhere)."""
         return {
@@ -307,12 +331,59 @@ def pipeline_stage_ranges(total_units: int, stages: int,
     return tuple(balanced_contiguous_range(total_units, stages, s) for s in range(stages))
 
 
-def static_roles_on_stage(roles: Sequence[StaticRoleSpec], stage: int, stages: int
-                          ) -> tuple[str, ...]:
-    """Names of the static roles that sit on `stage`, sorted."""
+def cost_balanced_stage_ranges(costs: Sequence[int], stages: int,
+                               keep_whole: Sequence[Range] = ()) -> tuple[Range, ...]:
+    """Split units of the given `costs` (canonical order) into `stages` contiguous, non-empty
+    ranges minimizing the largest stage cost; no cut falls strictly inside a `keep_whole`
+    range. Ties go to the split whose earlier stages end first (deterministic)."""
+    kinds = ArchitecturePartitionErrorKind
+    total = len(costs)
+    allowed = [all(not a < cut < b for a, b in keep_whole) for cut in range(total + 1)]
+    possible = sum(allowed[1:total]) + 1
+    if stages > possible:
+        raise _partition_error(
+            kinds.INVALID_STAGES,
+            f"pipeline_parallel_size {stages} exceeds the {possible} stage(s) the model can be "
+            f"cut into ({total} execution units, groups kept on one stage stay whole); use --pp "
+            f"{possible} or fewer")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    infinity = prefix[-1] + 1
+    # best[k][i]: least largest-stage cost of the first i units over k stages
+    best = [[infinity] * (total + 1) for _ in range(stages + 1)]
+    choice = [[0] * (total + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, total + 1):
+            if not allowed[i]:
+                continue
+            for j in range(k - 1, i):
+                if not allowed[j] or best[k - 1][j] == infinity:
+                    continue
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], choice[k][i] = value, j
+    ranges: list[Range] = []
+    end = total
+    for k in range(stages, 0, -1):
+        start = choice[k][end]
+        ranges.append((start, end))
+        end = start
+    return tuple(reversed(ranges))
+
+
+def static_roles_on_stage(roles: Sequence[StaticRoleSpec], stage: int, stages: int,
+                          graph: ExecutionGraph | None = None,
+                          ranges: Sequence[Range] | None = None) -> tuple[str, ...]:
+    """Names of the static roles that sit on `stage`, sorted (a role placed with a group needs
+    the graph and every stage's canonical range)."""
     local = []
     for role in roles:
-        if (role.side is StageSide.FIRST and stage == 0) or (
+        if role.group is not None:
+            if graph is not None and ranges is not None and role.stage(graph, ranges) == stage:
+                local.append(role.name)
+        elif (role.side is StageSide.FIRST and stage == 0) or (
                 role.side is StageSide.LAST and stage == stages - 1):
             local.append(role.name)
     return tuple(sorted(local))
@@ -320,10 +391,16 @@ def static_roles_on_stage(roles: Sequence[StaticRoleSpec], stage: int, stages: i
 
 def realize_partition(description: ArchitectureParameterDescription, stage: int, stages: int,
                       explicit: Sequence[int] | None = None, *,
-                      boundary: PipelineWireContract | None = None) -> ArchitecturePartition:
-    """The partition of pipeline stage `stage` of `stages` (balanced, or `explicit` counts)."""
+                      boundary: PipelineWireContract | None = None,
+                      stage_ranges: Sequence[Range] | None = None,
+                      receive_boundary: PipelineWireContract | None = None,
+                      send_boundary: PipelineWireContract | None = None
+                      ) -> ArchitecturePartition:
+    """The partition of pipeline stage `stage` of `stages` (balanced, `explicit` counts, or the
+    canonical `stage_ranges` of every stage)."""
     graph = description.graph
-    ranges = pipeline_stage_ranges(graph.total_units, stages, explicit)
+    ranges = (tuple(stage_ranges) if stage_ranges is not None
+              else pipeline_stage_ranges(graph.total_units, stages, explicit))
     if not 0 <= stage < stages:
         raise _partition_error(ArchitecturePartitionErrorKind.INVALID_STAGES,
                                f"stage {stage} is outside pipeline stages 0..{stages - 1}")
@@ -345,7 +422,10 @@ def realize_partition(description: ArchitectureParameterDescription, stage: int,
         offset += group.units
     if state_start is None or state_end is None:
         state_start = state_end = state_before
-    roles = static_roles_on_stage(description.static_roles, stage, stages)
+    # a static role no parameter group is owned by holds nothing: the partition never claims it
+    backed = {r for g in description.groups for r in g.owner.static_roles}
+    roles = tuple(r for r in static_roles_on_stage(description.static_roles, stage, stages,
+                                                   graph, ranges) if r in backed)
     units = {p.group: p.unit_range for p in parts}
     bindings = tuple(PartitionParameterBinding(group=g.group.name, owner=g.owner,
                                                targets=g.group.targets)
@@ -355,7 +435,8 @@ def realize_partition(description: ArchitectureParameterDescription, stage: int,
         ownership=PartitionOwnership(owns_input=stage == 0, owns_output=stage == stages - 1,
                                      static_roles=roles),
         state=PartitionState(units=state_end - state_start, global_range=(state_start, state_end)),
-        parameter_bindings=bindings, boundary=boundary)
+        parameter_bindings=bindings, boundary=boundary, receive_boundary=receive_boundary,
+        send_boundary=send_boundary)
 
 
 def realize_pipeline(description: ArchitectureParameterDescription, stages: int,

@@ -15,6 +15,8 @@ from partc.runtime.tables import (
     local_model_layout,
     parallel_model_info,
     partition_state,
+    receive_boundary,
+    send_boundary,
 )
 
 __all__ = [
@@ -29,4 +31,6 @@ __all__ = [
     "package_rank_module",
     "parallel_model_info",
     "partition_state",
+    "receive_boundary",
+    "send_boundary",
 ]

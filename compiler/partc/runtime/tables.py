@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -18,7 +18,6 @@ from partc.parallel.layout import (
 from partc.partition.boundary import (
     ArchitectureBoundary,
     BoundaryTensorDimension,
-    BoundaryTensorDimensionKind,
     BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
@@ -78,6 +77,12 @@ class RankTable:
     digests: str | tuple[str, ...] | None = None
     """DIGESTS: sha256 of each target's rank-local bytes, in TARGETS order, one per line (only
     in a build compiled with `--digests`)."""
+    receive_boundary: Mapping[str, Any] | None = None
+    """RECEIVE_BOUNDARY: the wire schema of the cut the stage receives at (JSON form; only in
+    a build whose family declares boundaries per execution group; None on the first stage)."""
+    send_boundary: Mapping[str, Any] | None = None
+    """SEND_BOUNDARY: the wire schema of the cut the stage sends at (as RECEIVE_BOUNDARY; None
+    on the last stage)."""
 
     def group_rows(self) -> list[GroupRow]:
         """One row per group in binding order: (logical name, role, owner, logical units,
@@ -202,9 +207,41 @@ def parallel_model_info(table: RankTable) -> ParallelModelInfo:
 
 def architecture_partition(table: RankTable) -> ArchitecturePartition:
     """The stage's ArchitecturePartition (graph, bindings and wire contract included)."""
-    return ArchitecturePartition.from_json(
+    partition = ArchitecturePartition.from_json(
         {**table.partition, "parameter_bindings": _parameter_bindings(table)},
         boundary=wire_contract(table))
+    if table.receive_boundary is None and table.send_boundary is None:
+        return partition
+    return replace(partition, receive_boundary=_contract(table, table.receive_boundary),
+                   send_boundary=_contract(table, table.send_boundary))
+
+
+def _contract(table: RankTable, schema: Mapping[str, Any] | None
+              ) -> PipelineWireContract | None:
+    """The wire contract of one cut's schema (None: no cut)."""
+    if schema is None:
+        return None
+    return PipelineWireContract(schema=BoundaryWireSchema.from_json(schema),
+                                activation_dtype=PipelineActivationDtype(table.activation_dtype))
+
+
+def receive_boundary(table: RankTable) -> ArchitectureBoundary | None:
+    """Typed decode of the cut this stage receives at (None on the first stage); the one
+    pipeline boundary in a build without per-group boundaries."""
+    if table.receive_boundary is None and table.send_boundary is None:
+        return None if table.pipeline_stage == 0 else architecture_boundary(table)
+    contract = _contract(table, table.receive_boundary)
+    return None if contract is None else _boundary_for(contract)
+
+
+def send_boundary(table: RankTable) -> ArchitectureBoundary | None:
+    """Typed encode of the cut this stage sends at (None on the last stage); the one pipeline
+    boundary in a build without per-group boundaries."""
+    if table.receive_boundary is None and table.send_boundary is None:
+        last = table.pipeline_stage == table.pipeline_parallel_size - 1
+        return None if last else architecture_boundary(table)
+    contract = _contract(table, table.send_boundary)
+    return None if contract is None else _boundary_for(contract)
 
 
 def partition_state(table: RankTable) -> PartitionState:
@@ -232,10 +269,7 @@ def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None
 def boundary_schema(table: RankTable) -> BoundaryWireSchema:
     """The pipeline boundary wire schema."""
     def spec(data: Mapping[str, Any]) -> BoundaryTensorSpec:
-        dims = tuple(BoundaryTensorDimension(kind=BoundaryTensorDimensionKind.FIXED, size=d)
-                     if isinstance(d, int) else
-                     BoundaryTensorDimension(kind=BoundaryTensorDimensionKind(d))
-                     for d in data["shape"])
+        dims = tuple(BoundaryTensorDimension.from_json(d) for d in data["shape"])
         return BoundaryTensorSpec(role=data["role"], shape=dims,
                                   dtype=BoundaryTensorDtype(data["dtype"]))
     b = table.boundary
