@@ -4,18 +4,23 @@ Oracles are the arrays HF wrote into each fixture's ``reference.npz`` at every b
 vision layer's input / output, the projector input, ``image_features``, each decoder layer's
 input / output, the final-norm output and the logits (and, for Qwen2-VL, HF's M-RoPE
 ``position_ids``, used only to check the executor's own ones). Rank shards are cut by the
-executor's own numpy plan (``executor.vision_cut``), independent of partc.
+executor's own numpy plan (``executor.vision_cut``), independent of partc, and, at the end, loaded
+by the generated modules of the built-in llava / qwen2_vl families, with every pipeline hand-off
+going through the generated encode / decode of the cut it crosses.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
+
+from partc.emit.render import package_name
 
 from executor import RankShard, Selection, ShardingError, load_fixture
 from executor.vision import (
@@ -30,6 +35,7 @@ from executor.vision import (
     split_units,
 )
 from executor.vision_cut import cut_vision_language
+from support import compile_and_import, hf
 
 MODELS = ["llava", "qwen2_vl"]
 TOLERANCE = 1e-4
@@ -196,22 +202,28 @@ def test_pipeline_stages_reproduce_hf_and_hand_on_exactly_what_crosses_each_cut(
     assert_every_boundary(result.whole, ref)
     assert len(result.sent) == len(cuts)
     for cut, payload in zip(cuts, result.sent, strict=True):
-        kind = CUT_KINDS[name][cut]
-        assert set(payload) == HANDOFF[name, kind]
-        if kind == VISION:
-            assert_matches(payload["vision_hidden"], ref["vision_layer_outputs"][cut - 1])
-        elif kind == MERGED:
-            assert_matches(payload["image_features"], ref["image_features"])
-        else:
-            assert_matches(payload["hidden"], ref["layer_outputs"][0])
-        if "image_mask" in payload:
-            np.testing.assert_array_equal(payload["input_ids"], ref["input_ids"])
-            np.testing.assert_array_equal(payload["image_mask"], ref["input_ids"] == 126)
-            assert payload["input_ids"].dtype == np.int32 and payload["image_mask"].dtype == bool
-        if "image_grid_thw" in payload:
-            np.testing.assert_array_equal(payload["image_grid_thw"], ref["image_grid_thw"])
-        if "position_ids" in payload:
-            np.testing.assert_array_equal(payload["position_ids"], ref["position_ids"])
+        assert_payload(name, cut, payload, ref)
+
+
+def assert_payload(name: str, cut: int, payload: dict[str, np.ndarray],
+                   ref: dict[str, np.ndarray]) -> None:
+    """The payload crossing the cut before unit ``cut`` holds HF's tensors there, and only them."""
+    kind = CUT_KINDS[name][cut]
+    assert set(payload) == HANDOFF[name, kind]
+    if kind == VISION:
+        assert_matches(payload["vision_hidden"], ref["vision_layer_outputs"][cut - 1])
+    elif kind == MERGED:
+        assert_matches(payload["image_features"], ref["image_features"])
+    else:
+        assert_matches(payload["hidden"], ref["layer_outputs"][0])
+    if "image_mask" in payload:
+        np.testing.assert_array_equal(payload["input_ids"], ref["input_ids"])
+        np.testing.assert_array_equal(payload["image_mask"], ref["input_ids"] == 126)
+        assert payload["input_ids"].dtype == np.int32 and payload["image_mask"].dtype == bool
+    if "image_grid_thw" in payload:
+        np.testing.assert_array_equal(payload["image_grid_thw"], ref["image_grid_thw"])
+    if "position_ids" in payload:
+        np.testing.assert_array_equal(payload["position_ids"], ref["position_ids"])
 
 
 def test_a_stage_holds_only_the_tensors_of_its_own_units() -> None:
@@ -424,3 +436,116 @@ def test_split_units_gives_every_stage_a_contiguous_part() -> None:
         spans = split_units(arch, cuts)
         bounds = [span.bounds(arch) for span in spans]
         assert bounds == list(itertools.pairwise([0, *cuts, arch.n_units]))
+
+
+# --------------------------------------------------------------------------- through partc
+
+
+ROLE = {"vision_hidden": "hidden"}
+"""Executor payload key -> the families' boundary role, where they differ (docs/boundaries.md)."""
+GROUP_PART = {"vision": "vision", "projector": "projector", "merger": "projector",
+              "decoder": "decoder"}
+"""Execution group of the built-in llava / qwen2_vl families -> the executor's part."""
+TOPOLOGIES = [(tp, pp) for tp in (1, 2) for pp in (1, 2, 3)]
+# Explicit stage unit counts (canonical order: vision units, projector, decoder layers) so that
+# every kind of cut goes through the generated boundaries: inside the vision tower, vision ->
+# projector, projector -> decoder, inside the decoder.
+LAYOUTS = {"llava": [(1, 4), (2, 3), (3, 2), (4, 1), (1, 2, 2), (2, 2, 1)],
+           "qwen2_vl": [(1, 5), (3, 3), (4, 2), (5, 1), (2, 2, 2), (3, 2, 1)]}
+PARTC_CASES = [(name, tp, pp, None) for name in MODELS for tp, pp in TOPOLOGIES] + [
+    (name, 2, len(units), units) for name in MODELS for units in LAYOUTS[name]]
+
+
+def rank_shard(state: Any) -> RankShard:
+    """An executor rank from one generated rank's loaded arrays and layout selections."""
+    selections: dict[str, Selection | None] = {}
+    for target in state.tensors:
+        axis, ranges = state.layout[target].selection
+        selections[target] = None if axis is None else Selection(axis=axis, ranges=ranges)
+    return RankShard({k: np.asarray(v) for k, v in state.tensors.items()}, selections)
+
+
+def stage_span(plan: Any, stage: int) -> Span:
+    """The executor span of the units the plan gives pipeline stage ``stage``."""
+    tp = plan.topology.tensor_parallel_size
+    parts: dict[str, range] = {}
+    for group in plan.ranks[stage * tp].partition.groups:
+        parts[GROUP_PART[group.group]] = range(*group.unit_range)
+    return Span(**parts)
+
+
+@pytest.fixture(scope="module")
+def partc_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(fixture, T, S) -> compiled, every rank loaded through the generated modules, run."""
+    cache: dict[tuple[str, int, int, Any], Any] = {}
+
+    def get(name: str, tp: int, pp: int, units: tuple[int, ...] | None) -> Any:
+        if (name, tp, pp, units) in cache:
+            return cache[name, tp, pp, units]
+        config, _, ref = fixture(name)
+        out = tmp_path_factory.mktemp(f"{name}-tp{tp}-pp{pp}")
+        plan, package = compile_and_import(None, hf(name) / "config.json", out, tp=tp, pp=pp,
+                                           stage_units=units)
+        try:
+            modules = [package.rank_module(r) for r in range(tp * pp)]
+            states = [module.load(hf(name)) for module in modules]
+        finally:
+            for module_name in [m for m in sys.modules if m.startswith(package_name(plan))]:
+                del sys.modules[module_name]
+        by_stage = [modules[s * tp:(s + 1) * tp] for s in range(pp)]
+        encoded: list[tuple[str, ...]] = []
+
+        def through_generated(cut: int, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            senders = {m.send_boundary().identity for m in by_stage[cut]}
+            receivers = {m.receive_boundary().identity for m in by_stage[cut + 1]}
+            assert len(senders) == 1 and senders == receivers, (senders, receivers)
+            roles = {key: ROLE.get(key, key) for key in payload}
+            values = by_stage[cut][0].send_boundary().encode_values(
+                {roles[key]: value for key, value in payload.items()})
+            encoded.append(tuple(v.role for v in values))
+            decoded = [m.receive_boundary().decode(values) for m in by_stage[cut + 1]]
+            back = {role: key for key, role in roles.items()}
+            return {back[role]: tensor for role, tensor in decoded[-1].items()}
+
+        stages = [[rank_shard(state) for state in states[s * tp:(s + 1) * tp]] for s in range(pp)]
+        spans = [stage_span(plan, s) for s in range(pp)]
+        result = forward_vision_language_pipeline(config, stages, spans, ref, through_generated)
+        cache[name, tp, pp, units] = (stages, by_stage, spans, result, encoded)
+        return cache[name, tp, pp, units]
+
+    return get
+
+
+@pytest.mark.parametrize(("name", "tp", "pp", "units"), PARTC_CASES, ids=[
+    f"{n}-tp{t}-pp{p}" + ("-units" + "-".join(map(str, u)) if u else "")
+    for n, t, p, u in PARTC_CASES])
+def test_ranks_loaded_by_the_generated_modules_reproduce_hf_through_generated_boundaries(
+    partc_runs: Any, name: str, tp: int, pp: int, units: tuple[int, ...] | None
+) -> None:
+    stages, by_stage, spans, result, encoded = partc_runs(name, tp, pp, units)
+    if units is not None:
+        assert [span.bounds(describe(fixture(name)[0])) for span in spans] == list(
+            itertools.pairwise(itertools.accumulate(units, initial=0)))
+    ref = fixture(name)[2]
+    assert_every_boundary(result.whole, ref)
+    assert len(result.sent) == len(encoded) == pp - 1
+    if pp > 1:
+        assert by_stage[0][0].receive_boundary() is None
+        assert by_stage[-1][0].send_boundary() is None
+    arch = describe(fixture(name)[0])
+    for cut, (payload, roles) in enumerate(zip(result.sent, encoded, strict=True)):
+        # the generated schema of this cut carries exactly what the executor hands on, HF's
+        # tensors at that cut; what the next stage decoded is what was sent
+        assert set(roles) == {ROLE.get(key, key) for key in payload}, (cut, roles)
+        assert_payload(name, spans[cut].bounds(arch)[1], payload, ref)
+        for key, value in payload.items():
+            np.testing.assert_array_equal(result.received[cut][key], value)
+    attention = {"llava": "vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+                 "qwen2_vl": "visual.blocks.0.attn.qkv.weight"}[name]
+    held = [r.selections[attention] for r in stages[0]]
+    if tp == 2:  # the vision heads really are split: 2 of 4 heads of q (and of k, v) per rank
+        rows = {"llava": [((0, 16),), ((16, 32),)],
+                "qwen2_vl": [((0, 16), (32, 48), (64, 80)), ((16, 32), (48, 64), (80, 96))]}
+        assert [sel.ranges if sel else None for sel in held] == rows[name]
+    else:
+        assert held == [None]
