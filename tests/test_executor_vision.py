@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from partc.emit.render import package_name
+from partc.partition.ownership import GroupParallelMode
 
 from executor import RankShard, Selection, ShardingError, load_fixture
 from executor.vision import (
@@ -452,8 +453,11 @@ TOPOLOGIES = [(tp, pp) for tp in (1, 2) for pp in (1, 2, 3)]
 # projector, projector -> decoder, inside the decoder.
 LAYOUTS = {"llava": [(1, 4), (2, 3), (3, 2), (4, 1), (1, 2, 2), (2, 2, 1)],
            "qwen2_vl": [(1, 5), (3, 3), (4, 2), (5, 1), (2, 2, 2), (3, 2, 1)]}
-PARTC_CASES = [(name, tp, pp, None) for name in MODELS for tp, pp in TOPOLOGIES] + [
-    (name, 2, len(units), units) for name in MODELS for units in LAYOUTS[name]]
+# The vision tower replicated on every TP rank (the decoder still split), or also on one stage.
+MODES = [(2, 2, "replicated"), (2, 3, "replicated_one_stage")]
+PARTC_CASES = [(name, tp, pp, None, None) for name in MODELS for tp, pp in TOPOLOGIES] + [
+    (name, 2, len(units), units, None) for name in MODELS for units in LAYOUTS[name]] + [
+    (name, tp, pp, None, mode) for name in MODELS for tp, pp, mode in MODES]
 
 
 def rank_shard(state: Any) -> RankShard:
@@ -477,15 +481,17 @@ def stage_span(plan: Any, stage: int) -> Span:
 @pytest.fixture(scope="module")
 def partc_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """(fixture, T, S) -> compiled, every rank loaded through the generated modules, run."""
-    cache: dict[tuple[str, int, int, Any], Any] = {}
+    cache: dict[tuple[Any, ...], Any] = {}
 
-    def get(name: str, tp: int, pp: int, units: tuple[int, ...] | None) -> Any:
-        if (name, tp, pp, units) in cache:
-            return cache[name, tp, pp, units]
+    def get(name: str, tp: int, pp: int, units: tuple[int, ...] | None, mode: str | None) -> Any:
+        key = (name, tp, pp, units, mode)
+        if key in cache:
+            return cache[key]
         config, _, ref = fixture(name)
         out = tmp_path_factory.mktemp(f"{name}-tp{tp}-pp{pp}")
+        modes = None if mode is None else [("vision", GroupParallelMode(mode))]
         plan, package = compile_and_import(None, hf(name) / "config.json", out, tp=tp, pp=pp,
-                                           stage_units=units)
+                                           stage_units=units, group_modes=modes)
         try:
             modules = [package.rank_module(r) for r in range(tp * pp)]
             states = [module.load(hf(name)) for module in modules]
@@ -510,19 +516,19 @@ def partc_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         stages = [[rank_shard(state) for state in states[s * tp:(s + 1) * tp]] for s in range(pp)]
         spans = [stage_span(plan, s) for s in range(pp)]
         result = forward_vision_language_pipeline(config, stages, spans, ref, through_generated)
-        cache[name, tp, pp, units] = (stages, by_stage, spans, result, encoded)
-        return cache[name, tp, pp, units]
+        cache[key] = (stages, by_stage, spans, result, encoded)
+        return cache[key]
 
     return get
 
 
-@pytest.mark.parametrize(("name", "tp", "pp", "units"), PARTC_CASES, ids=[
-    f"{n}-tp{t}-pp{p}" + ("-units" + "-".join(map(str, u)) if u else "")
-    for n, t, p, u in PARTC_CASES])
+@pytest.mark.parametrize(("name", "tp", "pp", "units", "mode"), PARTC_CASES, ids=[
+    f"{n}-tp{t}-pp{p}" + ("-units" + "-".join(map(str, u)) if u else "") + (f"-{m}" if m else "")
+    for n, t, p, u, m in PARTC_CASES])
 def test_ranks_loaded_by_the_generated_modules_reproduce_hf_through_generated_boundaries(
-    partc_runs: Any, name: str, tp: int, pp: int, units: tuple[int, ...] | None
+    partc_runs: Any, name: str, tp: int, pp: int, units: tuple[int, ...] | None, mode: str | None
 ) -> None:
-    stages, by_stage, spans, result, encoded = partc_runs(name, tp, pp, units)
+    stages, by_stage, spans, result, encoded = partc_runs(name, tp, pp, units, mode)
     if units is not None:
         assert [span.bounds(describe(fixture(name)[0])) for span in spans] == list(
             itertools.pairwise(itertools.accumulate(units, initial=0)))
@@ -543,7 +549,15 @@ def test_ranks_loaded_by_the_generated_modules_reproduce_hf_through_generated_bo
     attention = {"llava": "vision_tower.encoder.layers.0.self_attn.q_proj.weight",
                  "qwen2_vl": "visual.blocks.0.attn.qkv.weight"}[name]
     held = [r.selections[attention] for r in stages[0]]
-    if tp == 2:  # the vision heads really are split: 2 of 4 heads of q (and of k, v) per rank
+    head = {"llava": "language_model.lm_head.weight", "qwen2_vl": "lm_head.weight"}[name]
+    vocab = [r.selections[head] for r in stages[-1]]
+    assert vocab == ([Selection(0, ((0, 66),)), Selection(0, ((66, 131),))] if tp == 2
+                     else [None])
+    if mode is not None:  # the tower whole on both ranks, on one stage for *_one_stage
+        assert held == [None, None]
+        assert mode != "replicated_one_stage" or spans[0].vision == range(describe(
+            fixture(name)[0]).n_used)
+    elif tp == 2:  # the vision heads really are split: 2 of 4 heads of q (and of k, v) per rank
         rows = {"llava": [((0, 16),), ((16, 32),)],
                 "qwen2_vl": [((0, 16), (32, 48), (64, 80)), ((16, 32), (48, 64), (80, 96))]}
         assert [sel.ranges if sel else None for sel in held] == rows[name]
