@@ -350,7 +350,7 @@ def forward_vision_language_tensor_parallel(
         state["image_features"] = _project(arch, local, result.projector_input)
         result.image_features = state["image_features"]
     if span.decoder:
-        _run_decoder(arch, local, span.decoder, reference_inputs, state, result, position_ids)
+        _run_decoder(arch, local, span.decoder, state, result, position_ids)
     result.outgoing = {key: state[key] for key in handoff_keys(arch, stop)}
     return result
 
@@ -693,11 +693,11 @@ def _run_decoder(
     arch: VisionArch,
     ranks: Sequence[RankShard],
     layers: range,
-    inputs: Mapping[str, Array],
     state: dict[str, Array],
     result: VisionLanguageResult,
     position_ids: Array | None,
 ) -> None:
+    """Decoder ``layers``: embedding with the image rows (layer 0), M-RoPE (Qwen2-VL)."""
     ids = np.asarray(state["input_ids"]).astype(np.int64)
     if layers.start == 0:
         embedded = forward_tensor_parallel(arch.decoder, ranks, ids, layers=range(0, 0)).hidden
