@@ -17,6 +17,15 @@ from .model import (
 )
 from .quant import dequantize
 from .shard import RankShard, Selection, ShardingError
+from .vision import (
+    Span,
+    VisionLanguagePipelineResult,
+    VisionLanguageResult,
+    forward_vision_language,
+    forward_vision_language_pipeline,
+    forward_vision_language_tensor_parallel,
+)
+from .vision_cut import cut_vision_language
 
 __all__ = [
     "FIXTURES",
@@ -25,12 +34,19 @@ __all__ = [
     "Result",
     "Selection",
     "ShardingError",
+    "Span",
+    "VisionLanguagePipelineResult",
+    "VisionLanguageResult",
     "cut_shards",
+    "cut_vision_language",
     "dequantize",
     "fixture_folder",
     "forward",
     "forward_pipeline",
     "forward_tensor_parallel",
+    "forward_vision_language",
+    "forward_vision_language_pipeline",
+    "forward_vision_language_tensor_parallel",
     "load_fixture",
     "load_safetensors",
 ]

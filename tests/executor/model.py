@@ -260,12 +260,14 @@ def forward_tensor_parallel(
     *,
     layers: range | None = None,
     hidden_in: Array | None = None,
+    rope: tuple[Array, Array] | None = None,
 ) -> Result:
     """Run decoder ``layers`` (default: all) on the tensor-parallel ``ranks`` of one stage.
 
     Without ``hidden_in`` the ranks embed ``input_ids``; with it the call continues the residual
     stream a previous stage sent. If ``layers`` ends at the last decoder layer, the final norm
-    and the (vocab-parallel) lm_head run too. ``input_ids`` [B, S] always fixes the positions.
+    and the (vocab-parallel) lm_head run too. ``input_ids`` [B, S] fixes the positions unless
+    ``rope`` gives the ``(cos, sin)`` tables ([S, d] or [B, 1, S, d]; Qwen2-VL's M-RoPE).
     """
     n_layers = _n_layers(config)
     layers = range(n_layers) if layers is None else layers
@@ -277,6 +279,8 @@ def forward_tensor_parallel(
     if hidden_in is None and layers.start != 0:
         raise ValueError("a stage that does not start at layer 0 needs hidden_in")
     if config["model_type"] in variants.SUPPORTED:
+        if rope is not None:
+            raise NotImplementedError("rope tables for the variants families")
         hidden_f32 = None if hidden_in is None else np.asarray(hidden_in, dtype=F32)
         done = variants.run(config, ranks, input_ids, layers, hidden_f32)
         return Result(
@@ -292,7 +296,8 @@ def forward_tensor_parallel(
         hidden = _embed(arch, ranks, input_ids)
     else:
         hidden = np.asarray(hidden_in, dtype=F32)
-    rope = ops.rope_tables(config, arch.rotary_dim, input_ids.shape[1])
+    if rope is None:
+        rope = ops.rope_tables(config, arch.rotary_dim, input_ids.shape[1])
     result = Result(logits=None, hidden=hidden, layers=layers)
     for layer in layers:
         result.layer_inputs.append(hidden)

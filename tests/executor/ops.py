@@ -40,6 +40,11 @@ def gelu(x: Array) -> Array:
     return (x * F32(0.5) * (F32(1.0) + _ERF(x / math.sqrt(2.0)).astype(F32))).astype(F32)
 
 
+def quick_gelu(x: Array) -> Array:
+    """CLIP's ``quick_gelu``: ``x * sigmoid(1.702 x)`` (the vision towers of llava, Qwen2-VL)."""
+    return (x * sigmoid(F32(1.702) * x)).astype(F32)
+
+
 def bloom_gelu(x: Array) -> Array:
     """BLOOM's ``bloom_gelu_forward``: the tanh approximation with its rounded constant."""
     inner = F32(0.79788456) * x * (F32(1.0) + F32(0.044715) * x * x)
@@ -54,6 +59,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu_new": gelu_tanh,
     "gelu": gelu,
     "bloom_gelu": bloom_gelu,
+    "quick_gelu": quick_gelu,
 }
 
 
