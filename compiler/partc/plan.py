@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from partc import __version__
 from partc.errors import LayoutError, SourceLocation
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
-from partc.parallel.realize import realize_group_template
+from partc.parallel.realize import TensorSplit, realize_group_template
 from partc.parallel.specs import ShardingPolicy
 from partc.partition.boundary import (
     BoundaryWireSchema,
@@ -51,6 +51,9 @@ class Topology:
     activation_dtype: PipelineActivationDtype | None = None
     """Dtype of activations on the pipeline wire (None: the model's own, `model_activation_dtype`;
     a plan always records the resolved dtype)."""
+    split: TensorSplit = TensorSplit.BALANCED
+    """How uneven splits give out the remainder (`--split`; the JSON key `split` is present only
+    for `chunk`, so balanced plans read as before)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -74,7 +77,7 @@ class Topology:
             "policy": self.policy.value if self.policy else None,
             "activation_dtype": None if self.activation_dtype is None
             else self.activation_dtype.value,
-        }
+        } | ({} if self.split is TensorSplit.BALANCED else {"split": self.split.value})
 
 
 Accounting = tuple[int, int, tuple[tuple[str, int], ...]]
@@ -445,7 +448,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         location, pointer = (None, "") if site is None else site
         template = realize_group_template(owned.group, tp, policy,
                                           policy_overrides_group=topology.policy is not None,
-                                          cache=realized, location=location, pointer=pointer)
+                                          cache=realized, location=location, pointer=pointer,
+                                          split=topology.split)
         index = kind_index.get(id(template))
         if index is None:
             index = kind_index[id(template)] = len(kinds)
