@@ -250,3 +250,28 @@ def test_the_core_loads_without_torch_and_names_the_extra_when_torch_is_asked_fo
         assert "needs torch, which is not installed" in line
         assert "pip install 'partc[torch]'" in line
     assert "device=" in refusals[0] and "framework='torch'" in refusals[1]
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 4), (3, 10), (17,), (2, 3, 4, 5)])
+def test_blocks_of_any_selection_fill_the_local_tensor_in_c_order(shape):
+    from partc.runtime.device import _pieces, _source_views
+    from partc.runtime.reader import TensorSelection
+
+    whole = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    for axis in range(len(shape)):
+        n = shape[axis]
+        for ranges in (((0, n),), ((1, n),), ((0, 1), (n - 1, n)), ((n // 2, n), (0, 1))):
+            selection = TensorSelection(axis=axis, ranges=ranges)
+            expected = np.concatenate([np.take(whole, np.arange(a, b), axis=axis)
+                                       for a, b in ranges], axis=axis)
+            for limit in (4, 12, 40, 1 << 20):
+                views, view_axis = _source_views(whole, selection)
+                flat = np.full(expected.size, 0xFFFFFFFF, dtype=np.uint32)
+                for first, part, part_axis in _pieces(views, view_axis, 0, limit):
+                    block = list(part[0].shape)
+                    block[part_axis] = sum(p.shape[part_axis] for p in part)
+                    assert np.prod(block) * 4 <= max(limit, 4)
+                    target = flat[first:first + int(np.prod(block))].reshape(block)
+                    np.concatenate(part, axis=part_axis, out=target)
+                np.testing.assert_array_equal(flat.view(np.float32).reshape(expected.shape),
+                                              expected, err_msg=f"{shape} {axis} {ranges} {limit}")
