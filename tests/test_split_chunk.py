@@ -140,6 +140,15 @@ def test_head_aligned_units_keep_the_refusal_at_to_dtensors_time(tmp_path):
         dtensor_specs(layout, 4, 1)
 
 
+def test_explain_names_the_chunk_rule(tmp_path, capsys):
+    config = _config(tmp_path, hidden_size=56, num_attention_heads=7, num_key_value_heads=7,
+                     head_dim=8)
+    _chunk(tmp_path, 4, config)
+    assert main(["explain", str(tmp_path / "b"), "model.layers.0.self_attn.q_proj.weight"]) == 0
+    assert "7 units do not divide evenly by TP=4: torch.chunk ranges (--split chunk) of 2, 2, " \
+        "2, 1 units" in capsys.readouterr().out
+
+
 def test_cli_split_chunk_and_a_bad_split_value(tmp_path, capsys):
     code = main(["compile", "--config", str(LLAMA / "config.json"), "--tp", "8", "--policy",
                  "replicate-unsupported", "--split", "chunk", "--out", str(tmp_path / "b")])

@@ -94,6 +94,30 @@ def resolve_device(device: Any) -> Any:
     return torch.device("cuda", index)
 
 
+def load_target(framework: str | None, device: Any, *, verify: str | None, zero_copy: bool,
+                reader: Any, staging_bytes: int | None) -> tuple[str, Any | None]:
+    """`load`'s framework, and the CUDA device to stage to (None: read on the host), checked
+    against the load's other options."""
+    framework = ("torch" if device is not None else "numpy") if framework is None else framework
+    if framework not in ("numpy", "torch"):
+        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+    if device is not None and framework != "torch":
+        raise CheckpointError(f"device={device!r} places torch tensors, but framework is "
+                              f"{framework!r}; pass framework='torch' or leave it out")
+    target = resolve_device(device) if framework == "torch" else None
+    staged = target if target is not None and target.type != "cpu" else None
+    if staged is not None and (verify is not None or zero_copy or reader is not None):
+        option = (f"verify={verify!r}" if verify is not None else "zero_copy=True" if zero_copy
+                  else "reader=")
+        raise CheckpointError(f"a load to {staged} reads through the file mapping into host "
+                              f"staging buffers, which {option} cannot follow; load to "
+                              "device='cpu' for it")
+    if staging_bytes is not None and staged is None:
+        raise CheckpointError("staging_bytes sizes the host ring of a load to a CUDA device; "
+                              "this load is not one")
+    return framework, staged
+
+
 class Transfer(Protocol):
     """The device side of a staged load: buffers and copies (CUDA, or a stand-in in tests)."""
 

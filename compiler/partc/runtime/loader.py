@@ -21,7 +21,7 @@ from partc.parallel.layout import (
     ParallelModelInfo,
 )
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.device import convert_on_device, resolve_device, stage_to_device
+from partc.runtime.device import convert_on_device, load_target, stage_to_device
 from partc.runtime.digests import VERIFY_MODES, verify_digests
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
@@ -105,23 +105,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
     `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory.
     """
-    framework = ("torch" if device is not None else "numpy") if framework is None else framework
-    if framework not in ("numpy", "torch"):
-        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
-    if device is not None and framework != "torch":
-        raise CheckpointError(f"device={device!r} places torch tensors, but framework is "
-                              f"{framework!r}; pass framework='torch' or leave it out")
-    target = resolve_device(device) if framework == "torch" else None
-    staged = target is not None and target.type != "cpu"
-    if staged and (verify is not None or zero_copy or reader is not None):
-        option = (f"verify={verify!r}" if verify is not None else "zero_copy=True" if zero_copy
-                  else "reader=")
-        raise CheckpointError(f"a load to {target} reads through the file mapping into host "
-                              f"staging buffers, which {option} cannot follow; load to "
-                              "device='cpu' for it")
-    if staging_bytes is not None and not staged:
-        raise CheckpointError("staging_bytes sizes the host ring of a load to a CUDA device; "
-                              "this load is not one")
+    framework, staged = load_target(framework, device, verify=verify, zero_copy=zero_copy,
+                                    reader=reader, staging_bytes=staging_bytes)
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
     if zero_copy and framework == "torch":
@@ -147,9 +132,9 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                                                   ranges=item.selection[1]))
                     for item in layout.tensors]
     total = sum(item.local_bytes for item in layout.tensors)
-    if staged:
+    if staged is not None:
         with progress_bar(total, f"rank {table.rank}", progress) as update:
-            on_device = stage_to_device(opened, requests, target, staging_bytes=staging_bytes,
+            on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
                                         progress=update)[0]
         return RankState(tensors=convert_on_device(on_device, target_dtype), layout=layout,
                          info=parallel_model_info(table))
