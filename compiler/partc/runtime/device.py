@@ -296,10 +296,12 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
         raise CheckpointError(f"staging_bytes must be an integer of at least {_SLOTS}, found "
                               f"{staging_bytes!r}")
     transfer = transfer_for(device) if transfer is None else transfer
-    ring = StagingRing(transfer, total)
     names = [name for name, _ in requests]
     wholes = read_tensors(checkpoint, [(name, TensorSelection()) for name in names],
                           zero_copy=True)
+    shard = sum(math.prod(selection.local_shape(tuple(wholes[name].shape)))
+                * wholes[name].itemsize for name, selection in requests)
+    ring = StagingRing(transfer, min(total, max(_SLOTS, shard)))  # the ring never exceeds the shard
     order = sorted(range(len(requests)), key=lambda i: (
         checkpoint.owners[names[i]], checkpoint.tensor(names[i])[1].begin))
     out: dict[str, Any] = {}
