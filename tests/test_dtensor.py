@@ -13,8 +13,9 @@ import pytest
 
 from partc.api import compile_family
 from partc.errors import CheckpointError
+from partc.parallel.realize import chunk_range
 from partc.parallel.specs import ShardingPolicy
-from partc.runtime.dtensor import chunk_range, dtensor_specs
+from partc.runtime.dtensor import dtensor_specs
 
 from support import HF, import_build
 

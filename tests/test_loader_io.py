@@ -249,7 +249,7 @@ def test_torch_output_without_torch_installed_is_a_checkpoint_error(
         llama_build: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     _, package = llama_build
     monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(CheckpointError, match="needs torch installed"):
+    with pytest.raises(CheckpointError, match="needs torch, which is not installed"):
         package.load(LLAMA, rank=0, framework="torch")
 
 

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from partc.api import compile_family
 from partc.errors import CheckpointError
 from partc.runtime.topology import BuildTopology, RankCoordinates
 
+from support import HF
+
 WORKER = Path(__file__).resolve().parent / "distributed" / "topology_worker.py"
+LLAMA = HF / "llama"
 
 
 def test_coordinates_follow_g_equals_d_ts_plus_p_t_plus_t_and_round_trip():
@@ -57,13 +61,16 @@ def test_a_rank_outside_the_job_is_refused_by_name():
 @pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (2, 1, 2)])
 def test_torchrun_creates_the_same_groups_and_mesh_and_the_stage_peers_exchange(tmp_path, tp, pp,
                                                                               dp):
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=tp,
+                   pipeline_parallel_size=pp, out=tmp_path / "b")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     reports_dir = tmp_path / "reports"
     reports_dir.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
          "--master_port=0", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
-         str(WORKER), str(tp), str(pp), str(dp)],
+         str(WORKER), str(tp), str(pp), str(dp), str(tmp_path / "b"),
+         f"partc_llama_tp{tp}_pp{pp}"],
         capture_output=True, text=True, timeout=240,
         env={**env, "PARTC_TEST_REPORTS": str(reports_dir)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -82,3 +89,48 @@ def test_torchrun_creates_the_same_groups_and_mesh_and_the_stage_peers_exchange(
         assert report["mesh"]["dp"] == list(topology.data_parallel_group(g))
         previous = topology.previous_stage_peer(g)
         assert report["received"] == (None if previous is None else previous * 10)
+        assert report["mesh_names"] == ["dp", "pp", "tp"]
+        assert report["position"] == [g, 4, topology.build_rank(g),
+                                      topology.coordinates(g).data_parallel_rank, dp]
+
+
+_PACKAGE_FACE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+loaders = __import__(sys.argv[2])
+from partc.errors import PartcError
+out = {}
+try:
+    topology = loaders.topology()
+    out["topology"] = [topology.tensor_parallel_size, topology.pipeline_parallel_size,
+                       topology.data_parallel_size]
+    p = loaders.launch_position()
+    out["position"] = [p.global_rank, p.world_size, p.rank, p.data_parallel_rank,
+                       p.data_parallel_size]
+except PartcError as error:
+    out["error"] = str(error)
+out["explicit"] = loaders.topology(3).world_size
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(("environment", "expected"), [
+    ({"RANK": "7", "WORLD_SIZE": "8"}, {"topology": [2, 2, 2], "position": [7, 8, 3, 1, 2]}),
+    ({"WORLD_SIZE": "12"}, {"topology": [2, 2, 3], "error": "no rank given and RANK is not set; "
+                                                            "pass rank= or run under torchrun"}),
+    ({}, {"topology": [2, 2, 1], "error": "no rank given and RANK is not set; pass rank= or "
+                                          "run under torchrun"}),
+    ({"RANK": "1", "WORLD_SIZE": "6"}, {"error": "WORLD_SIZE=6 is not a multiple of this "
+                                                 "build's 4 ranks (T x S); run 4 x D processes "
+                                                 "for D data-parallel replicas"}),
+])
+def test_a_generated_package_exposes_its_topology_and_launch_position(tmp_path, environment,
+                                                                      expected):
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, pipeline_parallel_size=2,
+                   out=tmp_path / "b")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", _PACKAGE_FACE, str(tmp_path / "b"),
+                           "partc_llama_tp2_pp2"], capture_output=True, text=True, timeout=60,
+                          env={**env, **environment})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == expected | {"explicit": 12}

@@ -28,6 +28,7 @@ from partc.library import (
     family_spec_is_file,
     read_family_source,
 )
+from partc.parallel.realize import TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
 from partc.plan import GroupSite, Plan, Topology, realize_plan
@@ -222,14 +223,16 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    activation_dtype: str | None = None,
                    checkpoint: str | Path | None = None,
                    out: str | Path | None = None, force: bool = False,
-                   digests: bool = False,
+                   digests: bool = False, split: str = "balanced",
                    progress: ProgressCallback | None = None) -> CompileResult:
     """Compile a family for a model config and topology; write the build to `out` if given.
 
     `stage_units` is one unit count per stage, or per stage its (execution group, units)
     runs (`partition.stages`); `group_modes` overrides the family's per-group `parallel:`.
     `digests` (needs `checkpoint`) records the sha256 of every rank-local tensor in the plan,
-    for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. Raises a
+    for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. `split`
+    is how uneven splits give out the remainder: "balanced" (the first n mod T ranks get one
+    more) or "chunk" (torch.chunk's rule, which DTensor's Shard follows; docs/torch.md). Raises a
     PartcError (PartcErrors when several were found) and writes nothing on failure.
     `progress` hears of each step: `bind groups`, `realize groups`, `render modules`, `write
     files` (`partc.runtime.progress.ProgressCallback`); it never changes what is written.
@@ -243,6 +246,11 @@ def compile_family(family: str | Path | None, config: str | Path, *,
         raise LoadError(f"activation dtype must be one of "
                         f"{', '.join(d.value for d in PipelineActivationDtype)}, found "
                         f"{activation_dtype!r}") from None
+    try:
+        tensor_split = TensorSplit(split)
+    except ValueError:
+        raise LoadError(f"split must be one of {', '.join(s.value for s in TensorSplit)}, found "
+                        f"{split!r}") from None
     named = bool(stage_units) and not isinstance(next(iter(stage_units or ())), int)
     topology = Topology(tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size,
@@ -252,7 +260,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                                            for runs in stage_units) if named and stage_units
                         else None,
                         group_modes=tuple(group_modes or ()), policy=policy,
-                        activation_dtype=dtype)
+                        activation_dtype=dtype, split=tensor_split)
     if digests and checkpoint is None:
         raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "
                         "--digests")

@@ -178,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
                           choices=["float16", "bfloat16", "float32"],
                           help="dtype of activations crossing pipeline cuts (default: the "
                                "model's own, the most common float dtype of its tensors)")
+    compile_.add_argument("--split", choices=["balanced", "chunk"], default="balanced",
+                          help="how uneven splits give out the remainder: balanced (the first "
+                               "n mod T ranks get one more) or chunk (torch.chunk's rule, which "
+                               "DTensor's Shard and transformers follow; docs/torch.md)")
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
     compile_.add_argument("--out", required=True,
@@ -551,7 +555,7 @@ def _compile(args: argparse.Namespace) -> int:
             group_modes=args.group_mode,
             policy=_policy(args.policy), activation_dtype=args.activation_dtype,
             checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests,
-            progress=report)
+            split=args.split, progress=report)
     plan = result.plan
     facts = _plan_facts(plan)
     if args.format == "json":

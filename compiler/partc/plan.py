@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from partc import __version__
 from partc.errors import LayoutError, SourceLocation
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
-from partc.parallel.realize import realize_group_template
+from partc.parallel.realize import TensorSplit, realize_group_template
 from partc.parallel.specs import ShardingPolicy
 from partc.partition.boundary import (
     BoundaryWireSchema,
@@ -64,6 +64,9 @@ class Topology:
     group_modes: tuple[tuple[str, GroupParallelMode], ...] = ()
     """Parallel mode per execution group chosen at compile time (`--group-mode`), overriding
     the family's `parallel:`."""
+    split: TensorSplit = TensorSplit.BALANCED
+    """How uneven splits give out the remainder (`--split`; the JSON key `split` is present only
+    for `chunk`, so balanced plans read as before)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -90,7 +93,8 @@ class Topology:
         } | ({} if self.stage_layout is None else {"stage_layout": [
             [[g, n] for g, n in runs] for runs in self.stage_layout]}) | (
             {"group_modes": {g: m.value for g, m in self.group_modes}} if self.group_modes
-            else {})
+            else {}) | (
+            {} if self.split is TensorSplit.BALANCED else {"split": self.split.value})
 
 
 Accounting = tuple[int, int, tuple[tuple[str, int], ...]]
@@ -506,7 +510,8 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         location, pointer = (None, "") if site is None else site
         template = realize_group_template(owned.group, tp, policy,
                                           policy_overrides_group=topology.policy is not None,
-                                          cache=realized, location=location, pointer=pointer)
+                                          cache=realized, location=location, pointer=pointer,
+                                          split=topology.split)
         index = kind_index.get(id(template))
         if index is None:
             index = kind_index[id(template)] = len(kinds)

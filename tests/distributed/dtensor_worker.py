@@ -29,8 +29,9 @@ def main() -> None:
     sys.path.insert(0, build)
     loaders = __import__(package)
     state = loaders.load(checkpoint)  # the rank from torchrun's RANK
-    mesh = BuildTopology(tensor_parallel_size=int(tp), pipeline_parallel_size=int(pp)
-                         ).device_mesh("cpu")
+    assert loaders.topology() == BuildTopology(tensor_parallel_size=int(tp),
+                                               pipeline_parallel_size=int(pp))
+    mesh = loaders.device_mesh("cpu")  # the package's own (dp, pp, tp) mesh
     dtensors = to_dtensors(state, mesh)
     reference = load_file(f"{checkpoint}/model.safetensors")
     checked, sharded = 0, 0

@@ -1,5 +1,6 @@
-"""Run under torchrun: create partc's process groups and device mesh, and check membership with
-real collectives (gloo on CPU). Prints one JSON line per process."""
+"""Run under torchrun: create partc's process groups and device mesh through a generated build
+package's own helpers (`topology()`, `process_groups()`, `device_mesh()`, `launch_position()`),
+and check membership with real collectives (gloo on CPU). Writes one JSON report per process."""
 
 from __future__ import annotations
 
@@ -22,18 +23,23 @@ def _report(line: str) -> None:
 
 def main() -> None:
     tp, pp, dp = (int(v) for v in sys.argv[1:4])
+    build, package = sys.argv[4:6]
+    sys.path.insert(0, build)
+    loaders = __import__(package)
     dist.init_process_group("gloo")
     me = dist.get_rank()
-    topology = BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                             data_parallel_size=dp)
-    groups = topology.process_groups()
+    topology = loaders.topology()  # D from WORLD_SIZE
+    assert topology == BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                     data_parallel_size=dp), topology
+    position = loaders.launch_position()
+    groups = loaders.process_groups()
     seen = {}
     for name, group in (("tp", groups.tensor_parallel), ("pp", groups.pipeline_parallel),
                         ("dp", groups.data_parallel)):
         members = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
         dist.all_gather(members, torch.tensor([me]), group=group)
         seen[name] = [int(m) for m in members]
-    mesh = topology.device_mesh("cpu")
+    mesh = loaders.device_mesh("cpu")
     meshed = {name: sorted(int(r) for r in mesh[name].mesh.flatten().tolist())
               for name in ("dp", "pp", "tp")}
     following = topology.next_stage_peer(me)
@@ -46,7 +52,10 @@ def main() -> None:
         dist.recv(buffer, src=previous)
         received = int(buffer)
     _report(json.dumps({"rank": me, "local_rank": int(os.environ["LOCAL_RANK"]), "seen": seen,
-                      "mesh": meshed, "received": received}))
+                      "mesh": meshed, "mesh_names": list(mesh.mesh_dim_names),
+                      "received": received,
+                      "position": [position.global_rank, position.world_size, position.rank,
+                                   position.data_parallel_rank, position.data_parallel_size]}))
     dist.barrier()
     dist.destroy_process_group()
 

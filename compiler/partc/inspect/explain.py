@@ -33,8 +33,10 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
     if units and group.get("logical_ranges"):
         sizes = [b - a for a, b in group["logical_ranges"]]
         if len(set(sizes)) > 1:
-            why.append(f"{units} units do not divide evenly by TP={tp}: balanced contiguous "
-                       f"ranges of {', '.join(map(str, sizes))} units")
+            rule = "torch.chunk ranges (--split chunk)" if build.plan["topology"].get(
+                "split") == "chunk" else "balanced contiguous ranges"
+            why.append(f"{units} units do not divide evenly by TP={tp}: {rule} of "
+                       f"{', '.join(map(str, sizes))} units")
         else:
             why.append(f"{units} units split evenly: {sizes[0]} per rank")
     for t in tensors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import fields
 
@@ -27,6 +28,45 @@ from partc.parallel.specs import (
 )
 
 
+class TensorSplit(enum.Enum):
+    """How a split that does not divide evenly gives out its remainder."""
+
+    BALANCED = "balanced"
+    """The first `n mod T` ranks get one more (DESIGN.md §3; the default)."""
+    CHUNK = "chunk"
+    """torch.chunk's rule, which DTensor's `Shard` and transformers' tensor parallelism follow:
+    every rank gets `ceil(n / T)` in order, the last ones what is left (`chunk_range`)."""
+
+
+def chunk_range(items: int, parts: int, index: int) -> tuple[int, int]:
+    """The half-open range torch.chunk gives part `index` of `items` over `parts` (empty when
+    the chunks run out first: torch.chunk then returns fewer than `parts` chunks)."""
+    width = -(-items // parts)
+    return min(index * width, items), min((index + 1) * width, items)
+
+
+def _split_range(items: int, parts: int, index: int, split: TensorSplit) -> tuple[int, int]:
+    if split is TensorSplit.CHUNK:
+        return chunk_range(items, parts, index)
+    return balanced_contiguous_range(items, parts, index)
+
+
+def _empty_chunks(items: int, parts: int) -> list[int]:
+    """The parts torch.chunk leaves empty when it splits `items` over `parts`."""
+    return [i for i in range(parts) if chunk_range(items, parts, i)[0] >= items]
+
+
+def _chunk_problem(what: str, items: int, tp: int) -> str:
+    """Why torch.chunk's split of `items` over `tp` ranks cannot be a partc split."""
+    width = -(-items // tp)
+    empty = _empty_chunks(items, tp)
+    return (f"{what}: with --split chunk, torch.chunk cuts {items} into {-(-items // width)} "
+            f"chunks of at most {width} over {tp} ranks, leaving TP rank"
+            f"{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} empty, and every rank "
+            "of a partc build holds a part; use --split balanced, or a tensor_parallel_size "
+            "torch.chunk fills")
+
+
 def _merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     merged: list[tuple[int, int]] = []
     for a, b in ranges:
@@ -49,7 +89,7 @@ def _head_range(width: int, heads: int, tp: int, rank: int) -> tuple[int, int]:
 
 def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
                    unit_range: tuple[int, int] | None, units: int | None,
-                   kv: bool) -> TensorPlacement:
+                   kv: bool, split: TensorSplit = TensorSplit.BALANCED) -> TensorPlacement:
     """The placement of `member` on tensor-parallel rank `rank` (legality already checked)."""
     rule = member.sharding
     kind = rule.kind
@@ -60,7 +100,7 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
     if kind is MemberShardingKind.EQUAL:
         return Shard(axis=rule.axis, index=rank, parts=tp)
     if kind is MemberShardingKind.BALANCED:
-        start, end = balanced_contiguous_range(-(-dim // rule.granule), tp, rank)
+        start, end = _split_range(-(-dim // rule.granule), tp, rank, split)
         return Range(axis=rule.axis, start=start * rule.granule,
                      end=min(end * rule.granule, dim))
     ranges: list[tuple[int, int]] = []
@@ -150,7 +190,8 @@ def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
     return problems
 
 
-def _problems(group: ParameterGroupSpec, tp: int) -> tuple[list[tuple[str, str]], bool]:
+def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSplit.BALANCED
+              ) -> tuple[list[tuple[str, str]], bool]:
     """(target, message) for every reason `group` cannot be sharded over `tp`; and KV mode."""
     problems: list[tuple[str, str]] = []
     if tp == 1:
@@ -167,11 +208,20 @@ def _problems(group: ParameterGroupSpec, tp: int) -> tuple[list[tuple[str, str]]
         elif rule.kind is MemberShardingKind.BALANCED and -(-dim // g) < tp:
             problems.append((target, f"`{target}`: axis {rule.axis} has {-(-dim // g)} {unit}, "
                                      f"fewer than tensor_parallel_size {tp} (balanced ranges)"))
+        elif rule.kind is MemberShardingKind.BALANCED and split is TensorSplit.CHUNK and \
+                _empty_chunks(-(-dim // g), tp):
+            problems.append((target, _chunk_problem(f"`{target}`: axis {rule.axis} has "
+                                                    f"{-(-dim // g)} {unit}", -(-dim // g), tp)))
         elif rule.kind is MemberShardingKind.SEGMENTED and any(
                 segment % (tp * g) for segment in rule.segments):
             problems.append((target, f"`{target}`: segments {list(rule.segments)} are not each "
                                      f"divisible into {tp} shards of whole {unit}"))
     units = group.units
+    if units is not None and units >= tp and split is TensorSplit.CHUNK and \
+            _empty_chunks(units, tp):
+        label = f" ({group.units_label})" if group.units_label else ""
+        problems.append(("", _chunk_problem(f"it has {units} partition units{label}", units,
+                                            tp)))
     if units is None or units >= tp:
         return problems, False
     label = f" ({group.units_label})" if group.units_label else ""
@@ -192,14 +242,16 @@ def _problems(group: ParameterGroupSpec, tp: int) -> tuple[list[tuple[str, str]]
     return problems, False
 
 
-def group_sharding_problems(group: ParameterGroupSpec, tp: int) -> list[str]:
+def group_sharding_problems(group: ParameterGroupSpec, tp: int,
+                            split: TensorSplit = TensorSplit.BALANCED) -> list[str]:
     """Why `group` cannot be sharded over `tp` ranks (empty when it can)."""
-    return [message for _, message in _problems(group, tp)[0]]
+    return [message for _, message in _problems(group, tp, split)[0]]
 
 
 def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
                   policy: ShardingPolicy = ShardingPolicy.REQUIRE, *,
-                  policy_overrides_group: bool = False
+                  policy_overrides_group: bool = False,
+                  split: TensorSplit = TensorSplit.BALANCED
                   ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """Each tensor-parallel rank's layouts of `group`'s members (outer index: rank).
 
@@ -208,9 +260,11 @@ def realize_group(group: ParameterGroupSpec, tensor_parallel_size: int,
     `fell_back_to_replication`. With `kv_replication` and fewer units than ranks, query heads are
     split over all ranks and each KV head repeated (docs/kv_replication.md).
     `policy_overrides_group` makes `policy` win over the group's own (a command-line choice).
+    `split` is how uneven splits (balanced members, partition units) give out the remainder.
     """
     template = realize_group_template(group, tensor_parallel_size, policy,
-                                      policy_overrides_group=policy_overrides_group)
+                                      policy_overrides_group=policy_overrides_group,
+                                      split=split)
     return tuple(tuple(layout.renamed(member.target, group.name)
                        for layout, member in zip(rank_layouts, group.members, strict=True))
                  for rank_layouts in template)
@@ -221,7 +275,8 @@ def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
                            policy_overrides_group: bool = False,
                            cache: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]]
                            | None = None, location: SourceLocation | None = None,
-                           pointer: str = "") -> tuple[tuple[LocalTensorLayout, ...], ...]:
+                           pointer: str = "", split: TensorSplit = TensorSplit.BALANCED
+                           ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """`realize_group` up to names: the one realization every group of `group`'s structure
     shares (the same object for all of them), named after the first such group realized.
 
@@ -237,11 +292,11 @@ def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
                              group=group.name, location=location, pointer=pointer)
     effective = policy if policy_overrides_group else (group.policy or policy)
     key = (tp, effective, group.role, group.units, group.kv_replication,
-           tuple(_member_structure(m) for m in group.members))
+           tuple(_member_structure(m) for m in group.members), split)
     realized = _REALIZED if cache is None else cache
     template = realized.get(key)
     if template is None:
-        template = _realize_uncached(group, tp, effective, location, pointer)
+        template = _realize_uncached(group, tp, effective, location, pointer, split)
         if cache is None and len(_REALIZED) > 4096:
             _REALIZED.clear()
         realized[key] = template
@@ -260,9 +315,10 @@ def _member_structure(member: ParameterMemberSpec) -> tuple[object, ...]:
 
 
 def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPolicy,
-                      location: SourceLocation | None = None, pointer: str = ""
+                      location: SourceLocation | None = None, pointer: str = "",
+                      split: TensorSplit = TensorSplit.BALANCED
                       ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
-    problems, kv = _problems(group, tp)
+    problems, kv = _problems(group, tp, split)
     if problems and effective is ShardingPolicy.REQUIRE:
         targets = {t for t, _ in problems}
         raise _invalid_group(
@@ -278,13 +334,13 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
         units: int | None = None
         unit_range: tuple[int, int] | None = None
         if group.units is not None and not fallback:
-            units, unit_range = group.units, balanced_contiguous_range(group.units, tp, rank)
+            units, unit_range = group.units, _split_range(group.units, tp, rank, split)
             if kv:
                 units, unit_range = tp, (rank, rank + 1)
         layouts = []
         for member in group.members:
             placement = REPLICATED if fallback else _placement_for(
-                member, tp, rank, unit_range, group.units, kv)
+                member, tp, rank, unit_range, group.units, kv, split)
             axis, ranges = placement.selection(member.shape)
             local = list(member.shape)
             if axis is not None:

@@ -6,6 +6,7 @@ name is defined in one submodule.
 """
 
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module
+from partc.runtime.ranks import LaunchPosition, launch_position
 from partc.runtime.tables import (
     RankTable,
     architecture_boundary,
@@ -18,12 +19,24 @@ from partc.runtime.tables import (
     receive_boundary,
     send_boundary,
 )
+from partc.runtime.topology import (
+    BuildTopology,
+    build_device_mesh,
+    build_process_groups,
+    build_topology,
+)
 
 __all__ = [
+    "BuildTopology",
+    "LaunchPosition",
     "RankTable",
     "architecture_boundary",
     "architecture_partition",
     "boundary_schema",
+    "build_device_mesh",
+    "build_process_groups",
+    "build_topology",
+    "launch_position",
     "layered_partition_driver",
     "load_package_rank",
     "load_rank",

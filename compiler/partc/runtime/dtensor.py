@@ -3,7 +3,8 @@
 DTensor's `Shard(axis)` follows `torch.chunk`: with n elements over T ranks, rank i holds
 `[i·c, min((i+1)·c, n))` for `c = ceil(n / T)`. partc's balanced ranges give the first `n mod T`
 ranks one extra element instead, and its fused-segment (`Indices`) placements and repeated KV
-heads have no DTensor spelling at all. A tensor is converted only when its partc placement is
+heads have no DTensor spelling at all (`partc compile --split chunk` makes uneven splits follow
+torch.chunk where they can). A tensor is converted only when its partc placement is
 exactly what DTensor would hold on that rank; otherwise `dtensor_placement` raises a
 CheckpointError naming the tensor, partc's range and DTensor's, so a DTensor is never silently
 wrong. torch is imported only when DTensors are built.
@@ -17,6 +18,7 @@ from typing import Any
 
 from partc.errors import CheckpointError
 from partc.parallel.layout import LocalTensorLayout, PlacementKind
+from partc.parallel.realize import chunk_range
 from partc.runtime.frameworks import to_torch
 
 
@@ -30,12 +32,6 @@ class DTensorSpec:
     """The sharded axis; None when every rank holds the whole tensor."""
     global_shape: tuple[int, ...]
     """The DTensor's global shape."""
-
-
-def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """The half-open range `torch.chunk` gives part `index` of `size` elements over `parts`."""
-    width = -(-size // parts)
-    return min(index * width, size), min((index + 1) * width, size)
 
 
 def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
@@ -58,7 +54,9 @@ def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
         raise CheckpointError(
             f"`{target}`: partc split axis {axis} of {layout.global_shape[axis]} so that TP rank "
             f"{tensor_parallel_rank} holds {_spell(ranges)}, but DTensor's Shard({axis}) (torch."
-            f"chunk) would hold {_spell((expected,))} there; compile with an even split or use "
+            f"chunk) would hold {_spell((expected,))} there; compile with `--split chunk` (a "
+            "group split by units wider than one element, such as attention heads, cannot follow "
+            "torch.chunk's element ranges: use a tensor-parallel size dividing its units) or use "
             "the plain tensors", tensor=target)
     return DTensorSpec(target=target, shard_axis=axis, global_shape=layout.global_shape)
 

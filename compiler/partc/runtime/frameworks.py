@@ -31,12 +31,19 @@ def _float_dtype(dtype: Any) -> np.dtype[Any]:
     return found
 
 
-def to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Torch tensors sharing each array's memory (bf16/fp8 through an integer view)."""
+def import_torch(feature: str) -> Any:
+    """The torch module, or a CheckpointError naming `feature` and the `partc[torch]` extra."""
     try:
         import torch  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        raise CheckpointError("framework='torch' needs torch installed") from None
+        raise CheckpointError(f"{feature} needs torch, which is not installed; install partc's "
+                              "torch extra: pip install 'partc[torch]'") from None
+    return torch
+
+
+def to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Torch tensors sharing each array's memory (bf16/fp8 through an integer view)."""
+    torch = import_torch("framework='torch'")
     out = {}
     for name, array in tensors.items():
         special = _TORCH_VIEWS.get(array.dtype.name)

@@ -21,6 +21,7 @@ from partc.parallel.layout import (
     ParallelModelInfo,
 )
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
+from partc.runtime.device import convert_on_device, load_target, stage_to_device
 from partc.runtime.digests import VERIFY_MODES, verify_digests
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
@@ -79,9 +80,10 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
 
 def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,
               verify_fingerprint: bool = True, dtype: Any = None, reader: Any = None,
-              framework: str = "numpy", workers: int | None = None,
+              framework: str | None = None, workers: int | None = None,
               progress: bool | None = None, verify: str | None = None,
-              zero_copy: bool = False, local_ranks: int | None = None) -> RankState:
+              zero_copy: bool = False, local_ranks: int | None = None,
+              device: Any = None, staging_bytes: int | None = None) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
     `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
@@ -98,9 +100,13 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     memory accounting and the SIGBUS a truncated file can raise); `local_ranks` is the number
     of ranks loading on this node at once, which sizes the reader threads (default:
     `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`, else 1).
+    `device` (implies `framework="torch"`; docs/torch.md) puts the tensors on a torch device:
+    'cpu', 'cuda', 'cuda:N' or a torch.device; with framework="torch" and no device, `cuda:
+    LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
+    `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory.
     """
-    if framework not in ("numpy", "torch"):
-        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+    framework, staged = load_target(framework, device, verify=verify, zero_copy=zero_copy,
+                                    reader=reader, staging_bytes=staging_bytes)
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
     if zero_copy and framework == "torch":
@@ -126,6 +132,12 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                                                   ranges=item.selection[1]))
                     for item in layout.tensors]
     total = sum(item.local_bytes for item in layout.tensors)
+    if staged is not None:
+        with progress_bar(total, f"rank {table.rank}", progress) as update:
+            on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
+                                        progress=update)[0]
+        return RankState(tensors=convert_on_device(on_device, target_dtype), layout=layout,
+                         info=parallel_model_info(table))
     with progress_bar(total, f"rank {table.rank}", progress) as update:
         tensors = read_tensors(opened, requests, reader=reader, workers=workers,
                                progress=update, zero_copy=zero_copy, local_ranks=local_ranks)

@@ -8,10 +8,13 @@ torch.distributed (imported only when called).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from partc.errors import CheckpointError
+from partc.runtime.frameworks import import_torch
+from partc.runtime.ranks import _integer, launch_position
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,6 +145,7 @@ class BuildTopology:
         `new_group` rule). The default process group must already be initialised, with this
         job's world size.
         """
+        import_torch("process_groups()")
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -162,9 +166,49 @@ class BuildTopology:
 
     def device_mesh(self, device_type: str = "cpu") -> Any:
         """A torch `DeviceMesh` of shape (D, S, T) with dimensions named `dp`, `pp`, `tp`."""
+        import_torch("device_mesh()")
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, (self.data_parallel_size,
                                               self.pipeline_parallel_size,
                                               self.tensor_parallel_size),
                                 mesh_dim_names=("dp", "pp", "tp"))
+
+
+def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
+                   data_parallel_size: int | None = None) -> BuildTopology:
+    """A build's BuildTopology; D defaults to the launcher's (WORLD_SIZE / T·S, else 1)."""
+    if data_parallel_size is None:
+        build = tensor_parallel_size * pipeline_parallel_size
+        data_parallel_size = 1
+        if os.environ.get("RANK") is not None:
+            data_parallel_size = launch_position(build).data_parallel_size
+        elif os.environ.get("WORLD_SIZE") is not None:
+            world = _integer("WORLD_SIZE", os.environ["WORLD_SIZE"])
+            if world == 0 or world % build:
+                raise CheckpointError(
+                    f"WORLD_SIZE={world} is not a multiple of this build's {build} ranks (T x "
+                    f"S); run {build} x D processes for D data-parallel replicas")
+            data_parallel_size = world // build
+    return BuildTopology(tensor_parallel_size=tensor_parallel_size,
+                         pipeline_parallel_size=pipeline_parallel_size,
+                         data_parallel_size=data_parallel_size)
+
+
+def build_process_groups(tensor_parallel_size: int, pipeline_parallel_size: int,
+                         data_parallel_size: int | None = None) -> ProcessGroups:
+    """`build_topology(...).process_groups()`: collective, every process of the job calls it."""
+    return build_topology(tensor_parallel_size, pipeline_parallel_size,
+                          data_parallel_size).process_groups()
+
+
+def build_device_mesh(tensor_parallel_size: int, pipeline_parallel_size: int,
+                      device_type: str | None = None, data_parallel_size: int | None = None
+                      ) -> Any:
+    """`build_topology(...).device_mesh(device_type)`; the device type defaults to 'cuda' when
+    torch sees a GPU, else 'cpu' (as `load`'s device does)."""
+    if device_type is None:
+        torch = import_torch("device_mesh()")
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return build_topology(tensor_parallel_size, pipeline_parallel_size,
+                          data_parallel_size).device_mesh(device_type)

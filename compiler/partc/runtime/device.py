@@ -1,0 +1,350 @@
+"""Loading a rank's tensors onto a torch device: which device, and the staging ring that feeds it.
+
+`resolve_device` turns `load(..., device=...)` into a torch device: by default
+`cuda:LOCAL_RANK` when torch sees a GPU, else the CPU. A CPU load needs no staging (the reader
+fills the result's own memory). A GPU load never reads the shard into host memory whole: every
+selected element goes from the checkpoint's file mapping into one of a few reused host buffers
+(pinned, so the copy to the device is asynchronous), and from there into the device tensor, so
+the host holds the ring, never a second copy of the shard, and faults no fresh pages per tensor.
+While one buffer's copy is in flight the next is filled.
+
+The device side is one small `Transfer` object (allocate a staging buffer, a device buffer, copy,
+wait), so the whole staging path also runs against a stand-in device in tests. torch is imported
+only inside these functions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from partc.errors import CheckpointError
+from partc.runtime.checkpoint import Checkpoint
+from partc.runtime.frameworks import import_torch
+from partc.runtime.reader import TensorSelection, read_tensors
+
+DEFAULT_STAGING_BYTES = 64 << 20
+"""Default size of the host staging ring (two buffers of 32 MiB)."""
+_SLOTS = 2
+"""Buffers in the ring: one filled on the host while the other's copy is in flight."""
+_BYTE_VIEWS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+"""Item size -> unsigned integer dtype: every copy moves raw bytes, whatever the dtype."""
+
+
+def local_rank_from_environment() -> int | None:
+    """torchrun's `LOCAL_RANK` (this process's index on its node), or None when unset."""
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CheckpointError(f"environment LOCAL_RANK={raw!r} is not an integer") from None
+    if value < 0:
+        raise CheckpointError(f"environment LOCAL_RANK={raw!r} must not be negative")
+    return value
+
+
+_DEVICE_RULE = "device must be None, 'cpu', 'cuda' or 'cuda:N' (a torch.device is accepted too)"
+
+
+def resolve_device(device: Any) -> Any:
+    """The torch.device a load goes to, or a CheckpointError saying why `device` is unusable.
+
+    None: `cuda:LOCAL_RANK` (LOCAL_RANK unset: 0) when torch sees a CUDA device, else the CPU.
+    'cuda' without an index means `cuda:LOCAL_RANK` too.
+    """
+    torch = import_torch("loading torch tensors (framework='torch' or device=)")
+    if device is None:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = "cuda"
+    if isinstance(device, bool) or not isinstance(device, str | torch.device):
+        raise CheckpointError(f"{_DEVICE_RULE}, found {device!r}")
+    try:
+        found = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise CheckpointError(f"{_DEVICE_RULE}, found {device!r}") from None
+    if found.type == "cpu":
+        return torch.device("cpu")
+    if found.type != "cuda":
+        raise CheckpointError(f"partc loads to the CPU or a CUDA device; device {str(found)!r} is "
+                              f"of type {found.type!r}")
+    if not torch.cuda.is_available():
+        raise CheckpointError(f"device {str(found)!r} asked for, but torch {torch.__version__} "
+                              "sees no CUDA device (torch.cuda.is_available() is False); load "
+                              "with device='cpu'")
+    count = torch.cuda.device_count()
+    index = found.index
+    if index is None:
+        local = local_rank_from_environment()
+        index = 0 if local is None else local
+        if index >= count:
+            raise CheckpointError(f"LOCAL_RANK={index} names CUDA device {index}, but torch "
+                                  f"sees {count} CUDA device(s); pass device='cuda:N', or run "
+                                  f"at most {count} processes per node")
+    elif index >= count:
+        raise CheckpointError(f"device 'cuda:{index}' asked for, but torch sees {count} CUDA "
+                              f"device(s) (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def load_target(framework: str | None, device: Any, *, verify: str | None, zero_copy: bool,
+                reader: Any, staging_bytes: int | None) -> tuple[str, Any | None]:
+    """`load`'s framework, and the CUDA device to stage to (None: read on the host), checked
+    against the load's other options."""
+    framework = ("torch" if device is not None else "numpy") if framework is None else framework
+    if framework not in ("numpy", "torch"):
+        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+    if device is not None and framework != "torch":
+        raise CheckpointError(f"device={device!r} places torch tensors, but framework is "
+                              f"{framework!r}; pass framework='torch' or leave it out")
+    target = resolve_device(device) if framework == "torch" else None
+    staged = target if target is not None and target.type != "cpu" else None
+    if staged is not None and (verify is not None or zero_copy or reader is not None):
+        option = (f"verify={verify!r}" if verify is not None else "zero_copy=True" if zero_copy
+                  else "reader=")
+        raise CheckpointError(f"a load to {staged} reads through the file mapping into host "
+                              f"staging buffers, which {option} cannot follow; load to "
+                              "device='cpu' for it")
+    if staging_bytes is not None and staged is None:
+        raise CheckpointError("staging_bytes sizes the host ring of a load to a CUDA device; "
+                              "this load is not one")
+    return framework, staged
+
+
+class Transfer(Protocol):
+    """The device side of a staged load: buffers and copies (CUDA, or a stand-in in tests)."""
+
+    def staging(self, nbytes: int) -> Any:
+        """A new host uint8 torch tensor of `nbytes` to stage copies through."""
+
+    def destination(self, nbytes: int) -> Any:
+        """A new uint8 torch tensor of `nbytes` on the device."""
+
+    def copy(self, destination: Any, source: Any) -> Any:
+        """Start copying `source` (host) into `destination` (device); a handle to wait on."""
+
+    def wait(self, handle: Any) -> None:
+        """Block until the copy `handle` names has finished reading its source."""
+
+
+@dataclass(slots=True)
+class _CudaTransfer:
+    """Pinned host buffers and asynchronous host-to-device copies on the current stream."""
+
+    torch: Any
+    """The torch module."""
+    device: Any
+    """The CUDA torch.device."""
+
+    def staging(self, nbytes: int) -> Any:
+        """A pinned (page-locked) host buffer: copies from it to the GPU are asynchronous."""
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+
+    def destination(self, nbytes: int) -> Any:
+        """Uninitialised device bytes."""
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
+
+    def copy(self, destination: Any, source: Any) -> Any:
+        """A non-blocking copy on the device's current stream, and an event recorded after it."""
+        with self.torch.cuda.device(self.device):
+            destination.copy_(source, non_blocking=True)
+            event = self.torch.cuda.Event()
+            event.record()
+        return event
+
+    def wait(self, handle: Any) -> None:
+        """Wait for the copy's event."""
+        handle.synchronize()
+
+
+def transfer_for(device: Any) -> Transfer:
+    """The Transfer for a CUDA `device` (tests replace this function with a stand-in)."""
+    return _CudaTransfer(torch=import_torch("a CUDA load"), device=device)
+
+
+@dataclass(slots=True)
+class StagingStats:
+    """What a staged load allocated and moved: the ring bounds the host memory it holds."""
+
+    buffers: int = 0
+    """Host staging buffers allocated (at most the ring's slots)."""
+    buffer_bytes: list[int] = field(default_factory=list)
+    """The size of each buffer allocated."""
+    copies: int = 0
+    """Host-to-device copies issued."""
+    staged_bytes: int = 0
+    """Bytes that went through the ring."""
+
+
+class StagingRing:
+    """A few reused host buffers, each filled while the previous one's copy is in flight."""
+
+    def __init__(self, transfer: Transfer, total_bytes: int, slots: int = _SLOTS) -> None:
+        self.transfer = transfer
+        """The device side."""
+        self.slot_bytes = max(1, total_bytes // slots)
+        """Bytes of one buffer."""
+        self.stats = StagingStats()
+        """What was allocated and moved."""
+        self._slots = slots
+        self._buffers: list[Any] = []
+        self._pending: list[Any] = []
+        self._next = 0
+
+    def acquire(self, nbytes: int) -> tuple[int, np.ndarray[Any, Any]]:
+        """The next buffer (allocated on first use; its previous copy waited for) as numpy."""
+        index = self._next
+        self._next = (index + 1) % self._slots
+        if index == len(self._buffers):
+            self._buffers.append(self.transfer.staging(self.slot_bytes))
+            self._pending.append(None)
+            self.stats.buffers += 1
+            self.stats.buffer_bytes.append(self.slot_bytes)
+        elif self._pending[index] is not None:
+            self.transfer.wait(self._pending[index])
+            self._pending[index] = None
+        return index, self._buffers[index].numpy()[:nbytes]
+
+    def submit(self, index: int, destination: Any, nbytes: int) -> None:
+        """Copy the first `nbytes` of buffer `index` into `destination` (a device byte range)."""
+        self._pending[index] = self.transfer.copy(destination, self._buffers[index][:nbytes])
+        self.stats.copies += 1
+        self.stats.staged_bytes += nbytes
+
+    def drain(self) -> None:
+        """Wait for every copy still in flight."""
+        for index, handle in enumerate(self._pending):
+            if handle is not None:
+                self.transfer.wait(handle)
+                self._pending[index] = None
+
+
+Piece = tuple[int, list[np.ndarray[Any, Any]], int]
+"""(first element of the local tensor it fills, the source views to concatenate, their axis)."""
+
+
+def _pieces(views: list[np.ndarray[Any, Any]], axis: int, base: int, limit: int
+            ) -> Iterator[Piece]:
+    """The local tensor (`views` concatenated along `axis`) cut into C-order blocks of at most
+    `limit` bytes, each contiguous in the destination: runs of leading rows, and a row too
+    large for one buffer cut the same way one level down."""
+    shape = list(views[0].shape)
+    shape[axis] = sum(v.shape[axis] for v in views)
+    itemsize = views[0].itemsize
+    if math.prod(shape) * itemsize <= limit or not shape:
+        yield base, views, axis
+        return
+    row = math.prod(shape[1:])
+    step = max(1, limit // max(1, row * itemsize))
+    for first in range(0, shape[0], step):
+        last = min(first + step, shape[0])
+        if axis == 0:
+            part, offset = [], 0
+            for view in views:  # the views' rows overlapping [first, last)
+                lo, hi = max(first, offset), min(last, offset + view.shape[0])
+                if lo < hi:
+                    part.append(view[lo - offset:hi - offset])
+                offset += view.shape[0]
+            part_axis = 0
+        else:
+            part, part_axis = [view[first:last] for view in views], axis
+        if row * itemsize > limit:  # one row (step is 1): its own blocks, one level down
+            inner = [p[0] for p in part]
+            yield from _pieces(inner, max(0, part_axis - 1), base + first * row, limit)
+        else:
+            yield base + first * row, part, part_axis
+
+
+def _source_views(whole: np.ndarray[Any, Any], selection: TensorSelection
+                  ) -> tuple[list[np.ndarray[Any, Any]], int]:
+    """The selected parts of a whole-tensor view (raw bytes as unsigned integers), in order."""
+    raw = whole.view(_BYTE_VIEWS[whole.itemsize]) if whole.ndim else whole.reshape(1).view(
+        _BYTE_VIEWS[whole.itemsize])
+    if selection.axis is None:
+        return [raw], 0
+    axis = selection.axis
+    return [raw[(slice(None),) * axis + (slice(a, b),)] for a, b in selection.ranges], axis
+
+
+def _fill(out: np.ndarray[Any, Any], views: list[np.ndarray[Any, Any]], axis: int) -> None:
+    if len(views) == 1:
+        np.copyto(out, views[0])
+    else:
+        np.concatenate(views, axis=axis, out=out)
+
+
+def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, TensorSelection]],
+                    device: Any, *, staging_bytes: int | None = None,
+                    progress: Callable[[int], None] | None = None,
+                    transfer: Transfer | None = None) -> tuple[dict[str, Any], StagingStats]:
+    """Each request's selection as a torch tensor on `device`, staged through a host ring.
+
+    Sources are read-only views of the mapped checkpoint files (nothing is read whole); each
+    block is copied into a ring buffer and from there to its byte range of the device tensor.
+    Returns the tensors in request order and what the ring allocated and moved.
+    """
+    torch = import_torch("a device load")
+    total = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
+    if isinstance(total, bool) or not isinstance(total, int) or total < _SLOTS:
+        raise CheckpointError(f"staging_bytes must be an integer of at least {_SLOTS}, found "
+                              f"{staging_bytes!r}")
+    transfer = transfer_for(device) if transfer is None else transfer
+    names = [name for name, _ in requests]
+    wholes = read_tensors(checkpoint, [(name, TensorSelection()) for name in names],
+                          zero_copy=True)
+    shard = sum(math.prod(selection.local_shape(tuple(wholes[name].shape)))
+                * wholes[name].itemsize for name, selection in requests)
+    ring = StagingRing(transfer, min(total, max(_SLOTS, shard)))  # the ring never exceeds the shard
+    order = sorted(range(len(requests)), key=lambda i: (
+        checkpoint.owners[names[i]], checkpoint.tensor(names[i])[1].begin))
+    out: dict[str, Any] = {}
+    for i in order:
+        name, selection = requests[i]
+        whole = wholes.pop(name)
+        shape = selection.local_shape(tuple(whole.shape))
+        itemsize = whole.itemsize
+        flat = transfer.destination(math.prod(shape) * itemsize)
+        views, axis = _source_views(whole, selection)
+        for first, part, part_axis in _pieces(views, axis, 0, ring.slot_bytes):
+            block = list(part[0].shape)
+            block[part_axis] = sum(p.shape[part_axis] for p in part)
+            nbytes = math.prod(block) * itemsize
+            if nbytes == 0:
+                continue
+            index, buffer = ring.acquire(nbytes)
+            _fill(buffer.view(part[0].dtype).reshape(block), part, part_axis)
+            ring.submit(index, flat[first * itemsize:first * itemsize + nbytes], nbytes)
+            if progress is not None:
+                progress(nbytes)
+        out[name] = flat.view(torch_dtype(torch, whole.dtype, name)).view(shape)
+    ring.drain()
+    return {name: out[name] for name in names}, ring.stats
+
+
+def torch_dtype(torch: Any, dtype: np.dtype[Any], name: str = "") -> Any:
+    """The torch dtype of a numpy (or ml_dtypes) dtype of the same name."""
+    found = getattr(torch, dtype.name, None)
+    if not isinstance(found, torch.dtype):
+        raise CheckpointError(f"torch {torch.__version__} has no dtype {dtype.name}"
+                              + (f" for tensor `{name}`" if name else ""), tensor=name or None)
+    return found
+
+
+def convert_on_device(tensors: dict[str, Any], dtype: np.dtype[Any] | None) -> dict[str, Any]:
+    """Every floating tensor converted to `dtype` where it lies, one tensor at a time (None:
+    unchanged); integer and packed tensors are left alone."""
+    if dtype is None:
+        return tensors
+    torch = import_torch("a device load")
+    target = torch_dtype(torch, dtype)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.dtype != target:
+            tensors[name] = tensor.to(target)
+    return tensors
