@@ -18,9 +18,10 @@ from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_gro
 from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
-from partc.family.declaration import ConfigType, GroupForm, OwnerKind
+from partc.family.declaration import EXPERT_VARIABLE, ConfigType, GroupForm, OwnerKind
 from partc.family.expr import Expression, Template, format_value
 from partc.front.positions import join_pointer
+from partc.parallel.experts import ExpertGroup
 from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
@@ -88,6 +89,8 @@ class BoundArchitecture:
     """The linear format the config selected (None: every weight dense)."""
     omit: tuple[str, ...] = ()
     """Globs of checkpoint tensors loaded by no rank (the family's `omit`)."""
+    experts: tuple[tuple[str, ExpertGroup], ...] = ()
+    """The routed-expert groups (per-expert or stacked) by name, in binding order."""
 
     def omitted(self, names: Collection[str]) -> tuple[str, ...]:
         """The checkpoint tensor names the `omit` globs match, sorted."""
@@ -663,6 +666,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     graph = _located(family, lambda: ExecutionGraph(groups=tuple(groups)), "/graph")
     owned: list[OwnedParameterGroupSpec] = []
     pointers: dict[str, str] = {}
+    experts: list[tuple[str, ExpertGroup]] = []
     linear_format = _linear_format(binder, values)
     for decl in family.groups:
         for env, unit in _instances(binder, decl, values, graph):
@@ -680,6 +684,11 @@ def bind_family(family: FamilyDecl, config: RawDocument,
                 raise binder.fail(f"parameter group name `{name}` is produced twice ({other}); "
                                   "names must be unique, e.g. include `{unit}`", decl.pointer)
             pointers[name] = decl.pointer
+            if decl.expert_loop or decl.expert_axis is not None:
+                expert = env[EXPERT_VARIABLE] if decl.expert_loop else None
+                experts.append((name, ExpertGroup(
+                    expert=expert if isinstance(expert, int) else None,
+                    axis=decl.expert_axis)))
             owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
                                                                          unit)))
     statics = tuple(StaticRoleSpec(name=n, side=s) for n, s in family.static_roles)
@@ -695,7 +704,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         config_values=tuple(sorted((k, _recorded(v)) for k, v in values.items())),
         description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
-        linear_format=linear_format, omit=family.omit)
+        linear_format=linear_format, omit=family.omit, experts=tuple(experts))
 
 
 def _check_omit(binder: _Binder, targets: tuple[str, ...]) -> None:

@@ -70,7 +70,17 @@ def package_name(plan: Plan) -> str:
     """The generated package's import name, e.g. `partc_llama_tp2_pp2`."""
     family = "".join(c if c.isalnum() else "_" for c in plan.family.lower())
     topology = plan.topology
-    return f"partc_{family}_tp{topology.tensor_parallel_size}_pp{topology.pipeline_parallel_size}"
+    return (f"partc_{family}_tp{topology.tensor_parallel_size}_pp"
+            f"{topology.pipeline_parallel_size}" + _expert_suffix(plan))
+
+
+def _expert_suffix(plan: Plan) -> str:
+    """`_ep{E}` (and `_etp{X}` when X > 1) under expert parallelism, else ''."""
+    experts = plan.expert_parallel
+    if experts is None:
+        return ""
+    etp = experts.expert_tensor_parallel_size
+    return f"_ep{experts.expert_parallel_size}" + (f"_etp{etp}" if etp > 1 else "")
 
 
 def rank_module_name(rank: int, world_size: int) -> str:
@@ -128,9 +138,10 @@ def _stage_tables(rank: RankPlan) -> _StageTables:
                         targets_text=lines_literal(targets), targets=tuple(targets))
 
 
-def _kind_row(kind: GroupKind, tp_rank: int) -> str:
-    """A KINDS row: the kind's realization on one tensor-parallel rank."""
-    layouts = kind.layouts[tp_rank]
+def _kind_row(kind: GroupKind, rank: RankPlan) -> str:
+    """A KINDS row: the kind's realization on one rank (its TP rank's row, or under expert
+    parallelism its ETP or stage-local row)."""
+    layouts = kind.layouts[kind.row(rank.tensor_parallel_rank, rank.coordinates)]
     first = layouts[0]
     return python_literal((
         first.role.value, first.logical_units, first.logical_range,
@@ -156,7 +167,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "model_type_literal": python_literal(plan.model_type),
         "fingerprint_literal": python_literal(plan.checkpoint_fingerprint),
         "header_digest_literal": python_literal(plan.checkpoint_header_digest),
-        "kind_rows": [_kind_row(plan.kinds[k], rank.tensor_parallel_rank) for k in tables.kinds],
+        "kind_rows": [_kind_row(plan.kinds[k], rank) for k in tables.kinds],
         "owner_rows": tables.owner_rows,
         "groups_text": tables.groups_text,
         "targets_text": tables.targets_text,
@@ -167,6 +178,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "info_literal": python_literal(rank_json["info"]),
         "boundary_literal": python_literal(plan_json["boundary"]),
         "activation_dtype_literal": python_literal(plan_json["topology"]["activation_dtype"]),
+        "experts": _expert_view(plan, rank),
     }
     template = _environment().get_template("rank_module.py.jinja2")
     # The module is checked with its two line tables left empty: they are `lines_literal`
@@ -177,6 +189,28 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "digests_text": None if digests is None else lines_literal(())}),
         path)
     return template.render(header=header, rank=view)
+
+
+def _expert_view(plan: Plan, rank: RankPlan) -> dict[str, Any] | None:
+    """The EXPERTS table of a rank under expert parallelism (None without it): sizes, this
+    rank's coordinates, each global expert's (EP rank, local slot) holders and this rank's
+    local slot -> global expert id."""
+    experts, c = plan.expert_parallel, rank.coordinates
+    if experts is None or c is None:
+        return None
+    placement = experts.placement
+    table = {
+        "expert_parallel_size": experts.expert_parallel_size,
+        "expert_tensor_parallel_size": experts.expert_tensor_parallel_size,
+        "ranks_per_stage": experts.ranks_per_stage,
+        "local_rank": c.local_rank, "dense_replica": c.dense_replica,
+        "expert_parallel_rank": c.expert_parallel_rank,
+        "expert_tensor_parallel_rank": c.expert_tensor_parallel_rank,
+        "owners": placement.owners(),
+        "local_experts": placement.slots[c.expert_parallel_rank]}
+    return {"literal": python_literal(table), "ep": experts.expert_parallel_size,
+            "etp": experts.expert_tensor_parallel_size, "ep_rank": c.expert_parallel_rank,
+            "local": len(placement.slots[c.expert_parallel_rank])}
 
 
 def _comment_safe(text: str) -> str:
@@ -201,17 +235,23 @@ def render_package(plan: Plan) -> dict[str, str]:
     world = plan.topology.world_size
     files = {"plan.json": plan_text}
     modules = []
-    stages: dict[int, _StageTables] = {}
+    stages: dict[tuple[int, int], _StageTables] = {}  # by (stage, EP rank): same groups
     for rank in plan.ranks:
         module = rank_module_name(rank.rank, world)
         modules.append(module)
-        tables = stages.get(rank.pipeline_stage)
+        key = (rank.pipeline_stage, 0 if rank.coordinates is None
+               else rank.coordinates.expert_parallel_rank)
+        tables = stages.get(key)
         if tables is None:
-            tables = stages[rank.pipeline_stage] = _stage_tables(rank)
+            tables = stages[key] = _stage_tables(rank)
         path = f"{package}/{module}.py"
         files[path] = _render_rank(plan, plan_json, rank, header, tables, path)
     view = {"family": _docstring_safe(plan.family), "tp": plan.topology.tensor_parallel_size,
             "pp": plan.topology.pipeline_parallel_size, "world_size": world,
+            "ep": None if plan.expert_parallel is None
+            else plan.expert_parallel.expert_parallel_size,
+            "etp": None if plan.expert_parallel is None
+            else plan.expert_parallel.expert_tensor_parallel_size,
             "plan_hash_literal": python_literal(plan_json["plan_hash"]),
             "rank_modules": [python_literal(m) for m in modules]}
     files[f"{package}/__init__.py"] = _environment().get_template(
