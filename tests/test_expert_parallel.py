@@ -132,7 +132,8 @@ def stage_ranks(plan: Any, states: list[Any], dense_arrays: list[dict[str, np.nd
                 views: list[Any]) -> list[list[RankShard]]:
     """Each stage's executor ranks: dense replica 0 whole, the other replicas' experts only
     (after checking their dense copies equal replica 0's)."""
-    experts = expert_targets(plan)
+    stored = expert_targets(plan)  # a dequantized MXFP4 weight is named after its blocks
+    experts = stored | {name.removesuffix("_blocks") for name in stored}
     n = plan.expert_parallel.ranks_per_stage
     tp = plan.topology.tensor_parallel_size
     stages = []
