@@ -122,14 +122,19 @@ class _StageTables:
     """The targets, in TARGETS order."""
 
 
-def _stage_tables(rank: RankPlan) -> _StageTables:
+def _stage_tables(rank: RankPlan, owner_rows: dict[object, str] | None = None) -> _StageTables:
+    """The tables a stage's ranks share; `owner_rows` memoizes owner literals across stages
+    (an expert-parallel build renders one set per stage and EP rank)."""
     kinds: dict[int, int] = {}
     owners: dict[str, int] = {}
     group_lines: list[str] = []
     targets: list[str] = []
+    memo: dict[object, str] = {} if owner_rows is None else owner_rows
     for group in rank.groups:
         kind = kinds.setdefault(group.kind, len(kinds))
-        owner_row = python_literal(group.owner.to_json())
+        owner_row = memo.get(group.owner)
+        if owner_row is None:
+            owner_row = memo[group.owner] = python_literal(group.owner.to_json())
         owner = owners.setdefault(owner_row, len(owners))
         group_lines.append(f"{kind} {owner} {group.name}")
         targets.extend(group.targets)
@@ -152,7 +157,7 @@ def _kind_row(kind: GroupKind, rank: RankPlan) -> str:
 
 
 def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header,
-                 tables: _StageTables, path: str) -> str:
+                 tables: _StageTables, path: str, expert_owners: str = "") -> str:
     rank_json = plan_json["ranks"][rank.rank]
     digests = None
     if plan.payload_digests is not None:  # only with --digests: otherwise no DIGESTS table
@@ -178,7 +183,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "info_literal": python_literal(rank_json["info"]),
         "boundary_literal": python_literal(plan_json["boundary"]),
         "activation_dtype_literal": python_literal(plan_json["topology"]["activation_dtype"]),
-        "experts": _expert_view(plan, rank),
+        "experts": _expert_view(plan, rank, expert_owners),
     }
     template = _environment().get_template("rank_module.py.jinja2")
     # The module is checked with its two line tables left empty: they are `lines_literal`
@@ -186,15 +191,23 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
     # early, and at ~10^4 names they would dominate the parse.
     check_generated(template.render(header=header, rank={
         **view, "groups_text": lines_literal(()), "targets_text": lines_literal(()),
-        "digests_text": None if digests is None else lines_literal(())}),
+        "digests_text": None if digests is None else lines_literal(()),
+        "experts": _expert_view(plan, rank, "()")}),
         path)
     return template.render(header=header, rank=view)
 
 
-def _expert_view(plan: Plan, rank: RankPlan) -> dict[str, Any] | None:
+def _expert_owners(plan: Plan) -> str:
+    """The literal of every global expert's (EP rank, local slot) holders ('' without expert
+    parallelism): the same on every rank, so spelled once."""
+    experts = plan.expert_parallel
+    return "" if experts is None else python_literal(experts.placement.owners())
+
+
+def _expert_view(plan: Plan, rank: RankPlan, owners: str) -> dict[str, Any] | None:
     """The EXPERTS table of a rank under expert parallelism (None without it): sizes, this
-    rank's coordinates, each global expert's (EP rank, local slot) holders and this rank's
-    local slot -> global expert id."""
+    rank's coordinates, each global expert's (EP rank, local slot) holders (`owners`, the
+    literal `_expert_owners` spells) and this rank's local slot -> global expert id."""
     experts, c = plan.expert_parallel, rank.coordinates
     if experts is None or c is None:
         return None
@@ -206,11 +219,17 @@ def _expert_view(plan: Plan, rank: RankPlan) -> dict[str, Any] | None:
         "local_rank": c.local_rank, "dense_replica": c.dense_replica,
         "expert_parallel_rank": c.expert_parallel_rank,
         "expert_tensor_parallel_rank": c.expert_tensor_parallel_rank,
-        "owners": placement.owners(),
+        "owners": _OWNERS,
         "local_experts": placement.slots[c.expert_parallel_rank]}
-    return {"literal": python_literal(table), "ep": experts.expert_parallel_size,
+    literal = python_literal(table).replace(python_literal(_OWNERS), owners, 1)
+    return {"literal": literal, "ep": experts.expert_parallel_size,
             "etp": experts.expert_tensor_parallel_size, "ep_rank": c.expert_parallel_rank,
             "local": len(placement.slots[c.expert_parallel_rank])}
+
+
+_OWNERS = "\x00owners"
+"""A stand-in for the owners literal inside a rank's EXPERTS table (its escaped spelling cannot
+occur in any other value of the table, which holds only integers)."""
 
 
 def _comment_safe(text: str) -> str:
@@ -236,6 +255,8 @@ def render_package(plan: Plan) -> dict[str, str]:
     files = {"plan.json": plan_text}
     modules = []
     stages: dict[tuple[int, int], _StageTables] = {}  # by (stage, EP rank): same groups
+    owner_rows: dict[object, str] = {}
+    expert_owners = _expert_owners(plan)
     for rank in plan.ranks:
         module = rank_module_name(rank.rank, world)
         modules.append(module)
@@ -243,9 +264,9 @@ def render_package(plan: Plan) -> dict[str, str]:
                else rank.coordinates.expert_parallel_rank)
         tables = stages.get(key)
         if tables is None:
-            tables = stages[key] = _stage_tables(rank)
+            tables = stages[key] = _stage_tables(rank, owner_rows)
         path = f"{package}/{module}.py"
-        files[path] = _render_rank(plan, plan_json, rank, header, tables, path)
+        files[path] = _render_rank(plan, plan_json, rank, header, tables, path, expert_owners)
     view = {"family": _docstring_safe(plan.family), "tp": plan.topology.tensor_parallel_size,
             "pp": plan.topology.pipeline_parallel_size, "world_size": world,
             "ep": None if plan.expert_parallel is None
