@@ -99,3 +99,31 @@ def test_a_rank_reads_exactly_the_bytes_of_its_experts(
     finally:
         for module_name in [m for m in sys.modules if m.startswith(package.__name__)]:
             del sys.modules[module_name]
+
+
+def test_partc_shard_writes_each_expert_parallel_rank_exactly_what_it_loads(
+        tmp_path: Path) -> None:
+    from partc.cli import main
+
+    folder = hf("gpt_oss")
+    assert main(["compile", "--config", str(folder / "config.json"), "--ep", "2", "--pp", "2",
+                 "--out", str(tmp_path / "build")]) == 0
+    assert main(["shard", str(tmp_path / "build"), "--checkpoint", str(folder), "--out",
+                 str(tmp_path / "shards")]) == 0
+    files = sorted(p.name for p in (tmp_path / "shards").glob("*.safetensors"))
+    assert files == [f"rank-{r:02d}-of-04.safetensors" for r in range(4)]
+    sys.path.insert(0, str(tmp_path / "build"))
+    try:
+        import importlib
+
+        package = importlib.import_module("partc_gpt_oss_tp1_pp2_ep2")
+        for rank in range(4):
+            direct = package.load(folder, rank=rank)
+            sharded = package.load(tmp_path / "shards", rank=rank)
+            assert set(direct.tensors) == set(sharded.tensors)
+            for name, array in direct.tensors.items():
+                assert np.array_equal(array, sharded.tensors[name]), name
+    finally:
+        sys.path.remove(str(tmp_path / "build"))
+        for name in [m for m in sys.modules if m.startswith("partc_gpt_oss_tp1_pp2_ep2")]:
+            del sys.modules[name]

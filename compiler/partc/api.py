@@ -28,8 +28,8 @@ from partc.library import (
     family_spec_is_file,
     read_family_source,
 )
-from partc.partition.boundary import PipelineActivationDtype
 from partc.parallel.experts import placement_from_document
+from partc.partition.boundary import PipelineActivationDtype
 from partc.plan import GroupSite, Plan, Topology, model_expert_count, realize_plan
 
 if TYPE_CHECKING:

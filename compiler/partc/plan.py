@@ -90,16 +90,18 @@ class Topology:
 
     def to_json(self) -> dict[str, object]:
         """JSON form (the expert-parallel keys only under expert parallelism)."""
-        return {
+        spelled: dict[str, object] = {
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "stage_units": list(self.stage_units) if self.stage_units else None,
             "policy": self.policy.value if self.policy else None,
             "activation_dtype": None if self.activation_dtype is None
             else self.activation_dtype.value,
-        } | ({} if self.expert_parallel_size is None else {
-            "expert_parallel_size": self.expert_parallel_size,
-            "expert_tensor_parallel_size": self.expert_tensor_parallel_size})
+        }
+        if self.expert_parallel_size is not None:
+            spelled["expert_parallel_size"] = self.expert_parallel_size
+            spelled["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size
+        return spelled
 
 
 def _check_expert_topology(topology: Topology) -> None:
