@@ -257,8 +257,8 @@ def _parser() -> argparse.ArgumentParser:
                                description="Print the path of an installed guide (or of the "
                                "docs folder) so that it can be opened without the repository.")
     docs.add_argument("topic", nargs="?", default=None,
-                      help="a guide: authoring, cli, faults, kv_replication, linear_formats, "
-                           "architecture (default: the folder)")
+                      help="a guide: authoring, cli, faults, kv_replication, expert_parallel, "
+                           "linear_formats, architecture (default: the folder)")
 
     shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
                                               "build, for sequential loading")

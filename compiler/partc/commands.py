@@ -22,7 +22,8 @@ EXIT_OK = 0
 """Success (cli.EXIT_OK)."""
 REPORT_MARKER = "<!-- partc report -->"
 """The first line of every report partc writes: only such a file is ever replaced."""
-DOC_TOPICS = ("architecture", "authoring", "cli", "faults", "kv_replication", "linear_formats")
+DOC_TOPICS = ("architecture", "authoring", "cli", "expert_parallel", "faults", "kv_replication",
+              "linear_formats")
 """The guides shipped in the wheel as `partc.docs`."""
 
 
