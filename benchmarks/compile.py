@@ -15,9 +15,11 @@ sparse data region of the right size), then, each in a fresh process:
   from the compiled checkpoint's (e.g. the same tensors resharded).
 
 Targets (DeepSeek-V3, 64 ranks): compile <= 10 s, one rank module imports in <= 100 ms, a full
-header validates in <= 1 s. Usage:
+header validates in <= 1 s. DeepSeek-V3 is also measured expert-parallel (docs/expert_parallel.md)
+at EP=64 x PP=2 (T=1: 128 ranks, target compile <= 10 s) and EP=8 x T=8 (8 ranks). Usage:
 
-    python benchmarks/compile.py                       # both models, T=8, S=8
+    python benchmarks/compile.py                       # both models, T=8, S=8, and the EP runs
+    python benchmarks/compile.py --ep ""                # without the expert-parallel runs
     python benchmarks/compile.py --models Llama-3.1-70B --repeats 3
     python benchmarks/compile.py --profile DeepSeek-V3  # cProfile of the compile, top 30
 """
@@ -66,7 +68,8 @@ if mode == "compile":
     from partc.output import write_atomically
     from partc.plan import Topology
     t0 = time.perf_counter()
-    topology = Topology(tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"])
+    topology = Topology(tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
+                        expert_parallel_size=spec.get("ep"))
     plan = plan_family(spec["family"], spec["config"], topology, checkpoint=spec["checkpoint"])
     t1 = time.perf_counter()
     files = render_package(plan)
@@ -75,7 +78,7 @@ if mode == "compile":
     t3 = time.perf_counter()
     counts = [r.info.owned_tensors for r in plan.ranks]
     result.update(plan=t1 - t0, codegen=t2 - t1, write=t3 - t2, total=t3 - t0,
-                  tensors=len(plan.tensors), rows=sum(counts),
+                  tensors=len(plan.tensors), rows=sum(counts), ranks=len(plan.ranks),
                   largest=max(range(len(counts)), key=counts.__getitem__),
                   megabytes=sum(len(v) for v in files.values()) / 1e6)
 elif mode == "import":
@@ -150,30 +153,41 @@ def main() -> None:
     parser.add_argument("--compile-repeats", type=int, default=3,
                         help="runs of the compile (median; DeepSeek-V3 is slow)")
     parser.add_argument("--profile", default=None, help="print a cProfile of one model's compile")
+    parser.add_argument("--ep", default="1x2x64,8x1x8",
+                        help="DeepSeek-V3 expert-parallel runs, TxSxE comma-separated (default "
+                             "EP=64 x PP=2 and EP=8 x T=8; '' for none)")
     args = parser.parse_args()
+    cases: list[tuple[str, int, int, int | None]] = [
+        (model, args.tp, args.pp, None) for model in args.models.split(",")]
+    for text in filter(None, args.ep.split(",")):
+        tp, pp, ep = (int(x) for x in text.split("x"))
+        cases.append(("DeepSeek-V3", tp, pp, ep))
     families = builtin_families()
     scratch = Path(tempfile.mkdtemp(prefix="partc-compile-bench-"))
     rows, notes = [], []
     try:
-        for model in args.models.split(","):
+        for model, tp, pp, ep in cases:
             family = MODELS[model]
+            label = model if ep is None else f"{model} T{tp} S{pp} EP{ep}"
             if family not in families:
                 notes.append(f"{model}: skipped, `partc families` does not list {family} yet")
                 continue
-            folder = header_only_checkpoint(model, scratch / model / "checkpoint")
+            folder = scratch / model / "checkpoint"
+            if not folder.exists():
+                header_only_checkpoint(model, folder)
             spec = {"family": family, "config": str(folder / "config.json"),
-                    "checkpoint": str(folder), "tp": args.tp, "pp": args.pp,
-                    "out": str(scratch / model / "build")}
-            if args.profile == model:
+                    "checkpoint": str(folder), "tp": tp, "pp": pp, "ep": ep,
+                    "out": str(scratch / model / f"build-{tp}-{pp}-{ep}")}
+            if args.profile == model and ep is None:
                 child("profile", {**spec, "out": str(scratch / f"{model}.prof")})
             try:
                 compiles = [child("compile", spec) for _ in range(args.compile_repeats)]
             except RuntimeError as error:
-                notes.append(f"{model}: compile failed: {str(error).splitlines()[-1]}")
+                notes.append(f"{label}: compile failed: {str(error).splitlines()[-1]}")
                 continue
             first = compiles[0]
             package = next(p.name for p in Path(spec["out"]).iterdir() if p.is_dir())
-            world = args.tp * args.pp
+            world = first["ranks"]
             module = f"{package}.rank_{first['largest']:0{max(2, len(str(world - 1)))}d}"
             load = {"build": spec["out"], "module": module, "checkpoint": str(folder)}
             cold, warm = [], []
@@ -184,7 +198,7 @@ def main() -> None:
                 warm.append(child("import", load))
             headers = [child("header", load) for _ in range(args.repeats)]
             rows.append({
-                "model": model, "ranks": world, "tensors": first["tensors"],
+                "model": label, "ranks": world, "tensors": first["tensors"],
                 "rank rows": first["rows"], "output MB": first["megabytes"],
                 "plan s": median(compiles, "plan"), "codegen s": median(compiles, "codegen"),
                 "write s": median(compiles, "write"), "compile s": median(compiles, "total"),
@@ -198,8 +212,9 @@ def main() -> None:
             })
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"T={args.tp} x S={args.pp}; {os.cpu_count()} CPUs; import/header: median of "
-          f"{args.repeats} fresh processes; compile: median of {args.compile_repeats}")
+    print(f"T={args.tp} x S={args.pp} (EP runs: as their column says); {os.cpu_count()} CPUs; "
+          f"import/header: median of {args.repeats} fresh processes; compile: median of "
+          f"{args.compile_repeats}")
     if rows:  # one column per model
         keys = list(rows[0])
         cells = [[fmt(r[k]) for k in keys] for r in rows]
@@ -213,8 +228,8 @@ def main() -> None:
                       + "|")
     for note in notes:
         print(note)
-    print("\ntargets (DeepSeek-V3, 64 ranks): compile <= 10 s, rank module import <= 100 ms, "
-          "header <= 1 s")
+    print("\ntargets (DeepSeek-V3, 64 ranks; expert-parallel: up to 128 ranks): compile <= 10 s, "
+          "rank module import <= 100 ms, header <= 1 s")
     for r in rows:
         print(f"  {r['model']}: compile {verdict(r['compile s'], 10)}, import (warm, runtime "
               f"already imported) {verdict(r['rank module warm ms'], 100)}, cold "

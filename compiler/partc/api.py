@@ -28,10 +28,11 @@ from partc.library import (
     family_spec_is_file,
     read_family_source,
 )
+from partc.parallel.experts import placement_from_document
 from partc.parallel.realize import TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
-from partc.plan import GroupSite, Plan, Topology, realize_plan
+from partc.plan import GroupSite, Plan, Topology, model_expert_count, realize_plan
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
@@ -156,12 +157,32 @@ def _locator(decl: FamilyDecl, bound: BoundArchitecture) -> GroupSite:
     return locate
 
 
+def with_expert_placement(topology: Topology, bound: BoundArchitecture,
+                          placement: str | Path | None) -> Topology:
+    """`topology` with the explicit expert placement of file `placement` (JSON, `{"ranks":
+    [[global expert ids of EP rank 0], ...]}`; docs/expert_parallel.md), checked against the
+    model's experts; `topology` itself when `placement` is None."""
+    if placement is None:
+        return topology
+    if topology.expert_parallel_size is None:
+        raise LoadError(f"--expert-placement {placement} needs --ep (the expert-parallel size)")
+    raw = read_bytes(placement, "expert placement file", MAX_CONFIG_BYTES)
+    document = parse_json(str(placement), decode_text(raw, str(placement),
+                                                      "expert placement file"),
+                          "expert placement file")
+    return replace(topology, expert_placement=placement_from_document(
+        document.data, model_expert_count(bound), topology.expert_parallel_size,
+        file=str(placement), locate=document.locate))
+
+
 def plan_family(family: str | Path | None, config: str | Path, topology: Topology, *,
                 checkpoint: str | Path | None = None,
-                progress: ProgressCallback | None = None) -> Plan:
+                progress: ProgressCallback | None = None,
+                expert_placement: str | Path | None = None) -> Plan:
     """Bind and realize a family for `topology`; with `checkpoint`, also fingerprint its header.
 
-    `progress` hears of the steps `bind groups` and `realize groups`.
+    `progress` hears of the steps `bind groups` and `realize groups`. `expert_placement` is a
+    placement file (`with_expert_placement`) for an expert-parallel topology.
     """
     opened = None
     if checkpoint is not None:
@@ -169,6 +190,7 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
 
         opened = open_checkpoint(Path(checkpoint))
     bound, decl, sources = bind(family, config, opened, progress=progress)
+    topology = with_expert_placement(topology, bound, expert_placement)
     fingerprint = digest = None
     omitted: tuple[str, ...] = ()
     if opened is not None:
@@ -224,11 +246,17 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    checkpoint: str | Path | None = None,
                    out: str | Path | None = None, force: bool = False,
                    digests: bool = False, split: str = "balanced",
-                   progress: ProgressCallback | None = None) -> CompileResult:
+                   progress: ProgressCallback | None = None,
+                   expert_parallel_size: int | None = None,
+                   expert_tensor_parallel_size: int = 1,
+                   expert_placement: str | Path | None = None) -> CompileResult:
     """Compile a family for a model config and topology; write the build to `out` if given.
 
     `stage_units` is one unit count per stage, or per stage its (execution group, units)
     runs (`partition.stages`); `group_modes` overrides the family's per-group `parallel:`.
+    `expert_parallel_size` (E) turns expert parallelism on: a stage has E x
+    `expert_tensor_parallel_size` ranks, the experts placed balanced or by the placement file
+    `expert_placement` (docs/expert_parallel.md).
     `digests` (needs `checkpoint`) records the sha256 of every rank-local tensor in the plan,
     for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. `split`
     is how uneven splits give out the remainder: "balanced" (the first n mod T ranks get one
@@ -260,12 +288,17 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                                            for runs in stage_units) if named and stage_units
                         else None,
                         group_modes=tuple(group_modes or ()), policy=policy,
-                        activation_dtype=dtype, split=tensor_split)
+                        activation_dtype=dtype, split=tensor_split,
+                        expert_parallel_size=expert_parallel_size,
+                        expert_tensor_parallel_size=expert_tensor_parallel_size)
     if digests and checkpoint is None:
         raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "
                         "--digests")
-    plan = plan_family(family, config, topology, checkpoint=checkpoint, progress=progress)
+    plan = plan_family(family, config, topology, checkpoint=checkpoint, progress=progress,
+                       expert_placement=expert_placement)
     inputs = ([("checkpoint", checkpoint)] if checkpoint else []) + [("config file", config)]
+    if expert_placement is not None:
+        inputs.append(("expert placement file", expert_placement))
     if family is not None and Path(family).is_file():
         inputs.append(("family file", family))
     if out is not None:
@@ -309,10 +342,12 @@ def _counted(files: dict[str, str], tick: Callable[[int, int], None] | None
 def check_family(family: str | Path | None, config: str | Path | None = None,
                  checkpoint: str | Path | None = None, *,
                  topology: Topology | None = None,
-                 progress: ProgressCallback | None = None) -> list[PartcError]:
+                 progress: ProgressCallback | None = None,
+                 expert_placement: str | Path | None = None) -> list[PartcError]:
     """Validate a family (and, given them, its binding, a plan and a checkpoint); all errors.
 
     `progress` hears of the steps `bind groups` and (with `topology`) `realize groups`.
+    `expert_placement`: a placement file for an expert-parallel `topology`.
     """
     errors: list[PartcError] = []
     try:
@@ -330,7 +365,8 @@ def check_family(family: str | Path | None, config: str | Path | None = None,
         if opened is not None:
             errors.extend(checkpoint_errors(bound, opened))
         if topology is not None:
-            realize_plan(bound, topology, group_location=_locator(decl, bound),
+            realize_plan(bound, with_expert_placement(topology, bound, expert_placement),
+                         group_location=_locator(decl, bound),
                          progress=_step(progress, "realize groups"))
     except PartcErrors as many:
         errors.extend(many.errors)

@@ -133,6 +133,17 @@ def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="what to do with shards illegal for the topology (default: the "
                              "family's, else require)")
+    parser.add_argument("--ep", type=_positive, default=None,
+                        help="expert-parallel size E: each stage gets E x --etp ranks, the "
+                             "routed experts placed on the E EP ranks and the dense parts "
+                             "split over --tp ranks, repeated (docs/expert_parallel.md)")
+    parser.add_argument("--etp", type=_positive, default=None,
+                        help="expert-tensor-parallel size X: ranks splitting each expert on "
+                             "its intermediate dimension (default 1; needs --ep)")
+    parser.add_argument("--expert-placement", default=None, metavar="FILE",
+                        help="JSON placement {\"ranks\": [[expert ids of EP rank 0], ...]} "
+                             "(default: balanced contiguous ranges; an expert on several ranks "
+                             "is a redundant copy; needs --ep)")
 
 
 def _epilog() -> str:
@@ -483,7 +494,7 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
     facts["kv_replication"] = kv_replicated(kv)
     if "pipeline" in body:  # a multi-group graph: how its stages were chosen
         facts["pipeline"] = body["pipeline"]
-    return facts
+    return facts | _expert_facts(plan)
 
 
 def _spell_layers(layers: Any) -> str:
@@ -509,6 +520,8 @@ def _print_facts(facts: dict[str, Any]) -> None:
     for line in fallback_lines(facts["fallbacks"], facts["kv_replication"]) or [
             "fallbacks: none; KV replication: none"]:
         print(line)
+    for line in _expert_lines(facts):
+        print(line)
 
 
 def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -520,7 +533,7 @@ def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         args.config = str(beside)  # an HF checkpoint folder carries its config
     elif args.command == "compile":
         parser.error("compile needs --config (or a --checkpoint folder holding config.json)")
-    elif args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy:
+    elif args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy or args.ep:
         parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
                      "pass --config (or a checkpoint folder holding config.json)")
 
@@ -555,7 +568,9 @@ def _compile(args: argparse.Namespace) -> int:
             group_modes=args.group_mode,
             policy=_policy(args.policy), activation_dtype=args.activation_dtype,
             checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests,
-            split=args.split, progress=report)
+            split=args.split, progress=report,
+            expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or 1,
+            expert_placement=args.expert_placement)
     plan = result.plan
     facts = _plan_facts(plan)
     if args.format == "json":
@@ -563,10 +578,62 @@ def _compile(args: argparse.Namespace) -> int:
                           plan.plan_hash, "files": sorted(result.files)} | facts, indent=1))
         return EXIT_OK
     print(f"compiled {plan.family} ({plan.model_type}) for TP={plan.topology.tensor_parallel_size}"
-          f" x PP={plan.topology.pipeline_parallel_size} into {result.out}")
+          f" x PP={plan.topology.pipeline_parallel_size}{_expert_text(args)} into {result.out}")
     _print_ranks(plan)
     _print_facts(facts)
     return EXIT_OK
+
+
+def _expert_text(args: argparse.Namespace) -> str:
+    """` x EP=E (ETP=X)` under expert parallelism, else ''."""
+    if getattr(args, "ep", None) is None:
+        return ""
+    return f" x EP={args.ep} (ETP={args.etp or 1})"
+
+
+def _expert_facts(plan: Any) -> dict[str, Any]:
+    """The expert-parallel layout of a plan and the experts of each rank (empty without it)."""
+    experts = plan.expert_parallel
+    if experts is None:
+        return {}
+    slots = experts.placement.slots
+    return {"expert_parallel": experts.to_json() | {"ranks": [
+        {"rank": r.rank, "expert_parallel_rank": r.info.expert_parallel_rank,
+         "expert_tensor_parallel_rank": r.info.expert_tensor_parallel_rank,
+         "dense_replica": r.info.dense_replica,
+         "experts": list(slots[r.info.expert_parallel_rank]),
+         "expert_bytes": r.info.expert_parameter_bytes} for r in plan.ranks]}}
+
+
+def _expert_lines(facts: dict[str, Any]) -> list[str]:
+    """Text lines of `_expert_facts`: the layout, then the experts of each EP rank."""
+    experts = facts.get("expert_parallel")
+    if experts is None:
+        return []
+    lines = [f"expert parallelism: E={experts['expert_parallel_size']} x "
+             f"X={experts['expert_tensor_parallel_size']} = {experts['ranks_per_stage']} "
+             f"ranks per stage, dense parts x{experts['dense_replicas']}; "
+             f"{experts['experts']} experts, "
+             + ("explicit placement" if experts["explicit_placement"] else "balanced placement")
+             + f", {experts['redundant_slots']} redundant slot(s); {experts['layout']}"]
+    for ep, ids in enumerate(experts["slots"]):
+        ranks = [r for r in experts["ranks"] if r["expert_parallel_rank"] == ep]
+        mib = max((r["expert_bytes"] for r in ranks), default=0) / 2**20
+        lines.append(f"  EP rank {ep:>3}: {len(ids):>3} experts {_id_ranges(ids)}"
+                     f" on ranks {_id_ranges([r['rank'] for r in ranks])}, "
+                     f"{mib:.3f} MiB of experts per rank")
+    return lines
+
+
+def _id_ranges(ids: Sequence[int]) -> str:
+    """Ascending ids as ranges: `0-3,7,9-10`."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] + 1 == i:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
 
 
 def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
@@ -591,18 +658,22 @@ def _check(args: argparse.Namespace) -> int:
 
     topology = None
     if (args.tp is not None or args.pp is not None or args.pp_layers or args.policy
-            or args.group_mode):
+            or args.group_mode or args.ep is not None or args.etp is not None
+            or args.expert_placement):
         named = bool(args.pp_layers) and isinstance(args.pp_layers[0], tuple)
         topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
                             stage_units=None if named else args.pp_layers,
                             stage_layout=args.pp_layers if named else None,
-                            group_modes=tuple(args.group_mode or ()), policy=_policy(args.policy))
+                            group_modes=tuple(args.group_mode or ()), policy=_policy(args.policy),
+                            expert_parallel_size=args.ep,
+                            expert_tensor_parallel_size=args.etp or 1)
     with terminal_progress(_progress_enabled(args)) as report:
         errors = check_family(args.family, args.config, args.checkpoint, progress=report)
         facts = None
         if not errors and topology is not None:
             facts = _plan_facts(plan_family(args.family, args.config, topology,
-                                            progress=report))
+                                            progress=report,
+                                            expert_placement=args.expert_placement))
     if errors:
         return _report(errors, args.format, _builtin_hint(args, errors))
     if args.format == "json":
@@ -762,6 +833,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE):
         parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
                      f"{MAX_WORLD_SIZE} ranks")
+    if getattr(args, "ep", None) is not None and (
+            args.ep * (args.etp or 1) * (args.pp or 1) > MAX_WORLD_SIZE):
+        parser.error(f"--ep x --etp x --pp is {args.ep * (args.etp or 1) * (args.pp or 1)}; "
+                     f"partc builds at most {MAX_WORLD_SIZE} ranks")
     if args.command in ("compile", "check"):
         _config_beside(args, parser)
     return _run(args, fmt)

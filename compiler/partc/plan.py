@@ -7,6 +7,7 @@ partition owns (`partition.realize_partition`).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
@@ -17,9 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 from partc import __version__
 from partc.errors import LayoutError, SourceLocation
+from partc.parallel.experts import (
+    ExpertGroup,
+    ExpertPlacement,
+    RankCoordinates,
+    expert_axis_problem,
+    stacked_expert_layouts,
+)
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
 from partc.parallel.realize import TensorSplit, realize_group_template
-from partc.parallel.specs import ShardingPolicy
+from partc.parallel.specs import ParameterGroupSpec, ShardingPolicy
 from partc.partition.boundary import (
     BoundaryWireSchema,
     PipelineActivationDtype,
@@ -67,6 +75,13 @@ class Topology:
     split: TensorSplit = TensorSplit.BALANCED
     """How uneven splits give out the remainder (`--split`; the JSON key `split` is present only
     for `chunk`, so balanced plans read as before)."""
+    expert_parallel_size: int | None = None
+    """E: expert-parallel ranks per stage (None: no expert parallelism, every expert split
+    over the T ranks; docs/expert_parallel.md)."""
+    expert_tensor_parallel_size: int = 1
+    """X: ranks splitting each expert (Megatron's ETP); a stage has N = E * X ranks."""
+    expert_placement: ExpertPlacement | None = None
+    """An explicit placement (a placement file); None: balanced contiguous ranges."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -75,26 +90,62 @@ class Topology:
         if self.pipeline_parallel_size < 1:
             raise LayoutError(f"pipeline_parallel_size must be >= 1, found "
                               f"{self.pipeline_parallel_size}")
+        _check_expert_topology(self)
+
+    @property
+    def ranks_per_stage(self) -> int:
+        """N: E * X under expert parallelism, else T."""
+        if self.expert_parallel_size is None:
+            return self.tensor_parallel_size
+        return self.expert_parallel_size * self.expert_tensor_parallel_size
 
     @property
     def world_size(self) -> int:
-        """T * S."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """N * S (T * S without expert parallelism)."""
+        return self.ranks_per_stage * self.pipeline_parallel_size
 
     def to_json(self) -> dict[str, object]:
-        """JSON form."""
-        return {
+        """JSON form (the expert-parallel keys only under expert parallelism)."""
+        spelled: dict[str, object] = {
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "stage_units": list(self.stage_units) if self.stage_units else None,
             "policy": self.policy.value if self.policy else None,
             "activation_dtype": None if self.activation_dtype is None
             else self.activation_dtype.value,
-        } | ({} if self.stage_layout is None else {"stage_layout": [
+        }
+        spelled = spelled | ({} if self.stage_layout is None else {"stage_layout": [
             [[g, n] for g, n in runs] for runs in self.stage_layout]}) | (
             {"group_modes": {g: m.value for g, m in self.group_modes}} if self.group_modes
             else {}) | (
             {} if self.split is TensorSplit.BALANCED else {"split": self.split.value})
+        if self.expert_parallel_size is not None:
+            spelled["expert_parallel_size"] = self.expert_parallel_size
+            spelled["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size
+        return spelled
+
+
+def _check_expert_topology(topology: Topology) -> None:
+    """E, X and the placement agree with each other and with T (docs/expert_parallel.md)."""
+    ep, etp, t = (topology.expert_parallel_size, topology.expert_tensor_parallel_size,
+                  topology.tensor_parallel_size)
+    if ep is None:
+        if etp != 1 or topology.expert_placement is not None:
+            raise LayoutError("--etp and --expert-placement need expert parallelism: give "
+                              "--ep (the expert-parallel size)")
+        return
+    if ep < 1 or etp < 1:
+        raise LayoutError(f"expert_parallel_size and expert_tensor_parallel_size must be >= 1, "
+                          f"found {ep} and {etp}")
+    if (ep * etp) % t:
+        raise LayoutError(
+            f"a stage has N = expert_parallel_size {ep} x expert_tensor_parallel_size {etp} = "
+            f"{ep * etp} ranks, not a multiple of tensor_parallel_size {t}: the dense parts "
+            f"(split over T ranks) are repeated N / T times; choose T dividing {ep * etp}")
+    placement = topology.expert_placement
+    if placement is not None and placement.expert_parallel_size != ep:
+        raise LayoutError(f"the expert placement lists {placement.expert_parallel_size} EP "
+                          f"ranks but expert_parallel_size is {ep}")
 
 
 Accounting = tuple[int, int, tuple[tuple[str, int], ...]]
@@ -110,13 +161,27 @@ def _accounting(layouts: tuple[LocalTensorLayout, ...]) -> Accounting:
             tuple(sorted(by_dtype.items())))
 
 
+class KindIndex(enum.Enum):
+    """Which coordinate of a rank selects its row of a GroupKind's layouts."""
+
+    TENSOR = "tensor"
+    """The dense TP rank (T rows): every group without expert parallelism."""
+    EXPERT_TENSOR = "expert_tensor"
+    """The ETP rank (X rows): a per-expert group under expert parallelism."""
+    LOCAL = "local"
+    """The stage-local rank (N rows): a stacked expert group under expert parallelism."""
+
+
 @dataclass(frozen=True, slots=True)
 class GroupKind:
     """The realization shared by every parameter group of one structure (groups that differ
     only in names, such as the experts of a layer): per tensor-parallel rank, per member."""
 
     layouts: tuple[tuple[LocalTensorLayout, ...], ...]
-    """Outer index: tensor-parallel rank; inner: member. Named after the kind's first group."""
+    """Outer index: tensor-parallel rank (see `index`); inner: member. Named after the kind's
+    first group."""
+    index: KindIndex = KindIndex.TENSOR
+    """Which rank coordinate indexes `layouts` (expert kinds under expert parallelism)."""
     rank_accounting: tuple[Accounting, ...] = field(init=False, compare=False, repr=False)
     """Per tensor-parallel rank, the accounting of one group of this kind (derived on
     construction)."""
@@ -128,6 +193,15 @@ class GroupKind:
     def accounting(self, tensor_parallel_rank: int) -> Accounting:
         """(local bytes, pinned bytes, local bytes by dtype) of one group of this kind on a rank."""
         return self.rank_accounting[tensor_parallel_rank]
+
+    def row(self, tensor_parallel_rank: int, coordinates: RankCoordinates | None) -> int:
+        """The row of `layouts` a rank uses: its TP rank, or under expert parallelism its ETP
+        rank (per-expert kinds) or stage-local rank (stacked kinds)."""
+        if coordinates is None or self.index is KindIndex.TENSOR:
+            return tensor_parallel_rank
+        if self.index is KindIndex.EXPERT_TENSOR:
+            return coordinates.expert_tensor_parallel_rank
+        return coordinates.local_rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,16 +243,20 @@ class RankPlan:
     """The stage's parameter groups, in binding order (shared by the stage's ranks)."""
     kinds: tuple[GroupKind, ...] = field(repr=False)
     """The plan's group kinds (`PlannedGroup.kind` indexes it)."""
+    coordinates: RankCoordinates | None = None
+    """Under expert parallelism: the rank's stage-local, dense-replica, EP and ETP coordinates
+    (its `groups` are then the stage's dense groups and its own experts)."""
 
     @cached_property
     def layout(self) -> LocalModelLayout:
         """This rank's tensors (derived on first use, then kept)."""
-        t = self.tensor_parallel_rank
+        t, c = self.tensor_parallel_rank, self.coordinates
         return LocalModelLayout(tensors=tuple(
             layout.renamed(target, group.name)
             for group in self.groups
-            for layout, target in zip(self.kinds[group.kind].layouts[t], group.targets,
-                                      strict=True)))
+            for layout, target in zip(
+                self.kinds[group.kind].layouts[self.kinds[group.kind].row(t, c)],
+                group.targets, strict=True)))
 
     def to_json(self) -> dict[str, object]:
         """JSON form (the plan's `ranks` entries)."""
@@ -191,7 +269,8 @@ class RankPlan:
                      "global_parameter_bytes": info.global_parameter_bytes,
                      "pinned_parameter_bytes": info.pinned_parameter_bytes,
                      "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
-                     "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)},
+                     "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)}
+            | ({} if self.coordinates is None else info.expert_json()),
         }
 
 
@@ -287,6 +366,9 @@ class Plan:
     cuts: tuple[tuple[int, str, BoundaryWireSchema], ...] = ()
     """Per pipeline cut, when the family declares boundaries per execution group: (the stage
     before the cut, the group of the unit before it, what crosses it); JSON key `cuts`."""
+    expert_parallel: ExpertParallelPlan | None = None
+    """The expert-parallel layout and placement (the JSON key `expert_parallel` is absent
+    without expert parallelism)."""
 
     @cached_property
     def tensors(self) -> tuple[GlobalTensor, ...]:
@@ -356,7 +438,9 @@ class Plan:
                       for s, g, b in self.cuts]} if self.cuts else {}) | (
             {} if self.payload_digests is None else {
             "digests": [dict(rank) for rank in self.payload_digests]}) | (
-            {"omitted": list(self.omitted)} if self.omitted else {})
+            {"omitted": list(self.omitted)} if self.omitted else {}) | (
+            {} if self.expert_parallel is None
+            else {"expert_parallel": self.expert_parallel.to_json()})
 
     def _groups_json(self) -> list[dict[str, object]]:
         """Each parameter group: owner, logical units and every TP rank's logical range."""
@@ -487,7 +571,9 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
 
     Each group structure is realized once (`realize_group_template`); groups keep an index to
     their kind, so a rank's tensor layouts are only built when asked for. `progress(done,
-    total)` is called as the groups are realized.
+    total)` is called as the groups are realized. Under expert parallelism the routed-expert
+    groups are realized for the ETP size (per-expert) or per stage-local rank (stacked), and
+    each rank keeps only its own experts.
     """
     activation = topology.activation_dtype or model_activation_dtype(bound)
     topology = replace(topology, activation_dtype=activation)  # the plan records it resolved
@@ -499,8 +585,10 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     replicated = {g for g, m in modes if m.replicated}
     if replicated:
         description = _replicate_groups(description, replicated)
+    expert_plan = _expert_parallel_plan(bound, topology, group_location)
+    expert_roles = dict(bound.experts) if expert_plan is not None else {}
     kinds: list[GroupKind] = []
-    kind_index: dict[int, int] = {}  # id of a shared template -> its index in `kinds`
+    kind_index: dict[tuple[int, KindIndex], int] = {}  # (id of a shared template, index) -> kind
     group_kinds: dict[str, int] = {}
     realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]] = {}
     for done, owned in enumerate(description.groups):
@@ -508,14 +596,27 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             progress(done, len(description.groups))
         site = None if group_location is None else group_location(owned.group.name)
         location, pointer = (None, "") if site is None else site
-        template = realize_group_template(owned.group, tp, policy,
-                                          policy_overrides_group=topology.policy is not None,
-                                          cache=realized, location=location, pointer=pointer,
-                                          split=topology.split)
-        index = kind_index.get(id(template))
+        role = expert_roles.get(owned.group.name)
+        by = KindIndex.TENSOR
+        if role is None or expert_plan is None:
+            template = realize_group_template(owned.group, tp, policy,
+                                              policy_overrides_group=topology.policy is not None,
+                                              cache=realized, location=location,
+                                              pointer=pointer, split=topology.split)
+        elif role.expert is not None:
+            by = KindIndex.EXPERT_TENSOR
+            template = realize_group_template(owned.group, expert_plan.expert_tensor_parallel_size,
+                                              policy,
+                                              policy_overrides_group=topology.policy is not None,
+                                              cache=realized, location=location,
+                                              pointer=pointer, split=topology.split)
+        else:
+            by = KindIndex.LOCAL
+            template = _stacked_template(owned.group, role, expert_plan, realized)
+        index = kind_index.get((id(template), by))
         if index is None:
-            index = kind_index[id(template)] = len(kinds)
-            kinds.append(GroupKind(layouts=template))
+            index = kind_index[(id(template), by)] = len(kinds)
+            kinds.append(GroupKind(layouts=template, index=by))
         group_kinds[owned.group.name] = index
     if progress is not None:
         progress(len(description.groups), len(description.groups))
@@ -556,20 +657,41 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
     by_name = {g.name: g for g in groups}
     stage_groups = [tuple(by_name[b.group] for b in partition.parameter_bindings)
                     for partition in partitions]
-    accounting = [[_rank_accounting(stage_groups[s], kinds, t) for t in range(tp)]
-                  for s in range(pp)]
     global_bytes = sum(m.nbytes for g in description.groups for m in g.group.members)
-    maximum = max(a[1] for stage in accounting for a in stage)
+    if expert_plan is not None:
+        ranks = _expert_parallel_ranks(bound, expert_plan, expert_roles, partitions,
+                                       stage_groups, kinds, global_bytes)
+    else:
+        ranks = _ranks(bound, tp, pp, partitions, stage_groups, kinds, global_bytes)
     if multi or topology.stage_layout is not None or topology.group_modes:
         summary = PipelineSummary(
             balance=choice.balance,
             layout=spell_layout(graph, ranges, description.static_roles),
-            stage_bytes=tuple(max(a[1] for a in stage) for stage in accounting),
+            stage_bytes=tuple(max(r.info.local_parameter_bytes for r in ranks
+                                  if r.pipeline_stage == s) for s in range(pp)),
             group_modes=tuple((g.name, dict(modes)[g.name]) for g in graph.canonical_order()))
+    return Plan(
+        family=bound.family, model_type=bound.model_type, topology=topology, sources=sources,
+        config_values=bound.config_values,
+        graph=graph.canonical_order(), static_roles=description.static_roles,
+        boundary=bound.boundary,
+        groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
+        checkpoint_fingerprint=checkpoint_fingerprint,
+        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted,
+        pipeline=summary, cuts=cuts, expert_parallel=expert_plan)
+
+
+def _ranks(bound: BoundArchitecture, tp: int, pp: int, partitions: list[ArchitecturePartition],
+           stage_groups: list[tuple[PlannedGroup, ...]], kinds: list[GroupKind],
+           global_bytes: int) -> list[RankPlan]:
+    """Every rank of a T x S plan: stage * T + tensor-parallel rank."""
+    accounting = [[_rank_accounting(stage_groups[s], kinds, t) for t in range(tp)]
+                  for s in range(pp)]
+    maximum = max(a[1] for stage in accounting for a in stage)
     ranks = []
     for stage, partition in enumerate(partitions):
         for tp_rank in range(tp):
-            owned_tensors, local, pinned, by_dtype = accounting[stage][tp_rank]
+            owned_tensors, local, pinned, by_dtype = accounting[stage][tp_rank][:4]
             info = ParallelModelInfo(
                 model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank, pipeline_stage=stage,
@@ -579,15 +701,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
             ranks.append(RankPlan(rank=stage * tp + tp_rank, tensor_parallel_rank=tp_rank,
                                   pipeline_stage=stage, partition=partition, info=info,
                                   groups=stage_groups[stage], kinds=tuple(kinds)))
-    return Plan(
-        family=bound.family, model_type=bound.model_type, topology=topology, sources=sources,
-        config_values=bound.config_values,
-        graph=graph.canonical_order(), static_roles=description.static_roles,
-        boundary=bound.boundary,
-        groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
-        checkpoint_fingerprint=checkpoint_fingerprint,
-        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted,
-        pipeline=summary, cuts=cuts)
+    return ranks
 
 
 def _located_layout(choose: Callable[[], Any]) -> Any:
@@ -680,20 +794,193 @@ def _cut_contracts(bound: BoundArchitecture, graph: ExecutionGraph, ranges: Any,
     return out
 
 
-def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp_rank: int
-                     ) -> tuple[int, int, int, tuple[tuple[str, int], ...]]:
-    """(owned tensors, local bytes, pinned bytes, bytes by dtype) of one rank's groups."""
+def _rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp_rank: int,
+                     coordinates: RankCoordinates | None = None
+                     ) -> tuple[int, int, int, tuple[tuple[str, int], ...], int]:
+    """(owned tensors, local bytes, pinned bytes, bytes by dtype, expert bytes) of one rank's
+    groups (expert bytes: those of expert kinds under expert parallelism)."""
     counts: dict[int, int] = {}
     for group in groups:
         counts[group.kind] = counts.get(group.kind, 0) + 1
-    owned = local = pinned = 0
+    owned = local = pinned = experts = 0
     by_dtype: dict[str, int] = {}
     for kind, count in counts.items():
-        nbytes, whole, dtypes = kinds[kind].accounting(tp_rank)
-        owned += count * len(kinds[kind].layouts[tp_rank])
+        row = kinds[kind].row(tp_rank, coordinates)
+        nbytes, whole, dtypes = kinds[kind].accounting(row)
+        owned += count * len(kinds[kind].layouts[row])
         local += count * nbytes
         pinned += count * whole
+        if kinds[kind].index is not KindIndex.TENSOR:
+            experts += count * nbytes
         for dtype, n in dtypes:
             by_dtype[dtype] = by_dtype.get(dtype, 0) + count * n
-    return owned, local, pinned, tuple(sorted(by_dtype.items()))
+    return owned, local, pinned, tuple(sorted(by_dtype.items())), experts
 
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+EXPERT_LAYOUT = ("build rank = stage * N + r; tp = r mod T, dense replica = r div T, "
+                 "ep = r div X, etp = r mod X")
+"""The rank layout of an expert-parallel stage of N = E * X ranks, as the plan records it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertParallelPlan:
+    """The expert-parallel layout of a plan (docs/expert_parallel.md)."""
+
+    tensor_parallel_size: int
+    """T: the dense parts' TP size."""
+    expert_tensor_parallel_size: int
+    """X: ranks splitting each expert."""
+    placement: ExpertPlacement
+    """Which experts each EP rank holds, in local slot order."""
+    per_expert_groups: int
+    """Per-expert groups (`for: {expert: ...}`) of the model."""
+    stacked_groups: int
+    """Stacked expert groups (`experts: {axis: ...}`) of the model."""
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """E."""
+        return self.placement.expert_parallel_size
+
+    @property
+    def ranks_per_stage(self) -> int:
+        """N = E * X."""
+        return self.expert_parallel_size * self.expert_tensor_parallel_size
+
+    def coordinates(self, local_rank: int) -> RankCoordinates:
+        """The coordinates of stage-local rank `local_rank`."""
+        return RankCoordinates.of(local_rank, self.tensor_parallel_size,
+                                  self.expert_tensor_parallel_size)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (the plan's `expert_parallel`)."""
+        placement = self.placement
+        return {"expert_parallel_size": self.expert_parallel_size,
+                "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+                "ranks_per_stage": self.ranks_per_stage,
+                "dense_replicas": self.ranks_per_stage // self.tensor_parallel_size,
+                "layout": EXPERT_LAYOUT, "experts": placement.experts,
+                "explicit_placement": placement.explicit,
+                "redundant_slots": placement.redundant,
+                "slots": [list(ids) for ids in placement.slots],
+                "per_expert_groups": self.per_expert_groups,
+                "stacked_groups": self.stacked_groups}
+
+
+def model_expert_count(bound: BoundArchitecture) -> int:
+    """How many routed experts the bound model has (0: it declares none): one more than the
+    largest per-expert id, or the stacked groups' expert-axis length; LayoutError when its
+    expert groups disagree."""
+    counts: dict[int, str] = {}
+    per_expert = [role.expert for _, role in bound.experts if role.expert is not None]
+    if per_expert:
+        counts[max(per_expert) + 1] = "its per-expert groups"
+    groups = {owned.group.name: owned.group for owned in bound.description.groups}
+    for name, role in bound.experts:
+        if role.axis is None:
+            continue
+        group = groups[name]
+        problem = expert_axis_problem(group, role.axis)
+        if problem is not None:
+            raise LayoutError(f"stacked expert group `{name}` (experts: {{axis: {role.axis}}}): "
+                              f"{problem}", tensor=group.members[0].target)
+        counts.setdefault(group.members[0].shape[role.axis], f"stacked group `{name}`")
+    if len(counts) > 1:
+        raise LayoutError("the routed-expert groups disagree on the expert count: "
+                          + ", ".join(f"{n} ({what})" for n, what in sorted(counts.items())))
+    return next(iter(counts), 0)
+
+
+def _expert_parallel_plan(bound: BoundArchitecture, topology: Topology,
+                          group_location: GroupSite | None) -> ExpertParallelPlan | None:
+    ep = topology.expert_parallel_size
+    if ep is None:
+        return None
+    count = model_expert_count(bound)
+    if count == 0:
+        raise LayoutError(
+            f"--ep {ep}: family `{bound.family}` declares no routed experts for this config (no "
+            "group loops `for: {expert: ...}` or declares `experts: {axis: ...}`), so there is "
+            "nothing to place on expert-parallel ranks")
+    placement = topology.expert_placement or ExpertPlacement.balanced(count, ep)
+    if placement.experts != count:
+        raise LayoutError(f"the expert placement is for {placement.experts} experts but the "
+                          f"model routes to {count}")
+    stacked = [name for name, role in bound.experts if role.axis is not None]
+    if stacked and topology.expert_tensor_parallel_size > 1:
+        site = None if group_location is None else group_location(stacked[0])
+        raise LayoutError(
+            f"stacked expert group `{stacked[0]}` cannot be split over "
+            f"expert_tensor_parallel_size {topology.expert_tensor_parallel_size}: a rank of a "
+            "stacked group holds whole experts (the rows of its experts on the expert axis); "
+            "use --etp 1", location=None if site is None else site[0],
+            pointer="" if site is None else site[1])
+    return ExpertParallelPlan(
+        tensor_parallel_size=topology.tensor_parallel_size,
+        expert_tensor_parallel_size=topology.expert_tensor_parallel_size, placement=placement,
+        per_expert_groups=sum(1 for _, r in bound.experts if r.expert is not None),
+        stacked_groups=len(stacked))
+
+
+def _stacked_template(group: ParameterGroupSpec, role: ExpertGroup, plan: ExpertParallelPlan,
+                      realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]]
+                      ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+    """One row per stage-local rank: the rows of the rank's experts along the expert axis."""
+    assert role.axis is not None
+    key = ("stacked", role.axis, group.role,
+           tuple((m.dtype, m.shape) for m in group.members), plan.placement.slots,
+           plan.expert_tensor_parallel_size)
+    template = realized.get(key)
+    if template is None:
+        per_ep = [stacked_expert_layouts(group, role.axis, ids) for ids in plan.placement.slots]
+        template = realized[key] = tuple(per_ep[plan.coordinates(r).expert_parallel_rank]
+                                         for r in range(plan.ranks_per_stage))
+    return template
+
+
+def _expert_parallel_ranks(bound: BoundArchitecture, plan: ExpertParallelPlan,
+                           roles: dict[str, ExpertGroup],
+                           partitions: list[ArchitecturePartition],
+                           stage_groups: list[tuple[PlannedGroup, ...]], kinds: list[GroupKind],
+                           global_bytes: int) -> list[RankPlan]:
+    """Every rank of an expert-parallel plan: stage * N + r, each with the stage's dense
+    groups and its own experts."""
+    n, tp = plan.ranks_per_stage, plan.tensor_parallel_size
+    pp = len(partitions)
+    held = [frozenset(ids) for ids in plan.placement.slots]
+    rank_groups: list[list[tuple[PlannedGroup, ...]]] = []
+    for groups in stage_groups:
+        rank_groups.append([tuple(
+            g for g in groups if (role := roles.get(g.name)) is None or role.expert is None
+            or role.expert in mine) for mine in held])
+    coordinates = [plan.coordinates(r) for r in range(n)]
+    accounting = [[_rank_accounting(rank_groups[s][c.expert_parallel_rank], kinds,
+                                    c.tensor_parallel_rank, c) for c in coordinates]
+                  for s in range(pp)]
+    maximum = max(a[1] for stage in accounting for a in stage)
+    ranks = []
+    for stage, partition in enumerate(partitions):
+        for c in coordinates:
+            owned_tensors, local, pinned, by_dtype, expert_bytes = accounting[stage][c.local_rank]
+            rank = stage * n + c.local_rank
+            info = ParallelModelInfo(
+                model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                rank=rank, tensor_parallel_rank=c.tensor_parallel_rank, pipeline_stage=stage,
+                owned_tensors=owned_tensors, local_parameter_bytes=local,
+                global_parameter_bytes=global_bytes, pinned_parameter_bytes=pinned,
+                maximum_device_parameter_bytes=maximum, local_bytes_by_dtype=by_dtype,
+                ranks_per_stage=n, dense_replica=c.dense_replica,
+                expert_parallel_size=plan.expert_parallel_size,
+                expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
+                expert_parallel_rank=c.expert_parallel_rank,
+                expert_tensor_parallel_rank=c.expert_tensor_parallel_rank,
+                local_experts=len(plan.placement.slots[c.expert_parallel_rank]),
+                expert_parameter_bytes=expert_bytes)
+            ranks.append(RankPlan(rank=rank, tensor_parallel_rank=c.tensor_parallel_rank,
+                                  pipeline_stage=stage, partition=partition, info=info,
+                                  groups=rank_groups[stage][c.expert_parallel_rank],
+                                  kinds=tuple(kinds), coordinates=c))
+    return ranks

@@ -167,7 +167,9 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
     aligned, as the safetensors library lays files out.
     """
     topology = plan["topology"]
-    world = topology["tensor_parallel_size"] * topology["pipeline_parallel_size"]
+    per_stage = (topology["tensor_parallel_size"] if "expert_parallel_size" not in topology
+                 else topology["expert_parallel_size"] * topology["expert_tensor_parallel_size"])
+    world = per_stage * topology["pipeline_parallel_size"]  # N = E x X under --ep
     packages = [p for p in sorted(build.iterdir()) if (p / "__init__.py").is_file()]
     if len(packages) != 1:
         raise LoadError(f"expected one generated package in {build}, found "

@@ -28,6 +28,7 @@ from .shard import (
     align,
     all_gather,
     all_reduce,
+    all_reduce_distinct,
     column,
     positions,
     replicated,
@@ -292,6 +293,10 @@ def forward_tensor_parallel(
             normed=done.normed,
         )
     arch = _describe(config)
+    expert_ranks = ranks  # routed experts: every rank; dense parts: those not experts_only
+    ranks = [rank for rank in ranks if not rank.experts_only]
+    if not ranks:
+        raise ShardingError("every rank is experts_only; no rank holds the dense parts")
     if hidden_in is None:
         hidden = _embed(arch, ranks, input_ids)
     else:
@@ -301,7 +306,7 @@ def forward_tensor_parallel(
     result = Result(logits=None, hidden=hidden, layers=layers)
     for layer in layers:
         result.layer_inputs.append(hidden)
-        hidden = _decoder_layer(arch, ranks, layer, hidden, rope)
+        hidden = _decoder_layer(arch, ranks, layer, hidden, rope, expert_ranks)
         result.layer_outputs.append(hidden)
     result.hidden = hidden
     if layers.stop == arch.n_layers:
@@ -410,7 +415,12 @@ def _norm(arch: _Arch, x: Array, weight: Array) -> Array:
 
 
 def _decoder_layer(
-    arch: _Arch, ranks: Sequence[RankShard], layer: int, hidden: Array, rope: tuple[Array, Array]
+    arch: _Arch,
+    ranks: Sequence[RankShard],
+    layer: int,
+    hidden: Array,
+    rope: tuple[Array, Array],
+    expert_ranks: Sequence[RankShard] | None = None,
 ) -> Array:
     p = f"model.layers.{layer}."
     x = _norm(arch, hidden, replicated(ranks, p + "input_layernorm.weight"))
@@ -420,7 +430,7 @@ def _decoder_layer(
     hidden = hidden + attn
     pre_ff = "pre_feedforward_layernorm" if arch.sandwich_norms else "post_attention_layernorm"
     x = _norm(arch, hidden, replicated(ranks, p + pre_ff + ".weight"))
-    ff = _feed_forward(arch, ranks, layer, x)
+    ff = _feed_forward(arch, ranks, layer, x, expert_ranks)
     if arch.sandwich_norms:
         ff = _norm(arch, ff, replicated(ranks, p + "post_feedforward_layernorm.weight"))
     return (hidden + ff).astype(F32)
@@ -538,8 +548,16 @@ def _attention_rank(
 # --------------------------------------------------------------------------- feed-forward
 
 
-def _feed_forward(arch: _Arch, ranks: Sequence[RankShard], layer: int, x: Array) -> Array:
+def _feed_forward(
+    arch: _Arch,
+    ranks: Sequence[RankShard],
+    layer: int,
+    x: Array,
+    expert_ranks: Sequence[RankShard] | None = None,
+) -> Array:
+    """Dense or MoE feed-forward; routed experts run on ``expert_ranks`` (default ``ranks``)."""
     c = arch.config
+    experts = ranks if expert_ranks is None else expert_ranks
     p = f"model.layers.{layer}."
     kind = arch.mlp_kind(layer)
     if kind == "dense":
@@ -556,7 +574,7 @@ def _feed_forward(arch: _Arch, ranks: Sequence[RankShard], layer: int, x: Array)
         index, weight = ops.route_softmax_topk(logits, top_k, normalize=True)
         out = _routed_experts(
             arch,
-            ranks,
+            experts,
             x2d,
             index,
             weight,
@@ -580,7 +598,7 @@ def _feed_forward(arch: _Arch, ranks: Sequence[RankShard], layer: int, x: Array)
             )
         out = _routed_experts(
             arch,
-            ranks,
+            experts,
             x2d,
             index,
             weight,
@@ -602,7 +620,7 @@ def _feed_forward(arch: _Arch, ranks: Sequence[RankShard], layer: int, x: Array)
         router = f"{p}mlp.router"
         logits = x2d @ replicated(ranks, f"{router}.weight").T + replicated(ranks, f"{router}.bias")
         index, weight = ops.route_topk_softmax(logits.astype(F32), top_k)
-        out = _gpt_oss_experts(arch, ranks, f"{p}mlp.experts", x2d, index, weight)
+        out = _gpt_oss_experts(arch, experts, f"{p}mlp.experts", x2d, index, weight)
     else:  # pragma: no cover - mlp_kind is exhaustive
         raise AssertionError(kind)
     return out.reshape(batch, seq, hidden).astype(F32)
@@ -675,7 +693,7 @@ def _routed_experts(
         if len(tokens) == 0:
             continue
         parts = [_gated_mlp_rank(arch, rank, (gate, up, down), x2d[tokens]) for rank in holders]
-        y = all_reduce(parts, intermediate, down)
+        y = all_reduce_distinct(parts, intermediate, down)  # redundant copies count once
         bias = replicated_optional(holders, f"{down}.bias")
         if bias is not None:
             y = y + bias
@@ -734,7 +752,7 @@ def _gpt_oss_experts(
             d = _expert_row(rank, down, expert)
             rows = positions(gate_j, rank.indices(down, 1), down)
             parts.append(((glu @ d[rows]).astype(F32), gate_j))
-        y = all_reduce(parts, intermediate, f"{down} expert {expert}")
+        y = all_reduce_distinct(parts, intermediate, f"{down} expert {expert}")
         bias_rows = []
         for rank in holders:
             if rank.has(f"{down}_bias"):

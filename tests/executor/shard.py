@@ -40,6 +40,9 @@ class RankShard:
 
     tensors: dict[str, np.ndarray]
     selections: dict[str, Selection | None] = field(default_factory=dict)
+    experts_only: bool = False
+    """An expert-parallel rank whose dense parts are another rank's copy: it takes part in the
+    routed experts only (the dense layers run on the other ranks)."""
 
     def has(self, name: str) -> bool:
         """Whether this rank holds tensor ``name``."""

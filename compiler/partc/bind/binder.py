@@ -18,10 +18,11 @@ from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_gro
 from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.meanings import config_errors, read_fields
 from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
-from partc.family.declaration import ConfigType, GroupForm, OwnerKind
+from partc.family.declaration import EXPERT_VARIABLE, ConfigType, GroupForm, OwnerKind
 from partc.family.expr import Expression, Template
 from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
+from partc.parallel.experts import ExpertGroup
 from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
 from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
@@ -98,6 +99,8 @@ class BoundArchitecture:
     """Declared per-unit pipeline cost of each execution group that has one."""
     group_modes: tuple[tuple[str, GroupParallelMode], ...] = ()
     """Declared parallel mode of each execution group that has one."""
+    experts: tuple[tuple[str, ExpertGroup], ...] = ()
+    """The routed-expert groups (per-expert or stacked) by name, in binding order."""
 
     def omitted(self, names: Collection[str]) -> tuple[str, ...]:
         """The checkpoint tensor names the `omit` globs match, sorted."""
@@ -693,6 +696,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     graph = _located(family, lambda: ExecutionGraph(groups=tuple(groups)), "/graph")
     owned: list[OwnedParameterGroupSpec] = []
     pointers: dict[str, str] = {}
+    experts: list[tuple[str, ExpertGroup]] = []
     linear_format = _linear_format(binder, values)
     for done, decl in enumerate(family.groups):
         if progress is not None:
@@ -712,6 +716,11 @@ def bind_family(family: FamilyDecl, config: RawDocument,
                 raise binder.fail(f"parameter group name `{name}` is produced twice ({other}); "
                                   "names must be unique, e.g. include `{unit}`", decl.pointer)
             pointers[name] = decl.pointer
+            if decl.expert_loop or decl.expert_axis is not None:
+                expert = env[EXPERT_VARIABLE] if decl.expert_loop else None
+                experts.append((name, ExpertGroup(
+                    expert=expert if isinstance(expert, int) else None,
+                    axis=decl.expert_axis)))
             owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
                                                                          unit)))
     if progress is not None:
@@ -742,7 +751,8 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
         linear_format=linear_format, omit=family.omit, group_boundaries=group_boundaries,
         group_weights=weights, group_modes=tuple((n.name, n.parallel) for n in family.graph
-                                                 if n.parallel is not None))
+                                                 if n.parallel is not None),
+        experts=tuple(experts))
 
 
 def _check_omit(binder: _Binder, targets: tuple[str, ...]) -> None:

@@ -71,7 +71,17 @@ def package_name(plan: Plan) -> str:
     """The generated package's import name, e.g. `partc_llama_tp2_pp2`."""
     family = "".join(c if c.isalnum() else "_" for c in plan.family.lower())
     topology = plan.topology
-    return f"partc_{family}_tp{topology.tensor_parallel_size}_pp{topology.pipeline_parallel_size}"
+    return (f"partc_{family}_tp{topology.tensor_parallel_size}_pp"
+            f"{topology.pipeline_parallel_size}" + _expert_suffix(plan))
+
+
+def _expert_suffix(plan: Plan) -> str:
+    """`_ep{E}` (and `_etp{X}` when X > 1) under expert parallelism, else ''."""
+    experts = plan.expert_parallel
+    if experts is None:
+        return ""
+    etp = experts.expert_tensor_parallel_size
+    return f"_ep{experts.expert_parallel_size}" + (f"_etp{etp}" if etp > 1 else "")
 
 
 def rank_module_name(rank: int, world_size: int) -> str:
@@ -113,14 +123,19 @@ class _StageTables:
     """The targets, in TARGETS order."""
 
 
-def _stage_tables(rank: RankPlan) -> _StageTables:
+def _stage_tables(rank: RankPlan, owner_rows: dict[object, str] | None = None) -> _StageTables:
+    """The tables a stage's ranks share; `owner_rows` memoizes owner literals across stages
+    (an expert-parallel build renders one set per stage and EP rank)."""
     kinds: dict[int, int] = {}
     owners: dict[str, int] = {}
     group_lines: list[str] = []
     targets: list[str] = []
+    memo: dict[object, str] = {} if owner_rows is None else owner_rows
     for group in rank.groups:
         kind = kinds.setdefault(group.kind, len(kinds))
-        owner_row = python_literal(group.owner.to_json())
+        owner_row = memo.get(group.owner)
+        if owner_row is None:
+            owner_row = memo[group.owner] = python_literal(group.owner.to_json())
         owner = owners.setdefault(owner_row, len(owners))
         group_lines.append(f"{kind} {owner} {group.name}")
         targets.extend(group.targets)
@@ -129,9 +144,10 @@ def _stage_tables(rank: RankPlan) -> _StageTables:
                         targets_text=lines_literal(targets), targets=tuple(targets))
 
 
-def _kind_row(kind: GroupKind, tp_rank: int) -> str:
-    """A KINDS row: the kind's realization on one tensor-parallel rank."""
-    layouts = kind.layouts[tp_rank]
+def _kind_row(kind: GroupKind, rank: RankPlan) -> str:
+    """A KINDS row: the kind's realization on one rank (its TP rank's row, or under expert
+    parallelism its ETP or stage-local row)."""
+    layouts = kind.layouts[kind.row(rank.tensor_parallel_rank, rank.coordinates)]
     first = layouts[0]
     return python_literal((
         first.role.value, first.logical_units, first.logical_range,
@@ -142,7 +158,7 @@ def _kind_row(kind: GroupKind, tp_rank: int) -> str:
 
 
 def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: _Header,
-                 tables: _StageTables, path: str) -> str:
+                 tables: _StageTables, path: str, expert_owners: str = "") -> str:
     rank_json = plan_json["ranks"][rank.rank]
     digests = None
     if plan.payload_digests is not None:  # only with --digests: otherwise no DIGESTS table
@@ -157,7 +173,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "model_type_literal": python_literal(plan.model_type),
         "fingerprint_literal": python_literal(plan.checkpoint_fingerprint),
         "header_digest_literal": python_literal(plan.checkpoint_header_digest),
-        "kind_rows": [_kind_row(plan.kinds[k], rank.tensor_parallel_rank) for k in tables.kinds],
+        "kind_rows": [_kind_row(plan.kinds[k], rank) for k in tables.kinds],
         "owner_rows": tables.owner_rows,
         "groups_text": tables.groups_text,
         "targets_text": tables.targets_text,
@@ -171,6 +187,7 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "cuts": bool(plan.cuts),
         "receive_boundary_literal": python_literal(_cut_schema(plan_json, rank.pipeline_stage - 1)),
         "send_boundary_literal": python_literal(_cut_schema(plan_json, rank.pipeline_stage)),
+        "experts": _expert_view(plan, rank, expert_owners),
     }
     template = _environment().get_template("rank_module.py.jinja2")
     # The module is checked with its two line tables left empty: they are `lines_literal`
@@ -178,7 +195,8 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
     # early, and at ~10^4 names they would dominate the parse.
     check_generated(template.render(header=header, rank={
         **view, "groups_text": lines_literal(()), "targets_text": lines_literal(()),
-        "digests_text": None if digests is None else lines_literal(())}),
+        "digests_text": None if digests is None else lines_literal(()),
+        "experts": _expert_view(plan, rank, "()")}),
         path)
     return template.render(header=header, rank=view)
 
@@ -189,6 +207,41 @@ def _cut_schema(plan_json: dict[str, Any], stage: int) -> Any:
         if cut["after_stage"] == stage:
             return cut["boundary"]
     return None
+
+
+def _expert_owners(plan: Plan) -> str:
+    """The literal of every global expert's (EP rank, local slot) holders ('' without expert
+    parallelism): the same on every rank, so spelled once."""
+    experts = plan.expert_parallel
+    return "" if experts is None else python_literal(experts.placement.owners())
+
+
+def _expert_view(plan: Plan, rank: RankPlan, owners: str) -> dict[str, Any] | None:
+    """The EXPERTS table of a rank under expert parallelism (None without it): sizes, this
+    rank's coordinates, each global expert's (EP rank, local slot) holders (`owners`, the
+    literal `_expert_owners` spells) and this rank's local slot -> global expert id."""
+    experts, c = plan.expert_parallel, rank.coordinates
+    if experts is None or c is None:
+        return None
+    placement = experts.placement
+    table = {
+        "expert_parallel_size": experts.expert_parallel_size,
+        "expert_tensor_parallel_size": experts.expert_tensor_parallel_size,
+        "ranks_per_stage": experts.ranks_per_stage,
+        "local_rank": c.local_rank, "dense_replica": c.dense_replica,
+        "expert_parallel_rank": c.expert_parallel_rank,
+        "expert_tensor_parallel_rank": c.expert_tensor_parallel_rank,
+        "owners": _OWNERS,
+        "local_experts": placement.slots[c.expert_parallel_rank]}
+    literal = python_literal(table).replace(python_literal(_OWNERS), owners, 1)
+    return {"literal": literal, "ep": experts.expert_parallel_size,
+            "etp": experts.expert_tensor_parallel_size, "ep_rank": c.expert_parallel_rank,
+            "local": len(placement.slots[c.expert_parallel_rank])}
+
+
+_OWNERS = "\x00owners"
+"""A stand-in for the owners literal inside a rank's EXPERTS table (its escaped spelling cannot
+occur in any other value of the table, which holds only integers)."""
 
 
 def _comment_safe(text: str) -> str:
@@ -217,21 +270,29 @@ def render_package(plan: Plan, *, progress: Callable[[int, int], None] | None = 
     world = plan.topology.world_size
     files = {"plan.json": plan_text}
     modules = []
-    stages: dict[int, _StageTables] = {}
+    stages: dict[tuple[int, int], _StageTables] = {}  # by (stage, EP rank): same groups
+    owner_rows: dict[object, str] = {}
+    expert_owners = _expert_owners(plan)
     for done, rank in enumerate(plan.ranks):
         if progress is not None:
             progress(done, world)
         module = rank_module_name(rank.rank, world)
         modules.append(module)
-        tables = stages.get(rank.pipeline_stage)
+        key = (rank.pipeline_stage, 0 if rank.coordinates is None
+               else rank.coordinates.expert_parallel_rank)
+        tables = stages.get(key)
         if tables is None:
-            tables = stages[rank.pipeline_stage] = _stage_tables(rank)
+            tables = stages[key] = _stage_tables(rank, owner_rows)
         path = f"{package}/{module}.py"
-        files[path] = _render_rank(plan, plan_json, rank, header, tables, path)
+        files[path] = _render_rank(plan, plan_json, rank, header, tables, path, expert_owners)
     if progress is not None:
         progress(world, world)
     view = {"family": _docstring_safe(plan.family), "tp": plan.topology.tensor_parallel_size,
             "pp": plan.topology.pipeline_parallel_size, "world_size": world,
+            "ep": None if plan.expert_parallel is None
+            else plan.expert_parallel.expert_parallel_size,
+            "etp": None if plan.expert_parallel is None
+            else plan.expert_parallel.expert_tensor_parallel_size,
             "plan_hash_literal": python_literal(plan_json["plan_hash"]),
             "rank_modules": [python_literal(m) for m in modules]}
     files[f"{package}/__init__.py"] = _environment().get_template(

@@ -320,7 +320,7 @@ def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl |
         units=units, units_text=str(data.get("units", "")),
         policy=ShardingPolicy(data["policy"]) if "policy" in data else None,
         kv_replication=bool(data.get("kv_replication", False)), form=form, pointer=pointer,
-        **fields)
+        expert_axis=data["experts"]["axis"] if "experts" in data else None, **fields)
 
 
 def _default(builder: _Builder, spec: dict[str, Any], pointer: str

@@ -334,6 +334,16 @@ def _units_where_partitioned(known: _Known, group: GroupDecl) -> Iterator[PartcE
             join_pointer(group.pointer, "units"))
 
 
+def _experts_declared_once(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A group is one routed expert (`for: {expert: ...}`) or stacks them (`experts:`), not
+    both."""
+    if group.expert_axis is not None and group.expert_loop:
+        yield known.error(
+            "a group declares `experts: {axis: ...}` (every routed expert stacked in its "
+            "tensors) and also loops `for: {expert: ...}` (one expert per group); use one",
+            join_pointer(group.pointer, "experts"))
+
+
 def _split_modules(group: GroupDecl) -> list[ModuleDecl]:
     """The projections of a partitioned group that split an axis (column or row)."""
     if group.units is None or group.form not in (GroupForm.PROJECTIONS, GroupForm.FUSED):
@@ -369,7 +379,8 @@ GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
 
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
-    _param_names, _units_where_partitioned, _attention_heads_stated)
+    _param_names, _units_where_partitioned, _attention_heads_stated,
+    _experts_declared_once)
 """Every check of a parameter group, in the order their errors are yielded."""
 
 

@@ -275,6 +275,18 @@ class GroupDecl:
     """Projections (form 'projections'), or the fused projection and its output ('fused')."""
     pointer: str
     """Where the group is declared."""
+    expert_axis: int | None = None
+    """`experts: {axis: N}`: the group stacks every routed expert along axis N of each member
+    (None: not stacked; a per-expert group instead has the loop variable `expert`)."""
+
+    @property
+    def expert_loop(self) -> bool:
+        """Whether the group is one routed expert (it loops over `EXPERT_VARIABLE`)."""
+        return any(var == EXPERT_VARIABLE for var, _ in self.loops)
+
+
+EXPERT_VARIABLE = "expert"
+"""The loop variable whose value is a per-expert group's global expert id."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -577,6 +577,22 @@ class ParallelModelInfo:
     """Largest `local_parameter_bytes` over all ranks of the topology."""
     local_bytes_by_dtype: tuple[tuple[str, int], ...] = ()
     """`local_parameter_bytes` split by stored dtype, sorted (empty when not computed)."""
+    ranks_per_stage: int = 0
+    """N: ranks of a stage under expert parallelism (E * X); 0 without it (a stage has T)."""
+    dense_replica: int = 0
+    """Which copy of the stage's dense parts this rank holds (stage-local rank div T)."""
+    expert_parallel_size: int = 1
+    """E: expert-parallel ranks of a stage (1 without expert parallelism)."""
+    expert_tensor_parallel_size: int = 1
+    """X: ranks splitting each expert."""
+    expert_parallel_rank: int = 0
+    """This rank's EP rank (stage-local rank div X): which experts it holds."""
+    expert_tensor_parallel_rank: int = 0
+    """This rank's place in its ETP group (stage-local rank mod X)."""
+    local_experts: int = 0
+    """Routed experts this rank holds (its local slots; 0 without expert parallelism)."""
+    expert_parameter_bytes: int = 0
+    """Bytes of routed-expert tensors this rank loads (0 without expert parallelism)."""
 
     def __post_init__(self) -> None:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
@@ -586,7 +602,9 @@ class ParallelModelInfo:
         if not (0 <= self.tensor_parallel_rank < tp and 0 <= self.pipeline_stage < pp):
             raise _invalid_group(f"tensor_parallel_rank {self.tensor_parallel_rank} / stage "
                                  f"{self.pipeline_stage} outside a {tp} x {pp} topology", group="")
-        if self.rank != self.pipeline_stage * tp + self.tensor_parallel_rank:
+        if self.ranks_per_stage:
+            self._check_expert_coordinates()
+        elif self.rank != self.pipeline_stage * tp + self.tensor_parallel_rank:
             raise _invalid_group(f"rank {self.rank} is not stage {self.pipeline_stage} * "
                                  f"{tp} + {self.tensor_parallel_rank}", group="")
         if not (0 <= self.pinned_parameter_bytes <= self.local_parameter_bytes
@@ -599,6 +617,33 @@ class ParallelModelInfo:
                 sum(n for _, n in self.local_bytes_by_dtype) != self.local_parameter_bytes):
             raise _invalid_group(f"rank {self.rank}: bytes by dtype {self.local_bytes_by_dtype} "
                                  f"do not add up to {self.local_parameter_bytes}", group="")
+
+    def _check_expert_coordinates(self) -> None:
+        n, t, x = (self.ranks_per_stage, self.tensor_parallel_size,
+                   self.expert_tensor_parallel_size)
+        local = self.dense_replica * t + self.tensor_parallel_rank
+        if not (n == self.expert_parallel_size * x and n % t == 0 and 0 <= local < n
+                and self.rank == self.pipeline_stage * n + local
+                and self.expert_parallel_rank == local // x
+                and self.expert_tensor_parallel_rank == local % x
+                and 0 <= self.expert_parameter_bytes <= self.local_parameter_bytes):
+            raise _invalid_group(
+                f"rank {self.rank}: inconsistent expert-parallel coordinates (N={n} ranks per "
+                f"stage = E {self.expert_parallel_size} x X {x}, T={t}, dense replica "
+                f"{self.dense_replica}, tensor-parallel rank {self.tensor_parallel_rank}, EP "
+                f"rank {self.expert_parallel_rank}, ETP rank "
+                f"{self.expert_tensor_parallel_rank}); the layout is build rank = stage * N + r "
+                "with r = replica * T + tp, ep = r div X, etp = r mod X", group="")
+
+    def expert_json(self) -> dict[str, int]:
+        """The expert-parallel fields, as a plan's rank `info` records them."""
+        return {"ranks_per_stage": self.ranks_per_stage, "dense_replica": self.dense_replica,
+                "expert_parallel_size": self.expert_parallel_size,
+                "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+                "expert_parallel_rank": self.expert_parallel_rank,
+                "expert_tensor_parallel_rank": self.expert_tensor_parallel_rank,
+                "local_experts": self.local_experts,
+                "expert_parameter_bytes": self.expert_parameter_bytes}
 
     @classmethod
     def from_layouts(cls, *, model_type: str, tensor_parallel_size: int,

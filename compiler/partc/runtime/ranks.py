@@ -24,7 +24,7 @@ class LaunchPosition:
     rank: int
     """This process's rank in the build (the rank module it loads)."""
     build_world_size: int
-    """Ranks of one replica of the build (T·S)."""
+    """Ranks of one replica of the build (T·S; N·S = E·X·S for an expert-parallel build)."""
     data_parallel_rank: int
     """Which replica of the build this process belongs to."""
     data_parallel_size: int

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from partc.errors import CheckpointError
+from partc.errors import CheckpointError, LayoutError
+from partc.parallel.experts import ExpertMap
 from partc.parallel.layout import (
     LocalModelLayout,
     LocalTensorLayout,
@@ -83,6 +84,10 @@ class RankTable:
     send_boundary: Mapping[str, Any] | None = None
     """SEND_BOUNDARY: the wire schema of the cut the stage sends at (as RECEIVE_BOUNDARY; None
     on the last stage)."""
+    experts: Mapping[str, Any] | None = None
+    """EXPERTS: the expert-parallel sizes, this rank's coordinates, each global expert's
+    (EP rank, local slot) holders and this rank's local experts (only in an expert-parallel
+    build)."""
 
     def group_rows(self) -> list[GroupRow]:
         """One row per group in binding order: (logical name, role, owner, logical units,
@@ -203,6 +208,24 @@ def parallel_model_info(table: RankTable) -> ParallelModelInfo:
         tensor_parallel_rank=table.tensor_parallel_rank, pipeline_stage=table.pipeline_stage,
         **{**table.info, "local_bytes_by_dtype": tuple(sorted(
             table.info.get("local_bytes_by_dtype", {}).items()))})
+
+
+def expert_map(table: RankTable) -> ExpertMap:
+    """The router's map of an expert-parallel build; CheckpointError without one."""
+    experts = table.experts
+    if experts is None:
+        raise CheckpointError(f"rank {table.rank} is not from an expert-parallel build (compile "
+                              "with --ep); it has no expert map")
+    try:
+        return ExpertMap(expert_parallel_size=experts["expert_parallel_size"],
+                         expert_tensor_parallel_size=experts["expert_tensor_parallel_size"],
+                         expert_parallel_rank=experts["expert_parallel_rank"],
+                         owners=tuple(tuple((ep, slot) for ep, slot in held)
+                                      for held in experts["owners"]),
+                         local_experts=tuple(experts["local_experts"]))
+    except (KeyError, TypeError, ValueError, LayoutError):
+        raise CheckpointError(f"the EXPERTS table of rank {table.rank} is malformed; "
+                              "regenerate the build") from None
 
 
 def architecture_partition(table: RankTable) -> ArchitecturePartition:

@@ -4,6 +4,11 @@ A build has T·S ranks, global rank `g = p·T + t` (tensor-parallel innermost, D
 of D data-parallel replicas stacks D copies of that block: `g = d·T·S + p·T + t`. Everything here
 is arithmetic over that one formula; `process_groups` and `device_mesh` hand it to
 torch.distributed (imported only when called).
+
+An expert-parallel build (docs/expert_parallel.md) has N = E·X ranks per stage instead of T:
+`g = d·N·S + p·N + r`, with stage-local rank r = (dense replica)·T + t, EP rank r div X and ETP
+rank r mod X. Its EP group is the stage's N ranks, its ETP group X consecutive ranks, its TP
+group T consecutive ranks (one copy of the dense parts).
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ class RankCoordinates:
     """Which pipeline stage (p)."""
     tensor_parallel_rank: int
     """Which rank of the stage's tensor-parallel group (t)."""
+    dense_replica: int = 0
+    """Which copy of the stage's dense parts (expert-parallel builds; r div T)."""
+    expert_parallel_rank: int = 0
+    """The EP rank, which selects the experts held (expert-parallel builds; r div X)."""
+    expert_tensor_parallel_rank: int = 0
+    """The rank within the ETP group splitting each expert (expert-parallel builds; r mod X)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +50,10 @@ class ProcessGroups:
     """The ranks holding this process's tensor-parallel rank on every stage of its replica."""
     data_parallel: Any
     """The ranks holding this process's build rank in every replica."""
+    expert_parallel: Any = None
+    """The N ranks of this process's stage and replica (expert-parallel builds only)."""
+    expert_tensor_parallel: Any = None
+    """The X ranks splitting this process's experts (expert-parallel builds only)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,17 +66,41 @@ class BuildTopology:
     """S."""
     data_parallel_size: int = 1
     """D: replicas of the build in the job."""
+    expert_parallel_size: int | None = None
+    """E: expert-parallel ranks per stage (None: not an expert-parallel build)."""
+    expert_tensor_parallel_size: int = 1
+    """X: ranks splitting each expert; a stage has N = E·X ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "expert_tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{name} must be a positive integer, found {value!r}")
+        ep = self.expert_parallel_size
+        if ep is None:
+            if self.expert_tensor_parallel_size != 1:
+                raise CheckpointError("expert_tensor_parallel_size needs expert_parallel_size")
+            return
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise CheckpointError(f"expert_parallel_size must be a positive integer, found "
+                                  f"{ep!r}")
+        if self.ranks_per_stage % self.tensor_parallel_size:
+            raise CheckpointError(
+                f"N = E {ep} x X {self.expert_tensor_parallel_size} = {self.ranks_per_stage} "
+                f"ranks per stage is not a multiple of T={self.tensor_parallel_size}")
+
+    @property
+    def ranks_per_stage(self) -> int:
+        """N: E·X for an expert-parallel build, else T."""
+        if self.expert_parallel_size is None:
+            return self.tensor_parallel_size
+        return self.expert_parallel_size * self.expert_tensor_parallel_size
 
     @property
     def build_world_size(self) -> int:
-        """Ranks of one replica (T·S)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks of one replica (N·S; T·S without expert parallelism)."""
+        return self.ranks_per_stage * self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -80,20 +119,36 @@ class BuildTopology:
         """(d, p, t) of a global rank."""
         self._check(global_rank)
         replica, build_rank = divmod(global_rank, self.build_world_size)
-        stage, tp = divmod(build_rank, self.tensor_parallel_size)
+        stage, local = divmod(build_rank, self.ranks_per_stage)
+        if self.expert_parallel_size is None:
+            return RankCoordinates(data_parallel_rank=replica, pipeline_stage=stage,
+                                   tensor_parallel_rank=local)
+        x = self.expert_tensor_parallel_size
         return RankCoordinates(data_parallel_rank=replica, pipeline_stage=stage,
-                               tensor_parallel_rank=tp)
+                               tensor_parallel_rank=local % self.tensor_parallel_size,
+                               dense_replica=local // self.tensor_parallel_size,
+                               expert_parallel_rank=local // x,
+                               expert_tensor_parallel_rank=local % x)
 
     def global_rank(self, coordinates: RankCoordinates) -> int:
-        """The global rank at (d, p, t)."""
+        """The global rank at (d, p, t) (and the dense replica of an expert-parallel build,
+        whose EP and ETP ranks must agree with it)."""
         d, p, t = (coordinates.data_parallel_rank, coordinates.pipeline_stage,
                    coordinates.tensor_parallel_rank)
+        replicas = self.ranks_per_stage // self.tensor_parallel_size
         if not (0 <= d < self.data_parallel_size and 0 <= p < self.pipeline_parallel_size
-                and 0 <= t < self.tensor_parallel_size):
+                and 0 <= t < self.tensor_parallel_size
+                and 0 <= coordinates.dense_replica < replicas):
             raise CheckpointError(f"coordinates {coordinates} are outside D="
                                   f"{self.data_parallel_size} x S={self.pipeline_parallel_size} "
-                                  f"x T={self.tensor_parallel_size}")
-        return d * self.build_world_size + p * self.tensor_parallel_size + t
+                                  f"x T={self.tensor_parallel_size}"
+                                  + (f" x {replicas} dense replicas" if replicas > 1 else ""))
+        rank = (d * self.build_world_size + p * self.ranks_per_stage
+                + coordinates.dense_replica * self.tensor_parallel_size + t)
+        if self.coordinates(rank) != coordinates:
+            raise CheckpointError(f"coordinates {coordinates} are inconsistent: rank {rank} "
+                                  f"is {self.coordinates(rank)}")
+        return rank
 
     def build_rank(self, global_rank: int) -> int:
         """The rank within the build: which generated rank module the process loads."""
@@ -106,11 +161,30 @@ class BuildTopology:
         return tuple(range(first, first + self.tensor_parallel_size))
 
     def pipeline_group(self, global_rank: int) -> tuple[int, ...]:
-        """The global ranks of this rank's TP position on every stage, in stage order."""
+        """The global ranks of this rank's stage-local position on every stage, in order."""
         c = self.coordinates(global_rank)
-        base = c.data_parallel_rank * self.build_world_size + c.tensor_parallel_rank
-        return tuple(base + p * self.tensor_parallel_size
-                     for p in range(self.pipeline_parallel_size))
+        n = self.ranks_per_stage
+        base = c.data_parallel_rank * self.build_world_size + global_rank % n
+        return tuple(base + p * n for p in range(self.pipeline_parallel_size))
+
+    def expert_parallel_group(self, global_rank: int) -> tuple[int, ...]:
+        """The N ranks of this rank's stage and replica (an expert-parallel build's EP group,
+        over which tokens are dispatched to the experts' owners)."""
+        self._expert_build()
+        first = global_rank - global_rank % self.ranks_per_stage
+        return tuple(range(first, first + self.ranks_per_stage))
+
+    def expert_tensor_parallel_group(self, global_rank: int) -> tuple[int, ...]:
+        """The X consecutive ranks that split this rank's experts (its ETP group)."""
+        self._expert_build()
+        x = self.expert_tensor_parallel_size
+        first = global_rank - self.coordinates(global_rank).expert_tensor_parallel_rank
+        return tuple(range(first, first + x))
+
+    def _expert_build(self) -> None:
+        if self.expert_parallel_size is None:
+            raise CheckpointError("this build has no expert parallelism (compiled without --ep), "
+                                  "so it has no EP or ETP groups")
 
     def data_parallel_group(self, global_rank: int) -> tuple[int, ...]:
         """The global ranks holding this rank's build rank in every replica."""
@@ -121,22 +195,26 @@ class BuildTopology:
     def previous_stage_peer(self, global_rank: int) -> int | None:
         """The rank this one receives the boundary from (None on the first stage)."""
         c = self.coordinates(global_rank)
-        return None if c.pipeline_stage == 0 else global_rank - self.tensor_parallel_size
+        return None if c.pipeline_stage == 0 else global_rank - self.ranks_per_stage
 
     def next_stage_peer(self, global_rank: int) -> int | None:
         """The rank this one sends the boundary to (None on the last stage)."""
         c = self.coordinates(global_rank)
         last = c.pipeline_stage == self.pipeline_parallel_size - 1
-        return None if last else global_rank + self.tensor_parallel_size
+        return None if last else global_rank + self.ranks_per_stage
 
     def all_groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """Every group of each dimension, in the order every process must create them."""
         ranks = range(self.world_size)
-        return {
+        groups = {
             "tp": tuple(sorted({self.tensor_parallel_group(r) for r in ranks})),
             "pp": tuple(sorted({self.pipeline_group(r) for r in ranks})),
             "dp": tuple(sorted({self.data_parallel_group(r) for r in ranks})),
         }
+        if self.expert_parallel_size is not None:
+            groups["ep"] = tuple(sorted({self.expert_parallel_group(r) for r in ranks}))
+            groups["etp"] = tuple(sorted({self.expert_tensor_parallel_group(r) for r in ranks}))
+        return groups
 
     def process_groups(self, global_rank: int | None = None) -> ProcessGroups:
         """Create the torch process groups of every dimension; return this process's.
@@ -162,13 +240,22 @@ class BuildTopology:
                 if me in ranks:
                     mine[dimension] = group
         return ProcessGroups(tensor_parallel=mine["tp"], pipeline_parallel=mine["pp"],
-                             data_parallel=mine["dp"])
+                             data_parallel=mine["dp"], expert_parallel=mine.get("ep"),
+                             expert_tensor_parallel=mine.get("etp"))
 
     def device_mesh(self, device_type: str = "cpu") -> Any:
-        """A torch `DeviceMesh` of shape (D, S, T) with dimensions named `dp`, `pp`, `tp`."""
+        """A torch `DeviceMesh` of shape (D, S, T) with dimensions named `dp`, `pp`, `tp`; for
+        an expert-parallel build (D, S, E, X) named `dp`, `pp`, `ep`, `etp` (the dense TP group
+        is `tensor_parallel_group`)."""
         import_torch("device_mesh()")
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.expert_parallel_size is not None:
+            return init_device_mesh(device_type, (self.data_parallel_size,
+                                                  self.pipeline_parallel_size,
+                                                  self.expert_parallel_size,
+                                                  self.expert_tensor_parallel_size),
+                                    mesh_dim_names=("dp", "pp", "ep", "etp"))
         return init_device_mesh(device_type, (self.data_parallel_size,
                                               self.pipeline_parallel_size,
                                               self.tensor_parallel_size),
@@ -176,10 +263,15 @@ class BuildTopology:
 
 
 def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
-                   data_parallel_size: int | None = None) -> BuildTopology:
-    """A build's BuildTopology; D defaults to the launcher's (WORLD_SIZE / T·S, else 1)."""
+                   data_parallel_size: int | None = None, *,
+                   expert_parallel_size: int | None = None,
+                   expert_tensor_parallel_size: int = 1) -> BuildTopology:
+    """A build's BuildTopology; D defaults to the launcher's (WORLD_SIZE / the build's ranks,
+    else 1). The build has N x S ranks: N = T, or E x X under expert parallelism."""
     if data_parallel_size is None:
-        build = tensor_parallel_size * pipeline_parallel_size
+        per_stage = (tensor_parallel_size if expert_parallel_size is None
+                     else expert_parallel_size * expert_tensor_parallel_size)
+        build = per_stage * pipeline_parallel_size
         data_parallel_size = 1
         if os.environ.get("RANK") is not None:
             data_parallel_size = launch_position(build).data_parallel_size
@@ -187,28 +279,38 @@ def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
             world = _integer("WORLD_SIZE", os.environ["WORLD_SIZE"])
             if world == 0 or world % build:
                 raise CheckpointError(
-                    f"WORLD_SIZE={world} is not a multiple of this build's {build} ranks (T x "
-                    f"S); run {build} x D processes for D data-parallel replicas")
+                    f"WORLD_SIZE={world} is not a multiple of this build's {build} ranks "
+                    f"({'T' if expert_parallel_size is None else 'E x X'} x S); run {build} x D "
+                    "processes for D data-parallel replicas")
             data_parallel_size = world // build
     return BuildTopology(tensor_parallel_size=tensor_parallel_size,
                          pipeline_parallel_size=pipeline_parallel_size,
-                         data_parallel_size=data_parallel_size)
+                         data_parallel_size=data_parallel_size,
+                         expert_parallel_size=expert_parallel_size,
+                         expert_tensor_parallel_size=expert_tensor_parallel_size)
 
 
 def build_process_groups(tensor_parallel_size: int, pipeline_parallel_size: int,
-                         data_parallel_size: int | None = None) -> ProcessGroups:
+                         data_parallel_size: int | None = None, *,
+                         expert_parallel_size: int | None = None,
+                         expert_tensor_parallel_size: int = 1) -> ProcessGroups:
     """`build_topology(...).process_groups()`: collective, every process of the job calls it."""
-    return build_topology(tensor_parallel_size, pipeline_parallel_size,
-                          data_parallel_size).process_groups()
+    return build_topology(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                          expert_parallel_size=expert_parallel_size,
+                          expert_tensor_parallel_size=expert_tensor_parallel_size
+                          ).process_groups()
 
 
 def build_device_mesh(tensor_parallel_size: int, pipeline_parallel_size: int,
-                      device_type: str | None = None, data_parallel_size: int | None = None
-                      ) -> Any:
+                      device_type: str | None = None, data_parallel_size: int | None = None, *,
+                      expert_parallel_size: int | None = None,
+                      expert_tensor_parallel_size: int = 1) -> Any:
     """`build_topology(...).device_mesh(device_type)`; the device type defaults to 'cuda' when
     torch sees a GPU, else 'cpu' (as `load`'s device does)."""
     if device_type is None:
         torch = import_torch("device_mesh()")
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return build_topology(tensor_parallel_size, pipeline_parallel_size,
-                          data_parallel_size).device_mesh(device_type)
+    return build_topology(tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                          expert_parallel_size=expert_parallel_size,
+                          expert_tensor_parallel_size=expert_tensor_parallel_size
+                          ).device_mesh(device_type)

@@ -1,0 +1,259 @@
+"""Expert parallelism: which experts each expert-parallel rank holds, and the router's map.
+
+A stage of an expert-parallel build has N = E x X ranks (docs/expert_parallel.md). The dense
+parts keep their TP split over T ranks, repeated N / T times; the experts are placed on the E
+expert-parallel (EP) ranks, each expert further split over the X ranks of an expert-tensor-
+parallel (ETP) group. `ExpertPlacement` says which global experts each EP rank holds, in local
+slot order (balanced contiguous ranges by default, or an explicit placement file, possibly with
+redundant copies); `ExpertMap` is what a rank's router needs; `stacked_expert_layouts` realizes
+a stacked `[experts, ...]` group for one EP rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from partc.errors import LayoutError, SourceLocation
+from partc.parallel.layout import (
+    Indices,
+    LocalTensorLayout,
+    Range,
+    TensorPlacement,
+    _is_count,
+)
+from partc.parallel.specs import ParameterGroupSpec, balanced_contiguous_range
+
+Locate = Callable[[str], "SourceLocation | None"]
+"""Where a JSON pointer of a placement file is (None when unknown)."""
+
+
+def _no_location(pointer: str) -> SourceLocation | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankCoordinates:
+    """Where one stage-local rank r of an expert-parallel stage sits (docs/expert_parallel.md).
+
+    tp = r mod T, dense replica = r div T, ep = r div X, etp = r mod X.
+    """
+
+    local_rank: int
+    """r: the rank within its stage (0 <= r < N)."""
+    tensor_parallel_rank: int
+    """r mod T: the rank in the dense TP group."""
+    dense_replica: int
+    """r div T: which copy of the dense parts (attention data-parallel)."""
+    expert_parallel_rank: int
+    """r div X: the EP rank, which selects the experts held."""
+    expert_tensor_parallel_rank: int
+    """r mod X: the rank within the ETP group that splits each expert."""
+
+    @classmethod
+    def of(cls, local_rank: int, tensor_parallel_size: int,
+           expert_tensor_parallel_size: int) -> RankCoordinates:
+        """The coordinates of stage-local rank `local_rank`."""
+        return cls(local_rank=local_rank,
+                   tensor_parallel_rank=local_rank % tensor_parallel_size,
+                   dense_replica=local_rank // tensor_parallel_size,
+                   expert_parallel_rank=local_rank // expert_tensor_parallel_size,
+                   expert_tensor_parallel_rank=local_rank % expert_tensor_parallel_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertPlacement:
+    """The global experts each expert-parallel rank holds, in local slot order.
+
+    Every expert is on at least one EP rank; an expert on several is redundant (copies of a
+    hot expert, as DeepSeek's EPLB places them). A rank's slots are ascending global ids, so a
+    stacked `[experts, ...]` tensor is read in its stored order.
+    """
+
+    experts: int
+    """How many global experts the model routes to."""
+    slots: tuple[tuple[int, ...], ...]
+    """Per EP rank, the global expert id of each local slot."""
+    explicit: bool = False
+    """Whether the placement came from a placement file (else balanced)."""
+
+    def __post_init__(self) -> None:
+        problem = placement_problem(self.experts, self.slots)
+        if problem is not None:
+            raise LayoutError(f"expert placement: {problem[1]}", pointer=problem[0])
+
+    @classmethod
+    def balanced(cls, experts: int, expert_parallel_size: int) -> ExpertPlacement:
+        """Balanced contiguous ranges: EP rank i holds `experts // E (+1 if i < experts % E)`."""
+        if expert_parallel_size > experts:
+            raise LayoutError(
+                f"expert_parallel_size {expert_parallel_size} exceeds the model's {experts} "
+                "experts: a balanced placement gives every EP rank at least one expert; use "
+                f"--ep of at most {experts}, or a placement file (--expert-placement) with "
+                "redundant experts")
+        return cls(experts=experts, slots=tuple(
+            tuple(range(*balanced_contiguous_range(experts, expert_parallel_size, i)))
+            for i in range(expert_parallel_size)))
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """E: the EP ranks."""
+        return len(self.slots)
+
+    @property
+    def redundant(self) -> int:
+        """Physical slots beyond one per expert (0: no expert is held twice)."""
+        return sum(len(s) for s in self.slots) - self.experts
+
+    def owners(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per global expert, every (EP rank, local slot) that holds it, by EP rank."""
+        found: list[list[tuple[int, int]]] = [[] for _ in range(self.experts)]
+        for ep, ids in enumerate(self.slots):
+            for slot, expert in enumerate(ids):
+                found[expert].append((ep, slot))
+        return tuple(tuple(x) for x in found)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (the plan's `expert_parallel.placement`)."""
+        return {"experts": self.experts, "explicit": self.explicit,
+                "slots": [list(s) for s in self.slots]}
+
+
+def placement_problem(experts: int, slots: Sequence[Sequence[object]]
+                      ) -> tuple[str, str] | None:
+    """(JSON pointer under the file's `ranks`, message) of the first rule `slots` breaks."""
+    if not slots:
+        return "/ranks", "it lists no expert-parallel rank"
+    held: set[int] = set()
+    for ep, ids in enumerate(slots):
+        if not ids:
+            return f"/ranks/{ep}", f"EP rank {ep} holds no expert; every EP rank needs one"
+        for slot, expert in enumerate(ids):
+            pointer = f"/ranks/{ep}/{slot}"
+            if not _is_count(expert) or not 0 <= expert < experts:  # type: ignore[operator]
+                return pointer, (f"EP rank {ep} slot {slot} names expert {expert!r}; expert ids "
+                                 f"are integers 0..{experts - 1}")
+            assert isinstance(expert, int)
+            if slot and expert <= ids[slot - 1]:  # type: ignore[operator]
+                return pointer, (f"EP rank {ep} lists expert {expert} after "
+                                 f"{ids[slot - 1]}; a rank's experts are distinct and "
+                                 "ascending (its local slot order is the stored order)")
+            held.add(expert)
+    missing = sorted(set(range(experts)) - held)
+    if missing:
+        return "/ranks", (f"expert(s) {missing[:8]} are on no EP rank; every one of the "
+                          f"{experts} experts needs at least one")
+    return None
+
+
+def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
+                            file: str, locate: Locate = _no_location) -> ExpertPlacement:
+    """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
+    list per EP rank. Raises LayoutError naming the file, the rank and the expert."""
+    def fail(pointer: str, message: str) -> LayoutError:
+        return LayoutError(f"expert placement {file}: {message}",
+                           location=locate(pointer) or SourceLocation(file), pointer=pointer)
+    if not isinstance(data, Mapping) or set(data) != {"ranks"} or not isinstance(
+            data["ranks"], list) or not all(isinstance(r, list) for r in data["ranks"]):
+        raise fail("", "expected an object with one key `ranks`: a list of one list of "
+                       "global expert ids per EP rank, e.g. {\"ranks\": [[0, 1], [2, 3]]}")
+    ranks: list[list[Any]] = data["ranks"]
+    if len(ranks) != expert_parallel_size:
+        raise fail("/ranks", f"it lists {len(ranks)} EP ranks but expert_parallel_size is "
+                             f"{expert_parallel_size}")
+    problem = placement_problem(experts, ranks)
+    if problem is not None:
+        raise fail(*problem)
+    return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
+                           explicit=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertMap:
+    """What a rank's router needs: where every global expert lives, and this rank's experts."""
+
+    expert_parallel_size: int
+    """E."""
+    expert_tensor_parallel_size: int
+    """X: ranks splitting each expert."""
+    expert_parallel_rank: int
+    """This rank's EP rank."""
+    owners: tuple[tuple[tuple[int, int], ...], ...]
+    """Per global expert id, each (EP rank, local slot) holding it (several when redundant)."""
+    local_experts: tuple[int, ...]
+    """Per local slot of this rank, its global expert id."""
+
+    def __post_init__(self) -> None:
+        placed = [(ep, slot) for held in self.owners for ep, slot in held]
+        mine = sorted(slot for ep, slot in placed if ep == self.expert_parallel_rank)
+        if not 0 <= self.expert_parallel_rank < self.expert_parallel_size or mine != list(
+                range(len(self.local_experts))) or any(
+                self.local_experts[slot] != expert for expert, held in enumerate(self.owners)
+                for ep, slot in held if ep == self.expert_parallel_rank):
+            raise LayoutError(f"inconsistent expert map: EP rank {self.expert_parallel_rank} "
+                              f"of {self.expert_parallel_size}, local experts "
+                              f"{list(self.local_experts)}")
+
+    @property
+    def experts(self) -> int:
+        """How many global experts the router chooses from."""
+        return len(self.owners)
+
+    def local_slot(self, expert: int) -> int | None:
+        """This rank's slot holding global `expert` (None: another EP rank holds it)."""
+        return next((slot for ep, slot in self.owners[expert]
+                     if ep == self.expert_parallel_rank), None)
+
+
+def expert_axis_problem(group: ParameterGroupSpec, axis: int) -> str | None:
+    """Why stacked group `group` cannot be split on its expert axis `axis` (None: it can)."""
+    counts = {m.shape[axis] if axis < len(m.shape) else None for m in group.members}
+    if None in counts:
+        short = next(m for m in group.members if axis >= len(m.shape))
+        return (f"member `{short.target}` has shape {list(short.shape)}, without the expert "
+                f"axis {axis}")
+    if len(counts) != 1:
+        return (f"its members disagree on the expert count along axis {axis}: "
+                + ", ".join(f"`{m.target}` {m.shape[axis]}" for m in group.members))
+    return None
+
+
+def stacked_expert_layouts(group: ParameterGroupSpec, axis: int, experts: Sequence[int]
+                           ) -> tuple[LocalTensorLayout, ...]:
+    """The layouts of stacked group `group` on an EP rank holding `experts` (ascending ids):
+    the rows of those experts along `axis`, every other axis whole."""
+    ranges: list[tuple[int, int]] = []
+    for expert in experts:
+        if ranges and ranges[-1][1] == expert:
+            ranges[-1] = (ranges[-1][0], expert + 1)
+        else:
+            ranges.append((expert, expert + 1))
+    layouts = []
+    for member in group.members:
+        placement: TensorPlacement
+        if len(ranges) == 1:
+            placement = Range(axis=axis, start=ranges[0][0], end=ranges[0][1])
+        else:
+            placement = Indices(axis=axis, ranges=tuple(ranges))
+        local = list(member.shape)
+        local[axis] = len(experts)
+        layouts.append(LocalTensorLayout(
+            target=member.target, logical_name=group.name, role=group.role, dtype=member.dtype,
+            global_shape=member.shape, local_shape=tuple(local), placement=placement))
+    return tuple(layouts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertGroup:
+    """How a bound parameter group takes part in expert parallelism."""
+
+    expert: int | None = None
+    """The global expert id of a per-expert group (`for: {expert: ...}`)."""
+    axis: int | None = None
+    """The expert axis of a stacked group (`experts: {axis: ...}`)."""
+
+    def __post_init__(self) -> None:
+        if (self.expert is None) == (self.axis is None):
+            raise LayoutError("an expert group is either one expert (an id) or stacked (an "
+                              f"axis), found expert {self.expert} and axis {self.axis}")
