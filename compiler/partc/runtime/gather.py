@@ -35,8 +35,9 @@ _DIRECT_ALIGN = 512
 """Alignment of O_DIRECT reads: the logical sector of the disks this runs on (a file system
 that wants more refuses the first read with EINVAL, and gathers then go through the cache)."""
 DIRECT_THREADS = 8
-"""Reader threads of a load with cold gathers: small direct reads wait on storage, not on a
-core, and a disk serves several at once (measured: 8 threads, 3.6x the reads per second of 1)."""
+"""Reader threads of a node's loads with cold gathers (shared among its loading ranks): small
+direct reads wait on storage, not on a core, and a disk serves several at once (measured: 8
+threads, 3.6x the reads per second of 1)."""
 
 _COLD_FRACTION = 0.5
 """A gather job whose rows have less than this fraction of their pages in the page cache is

@@ -91,6 +91,11 @@ class CheckpointReader:
         """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
         self.workers = default_workers(local_ranks) if workers is None else max(1, workers)
         """Threads `read_many` may use for a large read."""
+        self._cold_workers = self.workers if workers is not None or os.environ.get(
+            "PARTC_READ_THREADS", "").strip().isdigit() else max(
+            self.workers, DIRECT_THREADS // node_ranks(local_ranks))
+        """Threads of a read with cold gathers (waiting on storage, not on cores): the node's
+        share of `DIRECT_THREADS` unless the thread count was given."""
         self.mapped = mapped
         """Whether `read_many` gathers finely cut selections from read-only mappings."""
         self.zero_copy = zero_copy
@@ -224,7 +229,7 @@ class CheckpointReader:
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name)
         try:
             cold = plan_gathers(gathers, sources)
-            workers = max(self.workers, DIRECT_THREADS) if cold else self.workers
+            workers = self._cold_workers if cold else self.workers
             if len(jobs) < 2 or workers < 2 or nbytes < _THREADED_BYTES:
                 for job in jobs:
                     self._run_job(job)
