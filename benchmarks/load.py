@@ -336,7 +336,8 @@ def compile_builds(folder: Path, builds: Path, tps: list[int]) -> dict[int, dict
 def rank_runs(checkpoint: Any, selections: list[list[Any]]
               ) -> dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
     """Absolute (start, length) of every byte run of a rank's selections, per file."""
-    from partc.runtime.runs import TensorSelection, _runs
+    from partc.runtime.reader import TensorSelection
+    from partc.runtime.runs import _runs
 
     runs: dict[str, list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
     for name, axis, ranges in selections:

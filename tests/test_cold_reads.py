@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.runtime import gather, runs
+from partc.runtime import reader as checkpoint
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
 from partc.runtime.reader import CheckpointReader, TensorSelection
@@ -157,7 +158,7 @@ def test_cold_loads_take_the_node_share_of_the_direct_threads_unless_told(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("PARTC_READ_THREADS", "PARTC_LOCAL_RANKS", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(runs, "usable_cores", lambda: 2)
+    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 2)
     ckpt = open_checkpoint(LLAMA)
     assert CheckpointReader(ckpt)._cold_workers == gather.DIRECT_THREADS
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -186,7 +186,7 @@ def test_reader_threads_share_the_cores_among_the_node_ranks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("PARTC_READ_THREADS", "PARTC_LOCAL_RANKS", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(runs, "usable_cores", lambda: 8)
+    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 8)
     assert default_workers() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_workers() == 2
@@ -205,7 +205,7 @@ def test_a_load_under_torchrun_uses_its_share_of_the_cores(
     monkeypatch.delenv("PARTC_READ_THREADS", raising=False)
     monkeypatch.delenv("PARTC_LOCAL_RANKS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(runs, "usable_cores", lambda: 8)
+    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 8)
     monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
     monkeypatch.setattr(checkpoint, "_JOB_BYTES", 1024)
     threads: set[str] = set()

@@ -19,13 +19,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from partc.runtime.headers import _ITEMSIZE, FileHeader, TensorEntry, _fail
 from partc.runtime.memory import _populate
-from partc.runtime.runs import _IOV_MAX, ReadRecorder, TensorSelection, fill
+from partc.runtime.runs import _IOV_MAX, fill
+
+if TYPE_CHECKING:
+    from partc.runtime.reader import ReadRecorder, TensorSelection
 
 _GATHER_RUN = 32 << 10
 """Selections whose runs average at most this many bytes are gathered."""

@@ -8,48 +8,19 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from partc.runtime.headers import _ITEMSIZE, FileHeader, TensorEntry, _fail
 from partc.runtime.memory import _populate
 
+if TYPE_CHECKING:
+    from partc.runtime.reader import ReadRecorder, TensorSelection
+
 _Ints = np.ndarray[Any, np.dtype[np.int64]]
 _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 """Most buffers one vectored call takes."""
-
-class ReadRecorder(Protocol):
-    """Instrumentation told of every byte run actually read from a file.
-
-    A large read calls it from several reader threads, in no particular order.
-    """
-
-    def record(self, path: str, offset: int, length: int) -> None:
-        """Note that `length` bytes were read from `path` at absolute `offset`."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSelection:
-    """The part of a tensor a rank owns: global slices along `axis`, concatenated in order."""
-
-    axis: int | None = None
-    """Axis the ranges cut, or None for the whole tensor."""
-    ranges: tuple[tuple[int, int], ...] = ()
-    """Half-open global ranges [start, end) along `axis`, concatenated in this order."""
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of the selected part of a tensor of global `shape` (assumes valid ranges)."""
-        if self.axis is None:
-            return tuple(shape)
-        local = list(shape)
-        local[self.axis] = sum(end - start for start, end in self.ranges)
-        return tuple(local)
-
-
-WHOLE = TensorSelection()
-"""The selection of an entire tensor."""
-
 
 def _is_int(value: object) -> bool:
     """Whether `value` is a Python or numpy integer (not a bool)."""
@@ -109,42 +80,6 @@ _JOB_BYTES = 16 << 20
 """Bytes of one unit of work handed to a reader thread (long runs are cut to this size)."""
 _THREADED_BYTES = 16 << 20
 """Reads smaller than this run in the calling thread."""
-
-
-def _positive(raw: str | None) -> int | None:
-    """`raw` as a positive integer, or None (unset, empty, not a number, zero)."""
-    raw = (raw or "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
-
-
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask where known)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def node_ranks(local_ranks: int | None = None) -> int:
-    """Ranks loading on this node at once: `local_ranks`, else `PARTC_LOCAL_RANKS`, else
-    torchrun's `LOCAL_WORLD_SIZE`, else 1."""
-    if local_ranks is not None:
-        return max(1, int(local_ranks))
-    return (_positive(os.environ.get("PARTC_LOCAL_RANKS"))
-            or _positive(os.environ.get("LOCAL_WORLD_SIZE")) or 1)
-
-
-def default_workers(local_ranks: int | None = None) -> int:
-    """Reader threads of one rank: `PARTC_READ_THREADS`, else the node's cores shared among its
-    loading ranks (`node_ranks`), at least 1 and at most 8.
-
-    Reads from the page cache are memory copies: more threads than cores on a node only make
-    the ranks take turns (measured: 2T threads on 2 cores made the slowest of T ranks 2x-4x
-    slower than one rank alone).
-    """
-    forced = _positive(os.environ.get("PARTC_READ_THREADS"))
-    if forced is not None:
-        return forced
-    return max(1, min(8, usable_cores() // node_ranks(local_ranks)))
 
 
 @dataclass(slots=True)
