@@ -526,8 +526,8 @@ def fmt_load(load: tuple[float, float, float]) -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    keys = list(rows[0])
-    cells = [[fmt(r[k]) for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[fmt(r.get(k)) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     print("| " + " | ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
