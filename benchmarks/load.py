@@ -19,7 +19,11 @@ the page cache warmed before every warm run:
 - warm bytes: the loader's `reader=` hook (bytes copied out of the file) over the share;
 - peak RSS: the process's VmHWM minus that of a process that only did the same imports;
 - whole node: all T ranks of a build loading at once (LOCAL_WORLD_SIZE=T, so each sizes its
-  reader threads from the cores it shares); the slowest rank's time over rank 0's time alone.
+  reader threads from the cores it shares); the slowest rank's time over rank 0's time alone,
+  and, cold, the bytes all T ranks fetched over the union of their byte runs;
+- sectors / share: the 512-byte sectors the rank's byte runs touch (the least any read from
+  this disk fetches; O_DIRECT reads of column runs fetch these);
+- import: `import partc.runtime` against `import numpy`, fresh processes.
 
 Every figure is the median of --repeats runs, interleaved across variants so that a noisy
 neighbour hits them alike; the load average is printed with each table. Usage:
@@ -149,19 +153,38 @@ class Count:
         self.bytes += length
 
 def touch(arrays):
+    # one byte of every page: a strided view (a column slice) is touched row by row, one byte
+    # every 4 KiB of each row's run and its last byte, without copying it
     import numpy as np
     total = 0
     for a in arrays:
-        flat = a.reshape(-1).view(np.uint8)
-        total += int(flat[::4096].sum()) if flat.size else 0
+        if not a.size:
+            continue
+        if a.flags.c_contiguous:
+            flat = a.reshape(-1).view(np.uint8)
+            total += int(flat[::4096].sum())
+            continue
+        k = next(k for k in range(a.ndim) if a[(0,) * k].flags.c_contiguous)
+        rows = a.reshape(int(np.prod(a.shape[:k])), -1) if k else a.reshape(1, -1)
+        rows = rows.view(np.uint8)
+        total += int(rows[:, ::4096].sum()) + int(rows[:, -1].sum())
     return total
 
 result = {}
 base = mode.endswith("-base")
-if mode.startswith(("loader", "zerocopy", "cold")):
+if mode.startswith("import-"):
+    t0 = time.monotonic()
+    if mode == "import-numpy":
+        import numpy
+    else:
+        import partc.runtime
+    result["seconds"] = time.monotonic() - t0
+    result["ml_dtypes"] = "ml_dtypes" in sys.modules
+elif mode.startswith(("loader", "zerocopy", "cold")):
     sys.path.insert(0, spec["build"])
     import importlib
     module = importlib.import_module(spec["module"])
+    import ml_dtypes  # a bf16 checkpoint needs it; the runtime imports it on first use
     if not base:
         hook = Count() if mode == "loader-bytes" else None
         options = {"zero_copy": True} if mode == "zerocopy" else {}
@@ -299,40 +322,73 @@ def compile_builds(folder: Path, builds: Path, tps: list[int]) -> dict[int, dict
             selections.append([t.target, axis, [list(r) for r in ranges]])
         world = plan.topology.world_size
         modules = [f"{package_name(plan)}.{rank_module_name(r, world)}" for r in range(world)]
+        runs = rank_runs(checkpoint, selections)
+        every = [rank_runs(checkpoint, [[t.target, t.selection[0], [list(r) for r in
+                                                                  t.selection[1]]]
+                                        for t in r.layout.tensors]) for r in plan.ranks]
         out[tp] = {"build": str(build), "module": modules[0], "modules": modules,
                    "checkpoint": str(folder), "local": rank.info.local_parameter_bytes,
-                   "selections": selections, "pages": pages_touched(checkpoint, selections)}
+                   "selections": selections, "pages": blocks_touched(runs, 4096),
+                   "sectors": blocks_touched(runs, 512), "union": union_bytes(every)}
     return out
 
 
-def pages_touched(checkpoint: Any, selections: list[list[Any]]) -> int:
-    """Bytes of the distinct 4 KiB file pages the rank's byte runs touch (the least a
-    page-cache read fetches)."""
-    from partc.runtime.reader import TensorSelection, _runs
+def rank_runs(checkpoint: Any, selections: list[list[Any]]
+              ) -> dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
+    """Absolute (start, length) of every byte run of a rank's selections, per file."""
+    from partc.runtime.reader import TensorSelection
+    from partc.runtime.runs import _runs
 
-    pages: dict[str, list[np.ndarray[Any, Any]]] = {}
+    runs: dict[str, list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
     for name, axis, ranges in selections:
         header, entry = checkpoint.tensor(name)
         sel = TensorSelection(axis=axis, ranges=tuple(tuple(r) for r in ranges))
         src, _, length = _runs(entry, sel)
-        if not len(src):
-            continue
-        first = (src + header.data_start + entry.begin) // 4096
-        last = (src + length - 1 + header.data_start + entry.begin) // 4096
+        if len(src):
+            runs.setdefault(str(header.path), []).append(
+                (src + header.data_start + entry.begin, length))
+    return {path: (np.concatenate([s for s, _ in parts]), np.concatenate([n for _, n in parts]))
+            for path, parts in runs.items()}
+
+
+def blocks_touched(runs: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]],
+                   block: int) -> int:
+    """Bytes of the distinct `block`-byte file blocks the runs touch: 4096 is the least a
+    page-cache read fetches, 512 (a sector) the least any read from this disk fetches."""
+    total = 0
+    for start, length in runs.values():
+        first, last = start // block, (start + length - 1) // block
         span = last - first + 1
         index = np.repeat(first, span) + (np.arange(int(span.sum()))
                                           - np.repeat(np.cumsum(span) - span, span))
-        pages.setdefault(str(header.path), []).append(index)
-    return sum(len(np.unique(np.concatenate(p))) for p in pages.values()) * 4096
+        total += len(np.unique(index)) * block
+    return total
 
 
-def whole_node(spec: dict[str, Any], tp: int) -> float:
-    """Seconds of the slowest of the T ranks of a build loading at once."""
+def union_bytes(runs: list[dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]]) -> int:
+    """Bytes of the union of several ranks' runs (each byte once)."""
+    total = 0
+    for path in sorted({p for r in runs for p in r}):
+        start = np.concatenate([r[path][0] for r in runs if path in r])
+        end = start + np.concatenate([r[path][1] for r in runs if path in r])
+        order = np.argsort(start, kind="stable")
+        start, end = start[order], end[order]
+        reach = np.maximum.accumulate(end)
+        before = np.r_[0, reach[:-1]]
+        total += int(np.maximum(0, end - np.maximum(start, before)).sum())
+    return total
+
+
+def whole_node(spec: dict[str, Any], tp: int, mode: str = "loader") -> dict[str, float]:
+    """The T ranks of a build loading at once: the slowest rank's seconds and the bytes all
+    of them fetched from storage."""
     procs = []
     for rank, module in enumerate(spec["modules"]):
         extra = {"LOCAL_WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank)}
-        procs.append(start_child("loader", {**spec, "module": module}, extra))
-    return max(finish_child("loader", p)["seconds"] for p in procs)
+        procs.append(start_child(mode, {**spec, "module": module}, extra))
+    results = [finish_child(mode, p) for p in procs]
+    return {"seconds": max(r["seconds"] for r in results),
+            "read_bytes": sum(r["read_bytes"] for r in results)}
 
 
 def main() -> None:
@@ -398,14 +454,21 @@ def main() -> None:
                 runs.setdefault((tp, mode), []).append(run_child(mode, spec))
             if not args.skip_node and tp > 1:
                 warm(files)
-                runs.setdefault((tp, "node"), []).append({"seconds": whole_node(spec, tp)})
+                runs.setdefault((tp, "node"), []).append(whole_node(spec, tp))
             if not args.skip_cold:
                 evict(files)
                 runs.setdefault((tp, "cold"), []).append(run_child("cold", spec))
+                if not args.skip_node and tp > 1:
+                    evict(files)
+                    runs.setdefault((tp, "node-cold"), []).append(whole_node(spec, tp, "cold"))
     hooks = {}
     for tp in tps:
         warm(files)
         hooks[tp] = run_child("loader-bytes", builds[tp])
+    imports: dict[str, list[dict[str, Any]]] = {"import-numpy": [], "import-partc": []}
+    for _ in range(max(5, args.repeats)):
+        for mode in imports:
+            imports[mode].append(run_child(mode, builds[tps[0]]))
     load_after = os.getloadavg()
 
     def med(tp: int, mode: str, key: str = "seconds") -> float:
@@ -430,6 +493,10 @@ def main() -> None:
             row["cold s"] = med(tp, "cold")
             row["cold fetched/share"] = med(tp, "cold", "read_bytes") / local
             row["pages/share"] = builds[tp]["pages"] / local
+            row["sectors/share"] = builds[tp]["sectors"] / local
+            if not args.skip_node and tp > 1:
+                row["node cold fetched/union"] = (med(tp, "node-cold", "read_bytes")
+                                                  / builds[tp]["union"])
         row["RSS-base MiB"] = (med(tp, "loader", "maxrss") - base["loader-base"]) / 2**20
         row["share+64"] = local / 2**20 + 64
         row["zero-copy RSS-base MiB"] = (med(tp, "zerocopy", "maxrss")
@@ -442,6 +509,12 @@ def main() -> None:
     print_table(rows)
     print(f"\ntransformers from_pretrained(tp_plan='auto'), T=2, BENCHMARKS.md reference model: "
           f"{TRANSFORMERS_T2} s process start to return (not measured here).")
+    numpy_s = statistics.median(r["seconds"] for r in imports["import-numpy"])
+    runtime_s = statistics.median(r["seconds"] for r in imports["import-partc"])
+    print(f"import partc.runtime {runtime_s * 1e3:.0f} ms, import numpy {numpy_s * 1e3:.0f} ms "
+          f"(fresh processes, median of {len(imports['import-numpy'])}): runtime - numpy = "
+          f"{(runtime_s - numpy_s) * 1e3:.0f} ms (target <= 30); ml_dtypes imported: "
+          f"{any(r['ml_dtypes'] for r in imports['import-partc'])}")
     print(f"interpreter+imports baseline RSS: loader {base['loader-base'] / 2**20:.0f} MiB, "
           f"floor {base['floor-base'] / 2**20:.0f} MiB")
     verdicts(rows)
@@ -453,8 +526,8 @@ def fmt_load(load: tuple[float, float, float]) -> str:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    keys = list(rows[0])
-    cells = [[fmt(r[k]) for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[fmt(r.get(k)) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     print("| " + " | ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")

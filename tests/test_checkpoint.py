@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from partc.errors import CheckpointError
-from partc.runtime import headers
+from partc.runtime import gather, headers
 from partc.runtime import reader as checkpoint
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.headers import DTYPES, MAX_HEADER_SIZE, FileHeader, read_header
@@ -679,7 +679,7 @@ def use_strategy(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
         monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
         monkeypatch.setattr(checkpoint, "_JOB_BYTES", 40)
     if strategy == "syscalls":
-        monkeypatch.setattr(checkpoint, "_GATHER_RUN", 0)
+        monkeypatch.setattr(gather, "_GATHER_RUN", 0)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.errors import CheckpointError
+from partc.runtime import gather, runs
 from partc.runtime import reader as checkpoint
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
@@ -50,27 +51,49 @@ def mapped_base(array: np.ndarray) -> object:
     return base.obj if isinstance(base, memoryview) else base
 
 
-def test_zero_copy_views_are_read_only_and_equal_the_gathered_arrays(llama_tp2: Any) -> None:
-    views = copies = 0
+def view_kind(shape: tuple[int, ...], axis: int | None,
+              ranges: tuple[tuple[int, int], ...]) -> str:
+    """How zero-copy returns a selection, computed from the shape: "run" (one contiguous byte
+    run), "strided" (one range along an inner axis) or "copy"."""
+    if one_run(shape, axis, ranges):
+        return "run"
+    return "strided" if len([r for r in ranges if r[1] > r[0]]) == 1 else "copy"
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_zero_copy_views_are_read_only_and_equal_the_gathered_arrays(
+        tmp_path: Path, family: str) -> None:
+    module = compile_and_import(family, hf(family) / "config.json", tmp_path / "build", tp=2,
+                                pp=1, checkpoint=hf(family))[1]
+    kinds: dict[str, int] = {}
+    full = load_file(str(hf(family) / "model.safetensors"))
     for rank in range(2):
-        gathered = llama_tp2.load(LLAMA, rank=rank)
-        state = llama_tp2.load(LLAMA, rank=rank, zero_copy=True)
+        gathered = module.load(hf(family), rank=rank)
+        state = module.load(hf(family), rank=rank, zero_copy=True)
         assert_same_tensors(state.tensors, gathered.tensors)
-        full = load_file(str(LLAMA / "model.safetensors"))
         for item in state.layout.tensors:
             array = state.tensors[item.target]
             axis, ranges = item.selection
-            if one_run(full[item.target].shape, axis, ranges):
-                views += 1
+            kind = view_kind(full[item.target].shape, axis, ranges)
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if kind == "copy":
+                assert array.flags.writeable and array.flags.c_contiguous, item.target
+            else:
                 assert not array.flags.writeable, item.target
+                assert array.flags.c_contiguous == (kind == "run") or array.size <= 1, \
+                    item.target
                 assert isinstance(mapped_base(array), mmap.mmap), item.target
                 with pytest.raises(ValueError, match="read-only"):
-                    array.reshape(-1)[:1] = 0
-            else:
-                copies += 1
-                assert array.flags.writeable and array.flags.c_contiguous, item.target
+                    array[(0,) * array.ndim] = 0
+                if axis is not None:  # the safetensors library's tensor, sliced by numpy
+                    (start, end), = [r for r in ranges if r[1] > r[0]]
+                    want = np.take(full[item.target], np.arange(start, end), axis=axis)
+                    np.testing.assert_array_equal(array.view(np.uint8), want.view(np.uint8))
             assert gathered.tensors[item.target].flags.writeable, item.target
-    assert views and copies, "the fixture has both one-run and gathered selections"
+            assert gathered.tensors[item.target].flags.c_contiguous, item.target
+    assert kinds.get("run") and kinds.get("strided"), kinds
+    if family == "phi3":
+        assert kinds.get("copy"), "phi3's fused projections are cut into several ranges"
 
 
 def test_zero_copy_views_outlive_the_reader_and_leave_the_file_unchanged(
@@ -108,7 +131,7 @@ def test_column_runs_are_read_exactly_with_readahead_off(
         real(fd, offset, length, how)
 
     monkeypatch.setattr(os, "posix_fadvise", record)
-    monkeypatch.setattr(checkpoint, "_USE_VM_READ", vm_read)
+    monkeypatch.setattr(gather, "_USE_VM_COPY", vm_read)
     ckpt = open_checkpoint(LLAMA)
     name = "model.layers.0.mlp.down_proj.weight"
     header, entry = ckpt.tensor(name)
@@ -137,10 +160,11 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
         with lock:
             calls.append((threading.current_thread().name, address, start, end))
 
-    monkeypatch.setattr(checkpoint, "_populate", populate)
+    monkeypatch.setattr(runs, "_populate", populate)
+    monkeypatch.setattr(gather, "_populate", populate)
     monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
     monkeypatch.setattr(checkpoint, "_JOB_BYTES", 4096)
-    monkeypatch.setattr(checkpoint, "_SPAN_LIMIT", 4096)
+    monkeypatch.setattr(gather, "_GATHER_BLOCK", 4096)
     ckpt = open_checkpoint(LLAMA)
     requests = [(n, TensorSelection(axis=len(ckpt.tensor(n)[1].shape) - 1,
                                     ranges=((0, ckpt.tensor(n)[1].shape[-1] // 2),)))

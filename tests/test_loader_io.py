@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from partc.errors import CheckpointError, PartcError
+from partc.runtime import gather
 from partc.runtime import reader as checkpoint
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
@@ -108,7 +109,7 @@ def test_a_loader_never_reads_a_byte_outside_the_elements_it_owns(
         monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
         monkeypatch.setattr(checkpoint, "_JOB_BYTES", 96)
     if strategy == "syscalls":  # no gathering from mappings: one preadv per run
-        monkeypatch.setattr(checkpoint, "_GATHER_RUN", 0)
+        monkeypatch.setattr(gather, "_GATHER_RUN", 0)
     plan, package = llama_build
     for rank in range(plan.topology.world_size):
         recorder = Recorder()
@@ -120,7 +121,7 @@ def test_a_loader_never_reads_a_byte_outside_the_elements_it_owns(
 def test_fused_segments_are_read_as_one_run_per_segment_and_nothing_else(
         phi3_build: tuple[Any, Any], strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if strategy == "syscalls":
-        monkeypatch.setattr(checkpoint, "_GATHER_RUN", 0)
+        monkeypatch.setattr(gather, "_GATHER_RUN", 0)
     plan, package = phi3_build
     full = load_file(str(PHI3 / "model.safetensors"))
     for rank in range(plan.topology.world_size):
@@ -313,7 +314,7 @@ def test_a_read_error_on_a_worker_thread_is_raised_by_the_loader(
     shutil.copy(LLAMA / "model.safetensors", tmp_path / "model.safetensors")
     monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
     monkeypatch.setattr(checkpoint, "_JOB_BYTES", 1024)
-    monkeypatch.setattr(checkpoint, "_GATHER_RUN", 0)
+    monkeypatch.setattr(gather, "_GATHER_RUN", 0)
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: 0 if offset > 200_000
                         else real(fd, bufs, offset))

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 
 from partc.cli import main as cli_main
 from partc.errors import CheckpointError
-from partc.runtime import headers
+from partc.runtime import gather, headers
 from partc.runtime import reader as checkpoint
 from partc.runtime.checkpoint import MAX_INDEX_BYTES, open_checkpoint
 from partc.runtime.reader import CheckpointReader, TensorSelection, read_tensor
@@ -64,7 +64,7 @@ from pathlib import Path
 ckpt, build, name, trials = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 sys.path.insert(0, build)
 package = importlib.import_module(name)
-from partc.runtime import reader as checkpoint
+from partc.runtime import gather
 from partc.errors import PartcError
 
 path = ckpt / "model.safetensors"
@@ -85,7 +85,7 @@ took = min(took)
 rng = random.Random(16)
 outcomes = []
 for trial in range(trials):
-    checkpoint._USE_VM_READ = trial % 2 == 0
+    gather._USE_VM_COPY = trial % 2 == 0
     cut = rng.randrange(4096, size)
     timer = threading.Timer(rng.uniform(0, took), os.truncate, (path, cut))
     timer.start()
@@ -202,11 +202,11 @@ def test_a_file_replaced_between_its_header_and_its_payload_is_named(tmp_path: P
         read_tensor(ckpt, "lm_head.weight")
 
 
-@pytest.mark.parametrize("vm", [True, False], ids=["process_vm_readv", "preadv"])
+@pytest.mark.parametrize("vm", [True, False], ids=["process_vm_writev", "preadv"])
 def test_a_gather_from_a_file_cut_after_mapping_fails_cleanly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vm: bool) -> None:
     """The cut happens between the checks and the copy: only the copy itself can notice."""
-    monkeypatch.setattr(checkpoint, "_USE_VM_READ", vm)
+    monkeypatch.setattr(gather, "_USE_VM_COPY", vm)
     path = private_copy(tmp_path)
     ckpt = open_checkpoint(path)
     name = "model.layers.2.mlp.down_proj.weight"
@@ -247,7 +247,7 @@ def test_both_gather_strategies_read_the_same_bytes_as_safetensors(
     ckpt = open_checkpoint(LLAMA)
     assert checkpoint._gatherable(ckpt.tensor(name)[1], sel)
     for vm in (True, False):
-        monkeypatch.setattr(checkpoint, "_USE_VM_READ", vm)
+        monkeypatch.setattr(gather, "_USE_VM_COPY", vm)
         np.testing.assert_array_equal(read_tensor(ckpt, name, sel), want)
 
 
@@ -507,10 +507,10 @@ class Recorder:
         self.runs.append((path, offset, length))
 
 
-@pytest.mark.parametrize("strategy", ["process_vm_readv", "preadv", "preadv_short_reads"])
+@pytest.mark.parametrize("strategy", ["process_vm_writev", "preadv", "preadv_short_reads"])
 def test_gathers_record_exactly_the_selected_bytes_once(
         monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
-    monkeypatch.setattr(checkpoint, "_USE_VM_READ", strategy == "process_vm_readv")
+    monkeypatch.setattr(gather, "_USE_VM_COPY", strategy == "process_vm_writev")
     if strategy == "preadv_short_reads":
         real = os.preadv
         monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: real(fd, [bufs[0][:5]], offset))

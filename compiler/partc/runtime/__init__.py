@@ -1,8 +1,8 @@
 """What generated rank modules import: table decoding, checkpoint headers and reads, ranks.
 
-This package needs only numpy and ml_dtypes (never the compiler's jinja2, jsonschema or
-pyyaml). Its `__init__` is the face generated modules call through `_runtime.<name>`; each
-name is defined in one submodule.
+This package needs only numpy, and ml_dtypes for a bf16 or fp8 tensor (imported then, not
+here); never the compiler's jinja2, jsonschema or pyyaml. Its `__init__` is the face generated
+modules call through `_runtime.<name>`; each name is defined in one submodule.
 """
 
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module

@@ -7,9 +7,23 @@ from typing import Any
 import numpy as np
 
 from partc.errors import CheckpointError
-from partc.runtime.headers import DTYPES
+from partc.runtime.headers import _ML_DTYPES
 
-_FLOAT_DTYPES = frozenset(dt for name, dt in DTYPES.items() if name.startswith(("F", "BF")))
+
+class _FloatDtypes:
+    """The floating dtypes a `dtype=` conversion applies to: numpy's, and ml_dtypes' bf16 and
+    fp8 (numpy kind 'V'), told by name so that asking never imports ml_dtypes."""
+
+    __slots__ = ()
+
+    def __contains__(self, dtype: object) -> bool:
+        if not isinstance(dtype, np.dtype):
+            return False
+        return dtype.kind == "f" or (dtype.kind == "V" and dtype.name in _ML_FLOAT_NAMES)
+
+
+_ML_FLOAT_NAMES = frozenset(name for name, _ in _ML_DTYPES.values())
+_FLOAT_DTYPES = _FloatDtypes()
 """Floating dtypes a `dtype=` conversion applies to (bf16 and fp8 are numpy kind 'V')."""
 
 
@@ -20,6 +34,10 @@ _TORCH_VIEWS = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
 
 def _float_dtype(dtype: Any) -> np.dtype[Any]:
     """`dtype` as a numpy floating dtype (ml_dtypes' bf16/fp8 included), or CheckpointError."""
+    if isinstance(dtype, str) and dtype in {name for name, _ in _ML_DTYPES.values()}:
+        import ml_dtypes  # registers its names with numpy
+
+        dtype = getattr(ml_dtypes, dtype, dtype)
     try:
         found: np.dtype[Any] = np.dtype(dtype)
     except TypeError:

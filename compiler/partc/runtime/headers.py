@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter, mul, ne, sub
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, NamedTuple, NoReturn
 
-import ml_dtypes
 import numpy as np
 
 from partc.errors import CheckpointError, SourceLocation
@@ -33,20 +31,59 @@ from partc.runtime.files import (
 MAX_HEADER_SIZE = 100_000_000
 """Largest JSON header partc agrees to parse (10^8 bytes), the safetensors library's limit."""
 
-_NAMED_DTYPES: dict[str, Any] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U64": np.dtype("<u8"), "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+_NUMPY_DTYPES: dict[str, str] = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+    "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
 }
-if hasattr(ml_dtypes, "float8_e8m0fnu"):
-    _NAMED_DTYPES["F8_E8M0"] = np.dtype(ml_dtypes.float8_e8m0fnu)
+_ML_DTYPES: dict[str, tuple[str, int]] = {
+    "BF16": ("bfloat16", 2), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+}
+"""Safetensors dtypes numpy lacks: the ml_dtypes type and its size. ml_dtypes is imported
+only when one of them is first looked up (its import costs more than numpy's: a checkpoint
+without bf16 or fp8 never pays it)."""
 
-DTYPES: Mapping[str, np.dtype[Any]] = MappingProxyType(dict(sorted(_NAMED_DTYPES.items())))
-"""Safetensors dtype string -> little-endian numpy dtype (bf16/fp8 through ml_dtypes)."""
 
-_ITEMSIZE: dict[str, int] = {name: dt.itemsize for name, dt in DTYPES.items()}
+class _DtypeTable(Mapping[str, "np.dtype[Any]"]):
+    """Safetensors dtype string -> numpy dtype; the ml_dtypes ones made on first lookup."""
+
+    __slots__ = ("_found", "_names")
+
+    def __init__(self) -> None:
+        self._found: dict[str, np.dtype[Any]] = {k: np.dtype(v) for k, v in
+                                                 _NUMPY_DTYPES.items()}
+        self._names = sorted({*_NUMPY_DTYPES, *_ML_DTYPES})
+
+    def __getitem__(self, name: str) -> np.dtype[Any]:
+        found = self._found.get(name)
+        if found is None:
+            if name not in _ML_DTYPES:
+                raise KeyError(name)
+            import ml_dtypes
+
+            kind = getattr(ml_dtypes, _ML_DTYPES[name][0], None)
+            if kind is None:  # an older ml_dtypes without this type
+                raise KeyError(name)
+            found = self._found[name] = np.dtype(kind)
+        return found
+
+    def __contains__(self, name: object) -> bool:
+        return name in _NUMPY_DTYPES or name in _ML_DTYPES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+DTYPES: Mapping[str, np.dtype[Any]] = _DtypeTable()
+"""Safetensors dtype string -> little-endian numpy dtype (bf16/fp8 through ml_dtypes, imported
+on first use)."""
+
+_ITEMSIZE: dict[str, int] = {**{name: np.dtype(code).itemsize
+                                for name, code in _NUMPY_DTYPES.items()},
+                             **{name: size for name, (_, size) in _ML_DTYPES.items()}}
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 

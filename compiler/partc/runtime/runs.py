@@ -1,0 +1,199 @@
+"""Byte runs of a rank's selections and the jobs that read them: which bytes of a tensor a
+selection covers, runs merged and cut into jobs for the reader threads, how many threads a rank
+uses, and the loop that fills buffers through short reads."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from partc.runtime.headers import _ITEMSIZE, FileHeader, TensorEntry, _fail
+from partc.runtime.memory import _populate
+
+if TYPE_CHECKING:
+    from partc.runtime.reader import ReadRecorder, TensorSelection
+
+_Ints = np.ndarray[Any, np.dtype[np.int64]]
+_IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
+"""Most buffers one vectored call takes."""
+
+def _is_int(value: object) -> bool:
+    """Whether `value` is a Python or numpy integer (not a bool)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _check_selection(header: FileHeader, entry: TensorEntry, sel: TensorSelection) -> None:
+    """Refuse a selection that does not fit the tensor's shape."""
+    shape = entry.shape
+    if sel.axis is None:
+        if sel.ranges:
+            _fail(header.path, f"selection of {entry.name!r} has ranges but no axis", entry.name)
+        return
+    if not _is_int(sel.axis) or not 0 <= sel.axis < len(shape):
+        _fail(header.path, f"selection axis {sel.axis!r} out of range for shape {list(shape)}",
+              entry.name)
+    dim = shape[sel.axis]
+    for r in sel.ranges:
+        if (not isinstance(r, tuple | list) or len(r) != 2 or not _is_int(r[0])
+                or not _is_int(r[1]) or not 0 <= r[0] <= r[1] <= dim):
+            _fail(header.path, f"selection range {r!r} of {entry.name!r} must satisfy "
+                               f"0 <= start <= end <= {dim} (axis {sel.axis} of {list(shape)})",
+                  entry.name)
+
+
+def _runs(entry: TensorEntry, sel: TensorSelection) -> tuple[_Ints, _Ints, _Ints]:
+    """Merged byte runs (file offset rel. to the tensor, destination offset, length), file order."""
+    item = _ITEMSIZE[entry.dtype]
+    if sel.axis is None:
+        n = 1 if entry.nbytes else 0
+        return np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, entry.nbytes, np.int64)
+    k, shape = sel.axis, entry.shape
+    outer = math.prod(shape[:k])
+    inner = math.prod(shape[k + 1:]) * item
+    ranges = np.array([r for r in sel.ranges if r[1] > r[0]], dtype=np.int64).reshape(-1, 2)
+    if outer == 0 or inner == 0 or len(ranges) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    if outer == 1 and len(ranges) == 1:  # the common row slice: one run, no array arithmetic
+        start, end = ranges[0].tolist()
+        return (np.array([start * inner], np.int64), np.zeros(1, np.int64),
+                np.array([(end - start) * inner], np.int64))
+    piece = (ranges[:, 1] - ranges[:, 0]) * inner
+    src = (np.arange(outer, dtype=np.int64)[:, None] * (shape[k] * inner)
+           + ranges[:, 0][None, :] * inner).ravel()
+    length = np.broadcast_to(piece, (outer, len(piece))).ravel()
+    dst = np.cumsum(length) - length  # pieces are laid out back to back in destination order
+    first = np.flatnonzero(np.r_[True, src[1:] != src[:-1] + length[:-1]])
+    src, dst, length = src[first], dst[first], np.add.reduceat(length, first)
+    if len(src) > 1 and not bool(np.all(src[1:] > src[:-1])):
+        order = np.argsort(src, kind="stable")
+        src, dst, length = src[order], dst[order], length[order]
+    return src, dst, length
+
+
+_JOB_BYTES = 16 << 20
+"""Bytes of one unit of work handed to a reader thread (long runs are cut to this size)."""
+_THREADED_BYTES = 16 << 20
+"""Reads smaller than this run in the calling thread."""
+
+
+@dataclass(slots=True)
+class _Job:
+    """A slice of one file's sorted runs: what one reader thread reads in one go."""
+
+    file: int
+    path: Path
+    names: list[str]
+    views: list[memoryview]
+    addresses: list[int]
+    src: _Ints
+    dst: _Ints
+    length: _Ints
+    owner: _Ints
+    nbytes: int
+    fd: int = -1
+
+
+class _ReadPlan:
+    """Every run of a batch of reads, gathered per file, then cut into sorted jobs."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.views: list[memoryview] = []
+        self.addresses: list[int] = []
+        self.parts: dict[int, list[tuple[_Ints, _Ints, _Ints, _Ints]]] = {}
+        self.nbytes = 0
+
+    def add(self, file: int, base: int, name: str, array: np.ndarray[Any, Any], src: _Ints,
+            dst: _Ints, length: _Ints) -> None:
+        """Add the runs of one tensor (offsets relative to `base`) destined for `array`."""
+        owner = np.full(len(src), len(self.names), dtype=np.int64)
+        self.names.append(name)
+        self.views.append(array.reshape(-1).view(np.uint8).data)
+        self.addresses.append(int(array.ctypes.data))
+        self.parts.setdefault(file, []).append((src + base, dst, length, owner))
+        self.nbytes += int(length.sum())
+
+    def jobs(self, files: tuple[FileHeader, ...], limit: int) -> list[_Job]:
+        """The runs of each file in offset order, long runs cut, grouped into ~`limit` jobs."""
+        jobs = []
+        for file in sorted(self.parts):
+            src, dst, length, owner = (np.concatenate(c) for c in zip(*self.parts[file],
+                                                                      strict=True))
+            if int(length.max()) > limit:
+                src, dst, length, owner = _cut(src, dst, length, owner, limit)
+            if len(src) > 1 and not bool(np.all(src[1:] > src[:-1])):
+                order = np.argsort(src, kind="stable")
+                src, dst, length, owner = src[order], dst[order], length[order], owner[order]
+            ends = np.cumsum(length)
+            bucket = (ends - length) // limit
+            cuts = [0, *(np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist(), len(src)]
+            for i, j in zip(cuts, cuts[1:], strict=False):
+                jobs.append(_Job(file=file, path=files[file].path, names=self.names,
+                                 views=self.views, addresses=self.addresses, src=src[i:j],
+                                 dst=dst[i:j], length=length[i:j], owner=owner[i:j],
+                                 nbytes=int(ends[j - 1] - ends[i] + length[i])))
+        return jobs
+
+
+
+def _cut(src: _Ints, dst: _Ints, length: _Ints, owner: _Ints, limit: int
+         ) -> tuple[_Ints, _Ints, _Ints, _Ints]:
+    """Split runs longer than `limit` bytes into consecutive pieces of at most `limit`."""
+    pieces = (length + limit - 1) // limit
+    index = np.repeat(np.arange(len(src)), pieces)
+    step = (np.arange(len(index)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * limit
+    return (src[index] + step, dst[index] + step, np.minimum(limit, length[index] - step),
+            owner[index])
+
+
+
+def _populate_job(job: _Job) -> None:
+    """Fault in every destination range of a job (per array: from its first to its last byte)."""
+    if len(job.owner) == 1:
+        d = int(job.dst[0])
+        _populate(job.addresses[int(job.owner[0])], d, d + int(job.length[0]))
+        return
+    owners = job.owner
+    if bool(np.all(owners[1:] >= owners[:-1])):
+        cuts = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), len(owners)]
+        groups = [(int(owners[i]), job.dst[i:j], job.length[i:j])
+                  for i, j in zip(cuts, cuts[1:], strict=False)]
+    else:
+        groups = [(int(o), job.dst[owners == o], job.length[owners == o])
+                  for o in np.unique(owners).tolist()]
+    for owner, dst, length in groups:
+        _populate(job.addresses[owner], int(dst.min()), int((dst + length).max()))
+
+
+
+def fill(fd: int, path: str, name: str, bufs: list[memoryview], offset: int,
+         recorder: ReadRecorder | None, got: int | None = None) -> None:
+    """Fill `bufs` from the file at `offset`, looping over short reads (`got`: done already)."""
+    bufs = list(bufs)
+    while True:
+        if got is None:
+            try:
+                got = os.preadv(fd, bufs, offset)
+            except OSError as exc:
+                _fail(path, f"cannot read tensor data: {exc.strerror or exc}", name)
+            if recorder is not None and got > 0:
+                recorder.record(path, offset, got)
+        if got <= 0:
+            _fail(path, f"file changed since its header was read (truncated file?): read "
+                        f"returned no data at offset {offset}, expected "
+                        f"{sum(map(len, bufs))} more bytes", name)
+        offset += got
+        while got and bufs:
+            if got >= len(bufs[0]):
+                got -= len(bufs.pop(0))
+            else:
+                bufs[0], got = bufs[0][got:], 0
+        if not bufs:
+            return
+        got = None

@@ -1,0 +1,168 @@
+"""Cold column gathers: rows not in the page cache are read with O_DIRECT, one sector-aligned
+read per run, and a load reads exactly the byte runs of the rank's share on every path."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from partc.runtime import gather, runs
+from partc.runtime import reader as checkpoint
+from partc.runtime.checkpoint import open_checkpoint
+from partc.runtime.headers import DTYPES
+from partc.runtime.reader import CheckpointReader, TensorSelection
+
+from support import Recorder, assert_same_tensors, compile_and_import, hf
+
+LLAMA = hf("llama")
+
+
+def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(offset, length) of every preadv on an O_DIRECT descriptor from now on."""
+    seen: list[tuple[int, int]] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int, *rest: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            seen.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return seen
+
+
+def direct_supported(path: Path) -> bool:
+    """Whether the file system holding `path` opens files with O_DIRECT."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture()
+def copy(tmp_path: Path) -> Path:
+    """The llama fixture copied (a file of this test's own)."""
+    folder = tmp_path / "llama"
+    shutil.copytree(LLAMA, folder, ignore=shutil.ignore_patterns("sharded"))
+    return folder
+
+
+def test_a_cold_column_slice_reads_the_sectors_of_its_runs_and_nothing_else(
+        monkeypatch: pytest.MonkeyPatch, copy: Path) -> None:
+    path = copy / "model.safetensors"
+    if not direct_supported(path):
+        pytest.skip(f"the file system of {path} refuses O_DIRECT")
+    monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
+    seen = direct_reads(monkeypatch)
+    ckpt = open_checkpoint(path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    header, entry = ckpt.tensor(name)
+    rows, cols = entry.shape
+    item = DTYPES[entry.dtype].itemsize
+    sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
+    assert gather._gatherable(entry, sel)
+    recorder = Recorder()
+    with CheckpointReader(ckpt, recorder=recorder, workers=1) as r:
+        got = r.read_many([(name, sel)])[name]
+    base = header.data_start + entry.begin
+    width = (cols // 2 - cols // 4) * item
+    want_runs = [(base + (row * cols + cols // 4) * item, width) for row in range(rows)]
+    assert sorted(recorder.runs) == sorted((str(path), o, n) for o, n in want_runs)
+    sectors = [(o - o % 512, -(-(o + n) // 512) * 512 - (o - o % 512)) for o, n in want_runs]
+    assert sorted(seen) == sorted(sectors), "one aligned read per run, covering its sectors"
+    np.testing.assert_array_equal(got.view(np.uint8), load_file(str(path))[name]
+                                  [:, cols // 4:cols // 2].view(np.uint8))
+
+
+def test_warm_rows_are_not_read_with_o_direct(monkeypatch: pytest.MonkeyPatch,
+                                              copy: Path) -> None:
+    path = copy / "model.safetensors"
+    path.read_bytes()  # in the page cache
+    monkeypatch.setattr(gather, "_resident", lambda address, start, end: 1.0)
+    seen = direct_reads(monkeypatch)
+    ckpt = open_checkpoint(path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    cols = ckpt.tensor(name)[1].shape[1]
+    with CheckpointReader(ckpt) as r:
+        got = r.read_many([(name, TensorSelection(axis=1, ranges=((0, cols // 2),)))])[name]
+    assert seen == []
+    np.testing.assert_array_equal(got.view(np.uint8),
+                                  load_file(str(path))[name][:, :cols // 2].view(np.uint8))
+
+
+@pytest.mark.parametrize("path", ["warm", "cold", "preadv"])
+def test_a_rank_reads_exactly_the_byte_runs_of_its_share_on_every_path(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, copy: Path, path: str) -> None:
+    module = compile_and_import("llama", copy / "config.json", tmp_path / "build", tp=2, pp=1,
+                                checkpoint=copy)[1]
+    monkeypatch.setattr(gather, "_resident",
+                        lambda address, start, end: 0.0 if path == "cold" else 1.0)
+    monkeypatch.setattr(gather, "_USE_VM_COPY", path != "preadv")
+    ckpt = open_checkpoint(copy)
+    full = load_file(str(copy / "model.safetensors"))
+    for rank in range(2):
+        recorder = Recorder()
+        state = module.load(copy, rank=rank, reader=recorder)
+        expected: set[tuple[str, int, int]] = set()
+        for item in state.layout.tensors:
+            header, entry = ckpt.tensor(item.target)
+            axis, ranges = item.selection
+            sel = TensorSelection(axis=axis, ranges=ranges)
+            src, _, length = runs._runs(entry, sel)
+            base = header.data_start + entry.begin
+            item_bytes = DTYPES[entry.dtype].itemsize
+            if gather._gatherable(entry, sel):  # gathers record one run per row and range
+                outer = int(np.prod(entry.shape[:axis]))
+                inner = int(np.prod(entry.shape[axis + 1:])) * item_bytes
+                row = entry.shape[axis] * inner
+                expected |= {(str(header.path), base + r * row + a * inner, (b - a) * inner)
+                             for r in range(outer) for a, b in ranges if b > a}
+            else:
+                expected |= {(str(header.path), base + int(s), int(n))
+                             for s, n in zip(src, length, strict=True)}
+            want = full[item.target]
+            if axis is not None:
+                want = np.concatenate([np.take(want, np.arange(a, b), axis=axis)
+                                       for a, b in ranges], axis=axis)
+            np.testing.assert_array_equal(state.tensors[item.target].view(np.uint8),
+                                          want.view(np.uint8))
+        covered: dict[str, set[int]] = {}
+        for file, offset, length in recorder.runs:
+            covered.setdefault(file, set()).update(range(offset, offset + length))
+        owned: dict[str, set[int]] = {}
+        for file, offset, length in expected:
+            owned.setdefault(file, set()).update(range(offset, offset + length))
+        assert covered == owned, f"rank {rank} read exactly its share ({path})"
+        assert sum(n for _, _, n in recorder.runs) == sum(len(v) for v in owned.values()), \
+            "no byte read twice"
+
+
+def test_cold_loads_match_warm_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                     copy: Path) -> None:
+    module = compile_and_import("llama", copy / "config.json", tmp_path / "build", tp=2, pp=1,
+                                checkpoint=copy)[1]
+    warm = module.load(copy, rank=1)
+    monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
+    assert_same_tensors(module.load(copy, rank=1).tensors, warm.tensors)
+
+
+def test_cold_loads_take_the_node_share_of_the_direct_threads_unless_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("PARTC_READ_THREADS", "PARTC_LOCAL_RANKS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 2)
+    ckpt = open_checkpoint(LLAMA)
+    assert CheckpointReader(ckpt)._cold_workers == gather.DIRECT_THREADS
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert CheckpointReader(ckpt)._cold_workers == gather.DIRECT_THREADS // 4
+    assert CheckpointReader(ckpt, workers=1)._cold_workers == 1, "workers= is honoured"
+    monkeypatch.setenv("PARTC_READ_THREADS", "3")
+    assert CheckpointReader(ckpt)._cold_workers == 3, "PARTC_READ_THREADS is honoured"

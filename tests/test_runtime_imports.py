@@ -1,0 +1,51 @@
+"""What importing the runtime loads: ml_dtypes and concurrent.futures only when needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from support import compile_and_import, hf
+
+PROBE = r"""
+import json, sys
+build, package, checkpoint, bf16 = sys.argv[1:5]
+found = {}
+import partc.runtime
+found["runtime"] = sorted(m for m in ("ml_dtypes", "concurrent.futures") if m in sys.modules)
+sys.path.insert(0, build)
+import importlib
+module = importlib.import_module(package)
+state = module.load(checkpoint, rank=0)
+found["f32 load"] = sorted(m for m in ("ml_dtypes", "concurrent.futures") if m in sys.modules)
+found["dtypes"] = sorted({str(a.dtype) for a in state.tensors.values()})
+from partc.runtime.checkpoint import open_checkpoint
+from partc.runtime.reader import read_tensor
+array = read_tensor(open_checkpoint(bf16), "w")
+found["bf16"] = [str(array.dtype), "ml_dtypes" in sys.modules, array.view("u2").tolist()]
+print(json.dumps(found))
+"""
+
+
+def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: Path) -> None:
+    out = tmp_path / "build"
+    plan, _ = compile_and_import("llama", hf("llama") / "config.json", out, tp=2, pp=1,
+                                 checkpoint=hf("llama"))
+    package = next(p.name for p in out.iterdir() if (p / "__init__.py").is_file())
+    bits = np.array([0x3F80, 0xC000, 0x0000], dtype=np.uint16)
+    save_file({"w": bits.view(ml_dtypes.bfloat16)}, str(tmp_path / "bf16.safetensors"))
+    run = subprocess.run([sys.executable, "-c", PROBE, str(out), package, str(hf("llama")),
+                          str(tmp_path / "bf16.safetensors")],
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["runtime"] == [], "importing partc.runtime loads neither"
+    assert found["dtypes"] == ["float32"], "the llama fixture is an F32 checkpoint"
+    assert found["f32 load"] == [], "a generated module's F32 load needs neither"
+    assert found["bf16"] == ["bfloat16", True, [0x3F80, 0xC000, 0x0000]]
