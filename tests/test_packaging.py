@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -83,7 +84,7 @@ def test_the_wheel_ships_py_typed_the_license_and_the_package_data(wheel):
     metadata = zipfile.ZipFile(wheel).read("partc-0.1.0.dist-info/METADATA").decode()
     requires = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
                       if line.startswith("Requires-Dist:") and "extra ==" not in line)
-    assert [r.split(">")[0] for r in requires] == [
+    assert [re.split(r"[<>=!~,; ]", r)[0] for r in requires] == [
         "jinja2", "jsonschema", "ml_dtypes", "numpy", "pyyaml", "tqdm"]
     assert "License-Expression: Apache-2.0" in metadata
 
