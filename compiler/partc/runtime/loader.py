@@ -97,9 +97,10 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `zero_copy=True` returns every tensor whose local slice is one contiguous byte run of its
     file (whole tensors, row slices; every tensor of a `partc shard` folder), or one strided
     column range, as a read-only view of the mapped file, and copies the rest (README,
-    "Zero-copy loading", for lifetime, memory accounting and the SIGBUS a truncated file can raise); `local_ranks` is the number
-    of ranks loading on this node at once, which sizes the reader threads (default:
-    `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`, else 1).
+    "Zero-copy loading", for lifetime, memory accounting and the SIGBUS a truncated file can
+    raise); `local_ranks` is the number of ranks loading on this node at once, which sizes
+    the reader threads (default: `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`,
+    else 1).
     `device` (implies `framework="torch"`; docs/torch.md) puts the tensors on a torch device:
     'cpu', 'cuda', 'cuda:N' or a torch.device; with framework="torch" and no device, `cuda:
     LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
