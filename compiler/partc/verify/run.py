@@ -24,6 +24,7 @@ stages' tensors must give the full model's logits.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import shutil
 import sys
@@ -43,6 +44,7 @@ from partc.verify.reference import (
     build_reference,
     load_config,
     load_model,
+    model_inputs,
     parameter_sources,
     reference_config,
     require_libraries,
@@ -52,8 +54,6 @@ from partc.verify.reference import (
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
 
-INPUT_IDS = (1, 5, 9, 17, 33, 64, 100, 130)
-"""The token ids every module's inputs are captured from (clipped to the vocabulary)."""
 MAX_TENSOR_PARALLEL = 8
 """By default every T from 1 to this that compiles is checked."""
 RELATIVE_TOLERANCE = 1e-4
@@ -188,7 +188,7 @@ def _scatter(shape: tuple[int, ...], selection: tuple[int | None, Sequence[tuple
 class _Session:
     """The reference model, its captured module inputs and outputs, and masked copies of it."""
 
-    def __init__(self, folder: Path, work: Path) -> None:
+    def __init__(self, folder: Path, work: Path, seed: int = 0) -> None:
         self.torch, _ = require_libraries()
         from safetensors.torch import load_file
 
@@ -201,41 +201,40 @@ class _Session:
         self.model = load_model(folder)
         self.count = 0
         vocab = self.model.get_input_embeddings().weight.shape[0]
-        self.ids = self.torch.tensor([[min(i, vocab - 1) for i in INPUT_IDS]])
-        self.order, self.layers = self._top_level()
+        accepted = set(inspect.signature(self.model.forward).parameters)
+        self.inputs = model_inputs(folder, vocab, seed, accepted)
+        self.ids = self.inputs["input_ids"]
         self.modules = self._modules()
         self.captured = self._capture()
         with self.torch.no_grad():
-            self.logits = self.model(input_ids=self.ids, use_cache=False).logits
-
-    def _top_level(self) -> tuple[list[str], str]:
-        """Top-level module paths in execution order and the one holding the decoder layers."""
-        model = self.model
-        plan = getattr(model, "_pp_plan", None)
-        if plan:  # its keys, in the order the modules are registered (the execution order)
-            registered = {name: i for i, (name, _) in enumerate(model.named_modules())}
-            order = sorted(plan, key=lambda p: registered.get(p, len(registered)))
-        else:
-            prefix = model.base_model_prefix
-            order = [f"{prefix}.{n}" for n, _ in model.base_model.named_children()]
-            output = model.get_output_embeddings()
-            order += [n for n, m in model.named_children() if m is output]
-        layers = [p for p in order if isinstance(model.get_submodule(p),
-                                                 self.torch.nn.ModuleList)]
-        return order, layers[0]
+            self.logits = self.model(**self.inputs, use_cache=False).logits
 
     def _modules(self) -> list[str]:
-        """Every module checked: decoder layers' children with parameters, other top levels."""
-        found = []
-        for path in self.order:
-            module = self.model.get_submodule(path)
-            if path != self.layers:
-                if any(True for _ in module.parameters()):
-                    found.append(path)
-                continue
-            for index, layer in enumerate(module):
-                found.extend(f"{path}.{index}.{name}" for name, child in layer.named_children()
-                             if any(True for _ in child.parameters()))
+        """Every module checked, in registration order: the children with parameters of each
+        layer of every ModuleList (decoder layers, vision encoder layers or blocks, however
+        deeply nested), and every other module with parameters that holds no ModuleList (the
+        embeddings, norms, projector, head)."""
+        module_list = self.torch.nn.ModuleList
+        found: list[str] = []
+
+        def owns_parameters(module: Any) -> bool:
+            return any(True for _ in module.parameters())
+
+        def walk(path: str, module: Any) -> None:
+            for name, child in module.named_children():
+                sub = f"{path}.{name}" if path else name
+                if not owns_parameters(child):
+                    continue
+                if isinstance(child, module_list):
+                    for index, layer in enumerate(child):
+                        found.extend(f"{sub}.{index}.{n}" for n, c in layer.named_children()
+                                     if owns_parameters(c))
+                elif any(isinstance(m, module_list) for m in child.modules()):
+                    walk(sub, child)
+                else:
+                    found.append(sub)
+
+        walk("", self.model)
         return found
 
     def targets(self, module: str) -> tuple[str, ...]:
@@ -259,7 +258,7 @@ class _Session:
             handles.append(module.register_forward_hook(keep, with_kwargs=True))
         try:
             with self.torch.no_grad():
-                self.model(input_ids=self.ids, use_cache=False)
+                self.model(**self.inputs, use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
@@ -575,7 +574,7 @@ def verify_family(family: str | Path | None, config: str | Path, *,
         work = Path(scratch)
         folder = work / "reference"
         build_reference(reference, folder, seed)
-        session = _Session(folder, work)
+        session = _Session(folder, work, seed)
         seconds["reference"] = time.perf_counter() - start
         checks: list[Check] = []
         skipped: list[dict[str, object]] = []
