@@ -4,8 +4,9 @@ For each tensor-parallel size T the family is compiled for the reference checkpo
 is loaded with its generated loader, and each rank's tensors are scattered back into an
 otherwise-zeroed copy of the checkpoint (under the on-disk names, so transformers applies its
 own on-disk to in-memory conversion when it loads it). Every module that owns parameters (the
-direct children of each decoder layer, the embedding, the final norm, the head) is run on the
-inputs captured from the full model:
+direct children of each layer of every ModuleList, however nested: decoder layers, vision
+layers; the embeddings, norms, projector and head) is run on the inputs captured from the full
+model (token ids, and an image for a vision-language model):
 
 - a module whose tensors are whole on every rank must give the full output on every rank;
 - otherwise the ranks' outputs, less T - 1 times the output of the *shared part* (the module
@@ -16,9 +17,10 @@ inputs captured from the full model:
 A failing module is narrowed to the first parameter group that fails alone (the other groups
 whole) and then to the first rank whose part is not separable (that rank plus the union of the
 others, less the shared part). For a pipeline split each stage must own every tensor it
-executes (decoder layer i on the stage of unit i, input-side modules on the first stage,
-output-side ones on the last, a tied embedding on both) and the model assembled from the
-stages' tensors must give the full model's logits.
+executes (the module of unit i on the stage of unit i, a static role's modules on the stage
+its declared placement in plan.json puts it, a tied embedding on the first and last), every cut
+of plan.json's `cuts` must carry tensors of its declared boundary shapes, and the model
+assembled from the stages' tensors must give the full model's logits.
 """
 
 from __future__ import annotations
