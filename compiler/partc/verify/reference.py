@@ -284,7 +284,8 @@ def model_inputs(folder: Path, vocab: int, seed: int, accepted: set[str]) -> dic
             "vision_feature_select_strategy") == "full":
         count += 1
     start, end = config.get("vision_start_token_id"), config.get("vision_end_token_id")
-    block = [start] * isinstance(start, int) + [token] * count + [end] * isinstance(end, int)
+    block = ([start] if isinstance(start, int) else []) + [token] * count + (
+        [end] if isinstance(end, int) else [])
     ids = text[:IMAGE_AFTER] + block + text[IMAGE_AFTER:]
     inputs["input_ids"] = torch.tensor([ids])
     if "mm_token_type_ids" in accepted:

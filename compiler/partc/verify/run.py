@@ -540,26 +540,38 @@ def _in_memory(session: _Session, path: str) -> str:
     return ".".join(common) or path
 
 
-def _executing_stage(session: _Session, plan: dict[str, Any], name: str,
-                     units: dict[str, int], roles: dict[str, int]) -> dict[str, int]:
-    """On-disk tensor -> the stage executing the in-memory parameter `name` made of it: the stage
-    of the unit holding it, else the placement of the static role owning the tensor (of a role
-    shared by several, `any_of`: the first stage's for a module that runs before the last
-    unit, the last one's for a module after it, as a tied head)."""
-    unit = max((p for p in units if name.startswith(p + ".")), key=len, default=None)
-    if unit is not None:
-        return dict.fromkeys(session.sources[name], units[unit])
-    owners = _owners(plan)
-    ran = list(session.captured)
-    module = max((m for m in ran if name.startswith(m + ".")), key=len, default=None)
-    in_units = [i for i, m in enumerate(ran) if any(m.startswith(p + ".") for p in units)]
-    after = module is not None and bool(in_units) and ran.index(module) > max(in_units)
-    out = {}
-    for target in session.sources[name]:
-        placed = [roles[r] for r in owners.get(target, ()) if r in roles]
-        if placed:
-            out[target] = max(placed) if after else min(placed)
-    return out
+class _Placement:
+    """Where each in-memory parameter runs in a pipeline build, from plan.json."""
+
+    def __init__(self, session: _Session, plan: dict[str, Any]) -> None:
+        disk = _unit_stages(plan)
+        self.session = session
+        self.units = {_in_memory(session, path): stage for path, stage in disk.items()}
+        self.roles = _role_stages(plan, disk)
+        self.owners = _owners(plan)
+        self.ran = {module: i for i, module in enumerate(session.captured)}
+        in_units = [i for m, i in self.ran.items()
+                    if any(m.startswith(p + ".") for p in self.units)]
+        self.last_unit = max(in_units, default=None)
+
+    def stages(self, name: str) -> dict[str, int]:
+        """On-disk tensor -> the stage executing the in-memory parameter `name` made of it: the
+        stage of the unit holding it, else the placement of the static role owning the tensor
+        (of a role shared by several, `any_of`: the first of their stages for a module that
+        runs before the last unit, the last for a module after it, as a tied head)."""
+        sources = self.session.sources[name]
+        unit = max((p for p in self.units if name.startswith(p + ".")), key=len, default=None)
+        if unit is not None:
+            return dict.fromkeys(sources, self.units[unit])
+        module = max((m for m in self.ran if name.startswith(m + ".")), key=len, default=None)
+        after = module is not None and self.last_unit is not None and \
+            self.ran[module] > self.last_unit
+        out = {}
+        for target in sources:
+            placed = [self.roles[r] for r in self.owners.get(target, ()) if r in self.roles]
+            if placed:
+                out[target] = max(placed) if after else min(placed)
+        return out
 
 
 def _owners(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
@@ -571,12 +583,10 @@ def _owners(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 def _pipeline_checks(session: _Session, build: _Build) -> list[Check]:
     """Each stage owns what it executes; the stages' tensors give the full logits."""
     stages = build.pp
-    disk = _unit_stages(build.plan)
-    units = {_in_memory(session, path): stage for path, stage in disk.items()}
-    roles = _role_stages(build.plan, disk)
+    placement = _Placement(session, build.plan)
     executing: dict[str, dict[int, str]] = {}
     for name in sorted(session.sources):
-        for target, stage in _executing_stage(session, build.plan, name, units, roles).items():
+        for target, stage in placement.stages(name).items():
             executing.setdefault(target, {}).setdefault(stage, name)
     checks, composite = [], {}
     owned = [set(state.layout.targets) for state in build.states]
