@@ -4,8 +4,9 @@ For each tensor-parallel size T the family is compiled for the reference checkpo
 is loaded with its generated loader, and each rank's tensors are scattered back into an
 otherwise-zeroed copy of the checkpoint (under the on-disk names, so transformers applies its
 own on-disk to in-memory conversion when it loads it). Every module that owns parameters (the
-direct children of each decoder layer, the embedding, the final norm, the head) is run on the
-inputs captured from the full model:
+direct children of each layer of every ModuleList, however nested: decoder layers, vision
+layers; the embeddings, norms, projector and head) is run on the inputs captured from the full
+model (token ids, and an image for a vision-language model):
 
 - a module whose tensors are whole on every rank must give the full output on every rank;
 - otherwise the ranks' outputs, less T - 1 times the output of the *shared part* (the module
@@ -16,14 +17,16 @@ inputs captured from the full model:
 A failing module is narrowed to the first parameter group that fails alone (the other groups
 whole) and then to the first rank whose part is not separable (that rank plus the union of the
 others, less the shared part). For a pipeline split each stage must own every tensor it
-executes (decoder layer i on the stage of unit i, input-side modules on the first stage,
-output-side ones on the last, a tied embedding on both) and the model assembled from the
-stages' tensors must give the full model's logits.
+executes (the module of unit i on the stage of unit i, a static role's modules on the stage
+its declared placement in plan.json puts it, a tied embedding on the first and last), every cut
+of plan.json's `cuts` must carry tensors of its declared boundary shapes, and the model
+assembled from the stages' tensors must give the full model's logits.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import shutil
 import sys
@@ -43,6 +46,7 @@ from partc.verify.reference import (
     build_reference,
     load_config,
     load_model,
+    model_inputs,
     parameter_sources,
     reference_config,
     require_libraries,
@@ -52,8 +56,6 @@ from partc.verify.reference import (
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
 
-INPUT_IDS = (1, 5, 9, 17, 33, 64, 100, 130)
-"""The token ids every module's inputs are captured from (clipped to the vocabulary)."""
 MAX_TENSOR_PARALLEL = 8
 """By default every T from 1 to this that compiles is checked."""
 RELATIVE_TOLERANCE = 1e-4
@@ -188,7 +190,7 @@ def _scatter(shape: tuple[int, ...], selection: tuple[int | None, Sequence[tuple
 class _Session:
     """The reference model, its captured module inputs and outputs, and masked copies of it."""
 
-    def __init__(self, folder: Path, work: Path) -> None:
+    def __init__(self, folder: Path, work: Path, seed: int = 0) -> None:
         self.torch, _ = require_libraries()
         from safetensors.torch import load_file
 
@@ -201,41 +203,40 @@ class _Session:
         self.model = load_model(folder)
         self.count = 0
         vocab = self.model.get_input_embeddings().weight.shape[0]
-        self.ids = self.torch.tensor([[min(i, vocab - 1) for i in INPUT_IDS]])
-        self.order, self.layers = self._top_level()
+        accepted = set(inspect.signature(self.model.forward).parameters)
+        self.inputs = model_inputs(folder, vocab, seed, accepted)
+        self.ids = self.inputs["input_ids"]
         self.modules = self._modules()
         self.captured = self._capture()
         with self.torch.no_grad():
-            self.logits = self.model(input_ids=self.ids, use_cache=False).logits
-
-    def _top_level(self) -> tuple[list[str], str]:
-        """Top-level module paths in execution order and the one holding the decoder layers."""
-        model = self.model
-        plan = getattr(model, "_pp_plan", None)
-        if plan:  # its keys, in the order the modules are registered (the execution order)
-            registered = {name: i for i, (name, _) in enumerate(model.named_modules())}
-            order = sorted(plan, key=lambda p: registered.get(p, len(registered)))
-        else:
-            prefix = model.base_model_prefix
-            order = [f"{prefix}.{n}" for n, _ in model.base_model.named_children()]
-            output = model.get_output_embeddings()
-            order += [n for n, m in model.named_children() if m is output]
-        layers = [p for p in order if isinstance(model.get_submodule(p),
-                                                 self.torch.nn.ModuleList)]
-        return order, layers[0]
+            self.logits = self.model(**self.inputs, use_cache=False).logits
 
     def _modules(self) -> list[str]:
-        """Every module checked: decoder layers' children with parameters, other top levels."""
-        found = []
-        for path in self.order:
-            module = self.model.get_submodule(path)
-            if path != self.layers:
-                if any(True for _ in module.parameters()):
-                    found.append(path)
-                continue
-            for index, layer in enumerate(module):
-                found.extend(f"{path}.{index}.{name}" for name, child in layer.named_children()
-                             if any(True for _ in child.parameters()))
+        """Every module checked, in registration order: the children with parameters of each
+        layer of every ModuleList (decoder layers, vision encoder layers or blocks, however
+        deeply nested), and every other module with parameters that holds no ModuleList (the
+        embeddings, norms, projector, head)."""
+        module_list = self.torch.nn.ModuleList
+        found: list[str] = []
+
+        def owns_parameters(module: Any) -> bool:
+            return any(True for _ in module.parameters())
+
+        def walk(path: str, module: Any) -> None:
+            for name, child in module.named_children():
+                sub = f"{path}.{name}" if path else name
+                if not owns_parameters(child):
+                    continue
+                if isinstance(child, module_list):
+                    for index, layer in enumerate(child):
+                        found.extend(f"{sub}.{index}.{n}" for n, c in layer.named_children()
+                                     if owns_parameters(c))
+                elif any(isinstance(m, module_list) for m in child.modules()):
+                    walk(sub, child)
+                else:
+                    found.append(sub)
+
+        walk("", self.model)
         return found
 
     def targets(self, module: str) -> tuple[str, ...]:
@@ -259,7 +260,7 @@ class _Session:
             handles.append(module.register_forward_hook(keep, with_kwargs=True))
         try:
             with self.torch.no_grad():
-                self.model(input_ids=self.ids, use_cache=False)
+                self.model(**self.inputs, use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
@@ -508,22 +509,84 @@ def _unit_stages(plan: dict[str, Any]) -> dict[str, int]:
     return stages
 
 
+def _role_stages(plan: dict[str, Any], units: dict[str, int]) -> dict[str, int]:
+    """Static role -> the stage its declared placement puts it on: `first` stage 0, `last` the
+    last stage, `{with: group, unit: first|last}` the stage of that unit of the group (from
+    plan.json's `static_roles` and unit ranges, not from the ranks' own role lists)."""
+    last = plan["topology"]["pipeline_parallel_size"] - 1
+    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    stages = {}
+    for role in plan["static_roles"]:
+        place = role["stage"]
+        if isinstance(place, dict):
+            group = paths[place["with"]]
+            stages[role["role"]] = units[group[0 if place["unit"] == "first" else -1]]
+        else:
+            stages[role["role"]] = 0 if place == "first" else last
+    return stages
+
+
+def _in_memory(session: _Session, path: str) -> str:
+    """The in-memory module path of an on-disk module path (a unit): the common module prefix
+    of the parameters made only of tensors under it (`vision_tower.encoder.layers.1` is
+    `model.vision_tower.encoder.layers.1` in memory); the path itself when none is."""
+    modules = [name.split(".")[:-1] for name, sources in session.sources.items()
+               if sources and all(s.startswith(path + ".") for s in sources)]
+    common: list[str] = []
+    for parts in zip(*modules, strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common) or path
+
+
+class _Placement:
+    """Where each in-memory parameter runs in a pipeline build, from plan.json."""
+
+    def __init__(self, session: _Session, plan: dict[str, Any]) -> None:
+        disk = _unit_stages(plan)
+        self.session = session
+        self.units = {_in_memory(session, path): stage for path, stage in disk.items()}
+        self.roles = _role_stages(plan, disk)
+        self.owners = _owners(plan)
+        self.ran = {module: i for i, module in enumerate(session.captured)}
+        in_units = [i for m, i in self.ran.items()
+                    if any(m.startswith(p + ".") for p in self.units)]
+        self.last_unit = max(in_units, default=None)
+
+    def stages(self, name: str) -> dict[str, int]:
+        """On-disk tensor -> the stage executing the in-memory parameter `name` made of it: the
+        stage of the unit holding it, else the placement of the static role owning the tensor
+        (of a role shared by several, `any_of`: the first of their stages for a module that
+        runs before the last unit, the last for a module after it, as a tied head)."""
+        sources = self.session.sources[name]
+        unit = max((p for p in self.units if name.startswith(p + ".")), key=len, default=None)
+        if unit is not None:
+            return dict.fromkeys(sources, self.units[unit])
+        module = max((m for m in self.ran if name.startswith(m + ".")), key=len, default=None)
+        after = module is not None and self.last_unit is not None and \
+            self.ran[module] > self.last_unit
+        out = {}
+        for target in sources:
+            placed = [self.roles[r] for r in self.owners.get(target, ()) if r in self.roles]
+            if placed:
+                out[target] = max(placed) if after else min(placed)
+        return out
+
+
+def _owners(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """On-disk tensor -> the static roles owning it (none for a tensor a unit owns)."""
+    roles = {g["name"]: tuple(g["owner"].get("roles", ())) for g in plan["groups"]}
+    return {t["target"]: roles.get(t["group"], ()) for t in plan["tensors"]}
+
+
 def _pipeline_checks(session: _Session, build: _Build) -> list[Check]:
     """Each stage owns what it executes; the stages' tensors give the full logits."""
     stages = build.pp
-    units = _unit_stages(build.plan)
-    layers_at = session.order.index(session.layers)
+    placement = _Placement(session, build.plan)
     executing: dict[str, dict[int, str]] = {}
     for name in sorted(session.sources):
-        unit = max((p for p in units if name.startswith(p + ".")), key=len, default=None)
-        if unit is not None:
-            stage = units[unit]
-        else:
-            top = [i for i, p in enumerate(session.order) if name.startswith(p + ".")]
-            if not top:
-                continue
-            stage = 0 if top[0] < layers_at else stages - 1
-        for target in session.sources[name]:
+        for target, stage in placement.stages(name).items():
             executing.setdefault(target, {}).setdefault(stage, name)
     checks, composite = [], {}
     owned = [set(state.layout.targets) for state in build.states]
@@ -539,9 +602,11 @@ def _pipeline_checks(session: _Session, build: _Build) -> list[Check]:
         holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
         if holders and not missing:
             composite[target] = np.asarray(build.states[holders[0]].tensors[target])
+    if "cuts" in build.plan:
+        checks.extend(_cut_checks(session, build))
     logits = session.model_of(composite)
     with session.torch.no_grad():
-        got = logits(input_ids=session.ids, use_cache=False).logits
+        got = logits(**session.inputs, use_cache=False).logits
     error, tolerance = _error(got, session.logits), _tolerance(session.logits)
     checks.append(Check(
         tp=1, pp=stages, module="logits", group="", rank=None, ok=error <= tolerance,
@@ -549,6 +614,104 @@ def _pipeline_checks(session: _Session, build: _Build) -> list[Check]:
         message="" if error <= tolerance else
         f"T=1 x S={stages}: the model assembled from each stage's tensors gives logits that "
         f"differ from the full model's; max abs error {error:.3g}, tolerance {tolerance:.3g}"))
+    return checks
+
+
+# ---------------------------------------------------------------- boundary checks
+
+
+def _unit_ends(plan: dict[str, Any]) -> dict[int, tuple[str, str]]:
+    """Stage -> the on-disk paths of its first and last unit (canonical order)."""
+    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    ends = {}
+    for rank in plan["ranks"]:
+        partition = rank["partition"]
+        owned = partition["groups"]
+        if rank["tensor_parallel_rank"] == 0 and owned:
+            ends[partition["stage"]] = (paths[owned[0]["group"]][owned[0]["unit_range"][0]],
+                                       paths[owned[-1]["group"]][owned[-1]["unit_range"][1] - 1])
+    return ends
+
+
+def _unit_traffic(session: _Session, senders: Sequence[str], receivers: Sequence[str]
+                  ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One full forward pass: each sending unit's output, each receiving unit's inputs by name
+    (its keyword arguments; the first positional one as `hidden`)."""
+    outputs: dict[str, Any] = {}
+    inputs: dict[str, dict[str, Any]] = {}
+    handles = []
+    for path in senders:
+        def sent(_: Any, args: Any, output: Any, path: str = path) -> None:
+            outputs.setdefault(path, _first_tensor(output))
+        handles.append(session.model.get_submodule(path).register_forward_hook(sent))
+    for path in receivers:
+        def received(_: Any, args: Any, kwargs: Any, path: str = path) -> None:
+            inputs.setdefault(path, dict(kwargs) | ({"hidden": args[0]} if args else {}))
+        handles.append(session.model.get_submodule(path).register_forward_pre_hook(
+            received, with_kwargs=True))
+    try:
+        with session.torch.no_grad():
+            session.model(**session.inputs, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, inputs
+
+
+def _axes(declared: Sequence[int | str], shape: Sequence[int], bound: dict[str, int]
+          ) -> str | None:
+    """None when a tensor of `shape` has the declared axes, binding named axes in `bound`;
+    otherwise why not. A first axis that is a per-request dimension (not `batch`, `sequence`
+    or a number) may span several leading axes of the tensor, flattened (HF keeps a batch axis
+    of one image's patches that the boundary folds into `image_tokens`)."""
+    folds = isinstance(declared[0], str) and declared[0] not in ("batch", "sequence")
+    if len(shape) < len(declared) or len(shape) > len(declared) and not folds:
+        return f"it has {len(shape)} axes, the boundary declares {len(declared)}"
+    lead = len(shape) - len(declared) + 1
+    sizes = [int(np.prod(shape[:lead])), *shape[lead:]]
+    for axis, (want, got) in enumerate(zip(declared, sizes, strict=True)):
+        if isinstance(want, int) and want != got:
+            return f"axis {axis} has {got} elements, the boundary declares {want}"
+        if isinstance(want, str) and bound.setdefault(want, got) != got:
+            return f"axis {axis} (`{want}`) has {got} elements, but `{want}` is {bound[want]}"
+    return None
+
+
+def _spell(shape: Sequence[object]) -> str:
+    return "[" + ", ".join(str(x) for x in shape) + "]"
+
+
+def _cut_checks(session: _Session, build: _Build) -> list[Check]:
+    """Each cut's declared boundary against what really crosses it: the primary tensor against
+    the output of the stage's last unit, an auxiliary tensor against the model input or the
+    next stage's first-unit argument of the same name (one of neither is not checked)."""
+    stages, plan = build.pp, build.plan
+    ends = _unit_ends(plan)
+    cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
+             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in plan["cuts"]]
+    outputs, inputs = _unit_traffic(session, [c[1] for c in cuts], [c[2] for c in cuts])
+    checks = []
+    for cut, sender, receiver in cuts:
+        stage, schema = cut["after_stage"], cut["boundary"]
+        bound = {"batch": int(session.ids.shape[0]), "sequence": int(session.ids.shape[1])}
+        where = (f"T=1 x S={stages}: the cut after stage {stage} (group `{cut['group']}`, "
+                 f"boundary `{schema['identity']}`)")
+        found = [(schema["primary"], sender, outputs.get(sender))] + [
+            (spec, receiver if spec["role"] in inputs.get(receiver, {}) else "the model input",
+             inputs.get(receiver, {}).get(spec["role"], session.inputs.get(spec["role"])))
+            for spec in schema["auxiliary"]]
+        failure = ""
+        for spec, module, value in found:
+            if value is None or not hasattr(value, "shape"):
+                continue
+            why = _axes(spec["shape"], tuple(value.shape), bound)
+            if why is not None:
+                failure = (f"{where} declares `{spec['role']}` as {_spell(spec['shape'])}, but "
+                           f"module `{module}` gives it as {_spell(value.shape)}: {why}")
+                break
+        checks.append(Check(tp=1, pp=stages, module=sender, group=cut["group"], rank=stage,
+                            ok=not failure, max_error=float("inf") if failure else 0.0,
+                            tolerance=0.0, message=failure))
     return checks
 
 
@@ -575,7 +738,7 @@ def verify_family(family: str | Path | None, config: str | Path, *,
         work = Path(scratch)
         folder = work / "reference"
         build_reference(reference, folder, seed)
-        session = _Session(folder, work)
+        session = _Session(folder, work, seed)
         seconds["reference"] = time.perf_counter() - start
         checks: list[Check] = []
         skipped: list[dict[str, object]] = []

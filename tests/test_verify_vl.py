@@ -1,0 +1,169 @@
+"""`partc verify` on the vision-language families (llava, qwen2_vl): vision tower, projector and
+decoder checked against transformers' own `...ForConditionalGeneration` modeling code.
+
+The reference model runs on a seeded image and the image tokens it needs, so the vision tower
+and the projector run; the pipeline check reads each unit's and each static role's stage from
+plan.json and checks every cut's declared boundary against the activation that crosses it.
+Wrong declarations (a vision projection declared row instead of column, a boundary with a wrong
+axis) fail with the module named. Each verify run is made once per module (fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support import ROOT, hf
+
+pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+from partc.api import check_family  # noqa: E402
+from partc.cli import main  # noqa: E402
+from partc.plan import Topology  # noqa: E402
+from partc.verify.run import VerifyReport, verify_family  # noqa: E402
+
+ARCHITECTURES = ROOT / "architectures"
+FAMILIES = ("llava", "qwen2_vl")
+# (vision attention, vision mlp, projector, text embedding, first decoder layer) in memory
+MODULES = {
+    "llava": ("model.vision_tower.encoder.layers.0.self_attn",
+              "model.vision_tower.encoder.layers.0.mlp", "model.multi_modal_projector",
+              "model.language_model.embed_tokens", "model.language_model.layers.0"),
+    "qwen2_vl": ("model.visual.blocks.0.attn", "model.visual.blocks.0.mlp", "model.visual.merger",
+                 "model.language_model.embed_tokens", "model.language_model.layers.0"),
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def reports(request: pytest.FixtureRequest) -> tuple[str, VerifyReport, VerifyReport]:
+    """One family verified at T = 1, 2 with S = 2, and at T = 1 with S = 3."""
+    name = str(request.param)
+    config = hf(name) / "config.json"
+    two = verify_family(None, config, tensor_parallel_sizes=[1, 2], pipeline_parallel_size=2)
+    three = verify_family(None, config, tensor_parallel_sizes=[2], pipeline_parallel_size=3)
+    return name, two, three
+
+
+def _cuts(name: str, stages: int, tmp: Path) -> list[dict[str, object]]:
+    """plan.json's `cuts` of a T=1 x S build, compiled independently of verify."""
+    assert main(["compile", "--config", str(hf(name) / "config.json"), "--tp", "1", "--pp",
+                 str(stages), "--out", str(tmp / f"{name}-{stages}")]) == 0
+    plan = json.loads((tmp / f"{name}-{stages}" / "plan.json").read_text())
+    return list(plan["cuts"])
+
+
+def test_every_module_of_the_vision_tower_projector_and_decoder_is_checked(reports):
+    name, two, three = reports
+    assert two.ok, two.first_failure
+    assert three.ok, three.first_failure
+    assert two.family == name and two.model_type == name and not two.notes
+    assert {(c.tp, c.pp) for c in two.checks} == {(1, 1), (2, 1), (1, 2)}
+    assert {(c.tp, c.pp) for c in three.checks} == {(2, 1), (1, 3)}
+    modules = {c.module for c in two.checks if c.tp == 2}
+    assert set(MODULES[name][:4]) <= modules
+    attention, mlp, projector = MODULES[name][:3]
+    for module in (attention, mlp, projector):
+        split = [c for c in two.checks if c.tp == 2 and c.module == module]
+        # split over the two ranks and summed (not a whole-on-every-rank module)
+        assert split and split[0].rank is None and split[0].group and split[0].max_error > 0
+        assert split[0].max_error <= split[0].tolerance
+
+
+def test_the_inputs_carry_an_image_as_the_fixture_generator_made_it(reports):
+    name = reports[0]
+    # the fixture's ids and pixel shapes come from HF's processor conventions (fixtures-gen);
+    # verify builds the same from the config alone (image block after the third text token)
+    from partc.verify.reference import model_inputs
+
+    reference = np.load(hf(name) / "reference.npz")
+    inputs = model_inputs(hf(name), 131, 0, {"mm_token_type_ids"} if name == "qwen2_vl"
+                          else set())
+    assert inputs["input_ids"].numpy().tolist() == reference["input_ids"].tolist()
+    assert tuple(inputs["pixel_values"].shape) == reference["pixel_values"].shape
+    if name == "qwen2_vl":
+        assert inputs["image_grid_thw"].numpy().tolist() == reference["image_grid_thw"].tolist()
+        assert inputs["mm_token_type_ids"].numpy().tolist() == \
+            reference["mm_token_type_ids"].tolist()
+    else:
+        assert set(inputs) == {"input_ids", "pixel_values"}
+
+
+def test_each_cut_is_checked_against_the_plans_boundary(reports, tmp_path):
+    name, two, three = reports
+    for report, stages in ((two, 2), (three, 3)):
+        cuts = _cuts(name, stages, tmp_path)
+        checked = [c for c in report.checks if c.pp == stages and c.module != "logits"
+                   and c.group]
+        assert [(c.rank, c.group) for c in checked] == [
+            (cut["after_stage"], cut["group"]) for cut in cuts]
+        assert all(c.ok and c.tp == 1 for c in checked)
+    # S=3: vision | projector or merger + decoder 0 | decoder 1: a vision cut and a decoder cut
+    assert [c.module for c in three.checks if c.pp == 3 and c.group] == [
+        {"llava": "model.vision_tower.encoder.layers.1",
+         "qwen2_vl": "model.visual.blocks.2"}[name], MODULES[name][4]]
+    logits = [c for c in three.checks if c.module == "logits"]
+    assert logits[0].ok and logits[0].pp == 3
+
+
+# ---------------------------------------------------------------- wrong declarations
+
+# (case, fixture, family file, text replaced, replacement, T, S, module, group, message start)
+WRONG = [
+    ("llava vision fc1 declared row", "llava", "llava.yaml",
+     '{module: "{path}.mlp.fc1", sharding: column,', '{module: "{path}.mlp.fc1", sharding: row,',
+     2, 1, "model.vision_tower.encoder.layers.0.mlp", "vision.0.mlp",
+     "T=2 x S=1: module `model.vision_tower.encoder.layers.0.mlp` (group `vision.0.mlp`), "
+     "rank 0: the rank's part of the group is not separable"),
+    ("qwen2_vl merger mlp.0 declared row", "qwen2_vl", "qwen2_vl.yaml",
+     '      - {module: "{path}.mlp.0", sharding: column,',
+     '      - {module: "{path}.mlp.0", sharding: row,',
+     2, 1, "model.visual.merger", "merger.mlp",
+     "T=2 x S=1: module `model.visual.merger` (group `merger.mlp`), rank 0: "),
+    ("llava vision boundary without the CLS row", "llava", "llava.yaml",
+     "shape: [images, vision_positions, vision_hidden_size]",
+     "shape: [images, vision_positions - 1, vision_hidden_size]",
+     1, 3, "model.vision_tower.encoder.layers.1", "vision",
+     "T=1 x S=3: the cut after stage 0 (group `vision`, boundary `llava.vision`) declares "
+     "`hidden` as [images, 4, 32], but module `model.vision_tower.encoder.layers.1` gives it "
+     "as [1, 5, 32]: axis 1 has 5 elements, the boundary declares 4"),
+    ("qwen2_vl image features of the vision width", "qwen2_vl", "qwen2_vl.yaml",
+     "shape: [image_tokens, hidden_size]", "shape: [image_tokens, vision_embed_dim]",
+     1, 2, "model.visual.merger", "merger",
+     "T=1 x S=2: the cut after stage 0 (group `merger`, boundary `qwen2_vl.image_features`) "
+     "declares `image_features` as [image_tokens, 32], but module `model.visual.merger` gives "
+     "it as [6, 64]: axis 1 has 64 elements, the boundary declares 32"),
+]
+
+
+@pytest.mark.parametrize("case", WRONG, ids=[c[0] for c in WRONG])
+def test_a_wrong_vision_declaration_passes_check_but_fails_verify(tmp_path, case):
+    _, fixture, file, old, new, tp, pp, module, group, message = case
+    text = (ARCHITECTURES / file).read_text()
+    assert text.count(old) == 1
+    family = tmp_path / file
+    family.write_text(text.replace(old, new))
+    config = hf(fixture) / "config.json"
+    assert check_family(family, config, topology=Topology(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp)) == []
+    report = verify_family(family, config, tensor_parallel_sizes=[tp], pipeline_parallel_size=pp)
+    failure = report.first_failure
+    assert not report.ok and failure is not None
+    assert (failure.module, failure.group, failure.tp, failure.pp) == (module, group, tp, pp)
+    assert failure.message.startswith(message), failure.message
+    assert failure.max_error > failure.tolerance
+
+
+def test_the_cli_names_the_module_of_a_wrong_boundary(tmp_path, capsys):
+    _, fixture, file, old, new = WRONG[2][:5]
+    family = tmp_path / file
+    family.write_text((ARCHITECTURES / file).read_text().replace(old, new))
+    status = main(["verify", str(family), "--config", str(hf(fixture) / "config.json"),
+                   "--tp", "1", "--pp", "3"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert re.search(r"error: T=1 x S=3: the cut after stage 0 .* module "
+                     r"`model\.vision_tower\.encoder\.layers\.1` gives it as \[1, 5, 32\]", err)
