@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from partc.plan import KindIndex, Topology, realize_plan
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.topology import BuildTopology, RankCoordinates
 
-from support import FULLSIZE, compile_and_import, hf
+from support import FULLSIZE, compile_and_import, fullsize_checkpoint, hf
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN = hf("qwen3_moe") / "config.json"
@@ -291,23 +290,11 @@ def test_build_topology_of_an_expert_parallel_build_gives_the_ep_etp_and_tp_grou
 # ---------------------------------------------------------------- full size
 
 
-def sparse_checkpoint(model: str, folder: Path) -> Path:
-    """A real safetensors file of the full-size header with a sparse (unwritten) data region."""
-    header = json.loads((FULLSIZE / model / "safetensors_header.json").read_text())
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-    path = folder / f"{model}.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.truncate(8 + len(raw) + end)
-    return path
 
 
 @pytest.fixture(scope="module")
 def deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = sparse_checkpoint("DeepSeek-V3", tmp_path_factory.mktemp("fullsize"))
+    path = fullsize_checkpoint("DeepSeek-V3", tmp_path_factory.mktemp("fullsize"))
     header = json.loads((FULLSIZE / "DeepSeek-V3" / "safetensors_header.json").read_text())
     opened = open_checkpoint(path)
     bound = bind(None, FULLSIZE / "DeepSeek-V3" / "config.json", opened)[0]

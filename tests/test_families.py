@@ -32,6 +32,7 @@ from support import (
     checkpoint_tensors,
     compile_and_load,
     fixture_folder,
+    fullsize_checkpoint,
     hf,
     policy_for,
     reassemble,
@@ -307,18 +308,6 @@ FULLSIZE_FAMILIES = {
 }
 
 
-def sparse_checkpoint(model: str, folder: Path) -> Path:
-    """A real safetensors file of the full-size header with a sparse (unwritten) data region."""
-    header = json.loads((FULLSIZE / model / "safetensors_header.json").read_text())
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-    path = folder / f"{model}.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.truncate(8 + len(raw) + end)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +317,7 @@ def fullsize_checkpoints(tmp_path_factory):
 
     def get(model):
         if model not in cache:
-            cache[model] = sparse_checkpoint(model, folder)
+            cache[model] = fullsize_checkpoint(model, folder)
         return cache[model]
 
     yield get

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import struct
 import sys
 from pathlib import Path
 
@@ -23,7 +22,14 @@ from partc.cli import main
 from partc.errors import ArchitectureBoundaryError
 from partc.plan import Topology
 
-from support import HF, ROOT, compile_and_load, import_build, reassemble
+from support import (
+    HF,
+    ROOT,
+    compile_and_load,
+    import_build,
+    reassemble,
+    write_sparse_safetensors,
+)
 from support.families import MINI
 
 FAMILIES = ["llava", "qwen2_vl"]
@@ -351,14 +357,7 @@ def sparse_checkpoint(folder: Path, shapes: dict[str, list[int]]) -> Path:
         header[name] = {"dtype": "F16", "shape": shapes[name], "data_offsets": [offset,
                                                                               offset + size]}
         offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    path = folder / "model.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.truncate(8 + len(raw) + offset)
-    return path
+    return write_sparse_safetensors(folder / "model.safetensors", header)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,3 +151,24 @@ def compile_and_load(family: str | Path | None, config: Path, out: Path, weights
         for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[module]
     return plan, states
+
+
+def write_sparse_safetensors(path: Path, header: dict[str, Any]) -> Path:
+    """Write `header` as a real safetensors file whose data region is never written (sparse):
+    full-size inventories checked and compiled without their weights."""
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
+              default=0)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + end)
+    return path
+
+
+def fullsize_checkpoint(model: str, folder: Path) -> Path:
+    """The full-size header of `tests/fixtures/fullsize/<model>` as a sparse safetensors file."""
+    header = json.loads((FULLSIZE / model / "safetensors_header.json").read_text())
+    return write_sparse_safetensors(folder / f"{model}.safetensors", header)
+
