@@ -26,6 +26,7 @@ import numpy as np
 from partc.errors import CheckpointError
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.frameworks import import_torch
+from partc.runtime.ranks import environment_integer
 from partc.runtime.reader import TensorSelection, read_tensors
 
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -39,15 +40,7 @@ _BYTE_VIEWS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 def local_rank_from_environment() -> int | None:
     """torchrun's `LOCAL_RANK` (this process's index on its node), or None when unset."""
     raw = os.environ.get("LOCAL_RANK")
-    if raw is None:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise CheckpointError(f"environment LOCAL_RANK={raw!r} is not an integer") from None
-    if value < 0:
-        raise CheckpointError(f"environment LOCAL_RANK={raw!r} must not be negative")
-    return value
+    return None if raw is None else environment_integer("LOCAL_RANK", raw)
 
 
 _DEVICE_RULE = "device must be None, 'cpu', 'cuda' or 'cuda:N' (a torch.device is accepted too)"

@@ -38,7 +38,8 @@ class LaunchPosition:
             raise CheckpointError(f"inconsistent launch position {self}")
 
 
-def _integer(name: str, raw: str) -> int:
+def environment_integer(name: str, raw: str) -> int:
+    """Environment variable `name`'s value `raw` as a non-negative integer, or a clear error."""
     try:
         value = int(raw)
     except ValueError:
@@ -58,9 +59,9 @@ def launch_position(build_world_size: int) -> LaunchPosition:
     if raw is None:
         raise CheckpointError("no rank given and RANK is not set; pass rank= or run under "
                               "torchrun")
-    global_rank = _integer("RANK", raw)
+    global_rank = environment_integer("RANK", raw)
     world_raw = os.environ.get("WORLD_SIZE")
-    world = build_world_size if world_raw is None else _integer("WORLD_SIZE", world_raw)
+    world = build_world_size if world_raw is None else environment_integer("WORLD_SIZE", world_raw)
     if world == 0 or world % build_world_size:
         raise CheckpointError(
             f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} ranks "

@@ -19,7 +19,7 @@ from typing import Any
 
 from partc.errors import CheckpointError
 from partc.runtime.frameworks import import_torch
-from partc.runtime.ranks import _integer, launch_position
+from partc.runtime.ranks import environment_integer, launch_position
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -276,7 +276,7 @@ def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
         if os.environ.get("RANK") is not None:
             data_parallel_size = launch_position(build).data_parallel_size
         elif os.environ.get("WORLD_SIZE") is not None:
-            world = _integer("WORLD_SIZE", os.environ["WORLD_SIZE"])
+            world = environment_integer("WORLD_SIZE", os.environ["WORLD_SIZE"])
             if world == 0 or world % build:
                 raise CheckpointError(
                     f"WORLD_SIZE={world} is not a multiple of this build's {build} ranks "
