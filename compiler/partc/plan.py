@@ -839,6 +839,9 @@ class ExpertParallelPlan:
     """Per-expert groups (`for: {expert: ...}`) of the model."""
     stacked_groups: int
     """Stacked expert groups (`experts: {axis: ...}`) of the model."""
+    expert_groups: tuple[tuple[str, int | None], ...] = ()
+    """Every routed-expert group by name: its global expert id (per-expert), or None (stacked);
+    what a plan reader needs to tell which ranks hold a group's tensors."""
 
     @property
     def expert_parallel_size(self) -> int:
@@ -867,7 +870,8 @@ class ExpertParallelPlan:
                 "redundant_slots": placement.redundant,
                 "slots": [list(ids) for ids in placement.slots],
                 "per_expert_groups": self.per_expert_groups,
-                "stacked_groups": self.stacked_groups}
+                "stacked_groups": self.stacked_groups,
+                "expert_groups": {name: expert for name, expert in self.expert_groups}}
 
 
 def model_expert_count(bound: BoundArchitecture) -> int:
@@ -922,7 +926,8 @@ def _expert_parallel_plan(bound: BoundArchitecture, topology: Topology,
         tensor_parallel_size=topology.tensor_parallel_size,
         expert_tensor_parallel_size=topology.expert_tensor_parallel_size, placement=placement,
         per_expert_groups=sum(1 for _, r in bound.experts if r.expert is not None),
-        stacked_groups=len(stacked))
+        stacked_groups=len(stacked),
+        expert_groups=tuple((name, role.expert) for name, role in bound.experts))
 
 
 def _stacked_template(group: ParameterGroupSpec, role: ExpertGroup, plan: ExpertParallelPlan,

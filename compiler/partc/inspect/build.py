@@ -92,6 +92,31 @@ def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_
     return tuple(out)
 
 
+def rank_placement(plan: Mapping[str, Any], rank: Mapping[str, Any],
+                   tensor: Mapping[str, Any]) -> tuple[list[Any], tuple[int, ...]] | None:
+    """A tensor's placement on `rank` and its local shape there (None: the rank does not hold
+    it): its TP rank's placement, or under expert parallelism (docs/expert_parallel.md) its ETP
+    rank's for a per-expert tensor of an expert in the rank's slots, its stage-local rank's for
+    a stacked expert tensor."""
+    if rank["pipeline_stage"] not in tensor["stages"]:
+        return None
+    placements = tensor["placements"]
+    experts = plan.get("expert_parallel")
+    row = int(rank["tensor_parallel_rank"])
+    if experts is not None and tensor["group"] in experts.get("expert_groups", {}):
+        info = rank["info"]
+        expert = experts["expert_groups"][tensor["group"]]
+        if expert is None:  # stacked: one placement per stage-local rank
+            row = int(rank["rank"]) % int(experts["ranks_per_stage"])
+        elif expert not in experts["slots"][int(info["expert_parallel_rank"])]:
+            return None
+        else:
+            row = int(info["expert_tensor_parallel_rank"])
+    placement = list(placements[row]) if row < len(placements) else ["whole"]
+    shape = local_shape(placement, tensor["shape"], row)
+    return None if shape is None else (placement, shape)
+
+
 def placement_text(placement: Sequence[Any]) -> str:
     """A placement as people read it: `rows 0:66`, `cols 32:64`, `replicated`."""
     kind = placement[0]
@@ -212,14 +237,30 @@ def summary(build: Build) -> dict[str, Any]:
         "global_bytes": sum(tensor_bytes(t["dtype"], t["shape"]) for t in plan["tensors"]),
         "tensors": len(plan["tensors"]), "groups": len(plan["groups"]),
     } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
-        "kv_replication": kv_replicated(plan["tensors"]), "boundary": plan["boundary"]}
+        "kv_replication": kv_replicated(plan["tensors"]), "boundary": plan["boundary"]} | (
+        {} if plan.get("expert_parallel") is None
+        else {"expert_parallel": expert_summary(plan)})
+
+
+def expert_summary(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """An expert-parallel build's layout: E, X, N and each EP rank's experts and build ranks."""
+    ep = plan["expert_parallel"]
+    n = int(ep["ranks_per_stage"])
+    x = int(ep["expert_tensor_parallel_size"])
+    return {"expert_parallel_size": ep["expert_parallel_size"],
+            "expert_tensor_parallel_size": x, "ranks_per_stage": n, "experts": ep["experts"],
+            "explicit_placement": ep["explicit_placement"],
+            "redundant_slots": ep["redundant_slots"], "layout": ep["layout"],
+            "ep_ranks": [{"ep_rank": e, "experts": list(ids),
+                          "ranks": [r["rank"] for r in plan["ranks"]
+                                    if (int(r["rank"]) % n) // x == e]}
+                         for e, ids in enumerate(ep["slots"])]}
 
 
 def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = None,
                 target: str | None = None,
                 origins: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The tensors selected by rank, group glob and target glob, one row per (tensor, rank)."""
-    tp = build.tensor_parallel_size
     wanted_ranks = [r for r in build.plan["ranks"] if rank is None or r["rank"] == rank]
     if rank is not None and not wanted_ranks:
         raise LoadError(f"--rank {rank} is not a rank of this build: it has ranks 0 to "
@@ -231,13 +272,10 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
         if target is not None and not fnmatch.fnmatchcase(t["target"], target):
             continue
         for r in wanted_ranks:
-            if r["pipeline_stage"] not in t["stages"]:
+            held = rank_placement(build.plan, r, t)
+            if held is None:
                 continue
-            tp_rank = r["tensor_parallel_rank"]
-            placement = t["placements"][tp_rank] if len(t["placements"]) == tp else ["whole"]
-            shape = local_shape(placement, t["shape"], tp_rank)
-            if shape is None:
-                continue
+            placement, shape = held
             rows.append({"rank": r["rank"], "target": t["target"], "group": t["group"],
                          "dtype": t["dtype"], "global_shape": list(t["shape"]),
                          "local_shape": list(shape), "placement": placement_text(placement),
@@ -262,21 +300,17 @@ FALLBACK_ROLE = "fallback"
 def rank_role_bytes(plan: Mapping[str, Any]) -> list[dict[str, int]]:
     """Per rank (by global rank), its local bytes by group role; fallen-back groups' bytes are
     counted under FALLBACK_ROLE."""
-    tp = int(plan["topology"]["tensor_parallel_size"])
     roles = {g["name"]: FALLBACK_ROLE if g.get("fell_back_to_replication") else g["role"]
              for g in plan["groups"]}
     out: list[dict[str, int]] = [{} for _ in plan["ranks"]]
     for t in plan["tensors"]:
         role = roles[t["group"]]
-        for tp_rank in range(tp):
-            placement = t["placements"][tp_rank] if len(t["placements"]) == tp else ["whole"]
-            shape = local_shape(placement, t["shape"], tp_rank)
-            if shape is None:
+        for i, rank in enumerate(plan["ranks"]):
+            held = rank_placement(plan, rank, t)
+            if held is None:
                 continue
-            nbytes = tensor_bytes(t["dtype"], shape)
-            for stage in t["stages"]:
-                row = out[stage * tp + tp_rank]
-                row[role] = row.get(role, 0) + nbytes
+            row = out[i]
+            row[role] = row.get(role, 0) + tensor_bytes(t["dtype"], held[1])
     return out
 
 

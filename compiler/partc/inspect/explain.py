@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.errors import LoadError
-from partc.inspect.build import Build, local_shape, placement_text
+from partc.inspect.build import Build, placement_text, rank_placement
 from partc.inspect.origins import Origins
 
 
@@ -74,19 +74,24 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
     else:
         raise LoadError(f"`{target}` is neither a tensor nor a group of this build"
                         + _suggest(target, sorted(by_target) + sorted(groups)))
-    tp = build.tensor_parallel_size
+    expert_groups = (plan.get("expert_parallel") or {}).get("expert_groups", {})
     ranks = []
     for rank in plan["ranks"]:
         if rank["pipeline_stage"] not in group["stages"]:
             continue
         tp_rank = rank["tensor_parallel_rank"]
-        logical = (group["logical_ranges"][tp_rank] if group.get("logical_ranges") else None)
+        held = [rank_placement(plan, rank, t) for t in tensors]
+        if all(h is None for h in held):  # an expert this rank's EP slots do not hold
+            continue
+        ranges = group.get("logical_ranges") or []
+        row = (rank["info"]["expert_tensor_parallel_rank"] if group["name"] in expert_groups
+               else tp_rank)  # a per-expert group's units are split over its ETP group
+        logical = ranges[row] if row < len(ranges) else None
         members = []
-        for t in tensors:
-            placement = t["placements"][tp_rank] if len(t["placements"]) == tp else ["whole"]
-            shape = local_shape(placement, t["shape"], tp_rank)
-            members.append({"target": t["target"], "placement": placement_text(placement),
-                            "local_shape": None if shape is None else list(shape)})
+        for t, h in zip(tensors, held, strict=True):
+            members.append({"target": t["target"],
+                            "placement": "not held" if h is None else placement_text(h[0]),
+                            "local_shape": None if h is None else list(h[1])})
         ranks.append({"rank": rank["rank"], "tensor_parallel_rank": tp_rank,
                       "pipeline_stage": rank["pipeline_stage"], "logical_range": logical,
                       "tensors": members})

@@ -76,7 +76,29 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     out.append(f"rank imbalance (largest / mean bytes): {summary['rank_imbalance']:.3f}")
     extra = fallback_lines(summary["fallbacks"], summary["kv_replication"])
     out += [""] + (extra or ["fallbacks: none; KV replication: none"])
+    experts = summary.get("expert_parallel")
+    if experts is not None:
+        out += ["", f"expert parallelism: E={experts['expert_parallel_size']} x "
+                f"X={experts['expert_tensor_parallel_size']} = {experts['ranks_per_stage']} "
+                f"ranks per stage; {experts['experts']} experts, "
+                f"{'explicit' if experts['explicit_placement'] else 'balanced'} placement, "
+                f"{experts['redundant_slots']} redundant slot(s); {experts['layout']}"]
+        out += table(("EP rank", "experts", "build ranks"),
+                     [(e["ep_rank"], _id_ranges(e["experts"]),
+                       ",".join(str(r) for r in e["ranks"])) for e in experts["ep_ranks"]],
+                     right=(True, False, False))
     return out
+
+
+def _id_ranges(ids: Sequence[int]) -> str:
+    """Expert ids as runs: `0-3,8,10-11`."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def tensor_lines(rows: Sequence[Mapping[str, Any]], note: str) -> list[str]:
