@@ -501,3 +501,21 @@ def test_a_single_group_family_keeps_unit_balancing_and_no_pipeline_record():
     assert plan.pipeline is None and plan.cuts == ()
     assert "pipeline" not in plan.document[0] and "cuts" not in plan.document[0]
     assert [r.partition.canonical_range for r in plan.ranks] == [(0, 2), (2, 3)]
+
+
+def test_inspect_shows_the_pipeline_layout_and_group_modes_the_compile_chose(tmp_path, capsys):
+    folder = HF / "llava"
+    out = tmp_path / "b"
+    assert main(["compile", "--config", str(folder / "config.json"), "--tp", "2", "--pp", "3",
+                 "--out", str(out), "--format", "json"]) == 0
+    compiled = json.loads(capsys.readouterr().out)["pipeline"]
+    assert main(["inspect", str(out), "--format", "json"]) == 0
+    inspected = json.loads(capsys.readouterr().out)["pipeline"]
+    assert inspected == compiled == json.loads((out / "plan.json").read_text())["pipeline"]
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"pipeline layout (balanced by bytes): {compiled['layout']}" in text
+    assert compiled["group_modes"] == {"vision": "split", "projector": "split",
+                                       "decoder": "split"}
+    modes = ", ".join(f"{g} {m}" for g, m in inspected["group_modes"].items())
+    assert f"group modes: {modes}" in text

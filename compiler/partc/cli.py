@@ -505,18 +505,13 @@ def _spell_layers(layers: Any) -> str:
 
 
 def _print_facts(facts: dict[str, Any]) -> None:
-    from partc.inspect.text import fallback_lines, stage_lines
+    from partc.inspect.text import fallback_lines, pipeline_lines, stage_lines
 
     print()
     for line in stage_lines(facts["stages"], imbalance=facts["stage_imbalance"]):
         print(line)
-    pipeline = facts.get("pipeline")
-    if pipeline:
-        modes = ", ".join(f"{g} {m}" for g, m in pipeline["group_modes"].items())
-        how = ("as --pp-layers gives it" if pipeline["balance"] == "explicit"
-               else f"balanced by {pipeline['balance']}")
-        print(f"pipeline layout ({how}): {pipeline['layout']}")
-        print(f"group modes: {modes}")
+    for line in pipeline_lines(facts.get("pipeline")):
+        print(line)
     for line in fallback_lines(facts["fallbacks"], facts["kv_replication"]) or [
             "fallbacks: none; KV replication: none"]:
         print(line)

@@ -239,7 +239,8 @@ def summary(build: Build) -> dict[str, Any]:
     } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
         "kv_replication": kv_replicated(plan["tensors"]), "boundary": plan["boundary"]} | (
         {} if plan.get("expert_parallel") is None
-        else {"expert_parallel": expert_summary(plan)})
+        else {"expert_parallel": expert_summary(plan)}) | (
+        {} if plan.get("pipeline") is None else {"pipeline": plan["pipeline"]})
 
 
 def expert_summary(plan: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,17 @@ def stage_lines(stages: Sequence[Mapping[str, Any]], *, imbalance: float | None 
     return out
 
 
+def pipeline_lines(pipeline: Mapping[str, Any] | None) -> list[str]:
+    """How a multi-group graph's stages were chosen (nothing for a single-group one): the
+    layout in the notation `--pp-layers` accepts, and every group's parallel mode."""
+    if not pipeline:
+        return []
+    modes = ", ".join(f"{g} {m}" for g, m in pipeline["group_modes"].items())
+    how = ("as --pp-layers gives it" if pipeline["balance"] == "explicit"
+           else f"balanced by {pipeline['balance']}")
+    return [f"pipeline layout ({how}): {pipeline['layout']}", f"group modes: {modes}"]
+
+
 def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     """The whole build: header, stages, ranks, fallbacks."""
     topology = summary["topology"]
@@ -67,6 +78,7 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
            f"{byte_text(summary['global_bytes'])} in the checkpoint; policy "
            f"{topology.get('policy') or 'the family default'}", ""]
     out += stage_lines(summary["stages"], imbalance=summary["stage_imbalance"])
+    out += pipeline_lines(summary.get("pipeline"))
     out.append("")
     rows = [(r["rank"], r["pipeline_stage"], r["tensor_parallel_rank"], r["units"], r["tensors"],
              byte_text(r["bytes"]), _dtypes(r["bytes_by_dtype"]),
