@@ -1,4 +1,5 @@
-"""What importing the runtime loads: ml_dtypes and concurrent.futures only when needed."""
+"""What importing the runtime loads: ml_dtypes and concurrent.futures only when needed, and
+none of the pipeline, device, topology or expert modules a plain numpy load never calls."""
 
 from __future__ import annotations
 
@@ -19,10 +20,18 @@ build, package, checkpoint, bf16 = sys.argv[1:5]
 found = {}
 import partc.runtime
 found["runtime"] = sorted(m for m in ("ml_dtypes", "concurrent.futures") if m in sys.modules)
+LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.partition.driver",
+        "partc.runtime.device", "partc.runtime.topology", "partc.parallel.experts", "difflib")
+found["late"] = sorted(m for m in LATE if m in sys.modules)
 sys.path.insert(0, build)
 import importlib
 module = importlib.import_module(package)
 state = module.load(checkpoint, rank=0)
+found["late after load"] = sorted(m for m in LATE if m in sys.modules)
+module.rank_module(0).boundary()
+found["late after boundary"] = sorted(m for m in LATE if m in sys.modules)
+module.topology()
+found["late after topology"] = sorted(m for m in LATE if m in sys.modules)
 found["f32 load"] = sorted(m for m in ("ml_dtypes", "concurrent.futures") if m in sys.modules)
 found["dtypes"] = sorted({str(a.dtype) for a in state.tensors.values()})
 from partc.runtime.checkpoint import open_checkpoint
@@ -49,3 +58,6 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
     assert found["dtypes"] == ["float32"], "the llama fixture is an F32 checkpoint"
     assert found["f32 load"] == [], "a generated module's F32 load needs neither"
     assert found["bf16"] == ["bfloat16", True, [0x3F80, 0xC000, 0x0000]]
+    assert found["late"] == [] and found["late after load"] == []
+    assert found["late after boundary"] == ["partc.partition.boundary"]
+    assert found["late after topology"] == ["partc.partition.boundary", "partc.runtime.topology"]

@@ -5,6 +5,8 @@ here); never the compiler's jinja2, jsonschema or pyyaml. Its `__init__` is the 
 modules call through `_runtime.<name>`; each name is defined in one submodule.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module
 from partc.runtime.ranks import LaunchPosition, launch_position
 from partc.runtime.tables import (
@@ -20,12 +22,27 @@ from partc.runtime.tables import (
     receive_boundary,
     send_boundary,
 )
-from partc.runtime.topology import (
-    BuildTopology,
-    build_device_mesh,
-    build_process_groups,
-    build_topology,
-)
+
+if TYPE_CHECKING:
+    from partc.runtime.topology import (
+        BuildTopology,
+        build_device_mesh,
+        build_process_groups,
+        build_topology,
+    )
+
+_TOPOLOGY = ("BuildTopology", "build_device_mesh", "build_process_groups", "build_topology")
+"""Names of `partc.runtime.topology`, imported on first use: a process that only loads its
+tensors never needs the rank arithmetic of process groups (import cost, issue 18)."""
+
+
+def __getattr__(name: str) -> Any:
+    """The topology helpers, imported when first asked for."""
+    if name in _TOPOLOGY:
+        from partc.runtime import topology
+
+        return getattr(topology, name)
+    raise AttributeError(f"module 'partc.runtime' has no attribute {name!r}")
 
 __all__ = [
     "BuildTopology",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import os
@@ -145,6 +144,8 @@ def _suggest(name: str, names: tuple[str, ...]) -> str | None:
         pool = [n for n in names if abs(len(n) - len(name)) <= 12
                 and len(q := n.split(".")) == len(parts)
                 and sum(a != b for a, b in zip(q, parts, strict=True)) <= 1]
+    import difflib  # only for the suggestion of an error
+
     close = difflib.get_close_matches(name, pool, n=1, cutoff=0.75)
     return close[0] if close else None
 

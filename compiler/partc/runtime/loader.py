@@ -21,7 +21,6 @@ from partc.parallel.layout import (
     ParallelModelInfo,
 )
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.device import convert_on_device, load_target, stage_to_device
 from partc.runtime.digests import VERIFY_MODES, verify_digests
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
@@ -106,8 +105,13 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
     `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory.
     """
-    framework, staged = load_target(framework, device, verify=verify, zero_copy=zero_copy,
-                                    reader=reader, staging_bytes=staging_bytes)
+    if device is None and framework in (None, "numpy") and staging_bytes is None:
+        framework, staged = "numpy", None  # a host numpy load: nothing of the device path
+    else:  # imported only here: its torch and CUDA machinery costs every import otherwise
+        from partc.runtime.device import load_target
+
+        framework, staged = load_target(framework, device, verify=verify, zero_copy=zero_copy,
+                                        reader=reader, staging_bytes=staging_bytes)
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
     if zero_copy and framework == "torch":
@@ -134,6 +138,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                     for item in layout.tensors]
     total = sum(item.local_bytes for item in layout.tensors)
     if staged is not None:
+        from partc.runtime.device import convert_on_device, stage_to_device
+
         with progress_bar(total, f"rank {table.rank}", progress) as update:
             on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
                                         progress=update)[0]

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partc.errors import CheckpointError, LayoutError
-from partc.parallel.experts import ExpertMap
 from partc.parallel.layout import (
     LocalModelLayout,
     LocalTensorLayout,
@@ -16,19 +15,17 @@ from partc.parallel.layout import (
     ParameterRole,
     placement_from_compact,
 )
-from partc.partition.boundary import (
-    ArchitectureBoundary,
-    BoundaryTensorDimension,
-    BoundaryTensorDtype,
-    BoundaryTensorSpec,
-    BoundaryWireSchema,
-    PipelineActivationDtype,
-    PipelineWireContract,
-)
-from partc.partition.boundary import architecture_boundary as _boundary_for
-from partc.partition.driver import LayeredPartitionDriver
-from partc.partition.pipeline import ArchitecturePartition, PartitionState
 from partc.runtime.headers import paused_gc
+
+if TYPE_CHECKING:  # imported where used: a plain load needs none of them (import cost)
+    from partc.parallel.experts import ExpertMap
+    from partc.partition.boundary import (
+        ArchitectureBoundary,
+        BoundaryWireSchema,
+        PipelineWireContract,
+    )
+    from partc.partition.driver import LayeredPartitionDriver
+    from partc.partition.pipeline import ArchitecturePartition, PartitionState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +213,8 @@ def expert_map(table: RankTable) -> ExpertMap:
     if experts is None:
         raise CheckpointError(f"rank {table.rank} is not from an expert-parallel build (compile "
                               "with --ep); it has no expert map")
+    from partc.parallel.experts import ExpertMap
+
     try:
         return ExpertMap(expert_parallel_size=experts["expert_parallel_size"],
                          expert_tensor_parallel_size=experts["expert_tensor_parallel_size"],
@@ -230,6 +229,8 @@ def expert_map(table: RankTable) -> ExpertMap:
 
 def architecture_partition(table: RankTable) -> ArchitecturePartition:
     """The stage's ArchitecturePartition (graph, bindings and wire contract included)."""
+    from partc.partition.pipeline import ArchitecturePartition
+
     partition = ArchitecturePartition.from_json(
         {**table.partition, "parameter_bindings": _parameter_bindings(table)},
         boundary=wire_contract(table))
@@ -242,6 +243,12 @@ def architecture_partition(table: RankTable) -> ArchitecturePartition:
 def _contract(table: RankTable, schema: Mapping[str, Any] | None
               ) -> PipelineWireContract | None:
     """The wire contract of one cut's schema (None: no cut)."""
+    from partc.partition.boundary import (
+        BoundaryWireSchema,
+        PipelineActivationDtype,
+        PipelineWireContract,
+    )
+
     if schema is None:
         return None
     return PipelineWireContract(schema=BoundaryWireSchema.from_json(schema),
@@ -251,6 +258,8 @@ def _contract(table: RankTable, schema: Mapping[str, Any] | None
 def receive_boundary(table: RankTable) -> ArchitectureBoundary | None:
     """Typed decode of the cut this stage receives at (None on the first stage); the one
     pipeline boundary in a build without per-group boundaries."""
+    from partc.partition.boundary import architecture_boundary as _boundary_for
+
     if table.receive_boundary is None and table.send_boundary is None:
         return None if table.pipeline_stage == 0 else architecture_boundary(table)
     contract = _contract(table, table.receive_boundary)
@@ -260,6 +269,8 @@ def receive_boundary(table: RankTable) -> ArchitectureBoundary | None:
 def send_boundary(table: RankTable) -> ArchitectureBoundary | None:
     """Typed encode of the cut this stage sends at (None on the last stage); the one pipeline
     boundary in a build without per-group boundaries."""
+    from partc.partition.boundary import architecture_boundary as _boundary_for
+
     if table.receive_boundary is None and table.send_boundary is None:
         last = table.pipeline_stage == table.pipeline_parallel_size - 1
         return None if last else architecture_boundary(table)
@@ -274,23 +285,40 @@ def partition_state(table: RankTable) -> PartitionState:
 
 def wire_contract(table: RankTable) -> PipelineWireContract:
     """The pipeline wire contract: boundary schema and the compiled activation dtype."""
+    from partc.partition.boundary import (
+        BoundaryWireSchema,
+        PipelineActivationDtype,
+        PipelineWireContract,
+    )
+
     return PipelineWireContract(schema=BoundaryWireSchema.from_json(table.boundary),
                                 activation_dtype=PipelineActivationDtype(table.activation_dtype))
 
 
 def architecture_boundary(table: RankTable) -> ArchitectureBoundary:
     """Typed encode/decode of the pipeline boundary under the wire contract."""
+    from partc.partition.boundary import architecture_boundary as _boundary_for
+
     return _boundary_for(wire_contract(table))
 
 
 def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None = None
                              ) -> LayeredPartitionDriver:
     """The stage's LayeredPartitionDriver, checking the executor's `storage` ranges if given."""
+    from partc.partition.driver import LayeredPartitionDriver
+
     return LayeredPartitionDriver.for_partition(architecture_partition(table), storage)
 
 
 def boundary_schema(table: RankTable) -> BoundaryWireSchema:
     """The pipeline boundary wire schema."""
+    from partc.partition.boundary import (
+        BoundaryTensorDimension,
+        BoundaryTensorDtype,
+        BoundaryTensorSpec,
+        BoundaryWireSchema,
+    )
+
     def spec(data: Mapping[str, Any]) -> BoundaryTensorSpec:
         dims = tuple(BoundaryTensorDimension.from_json(d) for d in data["shape"])
         return BoundaryTensorSpec(role=data["role"], shape=dims,
