@@ -60,4 +60,5 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
     assert found["bf16"] == ["bfloat16", True, [0x3F80, 0xC000, 0x0000]]
     assert found["late"] == [] and found["late after load"] == []
     assert found["late after boundary"] == ["partc.partition.boundary"]
-    assert found["late after topology"] == ["partc.partition.boundary", "partc.runtime.topology"]
+    assert found["late after topology"] == ["partc.parallel.experts", "partc.partition.boundary",
+                                            "partc.runtime.topology"]

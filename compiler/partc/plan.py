@@ -24,6 +24,7 @@ from partc.parallel.experts import (
     RankCoordinates,
     expert_axis_problem,
     stacked_expert_layouts,
+    stage_ranks,
 )
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
 from partc.parallel.realize import TensorSplit, realize_group_template
@@ -95,9 +96,8 @@ class Topology:
     @property
     def ranks_per_stage(self) -> int:
         """N: E * X under expert parallelism, else T."""
-        if self.expert_parallel_size is None:
-            return self.tensor_parallel_size
-        return self.expert_parallel_size * self.expert_tensor_parallel_size
+        return stage_ranks(self.tensor_parallel_size, self.expert_parallel_size,
+                           self.expert_tensor_parallel_size)
 
     @property
     def world_size(self) -> int:

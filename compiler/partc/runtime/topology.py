@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.errors import CheckpointError
+from partc.parallel.experts import stage_ranks
 from partc.runtime.frameworks import import_torch
 from partc.runtime.ranks import environment_integer, launch_position
 
@@ -93,9 +94,8 @@ class BuildTopology:
     @property
     def ranks_per_stage(self) -> int:
         """N: E·X for an expert-parallel build, else T."""
-        if self.expert_parallel_size is None:
-            return self.tensor_parallel_size
-        return self.expert_parallel_size * self.expert_tensor_parallel_size
+        return stage_ranks(self.tensor_parallel_size, self.expert_parallel_size,
+                           self.expert_tensor_parallel_size)
 
     @property
     def build_world_size(self) -> int:

@@ -229,7 +229,7 @@ def load_model(folder: Path) -> Any:
     torch, transformers = require_libraries()
     auto = model_class(transformers, transformers.AutoConfig.from_pretrained(folder))
     model = auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    model.train(False)  # inference mode (dropout off); the same as torch's Module.eval()
+    model.train(False)  # inference mode: dropout off
     return model
 
 
