@@ -168,3 +168,55 @@ def test_cold_loads_take_the_node_share_of_the_direct_threads_unless_told(
     assert CheckpointReader(ckpt, workers=1)._cold_workers == 1, "workers= is honoured"
     monkeypatch.setenv("PARTC_READ_THREADS", "3")
     assert CheckpointReader(ckpt)._cold_workers == 3, "PARTC_READ_THREADS is honoured"
+
+
+def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, copy: Path) -> None:
+    # the ranks of a node share the pages (and sectors) of their column runs: O_DIRECT would
+    # fetch every shared sector once per rank, the page cache once for the node
+    module = compile_and_import("llama", copy / "config.json", tmp_path / "build", tp=2, pp=1,
+                                checkpoint=copy)[1]
+    warm = module.load(copy, rank=1)
+    monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    seen = direct_reads(monkeypatch)
+    recorder = Recorder()
+    together = module.load(copy, rank=1, reader=recorder)
+    assert seen == [], "no O_DIRECT read when the node's ranks load together"
+    assert_same_tensors(together.tensors, warm.tensors)
+    alone = Recorder()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    module.load(copy, rank=1, reader=alone)
+    assert sorted(recorder.runs) == sorted(alone.runs), "the same byte runs either way"
+    if direct_supported(copy / "model.safetensors"):
+        assert seen, "a rank alone reads its cold column runs with O_DIRECT"
+
+
+def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> None:
+    # a real file, half evicted: the sampled mincore answer follows the page cache
+    path = tmp_path / "data.bin"
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = 4096 * page
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        ckpt_header = type("Header", (), {"path": path, "file_size": size})()
+        source = gather.GatherFile(ckpt_header, fd, "data")  # type: ignore[arg-type]
+        if gather._libc("mincore") is None:
+            assert source.resident(0, size) == 1.0, "unknown residency counts as cached"
+            return
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        evicted = source.resident(0, size)
+        os.pread(fd, size, 0)
+        cached = source.resident(0, size)
+        os.posix_fadvise(fd, size // 2, 0, os.POSIX_FADV_DONTNEED)
+        half = source.resident(0, size)
+        small = source.resident(0, 3 * page)  # fewer pages than one window
+        source.close()
+    finally:
+        os.close(fd)
+    assert cached == 1.0
+    assert evicted < 0.2, "an evicted file reads as cold"
+    assert 0.3 <= half <= 0.7, f"half the file cached reads as about half ({half})"
+    assert small == 1.0

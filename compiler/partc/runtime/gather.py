@@ -4,9 +4,11 @@ Warm, the rows' pages are in the page cache: process_vm_writev on this very proc
 pieces out of a read-only mapping of the file into the destination, up to 1024 pieces a call.
 The mapping is never touched from user space, so a page past the end of a file truncated
 meanwhile makes the call fail (EFAULT) instead of raising SIGBUS. Cold, the pages are not in
-the page cache (mincore): every run is read with O_DIRECT, aligned to the 512-byte sector, so
-storage sends the run's sectors, not the 4 KiB pages around it (for a run shorter than a page
-that is most of the page). Elsewhere, or when a call is refused, each piece is one preadv.
+the page cache (mincore): a rank loading alone reads every run with O_DIRECT, aligned to the
+512-byte sector, so storage sends the run's sectors, not the 4 KiB pages around it (for a run
+shorter than a page that is most of the page); ranks of a node loading together go through the
+page cache, which fetches the pages their runs share once for all of them. Elsewhere, or when
+a call is refused, each piece is one preadv.
 """
 
 from __future__ import annotations
@@ -186,16 +188,24 @@ class GatherFile:
             self.direct_fd = -1
 
 
-def plan_gathers(jobs: list[_Gather], sources: dict[int, GatherFile]) -> bool:
-    """Attach each job to its file's `GatherFile` and mark the cold ones for O_DIRECT (in the
-    calling thread, before any read); whether any job reads with O_DIRECT."""
-    direct = False
+def plan_gathers(jobs: list[_Gather], sources: dict[int, GatherFile], *,
+                 alone: bool = True) -> bool:
+    """Attach each job to its file's `GatherFile`, in the calling thread before any read;
+    whether any job's rows are cold (fewer than `_COLD_FRACTION` of their pages cached).
+
+    A rank loading `alone` on its node reads cold rows with O_DIRECT (its own sectors only).
+    Ranks of a node loading together read them through the page cache instead: their column
+    runs share pages and sectors, which the cache then fetches once for the whole node rather
+    than once per rank.
+    """
+    cold = False
     for job in jobs:
         source = job.source = sources[job.file]
-        if (_USE_DIRECT and source.resident(*job.span()) < _COLD_FRACTION
-                and source.open_direct()):
-            job.direct = direct = True
-    return direct
+        if _USE_DIRECT and source.resident(*job.span()) < _COLD_FRACTION:
+            cold = True
+            if alone and source.open_direct():
+                job.direct = True
+    return cold
 
 
 def run_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
@@ -341,19 +351,37 @@ def _position_of(pieces: np.ndarray[Any, Any], done: int, base: int) -> int:
     return int(pieces[i, 0]) - base + done - before
 
 
+_PROBE_WINDOWS = 8
+"""Windows of pages `_resident` asks mincore about, spread evenly over the range."""
+_PROBE_PAGES = 8
+"""Pages in each window."""
+
+
 def _resident(address: int, start: int, end: int) -> float:
     """The fraction of the pages of the mapping at `address` covering file bytes [start, end)
     that mincore reports in the page cache; 1.0 where mincore is missing or fails (the kernel
-    also answers "all" for a file this process may neither write nor owns)."""
+    also answers "all" for a file this process may neither write nor owns).
+
+    A range longer than `_PROBE_WINDOWS` x `_PROBE_PAGES` pages is sampled in that many windows
+    spread evenly over it: the answer only chooses between two ways of reading a job, and
+    asking about every page of every gather job cost ~7% of a small rank's warm load.
+    """
     probe = _libc("mincore")
     if probe is None or end <= start:
         return 1.0
-    first = (address + start) // mmap.PAGESIZE * mmap.PAGESIZE
-    last = -(-(address + end) // mmap.PAGESIZE) * mmap.PAGESIZE
-    vector = np.zeros((last - first) // mmap.PAGESIZE, dtype=np.uint8)
-    if probe(first, last - first, vector.ctypes.data) != 0:
-        return 1.0
-    return float(np.count_nonzero(vector & 1)) / len(vector)
+    page = mmap.PAGESIZE
+    first = (address + start) // page * page
+    pages = (-(-(address + end) // page) * page - first) // page
+    window = min(pages, _PROBE_PAGES)
+    count = min(_PROBE_WINDOWS, pages // window)
+    vector = np.zeros(window, dtype=np.uint8)
+    step = (pages - window) // max(1, count - 1) if count > 1 else 0
+    present = 0
+    for i in range(count):
+        if probe(first + i * step * page, window * page, vector.ctypes.data) != 0:
+            return 1.0
+        present += int(np.count_nonzero(vector & 1))
+    return present / (count * window)
 
 
 _SIGNATURES = {"process_vm_writev": ("ssize", ["int", "void*", "ulong", "void*", "ulong",

@@ -152,6 +152,8 @@ class CheckpointReader:
         """Told of every byte run read, when set."""
         self.max_gap = max_gap
         """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
+        self.node_ranks = node_ranks(local_ranks)
+        """Ranks loading on this node at once (see `node_ranks`)."""
         self.workers = default_workers(local_ranks) if workers is None else max(1, workers)
         """Threads `read_many` may use for a large read."""
         self._cold_workers = self.workers if workers is not None or os.environ.get(
@@ -291,7 +293,7 @@ class CheckpointReader:
                 header = self.checkpoint.files[job.file]
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name)
         try:
-            cold = plan_gathers(gathers, sources)
+            cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
             workers = self._cold_workers if cold else self.workers
             if len(jobs) < 2 or workers < 2 or nbytes < _THREADED_BYTES:
                 for job in jobs:
