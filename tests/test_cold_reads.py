@@ -220,3 +220,39 @@ def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> Non
     assert evicted < 0.2, "an evicted file reads as cold"
     assert 0.3 <= half <= 0.7, f"half the file cached reads as about half ({half})"
     assert small == 1.0
+
+
+def test_reading_a_header_does_not_read_ahead_into_the_tensor_data(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # a cold rank that opens a checkpoint must not fetch the readahead window (MiBs of other
+    # ranks' tensors) behind the header
+    from safetensors.numpy import save_file
+
+    from partc.runtime.headers import read_header
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": np.zeros((4096, 1024), dtype=np.float32)}, str(path))  # 16 MiB of data
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((fd, advice))
+        real(fd, offset, length, advice)
+
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        probe = gather.GatherFile(read_header(path), fd, "w")
+        os.fsync(fd)
+        real(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        evicted = probe.resident(0, size)
+        monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        header = read_header(path)
+        after = probe.resident(4 << 20, size)  # past the header's own pages
+        probe.close()
+    finally:
+        os.close(fd)
+    assert header.tensors["w"].shape == (4096, 1024)
+    assert [a for _, a in advised] == [os.POSIX_FADV_RANDOM], "one advice, before any read"
+    if evicted < 0.2:  # this file system evicts on request: the data stayed on storage
+        assert after < 0.2, f"{after:.0%} of the data behind the header was read ahead"

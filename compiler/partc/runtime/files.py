@@ -64,6 +64,18 @@ def open_regular(path: Path, what: str = "checkpoint file") -> tuple[int, os.sta
     return fd, st
 
 
+def no_readahead(fd: int) -> None:
+    """Tell the kernel reads of `fd` are random: a cold read then fetches the pages it asks for,
+    not a readahead window (8 MiB on the disks this runs on) of the neighbouring tensors (other
+    ranks' columns) or, for a header, of the data behind it. Large reads still go to storage in
+    large requests; only the speculative window is dropped."""
+    if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_RANDOM"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:  # advice only (e.g. a FIFO or a file system that refuses it)
+            pass
+
+
 def file_kind(mode: int) -> str:
     """Words for the kind of file of an st_mode."""
     kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

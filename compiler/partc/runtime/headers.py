@@ -24,6 +24,7 @@ import numpy as np
 from partc.errors import CheckpointError, SourceLocation
 from partc.runtime.files import (
     FileStamp,
+    no_readahead,
     open_regular,
     read_exactly,
 )
@@ -219,6 +220,7 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     p = Path(path)
     fd, st = open_regular(p)
     try:
+        no_readahead(fd)  # a cold rank would otherwise fetch megabytes of others' tensors
         size = st.st_size
         if size < 8:
             _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")

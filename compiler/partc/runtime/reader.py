@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from partc.runtime.checkpoint import MAX_INDEX_BYTES, Checkpoint, open_checkpoint
-from partc.runtime.files import FileStamp
+from partc.runtime.files import FileStamp, no_readahead
 from partc.runtime.gather import (
     DIRECT_THREADS,
     GatherFile,
@@ -192,7 +192,7 @@ class CheckpointReader:
             except OSError as exc:
                 _fail(header.path, f"cannot open checkpoint file: {exc.strerror or exc}")
             self._fds[header.path] = fd  # closed by close() even when a check below fails
-            _no_readahead(fd)
+            no_readahead(fd)
             try:
                 st = os.fstat(fd)
             except OSError as exc:
@@ -448,17 +448,6 @@ class CheckpointReader:
             else:
                 for r, dd, nn in zip(rel.tolist(), d.tolist(), n.tolist(), strict=True):
                     flat[dd:dd + nn] = span[r:r + nn]
-
-
-def _no_readahead(fd: int) -> None:
-    """Tell the kernel reads of `fd` are random: a cold read then fetches the pages it asks for,
-    not a readahead window of the neighbouring tensors (other ranks' columns). Large reads
-    still go to storage in large requests; only the speculative window is dropped."""
-    if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_RANDOM"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except OSError:  # advice only (e.g. a FIFO or a file system that refuses it)
-            pass
 
 
 def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
