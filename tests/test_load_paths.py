@@ -148,7 +148,9 @@ def test_column_runs_are_read_exactly_with_readahead_off(
     np.testing.assert_array_equal(got.view(np.uint8),
                                   load_file(str(header.path))[name][:, cols // 4:cols // 2]
                                   .view(np.uint8))
-    assert [(o, n, h) for _, o, n, h in advice] == [(0, 0, os.POSIX_FADV_RANDOM)]
+    # one advice for the descriptor that read the header, one for the reader's
+    assert [(o, n, h) for _, o, n, h in advice] == [(0, 0, os.POSIX_FADV_RANDOM)] * 2
+    assert len({fd for fd, _, _, _ in advice}) <= 2
 
 
 def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
