@@ -1,5 +1,6 @@
-"""What importing the runtime loads: ml_dtypes and concurrent.futures only when needed, and
-none of the pipeline, device, topology or expert modules a plain numpy load never calls."""
+"""What importing the runtime loads: ml_dtypes, concurrent.futures and hashlib (OpenSSL) only
+when needed, and none of the pipeline, device, topology or expert modules a plain numpy load
+never calls."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import json, sys
 build, package, checkpoint, bf16 = sys.argv[1:5]
 found = {}
 import partc.runtime
-found["runtime"] = sorted(m for m in ("ml_dtypes", "concurrent.futures") if m in sys.modules)
+HEAVY = ("ml_dtypes", "concurrent.futures", "hashlib", "_hashlib")
+found["runtime"] = sorted(m for m in HEAVY if m in sys.modules)
 LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.partition.driver",
         "partc.runtime.device", "partc.runtime.topology", "partc.parallel.experts", "difflib")
 found["late"] = sorted(m for m in LATE if m in sys.modules)
@@ -32,7 +34,7 @@ module.rank_module(0).boundary()
 found["late after boundary"] = sorted(m for m in LATE if m in sys.modules)
 module.topology()
 found["late after topology"] = sorted(m for m in LATE if m in sys.modules)
-found["f32 load"] = sorted(m for m in ("ml_dtypes", "concurrent.futures") if m in sys.modules)
+found["f32 load"] = sorted(m for m in HEAVY if m in sys.modules)
 found["dtypes"] = sorted({str(a.dtype) for a in state.tensors.values()})
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.reader import read_tensor
@@ -54,11 +56,31 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
                          capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert found["runtime"] == [], "importing partc.runtime loads neither"
+    assert found["runtime"] == [], "importing partc.runtime loads none of them"
     assert found["dtypes"] == ["float32"], "the llama fixture is an F32 checkpoint"
-    assert found["f32 load"] == [], "a generated module's F32 load needs neither"
+    assert found["f32 load"] == [], "a generated module's F32 load needs none of them"
     assert found["bf16"] == ["bfloat16", True, [0x3F80, 0xC000, 0x0000]]
     assert found["late"] == [] and found["late after load"] == []
     assert found["late after boundary"] == ["partc.partition.boundary"]
     assert found["late after topology"] == ["partc.parallel.experts", "partc.partition.boundary",
                                             "partc.runtime.topology"]
+
+
+def test_the_header_hash_equals_hashlibs_sha256() -> None:
+    # headers and tensor lists are hashed without importing hashlib: the same digests
+    import hashlib
+    import os
+
+    from partc.runtime.checkpoint import open_checkpoint
+    from partc.runtime.files import sha256
+
+    for size in (0, 1, 63, 64, 65, 4096, 1 << 20):
+        data = os.urandom(size)
+        assert sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
+    parts = sha256(b"partc")
+    parts.update(b" header")
+    assert parts.hexdigest() == hashlib.sha256(b"partc header").hexdigest()
+    path = hf("llama") / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert open_checkpoint(path).files[0].digest == hashlib.sha256(raw[8:8 + n]).hexdigest()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -21,6 +20,7 @@ from partc.runtime.files import (
     open_regular,
     present,
     read_exactly,
+    sha256,
     stat_or_none,
 )
 from partc.runtime.headers import (
@@ -83,7 +83,7 @@ class Checkpoint:
         byte-identical headers (cheap; `fingerprint` is the layout-independent identity)."""
         if len(self.files) == 1:
             return self.files[0].digest
-        return hashlib.sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
+        return sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
 
     def fingerprint_error(self, expected: str, header_digest: str | None, *, override: str
                           ) -> CheckpointError | None:
@@ -124,7 +124,7 @@ class Checkpoint:
             names = [names[i] for i in order]
             dtypes = [dtypes[i] for i in order]
             shapes = [shapes[i] for i in order]
-        digest = hashlib.sha256(json.dumps(names).encode())
+        digest = sha256(json.dumps(names).encode())
         digest.update(json.dumps(dtypes).encode())
         lengths = array("Q", map(len, shapes))
         dims = array("Q", chain.from_iterable(shapes))

@@ -9,7 +9,6 @@ same tensor in a `partc shard` rank file. `partc shard` records them in its mani
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -35,6 +34,8 @@ _Item = TypeVar("_Item")
 
 def tensor_digest(array: np.ndarray[Any, Any]) -> str:
     """sha256 (hex) of the C-contiguous bytes of `array` in its own dtype."""
+    import hashlib  # OpenSSL's sha256: fast on large buffers, releases the GIL; only when used
+
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     return hashlib.sha256(flat.data).hexdigest()
 

@@ -9,9 +9,40 @@ import os
 import stat
 from contextlib import suppress
 from pathlib import Path
-from typing import NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from partc.errors import CheckpointError, SourceLocation
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
+
+
+def sha256(data: bytes = b"") -> _Hash:
+    """A sha256 hash object (hashlib's interface) for headers and tensor lists (KiB to MiB).
+
+    CPython's builtin sha256 module, where present: hashlib loads OpenSSL when imported (~3 ms
+    here, a tenth of the runtime's import cost) and every load hashes its headers. Payload
+    digests, large and hashed on several threads, use hashlib itself (`partc.runtime.digests`).
+    """
+    if not _SHA256:
+        import importlib
+
+        for name in ("_sha256", "_sha2"):  # CPython 3.11; 3.12 and later
+            try:
+                _SHA256.append(importlib.import_module(name).sha256)
+                break
+            except (ImportError, AttributeError):
+                continue
+        else:
+            from hashlib import sha256 as found
+
+            _SHA256.append(found)
+    made: _Hash = _SHA256[0](data)
+    return made
+
+
+_SHA256: list[Any] = []
+"""The sha256 constructor `sha256` uses, once found."""
 
 
 def _fail(path: str | os.PathLike[str], message: str) -> NoReturn:

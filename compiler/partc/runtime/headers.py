@@ -7,7 +7,6 @@ one file or an index of shards, `partc.runtime.manifest` a pre-sharded folder.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import math
 import os
@@ -27,6 +26,7 @@ from partc.runtime.files import (
     no_readahead,
     open_regular,
     read_exactly,
+    sha256,
 )
 
 MAX_HEADER_SIZE = 100_000_000
@@ -265,7 +265,7 @@ def _parse_header(p: Path, raw: bytes, size: int, stamp: FileStamp | None = None
     with paused_gc():  # ~1M short-lived containers: collecting them mid-parse doubles the time
         metadata, tensors = _parse_tables(p, text, size - 8 - n)
     return FileHeader(path=p, header_size=n, data_start=8 + n, file_size=size,
-                      metadata=metadata, tensors=tensors, digest=hashlib.sha256(raw).hexdigest(),
+                      metadata=metadata, tensors=tensors, digest=sha256(raw).hexdigest(),
                       stamp=stamp)
 
 
