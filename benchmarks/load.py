@@ -19,11 +19,15 @@ the page cache warmed before every warm run:
 - warm bytes: the loader's `reader=` hook (bytes copied out of the file) over the share;
 - peak RSS: the process's VmHWM minus that of a process that only did the same imports;
 - whole node: all T ranks of a build loading at once (LOCAL_WORLD_SIZE=T, so each sizes its
-  reader threads from the cores it shares); the slowest rank's time over rank 0's time alone,
-  and, cold, the bytes all T ranks fetched over the union of their byte runs;
+  reader threads from the cores it shares); the slowest rank's time over rank 0's time alone
+  (at least about T/cores: the node moves T shares on the same cores), over the T=1 load (the
+  whole model by one process: about 1 when the ranks share the cores without loss), and, cold,
+  the bytes all T ranks fetched over the union of their byte runs;
 - sectors / share: the 512-byte sectors the rank's byte runs touch (the least any read from
   this disk fetches; O_DIRECT reads of column runs fetch these);
-- import: `import partc.runtime` against `import numpy`, fresh processes.
+- import: `import partc.runtime` against `import numpy`, each in a fresh interpreter that
+  imported nothing before it, alternating; the median of the pairs' differences and the best
+  against the best.
 
 Every figure is the median of --repeats runs, interleaved across variants so that a noisy
 neighbour hits them alike; the load average is printed with each table. Usage:
@@ -172,15 +176,7 @@ def touch(arrays):
 
 result = {}
 base = mode.endswith("-base")
-if mode.startswith("import-"):
-    t0 = time.monotonic()
-    if mode == "import-numpy":
-        import numpy
-    else:
-        import partc.runtime
-    result["seconds"] = time.monotonic() - t0
-    result["ml_dtypes"] = "ml_dtypes" in sys.modules
-elif mode.startswith(("loader", "zerocopy", "cold")):
+if mode.startswith(("loader", "zerocopy", "cold")):
     sys.path.insert(0, spec["build"])
     import importlib
     module = importlib.import_module(spec["module"])
@@ -258,6 +254,30 @@ with open("/proc/self/status") as f:
     result["maxrss"] = int(next(l for l in f if l.startswith("VmHWM")).split()[1]) * 1024
 print(json.dumps(result))
 """
+
+
+IMPORT_CHILD = r"""
+import sys, time
+t0 = time.monotonic()
+if sys.argv[1] == "numpy":
+    import numpy
+else:
+    import partc.runtime
+seconds = time.monotonic() - t0
+print('{"seconds": %r, "ml_dtypes": %s, "hashlib": %s}' % (
+    seconds, str("ml_dtypes" in sys.modules).lower(), str("_hashlib" in sys.modules).lower()))
+"""
+"""An import timed in a fresh interpreter that has imported nothing else first (the child
+above imports json and mmap, which the runtime needs too)."""
+
+
+def import_child(module: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", IMPORT_CHILD, module], capture_output=True,
+                          text=True, env=child_environment())
+    if done.returncode:
+        raise SystemExit(f"import {module} failed:\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -465,10 +485,10 @@ def main() -> None:
     for tp in tps:
         warm(files)
         hooks[tp] = run_child("loader-bytes", builds[tp])
-    imports: dict[str, list[dict[str, Any]]] = {"import-numpy": [], "import-partc": []}
-    for _ in range(max(5, args.repeats)):
-        for mode in imports:
-            imports[mode].append(run_child(mode, builds[tps[0]]))
+    imports: dict[str, list[dict[str, Any]]] = {"numpy": [], "partc.runtime": []}
+    for _ in range(max(15, 5 * args.repeats)):
+        for module in imports:
+            imports[module].append(import_child(module))
     load_after = os.getloadavg()
 
     def med(tp: int, mode: str, key: str = "seconds") -> float:
@@ -503,18 +523,24 @@ def main() -> None:
                                          - base["loader-base"]) / 2**20
         if not args.skip_node:
             row["node slowest/alone"] = med(tp, "node") / loader if tp > 1 else None
+            if 1 in tps:  # the T ranks together load the whole model once, as T=1 does
+                row["node slowest/T=1"] = med(tp, "node") / med(1, "loader") if tp > 1 \
+                    else None
         rows.append(row)
     print(f"load average (1, 5, 15 min): before {fmt_load(load_before)}, after "
           f"{fmt_load(load_after)}")
     print_table(rows)
     print(f"\ntransformers from_pretrained(tp_plan='auto'), T=2, BENCHMARKS.md reference model: "
           f"{TRANSFORMERS_T2} s process start to return (not measured here).")
-    numpy_s = statistics.median(r["seconds"] for r in imports["import-numpy"])
-    runtime_s = statistics.median(r["seconds"] for r in imports["import-partc"])
-    print(f"import partc.runtime {runtime_s * 1e3:.0f} ms, import numpy {numpy_s * 1e3:.0f} ms "
-          f"(fresh processes, median of {len(imports['import-numpy'])}): runtime - numpy = "
-          f"{(runtime_s - numpy_s) * 1e3:.0f} ms (target <= 30); ml_dtypes imported: "
-          f"{any(r['ml_dtypes'] for r in imports['import-partc'])}")
+    numpy_s = [r["seconds"] * 1e3 for r in imports["numpy"]]
+    runtime_s = [r["seconds"] * 1e3 for r in imports["partc.runtime"]]
+    paired = statistics.median(b - a for a, b in zip(numpy_s, runtime_s, strict=True))
+    print(f"import partc.runtime {statistics.median(runtime_s):.0f} ms, import numpy "
+          f"{statistics.median(numpy_s):.0f} ms (fresh interpreters, alternating, median of "
+          f"{len(numpy_s)}): runtime - numpy = {paired:.0f} ms median of the pairs, "
+          f"{min(runtime_s) - min(numpy_s):.0f} ms best against best (target <= 30); "
+          f"ml_dtypes imported: {any(r['ml_dtypes'] for r in imports['partc.runtime'])}, "
+          f"OpenSSL (_hashlib) imported: {any(r['hashlib'] for r in imports['partc.runtime'])}")
     print(f"interpreter+imports baseline RSS: loader {base['loader-base'] / 2**20:.0f} MiB, "
           f"floor {base['floor-base'] / 2**20:.0f} MiB")
     verdicts(rows)

@@ -374,14 +374,13 @@ def _resident(address: int, start: int, end: int) -> float:
     pages = (-(-(address + end) // page) * page - first) // page
     window = min(pages, _PROBE_PAGES)
     count = min(_PROBE_WINDOWS, pages // window)
-    vector = np.zeros(window, dtype=np.uint8)
+    vector = np.zeros(count * window, dtype=np.uint8)
     step = (pages - window) // max(1, count - 1) if count > 1 else 0
-    present = 0
+    at = vector.ctypes.data
     for i in range(count):
-        if probe(first + i * step * page, window * page, vector.ctypes.data) != 0:
+        if probe(first + i * step * page, window * page, at + i * window) != 0:
             return 1.0
-        present += int(np.count_nonzero(vector & 1))
-    return present / (count * window)
+    return int(np.count_nonzero(vector & 1)) / len(vector)
 
 
 _SIGNATURES = {"process_vm_writev": ("ssize", ["int", "void*", "ulong", "void*", "ulong",
