@@ -517,6 +517,7 @@ def main() -> None:
             if not args.skip_node and tp > 1:
                 row["node cold fetched/union"] = (med(tp, "node-cold", "read_bytes")
                                                   / builds[tp]["union"])
+                row["node cold slowest s"] = med(tp, "node-cold")
         row["RSS-base MiB"] = (med(tp, "loader", "maxrss") - base["loader-base"]) / 2**20
         row["share+64"] = local / 2**20 + 64
         row["zero-copy RSS-base MiB"] = (med(tp, "zerocopy", "maxrss")

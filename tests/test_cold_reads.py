@@ -173,23 +173,51 @@ def test_cold_loads_take_the_node_share_of_the_direct_threads_unless_told(
 def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, copy: Path) -> None:
     # the ranks of a node share the pages (and sectors) of their column runs: O_DIRECT would
-    # fetch every shared sector once per rank, the page cache once for the node
+    # fetch every shared sector once per rank, the page cache once for the node; each cold job
+    # first asks for its whole rows (the node's other ranks read the rest of them)
     module = compile_and_import("llama", copy / "config.json", tmp_path / "build", tp=2, pp=1,
                                 checkpoint=copy)[1]
     warm = module.load(copy, rank=1)
     monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
+    advice: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, how: int) -> None:
+        advice.append((offset, length, how))
+        real(fd, offset, length, how)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     seen = direct_reads(monkeypatch)
     recorder = Recorder()
     together = module.load(copy, rank=1, reader=recorder)
     assert seen == [], "no O_DIRECT read when the node's ranks load together"
     assert_same_tensors(together.tensors, warm.tensors)
+    ckpt = open_checkpoint(copy)
+    spans = []  # the rows of every gathered (column-sliced) tensor of rank 1
+    for item in together.layout.tensors:
+        header, entry = ckpt.tensor(item.target)
+        axis, ranges = item.selection
+        if axis is not None and gather._gatherable(entry, TensorSelection(axis=axis,
+                                                                          ranges=ranges)):
+            base = header.data_start + entry.begin
+            spans.append((base, base + entry.nbytes))
+    assert spans, "the llama fixture's rank 1 has column slices"
+    wanted = [(o, n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
+    covered = sorted((o, o + n) for o, n in wanted)
+    assert covered and all(any(a <= o and e <= b for a, b in spans) for o, e in covered), \
+        "whole rows of gathered tensors only"
+    assert sum(e - o for o, e in covered) == sum(b - a for a, b in spans), \
+        "every row of every gathered tensor, once"
     alone = Recorder()
+    advice.clear()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     module.load(copy, rank=1, reader=alone)
     assert sorted(recorder.runs) == sorted(alone.runs), "the same byte runs either way"
     if direct_supported(copy / "model.safetensors"):
         assert seen, "a rank alone reads its cold column runs with O_DIRECT"
+        assert not [a for a in advice if a[2] == os.POSIX_FADV_WILLNEED], \
+            "a rank alone fetches its own sectors only"
 
 
 def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> None:
