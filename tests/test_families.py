@@ -23,7 +23,7 @@ from partc.cli import main
 from partc.errors import ParallelPlanError
 from partc.library import builtin_families
 from partc.parallel.specs import ShardingPolicy
-from partc.plan import Topology
+from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
 
 from executor import load_safetensors

@@ -20,7 +20,8 @@ from partc.api import compile_family, plan_family
 from partc.commands import docs_folder
 from partc.errors import CheckpointError
 from partc.front.load import load_document
-from partc.plan import Topology, canonical_json
+from partc.plan.ir import canonical_json
+from partc.plan.topology import Topology
 
 from support import ROOT, checkpoint_tensors, hf, import_build
 

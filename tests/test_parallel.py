@@ -56,7 +56,7 @@ from partc.parallel.specs import (
     segmented_projection_group,
     with_policy,
 )
-from partc.plan import Topology
+from partc.plan.topology import Topology
 
 from support import ROOT, hf, reassemble
 

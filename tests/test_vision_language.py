@@ -20,7 +20,7 @@ import pytest
 from partc.api import check_family, compile_family
 from partc.cli import main
 from partc.errors import ArchitectureBoundaryError
-from partc.plan import Topology
+from partc.plan.topology import Topology
 
 from support import (
     HF,

@@ -648,7 +648,7 @@ def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
 
 def _check(args: argparse.Namespace) -> int:
     from partc.api import check_family, plan_family
-    from partc.plan import Topology
+    from partc.plan.topology import Topology
     from partc.runtime.progress import terminal_progress
 
     topology = None
