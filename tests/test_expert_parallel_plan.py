@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import CheckpointError, LayoutError, SchemaError, SemanticError
 from partc.plan.ranks import KindIndex
 from partc.plan.realize import realize_plan

@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import ParallelPlanError
 from partc.library import builtin_families
 from partc.parallel.specs import ShardingPolicy

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partc.api import plan_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
 from partc.parallel.layout import (
     LOCAL,

@@ -22,7 +22,7 @@ from support import ROOT, hf
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 from partc.api import check_family  # noqa: E402
-from partc.cli import main  # noqa: E402
+from partc.cli.main import main  # noqa: E402
 from partc.plan.topology import Topology  # noqa: E402
 from partc.verify.run import VerifyReport, verify_family  # noqa: E402
 
