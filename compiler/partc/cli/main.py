@@ -30,6 +30,7 @@ _COMMANDS: dict[str, Any] = {
     "shard": run_shard, "inspect": commands.run_inspect, "explain": commands.run_explain,
     "report": commands.run_report, "init": commands.run_init, "schema": commands.run_schema,
     "docs": commands.run_docs, "verify": run_verify}
+"""Each command's function: it takes the parsed arguments and returns the exit status."""
 
 
 def _quiet_pipe() -> None:

@@ -1,5 +1,5 @@
-"""What a rank of a plan holds: group kinds (the realization groups of one structure share),
-planned groups, rank plans and their byte accounting."""
+"""What a rank of a plan holds: group kinds (one realization shared by the groups of one
+structure), planned groups, rank plans and their byte accounting."""
 
 from __future__ import annotations
 
