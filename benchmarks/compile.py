@@ -66,7 +66,7 @@ if mode == "compile":
     from partc.api import plan_family
     from partc.emit.render import render_package
     from partc.output import write_atomically
-    from partc.plan import Topology
+    from partc.plan.topology import Topology
     t0 = time.perf_counter()
     topology = Topology(tensor_parallel_size=spec["tp"], pipeline_parallel_size=spec["pp"],
                         expert_parallel_size=spec.get("ep"))

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from partc.cli import EXIT_CODES, _parser
+from partc.cli.parser import EXIT_CODES, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "docs" / "cli.md"
@@ -29,7 +29,7 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 def reference() -> str:
     """The Markdown text of docs/cli.md."""
     os.environ["COLUMNS"] = "100"  # argparse wraps usage to the terminal: fix it
-    parser = _parser()
+    parser = build_parser()
     lines = ["# partc command line", "",
              "Generated from the argparse parser by `python scripts/cli_reference.py`; do not "
              "edit (tests/test_tools.py checks it is up to date).", "",

@@ -602,7 +602,7 @@ class Outcome:
 
 
 def _run_cli(args: list[str]) -> tuple[int, str, str]:
-    from partc.cli import main
+    from partc.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -726,9 +726,9 @@ def passed(outcome: Outcome) -> bool:
 
 def _limits() -> list[str]:
     """The bounds partc enforces on its inputs, read from the code (so they cannot drift)."""
-    from partc import cli
     from partc.bind import binder as bind
     from partc.bind import meanings as hfconfig
+    from partc.cli import parser as cli_parser
     from partc.family import expr, expr_values
     from partc.front import load
     from partc.runtime import checkpoint, headers
@@ -753,15 +753,15 @@ def _limits() -> list[str]:
          "bind.MAX_UNITS"),
         ("parameter-group instances of a family", str(bind.MAX_GROUP_INSTANCES),
          "bind.MAX_GROUP_INSTANCES"),
-        ("--tp, --pp", str(cli.MAX_PARALLEL_SIZE), "cli.MAX_PARALLEL_SIZE"),
-        ("--tp x --pp", str(cli.MAX_WORLD_SIZE), "cli.MAX_WORLD_SIZE"),
+        ("--tp, --pp", str(cli_parser.MAX_PARALLEL_SIZE), "parser.MAX_PARALLEL_SIZE"),
+        ("--tp x --pp", str(cli_parser.MAX_WORLD_SIZE), "parser.MAX_WORLD_SIZE"),
         ("safetensors JSON header", f"{headers.MAX_HEADER_SIZE} bytes",
          "headers.MAX_HEADER_SIZE"),
         ("model.safetensors.index.json size", f"{checkpoint.MAX_INDEX_BYTES} bytes",
          "checkpoint.MAX_INDEX_BYTES"),
     ]
     modules = {m.__name__.rsplit(".", 1)[-1]: m.__name__ for m in (
-        cli, bind, hfconfig, expr, expr_values, load, checkpoint, headers)}
+        cli_parser, bind, hfconfig, expr, expr_values, load, checkpoint, headers)}
     modules.update(bind=bind.__name__, hfconfig=hfconfig.__name__)
     spelled = [(what, value, f"{modules[name.split('.')[0]]}.{name.split('.', 1)[1]}")
                for what, value, name in rows]

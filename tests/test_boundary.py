@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import partc.plan
+import partc.plan.topology
 from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKind
 from partc.partition.boundary import (
     ArchitectureBoundary,
@@ -105,7 +105,7 @@ def test_schema_json_round_trips():
 
 
 def test_pipeline_activation_dtype_moved_to_the_boundary_vocabulary_and_plan_still_has_it():
-    assert partc.plan.PipelineActivationDtype is PipelineActivationDtype
+    assert partc.plan.topology.PipelineActivationDtype is PipelineActivationDtype
     assert [d.value for d in PipelineActivationDtype] == ["float16", "bfloat16", "float32"]
 
 

@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from partc.cli import CONTEXT_WIDTH, main
+from partc.cli.diagnostics import CONTEXT_WIDTH
+from partc.cli.main import main
 from partc.commands import docs_folder
 
 from support import ROOT, hf
@@ -187,7 +188,7 @@ def test_a_long_line_is_cut_to_a_window_around_the_column(tmp_path, capsys, monk
 
 
 def test_an_unreadable_source_prints_the_error_alone(tmp_path, capsys, monkeypatch):
-    from partc.cli import _report
+    from partc.cli.diagnostics import report_errors
     from partc.errors import SchemaError, SourceLocation
 
     monkeypatch.chdir(tmp_path)
@@ -195,7 +196,7 @@ def test_an_unreadable_source_prints_the_error_alone(tmp_path, capsys, monkeypat
               SchemaError("past the end", location=SourceLocation("short.yaml", 9, 1)),
               SchemaError("built in", location=SourceLocation("architectures/none.yaml", 1, 1))]
     (tmp_path / "short.yaml").write_text("a: 1\n")
-    assert _report(errors, "text") == 1
+    assert report_errors(errors, "text") == 1
     lines = capsys.readouterr().err.splitlines()
     assert [line for line in lines if line.startswith("    see: ")] == [
         "    see: " + str(docs_folder() / "authoring.md")] * 3  # the guide, never a source line

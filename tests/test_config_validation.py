@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from partc.api import check_family
-from partc.cli import main
+from partc.cli.main import main
 
 from support import FIXTURES, HF, QUANTIZED
 

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.api import compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import CheckpointError, LoadError, PartcErrors
 from partc.front.schema import load_schema
 from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest

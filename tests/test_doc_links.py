@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from partc import errors
-from partc.cli import main
+from partc.cli.main import main
 from partc.commands import doc_reference, doc_sections, docs_folder, heading_anchor
 
 from support import ROOT, hf
@@ -112,7 +112,7 @@ def test_an_installed_wheel_prints_a_see_line_into_its_own_docs(installed, tmp_p
     """The CLI run from the unpacked wheel (not the repository) points into the wheel."""
     env = {"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"}
     script = ("import sys, partc; print(partc.__file__, file=sys.stderr); "
-              "from partc.cli import main; sys.exit(main(sys.argv[1:]))")
+              "from partc.cli.main import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", script, "check", "--config",
                            str(hf("llama") / "config.json"), "--tp", "3"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from partc.plan import KindIndex
+from partc.plan.ranks import KindIndex
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
 from support import QUANTIZED, compile_and_import, hf

@@ -103,7 +103,7 @@ def test_a_rank_reads_exactly_the_bytes_of_its_experts(
 
 def test_partc_shard_writes_each_expert_parallel_rank_exactly_what_it_loads(
         tmp_path: Path) -> None:
-    from partc.cli import main
+    from partc.cli.main import main
 
     folder = hf("gpt_oss")
     assert main(["compile", "--config", str(folder / "config.json"), "--ep", "2", "--pp", "2",

@@ -17,9 +17,11 @@ import jsonschema
 import pytest
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import CheckpointError, LayoutError, SchemaError, SemanticError
-from partc.plan import KindIndex, Topology, realize_plan
+from partc.plan.ranks import KindIndex
+from partc.plan.realize import realize_plan
+from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.topology import BuildTopology, RankCoordinates
 

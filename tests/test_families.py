@@ -19,11 +19,11 @@ import pytest
 from safetensors.numpy import save_file
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import ParallelPlanError
 from partc.library import builtin_families
 from partc.parallel.specs import ShardingPolicy
-from partc.plan import Topology
+from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
 
 from executor import load_safetensors

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from partc.api import bind, check_family, compile_family
 from partc.errors import PartcError
 from partc.family.expr import parse
-from partc.plan import Topology
+from partc.plan.topology import Topology
 
 from support import ROOT, compile_and_load, hf
 

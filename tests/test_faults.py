@@ -20,7 +20,8 @@ from partc.api import compile_family, plan_family
 from partc.commands import docs_folder
 from partc.errors import CheckpointError
 from partc.front.load import load_document
-from partc.plan import Topology, canonical_json
+from partc.plan.ir import canonical_json
+from partc.plan.topology import Topology
 
 from support import ROOT, checkpoint_tensors, hf, import_build
 
@@ -269,7 +270,7 @@ def test_compiles_killed_at_random_moments_always_leave_the_old_or_the_new_build
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str, str]:
-    from partc.cli import main
+    from partc.cli.main import main
 
     status = main(args)
     captured = capsys.readouterr()
@@ -371,7 +372,7 @@ def test_header_numbers_too_large_for_u64_are_refused_before_any_arithmetic(tmp_
      "partc: error: --tp x --pp is 1000000; partc builds at most 4096 ranks"),
 ])
 def test_command_lines_that_cannot_mean_anything_are_usage_errors(capsys, args, message):
-    from partc.cli import main
+    from partc.cli.main import main
 
     with pytest.raises(SystemExit) as exited:
         main(args)

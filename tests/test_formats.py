@@ -34,7 +34,7 @@ from partc.parallel.specs import (
     projection_parameter_group,
     segmented_projection_group,
 )
-from partc.plan import Topology
+from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.reader import TensorSelection, read_tensor
 

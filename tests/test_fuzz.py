@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from regenerate_cases import toml_spelling
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
-from partc.cli import main as cli_main
+from partc.cli.main import main as cli_main
 from partc.errors import PartcError
 from partc.output import MARKER
 from partc.runtime.checkpoint import open_checkpoint

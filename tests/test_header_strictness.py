@@ -25,7 +25,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from partc.cli import main as cli_main
+from partc.cli.main import main as cli_main
 from partc.errors import CheckpointError, PartcError, PartcErrors
 from partc.runtime.checkpoint import open_checkpoint
 

@@ -14,7 +14,7 @@ import pytest
 
 from partc.api import check_family, compile_family
 from partc.bind.binder import MAX_UNITS
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import LoadError
 from partc.front.load import MAX_CONFIG_BYTES, MAX_DOCUMENT_BYTES, load_document, load_json
 from partc.library import family_spec_is_file, read_family_source

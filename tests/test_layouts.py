@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from partc.api import bind, check_family
 from partc.errors import PartcError
 from partc.parallel.specs import LinearWeightLayout
-from partc.plan import Topology
+from partc.plan.topology import Topology
 
 from support import ROOT, hf
 

@@ -18,7 +18,7 @@ import pytest
 
 from partc import __version__, output
 from partc.api import compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import EmitError
 from partc.output import MARKER, sweep_abandoned
 

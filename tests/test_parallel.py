@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partc.api import plan_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
 from partc.parallel.layout import (
     LOCAL,
@@ -56,7 +56,7 @@ from partc.parallel.specs import (
     segmented_projection_group,
     with_policy,
 )
-from partc.plan import Topology
+from partc.plan.topology import Topology
 
 from support import ROOT, hf, reassemble
 

@@ -14,7 +14,8 @@ from partc.errors import ArchitecturePartitionError
 from partc.front.schema import load_schema
 from partc.parallel.layout import PlacementKind
 from partc.parallel.specs import ShardingPolicy, balanced_contiguous_range
-from partc.plan import Topology, canonical_json
+from partc.plan.ir import canonical_json
+from partc.plan.topology import Topology
 
 from support import HF, QUANTIZED, ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from partc.cli import main
+from partc.cli.main import main
 from partc.runtime.progress import TerminalProgress, terminal_progress
 
 from support import hf

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from partc.cli import main as cli_main
+from partc.cli.main import main as cli_main
 from partc.errors import CheckpointError
 from partc.runtime import gather, headers
 from partc.runtime import reader as checkpoint

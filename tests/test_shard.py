@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from partc import shard
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import CheckpointError, LoadError, PartcError
 from partc.output import MARKER
 from partc.runtime import digests

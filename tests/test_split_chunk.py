@@ -16,7 +16,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from partc.api import compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import CheckpointError, PartcError
 from partc.parallel.specs import ShardingPolicy
 from partc.runtime.dtensor import dtensor_specs

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from partc.cli import EXIT_CODES, _parser, main
+from partc.cli.main import main
+from partc.cli.parser import EXIT_CODES, build_parser
 
 from support import ROOT, hf, import_build
 
@@ -268,7 +269,7 @@ def test_a_closed_pipe_ends_quietly(deepseek_build):
 
 
 def test_every_option_of_every_command_has_help_and_every_exit_code_is_documented():
-    parser = _parser()
+    parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     missing = [f"{name} {action.dest}" for name, sub in commands.choices.items()
                for action in sub._actions if not action.help]

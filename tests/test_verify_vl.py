@@ -22,9 +22,10 @@ from support import ROOT, hf
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 from partc.api import check_family  # noqa: E402
-from partc.cli import main  # noqa: E402
-from partc.plan import Topology  # noqa: E402
-from partc.verify.run import VerifyReport, verify_family  # noqa: E402
+from partc.cli.main import main  # noqa: E402
+from partc.plan.topology import Topology  # noqa: E402
+from partc.verify.report import VerifyReport  # noqa: E402
+from partc.verify.run import verify_family  # noqa: E402
 
 ARCHITECTURES = ROOT / "architectures"
 FAMILIES = ("llava", "qwen2_vl")

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from partc.api import check_family, compile_family
-from partc.cli import main
+from partc.cli.main import main
 from partc.errors import ArchitectureBoundaryError
-from partc.plan import Topology
+from partc.plan.topology import Topology
 
 from support import (
     HF,

@@ -30,9 +30,9 @@ _EXPORTS = {
     "SchemaError": "partc.errors",
     "SemanticError": "partc.errors",
     "SourceLocation": "partc.errors",
-    "Plan": "partc.plan",
-    "RankPlan": "partc.plan",
-    "Topology": "partc.plan",
+    "Plan": "partc.plan.ir",
+    "RankPlan": "partc.plan.ranks",
+    "Topology": "partc.plan.topology",
 }
 
 __all__ = [
@@ -79,7 +79,9 @@ if TYPE_CHECKING:
         SemanticError,
         SourceLocation,
     )
-    from partc.plan import Plan, RankPlan, Topology
+    from partc.plan.ir import Plan
+    from partc.plan.ranks import RankPlan
+    from partc.plan.topology import Topology
 
 
 def __getattr__(name: str) -> Any:

@@ -32,7 +32,10 @@ from partc.parallel.experts import placement_from_document
 from partc.parallel.realize import TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
-from partc.plan import GroupSite, Plan, Topology, model_expert_count, realize_plan
+from partc.plan.experts import model_expert_count
+from partc.plan.ir import Plan
+from partc.plan.realize import GroupSite, realize_plan
+from partc.plan.topology import Topology
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy

@@ -1,5 +1,5 @@
 """The seeing and authoring commands of the command line: inspect, explain, report, init,
-families, schema and docs (cli.py parses the arguments and reports errors)."""
+families, schema and docs (`partc.cli` parses the arguments and reports errors)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 from partc.errors import LoadError, SourceLocation
 
 EXIT_OK = 0
-"""Success (cli.EXIT_OK)."""
+"""Success (cli.parser.EXIT_OK)."""
 REPORT_MARKER = "<!-- partc report -->"
 """The first line of every report partc writes: only such a file is ever replaced."""
 

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 from partc import __version__
 from partc.errors import EmitError
-from partc.plan import canonical_json
+from partc.plan.ir import canonical_json
 
 __all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "read_marker",
            "sweep_abandoned", "write_atomically"]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
 from partc.output import check_output, write_atomically
-from partc.plan import canonical_json
+from partc.plan.ir import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, tensor_digest
 from partc.runtime.headers import DTYPES

@@ -23,7 +23,8 @@ from partc.errors import EmitError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from partc.plan import GroupKind, Plan, RankPlan
+    from partc.plan.ir import Plan
+    from partc.plan.ranks import GroupKind, RankPlan
 
 
 def python_literal(value: Any) -> str:

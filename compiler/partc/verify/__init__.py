@@ -1,7 +1,9 @@
 """`partc verify`: a family's split checked against the model's own Hugging Face modeling code.
 
 `reference.py` builds a small random model of the architecture from a config (torch and
-transformers); `run.py` compiles the family for it, loads every rank with the generated loaders
-and checks that the ranks' parts add up to the full model, module by module and stage by stage.
+transformers); `run.py` (`verify_family`) compiles the family for it and loads every rank with
+the generated loaders (`session.py`: the reference model, its captured module inputs and masked
+copies); `modules.py` checks that the ranks' parts add up to the full model module by module,
+`pipeline.py` stage by stage and cut by cut; `report.py` holds the checks and the report.
 Nothing outside this room imports torch's modeling side or transformers.
 """

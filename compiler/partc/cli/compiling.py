@@ -1,0 +1,303 @@
+"""The compiling commands of the command line: compile, check, demo, shard and verify, with
+their text and JSON reports (the seeing and authoring commands are `partc.commands`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from partc.cli.diagnostics import report_errors
+from partc.cli.parser import EXIT_ERRORS, EXIT_OK
+from partc.errors import PartcError
+
+
+def _progress_enabled(args: argparse.Namespace) -> bool | None:
+    """None (draw when stderr is a terminal) for text output, False under --format json or
+    --quiet: the steps of a long command are drawn on stderr and cleared when it ends."""
+    return None if args.format == "text" and not getattr(args, "quiet", False) else False
+
+
+def _policy(value: str | None):  # type: ignore[no-untyped-def]
+    from partc.parallel.specs import ShardingPolicy
+
+    return None if value is None else ShardingPolicy(value.replace("-", "_"))
+
+
+def _plan_facts(plan: Any) -> dict[str, Any]:
+    """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
+    from partc.inspect.build import kv_replicated, plan_summary
+    from partc.parallel.layout import tensor_bytes
+
+    body = plan.document[0]
+    sizes: dict[str, int] = {}
+    fell = {g["name"] for g in body["groups"] if g["fell_back_to_replication"]}
+    kv = []
+    for group in plan.groups:
+        layouts = plan.kinds[group.kind].layouts[0]
+        for layout, target in zip(layouts, group.targets, strict=True):
+            if group.name in fell:
+                sizes[group.name] = sizes.get(group.name, 0) + tensor_bytes(
+                    layout.dtype, layout.global_shape)
+            if layout.kv_replicas > 1:
+                kv.append({"group": group.name, "target": target,
+                           "kv_replicas": layout.kv_replicas})
+    facts = plan_summary(body, lambda name: sizes.get(name, 0))
+    facts["kv_replication"] = kv_replicated(kv)
+    if "pipeline" in body:  # a multi-group graph: how its stages were chosen
+        facts["pipeline"] = body["pipeline"]
+    return facts | _expert_facts(plan)
+
+
+def _print_facts(facts: dict[str, Any]) -> None:
+    from partc.inspect.text import fallback_lines, pipeline_lines, stage_lines
+
+    print()
+    for line in stage_lines(facts["stages"], imbalance=facts["stage_imbalance"]):
+        print(line)
+    for line in pipeline_lines(facts.get("pipeline")):
+        print(line)
+    for line in fallback_lines(facts["fallbacks"], facts["kv_replication"]) or [
+            "fallbacks: none; KV replication: none"]:
+        print(line)
+    for line in _expert_lines(facts):
+        print(line)
+
+
+def _builtin_hint(args: argparse.Namespace, errors: Sequence[PartcError]) -> list[str]:
+    """When a family file does not fit a checkpoint, the built-in family that does (if any)."""
+    from partc.api import check_family
+    from partc.errors import CheckpointError
+    from partc.library import family_spec_is_file
+
+    if (args.family is None or not family_spec_is_file(args.family) or not args.checkpoint
+            or args.config is None
+            or not any(isinstance(e, CheckpointError) or e.tensor for e in errors)):
+        return []
+    try:
+        if check_family(None, args.config, args.checkpoint):
+            return []
+    except Exception:  # a hint is never worth a failure of its own
+        return []
+    return [f"the built-in family for this config's model_type fits {args.checkpoint}: run "
+            f"without the family argument, or `partc families --copy NAME FILE` to edit it"]
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """`partc compile`: write the build; report its ranks and per-stage facts."""
+    from partc.api import compile_family
+    from partc.runtime.progress import terminal_progress
+
+    with terminal_progress(_progress_enabled(args)) as report:
+        result = compile_family(
+            args.family, args.config, tensor_parallel_size=args.tp,
+            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
+            group_modes=args.group_mode,
+            policy=_policy(args.policy), activation_dtype=args.activation_dtype,
+            checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests,
+            split=args.split, progress=report,
+            expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or 1,
+            expert_placement=args.expert_placement)
+    plan = result.plan
+    facts = _plan_facts(plan)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "errors": [], "out": str(result.out), "plan_hash":
+                          plan.plan_hash, "files": sorted(result.files)} | facts, indent=1))
+        return EXIT_OK
+    print(f"compiled {plan.family} ({plan.model_type}) for TP={plan.topology.tensor_parallel_size}"
+          f" x PP={plan.topology.pipeline_parallel_size}{_expert_text(args)} into {result.out}")
+    _print_ranks(plan)
+    _print_facts(facts)
+    return EXIT_OK
+
+
+def _expert_text(args: argparse.Namespace) -> str:
+    """` x EP=E (ETP=X)` under expert parallelism, else ''."""
+    if getattr(args, "ep", None) is None:
+        return ""
+    return f" x EP={args.ep} (ETP={args.etp or 1})"
+
+
+def _expert_facts(plan: Any) -> dict[str, Any]:
+    """The expert-parallel layout of a plan and the experts of each rank (empty without it)."""
+    experts = plan.expert_parallel
+    if experts is None:
+        return {}
+    slots = experts.placement.slots
+    return {"expert_parallel": experts.to_json() | {"ranks": [
+        {"rank": r.rank, "expert_parallel_rank": r.info.expert_parallel_rank,
+         "expert_tensor_parallel_rank": r.info.expert_tensor_parallel_rank,
+         "dense_replica": r.info.dense_replica,
+         "experts": list(slots[r.info.expert_parallel_rank]),
+         "expert_bytes": r.info.expert_parameter_bytes} for r in plan.ranks]}}
+
+
+def _expert_lines(facts: dict[str, Any]) -> list[str]:
+    """Text lines of `_expert_facts`: the layout, then the experts of each EP rank."""
+    experts = facts.get("expert_parallel")
+    if experts is None:
+        return []
+    lines = [f"expert parallelism: E={experts['expert_parallel_size']} x "
+             f"X={experts['expert_tensor_parallel_size']} = {experts['ranks_per_stage']} "
+             f"ranks per stage, dense parts x{experts['dense_replicas']}; "
+             f"{experts['experts']} experts, "
+             + ("explicit placement" if experts["explicit_placement"] else "balanced placement")
+             + f", {experts['redundant_slots']} redundant slot(s); {experts['layout']}"]
+    for ep, ids in enumerate(experts["slots"]):
+        ranks = [r for r in experts["ranks"] if r["expert_parallel_rank"] == ep]
+        mib = max((r["expert_bytes"] for r in ranks), default=0) / 2**20
+        lines.append(f"  EP rank {ep:>3}: {len(ids):>3} experts {_id_ranges(ids)}"
+                     f" on ranks {_id_ranges([r['rank'] for r in ranks])}, "
+                     f"{mib:.3f} MiB of experts per rank")
+    return lines
+
+
+def _id_ranges(ids: Sequence[int]) -> str:
+    """Ascending ids as ranges: `0-3,7,9-10`."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] + 1 == i:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
+
+
+def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
+    print(f"{'rank':>4} {'tp':>3} {'stage':>5} {'units':>13} {'tensors':>7} {'local MiB':>10} "
+          f"{'static roles'}")
+    for rank in plan.ranks:
+        part = rank.partition
+        units = ", ".join(f"{g.group}[{g.unit_range[0]}:{g.unit_range[1]}]" for g in part.groups)
+        line = (f"{rank.rank:>4} {rank.tensor_parallel_rank:>3} {rank.pipeline_stage:>5} "
+                f"{units:>13} {rank.info.owned_tensors:>7} "
+                f"{rank.info.local_parameter_bytes / 2**20:>10.3f} "
+                f"{', '.join(part.ownership.static_roles) or '-'}")
+        if loaded is not None:
+            line += f"  loaded {loaded[rank.rank]}"
+        print(line)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """`partc check`: validate without writing; with a topology, report the plan's facts."""
+    from partc.api import check_family, plan_family
+    from partc.plan.topology import Topology
+    from partc.runtime.progress import terminal_progress
+
+    topology = None
+    if (args.tp is not None or args.pp is not None or args.pp_layers or args.policy
+            or args.group_mode or args.ep is not None or args.etp is not None
+            or args.expert_placement):
+        named = bool(args.pp_layers) and isinstance(args.pp_layers[0], tuple)
+        topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
+                            stage_units=None if named else args.pp_layers,
+                            stage_layout=args.pp_layers if named else None,
+                            group_modes=tuple(args.group_mode or ()), policy=_policy(args.policy),
+                            expert_parallel_size=args.ep,
+                            expert_tensor_parallel_size=args.etp or 1)
+    with terminal_progress(_progress_enabled(args)) as report:
+        errors = check_family(args.family, args.config, args.checkpoint, progress=report)
+        facts = None
+        if not errors and topology is not None:
+            facts = _plan_facts(plan_family(args.family, args.config, topology,
+                                            progress=report,
+                                            expert_placement=args.expert_placement))
+    if errors:
+        return report_errors(errors, args.format, _builtin_hint(args, errors))
+    if args.format == "json":
+        print(json.dumps({"ok": True, "errors": []} | (facts or {}), indent=1))
+    else:
+        what = ["family"] + (["config binding"] if args.config else []) + (
+            ["checkpoint"] if args.checkpoint else []) + (["topology"] if topology else [])
+        print(f"ok: {', '.join(what)} checked")
+        if facts is not None:
+            _print_facts(facts)
+    return EXIT_OK
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """`partc demo`: compile the embedded tiny Llama and load every rank of it."""
+    import importlib
+    import sys as _sys
+
+    from partc.api import compile_family
+
+    example = resources.files("partc.examples").joinpath("tiny-llama")
+    with resources.as_file(example) as folder, tempfile.TemporaryDirectory() as scratch:
+        out = Path(args.out) if args.out else Path(scratch) / "build"
+        result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
+                                pipeline_parallel_size=args.pp, out=out)
+        plan = result.plan
+        layers = dict(plan.config_values)["num_hidden_layers"]
+        print(f"partc demo: embedded tiny Llama ({layers} layers) "
+              f"at TP={args.tp} x PP={args.pp}, build in {out}")
+        from partc.emit.render import package_name
+
+        _sys.path.insert(0, str(out))
+        try:
+            package = importlib.import_module(package_name(plan))
+            loaded = {}
+            for rank in plan.ranks:
+                state = package.load(folder, rank=rank.rank)
+                total = sum(a.nbytes for a in state.tensors.values())
+                loaded[rank.rank] = f"{len(state.tensors)} arrays, {total} bytes"
+        finally:
+            _sys.path.remove(str(out))
+            for name in list(_sys.modules):
+                if name.startswith(package_name(plan)):
+                    del _sys.modules[name]
+        _print_ranks(plan, loaded)
+    return EXIT_OK
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    """`partc shard`: write one safetensors file per rank of a build."""
+    from partc.runtime.progress import terminal_progress
+    from partc.shard import shard_checkpoint
+
+    with terminal_progress(_progress_enabled(args)) as report:
+        result = shard_checkpoint(args.build, args.checkpoint, args.out,
+                                  verify_fingerprint=not args.no_verify_fingerprint,
+                                  force=args.force, progress=False, report=report)
+    if args.format == "json":
+        print(json.dumps({"ok": True, "out": str(result.out), "plan_hash": result.plan_hash,
+                          "files": list(result.files), "bytes": result.nbytes}, indent=1))
+        return EXIT_OK
+    print(f"sharded {args.checkpoint} for plan {result.plan_hash[:16]} into {result.out}: "
+          f"{len(result.files)} rank files, {result.nbytes / 2**20:.1f} MiB")
+    return EXIT_OK
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """`partc verify`: check the split against transformers' modeling code."""
+    from partc.verify.run import verify_family
+
+    report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
+                           pipeline_parallel_size=args.pp, policy=_policy(args.policy),
+                           seed=args.seed)
+    if args.format == "json":
+        print(json.dumps(report.to_json(), indent=1))
+        return EXIT_OK if report.ok else EXIT_ERRORS
+    for note in report.notes:
+        print(f"note: {note}")
+    for skipped in report.skipped:
+        print(f"skipped T={skipped['tp']} x S={skipped['pp']}: {skipped['reason']}")
+    topologies = sorted({(c.tp, c.pp) for c in report.checks})
+    for tp, pp in topologies:
+        mine = [c for c in report.checks if (c.tp, c.pp) == (tp, pp)]
+        failed = sum(not c.ok for c in mine)
+        print(f"T={tp} x S={pp}: {len(mine) - failed}/{len(mine)} checks hold")
+    failure = report.first_failure
+    if failure is not None:
+        print(f"error: {failure.message}", file=sys.stderr)
+        return EXIT_ERRORS
+    if not report.checks:
+        print("error: no topology compiled, nothing was verified", file=sys.stderr)
+        return EXIT_ERRORS
+    print(f"verified {report.family} ({report.model_type}): every check holds")
+    return EXIT_OK

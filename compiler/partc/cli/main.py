@@ -1,0 +1,139 @@
+"""The `partc` entry point: parse the command line, run one command, report its errors; a bug
+in partc is one line and exit 70, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from partc import commands
+from partc.cli.compiling import run_check, run_compile, run_demo, run_shard, run_verify
+from partc.cli.diagnostics import flatten_errors, report_errors
+from partc.cli.parser import (
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    MAX_WORLD_SIZE,
+    Parser,
+    build_parser,
+)
+from partc.errors import PartcError
+
+_COMMANDS: dict[str, Any] = {
+    "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
+    "shard": run_shard, "inspect": commands.run_inspect, "explain": commands.run_explain,
+    "report": commands.run_report, "init": commands.run_init, "schema": commands.run_schema,
+    "docs": commands.run_docs, "verify": run_verify}
+"""Each command's function: it takes the parsed arguments and returns the exit status."""
+
+
+def _quiet_pipe() -> None:
+    """The reader of stdout went away (`partc inspect ... | head`): stop without a word.
+
+    stdout is pointed at /dev/null so that the interpreter's final flush cannot fail again.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _internal(exc: BaseException, fmt: str) -> int:
+    """Report an exception that is not a PartcError: a bug in partc, never the user's fault."""
+    what = f"{type(exc).__name__}: {exc}"
+    if fmt == "json":
+        print(json.dumps({"ok": False, "errors": [{
+            "stage": "internal", "kind": type(exc).__name__, "file": None, "line": None,
+            "column": None, "pointer": "", "tensor": None,
+            "message": f"internal error (a bug in partc): {what}", "doc": None,
+            "see": None}]}, indent=1))
+    else:
+        print(f"partc: internal error (a bug in partc, please report it): {what}",
+              file=sys.stderr)
+    if os.environ.get("PARTC_TRACEBACK"):
+        traceback.print_exception(exc, file=sys.stderr)
+    else:
+        print("partc: set PARTC_TRACEBACK=1 to print the traceback", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Errors in the input (PartcError) are reported, all of them, sorted, and exit 1; anything
+    else is a bug in partc, reported in one line (no traceback unless PARTC_TRACEBACK is set)
+    with exit 70.
+    """
+    parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    Parser.json_errors = any(w == "--format=json" or (w == "--format" and i + 1 < len(words)
+                                                       and words[i + 1] == "json")
+                              for i, w in enumerate(words))
+    args = parser.parse_args(words)
+    fmt = getattr(args, "format", "text")
+    layers = getattr(args, "pp_layers", None)
+    if layers and args.pp is None:
+        args.pp = len(layers)
+    elif layers and args.pp != len(layers):
+        parser.error(f"--pp-layers gives {len(layers)} stage sizes "
+                     f"({_spell_layers(layers)}) but --pp is {args.pp}; expected one unit "
+                     "count per pipeline stage")
+    if args.command == "compile" and args.pp is None:
+        args.pp = 1
+    if args.command != "verify" and (
+            (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE):
+        parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
+                     f"{MAX_WORLD_SIZE} ranks")
+    if getattr(args, "ep", None) is not None and (
+            args.ep * (args.etp or 1) * (args.pp or 1) > MAX_WORLD_SIZE):
+        parser.error(f"--ep x --etp x --pp is {args.ep * (args.etp or 1) * (args.pp or 1)}; "
+                     f"partc builds at most {MAX_WORLD_SIZE} ranks")
+    if args.command in ("compile", "check"):
+        _config_beside(args, parser)
+    return _run(args, fmt)
+
+
+def _run(args: argparse.Namespace, fmt: str) -> int:
+    """Run one parsed command: errors reported, a closed pipe quiet, bugs in one line."""
+    try:
+        status: int = _COMMANDS[args.command](args)
+        return status
+    except PartcError as error:
+        return report_errors(flatten_errors(error), fmt)
+    except BrokenPipeError:
+        _quiet_pipe()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("partc: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # the last line of defence against tracebacks
+        return _internal(exc, fmt)
+
+
+def _spell_layers(layers: Any) -> str:
+    """`--pp-layers` as given: counts `3,5,4`, or a named layout `vision*3|decoder*2`."""
+    if layers and isinstance(layers[0], tuple):
+        return "|".join(",".join(f"{g}*{n}" for g, n in runs) for runs in layers)
+    return ",".join(map(str, layers))
+
+
+def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Take --config from the --checkpoint folder when it holds config.json."""
+    if args.config is not None:
+        return
+    beside = Path(args.checkpoint or "") / "config.json"
+    if args.checkpoint and beside.is_file():
+        args.config = str(beside)  # an HF checkpoint folder carries its config
+    elif args.command == "compile":
+        parser.error("compile needs --config (or a --checkpoint folder holding config.json)")
+    elif args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy or args.ep:
+        parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
+                     "pass --config (or a checkpoint folder holding config.json)")

@@ -1,0 +1,342 @@
+"""The `partc` command line's arguments: exit statuses, the parser of every command and the
+converters of their values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, NoReturn
+
+from partc import __version__, commands
+from partc.errors import PartcError
+
+EXIT_OK = 0
+"""Success."""
+EXIT_ERRORS = 1
+"""The input had errors; they were reported."""
+EXIT_USAGE = 2
+"""The command line itself was wrong."""
+EXIT_INTERNAL = 70
+"""A bug in partc."""
+EXIT_INTERRUPTED = 130
+"""Interrupted (Ctrl-C)."""
+EXIT_CODES = ((EXIT_OK, "success (also when output stops early because a pipe was closed)"),
+              (EXIT_ERRORS, "the input had errors; every one was reported"),
+              (EXIT_USAGE, "the command line itself was wrong"),
+              (EXIT_INTERNAL, "a bug in partc (PARTC_TRACEBACK=1 prints the traceback)"),
+              (EXIT_INTERRUPTED, "interrupted"))
+"""Every exit status and what it means (documented in --help and docs/cli.md)."""
+FORMAT_HELP = "text: human tables on stdout, errors on stderr; json: one JSON document on stdout"
+"""Help of every --format option."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors come out as JSON under `--format json`."""
+
+    json_errors = False
+    """Set by main when the command line asks for --format json."""
+
+    def error(self, message: str) -> NoReturn:
+        """Report a usage error (as JSON when asked for) and exit 2."""
+        if Parser.json_errors:
+            print(json.dumps({"ok": False, "errors": [{
+                "stage": "usage", "kind": "usage", "file": None, "line": None, "column": None,
+                "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}",
+                "doc": "cli", "see": commands.error_reference("cli")}]},
+                indent=1))
+            sys.exit(EXIT_USAGE)
+        super().error(message)
+
+
+def _stage_units(text: str) -> Any:
+    """Unit counts per stage (`3,5,4`), or a stage layout naming groups (`vision*3|decoder*2`)."""
+    from partc.partition.stages import is_named_layout, parse_stage_layout
+
+    if is_named_layout(text):
+        try:
+            return parse_stage_layout(text)
+        except PartcError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated unit counts such as 3,5,4, found {text!r}") from None
+    if any(v < 1 for v in values):
+        bad = next(v for v in values if v < 1)
+        raise argparse.ArgumentTypeError(
+            f"every pipeline stage needs at least one unit: expected positive counts such as "
+            f"3,5,4, found {bad} in {text!r}")
+    return values
+
+
+def _group_mode(text: str) -> tuple[str, Any]:
+    """`vision=replicated`: an execution group and its parallel mode."""
+    from partc.partition.ownership import GroupParallelMode
+
+    group, _, mode = text.partition("=")
+    modes = ", ".join(m.value for m in GroupParallelMode)
+    if not group or mode not in {m.value for m in GroupParallelMode}:
+        raise argparse.ArgumentTypeError(f"expected GROUP=MODE with MODE one of {modes}, found "
+                                         f"{text!r}")
+    return group, GroupParallelMode(mode)
+
+
+MAX_PARALLEL_SIZE = 1024
+"""Largest --tp or --pp the command line accepts."""
+MAX_WORLD_SIZE = 4096
+"""Largest TP x PP the command line accepts."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {value}")
+    if value > MAX_PARALLEL_SIZE:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_PARALLEL_SIZE}, found {value}")
+    return value
+
+
+FAMILY_HELP = ("family file or built-in family name (default: the built-in family of the "
+               "config's model_type). A name ending in .yaml, .yml or .toml, holding a `/`, or "
+               "naming an existing file is a file; anything else is a built-in name, even when a "
+               "folder of that name exists here")
+"""How the family argument is read (api.family_spec_is_file)."""
+
+
+def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument("--tp", type=_positive, default=None if not required else 1,
+                        help="tensor-parallel size T (default 1)")
+    parser.add_argument("--pp", type=_positive, default=None,
+                        help="pipeline-parallel size S (default 1, or the number of "
+                             "--pp-layers counts)")
+    parser.add_argument("--pp-layers", type=_stage_units, default=None,
+                        help="explicit units per pipeline stage, e.g. 3,5,4 (one count per "
+                             "stage, summing to the model's units), or per stage and "
+                             "execution group in the layout notation partc prints, e.g. "
+                             "'vision*3,projector|decoder*2' (stages split by `|`)")
+    parser.add_argument("--group-mode", type=_group_mode, action="append", default=None,
+                        metavar="GROUP=MODE",
+                        help="parallel mode of an execution group, overriding the family's "
+                             "`parallel:`: split, replicated, one_stage or "
+                             "replicated_one_stage (repeatable)")
+    parser.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
+                        help="what to do with shards illegal for the topology (default: the "
+                             "family's, else require)")
+    parser.add_argument("--ep", type=_positive, default=None,
+                        help="expert-parallel size E: each stage gets E x --etp ranks, the "
+                             "routed experts placed on the E EP ranks and the dense parts "
+                             "split over --tp ranks, repeated (docs/expert_parallel.md)")
+    parser.add_argument("--etp", type=_positive, default=None,
+                        help="expert-tensor-parallel size X: ranks splitting each expert on "
+                             "its intermediate dimension (default 1; needs --ep)")
+    parser.add_argument("--expert-placement", default=None, metavar="FILE",
+                        help="JSON placement {\"ranks\": [[expert ids of EP rank 0], ...]} "
+                             "(default: balanced contiguous ranges; an expert on several ranks "
+                             "is a redundant copy; needs --ep)")
+
+
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
+    return (f"exit status:\n{codes}\n\nDocumentation: `partc docs` prints where the installed "
+            "guides are (authoring, cli, faults).")
+
+
+def _add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=["text", "json"], default="text", help=FORMAT_HELP)
+
+
+def _add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="draw no progress on stderr (progress is drawn only when stderr is "
+                             "a terminal and --format is text; errors are always reported)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the `partc` command line and every command."""
+    parser = Parser(
+        prog="partc", description="Compile LLM family descriptions into rank-local loaders.",
+        epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"partc {__version__}",
+                        help="print the partc version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=Parser)
+
+    compile_ = commands.add_parser("compile", help="write plan.json and the rank loader package",
+                                   description="Bind a family to a config, realize it for "
+                                   "TP x PP and write plan.json and one loader module per rank.")
+    compile_.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
+    compile_.add_argument("--config", default=None,
+                          help="the model's config.json (default: config.json in the "
+                               "--checkpoint folder)")
+    _add_topology(compile_, required=True)
+    compile_.add_argument("--activation-dtype", default=None,
+                          choices=["float16", "bfloat16", "float32"],
+                          help="dtype of activations crossing pipeline cuts (default: the "
+                               "model's own, the most common float dtype of its tensors)")
+    compile_.add_argument("--split", choices=["balanced", "chunk"], default="balanced",
+                          help="how uneven splits give out the remainder: balanced (the first "
+                               "n mod T ranks get one more) or chunk (torch.chunk's rule, which "
+                               "DTensor's Shard and transformers follow; docs/torch.md)")
+    compile_.add_argument("--checkpoint", default=None,
+                          help="checkpoint to validate and fingerprint the plan against")
+    compile_.add_argument("--out", required=True,
+                          help="output folder: new, empty, or a build partc wrote (marked by "
+                               ".partc-build.json); replaced atomically, never the checkpoint, "
+                               "the config or the working directory")
+    compile_.add_argument("--force", action="store_true",
+                          help="write through a symbolic link --out into its target folder "
+                               "(kept as the link), or replace a partc shard set; never deletes "
+                               "files partc did not write")
+    compile_.add_argument("--digests", action="store_true",
+                          help="with --checkpoint: read every rank's slices once and record their "
+                               "sha256 in the plan, for load(..., verify='digest')")
+    _add_format(compile_)
+    _add_quiet(compile_)
+
+    check = commands.add_parser("check", help="validate without writing anything",
+                                description="Validate a family; with --config its binding, "
+                                "with --checkpoint the checkpoint's tensors, with a topology "
+                                "the plan (and print its per-stage summary).")
+    check.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
+    check.add_argument("--config", default=None,
+                       help="a config.json to bind to (default with --checkpoint: the "
+                            "config.json in its folder)")
+    check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
+    _add_topology(check, required=False)
+    _add_format(check)
+    _add_quiet(check)
+
+    inspect = commands.add_parser(
+        "inspect", help="show a build's totals, fallbacks and tensors, or a checkpoint's "
+                        "inventory",
+        description="For a build (a folder holding plan.json): per-stage and per-rank totals and "
+                    "every fallback; with --rank/--group/--target a table of tensors. For a "
+                    "checkpoint: its inventory with layer and expert numbers collapsed.")
+    inspect.add_argument("path", help="a build folder, a plan.json, or a checkpoint (folder or "
+                                      ".safetensors file)")
+    inspect.add_argument("--rank", type=int, default=None,
+                         help="list the tensors of this global rank")
+    inspect.add_argument("--group", default=None,
+                         help="list the tensors of the groups matching this glob "
+                              "(e.g. 'model.layers.3.*')")
+    inspect.add_argument("--target", default=None,
+                         help="list the tensors whose checkpoint name matches this glob")
+    inspect.add_argument("--family", default=None,
+                         help="the family file the build was compiled from, to show the line "
+                              "of each split (built-in families are found by themselves)")
+    _add_format(inspect)
+
+    explain = commands.add_parser(
+        "explain", help="why one tensor or group is split the way it is",
+        description="Group, role, units, every rank's range and placement of a tensor or a "
+                    "group, and the reasons: policy fallback, KV replication, alignment, the "
+                    "family line.")
+    explain.add_argument("build", help="a build folder (or its plan.json)")
+    explain.add_argument("target", help="a checkpoint tensor name or a group name")
+    explain.add_argument("--family", default=None,
+                         help="the family file the build was compiled from (for its line)")
+    _add_format(explain)
+
+    report = commands.add_parser(
+        "report", help="write one self-contained HTML report of a build",
+        description="An HTML page with no network access: ownership map (ranks x units), bytes "
+                    "per rank by role, the boundary wire schema and the fallbacks.")
+    report.add_argument("build", help="a build folder (or its plan.json)")
+    report.add_argument("--out", required=True,
+                        help="the HTML file to write (replaced atomically; never a folder)")
+    report.add_argument("--family", default=None,
+                        help="the family file the build was compiled from (for its lines)")
+    _add_format(report)
+
+    init = commands.add_parser(
+        "init", help="write a family scaffold from a checkpoint header and config",
+        description="Guess a family from a checkpoint: layer repetition, projections, norms, "
+                    "embeddings, a tied head, experts. Lines it could not decide are marked "
+                    "`# partc init: CHECK`.")
+    init.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
+    init.add_argument("--config", default=None,
+                      help="the model's config.json (default: config.json in the checkpoint "
+                           "folder)")
+    init.add_argument("--out", default=None,
+                      help="the family file to write (default: print it on stdout); never "
+                           "replaces an existing file")
+    init.add_argument("--name", default=None, help="the family name (default: the model type)")
+    _add_format(init)
+
+    demo = commands.add_parser("demo", help="compile and load the embedded tiny Llama")
+    demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size (default 2)")
+    demo.add_argument("--pp", type=_positive, default=2, help="pipeline stages (default 2)")
+    demo.add_argument("--out", default=None, help="where to write the build (default: temp)")
+
+    families = commands.add_parser("families",
+                                   help="list the built-in families and their model types")
+    families.add_argument("--copy", nargs=2, metavar=("NAME", "FILE"), default=None,
+                          help="copy built-in family NAME to FILE to edit it (never replaces "
+                               "an existing file)")
+    _add_format(families)
+
+    schema = commands.add_parser("schema", help="print the family JSON Schema (for editors)",
+                                 description="Print schemas/architecture.schema.json, or with "
+                                 "--path where it is installed, for a `# yaml-language-server: "
+                                 "$schema=...` line.")
+    schema.add_argument("--path", action="store_true",
+                        help="print the installed schema's path instead of its text")
+
+    docs = commands.add_parser("docs", help="print where the installed documentation is",
+                               description="Print the path of an installed guide (or of the "
+                               "docs folder) so that it can be opened without the repository; "
+                               "TOPIC#section prints PATH:LINE of that section, as the `see:` "
+                               "line under an error does.")
+    docs.add_argument("topic", nargs="?", default=None,
+                      help="a guide, optionally with a section: authoring, policy, "
+                           "kv_replication#the-rule-vllms, ... (default: the folder; --list "
+                           "prints every topic)")
+    docs.add_argument("--list", action="store_true",
+                      help="list every installed guide and the anchors of its sections")
+
+    shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
+                                              "build, for sequential loading")
+    shard.add_argument("build", help="a folder written by `partc compile`")
+    shard.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
+    shard.add_argument("--out", required=True,
+                       help="output folder: new, empty, or a shard set partc wrote (marked by "
+                            ".partc-build.json); replaced atomically, never the checkpoint or "
+                            "the build; the manifest records every tensor's sha256")
+    shard.add_argument("--force", action="store_true",
+                       help="write through a symbolic link --out into its target folder (kept "
+                            "as the link), or replace a partc build; never deletes files partc "
+                            "did not write")
+    shard.add_argument("--no-verify-fingerprint", action="store_true",
+                       help="accept a checkpoint whose header differs from the plan's fingerprint"
+                            " (names, dtypes and shapes are still checked)")
+    _add_format(shard)
+    _add_quiet(shard)
+
+    verify = commands.add_parser("verify", help="check the split against Hugging Face "
+                                 "transformers' modeling code (needs partc[verify])")
+    verify.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
+    verify.add_argument("--config", required=True, help="the model's config.json (shrunk to "
+                        "a tiny random model of the same structure when large)")
+    verify.add_argument("--tp", type=_size_list, default=None,
+                        help="tensor-parallel sizes, e.g. 1,2,4 (default: every T up to 8 "
+                             "that compiles)")
+    verify.add_argument("--pp", type=_positive, default=None,
+                        help="pipeline stages of the pipeline check (default 2; 1 skips it)")
+    verify.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
+                        help="sharding policy for groups that cannot be sharded")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
+    _add_format(verify)
+    return parser
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    values = tuple(_positive(v) for v in text.split(","))
+    if any(v > MAX_WORLD_SIZE for v in values):
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be at most "
+                                         f"{MAX_WORLD_SIZE}, found {text!r}")
+    return values

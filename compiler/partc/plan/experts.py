@@ -1,0 +1,199 @@
+"""The expert-parallel part of a plan: its layout and placement, the model's expert count,
+the stacked expert groups' rows, and the ranks of an expert-parallel stage
+(docs/expert_parallel.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from partc.errors import LayoutError
+from partc.parallel.experts import (
+    ExpertGroup,
+    ExpertPlacement,
+    RankCoordinates,
+    expert_axis_problem,
+    stacked_expert_layouts,
+)
+from partc.parallel.layout import LocalTensorLayout, ParallelModelInfo
+from partc.parallel.specs import ParameterGroupSpec
+from partc.partition.pipeline import ArchitecturePartition
+from partc.plan.ranks import GroupKind, PlannedGroup, RankPlan, rank_accounting
+from partc.plan.topology import Topology
+
+if TYPE_CHECKING:
+    from partc.bind.binder import BoundArchitecture
+    from partc.plan.realize import GroupSite
+
+
+EXPERT_LAYOUT = ("build rank = stage * N + r; tp = r mod T, dense replica = r div T, "
+                 "ep = r div X, etp = r mod X")
+"""The rank layout of an expert-parallel stage of N = E * X ranks, as the plan records it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertParallelPlan:
+    """The expert-parallel layout of a plan (docs/expert_parallel.md)."""
+
+    tensor_parallel_size: int
+    """T: the dense parts' TP size."""
+    expert_tensor_parallel_size: int
+    """X: ranks splitting each expert."""
+    placement: ExpertPlacement
+    """Which experts each EP rank holds, in local slot order."""
+    per_expert_groups: int
+    """Per-expert groups (`for: {expert: ...}`) of the model."""
+    stacked_groups: int
+    """Stacked expert groups (`experts: {axis: ...}`) of the model."""
+    expert_groups: tuple[tuple[str, int | None], ...] = ()
+    """Every routed-expert group by name: its global expert id (per-expert), or None (stacked);
+    what a plan reader needs to tell which ranks hold a group's tensors."""
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """E."""
+        return self.placement.expert_parallel_size
+
+    @property
+    def ranks_per_stage(self) -> int:
+        """N = E * X."""
+        return self.expert_parallel_size * self.expert_tensor_parallel_size
+
+    def coordinates(self, local_rank: int) -> RankCoordinates:
+        """The coordinates of stage-local rank `local_rank`."""
+        return RankCoordinates.of(local_rank, self.tensor_parallel_size,
+                                  self.expert_tensor_parallel_size)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (the plan's `expert_parallel`)."""
+        placement = self.placement
+        return {"expert_parallel_size": self.expert_parallel_size,
+                "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+                "ranks_per_stage": self.ranks_per_stage,
+                "dense_replicas": self.ranks_per_stage // self.tensor_parallel_size,
+                "layout": EXPERT_LAYOUT, "experts": placement.experts,
+                "explicit_placement": placement.explicit,
+                "redundant_slots": placement.redundant,
+                "slots": [list(ids) for ids in placement.slots],
+                "per_expert_groups": self.per_expert_groups,
+                "stacked_groups": self.stacked_groups,
+                "expert_groups": {name: expert for name, expert in self.expert_groups}}
+
+
+def model_expert_count(bound: BoundArchitecture) -> int:
+    """How many routed experts the bound model has (0: it declares none): one more than the
+    largest per-expert id, or the stacked groups' expert-axis length; LayoutError when its
+    expert groups disagree."""
+    counts: dict[int, str] = {}
+    per_expert = [role.expert for _, role in bound.experts if role.expert is not None]
+    if per_expert:
+        counts[max(per_expert) + 1] = "its per-expert groups"
+    groups = {owned.group.name: owned.group for owned in bound.description.groups}
+    for name, role in bound.experts:
+        if role.axis is None:
+            continue
+        group = groups[name]
+        problem = expert_axis_problem(group, role.axis)
+        if problem is not None:
+            raise LayoutError(f"stacked expert group `{name}` (experts: {{axis: {role.axis}}}): "
+                              f"{problem}", tensor=group.members[0].target)
+        counts.setdefault(group.members[0].shape[role.axis], f"stacked group `{name}`")
+    if len(counts) > 1:
+        raise LayoutError("the routed-expert groups disagree on the expert count: "
+                          + ", ".join(f"{n} ({what})" for n, what in sorted(counts.items())))
+    return next(iter(counts), 0)
+
+
+def expert_parallel_plan(bound: BoundArchitecture, topology: Topology,
+                         group_location: GroupSite | None) -> ExpertParallelPlan | None:
+    """The expert-parallel plan of `bound` for `topology` (None without `--ep`); LayoutError
+    when the model declares no routed experts, or they do not fit the placement or the ETP size."""
+    ep = topology.expert_parallel_size
+    if ep is None:
+        return None
+    count = model_expert_count(bound)
+    if count == 0:
+        raise LayoutError(
+            f"--ep {ep}: family `{bound.family}` declares no routed experts for this config (no "
+            "group loops `for: {expert: ...}` or declares `experts: {axis: ...}`), so there is "
+            "nothing to place on expert-parallel ranks")
+    placement = topology.expert_placement or ExpertPlacement.balanced(count, ep)
+    if placement.experts != count:
+        raise LayoutError(f"the expert placement is for {placement.experts} experts but the "
+                          f"model routes to {count}")
+    stacked = [name for name, role in bound.experts if role.axis is not None]
+    if stacked and topology.expert_tensor_parallel_size > 1:
+        site = None if group_location is None else group_location(stacked[0])
+        raise LayoutError(
+            f"stacked expert group `{stacked[0]}` cannot be split over "
+            f"expert_tensor_parallel_size {topology.expert_tensor_parallel_size}: a rank of a "
+            "stacked group holds whole experts (the rows of its experts on the expert axis); "
+            "use --etp 1", location=None if site is None else site[0],
+            pointer="" if site is None else site[1])
+    return ExpertParallelPlan(
+        tensor_parallel_size=topology.tensor_parallel_size,
+        expert_tensor_parallel_size=topology.expert_tensor_parallel_size, placement=placement,
+        per_expert_groups=sum(1 for _, r in bound.experts if r.expert is not None),
+        stacked_groups=len(stacked),
+        expert_groups=tuple((name, role.expert) for name, role in bound.experts))
+
+
+def stacked_template(group: ParameterGroupSpec, role: ExpertGroup, plan: ExpertParallelPlan,
+                     realized: dict[object, tuple[tuple[LocalTensorLayout, ...], ...]]
+                     ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
+    """One row per stage-local rank: the rows of the rank's experts along the expert axis."""
+    assert role.axis is not None
+    key = ("stacked", role.axis, group.role,
+           tuple((m.dtype, m.shape) for m in group.members), plan.placement.slots,
+           plan.expert_tensor_parallel_size)
+    template = realized.get(key)
+    if template is None:
+        per_ep = [stacked_expert_layouts(group, role.axis, ids) for ids in plan.placement.slots]
+        template = realized[key] = tuple(per_ep[plan.coordinates(r).expert_parallel_rank]
+                                         for r in range(plan.ranks_per_stage))
+    return template
+
+
+def expert_parallel_ranks(bound: BoundArchitecture, plan: ExpertParallelPlan,
+                          roles: dict[str, ExpertGroup],
+                          partitions: list[ArchitecturePartition],
+                          stage_groups: list[tuple[PlannedGroup, ...]], kinds: list[GroupKind],
+                          global_bytes: int) -> list[RankPlan]:
+    """Every rank of an expert-parallel plan: stage * N + r, each with the stage's dense
+    groups and its own experts."""
+    n, tp = plan.ranks_per_stage, plan.tensor_parallel_size
+    pp = len(partitions)
+    held = [frozenset(ids) for ids in plan.placement.slots]
+    rank_groups: list[list[tuple[PlannedGroup, ...]]] = []
+    for groups in stage_groups:
+        rank_groups.append([tuple(
+            g for g in groups if (role := roles.get(g.name)) is None or role.expert is None
+            or role.expert in mine) for mine in held])
+    coordinates = [plan.coordinates(r) for r in range(n)]
+    accounting = [[rank_accounting(rank_groups[s][c.expert_parallel_rank], kinds,
+                                    c.tensor_parallel_rank, c) for c in coordinates]
+                  for s in range(pp)]
+    maximum = max(a[1] for stage in accounting for a in stage)
+    ranks = []
+    for stage, partition in enumerate(partitions):
+        for c in coordinates:
+            owned_tensors, local, pinned, by_dtype, expert_bytes = accounting[stage][c.local_rank]
+            rank = stage * n + c.local_rank
+            info = ParallelModelInfo(
+                model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                rank=rank, tensor_parallel_rank=c.tensor_parallel_rank, pipeline_stage=stage,
+                owned_tensors=owned_tensors, local_parameter_bytes=local,
+                global_parameter_bytes=global_bytes, pinned_parameter_bytes=pinned,
+                maximum_device_parameter_bytes=maximum, local_bytes_by_dtype=by_dtype,
+                ranks_per_stage=n, dense_replica=c.dense_replica,
+                expert_parallel_size=plan.expert_parallel_size,
+                expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
+                expert_parallel_rank=c.expert_parallel_rank,
+                expert_tensor_parallel_rank=c.expert_tensor_parallel_rank,
+                local_experts=len(plan.placement.slots[c.expert_parallel_rank]),
+                expert_parameter_bytes=expert_bytes)
+            ranks.append(RankPlan(rank=rank, tensor_parallel_rank=c.tensor_parallel_rank,
+                                  pipeline_stage=stage, partition=partition, info=info,
+                                  groups=rank_groups[stage][c.expert_parallel_rank],
+                                  kinds=tuple(kinds), coordinates=c))
+    return ranks

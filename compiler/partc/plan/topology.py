@@ -1,0 +1,111 @@
+"""The topology a plan is realized for: T x S (E x X per stage under expert parallelism).
+
+Built values are checked: positive sizes, and E, X and the placement agreeing with T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partc.errors import LayoutError
+from partc.parallel.experts import ExpertPlacement, stage_ranks
+from partc.parallel.realize import TensorSplit
+from partc.parallel.specs import ShardingPolicy
+from partc.partition.boundary import PipelineActivationDtype
+from partc.partition.ownership import GroupParallelMode
+from partc.partition.stages import StageLayout
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """A parallel topology and the options that shape its realization."""
+
+    tensor_parallel_size: int
+    """T: ranks per stage."""
+    pipeline_parallel_size: int
+    """S: pipeline stages."""
+    stage_units: tuple[int, ...] | None = None
+    """Explicit units per stage (None: balanced)."""
+    policy: ShardingPolicy | None = None
+    """Sharding policy override (None: the family's, else Require)."""
+    activation_dtype: PipelineActivationDtype | None = None
+    """Dtype of activations on the pipeline wire (None: the model's own, `model_activation_dtype`;
+    a plan always records the resolved dtype)."""
+    stage_layout: StageLayout | None = None
+    """Explicit units per stage and execution group (`--pp-layers vision*3|decoder*2`)."""
+    group_modes: tuple[tuple[str, GroupParallelMode], ...] = ()
+    """Parallel mode per execution group chosen at compile time (`--group-mode`), overriding
+    the family's `parallel:`."""
+    split: TensorSplit = TensorSplit.BALANCED
+    """How uneven splits give out the remainder (`--split`; the JSON key `split` is present only
+    for `chunk`, so balanced plans read as before)."""
+    expert_parallel_size: int | None = None
+    """E: expert-parallel ranks per stage (None: no expert parallelism, every expert split
+    over the T ranks; docs/expert_parallel.md)."""
+    expert_tensor_parallel_size: int = 1
+    """X: ranks splitting each expert (Megatron's ETP); a stage has N = E * X ranks."""
+    expert_placement: ExpertPlacement | None = None
+    """An explicit placement (a placement file); None: balanced contiguous ranges."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise LayoutError(f"tensor_parallel_size must be >= 1, found "
+                              f"{self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise LayoutError(f"pipeline_parallel_size must be >= 1, found "
+                              f"{self.pipeline_parallel_size}")
+        _check_expert_topology(self)
+
+    @property
+    def ranks_per_stage(self) -> int:
+        """N: E * X under expert parallelism, else T."""
+        return stage_ranks(self.tensor_parallel_size, self.expert_parallel_size,
+                           self.expert_tensor_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        """N * S (T * S without expert parallelism)."""
+        return self.ranks_per_stage * self.pipeline_parallel_size
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (the expert-parallel keys only under expert parallelism)."""
+        spelled: dict[str, object] = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "stage_units": list(self.stage_units) if self.stage_units else None,
+            "policy": self.policy.value if self.policy else None,
+            "activation_dtype": None if self.activation_dtype is None
+            else self.activation_dtype.value,
+        }
+        spelled = spelled | ({} if self.stage_layout is None else {"stage_layout": [
+            [[g, n] for g, n in runs] for runs in self.stage_layout]}) | (
+            {"group_modes": {g: m.value for g, m in self.group_modes}} if self.group_modes
+            else {}) | (
+            {} if self.split is TensorSplit.BALANCED else {"split": self.split.value})
+        if self.expert_parallel_size is not None:
+            spelled["expert_parallel_size"] = self.expert_parallel_size
+            spelled["expert_tensor_parallel_size"] = self.expert_tensor_parallel_size
+        return spelled
+
+
+def _check_expert_topology(topology: Topology) -> None:
+    """E, X and the placement agree with each other and with T (docs/expert_parallel.md)."""
+    ep, etp, t = (topology.expert_parallel_size, topology.expert_tensor_parallel_size,
+                  topology.tensor_parallel_size)
+    if ep is None:
+        if etp != 1 or topology.expert_placement is not None:
+            raise LayoutError("--etp and --expert-placement need expert parallelism: give "
+                              "--ep (the expert-parallel size)")
+        return
+    if ep < 1 or etp < 1:
+        raise LayoutError(f"expert_parallel_size and expert_tensor_parallel_size must be >= 1, "
+                          f"found {ep} and {etp}")
+    if (ep * etp) % t:
+        raise LayoutError(
+            f"a stage has N = expert_parallel_size {ep} x expert_tensor_parallel_size {etp} = "
+            f"{ep * etp} ranks, not a multiple of tensor_parallel_size {t}: the dense parts "
+            f"(split over T ranks) are repeated N / T times; choose T dividing {ep * etp}")
+    placement = topology.expert_placement
+    if placement is not None and placement.expert_parallel_size != ep:
+        raise LayoutError(f"the expert placement lists {placement.expert_parallel_size} EP "
+                          f"ranks but expert_parallel_size is {ep}")

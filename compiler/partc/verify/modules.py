@@ -1,0 +1,217 @@
+"""The tensor-parallel checks of `partc verify`: the ranks' parts of every module must add up
+to the full module's output; a failing module is narrowed to a group, then to a rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partc.verify.report import Check
+from partc.verify.session import Build, Session, largest_error, tolerance_of
+
+
+def _scatter(shape: tuple[int, ...], selection: tuple[int | None, Sequence[tuple[int, int]]],
+             local: np.ndarray) -> np.ndarray:
+    """A zeroed global array holding `local` at the global ranges it was read from."""
+    axis, ranges = selection
+    out = np.zeros(shape, dtype=local.dtype)
+    if axis is None:
+        out[...] = local
+        return out
+    offset = 0
+    for start, end in ranges:
+        index: list[slice] = [slice(None)] * len(shape)
+        index[axis] = slice(start, end)
+        source: list[slice] = [slice(None)] * len(shape)
+        source[axis] = slice(offset, offset + end - start)
+        out[tuple(index)] = local[tuple(source)]
+        offset += end - start
+    return out
+
+
+class TensorParallelRanks:
+    """The masks and masked models of one tensor-parallel build (one stage)."""
+
+    def __init__(self, session: Session, build: Build) -> None:
+        self.session = session
+        self.build = build
+        self.masks: list[dict[str, np.ndarray]] = []
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.loader_faults: list[tuple[int, str]] = []
+        for rank, state in enumerate(build.states):
+            masks, parts = {}, {}
+            for layout in state.layout.tensors:
+                target, shape = layout.target, tuple(layout.global_shape)
+                local = np.asarray(state.tensors[target])
+                parts[target] = _scatter(shape, layout.selection, local)
+                masks[target] = _scatter(shape, layout.selection, np.ones(local.shape, bool))
+                if not np.array_equal(parts[target][masks[target]],
+                                      session.full[target][masks[target]]):
+                    self.loader_faults.append((rank, target))
+            self.masks.append(masks)
+            self.parts.append(parts)
+        self.whole = {name: all(m.get(name) is not None and bool(m[name].all())
+                                for m in self.masks) for name in session.names}
+        self.models = [session.model_of(p) for p in self.parts]
+        self.shared_model = session.model_of(self._shared(session.names)) if build.tp > 1 \
+            else None
+
+    def _shared(self, targets: Sequence[str]) -> dict[str, np.ndarray]:
+        """Only the elements every rank holds of `targets`; the other tensors whole."""
+        full = self.session.full
+        out = dict(full)
+        for name in targets:
+            every = np.logical_and.reduce([m.get(name, np.zeros(self.session.shapes[name], bool))
+                                           for m in self.masks])
+            out[name] = np.where(every, full[name], 0).astype(full[name].dtype)
+        return out
+
+    def _masked(self, targets: Sequence[str], masks: Sequence[dict[str, np.ndarray]]
+                ) -> dict[str, np.ndarray]:
+        """The union of `masks` on `targets`; the other tensors whole."""
+        full = self.session.full
+        out = dict(full)
+        for name in targets:
+            union = np.logical_or.reduce([m.get(name, np.zeros(self.session.shapes[name], bool))
+                                          for m in masks])
+            out[name] = np.where(union, full[name], 0).astype(full[name].dtype)
+        return out
+
+    def check(self, module: str) -> Check:
+        """The claim for one module: every rank equals it, or the ranks add up to it."""
+        session, tp = self.session, self.build.tp
+        want = session.captured[module][2]
+        tolerance = tolerance_of(want)
+        targets = session.targets(module)
+        split = [t for t in targets if not self.whole[t]]
+        groups = self._groups(split)
+        if not split:
+            for rank, model in enumerate(self.models):
+                error = largest_error(session.run(model, module), want)
+                if error > tolerance:
+                    return self._fail(module, "", rank, error, tolerance,
+                                      "its tensors are whole on every rank, but the rank's "
+                                      "output differs from the full module's")
+            return Check(tp=tp, pp=1, module=module, group=", ".join(self._groups(targets)),
+                         rank=None, ok=True, max_error=0.0, tolerance=tolerance)
+        norms = self._reduced_norms(module, split)
+        if norms:  # the engine all-reduces these norms' statistic: so does the check
+            total = sum(self._run_reduced(module, norms))
+        else:
+            total = sum(session.run(m, module) for m in self.models)
+        if self.shared_model is not None:
+            total = total - (tp - 1) * session.run(self.shared_model, module)
+        error = largest_error(total, want)
+        if error <= tolerance:
+            return Check(tp=tp, pp=1, module=module, group=", ".join(groups), rank=None,
+                         ok=True, max_error=error, tolerance=tolerance)
+        return self._narrow(module, groups, error, tolerance)
+
+    def _reduced_norms(self, module: str, targets: Sequence[str]) -> list[str]:
+        """Submodules of `module` holding a split tensor that needs a TP reduction (a norm
+        whose statistic spans the split projection, `reduction: tensor_parallel`)."""
+        norms: list[str] = []
+        for target in targets:
+            layouts = [state.layout[target] for state in self.build.states
+                       if target in state.layout]
+            path = target.rsplit(".", 1)[0]
+            if any(x.needs_tp_reduction for x in layouts) and path.startswith(module + ".") \
+                    and path not in norms:
+                norms.append(path)
+        return norms
+
+    def _run_reduced(self, module: str, norms: Sequence[str]) -> list[Any]:
+        """Each rank's output of `module` with the RMS statistic of every norm in `norms` taken
+        over all ranks' pieces (the all-reduce an engine does), not over the rank's own.
+
+        A first pass records each rank's sum of squares at each norm's input; the second
+        rescales each norm's output by sqrt((own + eps) / (all + eps)) (mean squares over the
+        full width): the RMSNorm the whole model computes, restricted to the rank's rows.
+        """
+        torch, session = self.session.torch, self.session
+        sums: list[dict[str, Any]] = [{} for _ in self.models]
+
+        def record(rank: int, path: str) -> Any:
+            def hook(_: Any, args: Any, output: Any) -> None:
+                sums[rank][path] = args[0].float().pow(2).sum(-1, keepdim=True)
+            return hook
+
+        def rescale(rank: int, path: str, eps: float) -> Any:
+            def hook(_: Any, args: Any, output: Any) -> Any:
+                width = args[0].shape[-1]
+                own = sums[rank][path] / width
+                full = sum(s[path] for s in sums) / width
+                return (output.float() * torch.sqrt((own + eps) / (full + eps))).to(
+                    output.dtype)
+            return hook
+
+        for make in (record, None):
+            outputs = []
+            for rank, model in enumerate(self.models):
+                handles = []
+                for path in norms:
+                    norm = model.get_submodule(path)
+                    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+                    hook = make(rank, path) if make else rescale(rank, path, eps)
+                    handles.append(norm.register_forward_hook(hook))
+                try:
+                    outputs.append(session.run(model, module))
+                finally:
+                    for handle in handles:
+                        handle.remove()
+        return outputs
+
+    def _groups(self, targets: Sequence[str]) -> list[str]:
+        names: list[str] = []
+        for target in targets:
+            for state in self.build.states:
+                if target in state.layout:
+                    name = state.layout[target].logical_name
+                    if name not in names:
+                        names.append(name)
+                    break
+        return names
+
+    def _group_targets(self, group: str, targets: Sequence[str]) -> list[str]:
+        return [t for t in targets if self._groups([t]) == [group]]
+
+    def _narrow(self, module: str, groups: list[str], error: float, tolerance: float) -> Check:
+        """The first group (then rank) whose split alone breaks the module."""
+        session, tp = self.session, self.build.tp
+        want = session.captured[module][2]
+        targets = session.targets(module)
+        for group in groups:
+            mine = self._group_targets(group, targets)
+            shared = session.run(session.model_of(self._shared(mine)), module)
+            outs = [session.run(session.model_of(self._masked(mine, [m])), module)
+                    for m in self.masks]
+            alone = largest_error(sum(outs) - (tp - 1) * shared, want)
+            if alone <= tolerance:
+                continue
+            for rank in range(tp):
+                others = [m for r, m in enumerate(self.masks) if r != rank]
+                rest = session.run(session.model_of(self._masked(mine, others)), module) \
+                    if others else 0
+                separable = largest_error(outs[rank] + rest - shared, want) if others else alone
+                if separable > tolerance:
+                    return self._fail(module, group, rank, alone, tolerance,
+                                      "the rank's part of the group is not separable from the "
+                                      "other ranks' (rank + the others - the shared part "
+                                      f"differs by {separable:.3g})")
+            return self._fail(module, group, None, alone, tolerance,
+                              "the ranks' parts of the group do not add up to the full module")
+        return self._fail(module, ", ".join(groups), None, error, tolerance,
+                          "the ranks' parts do not add up to the full module, though each "
+                          "group alone does")
+
+    def _fail(self, module: str, group: str, rank: int | None, error: float,
+              tolerance: float, why: str) -> Check:
+        tp = self.build.tp
+        where = f"rank {rank}" if rank is not None else f"ranks 0-{tp - 1}"
+        return Check(tp=tp, pp=1, module=module, group=group, rank=rank, ok=False,
+                     max_error=error, tolerance=tolerance,
+                     message=f"T={tp} x S=1: module `{module}`"
+                             f"{f' (group `{group}`)' if group else ''}, {where}: {why}; max "
+                             f"abs error {error:.3g}, tolerance {tolerance:.3g}")

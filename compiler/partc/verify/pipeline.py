@@ -1,0 +1,231 @@
+"""The pipeline checks of `partc verify`: each stage owns every tensor it executes, each cut
+carries its declared boundary's shapes, and the stages' tensors give the full logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partc.verify.report import Check
+from partc.verify.session import Build, Session, first_tensor, largest_error, tolerance_of
+
+
+def _unit_stages(plan: dict[str, Any]) -> dict[str, int]:
+    """Unit path -> the pipeline stage executing it, from plan.json."""
+    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    stages = {}
+    for rank in plan["ranks"]:
+        partition = rank["partition"]
+        for owned in partition["groups"]:
+            start, end = owned["unit_range"]
+            for unit in range(start, end):
+                stages[paths[owned["group"]][unit]] = partition["stage"]
+    return stages
+
+
+def _role_stages(plan: dict[str, Any], units: dict[str, int]) -> dict[str, int]:
+    """Static role -> the stage its declared placement puts it on: `first` stage 0, `last` the
+    last stage, `{with: group, unit: first|last}` the stage of that unit of the group (from
+    plan.json's `static_roles` and unit ranges, not from the ranks' own role lists)."""
+    last = plan["topology"]["pipeline_parallel_size"] - 1
+    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    stages = {}
+    for role in plan["static_roles"]:
+        place = role["stage"]
+        if isinstance(place, dict):
+            group = paths[place["with"]]
+            stages[role["role"]] = units[group[0 if place["unit"] == "first" else -1]]
+        else:
+            stages[role["role"]] = 0 if place == "first" else last
+    return stages
+
+
+def _in_memory(session: Session, path: str) -> str:
+    """The in-memory module path of an on-disk module path (a unit): the common module prefix
+    of the parameters made only of tensors under it (`vision_tower.encoder.layers.1` is
+    `model.vision_tower.encoder.layers.1` in memory); the path itself when none is."""
+    modules = [name.split(".")[:-1] for name, sources in session.sources.items()
+               if sources and all(s.startswith(path + ".") for s in sources)]
+    common: list[str] = []
+    for parts in zip(*modules, strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common) or path
+
+
+class _Placement:
+    """Where each in-memory parameter runs in a pipeline build, from plan.json."""
+
+    def __init__(self, session: Session, plan: dict[str, Any]) -> None:
+        disk = _unit_stages(plan)
+        self.session = session
+        self.units = {_in_memory(session, path): stage for path, stage in disk.items()}
+        self.roles = _role_stages(plan, disk)
+        self.owners = _owners(plan)
+        self.ran = {module: i for i, module in enumerate(session.captured)}
+        in_units = [i for m, i in self.ran.items()
+                    if any(m.startswith(p + ".") for p in self.units)]
+        self.last_unit = max(in_units, default=None)
+
+    def stages(self, name: str) -> dict[str, int]:
+        """On-disk tensor -> the stage executing the in-memory parameter `name` made of it: the
+        stage of the unit holding it, else the placement of the static role owning the tensor
+        (of a role shared by several, `any_of`: the first of their stages for a module that
+        runs before the last unit, the last for a module after it, as a tied head)."""
+        sources = self.session.sources[name]
+        unit = max((p for p in self.units if name.startswith(p + ".")), key=len, default=None)
+        if unit is not None:
+            return dict.fromkeys(sources, self.units[unit])
+        module = max((m for m in self.ran if name.startswith(m + ".")), key=len, default=None)
+        after = module is not None and self.last_unit is not None and \
+            self.ran[module] > self.last_unit
+        out = {}
+        for target in sources:
+            placed = [self.roles[r] for r in self.owners.get(target, ()) if r in self.roles]
+            if placed:
+                out[target] = max(placed) if after else min(placed)
+        return out
+
+
+def _owners(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """On-disk tensor -> the static roles owning it (none for a tensor a unit owns)."""
+    roles = {g["name"]: tuple(g["owner"].get("roles", ())) for g in plan["groups"]}
+    return {t["target"]: roles.get(t["group"], ()) for t in plan["tensors"]}
+
+
+def pipeline_checks(session: Session, build: Build) -> list[Check]:
+    """Each stage owns what it executes; the stages' tensors give the full logits."""
+    stages = build.pp
+    placement = _Placement(session, build.plan)
+    executing: dict[str, dict[int, str]] = {}
+    for name in sorted(session.sources):
+        for target, stage in placement.stages(name).items():
+            executing.setdefault(target, {}).setdefault(stage, name)
+    checks, composite = [], {}
+    owned = [set(state.layout.targets) for state in build.states]
+    for target in session.names:
+        users = executing.get(target, {})
+        missing = [s for s in sorted(users) if target not in owned[s]]
+        for stage in missing:
+            checks.append(Check(
+                tp=1, pp=stages, module=target, group="", rank=stage, ok=False,
+                max_error=float("inf"), tolerance=0.0,
+                message=f"T=1 x S={stages}: stage {stage} executes `{users[stage]}`, made of "
+                        f"`{target}`, but does not own that tensor"))
+        holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
+        if holders and not missing:
+            composite[target] = np.asarray(build.states[holders[0]].tensors[target])
+    if "cuts" in build.plan:
+        checks.extend(_cut_checks(session, build))
+    logits = session.model_of(composite)
+    with session.torch.no_grad():
+        got = logits(**session.inputs, use_cache=False).logits
+    error, tolerance = largest_error(got, session.logits), tolerance_of(session.logits)
+    checks.append(Check(
+        tp=1, pp=stages, module="logits", group="", rank=None, ok=error <= tolerance,
+        max_error=error, tolerance=tolerance,
+        message="" if error <= tolerance else
+        f"T=1 x S={stages}: the model assembled from each stage's tensors gives logits that "
+        f"differ from the full model's; max abs error {error:.3g}, tolerance {tolerance:.3g}"))
+    return checks
+
+
+# ---------------------------------------------------------------- boundary checks
+
+
+def _unit_ends(plan: dict[str, Any]) -> dict[int, tuple[str, str]]:
+    """Stage -> the on-disk paths of its first and last unit (canonical order)."""
+    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    ends = {}
+    for rank in plan["ranks"]:
+        partition = rank["partition"]
+        owned = partition["groups"]
+        if rank["tensor_parallel_rank"] == 0 and owned:
+            ends[partition["stage"]] = (paths[owned[0]["group"]][owned[0]["unit_range"][0]],
+                                       paths[owned[-1]["group"]][owned[-1]["unit_range"][1] - 1])
+    return ends
+
+
+def _unit_traffic(session: Session, senders: Sequence[str], receivers: Sequence[str]
+                  ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One full forward pass: each sending unit's output, each receiving unit's inputs by name
+    (its keyword arguments; the first positional one as `hidden`)."""
+    outputs: dict[str, Any] = {}
+    inputs: dict[str, dict[str, Any]] = {}
+    handles = []
+    for path in senders:
+        def sent(_: Any, args: Any, output: Any, path: str = path) -> None:
+            outputs.setdefault(path, first_tensor(output))
+        handles.append(session.model.get_submodule(path).register_forward_hook(sent))
+    for path in receivers:
+        def received(_: Any, args: Any, kwargs: Any, path: str = path) -> None:
+            inputs.setdefault(path, dict(kwargs) | ({"hidden": args[0]} if args else {}))
+        handles.append(session.model.get_submodule(path).register_forward_pre_hook(
+            received, with_kwargs=True))
+    try:
+        with session.torch.no_grad():
+            session.model(**session.inputs, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, inputs
+
+
+def _axes(declared: Sequence[int | str], shape: Sequence[int], bound: dict[str, int]
+          ) -> str | None:
+    """None when a tensor of `shape` has the declared axes, binding named axes in `bound`;
+    otherwise why not. A first axis that is a per-request dimension (not `batch`, `sequence`
+    or a number) may span several leading axes of the tensor, flattened (HF keeps a batch axis
+    of one image's patches that the boundary folds into `image_tokens`)."""
+    folds = isinstance(declared[0], str) and declared[0] not in ("batch", "sequence")
+    if len(shape) < len(declared) or len(shape) > len(declared) and not folds:
+        return f"it has {len(shape)} axes, the boundary declares {len(declared)}"
+    lead = len(shape) - len(declared) + 1
+    sizes = [int(np.prod(shape[:lead])), *shape[lead:]]
+    for axis, (want, got) in enumerate(zip(declared, sizes, strict=True)):
+        if isinstance(want, int) and want != got:
+            return f"axis {axis} has {got} elements, the boundary declares {want}"
+        if isinstance(want, str) and bound.setdefault(want, got) != got:
+            return f"axis {axis} (`{want}`) has {got} elements, but `{want}` is {bound[want]}"
+    return None
+
+
+def _spell(shape: Sequence[object]) -> str:
+    return "[" + ", ".join(str(x) for x in shape) + "]"
+
+
+def _cut_checks(session: Session, build: Build) -> list[Check]:
+    """Each cut's declared boundary against what really crosses it: the primary tensor against
+    the output of the stage's last unit, an auxiliary tensor against the model input or the
+    next stage's first-unit argument of the same name (one of neither is not checked)."""
+    stages, plan = build.pp, build.plan
+    ends = _unit_ends(plan)
+    cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
+             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in plan["cuts"]]
+    outputs, inputs = _unit_traffic(session, [c[1] for c in cuts], [c[2] for c in cuts])
+    checks = []
+    for cut, sender, receiver in cuts:
+        stage, schema = cut["after_stage"], cut["boundary"]
+        bound = {"batch": int(session.ids.shape[0]), "sequence": int(session.ids.shape[1])}
+        where = (f"T=1 x S={stages}: the cut after stage {stage} (group `{cut['group']}`, "
+                 f"boundary `{schema['identity']}`)")
+        found = [(schema["primary"], sender, outputs.get(sender))] + [
+            (spec, receiver if spec["role"] in inputs.get(receiver, {}) else "the model input",
+             inputs.get(receiver, {}).get(spec["role"], session.inputs.get(spec["role"])))
+            for spec in schema["auxiliary"]]
+        failure = ""
+        for spec, module, value in found:
+            if value is None or not hasattr(value, "shape"):
+                continue
+            why = _axes(spec["shape"], tuple(value.shape), bound)
+            if why is not None:
+                failure = (f"{where} declares `{spec['role']}` as {_spell(spec['shape'])}, but "
+                           f"module `{module}` gives it as {_spell(value.shape)}: {why}")
+                break
+        checks.append(Check(tp=1, pp=stages, module=sender, group=cut["group"], rank=stage,
+                            ok=not failure, max_error=float("inf") if failure else 0.0,
+                            tolerance=0.0, message=failure))
+    return checks

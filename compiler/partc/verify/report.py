@@ -1,0 +1,70 @@
+"""What `partc verify` found: one `Check` per verified claim, gathered in a `VerifyReport`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Check:
+    """One verified claim: a module (or the logits, or a tensor's ownership) at one topology."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    module: str
+    """Hugging Face module path (or `logits`, or the on-disk tensor for ownership)."""
+    group: str
+    """The parameter group(s) concerned ('' when not narrowed to groups)."""
+    rank: int | None
+    """The global rank concerned; None when the claim is about all ranks together."""
+    ok: bool
+    """Whether the claim holds."""
+    max_error: float
+    """Largest absolute difference from the full model's output."""
+    tolerance: float
+    """The largest difference allowed."""
+    message: str = ""
+    """What failed, in words ('' when ok)."""
+
+    def to_json(self) -> dict[str, object]:
+        """The check as a JSON object."""
+        return {"tp": self.tp, "pp": self.pp, "module": self.module, "group": self.group,
+                "rank": self.rank, "ok": self.ok, "max_error": self.max_error,
+                "tolerance": self.tolerance, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyReport:
+    """Every check of one `partc verify` run, the topologies skipped and notes on the model."""
+
+    family: str
+    """The family's name."""
+    model_type: str
+    """The config's model type."""
+    checks: tuple[Check, ...]
+    """Every check, in the order they ran."""
+    skipped: tuple[dict[str, object], ...] = ()
+    """Topologies not checked, each with the reason (the compile error)."""
+    notes: tuple[str, ...] = ()
+    """How the reference model differs from the given config."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall-clock time per phase, for the report only."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether every check holds (and at least one ran)."""
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def first_failure(self) -> Check | None:
+        """The first check that failed."""
+        return next((c for c in self.checks if not c.ok), None)
+
+    def to_json(self) -> dict[str, object]:
+        """The report as a JSON object."""
+        return {"family": self.family, "model_type": self.model_type, "ok": self.ok,
+                "checks": [c.to_json() for c in self.checks], "skipped": list(self.skipped),
+                "notes": list(self.notes),
+                "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}}

@@ -1,0 +1,190 @@
+"""The reference model of a `partc verify` run and its compiled builds: the module inputs and
+outputs captured from the full model, masked copies of it, and the tolerance of a comparison."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from partc.api import compile_family
+from partc.verify.reference import (
+    load_model,
+    model_inputs,
+    parameter_sources,
+    require_libraries,
+    tensor_shapes,
+)
+
+if TYPE_CHECKING:
+    from partc.parallel.specs import ShardingPolicy
+
+RELATIVE_TOLERANCE = 1e-4
+"""Tolerance relative to the largest magnitude of the full output."""
+ABSOLUTE_TOLERANCE = 1e-5
+"""Tolerance added to the relative one."""
+
+
+@dataclass(slots=True)
+class Build:
+    """A compiled build: its topology, plan.json and every rank's loaded state."""
+
+    tp: int
+    pp: int
+    plan: dict[str, Any]
+    states: list[Any]
+
+
+@contextmanager
+def _imported(out: Path) -> Iterator[Any]:
+    """The generated package of a build folder, forgotten again afterwards."""
+    (package,) = [p.name for p in out.iterdir() if (p / "__init__.py").is_file()]
+    sys.path.insert(0, str(out))
+    try:
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
+        yield importlib.import_module(package)
+    finally:
+        sys.path.remove(str(out))
+        for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+            del sys.modules[name]
+
+
+def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int, pp: int,
+                  policy: ShardingPolicy | None) -> Build:
+    """Compile the family for the reference checkpoint at T x S and load every rank."""
+    compile_family(family, reference / "config.json", tensor_parallel_size=tp,
+                   pipeline_parallel_size=pp, policy=policy, checkpoint=reference, out=out)
+    plan = json.loads((out / "plan.json").read_text())
+    with _imported(out) as package:
+        states = [package.load(reference, rank=r) for r in range(tp * pp)]
+    return Build(tp=tp, pp=pp, plan=plan, states=states)
+
+
+class Session:
+    """The reference model, its captured module inputs and outputs, and masked copies of it."""
+
+    def __init__(self, folder: Path, work: Path, seed: int = 0) -> None:
+        self.torch, _ = require_libraries()
+        from safetensors.torch import load_file
+
+        self.folder = folder
+        self.work = work
+        self.shapes = tensor_shapes(folder)
+        self.names = sorted(self.shapes)
+        self.full = {k: v.numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
+        self.sources = parameter_sources(folder, self.names)
+        self.model = load_model(folder)
+        self.count = 0
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        accepted = set(inspect.signature(self.model.forward).parameters)
+        self.inputs = model_inputs(folder, vocab, seed, accepted)
+        self.ids = self.inputs["input_ids"]
+        self.modules = self._modules()
+        self.captured = self._capture()
+        with self.torch.no_grad():
+            self.logits = self.model(**self.inputs, use_cache=False).logits
+
+    def _modules(self) -> list[str]:
+        """Every module checked, in registration order: the children with parameters of each
+        layer of every ModuleList (decoder layers, vision encoder layers or blocks, however
+        deeply nested), and every other module with parameters that holds no ModuleList (the
+        embeddings, norms, projector, head)."""
+        module_list = self.torch.nn.ModuleList
+        found: list[str] = []
+
+        def owns_parameters(module: Any) -> bool:
+            return any(True for _ in module.parameters())
+
+        def walk(path: str, module: Any) -> None:
+            for name, child in module.named_children():
+                sub = f"{path}.{name}" if path else name
+                if not owns_parameters(child):
+                    continue
+                if isinstance(child, module_list):
+                    for index, layer in enumerate(child):
+                        found.extend(f"{sub}.{index}.{n}" for n, c in layer.named_children()
+                                     if owns_parameters(c))
+                elif any(isinstance(m, module_list) for m in child.modules()):
+                    walk(sub, child)
+                else:
+                    found.append(sub)
+
+        walk("", self.model)
+        return found
+
+    def targets(self, module: str) -> tuple[str, ...]:
+        """The on-disk tensors a module's parameters are made of (a tied head: the embedding)."""
+        found: set[str] = set()
+        for name, _ in self.model.get_submodule(module).named_parameters(
+                remove_duplicate=False):
+            found.update(self.sources.get(f"{module}.{name}", ()))
+        return tuple(sorted(found))
+
+    def _capture(self) -> dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]]:
+        captured: dict[str, tuple[tuple[Any, ...], dict[str, Any], Any]] = {}
+        handles = []
+        for path in self.modules:
+            module = self.model.get_submodule(path)
+
+            def keep(_: Any, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
+                # a copy: a caller may add into the output in place (Falcon's parallel
+                # attention does `mlp_output += attention_output`)
+                captured[path] = (args, kwargs, first_tensor(output).clone())
+            handles.append(module.register_forward_hook(keep, with_kwargs=True))
+        try:
+            with self.torch.no_grad():
+                self.model(**self.inputs, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured
+
+    def model_of(self, tensors: dict[str, np.ndarray]) -> Any:
+        """A model loaded by transformers from these on-disk tensors (the rest: zeros)."""
+        from safetensors.torch import save_file
+
+        self.count += 1
+        folder = self.work / f"masked-{self.count}"
+        folder.mkdir()
+        shutil.copyfile(self.folder / "config.json", folder / "config.json")
+        save_file({name: self.torch.from_numpy(np.ascontiguousarray(tensors[name]))
+                   if name in tensors else self.torch.zeros(self.shapes[name])
+                   for name in self.names}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        model = load_model(folder)
+        shutil.rmtree(folder)
+        return model
+
+    def run(self, model: Any, module: str) -> Any:
+        """`module` of `model` run on the inputs captured from the full model."""
+        args, kwargs, _ = self.captured[module]
+        with self.torch.no_grad():
+            return first_tensor(model.get_submodule(module)(*args, **kwargs))
+
+
+def first_tensor(output: Any) -> Any:
+    """The first tensor of a module's output (a tensor, or nested tuples or lists)."""
+    while isinstance(output, (tuple, list)):
+        output = output[0]
+    return output
+
+
+def largest_error(got: Any, want: Any) -> float:
+    """The largest absolute difference between two outputs (0 when empty)."""
+    return float((got - want).abs().max()) if want.numel() else 0.0
+
+
+def tolerance_of(want: Any) -> float:
+    """The largest difference allowed from `want`: relative to its magnitude, plus a constant."""
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return RELATIVE_TOLERANCE * scale + ABSOLUTE_TOLERANCE
