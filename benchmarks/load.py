@@ -19,7 +19,8 @@ the page cache warmed before every warm run:
 - warm bytes: the loader's `reader=` hook (bytes copied out of the file) over the share;
 - peak RSS: the process's VmHWM minus that of a process that only did the same imports;
 - whole node: all T ranks of a build loading at once (LOCAL_WORLD_SIZE=T, so each sizes its
-  reader threads from the cores it shares); the slowest rank's time over rank 0's time alone
+  reader threads from the cores it shares), released together once every rank has imported
+  (as a job's ranks meet at init_process_group); the slowest rank's time over rank 0's time alone
   (at least about T/cores: the node moves T shares on the same cores), over the T=1 load (the
   whole model by one process: about 1 when the ranks share the cores without loss), and, cold,
   the bytes all T ranks fetched over the union of their byte runs;
@@ -181,6 +182,9 @@ if mode.startswith(("loader", "zerocopy", "cold")):
     import importlib
     module = importlib.import_module(spec["module"])
     import ml_dtypes  # a bf16 checkpoint needs it; the runtime imports it on first use
+    if spec.get("barrier"):  # a whole node: every rank imported before any starts to load
+        print("ready", flush=True)
+        sys.stdin.readline()
     if not base:
         hook = Count() if mode == "loader-bytes" else None
         options = {"zero_copy": True} if mode == "zerocopy" else {}
@@ -292,6 +296,7 @@ WORKERS: dict[str, str] = {}
 def start_child(mode: str, spec: dict[str, Any], extra: dict[str, str] | None = None
                 ) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", CHILD, mode, json.dumps(spec)],
+                            stdin=subprocess.PIPE if spec.get("barrier") else None,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=child_environment(extra))
 
@@ -405,7 +410,16 @@ def whole_node(spec: dict[str, Any], tp: int, mode: str = "loader") -> dict[str,
     procs = []
     for rank, module in enumerate(spec["modules"]):
         extra = {"LOCAL_WORLD_SIZE": str(tp), "LOCAL_RANK": str(rank)}
-        procs.append(start_child(mode, {**spec, "module": module}, extra))
+        procs.append(start_child(mode, {**spec, "module": module, "barrier": True}, extra))
+    for proc in procs:  # as a job's ranks meet at init_process_group before they load
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            finish_child(mode, proc)
+            raise SystemExit(f"{mode} child did not start")
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     results = [finish_child(mode, p) for p in procs]
     return {"seconds": max(r["seconds"] for r in results),
             "read_bytes": sum(r["read_bytes"] for r in results)}
