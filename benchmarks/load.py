@@ -429,8 +429,15 @@ def main() -> None:
     try:
         import partc
     except ImportError:
-        raise SystemExit("benchmarks/load.py measures the installed partc: run `pip install .` "
-                         "(or `pip install -e .`) in the clone first") from None
+        raise SystemExit("benchmarks/load.py measures the installed partc: run the README's "
+                         "set-up (`pip install '.[test]'`, or `pip install -e '.[test]'`) in "
+                         "the clone first") from None
+    try:
+        import safetensors  # noqa: F401  (writes the synthetic checkpoint; the naive baseline)
+    except ImportError:
+        raise SystemExit("benchmarks/load.py writes its checkpoint with the safetensors library: "
+                         "install partc with its test extra (`pip install '.[test]'`, as the "
+                         "README's set-up does)") from None
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--hidden", type=int)
