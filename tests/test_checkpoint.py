@@ -764,3 +764,29 @@ def test_default_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert checkpoint.default_workers() == 3
     monkeypatch.setenv("PARTC_READ_THREADS", "zero")
     assert 1 <= checkpoint.default_workers() <= 8
+
+
+def test_one_run_answers_as_the_runs_do() -> None:
+    # the zero-copy question "one byte run, and where?" agrees with the full run computation
+    import itertools
+
+    from partc.runtime.headers import TensorEntry
+    from partc.runtime.runs import one_run
+
+    rng = np.random.default_rng(7)
+    shapes = [(0,), (5,), (4, 6), (1, 6), (3, 1, 4), (2, 3, 0), (6, 4, 2)]
+    for shape in shapes:
+        nbytes = int(np.prod(shape)) * 2
+        entry = TensorEntry(name="t", dtype="BF16", shape=shape, begin=0, end=nbytes)
+        selections = [TensorSelection()]
+        for axis, dim in enumerate(shape):
+            cuts = sorted({0, dim, *rng.integers(0, dim + 1, 3).tolist()})
+            pairs = [(a, b) for a, b in itertools.combinations(cuts, 2)]
+            selections += [TensorSelection(axis=axis, ranges=(r,)) for r in pairs]
+            selections += [TensorSelection(axis=axis, ranges=(p, q))
+                           for p, q in itertools.combinations(pairs, 2)]
+            selections.append(TensorSelection(axis=axis, ranges=((0, 0),)))
+        for sel in selections:
+            src = checkpoint._runs(entry, sel)[0]
+            want = (len(src), int(src[0])) if len(src) == 1 else (min(len(src), 2), 0)
+            assert one_run(entry, sel) == want, (shape, sel)

@@ -76,6 +76,30 @@ def _runs(entry: TensorEntry, sel: TensorSelection) -> tuple[_Ints, _Ints, _Ints
     return src, dst, length
 
 
+def one_run(entry: TensorEntry, sel: TensorSelection) -> tuple[int, int]:
+    """(0, 0) when the selection has no byte, (1, start) when it is one byte run starting at
+    `start` (relative to the tensor), (2, 0) when it is several: `_runs` without its arrays,
+    for the questions a zero-copy view asks of every tensor (whole tensors and row slices are
+    answered without numpy; rarer shapes fall back to `_runs`)."""
+    if sel.axis is None:
+        return (1, 0) if entry.nbytes else (0, 0)
+    kept = [r for r in sel.ranges if r[1] > r[0]]
+    if len(kept) == 1:
+        k, shape = sel.axis, entry.shape
+        outer = math.prod(shape[:k])
+        inner = math.prod(shape[k + 1:]) * _ITEMSIZE[entry.dtype]
+        start, end = kept[0]
+        if outer == 0 or inner == 0:
+            return 0, 0
+        if outer == 1:
+            return 1, start * inner
+        return (1, 0) if start == 0 and end == shape[k] else (2, 0)
+    if not kept:
+        return 0, 0
+    src = _runs(entry, sel)[0]
+    return (len(src), int(src[0])) if len(src) == 1 else (min(len(src), 2), 0)
+
+
 _JOB_BYTES = 16 << 20
 """Bytes of one unit of work handed to a reader thread (long runs are cut to this size)."""
 _THREADED_BYTES = 16 << 20
