@@ -323,9 +323,12 @@ class CheckpointReader:
         touched. Unlike the copying path, a view can raise SIGBUS on first touch if the file is
         truncated after the load.
         """
-        src, _, _ = _runs(entry, sel)
         kept = [r for r in sel.ranges if r[1] > r[0]]
         private = self.zero_copy == "private"
+        if private and sel.axis is not None and len(kept) == 1 and math.prod(
+                entry.shape[:sel.axis]) > 1 and kept[0] != (0, entry.shape[sel.axis]):
+            return None  # a column slice, one run per outer row: copied (skips its run arrays)
+        src, _, _ = _runs(entry, sel)
         if len(src) != 1 and (private or len(src) == 0 or len(kept) != 1 or sel.axis is None):
             return None
         mapping = self._maps.get(header.path)
