@@ -8,8 +8,9 @@ interleaved (the order alternates every repeat), each launch fresh processes wit
 warmed first:
 
 - partc: the recipe of docs/transformers_tp.md: the transformers model built with its tp_plan
-  on meta parameters (accelerate's init_empty_weights), then `load()` of the generated package,
-  `to_dtensors`, and the shards assigned to the DTensor/parameter slots;
+  on meta parameters (accelerate's init_empty_weights), then `load(zero_copy="private")` of the
+  generated package (copy-on-write views of the file where a slice is one byte run, copies
+  otherwise), `to_dtensors`, and the shards assigned to the DTensor/parameter slots;
 - transformers: `AutoModelForCausalLM.from_pretrained(checkpoint, tp_plan="auto")`.
 
 Every rank reports, in seconds from its own process start (/proc/self/stat):

@@ -140,6 +140,8 @@ def test_a_missing_cuda_index_and_contradictory_options_are_refused(fake_gpu, tm
         package.load(LLAMA, rank=0, device="cpu", framework="numpy")
     with pytest.raises(CheckpointError, match=r"zero_copy=True cannot follow"):
         package.load(LLAMA, rank=0, device="cuda:0", zero_copy=True)
+    with pytest.raises(CheckpointError, match=r"zero_copy='private' cannot follow"):
+        package.load(LLAMA, rank=0, device="cuda:0", zero_copy="private")
     with pytest.raises(CheckpointError, match=r"staging_bytes sizes the host ring of a load to "
                                               r"a CUDA device"):
         package.load(LLAMA, rank=0, device="cpu", staging_bytes=1 << 20)

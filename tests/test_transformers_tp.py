@@ -83,3 +83,17 @@ def test_every_parameter_slot_holds_the_rank_shard_partc_loaded_and_none_is_left
         assert params["lm_head.weight"]["local"] == [66 if report["rank"] == 0 else 65, 64]
         assert params["model.layers.0.self_attn.o_proj.weight"]["local"] == [64, 32]
         assert not params["model.norm.weight"]["dtensor"]
+
+
+def test_row_and_whole_shards_are_views_of_the_file_and_column_shards_contiguous_copies(served):
+    plan, ranks = served
+    for report, _ in ranks:
+        layouts = {t.target: t for t in plan.ranks[report["rank"]].layout.tensors}
+        for name, param in report["params"].items():
+            assert param["contiguous"], name
+            axis, _ = layouts[name].selection
+            # zero_copy="private": whole tensors and row slices (axis 0) share the file's
+            # copy-on-write mapping; column slices (o_proj, down_proj: axis 1) are copied
+            assert param["mapped"] == (axis in (None, 0)), (report["rank"], name, axis)
+        assert report["params"]["model.layers.0.self_attn.q_proj.weight"]["mapped"]
+        assert not report["params"]["model.layers.0.mlp.down_proj.weight"]["mapped"]

@@ -4,7 +4,8 @@ argv: the recipe module (the doc's first python block, written to a file by the 
 build folder, the generated package, the checkpoint. Each process builds the transformers model
 with its tp_plan on partc's TP mesh, fills it from its own rank's shards, runs the reference
 input and writes `rank-<g>.npz` (logits) and `rank-<g>.json` (what its parameters hold) to
-PARTC_TEST_REPORTS.
+PARTC_TEST_REPORTS; a parameter is "mapped" when its memory lies in a mapping of the
+checkpoint file (a zero-copy view).
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ from torch.distributed.tensor import DTensor
 from partc.runtime.topology import BuildTopology
 
 
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """(start, end) of every mapping of `path` in this process, from /proc/self/maps."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path.resolve()):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end))
+    return found
+
+
 def main() -> None:
     recipe_file, build, package_name, checkpoint = sys.argv[1:5]
     spec = importlib.util.spec_from_file_location("transformers_tp_recipe", recipe_file)
@@ -40,11 +53,16 @@ def main() -> None:
         input_ids = torch.from_numpy(npz["input_ids"].astype(np.int64))
     with torch.no_grad():
         logits = model(input_ids).logits
+    regions = file_mappings(Path(checkpoint) / "model.safetensors")
     params = {}
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
+        start = local.data_ptr()
         params[name] = {"dtensor": isinstance(param, DTensor), "local": list(local.shape),
-                        "global": list(param.shape), "meta": bool(local.is_meta)}
+                        "global": list(param.shape), "meta": bool(local.is_meta),
+                        "contiguous": local.is_contiguous(),
+                        "mapped": any(a <= start and start + local.nbytes <= b
+                                      for a, b in regions)}
     me = dist.get_rank()
     reports = Path(os.environ["PARTC_TEST_REPORTS"])
     np.savez(reports / f"rank-{me}.npz", logits=logits.numpy())

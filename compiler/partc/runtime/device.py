@@ -87,8 +87,9 @@ def resolve_device(device: Any) -> Any:
     return torch.device("cuda", index)
 
 
-def load_target(framework: str | None, device: Any, *, verify: str | None, zero_copy: bool,
-                reader: Any, staging_bytes: int | None) -> tuple[str, Any | None]:
+def load_target(framework: str | None, device: Any, *, verify: str | None,
+                zero_copy: bool | str, reader: Any, staging_bytes: int | None
+                ) -> tuple[str, Any | None]:
     """`load`'s framework, and the CUDA device to stage to (None: read on the host), checked
     against the load's other options."""
     framework = ("torch" if device is not None else "numpy") if framework is None else framework
@@ -100,8 +101,8 @@ def load_target(framework: str | None, device: Any, *, verify: str | None, zero_
     target = resolve_device(device) if framework == "torch" else None
     staged = target if target is not None and target.type != "cpu" else None
     if staged is not None and (verify is not None or zero_copy or reader is not None):
-        option = (f"verify={verify!r}" if verify is not None else "zero_copy=True" if zero_copy
-                  else "reader=")
+        option = (f"verify={verify!r}" if verify is not None
+                  else f"zero_copy={zero_copy!r}" if zero_copy else "reader=")
         raise CheckpointError(f"a load to {staged} reads through the file mapping into host "
                               f"staging buffers, which {option} cannot follow; load to "
                               "device='cpu' for it")

@@ -92,10 +92,19 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
     if not all(isinstance(a, torch.Tensor) for a in arrays.values()):
         arrays = to_torch(dict(arrays))
     out: dict[str, Any] = {}
-    for target, local in arrays.items():
+    for target, local in arrays.items():  # from_local wraps the local tensor: no copy
         spec = specs[target]
         placement = Replicate() if spec.shard_axis is None else Shard(spec.shard_axis)
-        stride = tuple(int(s) for s in torch.empty(spec.global_shape, device="meta").stride())
         out[target] = DTensor.from_local(local, tp_mesh, [placement], run_check=False,
-                                         shape=torch.Size(spec.global_shape), stride=stride)
+                                         shape=torch.Size(spec.global_shape),
+                                         stride=_contiguous_strides(spec.global_shape))
     return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a C-contiguous tensor of `shape` (torch's for a fresh tensor)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

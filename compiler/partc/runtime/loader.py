@@ -81,7 +81,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
               verify_fingerprint: bool = True, dtype: Any = None, reader: Any = None,
               framework: str | None = None, workers: int | None = None,
               progress: bool | None = None, verify: str | None = None,
-              zero_copy: bool = False, local_ranks: int | None = None,
+              zero_copy: bool | str = False, local_ranks: int | None = None,
               device: Any = None, staging_bytes: int | None = None) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
@@ -95,7 +95,10 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `partc shard` folder) or the digests compiled into the build (`--digests`).
     `zero_copy=True` returns every tensor whose local slice is one contiguous byte run of its
     file (whole tensors, row slices; every tensor of a `partc shard` folder), or one strided
-    column range, as a read-only view of the mapped file, and copies the rest (README,
+    column range, as a read-only view of the mapped file, and copies the rest;
+    `zero_copy="private"` maps the files copy-on-write instead and returns the one-run
+    tensors as writable views (a write goes to a private page, never to the file; torch
+    tensors can be made from them) and copies the rest, column slices included (README,
     "Zero-copy loading", for lifetime, memory accounting and the SIGBUS a truncated file can
     raise); `local_ranks` is the number of ranks loading on this node at once, which sizes
     the reader threads (default: `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`,
@@ -105,6 +108,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
     `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory.
     """
+    if not isinstance(zero_copy, bool) and zero_copy != "private":
+        raise CheckpointError(f"zero_copy must be False, True or 'private', found {zero_copy!r}")
     if device is None and framework in (None, "numpy") and staging_bytes is None:
         framework, staged = "numpy", None  # a host numpy load: nothing of the device path
     else:  # imported only here: its torch and CUDA machinery costs every import otherwise
@@ -114,10 +119,11 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                                         reader=reader, staging_bytes=staging_bytes)
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
-    if zero_copy and framework == "torch":
+    if zero_copy is True and framework == "torch":
         raise CheckpointError("zero_copy=True returns read-only views of the checkpoint file, "
-                              "which torch tensors cannot be; load with framework='numpy', or "
-                              "without zero_copy")
+                              "which torch tensors cannot be; load with zero_copy='private' "
+                              "(writable copy-on-write views), framework='numpy', or without "
+                              "zero_copy")
     if local_ranks is not None and (isinstance(local_ranks, bool) or not isinstance(
             local_ranks, int) or local_ranks < 1):
         raise CheckpointError(f"local_ranks must be a positive integer, found {local_ranks!r}")

@@ -145,7 +145,7 @@ class CheckpointReader:
 
     def __init__(self, checkpoint: Checkpoint, *, recorder: ReadRecorder | None = None,
                  max_gap: int = 0, workers: int | None = None, mapped: bool = True,
-                 zero_copy: bool = False, local_ranks: int | None = None) -> None:
+                 zero_copy: bool | str = False, local_ranks: int | None = None) -> None:
         self.checkpoint = checkpoint
         """The checkpoint read from."""
         self.recorder = recorder
@@ -164,8 +164,10 @@ class CheckpointReader:
         self.mapped = mapped
         """Whether `read_many` gathers finely cut selections from read-only mappings."""
         self.zero_copy = zero_copy
-        """Whether `read_many` returns a selection that is one contiguous byte run as a
-        read-only view of the mapped file (see `_view`) instead of a copy."""
+        """Whether `read_many` returns a selection that is one contiguous byte run as a view
+        of the mapped file (see `_view`) instead of a copy: True, a read-only view of a shared
+        mapping (a column slice too, strided); "private", a writable view of a copy-on-write
+        mapping (column slices are copied, so every array is C-contiguous)."""
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, mmap.mmap] = {}
 
@@ -311,22 +313,32 @@ class CheckpointReader:
 
     def _view(self, header: FileHeader, entry: TensorEntry, sel: TensorSelection
               ) -> np.ndarray[Any, Any] | None:
-        """The selection as a read-only view of the mapped file: one byte run as a contiguous
-        view, one range along an inner axis (a column slice) as a strided one; None for several
-        ranges that are not one run (those are copied).
+        """The selection as a view of the mapped file: one byte run as a contiguous view, one
+        range along an inner axis (a column slice) as a strided one; None for several ranges
+        that are not one run (those are copied).
 
-        Nothing is read here: pages come in when the view is first touched. Unlike the copying
-        path, a view can raise SIGBUS on first touch if the file is truncated after the load.
+        `zero_copy=True` maps the file shared and read-only, so the views are read-only.
+        `zero_copy="private"` maps it copy-on-write (MAP_PRIVATE): the views are writable, a
+        write lands in a private page of this process and never in the file, and pages not
+        written stay the page cache's; column slices are copied there instead (torch wants
+        contiguous parameters). Nothing is read here: pages come in when the view is first
+        touched. Unlike the copying path, a view can raise SIGBUS on first touch if the file is
+        truncated after the load.
         """
-        src, _, _ = _runs(entry, sel)
         kept = [r for r in sel.ranges if r[1] > r[0]]
-        if len(src) != 1 and (len(src) == 0 or len(kept) != 1 or sel.axis is None):
+        private = self.zero_copy == "private"
+        if private and sel.axis is not None and len(kept) == 1 and math.prod(
+                entry.shape[:sel.axis]) > 1 and kept[0] != (0, entry.shape[sel.axis]):
+            return None  # a column slice, one run per outer row: copied (skips its run arrays)
+        src, _, _ = _runs(entry, sel)
+        if len(src) != 1 and (private or len(src) == 0 or len(kept) != 1 or sel.axis is None):
             return None
         mapping = self._maps.get(header.path)
         if mapping is None:
             fd = self._fd(header)
             try:
-                mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_READ)
+                mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_COPY if private
+                                    else mmap.ACCESS_READ)
             except ValueError:  # Python's mmap checks the size first: the file shrank
                 _fail(header.path, f"file changed since its header was read: it is shorter "
                                    f"than {header.file_size} bytes (truncated file?)", entry.name)
@@ -474,11 +486,11 @@ def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = 
 
 def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]], *,
                  reader: ReadRecorder | None = None, workers: int | None = None,
-                 progress: Callable[[int], None] | None = None, zero_copy: bool = False,
+                 progress: Callable[[int], None] | None = None, zero_copy: bool | str = False,
                  local_ranks: int | None = None) -> dict[str, np.ndarray[Any, Any]]:
     """Read several selections in (file, offset) order, opening each file once (`zero_copy`:
-    one-run selections as read-only views of the mapped file; `local_ranks`: see
-    `default_workers`)."""
+    one-run selections as views of the mapped file, see `CheckpointReader.zero_copy`;
+    `local_ranks`: see `default_workers`)."""
     with CheckpointReader(checkpoint, recorder=reader, workers=workers, zero_copy=zero_copy,
                           local_ranks=local_ranks) as r:
         return r.read_many(requests, progress=progress)
