@@ -51,6 +51,7 @@ from partc.runtime.runs import (
     _ReadPlan,
     _runs,
     fill,
+    one_run,
 )
 
 __all__ = [
@@ -327,12 +328,9 @@ class CheckpointReader:
         """
         kept = [r for r in sel.ranges if r[1] > r[0]]
         private = self.zero_copy == "private"
-        if private and sel.axis is not None and len(kept) == 1 and math.prod(
-                entry.shape[:sel.axis]) > 1 and kept[0] != (0, entry.shape[sel.axis]):
-            return None  # a column slice, one run per outer row: copied (skips its run arrays)
-        src, _, _ = _runs(entry, sel)
-        if len(src) != 1 and (private or len(src) == 0 or len(kept) != 1 or sel.axis is None):
-            return None
+        runs, start = one_run(entry, sel)
+        if runs != 1 and (private or runs == 0 or len(kept) != 1 or sel.axis is None):
+            return None  # several runs: copied (a column slice too, when private)
         mapping = self._maps.get(header.path)
         if mapping is None:
             fd = self._fd(header)
@@ -347,10 +345,10 @@ class CheckpointReader:
                       entry.name)
             self._maps[header.path] = mapping
         dtype, base = DTYPES[entry.dtype], header.data_start + entry.begin
-        if len(src) == 1:
+        if runs == 1:
             shape = sel.local_shape(entry.shape)
             view = np.frombuffer(mapping, dtype=dtype, count=math.prod(shape),
-                                 offset=base + int(src[0]))
+                                 offset=base + start)
             return view.reshape(shape)
         assert sel.axis is not None
         whole = np.frombuffer(mapping, dtype=dtype, count=math.prod(entry.shape), offset=base)
