@@ -17,7 +17,9 @@ import torch
 
 from partc.errors import CheckpointError, PartcError
 from partc.runtime import device as device_module
+from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.device import StagingRing, resolve_device, stage_to_device
+from partc.runtime.reader import TensorSelection
 
 from support import HF, ROOT, checkpoint_tensors, compile_and_import
 
@@ -279,3 +281,48 @@ def test_blocks_of_any_selection_fill_the_local_tensor_in_c_order(shape):
                     np.concatenate(part, axis=part_axis, out=target)
                 np.testing.assert_array_equal(flat.view(np.float32).reshape(expected.shape),
                                               expected, err_msg=f"{shape} {axis} {ranges} {limit}")
+
+
+@pytest.mark.parametrize("ring", [1 << 20, 96])  # whole tensors; blocks and rows cut small
+def test_a_gpu_load_verifies_digests_on_the_staging_blocks(fake_gpu, tmp_path, ring):
+    # verify="digest" on a device load: each tensor is hashed as its blocks pass through the
+    # host ring, in C order, so the digests equal hashlib's over the safetensors slices
+    import hashlib
+    import shutil
+    import struct
+
+    from partc.errors import PartcErrors
+
+    plan, package = compile_and_import(None, PHI3 / "config.json", tmp_path / "b", tp=2,
+                                       checkpoint=PHI3, digests=True)
+    reference = checkpoint_tensors(PHI3)
+    ckpt = open_checkpoint(PHI3)
+    state = package.load(PHI3, rank=1, device="cuda:1", staging_bytes=ring, verify="digest")
+    expected = _reference_slices(state, reference)
+    for name, tensor in state.tensors.items():
+        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
+    found: dict[str, str] = {}
+    requests = [(t.target, TensorSelection(axis=t.selection[0], ranges=t.selection[1]))
+                for t in state.layout.tensors]
+    stage_to_device(ckpt, requests, "cuda:1", staging_bytes=ring, transfer=FakeTransfer(),
+                    digests=found)
+    assert found == {name: hashlib.sha256(np.ascontiguousarray(want).tobytes()).hexdigest()
+                     for name, want in expected.items()}
+    # one payload byte flipped (header untouched): the device load names the tensor
+    copy = tmp_path / "ck"
+    shutil.copytree(PHI3, copy)
+    target = next(t.target for t in state.layout.tensors if t.selection[0] == 1)  # a column slice
+    raw = bytearray((copy / "model.safetensors").read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    header, entry = ckpt.tensor(target)
+    rows, cols = entry.shape
+    axis, ranges = next(t.selection for t in state.layout.tensors if t.target == target)
+    item = entry.nbytes // (rows * cols)
+    raw[header.data_start + entry.begin + (rows // 2 * cols + ranges[0][0]) * item] ^= 0x40
+    (copy / "model.safetensors").write_bytes(bytes(raw))
+    package.load(copy, rank=1, device="cuda:1", staging_bytes=ring)  # unverified: it loads
+    with pytest.raises((CheckpointError, PartcErrors)) as caught:
+        package.load(copy, rank=1, device="cuda:1", staging_bytes=ring, verify="digest")
+    errors = caught.value.errors if isinstance(caught.value, PartcErrors) else [caught.value]
+    assert [e.tensor for e in errors] == [target]
+    assert "does not match its digest in the build's plan" in errors[0].message

@@ -100,9 +100,8 @@ def load_target(framework: str | None, device: Any, *, verify: str | None,
                               f"{framework!r}; pass framework='torch' or leave it out")
     target = resolve_device(device) if framework == "torch" else None
     staged = target if target is not None and target.type != "cpu" else None
-    if staged is not None and (verify is not None or zero_copy or reader is not None):
-        option = (f"verify={verify!r}" if verify is not None
-                  else f"zero_copy={zero_copy!r}" if zero_copy else "reader=")
+    if staged is not None and (zero_copy or reader is not None):
+        option = f"zero_copy={zero_copy!r}" if zero_copy else "reader="
         raise CheckpointError(f"a load to {staged} reads through the file mapping into host "
                               f"staging buffers, which {option} cannot follow; load to "
                               "device='cpu' for it")
@@ -277,12 +276,16 @@ def _fill(out: np.ndarray[Any, Any], views: list[np.ndarray[Any, Any]], axis: in
 def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, TensorSelection]],
                     device: Any, *, staging_bytes: int | None = None,
                     progress: Callable[[int], None] | None = None,
-                    transfer: Transfer | None = None) -> tuple[dict[str, Any], StagingStats]:
+                    transfer: Transfer | None = None, digests: dict[str, str] | None = None
+                    ) -> tuple[dict[str, Any], StagingStats]:
     """Each request's selection as a torch tensor on `device`, staged through a host ring.
 
     Sources are read-only views of the mapped checkpoint files (nothing is read whole); each
     block is copied into a ring buffer and from there to its byte range of the device tensor.
-    Returns the tensors in request order and what the ring allocated and moved.
+    Returns the tensors in request order and what the ring allocated and moved. With
+    `digests`, each tensor's sha256 is taken on the host as its blocks pass through the ring
+    (they come in the local tensor's C order, so the digest is that of its bytes) and stored
+    there by name: `verify="digest"` checks a device load without reading anything back.
     """
     torch = import_torch("a device load")
     total = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
@@ -306,6 +309,11 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
         itemsize = whole.itemsize
         flat = transfer.destination(math.prod(shape) * itemsize)
         views, axis = _source_views(whole, selection)
+        hasher = None
+        if digests is not None:
+            import hashlib  # OpenSSL's sha256, as partc.runtime.digests: only when verifying
+
+            hasher = hashlib.sha256()
         for first, part, part_axis in _pieces(views, axis, 0, ring.slot_bytes):
             block = list(part[0].shape)
             block[part_axis] = sum(p.shape[part_axis] for p in part)
@@ -314,10 +322,14 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
                 continue
             index, buffer = ring.acquire(nbytes)
             _fill(buffer.view(part[0].dtype).reshape(block), part, part_axis)
+            if hasher is not None:
+                hasher.update(buffer[:nbytes].data)
             ring.submit(index, flat[first * itemsize:first * itemsize + nbytes], nbytes)
             if progress is not None:
                 progress(nbytes)
         out[name] = flat.view(torch_dtype(torch, whole.dtype, name)).view(shape)
+        if digests is not None and hasher is not None:
+            digests[name] = hasher.hexdigest()
     ring.drain()
     return {name: out[name] for name in names}, ring.stats
 

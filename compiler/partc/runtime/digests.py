@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from partc.parallel.layout import LocalModelLayout
 
 __all__ = ["BATCH_BYTES", "VERIFY_MODES", "byte_batches", "plan_digests", "tensor_digest",
-           "tensor_digests", "verify_digests"]
+           "tensor_digests", "verify_digests", "check_digests"]
 
 VERIFY_MODES = (None, "digest")
 """Values of a loader's `verify=` option."""
@@ -104,17 +104,24 @@ def verify_digests(tensors: Mapping[str, np.ndarray[Any, Any]], expected: Mappin
                    files: Mapping[str, Path], source: str, workers: int | None = None) -> None:
     """Compare every array's digest with `expected` (from `source`); CheckpointError per
     mismatch, naming the tensor, its file, the expected and the found digest."""
+    found = tensor_digests({n: a for n, a in tensors.items() if n in expected}, workers)
+    check_digests(list(tensors), found, expected, files, source)
+
+
+def check_digests(names: Sequence[str], found: Mapping[str, str], expected: Mapping[str, str],
+                  files: Mapping[str, Path], source: str) -> None:
+    """Compare the digests `found` of the tensors `names` with `expected` (from `source`);
+    CheckpointError per tensor without a recorded digest or whose digest differs."""
     errors: list[PartcError] = []
-    for name in sorted(set(tensors) - set(expected)):
+    for name in sorted(set(names) - set(expected)):
         errors.append(CheckpointError(f"tensor `{name}` has no digest in {source}; it cannot "
                                       "be verified", location=SourceLocation(str(files[name])),
                                       tensor=name))
-    found = tensor_digests({n: a for n, a in tensors.items() if n in expected}, workers)
-    for name, digest in found.items():
-        if digest != expected[name]:
+    for name in names:
+        if name in expected and found[name] != expected[name]:
             errors.append(CheckpointError(
                 f"tensor `{name}` does not match its digest in {source}: expected sha256 "
-                f"{expected[name]}, found {digest} (the payload bytes differ)",
+                f"{expected[name]}, found {found[name]} (the payload bytes differ)",
                 location=SourceLocation(str(files[name])), tensor=name))
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(sorted(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from partc.parallel.layout import (
     ParallelModelInfo,
 )
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.digests import VERIFY_MODES, verify_digests
+from partc.runtime.digests import VERIFY_MODES, check_digests, verify_digests
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
@@ -106,7 +107,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `device` (implies `framework="torch"`; docs/torch.md) puts the tensors on a torch device:
     'cpu', 'cuda', 'cuda:N' or a torch.device; with framework="torch" and no device, `cuda:
     LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
-    `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory.
+    `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory;
+    `verify="digest"` then hashes the blocks as they pass through the ring.
     """
     if not isinstance(zero_copy, bool) and zero_copy != "private":
         raise CheckpointError(f"zero_copy must be False, True or 'private', found {zero_copy!r}")
@@ -146,9 +148,12 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     if staged is not None:
         from partc.runtime.device import convert_on_device, stage_to_device
 
+        found: dict[str, str] | None = {} if verify == "digest" else None
         with progress_bar(total, f"rank {table.rank}", progress) as update:
             on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
-                                        progress=update)[0]
+                                        progress=update, digests=found)[0]
+        if found is not None:
+            _verify_payloads(table, manifest, opened, on_device, workers, found=found)
         return RankState(tensors=convert_on_device(on_device, target_dtype), layout=layout,
                          info=parallel_model_info(table))
     with progress_bar(total, f"rank {table.rank}", progress) as update:
@@ -166,8 +171,10 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
 
 
 def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
-                     tensors: dict[str, np.ndarray], workers: int | None) -> None:
-    """Check every tensor read against its recorded digest (manifest first, else the build)."""
+                     tensors: Mapping[str, Any], workers: int | None, *,
+                     found: Mapping[str, str] | None = None) -> None:
+    """Check every tensor read against its recorded digest (manifest first, else the build);
+    `found`: the digests already taken (a device load hashes its staging blocks)."""
     expected = None if manifest is None else manifest.rank_digests(table.rank)
     source = f"the shard manifest {manifest.path}" if manifest is not None else ""
     if expected is None and table.digests is not None:
@@ -188,7 +195,10 @@ def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: C
     for name in tensors:
         signature = opened.signature(name)
         files[name] = signature[0].path if signature is not None else opened.path
-    verify_digests(tensors, expected, files, source, workers)
+    if found is not None:
+        check_digests(list(tensors), found, expected, files, source)
+    else:
+        verify_digests(tensors, expected, files, source, workers)
 
 
 def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalModelLayout
