@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from partc.errors import CheckpointError
 
-from support import compile_and_import, hf
+from support import compile_and_import, file_mappings, hf
 
 LLAMA = hf("llama")
 
@@ -58,18 +58,6 @@ def mapped_base(array: np.ndarray) -> object:
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
     return base.obj if isinstance(base, memoryview) else base
-
-
-def file_mappings(path: Path) -> list[tuple[int, int, str]]:
-    """(start, end, permissions) of every mapping of `path` in this process (/proc/self/maps)."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == str(path.resolve()):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append((start, end, fields[1]))
-    return found
 
 
 def digest(path: Path) -> str:

@@ -24,17 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from partc.runtime.topology import BuildTopology
 
-
-def file_mappings(path: Path) -> list[tuple[int, int]]:
-    """(start, end) of every mapping of `path` in this process, from /proc/self/maps."""
-    found = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == str(path.resolve()):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append((start, end))
-    return found
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+from support import file_mappings  # noqa: E402
 
 
 def main() -> None:
@@ -62,7 +53,7 @@ def main() -> None:
                         "global": list(param.shape), "meta": bool(local.is_meta),
                         "contiguous": local.is_contiguous(),
                         "mapped": any(a <= start and start + local.nbytes <= b
-                                      for a, b in regions)}
+                                      for a, b, _ in regions)}
     me = dist.get_rank()
     reports = Path(os.environ["PARTC_TEST_REPORTS"])
     np.savez(reports / f"rank-{me}.npz", logits=logits.numpy())

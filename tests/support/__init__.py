@@ -172,3 +172,15 @@ def fullsize_checkpoint(model: str, folder: Path) -> Path:
     header = json.loads((FULLSIZE / model / "safetensors_header.json").read_text())
     return write_sparse_safetensors(folder / f"{model}.safetensors", header)
 
+
+
+def file_mappings(path: Path) -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of every mapping of `path` in this process (/proc/self/maps)."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path.resolve()):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end, fields[1]))
+    return found
