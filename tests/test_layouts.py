@@ -21,12 +21,9 @@ from partc.api import bind, check_family
 from partc.errors import PartcError
 from partc.parallel.specs import LinearWeightLayout
 from partc.plan.topology import Topology
+from partc.verify.run import verify_family
 
 from support import ROOT, hf
-
-pytest.importorskip("transformers", reason="the test extra installs transformers")
-
-from partc.verify.run import verify_family  # noqa: E402
 
 ARCHITECTURES = ROOT / "architectures"
 

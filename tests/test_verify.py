@@ -15,16 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from partc.api import check_family
+from partc.cli.main import main
+from partc.parallel.specs import ShardingPolicy
+from partc.plan.topology import Topology
+from partc.verify.reference import is_large, reference_config
+from partc.verify.run import verify_family
+
 from support import HF_MODELS, ROOT, hf
-
-pytest.importorskip("transformers", reason="the test extra installs transformers")
-
-from partc.api import check_family  # noqa: E402
-from partc.cli.main import main  # noqa: E402
-from partc.parallel.specs import ShardingPolicy  # noqa: E402
-from partc.plan.topology import Topology  # noqa: E402
-from partc.verify.reference import is_large, reference_config  # noqa: E402
-from partc.verify.run import verify_family  # noqa: E402
 
 ARCHITECTURES = ROOT / "architectures"
 

@@ -17,15 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from partc.api import check_family
+from partc.cli.main import main
+from partc.plan.topology import Topology
+from partc.verify.report import VerifyReport
+from partc.verify.run import verify_family
+
 from support import ROOT, hf
-
-pytest.importorskip("transformers", reason="the test extra installs transformers")
-
-from partc.api import check_family  # noqa: E402
-from partc.cli.main import main  # noqa: E402
-from partc.plan.topology import Topology  # noqa: E402
-from partc.verify.report import VerifyReport  # noqa: E402
-from partc.verify.run import verify_family  # noqa: E402
 
 ARCHITECTURES = ROOT / "architectures"
 FAMILIES = ("llava", "qwen2_vl")
