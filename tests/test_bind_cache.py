@@ -14,6 +14,7 @@ import pytest
 from safetensors import safe_open
 
 import partc.bind.binder as bind_module
+import partc.bind.values as values_module
 from partc.api import load_family
 from partc.bind.binder import bind_family
 from partc.errors import ExpressionError, PartcError
@@ -254,7 +255,7 @@ def test_the_tiny_fixtures_cover_every_builtin_family():
 
 def test_the_evaluation_memo_tells_true_from_one():
     family, _ = load_family("llama")
-    binder = bind_module._Binder(family, config_of(HF / "llama"))
+    binder = values_module.Binder(family, config_of(HF / "llama"))
     assert binder.cache.enabled
     expr = parse("x + 1")
     assert binder.evaluate(expr, {"x": 1}, "") == 2
@@ -267,6 +268,6 @@ def test_the_evaluation_memo_is_keyed_by_the_expression_not_its_object():
     """Two parses of one text share a memo entry; with the cache off nothing is memoized."""
     family, _ = load_family("llama")
     for enabled, entries in ((True, 1), (False, 0)):
-        binder = bind_module._Binder(family, config_of(HF / "llama"), cache=enabled)
+        binder = values_module.Binder(family, config_of(HF / "llama"), cache=enabled)
         assert [binder.evaluate(parse("x * 2"), {"x": 3}, "") for _ in range(2)] == [6, 6]
         assert len(binder.cache.evaluations) == entries

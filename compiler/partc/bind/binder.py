@@ -11,15 +11,14 @@ import fnmatch
 import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from partc.bind.cache import BindCache, GroupTemplate, StructureKey, renamed_group
+from partc.bind.cache import GroupTemplate, StructureKey, renamed_group
 from partc.bind.consistency import BoundProjection, check_projections
-from partc.bind.meanings import config_errors, read_fields
-from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
-from partc.family.declaration import EXPERT_VARIABLE, ConfigType, GroupForm, OwnerKind
-from partc.family.expr import Expression, Template
+from partc.bind.values import Binder, Value, default_dtype, read_config_values, recorded
+from partc.errors import PartcError, SemanticError
+from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind
+from partc.family.expr import Expression
 from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
 from partc.parallel.experts import ExpertGroup
@@ -58,7 +57,6 @@ from partc.partition.ownership import (
 if TYPE_CHECKING:
     from partc.family.declaration import (
         BoundaryTensorDecl,
-        ConfigFieldDecl,
         FamilyDecl,
         GroupDecl,
         ModuleDecl,
@@ -67,7 +65,6 @@ if TYPE_CHECKING:
     )
     from partc.front.load import RawDocument
 
-Value = Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,246 +114,10 @@ MAX_GROUP_INSTANCES = 65_536
 DeepSeek-V3's 15,214)."""
 
 
-class _Binder:
-    def __init__(self, family: FamilyDecl, config: RawDocument, cache: bool = True) -> None:
-        self.family = family
-        self.config = config
-        self.instances = 0
-        self.cache = BindCache(enabled=cache)
-        """Evaluation memo and group templates: see `partc.bind.cache`."""
-
-    def fail(self, message: str, pointer: str, tensor: str | None = None) -> SemanticError:
-        return SemanticError(message, location=self.family.document.locate(pointer),
-                             pointer=pointer, tensor=tensor)
-
-    def evaluate(self, expr: Expression, env: Mapping[str, Value], pointer: str) -> Value:
-        key = self.cache.evaluation_key(expr, env)
-        if key is not None and key in self.cache.evaluations:
-            return self.cache.evaluations[key]
-        try:
-            value = expr.evaluate(env)
-        except ExpressionError as exc:
-            raise exc.located(self.family.document.locate_offset(pointer, exc.offset),
-                              pointer) from None
-        if key is not None:
-            self.cache.evaluations[key] = value
-        return value
-
-    def integer(self, expr: Expression, env: Mapping[str, Value], pointer: str, what: str,
-                minimum: int | None = None) -> int:
-        value = self.evaluate(expr, env, pointer)
-        if isinstance(value, Fraction):
-            raise self.fail(f"{what} `{expr.text}` must be an integer, found the float "
-                            f"{format_value(value)}; round it explicitly with floor(), ceil() "
-                            "or round()", pointer)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise self.fail(f"{what} `{expr.text}` must be an integer, found "
-                            f"{format_value(value)}", pointer)
-        if minimum is not None and value < minimum:
-            raise self.fail(f"{what} `{expr.text}` must be >= {minimum}, found {value}", pointer)
-        return value
-
-    def boolean(self, expr: Expression | None, env: Mapping[str, Value], pointer: str) -> bool:
-        if expr is None:
-            return True
-        value = self.evaluate(expr, env, pointer)
-        if not isinstance(value, bool):
-            raise self.fail(f"condition `{expr.text}` must be true or false, found "
-                            f"{format_value(value)}", pointer)
-        return value
-
-    def render(self, template: Template, env: Mapping[str, Value], pointer: str) -> str:
-        try:
-            return template.render(env)
-        except ExpressionError as exc:
-            raise exc.located(self.family.document.locate_offset(pointer, exc.offset),
-                              pointer) from None
-
-
-# ---------------------------------------------------------------- config values
-
-
-def _lookup(data: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False, None
-        node = node[part]
-    return node is not None, node
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _list_of(fits: Any) -> Any:
-    """A converter taking a list whose every item `fits` to a tuple."""
-    return lambda value: (tuple(value) if isinstance(value, list) and all(map(fits, value))
-                          else None)
-
-
-_CONVERTERS: dict[ConfigType, Any] = {
-    ConfigType.INT: lambda value: value if _is_int(value) else None,
-    ConfigType.BOOL: lambda value: value if isinstance(value, bool) else None,
-    ConfigType.STR: lambda value: value if isinstance(value, str) else None,
-    ConfigType.FLOAT: lambda value: (value if _is_int(value) or isinstance(value, float)
-                                     else None),
-    ConfigType.INT_LIST: _list_of(_is_int),
-    ConfigType.STR_LIST: _list_of(lambda item: isinstance(item, str)),
-    ConfigType.ANY: lambda value: tuple(value) if isinstance(value, list) else value,
-}
-"""Per declared type: the config.json value converted to it, or None when it does not fit."""
-
-
-def _check_type(kind: ConfigType, value: Any) -> Value | None:
-    """The value converted to the declared type, or None when it does not fit."""
-    return _CONVERTERS[kind](value)
-
-
-def read_config_values(family: FamilyDecl, config: RawDocument,
-                       checkpoint_names: Collection[str] | None = None, *,
-                       cache: bool = True) -> dict[str, Value]:
-    """Every declared config field's value: from config.json, else its default.
-
-    A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
-    without checkpoint names it takes its default. `cache=False` evaluates every default
-    without the evaluation memo (`partc.bind.cache`).
-    """
-    meaning: list[PartcError] = list(config_errors(config, read_fields(config.data, (
-        f.sources for f in family.config if f.present is None))))
-    if meaning:
-        raise meaning[0] if len(meaning) == 1 else PartcErrors(meaning)
-    binder = _Binder(family, config, cache)
-    values: dict[str, Value] = {"model_type": config.data.get("model_type")}
-    pending = []
-    for field in family.config:
-        if field.present is not None:
-            if checkpoint_names is None and field.default is None:
-                raise binder.fail(f"config field `{field.name}` probes the checkpoint and has "
-                                  "no default; give a checkpoint or declare a default",
-                                  field.pointer)
-            pending.append(field)
-        elif not _read_field(binder, field, values):
-            pending.append(field)
-    while pending:
-        progressed = False
-        for field in list(pending):  # in declaration order, each seeing the values before it
-            if not _waits(field, pending, checkpoint_names):
-                values[field.name] = _derived(binder, field, values, checkpoint_names)
-                pending.remove(field)
-                progressed = True
-        if not progressed:
-            names = ", ".join(f"`{f.name}`" for f in pending)
-            raise binder.fail(f"config defaults depend on each other in a cycle: {names}",
-                              pending[0].pointer)
-    _prefix_values(binder, values, checkpoint_names)
-    _derived_values(binder, values)
-    return values
-
-
-def _prefix_values(binder: _Binder, values: dict[str, Value],
-                   checkpoint_names: Collection[str] | None) -> None:
-    """Each `prefixes` entry: the first candidate some checkpoint name starts with (then `.`),
-    else the default when no checkpoint is given."""
-    for prefix in binder.family.prefixes:
-        if checkpoint_names is None:
-            values[prefix.name] = prefix.default
-            continue
-        chosen = next((c for c in prefix.candidates
-                       if any(n.startswith(c + ".") for n in checkpoint_names)), None)
-        if chosen is None:
-            raise binder.fail(f"prefix `{prefix.name}`: the checkpoint holds no tensor under any "
-                              f"of its candidates {list(prefix.candidates)}; expected names "
-                              f"starting with one of them and `.`", prefix.pointer)
-        values[prefix.name] = chosen
-
-
-def _derived_values(binder: _Binder, values: dict[str, Value]) -> None:
-    """Add every derived value, each after the derived values it reads (cycles are refused by
-    the family checks)."""
-    waiting = list(binder.family.derived)
-    while waiting:
-        names = {d.name for d in waiting}
-        ready = [d for d in waiting if not d.expression.names & names]
-        if not ready:
-            raise binder.fail("derived values depend on each other in a cycle: "
-                              + ", ".join(f"`{d.name}`" for d in waiting), waiting[0].pointer)
-        for decl in ready:
-            values[decl.name] = binder.evaluate(decl.expression, values, decl.pointer)
-            waiting.remove(decl)
-
-
-def _recorded(value: Value) -> Value:
-    """A bound value as the plan records it (a float derived value as a JSON number)."""
-    return float(value) if isinstance(value, Fraction) else value
-
-
-def _read_field(binder: _Binder, field: ConfigFieldDecl, values: dict[str, Value]) -> bool:
-    """Set `values[field.name]` from config.json, or from a literal default; False when the
-    field's default expression must be evaluated (after the fields it reads)."""
-    config, family = binder.config, binder.family
-    for source in field.sources:
-        present, raw = _lookup(config.data, source)
-        if present:
-            converted = _check_type(field.type, raw)
-            if converted is None:
-                raise SemanticError(
-                    f"config field `{source}` must be {field.type.value}, found "
-                    f"{type(raw).__name__} {raw!r} (declared at "
-                    f"{family.document.locate(field.pointer)})",
-                    location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
-            values[field.name] = converted
-            return True
-    if field.literal_default[0]:
-        values[field.name] = field.literal_default[1]
-        return True
-    if field.default is None:
-        raise SemanticError(
-            f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
-            f"requires (declared as {field.type.value} with no default)",
-            location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
-    return False
-
-
-def _probes(field: ConfigFieldDecl, checkpoint_names: Collection[str] | None) -> bool:
-    return field.present is not None and checkpoint_names is not None
-
-
-def _waits(field: ConfigFieldDecl, pending: list[ConfigFieldDecl],
-           checkpoint_names: Collection[str] | None) -> bool:
-    """Whether a pending field reads another pending field (its probe, else its default)."""
-    expr = field.present if _probes(field, checkpoint_names) else field.default
-    assert expr is not None
-    return any(n in {p.name for p in pending} for n in expr.names)
-
-
-def _derived(binder: _Binder, field: ConfigFieldDecl, values: Mapping[str, Value],
-             checkpoint_names: Collection[str] | None) -> Value:
-    """A pending field's value: whether the checkpoint holds its probe, else its default."""
-    if _probes(field, checkpoint_names):
-        assert field.present is not None and checkpoint_names is not None
-        return binder.render(field.present, values,
-                             join_pointer(field.pointer, "present")) in checkpoint_names
-    assert field.default is not None
-    return binder.evaluate(field.default, values, join_pointer(field.pointer, "default"))
-
-
-def _default_dtype(config: RawDocument) -> str:
-    for key in ("dtype", "torch_dtype"):
-        value = config.data.get(key)
-        if isinstance(value, str):
-            if value not in TORCH_DTYPE_NAMES:
-                raise SemanticError(f"config `{key}` is {value!r}; expected one of "
-                                    f"{', '.join(sorted(TORCH_DTYPE_NAMES))}",
-                                    location=config.locate("/" + key), pointer="/" + key)
-            return TORCH_DTYPE_NAMES[value]
-    return "F32"
-
-
 # ---------------------------------------------------------------- group expansion
 
 
-def _dtype(binder: _Binder, param: ParamDecl, env: Mapping[str, Value], default: str) -> str:
+def _dtype(binder: Binder, param: ParamDecl, env: Mapping[str, Value], default: str) -> str:
     if param.dtype is None:
         return default
     value = binder.evaluate(param.dtype, env, param.pointer)
@@ -368,18 +129,18 @@ def _dtype(binder: _Binder, param: ParamDecl, env: Mapping[str, Value], default:
     return value
 
 
-def _shape(binder: _Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple[int, ...]:
+def _shape(binder: Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple[int, ...]:
     return tuple(binder.integer(d, env, param.dimension_pointer(i), "a shape dimension",
                                 minimum=0) for i, d in enumerate(param.shape))
 
 
-def _member_sharding(binder: _Binder, decl: ShardingDecl, env: Mapping[str, Value],
+def _member_sharding(binder: Binder, decl: ShardingDecl, env: Mapping[str, Value],
                      pointer: str) -> MemberSharding:
     return MemberSharding(kind=decl.kind, axis=decl.axis,
                           segments=_segments(binder, decl.segments, env, pointer))
 
 
-def _params(binder: _Binder, module: ModuleDecl, env: Mapping[str, Value],
+def _params(binder: Binder, module: ModuleDecl, env: Mapping[str, Value],
             dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
     for param in module.params:
@@ -389,7 +150,7 @@ def _params(binder: _Binder, module: ModuleDecl, env: Mapping[str, Value],
     return out
 
 
-def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str,
+def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name: str,
                  dtype: str) -> ParameterGroupSpec | None:
     units = (binder.integer(decl.units, env, join_pointer(decl.pointer, "units"),
                             "`units`", minimum=1) if decl.units is not None else None)
@@ -481,7 +242,7 @@ def _build_group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], nam
 # ---------------------------------------------------------------- structural cache
 
 
-def _group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str, dtype: str,
+def _group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name: str, dtype: str,
            linear_format: LinearFormat | None) -> ParameterGroupSpec | None:
     """The group of one instance of `decl` in its stored representation: a renamed copy of an
     earlier instance with the same structure when there is one (`partc.bind.cache`)."""
@@ -512,7 +273,7 @@ def _group(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], name: str
     return expanded
 
 
-def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: str
+def _values(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: str
             ) -> tuple[tuple[object, ...], tuple[Any, ...]]:
     """(everything `_build_group` evaluates for one instance but the module paths and member
     targets, which declarations name the members) in declaration order."""
@@ -548,7 +309,7 @@ def _values(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: s
     return tuple(values), tuple(layout)
 
 
-def _targets(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], layout: tuple[Any, ...]
+def _targets(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], layout: tuple[Any, ...]
              ) -> tuple[tuple[str, ...] | None, tuple[bool, ...]]:
     """(the dense member targets of an instance in order, or None when its module paths cannot
     be summarized; which targets the fused output's prefix starts)."""
@@ -568,13 +329,13 @@ def _targets(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value], layout:
     return targets, ()
 
 
-def _segments(binder: _Binder, segments: tuple[Expression, ...], env: Mapping[str, Value],
+def _segments(binder: Binder, segments: tuple[Expression, ...], env: Mapping[str, Value],
               pointer: str) -> tuple[int, ...]:
     """Evaluated segment widths (as `_member_sharding` and fused projections read them)."""
     return tuple(binder.integer(s, env, pointer, "a segment width", minimum=1) for s in segments)
 
 
-def _heads(binder: _Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]
+def _heads(binder: Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]
            ) -> tuple[int, ...]:
     """The evaluated `heads:` hints of a member or a projection."""
     if not decl.heads:
@@ -591,7 +352,7 @@ def _unpartition(member: ParameterMemberSpec) -> ParameterMemberSpec:
     return member
 
 
-def _linear_format(binder: _Binder, values: Mapping[str, Value]) -> LinearFormat | None:
+def _linear_format(binder: Binder, values: Mapping[str, Value]) -> LinearFormat | None:
     """The first declared linear format whose `when` holds for the config (None: dense)."""
     family = binder.family
     for decl in family.linear_formats:
@@ -614,7 +375,7 @@ def _linear_format(binder: _Binder, values: Mapping[str, Value]) -> LinearFormat
     return None
 
 
-def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
+def _instances(binder: Binder, decl: GroupDecl, env: Mapping[str, Value],
                graph: ExecutionGraph) -> Iterator[tuple[dict[str, Value], int | None]]:
     unit_owner = next((o for o in decl.owners if o.kind is OwnerKind.UNIT), None)
     units: list[tuple[str, int, str] | None] = [None]
@@ -648,7 +409,7 @@ def _instances(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
             yield instance, unit
 
 
-def _owner(binder: _Binder, decl: GroupDecl, env: Mapping[str, Value],
+def _owner(binder: Binder, decl: GroupDecl, env: Mapping[str, Value],
            unit: int | None) -> ParameterGroupOwner:
     for choice in decl.owners:
         if binder.boolean(choice.when, env, join_pointer(choice.pointer, "when")):
@@ -679,8 +440,8 @@ def bind_family(family: FamilyDecl, config: RawDocument,
             f"{', '.join(repr(t) for t in family.model_types)}",
             location=config.locate("/model_type"), pointer="/model_type")
     values = read_config_values(family, config, checkpoint_names, cache=cache)
-    binder = _Binder(family, config, cache)
-    dtype = _default_dtype(config)
+    binder = Binder(family, config, cache)
+    dtype = default_dtype(config)
     groups = []
     for node in family.graph:
         count = binder.integer(node.units, values, join_pointer(node.pointer, "units"),
@@ -746,7 +507,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
     _check_omit(binder, description.targets)
     return BoundArchitecture(
         family=family.name, model_type=str(model_type),
-        config_values=tuple(sorted((k, _recorded(v)) for k, v in values.items())),
+        config_values=tuple(sorted((k, recorded(v)) for k, v in values.items())),
         description=description, boundary=boundary,
         policy=family.policy, group_pointers=tuple(sorted(pointers.items())),
         linear_format=linear_format, omit=family.omit, group_boundaries=group_boundaries,
@@ -755,7 +516,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         experts=tuple(experts))
 
 
-def _check_omit(binder: _Binder, targets: tuple[str, ...]) -> None:
+def _check_omit(binder: Binder, targets: tuple[str, ...]) -> None:
     """An `omit` glob matches no declared parameter: omitted tensors are not parameters."""
     for i, glob in enumerate(binder.family.omit):
         hits = [t for t in targets if fnmatch.fnmatchcase(t, glob)]
@@ -771,7 +532,7 @@ MAX_TENSOR_BYTES = 2**40
 """Largest byte count of one tensor (1 TiB; DeepSeek-V3's largest is 1.85 GB)."""
 
 
-def _check_bytes(binder: _Binder, member: ParameterMemberSpec, pointer: str) -> None:
+def _check_bytes(binder: Binder, member: ParameterMemberSpec, pointer: str) -> None:
     """Refuse a tensor whose byte count is beyond MAX_TENSOR_BYTES (and so beyond 2**63)."""
     elements = 1
     for dim in member.shape:
@@ -791,7 +552,7 @@ def _located(family: FamilyDecl, build: Any, pointer: str) -> Any:
         raise family.locate_error(error, pointer) from None
 
 
-def _boundary(binder: _Binder, values: Mapping[str, Value],
+def _boundary(binder: Binder, values: Mapping[str, Value],
               tensors: tuple[BoundaryTensorDecl, ...] | None = None,
               identity: str | None = None) -> BoundaryWireSchema:
     specs = []
