@@ -103,7 +103,9 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     "Zero-copy loading", for lifetime, memory accounting and the SIGBUS a truncated file can
     raise); `local_ranks` is the number of ranks loading on this node at once, which sizes
     the reader threads (default: `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`,
-    else 1).
+    else 1); with more than one, cold column slices are read through the page cache, whole
+    rows at a time, so the node fetches each byte once (a rank alone reads its own sectors
+    with O_DIRECT).
     `device` (implies `framework="torch"`; docs/torch.md) puts the tensors on a torch device:
     'cpu', 'cuda', 'cuda:N' or a torch.device; with framework="torch" and no device, `cuda:
     LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
