@@ -230,4 +230,24 @@ def test_a_json_usage_error_points_to_the_command_line_guide(capsys):
         main(["compile", "--format", "json", "--tp", "0", "--out", "x", "--config", "c.json"])
     (error,) = json.loads(capsys.readouterr().out)["errors"]
     assert exit_.value.code == 2 and error["kind"] == "usage"
-    assert error["doc"] == "cli" and error["see"] == str(docs_folder() / "cli.md")
+    assert error["doc"] == "cli#partc-compile"
+    path, line = error["see"].rsplit(":", 1)
+    assert path == str(docs_folder() / "cli.md")
+    heading = (docs_folder() / "cli.md").read_text().splitlines()[int(line) - 1]
+    assert heading.startswith("#") and "partc compile" in heading
+
+
+def test_a_text_usage_error_ends_with_the_commands_section_of_the_guide(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["shard", "build-folder"])  # --checkpoint and --out missing
+    err = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2
+    assert err[-2] == "partc shard: error: the following arguments are required: " \
+        "--checkpoint, --out"
+    assert err[-1].startswith("    see: " + str(docs_folder() / "cli.md") + ":")
+    line = int(err[-1].rsplit(":", 1)[1])
+    heading = (docs_folder() / "cli.md").read_text().splitlines()[line - 1]
+    assert heading.startswith("#") and "partc shard" in heading
+    with pytest.raises(SystemExit):
+        main([])  # no command: the guide itself
+    assert capsys.readouterr().err.splitlines()[-1] == "    see: " + str(docs_folder() / "cli.md")

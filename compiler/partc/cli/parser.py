@@ -38,15 +38,23 @@ class Parser(argparse.ArgumentParser):
     """Set by main when the command line asks for --format json."""
 
     def error(self, message: str) -> NoReturn:
-        """Report a usage error (as JSON when asked for) and exit 2."""
+        """Report a usage error (as JSON when asked for) with a `see:` line pointing at the
+        command's section of the command-line guide, and exit 2."""
+        words = self.prog.split()
+        topic = f"cli#{'-'.join(words[:2])}" if len(words) > 1 else "cli"
+        see = commands.error_reference(topic)
+        if see is None:  # a command without a section of its own: the guide itself
+            topic, see = "cli", commands.error_reference("cli")
         if Parser.json_errors:
             print(json.dumps({"ok": False, "errors": [{
                 "stage": "usage", "kind": "usage", "file": None, "line": None, "column": None,
                 "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}",
-                "doc": "cli", "see": commands.error_reference("cli")}]},
+                "doc": topic, "see": see}]},
                 indent=1))
             sys.exit(EXIT_USAGE)
-        super().error(message)
+        self.print_usage(sys.stderr)
+        hint = f"    see: {see}\n" if see is not None else ""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n{hint}")
 
 
 def _stage_units(text: str) -> Any:
