@@ -377,7 +377,9 @@ def test_command_lines_that_cannot_mean_anything_are_usage_errors(capsys, args, 
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == message
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-2] == message
+    assert lines[-1].startswith("    see: ") and "cli.md" in lines[-1], "the command-line guide"
 
 
 def test_a_checkpoint_folder_with_its_config_needs_no_config_flag(capsys):
