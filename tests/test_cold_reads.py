@@ -38,6 +38,19 @@ def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return seen
 
 
+def fadvise_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(offset, length, advice) of every posix_fadvise from now on (the advice still given)."""
+    seen: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        seen.append((offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    return seen
+
+
 def direct_supported(path: Path) -> bool:
     """Whether the file system holding `path` opens files with O_DIRECT."""
     try:
@@ -179,14 +192,7 @@ def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
                                 checkpoint=copy)[1]
     warm = module.load(copy, rank=1)
     monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
-    advice: list[tuple[int, int, int]] = []
-    real = os.posix_fadvise
-
-    def fadvise(fd: int, offset: int, length: int, how: int) -> None:
-        advice.append((offset, length, how))
-        real(fd, offset, length, how)
-
-    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    advice = fadvise_calls(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     seen = direct_reads(monkeypatch)
     recorder = Recorder()
@@ -260,27 +266,20 @@ def test_reading_a_header_does_not_read_ahead_into_the_tensor_data(
 
     path = tmp_path / "model.safetensors"
     save_file({"w": np.zeros((4096, 1024), dtype=np.float32)}, str(path))  # 16 MiB of data
-    advised: list[tuple[int, int]] = []
-    real = os.posix_fadvise
-
-    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
-        advised.append((fd, advice))
-        real(fd, offset, length, advice)
-
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
     try:
         probe = gather.GatherFile(read_header(path), fd, "w")
         os.fsync(fd)
-        real(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         evicted = probe.resident(0, size)
-        monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        advised = fadvise_calls(monkeypatch)
         header = read_header(path)
         after = probe.resident(4 << 20, size)  # past the header's own pages
         probe.close()
     finally:
         os.close(fd)
     assert header.tensors["w"].shape == (4096, 1024)
-    assert [a for _, a in advised] == [os.POSIX_FADV_RANDOM], "one advice, before any read"
+    assert [a for _, _, a in advised] == [os.POSIX_FADV_RANDOM], "one advice, before any read"
     if evicted < 0.2:  # this file system evicts on request: the data stayed on storage
         assert after < 0.2, f"{after:.0%} of the data behind the header was read ahead"

@@ -18,7 +18,7 @@ import math
 import mmap
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -300,24 +300,33 @@ def _vm_gather(job: _Gather, copy: Callable[..., int]) -> bool:
     return True
 
 
+def _populate_rows(job: _Gather) -> None:
+    """Fault in the destination rows of `job` (in the reader thread running it)."""
+    first, last = job.rows
+    _populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
+
+
+def _row_pieces(job: _Gather) -> Iterator[tuple[int, memoryview]]:
+    """(absolute file offset, destination bytes) of every piece of `job`, row by row."""
+    first, last = job.rows
+    for row in range(first, last):
+        at = job.base + row * job.row_bytes
+        line = job.out[row].data
+        for src, dst, width in job.pieces:
+            yield at + src, line[dst:dst + width]
+
+
 def _pread_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
     """`run_gather` with one preadv per piece, straight into the destination."""
-    first, last = job.rows
     preadv, fd, path, name = os.preadv, job.fd, str(job.path), job.name
-    out = job.out
-    _populate(int(out.ctypes.data), first * out.shape[1], last * out.shape[1])
+    _populate_rows(job)
     try:
-        for row in range(first, last):
-            at = job.base + row * job.row_bytes
-            line = out[row].data
-            for src, dst, width in job.pieces:
-                buf = line[dst:dst + width]
-                got = preadv(fd, [buf], at + src)
-                if recorder is not None and got > 0:
-                    recorder.record(path, at + src, got)
-                if got != width:
-                    fill(fd, path, name, [buf[max(got, 0):]], at + src + max(got, 0),
-                         recorder)
+        for offset, buf in _row_pieces(job):
+            got = preadv(fd, [buf], offset)
+            if recorder is not None and got > 0:
+                recorder.record(path, offset, got)
+            if got != len(buf):
+                fill(fd, path, name, [buf[max(got, 0):]], offset + max(got, 0), recorder)
     except OSError as exc:
         _fail(job.path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
 
@@ -328,34 +337,31 @@ def _direct_gather(job: _Gather, recorder: ReadRecorder | None) -> bool:
     through the page cache)."""
     source = job.source
     assert source is not None
-    first, last = job.rows
-    align, path, fd, out = _DIRECT_ALIGN, str(job.path), source.direct_fd, job.out
+    align, path, fd = _DIRECT_ALIGN, str(job.path), source.direct_fd
     widest = max(width for _, _, width in job.pieces)
     bounce = mmap.mmap(-1, -(-(widest + 2 * align) // mmap.PAGESIZE) * mmap.PAGESIZE)
     staged = memoryview(bounce)
-    _populate(int(out.ctypes.data), first * out.shape[1], last * out.shape[1])
+    _populate_rows(job)
+    first_read = True
     try:
-        for row in range(first, last):
-            at = job.base + row * job.row_bytes
-            line = out[row].data
-            for src, dst, width in job.pieces:
-                lo = at + src
-                aligned = lo - lo % align
-                need = lo + width - aligned
-                sectors = -(-need // align) * align
-                try:
-                    got = os.preadv(fd, [staged[:sectors]], aligned)
-                except OSError as exc:
-                    if exc.errno == errno.EINVAL and row == first:
-                        return False  # this file system wants other alignment: use the cache
-                    _fail(path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
-                if got < need:
-                    _fail(path, f"file changed since its header was read (truncated file?): "
-                                f"tensor data at byte {aligned + max(got, 0)} could not be "
-                                "read", job.name)
-                line[dst:dst + width] = staged[lo - aligned:need]
-                if recorder is not None:
-                    recorder.record(path, lo, width)
+        for lo, buf in _row_pieces(job):
+            aligned = lo - lo % align
+            need = lo + len(buf) - aligned
+            sectors = -(-need // align) * align
+            try:
+                got = os.preadv(fd, [staged[:sectors]], aligned)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and first_read:
+                    return False  # this file system wants other alignment: use the cache
+                _fail(path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
+            first_read = False
+            if got < need:
+                _fail(path, f"file changed since its header was read (truncated file?): "
+                            f"tensor data at byte {aligned + max(got, 0)} could not be "
+                            "read", job.name)
+            buf[:] = staged[lo - aligned:need]
+            if recorder is not None:
+                recorder.record(path, lo, len(buf))
     finally:
         staged.release()
         bounce.close()
