@@ -157,6 +157,68 @@ def test_the_header_is_checked_against_the_plan_before_any_payload_is_read(
     assert calls == []
 
 
+def test_a_load_reads_the_selections_of_the_compiled_layout(
+        llama_build: tuple[Any, Any]) -> None:
+    # the loader decodes the tables' placements without building the layouts: every rank's
+    # selections and byte counts are the compiler's own layout's (and `layout` decodes to it)
+    from partc.runtime.tables import tensor_selections
+
+    plan, package = llama_build
+    for rank in plan.ranks:
+        table = package.rank_module(rank.rank)._TABLE
+        assert tensor_selections(table) == [(t.target, t.selection, t.local_bytes)
+                                            for t in rank.layout.tensors]
+        assert package.rank_module(rank.rank).layout() == rank.layout
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: (m[0], m[1], ("shard", 0, 0, 3), *m[3:]),
+     "placement {'kind': 'shard', 'axis': 0, 'index': 0, 'parts': 3}"),
+    (lambda m: (m[0], m[1], ("range", 0, 0, 10**6), *m[3:]),
+     "placement {'kind': 'range', 'axis': 0, 'start': 0, 'end': 1000000}"),
+    (lambda m: ("F31", *m[1:]), "dtype 'F31'"),
+], ids=["shard-not-dividing", "range-past-the-end", "unknown-dtype"])
+def test_a_malformed_table_is_refused_by_tensor_before_any_read(
+        llama_build: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, change: Any,
+        message: str) -> None:
+    import dataclasses
+
+    from partc.runtime.loader import load_rank
+
+    _, package = llama_build
+    table = package.rank_module(0)._TABLE
+    role, units, logical, fell_back, members = table.kinds[0]
+    kinds = ((role, units, logical, fell_back, (change(members[0]), *members[1:])),
+             *table.kinds[1:])
+    broken = dataclasses.replace(table, kinds=kinds)
+    bad = change(members[0])
+    first = next(row[0] for row in broken.tensor_rows() if (row[2], row[4]) == (bad[0], bad[2]))
+    calls: list[int] = []
+    for name in ("preadv", "pread"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, real=real: calls.append(1) or real(*a))
+    with pytest.raises(CheckpointError) as info:
+        load_rank(broken, LLAMA)
+    assert str(info.value).startswith(f"the generated tables of rank 0 are malformed at tensor "
+                                      f"`{first}`: ")
+    assert message in str(info.value) and str(info.value).endswith("; regenerate the build")
+    assert calls == []
+
+
+def test_a_table_listing_a_target_twice_is_refused(llama_build: tuple[Any, Any]) -> None:
+    import dataclasses
+
+    from partc.runtime.loader import load_rank
+
+    _, package = llama_build
+    table = package.rank_module(0)._TABLE
+    lines = table.targets.split("\n")
+    broken = dataclasses.replace(table, targets="\n".join([lines[0], lines[0], *lines[2:]]))
+    with pytest.raises(CheckpointError, match=f"the generated tables of rank 0 list "
+                                              f"`{lines[0]}` twice; regenerate the build"):
+        load_rank(broken, LLAMA, verify_fingerprint=False)
+
+
 def test_a_fingerprint_mismatch_is_refused_before_reading(
         llama_build: tuple[Any, Any], tmp_path: Path) -> None:
     _, package = llama_build

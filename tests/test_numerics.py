@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partc.parallel.layout import PlacementKind
+from partc.parallel.placements import PlacementKind
 
 from executor import RankShard, Selection, dequantize, forward_pipeline
 from executor.model import SUPPORTED

@@ -15,17 +15,19 @@ from partc.api import plan_family
 from partc.cli.main import main
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind
 from partc.parallel.layout import (
+    LocalModelLayout,
+    LocalTensorLayout,
+    ParallelModelInfo,
+    ParameterRole,
+)
+from partc.parallel.placements import (
     LOCAL,
     OMIT,
     PLACEMENT_KINDS,
     REPLICATED,
     Indices,
     Local,
-    LocalModelLayout,
-    LocalTensorLayout,
     Omit,
-    ParallelModelInfo,
-    ParameterRole,
     PipelineStage,
     Range,
     Rank,

@@ -12,7 +12,7 @@ from partc import LayoutError, ParallelPlanError
 from partc.api import compile_family, plan_family
 from partc.errors import ArchitecturePartitionError
 from partc.front.schema import load_schema
-from partc.parallel.layout import PlacementKind
+from partc.parallel.placements import PlacementKind
 from partc.parallel.specs import ShardingPolicy, balanced_contiguous_range
 from partc.plan.ir import canonical_json
 from partc.plan.topology import Topology

@@ -23,13 +23,19 @@ import partc.runtime
 HEAVY = ("ml_dtypes", "concurrent.futures", "hashlib", "_hashlib")
 found["runtime"] = sorted(m for m in HEAVY if m in sys.modules)
 LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.partition.driver",
-        "partc.runtime.device", "partc.runtime.topology", "partc.parallel.experts", "difflib")
+        "partc.runtime.device", "partc.runtime.topology", "partc.parallel.experts", "difflib",
+        "partc.parallel.layout")
 found["late"] = sorted(m for m in LATE if m in sys.modules)
 sys.path.insert(0, build)
 import importlib
 module = importlib.import_module(package)
 state = module.load(checkpoint, rank=0)
 found["late after load"] = sorted(m for m in LATE if m in sys.modules)
+found["layout"] = [[t.target, list(t.local_shape), t.placement.to_json(),
+                    list(state.tensors[t.target].shape)] for t in state.layout.tensors]
+found["info"] = [state.info.owned_tensors, state.info.local_parameter_bytes,
+                 sum(a.nbytes for a in state.tensors.values())]
+found["late after layout"] = sorted(m for m in LATE if m in sys.modules)
 module.rank_module(0).boundary()
 found["late after boundary"] = sorted(m for m in LATE if m in sys.modules)
 module.topology()
@@ -61,9 +67,16 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
     assert found["f32 load"] == [], "a generated module's F32 load needs none of them"
     assert found["bf16"] == ["bfloat16", True, [0x3F80, 0xC000, 0x0000]]
     assert found["late"] == [] and found["late after load"] == []
-    assert found["late after boundary"] == ["partc.partition.boundary"]
-    assert found["late after topology"] == ["partc.parallel.experts", "partc.partition.boundary",
-                                            "partc.runtime.topology"]
+    # a load reads by the tables' selections; the layout classes are built on first use
+    assert found["late after layout"] == ["partc.parallel.layout"]
+    compiled = plan.ranks[0]  # the compiler's own layout of rank 0, against the decoded one
+    assert found["layout"] == [[t.target, list(t.local_shape), t.placement.to_json(),
+                                list(t.local_shape)] for t in compiled.layout.tensors]
+    assert found["info"] == [compiled.info.owned_tensors, compiled.info.local_parameter_bytes,
+                             compiled.info.local_parameter_bytes]
+    assert found["late after boundary"] == ["partc.parallel.layout", "partc.partition.boundary"]
+    assert found["late after topology"] == ["partc.parallel.experts", "partc.parallel.layout",
+                                            "partc.partition.boundary", "partc.runtime.topology"]
 
 
 def test_the_header_hash_equals_hashlibs_sha256() -> None:

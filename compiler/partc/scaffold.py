@@ -17,7 +17,7 @@ from typing import Any
 
 from partc.errors import LoadError, SourceLocation
 from partc.front.load import MAX_CONFIG_BYTES, decode_text, parse_json, read_bytes
-from partc.parallel.layout import TORCH_DTYPE_NAMES
+from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
 
 CHECK = "# partc init: CHECK"

@@ -23,7 +23,7 @@ from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
 from partc.parallel.experts import ExpertGroup
 from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
-from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
+from partc.parallel.placements import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
     MemberSharding,
     MemberShardingKind,

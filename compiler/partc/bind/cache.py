@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from partc.parallel.layout import unchecked_replace
+from partc.parallel.placements import unchecked_replace
 
 if TYPE_CHECKING:
     from partc.family.expr import Expression

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import SemanticError
-from partc.parallel.layout import TORCH_DTYPE_NAMES
+from partc.parallel.placements import TORCH_DTYPE_NAMES
 
 if TYPE_CHECKING:
     from partc.front.load import RawDocument

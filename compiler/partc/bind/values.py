@@ -14,7 +14,7 @@ from partc.family.declaration import ConfigType
 from partc.family.expr import Expression, Template
 from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
-from partc.parallel.layout import TORCH_DTYPE_NAMES
+from partc.parallel.placements import TORCH_DTYPE_NAMES
 
 if TYPE_CHECKING:
     from partc.family.declaration import ConfigFieldDecl, FamilyDecl

@@ -32,7 +32,7 @@ def _policy(value: str | None):  # type: ignore[no-untyped-def]
 def _plan_facts(plan: Any) -> dict[str, Any]:
     """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
     from partc.inspect.build import kv_replicated, plan_summary
-    from partc.parallel.layout import tensor_bytes
+    from partc.parallel.placements import tensor_bytes
 
     body = plan.document[0]
     sizes: dict[str, int] = {}

@@ -29,7 +29,8 @@ from partc.family.expr import Expression, Template, constant, parse, parse_templ
 from partc.front.load import RawDocument
 from partc.front.positions import join_pointer
 from partc.parallel.formats import GGUF_BLOCK_TYPES
-from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES, ParameterRole
+from partc.parallel.layout import ParameterRole
+from partc.parallel.placements import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
     FusedLayout,
     LinearWeightLayout,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
-from partc.parallel.layout import tensor_bytes
+from partc.parallel.placements import tensor_bytes
 
 MAX_PLAN_BYTES = 1 << 30
 """Largest plan.json inspect reads (DeepSeek-V3 at 8 x 8 is ~60 MB)."""

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from partc.parallel.layout import tensor_bytes
+from partc.parallel.placements import tensor_bytes
 from partc.runtime.checkpoint import open_checkpoint
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")

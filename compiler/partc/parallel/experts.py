@@ -16,13 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.errors import LayoutError, SourceLocation
-from partc.parallel.layout import (
-    Indices,
-    LocalTensorLayout,
-    Range,
-    TensorPlacement,
-    _is_count,
-)
+from partc.parallel.layout import LocalTensorLayout
+from partc.parallel.placements import Indices, Range, TensorPlacement, _is_count
 from partc.parallel.specs import ParameterGroupSpec, balanced_contiguous_range
 
 Locate = Callable[[str], "SourceLocation | None"]

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind, SemanticError
-from partc.parallel.layout import DTYPE_BITS, TORCH_DTYPE_NAMES
+from partc.parallel.placements import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
     LinearWeightLayout,
     MemberSharding,

@@ -7,16 +7,14 @@ from collections.abc import Iterable
 from dataclasses import fields
 
 from partc.errors import SourceLocation
-from partc.parallel.layout import (
+from partc.parallel.layout import LocalTensorLayout, ParameterRole, _invalid_group
+from partc.parallel.placements import (
     LOCAL,
     REPLICATED,
     Indices,
-    LocalTensorLayout,
-    ParameterRole,
     Range,
     Shard,
     TensorPlacement,
-    _invalid_group,
     _is_count,
 )
 from partc.parallel.specs import (

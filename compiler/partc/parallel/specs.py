@@ -13,14 +13,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from partc.parallel.layout import (
-    DTYPE_BITS,
-    ParameterRole,
-    _invalid_group,
-    _invalid_tensor,
-    _is_count,
-    tensor_bytes,
-)
+from partc.parallel.layout import ParameterRole, _invalid_group
+from partc.parallel.placements import DTYPE_BITS, _invalid_tensor, _is_count, tensor_bytes
 
 
 def balanced_contiguous_range(items: int, parts: int, index: int) -> tuple[int, int]:

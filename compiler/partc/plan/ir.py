@@ -134,7 +134,7 @@ class Plan:
     @property
     def global_parameter_bytes(self) -> int:
         """Bytes of every tensor of the checkpoint."""
-        from partc.parallel.layout import tensor_bytes
+        from partc.parallel.placements import tensor_bytes
 
         return sum(tensor_bytes(t.dtype, t.shape) for t in self.tensors)
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.errors import CheckpointError
-from partc.parallel.layout import LocalTensorLayout, PlacementKind
+from partc.parallel.layout import LocalTensorLayout
+from partc.parallel.placements import PlacementKind
 from partc.parallel.realize import chunk_range
 from partc.runtime.frameworks import to_torch
 

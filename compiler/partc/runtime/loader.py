@@ -10,17 +10,14 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
-from partc.parallel.layout import (
-    LocalModelLayout,
-    ParallelModelInfo,
-)
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import VERIFY_MODES, check_digests, verify_digests
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
@@ -28,19 +25,40 @@ from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
 from partc.runtime.ranks import rank_from_environment, rank_out_of_range
 from partc.runtime.reader import TensorSelection, read_tensors
-from partc.runtime.tables import RankTable, _lines, local_model_layout, parallel_model_info
+from partc.runtime.tables import (
+    RankTable,
+    _lines,
+    local_model_layout,
+    parallel_model_info,
+    tensor_selections,
+)
+
+if TYPE_CHECKING:  # decoded on first use of a state's `layout` / `info` (import cost)
+    from partc.parallel.layout import LocalModelLayout, ParallelModelInfo
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, eq=False)
 class RankState:
-    """What `load` returns: the rank's arrays with their layout and accounting."""
+    """What `load` returns: the rank's arrays with their layout and accounting.
+
+    Not slotted: `layout` and `info` are decoded from the rank module's tables on first use
+    and then kept (a load reads by the tables' selections and needs neither).
+    """
 
     tensors: dict[str, np.ndarray]
     """Local arrays by checkpoint target, in target order."""
-    layout: LocalModelLayout
-    """This rank's layouts."""
-    info: ParallelModelInfo
-    """Topology and byte accounting."""
+    table: RankTable = field(repr=False)
+    """The tables of the rank module that loaded them."""
+
+    @cached_property
+    def layout(self) -> LocalModelLayout:
+        """This rank's layouts."""
+        return local_model_layout(self.table)
+
+    @cached_property
+    def info(self) -> ParallelModelInfo:
+        """Topology and byte accounting."""
+        return parallel_model_info(self.table)
 
 
 def header_fingerprint(checkpoint: Checkpoint) -> str:
@@ -132,21 +150,20 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             local_ranks, int) or local_ranks < 1):
         raise CheckpointError(f"local_ranks must be a positive integer, found {local_ranks!r}")
     target_dtype = None if dtype is None else _float_dtype(dtype)
-    layout = local_model_layout(table)
+    selections = tensor_selections(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
     if manifest is not None:
-        opened = _open_presharded(table, manifest, layout)
-        requests = [(item.target, TensorSelection()) for item in layout.tensors]
+        opened = _open_presharded(table, manifest, local_model_layout(table))
+        requests = [(target, TensorSelection()) for target, _, _ in selections]
     else:
         opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
             Path(checkpoint))
         errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
         if errors:
             raise errors[0] if len(errors) == 1 else PartcErrors(errors)
-        requests = [(item.target, TensorSelection(axis=item.selection[0],
-                                                  ranges=item.selection[1]))
-                    for item in layout.tensors]
-    total = sum(item.local_bytes for item in layout.tensors)
+        requests = [(target, TensorSelection(axis=axis, ranges=ranges))
+                    for target, (axis, ranges), _ in selections]
+    total = sum(nbytes for _, _, nbytes in selections)
     if staged is not None:
         from partc.runtime.device import convert_on_device, stage_to_device
 
@@ -156,8 +173,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                                         progress=update, digests=found)[0]
         if found is not None:
             _verify_payloads(table, manifest, opened, on_device, workers, found=found)
-        return RankState(tensors=convert_on_device(on_device, target_dtype), layout=layout,
-                         info=parallel_model_info(table))
+        return RankState(tensors=convert_on_device(on_device, target_dtype), table=table)
     with progress_bar(total, f"rank {table.rank}", progress) as update:
         tensors = read_tensors(opened, requests, reader=reader, workers=workers,
                                progress=update, zero_copy=zero_copy, local_ranks=local_ranks)
@@ -169,7 +185,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                 tensors[name] = array.astype(target_dtype)
     if framework == "torch":
         tensors = to_torch(tensors)
-    return RankState(tensors=tensors, layout=layout, info=parallel_model_info(table))
+    return RankState(tensors=tensors, table=table)
 
 
 def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,

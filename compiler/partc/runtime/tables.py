@@ -8,17 +8,12 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import CheckpointError, LayoutError
-from partc.parallel.layout import (
-    LocalModelLayout,
-    LocalTensorLayout,
-    ParallelModelInfo,
-    ParameterRole,
-    placement_from_compact,
-)
+from partc.parallel.placements import DTYPE_BITS, Selection, placement_from_compact, tensor_bytes
 from partc.runtime.headers import paused_gc
 
 if TYPE_CHECKING:  # imported where used: a plain load needs none of them (import cost)
     from partc.parallel.experts import ExpertMap
+    from partc.parallel.layout import LocalModelLayout, ParallelModelInfo
     from partc.partition.boundary import (
         ArchitectureBoundary,
         BoundaryWireSchema,
@@ -159,8 +154,41 @@ def _join_tables(table: RankTable
     return groups, tensors, frozenset(reduced)
 
 
+def tensor_selections(table: RankTable) -> list[tuple[str, Selection, int]]:
+    """(target, selection, local bytes) of every tensor of the rank, sorted by target: what a
+    load reads. Each distinct placement is rebuilt through its validating constructor and must
+    fit its tensor; the layout classes are not built (`local_model_layout` does that, on first
+    use of a loaded state's `layout`: creating them costs a plain load's import ~5 ms)."""
+    decoded: dict[tuple[Any, ...], tuple[Selection, int]] = {}
+    found = []
+    for target, _, dtype, shape, compact, _ in table.tensor_rows():
+        key = (dtype, shape, compact)
+        known = decoded.get(key)
+        if known is None:
+            placement = placement_from_compact(compact)
+            if dtype not in DTYPE_BITS or not placement.fits(shape):
+                raise CheckpointError(
+                    f"the generated tables of rank {table.rank} are malformed at tensor "
+                    f"`{target}`: dtype {dtype!r}, shape {list(shape)}, placement "
+                    f"{placement.to_json()}; regenerate the build", tensor=target)
+            axis, ranges = selection = placement.selection(shape)
+            local = list(shape)
+            if axis is not None:
+                local[axis] = sum(b - a for a, b in ranges)
+            known = decoded[key] = (selection, tensor_bytes(dtype, local))
+        found.append((target, *known))
+    found.sort(key=lambda item: item[0])
+    for before, after in zip(found, found[1:], strict=False):
+        if before[0] == after[0]:
+            raise CheckpointError(f"the generated tables of rank {table.rank} list "
+                                  f"`{before[0]}` twice; regenerate the build", tensor=before[0])
+    return found
+
+
 def local_model_layout(table: RankTable) -> LocalModelLayout:
     """The rank's LocalModelLayout, rebuilt through the validating constructors."""
+    from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParameterRole
+
     groups = table.group_rows()
     validated: dict[tuple[Any, ...], LocalTensorLayout] = {}  # one per distinct structure
     layouts = []
@@ -199,6 +227,8 @@ def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
 
 def parallel_model_info(table: RankTable) -> ParallelModelInfo:
     """The rank's ParallelModelInfo."""
+    from partc.parallel.layout import ParallelModelInfo
+
     return ParallelModelInfo(
         model_type=table.model_type, tensor_parallel_size=table.tensor_parallel_size,
         pipeline_parallel_size=table.pipeline_parallel_size, rank=table.rank,
