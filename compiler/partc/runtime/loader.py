@@ -11,7 +11,6 @@ import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -139,7 +138,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         requests = [(item.target, TensorSelection()) for item in layout.tensors]
     else:
         opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
-            Path(checkpoint))
+            checkpoint)
         errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
         if errors:
             raise errors[0] if len(errors) == 1 else PartcErrors(errors)
