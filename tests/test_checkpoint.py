@@ -167,7 +167,7 @@ def test_open_checkpoint_accepts_a_directory_a_safetensors_file_or_an_index_file
 
 def test_the_index_is_preferred_when_a_directory_holds_both_forms() -> None:
     ckpt = open_checkpoint(MLX4)
-    assert ckpt.index_path == MLX4 / "model.safetensors.index.json"
+    assert ckpt.index_path == str(MLX4 / "model.safetensors.index.json")
 
 
 def test_an_unknown_tensor_name_is_reported_with_a_close_match() -> None:

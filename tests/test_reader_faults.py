@@ -486,6 +486,89 @@ def test_a_dangling_link_is_named_with_its_target(tmp_path: Path) -> None:
         open_checkpoint(tmp_path)
 
 
+def test_a_link_into_a_sibling_folder_whose_name_extends_the_checkpoints_is_refused(
+        tmp_path: Path) -> None:
+    # ckpt2/ is not inside ckpt/ although its path starts with ckpt's: whole components count
+    folder, sibling = tmp_path / "ckpt", tmp_path / "ckpt2"
+    folder.mkdir()
+    sibling.mkdir()
+    shutil.copy(LLAMA / "model.safetensors", sibling / "model.safetensors")
+    (folder / "model.safetensors").symlink_to("../ckpt2/model.safetensors")
+    with pytest.raises(CheckpointError, match="is a symbolic link to ../ckpt2/model.safetensors "
+                                              r"\(resolving to .*ckpt2/model.safetensors\), "
+                                              "outside .*ckpt;"):
+        open_checkpoint(folder)
+
+
+IS_WITHIN = [
+    ("/a/b", "/a/b", True), ("/a/b/c", "/a/b", True), ("/a/bc", "/a/b", False),
+    ("/a/b", "/a/bc", False), ("/a", "/a/b", False), ("/a/b", "/", True), ("/", "/", True),
+    ("/", "/a", False), ("/a/b/", "/a/b", True), ("/a/b", "/a/b/", True),
+    ("/a//b/./c", "/a/b", True), ("/a/../b", "/a", True), ("/b", "/a/..", False),
+    ("//a", "/", False), ("//a/b", "//a", True), ("/a", "//", False), ("///a", "/", True),
+    ("a/b", "a", True), ("a", "/", False), ("/a", "a", False), ("a", "", True),
+    ("/a", "", False), ("a", ".", True), (".", "a", False), ("", "", True),
+    ("/blobs/x", "/blob", False), ("/hub/repo/blobs/0f", "/hub/repo/blobs", True),
+]
+"""(path, root, whether path is within root): prefixes that are not whole components, the
+root, repeated and trailing separators, `.` and `..` components, POSIX's `//` root."""
+
+
+@pytest.mark.parametrize(("path", "root", "inside"), IS_WITHIN)
+def test_is_within_agrees_with_pathlibs_is_relative_to(path: str, root: str,
+                                                        inside: bool) -> None:
+    # the runtime does not import pathlib (issue 18): its component test against pathlib's
+    from pathlib import PurePosixPath
+
+    from partc.runtime.files import is_within
+
+    assert PurePosixPath(path).is_relative_to(root) is inside, "the table agrees with pathlib"
+    assert is_within(path, root) is inside
+
+
+SPELLINGS = ["ckpt/", "./ckpt", "ckpt//model.safetensors", "a/./b/", "a/../b", "", ".", "./",
+             "/", "//", "///", "//a/", "///a//b", "/a/b/..", "..", "../x/."]
+"""Paths as users type them; pathlib's spelling is what errors have always named."""
+
+
+@pytest.mark.parametrize("path", SPELLINGS)
+def test_runtime_paths_are_spelled_as_pathlib_spells_them(path: str) -> None:
+    from pathlib import PurePosixPath
+
+    from partc.runtime.files import join, parent, spelled
+
+    assert spelled(path) == str(PurePosixPath(path))
+    assert spelled(PurePosixPath(path)) == str(PurePosixPath(path))
+    assert join(spelled(path), "model.safetensors") == str(PurePosixPath(path)
+                                                           / "model.safetensors")
+    assert parent(spelled(path)) == str(PurePosixPath(path).parent)
+
+
+@pytest.mark.parametrize("folder", ["/hub/repo/snapshots/rev", "/hub/repo/snapshots/rev/",
+                                    "/snapshots/rev", "/hub/snapshots", "/hub/repo/rev", "/"])
+def test_trusted_roots_are_the_folder_and_a_cache_snapshots_blobs(folder: str) -> None:
+    from pathlib import Path
+
+    from partc.runtime.files import trusted_roots
+
+    real = Path(os.path.realpath(folder))  # pathlib's reading, the policy's first spelling
+    expected = (real, real.parent.parent / "blobs") if real.parent.name == "snapshots" else (
+        real,)
+    assert trusted_roots(folder) == tuple(map(str, expected))
+
+
+def test_a_checkpoint_path_is_named_as_pathlib_spells_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    for given in (f"{missing}/", f"{tmp_path}//./nowhere", missing):
+        with pytest.raises(CheckpointError, match="no such checkpoint") as info:
+            open_checkpoint(given)
+        assert info.value.location is not None and info.value.location.file == str(missing)
+    shutil.copy(LLAMA / "model.safetensors", tmp_path)
+    opened = open_checkpoint(f"{tmp_path}//")
+    assert opened.path == str(tmp_path) and type(opened.path) is str
+    assert opened.files[0].path == str(tmp_path / "model.safetensors")
+
+
 def test_the_cli_reports_permission_denied_as_exit_1_not_an_internal_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tmp_path / "ckpt"

@@ -1,10 +1,11 @@
 """What importing the runtime loads: ml_dtypes, concurrent.futures and hashlib (OpenSSL) only
-when needed, and none of the pipeline, device, topology or expert modules a plain numpy load
-never calls."""
+when needed, never pathlib, and none of the pipeline, device, topology or expert modules a
+plain numpy load never calls."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
+
+import partc
 
 from support import compile_and_import, hf
 
@@ -22,6 +25,8 @@ found = {}
 import partc.runtime
 HEAVY = ("ml_dtypes", "concurrent.futures", "hashlib", "_hashlib")
 found["runtime"] = sorted(m for m in HEAVY if m in sys.modules)
+PATHS = ("pathlib",)
+found["paths"] = sorted(m for m in PATHS if m in sys.modules)
 LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.partition.driver",
         "partc.runtime.device", "partc.runtime.topology", "partc.parallel.experts", "difflib",
         "partc.parallel.layout")
@@ -41,6 +46,7 @@ found["late after boundary"] = sorted(m for m in LATE if m in sys.modules)
 module.topology()
 found["late after topology"] = sorted(m for m in LATE if m in sys.modules)
 found["f32 load"] = sorted(m for m in HEAVY if m in sys.modules)
+found["paths after load"] = sorted(m for m in PATHS if m in sys.modules)
 found["dtypes"] = sorted({str(a.dtype) for a in state.tensors.values()})
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.reader import read_tensor
@@ -57,14 +63,20 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
     package = next(p.name for p in out.iterdir() if (p / "__init__.py").is_file())
     bits = np.array([0x3F80, 0xC000, 0x0000], dtype=np.uint16)
     save_file({"w": bits.view(ml_dtypes.bfloat16)}, str(tmp_path / "bf16.safetensors"))
-    run = subprocess.run([sys.executable, "-c", PROBE, str(out), package, str(hf("llama")),
-                          str(tmp_path / "bf16.safetensors")],
-                         capture_output=True, text=True, check=False)
+    # without site (-S): an editable install's import finder, run from a .pth file at start-up,
+    # imports pathlib itself; the probe sees only partc, numpy and ml_dtypes on its path
+    roots = {str(Path(m.__file__).parent.parent) for m in (partc, np, ml_dtypes)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sorted(roots))}
+    run = subprocess.run([sys.executable, "-S", "-c", PROBE, str(out), package,
+                          str(hf("llama")), str(tmp_path / "bf16.safetensors")],
+                         capture_output=True, text=True, check=False, env=env)
     assert run.returncode == 0, run.stderr
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["runtime"] == [], "importing partc.runtime loads none of them"
     assert found["dtypes"] == ["float32"], "the llama fixture is an F32 checkpoint"
     assert found["f32 load"] == [], "a generated module's F32 load needs none of them"
+    assert found["paths"] == [], "importing partc.runtime does not import pathlib (issue 18)"
+    assert found["paths after load"] == [], "a plain numpy load never imports pathlib"
     assert found["bf16"] == ["bfloat16", True, [0x3F80, 0xC000, 0x0000]]
     assert found["late"] == [] and found["late after load"] == []
     # a load reads by the tables' selections; the layout classes are built on first use

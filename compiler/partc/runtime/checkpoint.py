@@ -10,17 +10,19 @@ from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from pathlib import Path
 from types import MappingProxyType
 
 from partc.errors import CheckpointError, SourceLocation
 from partc.runtime.files import (
     checked_member,
     file_kind,
+    join,
     open_regular,
+    parent,
     present,
     read_exactly,
     sha256,
+    spelled,
     stat_or_none,
 )
 from partc.runtime.headers import (
@@ -43,10 +45,12 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024
 class Checkpoint:
     """A validated checkpoint: one .safetensors file, or the shards of an HF index."""
 
-    path: Path
-    """The file or directory the checkpoint was opened from."""
-    index_path: Path | None
-    """The model.safetensors.index.json used, or None for a single file."""
+    path: str
+    """The file or directory the checkpoint was opened from, a `str` (not a `Path`: the
+    runtime never imports pathlib), spelled as `str(Path(...))` would spell it."""
+    index_path: str | None
+    """The model.safetensors.index.json used (a `str`, like `path`), or None for a single
+    file."""
     files: tuple[FileHeader, ...]
     """The headers of every file, in shard-name order."""
     names: tuple[str, ...]
@@ -156,12 +160,12 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     Every file is checked before it is opened: it must be a regular file, and a symbolic link
     must resolve inside the checkpoint folder or its Hugging Face cache `blobs/` folder.
     """
-    p = Path(path)
+    p = spelled(path)
     st = stat_or_none(p, "checkpoint path")
     if st is None:
         _fail(p, "no such checkpoint file or directory")
     if stat.S_ISDIR(st.st_mode):
-        index, single = p / "model.safetensors.index.json", p / "model.safetensors"
+        index, single = join(p, "model.safetensors.index.json"), join(p, "model.safetensors")
         if present(index, "checkpoint index"):
             return _open_index(p, checked_member(p, index, "index"))
         if present(single, "checkpoint file"):
@@ -171,13 +175,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if not stat.S_ISREG(st.st_mode):
         _fail(p, "checkpoint path is not a regular file or folder (found "
                  f"{file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
-    member = checked_member(p.parent, p, "checkpoint file")
-    if p.name.endswith(".index.json"):
+    member = checked_member(parent(p), p, "checkpoint file")
+    if os.path.basename(p).endswith(".index.json"):
         return _open_index(p, member)
     return _open_single(p, member)
 
 
-def _open_single(origin: Path, file: Path) -> Checkpoint:
+def _open_single(origin: str, file: str) -> Checkpoint:
     """A checkpoint made of one .safetensors file."""
     header = read_header(file)
     return Checkpoint(path=origin, index_path=None, files=(header,), names=tuple(header.tensors),
@@ -208,7 +212,7 @@ class _OneFile(Mapping[str, int]):
         return len(self._table)
 
 
-def _open_index(origin: Path, index: Path) -> Checkpoint:
+def _open_index(origin: str, index: str) -> Checkpoint:
     """A checkpoint described by an HF model.safetensors.index.json."""
     fd, st = open_regular(index, "checkpoint index")
     try:
@@ -238,15 +242,15 @@ def _open_index(origin: Path, index: Path) -> Checkpoint:
             _fail(index, f"weight_map[{name!r}] must be a shard file name (found {_kind(shard)})",
                   name)
         if (shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard
-                or Path(shard).is_absolute()):
+                or os.path.isabs(shard)):
             _fail(index, f"shard filename {shard!r} for tensor {name!r} is not a plain file name "
                          "inside the checkpoint directory", name)
-    folder = index.parent
+    folder = parent(index)
     shards = sorted(set(weight_map.values()))
     for shard in shards:
-        if not present(folder / shard, "shard file"):
+        if not present(join(folder, shard), "shard file"):
             _fail(index, f"missing shard file {shard} named by the index")
-    files = tuple(read_header(checked_member(folder, folder / shard, "shard file"))
+    files = tuple(read_header(checked_member(folder, join(folder, shard), "shard file"))
                   for shard in shards)
     owners: dict[str, int] = {}
     for i, header in enumerate(files):

@@ -10,7 +10,6 @@ same tensor in a `partc shard` rank file. `partc shard` records them in its mani
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -101,7 +100,7 @@ def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
 
 
 def verify_digests(tensors: Mapping[str, np.ndarray[Any, Any]], expected: Mapping[str, str],
-                   files: Mapping[str, Path], source: str, workers: int | None = None) -> None:
+                   files: Mapping[str, str], source: str, workers: int | None = None) -> None:
     """Compare every array's digest with `expected` (from `source`); CheckpointError per
     mismatch, naming the tensor, its file, the expected and the found digest."""
     found = tensor_digests({n: a for n, a in tensors.items() if n in expected}, workers)
@@ -109,7 +108,7 @@ def verify_digests(tensors: Mapping[str, np.ndarray[Any, Any]], expected: Mappin
 
 
 def check_digests(names: Sequence[str], found: Mapping[str, str], expected: Mapping[str, str],
-                  files: Mapping[str, Path], source: str) -> None:
+                  files: Mapping[str, str], source: str) -> None:
     """Compare the digests `found` of the tensors `names` with `expected` (from `source`);
     CheckpointError per tensor without a recorded digest or whose digest differs."""
     errors: list[PartcError] = []

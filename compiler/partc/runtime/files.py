@@ -1,6 +1,10 @@
 """Checkpoint files on disk: opened only when regular, read exactly, stamped to notice a later
 change, and followed through symbolic links only within the checkpoint (the runtime's headers,
 checkpoint and reader modules use these; nothing here parses a header).
+
+Paths are `str` throughout the runtime, spelled as `pathlib` would spell them (`spelled`):
+importing pathlib costs 5-8 ms after numpy here (it brings urllib.parse, ipaddress, fnmatch and
+ntpath), a sixth of what the runtime adds to numpy's import (issue 18), and a load never needs it.
 """
 
 from __future__ import annotations
@@ -8,7 +12,6 @@ from __future__ import annotations
 import os
 import stat
 from contextlib import suppress
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from partc.errors import CheckpointError, SourceLocation
@@ -45,6 +48,44 @@ _SHA256: list[Any] = []
 """The sha256 constructor `sha256` uses, once found."""
 
 
+def spelled(path: str | os.PathLike[str]) -> str:
+    """`path` as a str spelled as `str(pathlib.PurePosixPath(path))` spells it: repeated and
+    trailing separators and `.` components dropped, `..` kept (unlike os.path.normpath, which
+    would change what a path through a symbolic link names), `.` for the empty path."""
+    lead, parts = _parts(path)
+    return lead + os.sep.join(parts) or "."
+
+
+def _parts(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """pathlib's reading of a path: its root ('', the separator, or exactly two of them, which
+    POSIX leaves to the system) and its components without empty and `.` ones."""
+    text = os.fspath(path)
+    if os.altsep:
+        text = text.replace(os.altsep, os.sep)
+    sep = os.sep
+    lead = (sep * 2 if text.startswith(sep * 2) and not text.startswith(sep * 3)
+            else sep if text.startswith(sep) else "")
+    return lead, [part for part in text.split(sep) if part and part != "."]
+
+
+def join(folder: str, name: str) -> str:
+    """`name` inside `folder` (a `spelled` path), spelled as pathlib's `folder / name`."""
+    return name if folder == "." else os.path.join(folder, name)
+
+
+def parent(path: str) -> str:
+    """The folder holding `path` (a `spelled` path), as pathlib's `Path(path).parent`."""
+    return os.path.dirname(path) or "."
+
+
+def is_within(path: str, root: str) -> bool:
+    """Whether `path` is `root` or lies under it, component by component, as
+    `PurePosixPath(path).is_relative_to(root)` (`/a/bc` is not within `/a/b`; everything
+    absolute is within `/`; a relative path is never within an absolute one)."""
+    (lead, parts), (root_lead, root_parts) = _parts(path), _parts(root)
+    return lead == root_lead and parts[:len(root_parts)] == root_parts
+
+
 def _fail(path: str | os.PathLike[str], message: str) -> NoReturn:
     """Raise a CheckpointError located at `path`."""
     raise CheckpointError(message, location=SourceLocation(str(path)))
@@ -74,7 +115,7 @@ _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXE
 fstat then refuses it); no effect on regular files."""
 
 
-def open_regular(path: Path, what: str = "checkpoint file") -> tuple[int, os.stat_result]:
+def open_regular(path: str, what: str = "checkpoint file") -> tuple[int, os.stat_result]:
     """Open `path` read-only and fstat it; CheckpointError unless it is a regular file."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
@@ -115,7 +156,7 @@ def file_kind(mode: int) -> str:
     return next((words for test, words in kinds if test(mode)), "an unknown kind of file")
 
 
-def read_exactly(fd: int, path: Path, offset: int, n: int, what: str) -> bytes:
+def read_exactly(fd: int, path: str, offset: int, n: int, what: str) -> bytes:
     """`n` bytes at `offset`, or CheckpointError (a file that shrank, an I/O error)."""
     parts: list[bytes] = []
     got = 0
@@ -134,7 +175,7 @@ def read_exactly(fd: int, path: Path, offset: int, n: int, what: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def stat_or_none(path: Path, what: str) -> os.stat_result | None:
+def stat_or_none(path: str, what: str) -> os.stat_result | None:
     """os.stat of `path` (links followed); None when nothing is there; CheckpointError when it
     cannot be examined (permission denied, a loop of links)."""
     try:
@@ -145,7 +186,7 @@ def stat_or_none(path: Path, what: str) -> os.stat_result | None:
         _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
 
 
-def present(path: Path, what: str) -> bool:
+def present(path: str, what: str) -> bool:
     """Whether anything (a dangling link included) is at `path`; CheckpointError when that
     cannot be told (permission denied)."""
     try:
@@ -157,16 +198,18 @@ def present(path: Path, what: str) -> bool:
     return True
 
 
-def trusted_roots(folder: Path) -> tuple[Path, ...]:
+def trusted_roots(folder: str) -> tuple[str, ...]:
     """Where a checkpoint file's symbolic link may lead: the folder itself and, for a Hugging
-    Face cache snapshot (`<repo>/snapshots/<rev>/`), that repository's `blobs/` folder."""
-    real = Path(os.path.realpath(folder))
-    if real.parent.name == "snapshots":
-        return real, real.parent.parent / "blobs"
+    Face cache snapshot (`<repo>/snapshots/<rev>/`), that repository's `blobs/` folder (real
+    paths, as str)."""
+    real = os.path.realpath(folder)
+    snapshots = os.path.dirname(real)
+    if os.path.basename(snapshots) == "snapshots":
+        return real, os.path.join(os.path.dirname(snapshots), "blobs")
     return (real,)
 
 
-def checked_member(folder: Path, path: Path, what: str) -> Path:
+def checked_member(folder: str, path: str, what: str) -> str:
     """`path` (a file of the checkpoint in `folder`), checked against the symbolic-link policy.
 
     A link is followed only when it resolves inside `trusted_roots(folder)`; anything else
@@ -180,13 +223,14 @@ def checked_member(folder: Path, path: Path, what: str) -> Path:
         return path
     except OSError as exc:
         _fail(path, f"cannot examine {what}: {exc.strerror or exc}")
-    real = Path(os.path.realpath(path))
+    real = os.path.realpath(path)
+    name = os.path.basename(path)
     if not present(real, what):
-        _fail(path, f"{what} {path.name} is a symbolic link to {target}, which does not exist")
+        _fail(path, f"{what} {name} is a symbolic link to {target}, which does not exist")
     roots = trusted_roots(folder)
-    if not any(real.is_relative_to(root) for root in roots):
-        where = " or ".join(str(root) for root in roots)
-        _fail(path, f"{what} {path.name} is a symbolic link to {target} (resolving to {real}), "
+    if not any(is_within(real, root) for root in roots):
+        where = " or ".join(roots)
+        _fail(path, f"{what} {name} is a symbolic link to {target} (resolving to {real}), "
                     f"outside {where}; partc follows links only within the checkpoint folder "
                     "and its Hugging Face cache blobs/ folder")
     return path

@@ -20,7 +20,6 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +61,7 @@ class _Gather:
     """A block of rows of a finely cut tensor, its pieces copied by `run_gather`."""
 
     file: int
-    path: Path
+    path: str
     name: str
     out: np.ndarray[Any, Any]
     """Destination rows as uint8 [outer, local row bytes]."""
@@ -244,7 +243,7 @@ def _prefetch(job: _Gather) -> None:
 
 def _record_pieces(job: _Gather, recorder: ReadRecorder) -> None:
     """Tell `recorder` of every piece of `job`."""
-    path = str(job.path)
+    path = job.path
     first, last = job.rows
     for row in range(first, last):
         at = job.base + row * job.row_bytes
@@ -318,7 +317,7 @@ def _row_pieces(job: _Gather) -> Iterator[tuple[int, memoryview]]:
 
 def _pread_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
     """`run_gather` with one preadv per piece, straight into the destination."""
-    preadv, fd, path, name = os.preadv, job.fd, str(job.path), job.name
+    preadv, fd, path, name = os.preadv, job.fd, job.path, job.name
     _populate_rows(job)
     try:
         for offset, buf in _row_pieces(job):
@@ -337,7 +336,7 @@ def _direct_gather(job: _Gather, recorder: ReadRecorder | None) -> bool:
     through the page cache)."""
     source = job.source
     assert source is not None
-    align, path, fd = _DIRECT_ALIGN, str(job.path), source.direct_fd
+    align, path, fd = _DIRECT_ALIGN, job.path, source.direct_fd
     widest = max(width for _, _, width in job.pieces)
     bounce = mmap.mmap(-1, -(-(widest + 2 * align) // mmap.PAGESIZE) * mmap.PAGESIZE)
     staged = memoryview(bounce)

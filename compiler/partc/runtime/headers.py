@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter, mul, ne, sub
-from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -27,6 +26,7 @@ from partc.runtime.files import (
     open_regular,
     read_exactly,
     sha256,
+    spelled,
 )
 
 MAX_HEADER_SIZE = 100_000_000
@@ -100,7 +100,7 @@ def _kind(value: object) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
-def _unique(path: Path, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[str, Any]:
+def _unique(path: str, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[str, Any]:
     """Turn a parsed JSON object into a dict, refusing duplicate keys."""
     table = dict(pairs)
     if len(table) != len(pairs):
@@ -127,7 +127,7 @@ _PAIRS_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, object_pairs_
 """Strict decoder keeping every member of an object, duplicates included (careful paths)."""
 
 
-def _load_object(path: Path, text: str, what: str, *, padding: bool = False
+def _load_object(path: str, text: str, what: str, *, padding: bool = False
                  ) -> dict[str, Any]:
     """Parse JSON text that must be an object; nested objects become tuples of pairs.
 
@@ -158,7 +158,7 @@ def _load_object(path: Path, text: str, what: str, *, padding: bool = False
     return _unique(path, doc, f"the {what}")
 
 
-def _check_padding(path: Path, text: str, end: int, what: str) -> None:
+def _check_padding(path: str, text: str, end: int, what: str) -> None:
     """Refuse anything but spaces (0x20) after the JSON object that ends at `end`."""
     rest = text[end:]
     if rest.strip(" "):
@@ -192,8 +192,9 @@ class TensorEntry(NamedTuple):
 class FileHeader:
     """A validated safetensors header: where the data starts and where each tensor lies."""
 
-    path: Path
-    """The file the header was read from."""
+    path: str
+    """The file the header was read from, a `str` (not a `Path`: the runtime never imports
+    pathlib), spelled as `str(Path(...))` would spell it (`partc.runtime.files.spelled`)."""
     header_size: int
     """N, the length in bytes of the JSON header."""
     data_start: int
@@ -217,7 +218,7 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     MAX_HEADER_SIZE, a JSON object starting with '{' and padded with spaces only, and tensors
     whose byte ranges cover the data region exactly (no gap, no overlap, no trailing byte).
     """
-    p = Path(path)
+    p = spelled(path)
     fd, st = open_regular(p)
     try:
         no_readahead(fd)  # a cold rank would otherwise fetch megabytes of others' tensors
@@ -254,7 +255,7 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _parse_header(p: Path, raw: bytes, size: int, stamp: FileStamp | None = None
+def _parse_header(p: str, raw: bytes, size: int, stamp: FileStamp | None = None
                   ) -> FileHeader:
     """Validate the JSON header bytes of a file of `size` bytes."""
     n = len(raw)
@@ -276,7 +277,7 @@ data offsets [begin, end, begin, end, ...]; last, the parsed header object by na
 serve as the lookup table (entries {dtype, shape, data_offsets}, metadata removed)."""
 
 
-def _parse_tables(p: Path, text: str, data_size: int
+def _parse_tables(p: str, text: str, data_size: int
                   ) -> tuple[tuple[tuple[str, str], ...], TensorTable]:
     """Parse and validate the header JSON: metadata pairs and the tensor table ordered by name."""
     columns = _fast_columns(text, data_size) or _careful_columns(p, text, data_size)
@@ -373,7 +374,7 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
     return tuple(meta.items()), names, dtypes, shapes, bounds, table
 
 
-def _careful_columns(p: Path, text: str, data_size: int) -> _Columns:
+def _careful_columns(p: str, text: str, data_size: int) -> _Columns:
     """Validate any header entry by entry, raising the precise CheckpointError of a fault."""
     table = _load_object(p, text, "header", padding=True)
     metadata = _parse_metadata(p, table.pop("__metadata__", ()))
@@ -413,7 +414,7 @@ def _bulk_valid(dtypes: list[Any], shapes: list[list[Any]], offsets: list[list[A
     return None if any(map(ne, sizes, spans)) else bounds
 
 
-def _check_coverage(p: Path, names: list[str], begins: list[int], ends: list[int],
+def _check_coverage(p: str, names: list[str], begins: list[int], ends: list[int],
                     data_size: int) -> None:
     """Refuse byte ranges that do not tile the data region: sorted by (begin, end), the first
     begins at 0, each begins where the previous one ends, the last ends at `data_size` (the
@@ -447,7 +448,7 @@ def _check_coverage(p: Path, names: list[str], begins: list[int], ends: list[int
                  "header length, or bytes appended?); expected the tensors to cover it exactly")
 
 
-def _parse_metadata(p: Path, value: object) -> tuple[tuple[str, str], ...]:
+def _parse_metadata(p: str, value: object) -> tuple[tuple[str, str], ...]:
     """Validate `__metadata__`: an object of string values."""
     if not isinstance(value, tuple):
         _fail(p, f"__metadata__ must be an object of strings (found {_kind(value)})")
@@ -458,7 +459,7 @@ def _parse_metadata(p: Path, value: object) -> tuple[tuple[str, str], ...]:
     return tuple(meta.items())
 
 
-def _parse_entry(p: Path, name: str, value: object, data_size: int) -> TensorEntry:
+def _parse_entry(p: str, name: str, value: object, data_size: int) -> TensorEntry:
     """Validate one tensor entry of the header against the data region of `data_size` bytes."""
     if type(value) is not tuple:
         _fail(p, f"tensor entry must be an object (found {_kind(value)})", name)

@@ -12,7 +12,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -157,7 +156,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         requests = [(target, TensorSelection()) for target, _, _ in selections]
     else:
         opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
-            Path(checkpoint))
+            checkpoint)
         errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
         if errors:
             raise errors[0] if len(errors) == 1 else PartcErrors(errors)

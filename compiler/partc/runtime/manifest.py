@@ -6,10 +6,9 @@ import os
 import re
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 from partc.runtime.checkpoint import MAX_INDEX_BYTES
-from partc.runtime.files import open_regular, read_exactly, stat_or_none
+from partc.runtime.files import join, open_regular, parent, read_exactly, spelled, stat_or_none
 from partc.runtime.headers import _DECODER, _fail
 
 SHARD_MANIFEST = "partc-shards.json"
@@ -29,8 +28,9 @@ RankDigests = tuple[tuple[str, str], ...]
 class ShardManifest:
     """A pre-sharded checkpoint: one safetensors file per rank of one plan."""
 
-    path: Path
-    """The manifest file."""
+    path: str
+    """The manifest file, a `str` (not a `Path`: the runtime never imports pathlib), spelled
+    as `str(Path(...))` would spell it."""
     plan_hash: str
     """Hash of the plan the files were cut for."""
     source_fingerprint: str | None
@@ -48,17 +48,17 @@ class ShardManifest:
         found = self.digests[rank] if 0 <= rank < len(self.digests) else None
         return None if found is None else dict(found)
 
-    def rank_file(self, rank: int) -> Path:
-        """The file holding `rank`'s tensors."""
+    def rank_file(self, rank: int) -> str:
+        """The file holding `rank`'s tensors (a `str`, next to the manifest)."""
         if not 0 <= rank < len(self.files):
             _fail(self.path, f"rank {rank} is outside the pre-sharded ranks "
                              f"0..{len(self.files) - 1}")
-        return self.path.parent / self.files[rank]
+        return join(parent(self.path), self.files[rank])
 
 
 def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     """The manifest of a pre-sharded checkpoint folder; None when `folder` holds none."""
-    path = Path(folder) / SHARD_MANIFEST
+    path = join(spelled(folder), SHARD_MANIFEST)
     found = stat_or_none(path, "shard manifest")
     if found is None or not stat.S_ISREG(found.st_mode):
         return None
@@ -95,7 +95,7 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
             _fail(path, f"shard manifest entry {position} must be {{rank: {position}, file, "
                         "tensors}")
         if (file in ("", ".", "..") or "/" in file or "\\" in file or "\0" in file
-                or Path(file).is_absolute()):
+                or os.path.isabs(file)):
             _fail(path, f"rank file {file!r} is not a plain file name inside the folder")
         files.append(file)
         tensors.append(tuple(names))
@@ -104,7 +104,7 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
                          files=tuple(files), tensors=tuple(tensors), digests=tuple(digests))
 
 
-def _rank_digests(path: Path, rank: int, value: object) -> RankDigests | None:
+def _rank_digests(path: str, rank: int, value: object) -> RankDigests | None:
     """The `digests` of one manifest entry, checked: tensor names to sha256 hex digests."""
     if value is None:
         return None

@@ -11,7 +11,6 @@ import mmap
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -169,8 +168,8 @@ class CheckpointReader:
         of the mapped file (see `_view`) instead of a copy: True, a read-only view of a shared
         mapping (a column slice too, strided); "private", a writable view of a copy-on-write
         mapping (column slices are copied, so every array is C-contiguous)."""
-        self._fds: dict[Path, int] = {}
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -238,7 +237,7 @@ class CheckpointReader:
         if len(src):
             fd, base = self._fd(header), header.data_start + entry.begin
             flat = out.reshape(-1).view(np.uint8)
-            self._read_coalesced(fd, str(header.path), entry.name, flat, base, src, dst, length)
+            self._read_coalesced(fd, header.path, entry.name, flat, base, src, dst, length)
             self._check_unchanged([self.checkpoint.owners[name]])
         return out
 
@@ -406,7 +405,7 @@ class CheckpointReader:
         if isinstance(job, _Gather):
             run_gather(job, self.recorder)
             return
-        path, names, views = str(job.path), job.names, job.views
+        path, names, views = job.path, job.names, job.views
         _populate_job(job)
         src, dst, length, owner = (a.tolist() for a in (job.src, job.dst, job.length, job.owner))
         fd, recorder, preadv = job.fd, self.recorder, os.preadv

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,7 +110,7 @@ class _Job:
     """A slice of one file's sorted runs: what one reader thread reads in one go."""
 
     file: int
-    path: Path
+    path: str
     names: list[str]
     views: list[memoryview]
     addresses: list[int]
