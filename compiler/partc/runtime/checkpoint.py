@@ -6,7 +6,6 @@ import json
 import os
 import stat
 import sys
-from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -115,6 +114,8 @@ class Checkpoint:
             return self._fingerprint()
 
     def _fingerprint(self) -> str:
+        from array import array  # here: a load whose header digest matches never needs it
+
         names: list[str] = []
         dtypes: list[str] = []
         shapes: list[list[int]] = []

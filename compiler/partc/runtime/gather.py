@@ -19,7 +19,6 @@ import mmap
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,31 +55,31 @@ _LIBC: dict[str, Callable[..., int] | None] = {}
 """libc functions once looked up (None: unavailable or refused)."""
 
 
-@dataclass(slots=True)
 class _Gather:
-    """A block of rows of a finely cut tensor, its pieces copied by `run_gather`."""
+    """A block of rows of a finely cut tensor, its pieces copied by `run_gather`.
 
-    file: int
-    path: str
-    name: str
-    out: np.ndarray[Any, Any]
-    """Destination rows as uint8 [outer, local row bytes]."""
-    base: int
-    """Absolute file offset of the tensor's first byte."""
-    row_bytes: int
-    rows: tuple[int, int]
-    pieces: tuple[tuple[int, int, int], ...]
-    """(source column, destination column, width) in bytes, per selected range."""
-    nbytes: int
-    fd: int = -1
-    source: GatherFile | None = None
-    """The file's mapping (and O_DIRECT descriptor), set before the job runs."""
-    direct: bool = False
-    """Whether the rows were not in the page cache when planned: read with O_DIRECT."""
-    prefetch: bool = False
-    """Whether the rows were not in the page cache when planned and the node's ranks load
-    together: the whole rows are asked of storage first (POSIX_FADV_WILLNEED), in large
-    reads, since the node's other ranks read the rest of them."""
+    A plain slotted class: a load only builds and reads these records, and creating a dataclass
+    costs every runtime import about a millisecond (issue 18).
+    """
+
+    __slots__ = ("base", "direct", "fd", "file", "name", "nbytes", "out", "path", "pieces",
+                 "prefetch", "row_bytes", "rows", "source")
+
+    def __init__(self, *, file: int, path: str, name: str, out: np.ndarray[Any, Any], base: int,
+                 row_bytes: int, rows: tuple[int, int],
+                 pieces: tuple[tuple[int, int, int], ...], nbytes: int) -> None:
+        self.file, self.path, self.name, self.nbytes = file, path, name, nbytes
+        self.out = out  # destination rows as uint8 [outer, local row bytes]
+        self.base = base  # absolute file offset of the tensor's first byte
+        self.row_bytes, self.rows = row_bytes, rows
+        self.pieces = pieces  # (source column, destination column, width) in bytes, per range
+        self.fd = -1
+        self.source: GatherFile | None = None  # the file's mapping (and O_DIRECT descriptor),
+        # set before the job runs
+        self.direct = False  # the rows were not in the page cache when planned: O_DIRECT
+        self.prefetch = False  # not in the page cache and the node's ranks load together: the
+        # whole rows are asked of storage first (POSIX_FADV_WILLNEED), in large reads, since
+        # the node's other ranks read the rest of them
 
     def span(self) -> tuple[int, int]:
         """The absolute file bytes [start, end) of the job's rows."""

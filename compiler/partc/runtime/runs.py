@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -105,21 +104,22 @@ _THREADED_BYTES = 16 << 20
 """Reads smaller than this run in the calling thread."""
 
 
-@dataclass(slots=True)
 class _Job:
-    """A slice of one file's sorted runs: what one reader thread reads in one go."""
+    """A slice of one file's sorted runs: what one reader thread reads in one go.
 
-    file: int
-    path: str
-    names: list[str]
-    views: list[memoryview]
-    addresses: list[int]
-    src: _Ints
-    dst: _Ints
-    length: _Ints
-    owner: _Ints
-    nbytes: int
-    fd: int = -1
+    A plain slotted class: a load only builds and reads these records, and creating a dataclass
+    costs every runtime import about a millisecond (issue 18).
+    """
+
+    __slots__ = ("addresses", "dst", "fd", "file", "length", "names", "nbytes", "owner", "path",
+                 "src", "views")
+
+    def __init__(self, *, file: int, path: str, names: list[str], views: list[memoryview],
+                 addresses: list[int], src: _Ints, dst: _Ints, length: _Ints, owner: _Ints,
+                 nbytes: int) -> None:
+        self.file, self.path, self.names, self.views = file, path, names, views
+        self.addresses, self.nbytes, self.fd = addresses, nbytes, -1
+        self.src, self.dst, self.length, self.owner = src, dst, length, owner
 
 
 class _ReadPlan:
