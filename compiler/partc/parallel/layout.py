@@ -18,6 +18,7 @@ from partc.parallel.placements import (
     TensorPlacement,
     _invalid_tensor,
     _is_count,
+    local_shape,
     tensor_bytes,
     unchecked_replace,
 )
@@ -91,14 +92,11 @@ class LocalTensorLayout:
         if not placement.fits(self.global_shape):
             raise _invalid_tensor(f"`{target}`: placement {placement.to_json()} does not fit "
                                   f"global shape {list(self.global_shape)}", target=target)
-        axis, ranges = placement.selection(self.global_shape)
-        expected = list(self.global_shape)
-        if axis is not None:
-            expected[axis] = sum(b - a for a, b in ranges)
-        if tuple(expected) != self.local_shape:
+        expected = local_shape(self.global_shape, placement.selection(self.global_shape))
+        if expected != self.local_shape:
             raise _invalid_tensor(f"`{target}`: local shape {list(self.local_shape)} does not "
                                   f"match placement {placement.to_json()} (expected "
-                                  f"{expected})", target=target)
+                                  f"{list(expected)})", target=target)
         if (self.logical_units is None) != (self.logical_range is None) or (
                 self.logical_units is not None and self.logical_range is not None and not
                 0 <= self.logical_range[0] < self.logical_range[1] <= self.logical_units):

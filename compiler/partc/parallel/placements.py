@@ -90,6 +90,15 @@ Selection = tuple[int | None, tuple[tuple[int, int], ...]]
 _WHOLE: Selection = (None, ())
 
 
+def local_shape(global_shape: Sequence[int], selection: Selection) -> tuple[int, ...]:
+    """The shape of the part of a tensor of `global_shape` that `selection` selects."""
+    axis, ranges = selection
+    local = list(global_shape)
+    if axis is not None:
+        local[axis] = sum(b - a for a, b in ranges)
+    return tuple(local)
+
+
 def _malformed(kind: PlacementKind, spelled: object) -> ParallelPlanError:
     return _invalid_tensor(f"malformed {kind.value} placement: {spelled}")
 

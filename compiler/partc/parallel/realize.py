@@ -16,6 +16,7 @@ from partc.parallel.placements import (
     Shard,
     TensorPlacement,
     _is_count,
+    local_shape,
 )
 from partc.parallel.specs import (
     MemberShardingKind,
@@ -339,13 +340,10 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
         for member in group.members:
             placement = REPLICATED if fallback else _placement_for(
                 member, tp, rank, unit_range, group.units, kv, split)
-            axis, ranges = placement.selection(member.shape)
-            local = list(member.shape)
-            if axis is not None:
-                local[axis] = sum(b - a for a, b in ranges)
+            local = local_shape(member.shape, placement.selection(member.shape))
             layouts.append(LocalTensorLayout(
                 target=member.target, logical_name=group.name, role=group.role,
-                dtype=member.dtype, global_shape=member.shape, local_shape=tuple(local),
+                dtype=member.dtype, global_shape=member.shape, local_shape=local,
                 placement=placement, logical_units=units, logical_range=unit_range,
                 fell_back_to_replication=fallback,
                 kv_replicas=_kv_replicas(member, tp) if kv else 1,

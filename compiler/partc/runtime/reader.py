@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from partc.parallel.placements import local_shape
 from partc.runtime.checkpoint import MAX_INDEX_BYTES, Checkpoint, open_checkpoint
 from partc.runtime.files import FileStamp, no_readahead
 from partc.runtime.gather import (
@@ -82,11 +83,7 @@ class TensorSelection:
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the selected part of a tensor of global `shape` (assumes valid ranges)."""
-        if self.axis is None:
-            return tuple(shape)
-        local = list(shape)
-        local[self.axis] = sum(end - start for start, end in self.ranges)
-        return tuple(local)
+        return local_shape(shape, (self.axis, self.ranges))
 
 
 WHOLE = TensorSelection()

@@ -8,7 +8,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import CheckpointError, LayoutError
-from partc.parallel.placements import DTYPE_BITS, Selection, placement_from_compact, tensor_bytes
+from partc.parallel.placements import (
+    DTYPE_BITS,
+    Selection,
+    local_shape,
+    placement_from_compact,
+    tensor_bytes,
+)
 from partc.runtime.headers import paused_gc
 
 if TYPE_CHECKING:  # imported where used: a plain load needs none of them (import cost)
@@ -171,11 +177,8 @@ def tensor_selections(table: RankTable) -> list[tuple[str, Selection, int]]:
                     f"the generated tables of rank {table.rank} are malformed at tensor "
                     f"`{target}`: dtype {dtype!r}, shape {list(shape)}, placement "
                     f"{placement.to_json()}; regenerate the build", tensor=target)
-            axis, ranges = selection = placement.selection(shape)
-            local = list(shape)
-            if axis is not None:
-                local[axis] = sum(b - a for a, b in ranges)
-            known = decoded[key] = (selection, tensor_bytes(dtype, local))
+            selection = placement.selection(shape)
+            known = decoded[key] = (selection, tensor_bytes(dtype, local_shape(shape, selection)))
         found.append((target, *known))
     found.sort(key=lambda item: item[0])
     for before, after in zip(found, found[1:], strict=False):
@@ -202,15 +205,12 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
         first = validated.get(key)
         if first is None:
             placement = placement_from_compact(compact)
-            axis, ranges = placement.selection(shape)
-            local = list(shape)
-            if axis is not None:
-                local[axis] = sum(b - a for a, b in ranges)
             first = validated[key] = LocalTensorLayout(
                 target=target, logical_name=name, role=ParameterRole(role), dtype=dtype,
-                global_shape=shape, local_shape=tuple(local), placement=placement,
-                logical_units=units, logical_range=logical, fell_back_to_replication=fell_back,
-                kv_replicas=kv_replicas, needs_tp_reduction=needs_reduction)
+                global_shape=shape, local_shape=local_shape(shape, placement.selection(shape)),
+                placement=placement, logical_units=units, logical_range=logical,
+                fell_back_to_replication=fell_back, kv_replicas=kv_replicas,
+                needs_tp_reduction=needs_reduction)
         layouts.append(first.renamed(target, name))
     return LocalModelLayout(tensors=tuple(layouts))
 
