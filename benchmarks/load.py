@@ -12,6 +12,13 @@ the page cache warmed before every warm run:
 - floor (a): `readinto` a reused 16 MiB buffer, the rank's byte count, sequentially;
 - floor (b): `readinto` one fresh `np.empty` of the rank's byte count (faults included);
 - floor (c): mmap the checkpoint and read one byte of every page of the rank's byte count;
+- floor (d): floor (b) the way a copying loader does it at best: the rank's byte count read in
+  file order, in 8 MiB jobs taken in turn by as many threads as the loader has, each thread
+  faulting in its job's fresh pages (MADV_POPULATE_WRITE) before reading into them; the
+  loader's scheme on a share that is one byte run, so loader / (d) is what the share's cut
+  (column slices) costs on top, and (d) / (a) what fresh destination pages cost;
+- fault: MADV_POPULATE_WRITE of one fresh mapping of the rank's byte count, one thread, in
+  microseconds per 4 KiB page (what every page a copying loader returns costs the kernel);
 - naive (`--naive`): `safetensors.numpy.load_file` of every file, then slicing;
 - cold: the checkpoint evicted from the page cache (fsync + POSIX_FADV_DONTNEED), then the
   loader; bytes fetched from storage are /proc/self/io read_bytes; "pages / share" is the least
@@ -175,6 +182,56 @@ def touch(arrays):
         total += int(rows[:, ::4096].sum()) + int(rows[:, -1].sum())
     return total
 
+def madvise():
+    import ctypes
+    function = ctypes.CDLL(None, use_errno=True).madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
+
+def floor_d(spec):
+    # the share's byte count read in file order into one fresh anonymous mapping, in 8 MiB
+    # jobs taken in turn by as many threads as the loader has; each thread faults in its own
+    # job's pages first (MADV_POPULATE_WRITE) and then preadv's into them: the loader's own
+    # scheme on a share that is one byte run (no column slices)
+    import threading
+    import numpy as np
+    nbytes, step = spec["nbytes"], 8 << 20
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view, address = memoryview(memory), np.frombuffer(memory, np.uint8).ctypes.data
+    advise, jobs, at = madvise(), [], 0
+    fds = [os.open(f, os.O_RDONLY) for f in spec["files"]]
+    for fd in fds:
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, step):
+            length = min(step, size - offset, nbytes - at)
+            if length <= 0:
+                break
+            jobs.append((fd, offset, at, length))
+            at += length
+    todo, lock = iter(jobs), threading.Lock()
+    def work():
+        while True:
+            with lock:
+                job = next(todo, None)
+            if job is None:
+                return
+            fd, offset, at, length = job
+            advise(address + at, length, 23)
+            done = 0
+            while done < length:
+                got = os.preadv(fd, [view[at + done:at + length]], offset + done)
+                if got <= 0:
+                    raise SystemExit("short read")
+                done += got
+    threads = [threading.Thread(target=work) for _ in range(spec["threads"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for fd in fds:
+        os.close(fd)
+    return at
+
 result = {}
 base = mode.endswith("-base")
 if mode.startswith(("loader", "zerocopy", "cold")):
@@ -242,6 +299,15 @@ elif mode.startswith("floor"):
                         if not got:
                             break
                         done += got
+        elif mode == "floor-d":  # floor (b) the way a copying loader can do it at best
+            total = floor_d(spec)
+        elif mode == "floor-fault":  # fault in a fresh mapping of the share, one call, one thread
+            import ctypes
+            memory = mmap.mmap(-1, spec["nbytes"], flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            address = np.frombuffer(memory, np.uint8).ctypes.data
+            t0 = time.monotonic()
+            if madvise()(address, spec["nbytes"], 23) != 0:  # MADV_POPULATE_WRITE
+                raise SystemExit(f"MADV_POPULATE_WRITE failed: errno {ctypes.get_errno()}")
         else:  # floor-c: mmap, one byte read from every page
             total = 0
             for f in spec["files"]:
@@ -470,23 +536,26 @@ def main() -> None:
     files = checkpoint_files(folder)
     total = sum(f.stat().st_size for f in files)
     builds = compile_builds(folder, Path(scratch.name) / "builds", tps)
+    from partc.runtime.reader import default_workers
+
+    threads = args.workers or default_workers(1)  # a rank loading alone
     print(f"partc {partc.__version__} from {Path(partc.__file__).parent}")
     print(f"checkpoint: {total / 2**20:.1f} MiB in {len(files)} file(s); hidden "
           f"{config['hidden_size']}, intermediate {config['intermediate_size']}, "
           f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}; rank 0 of each "
           f"T, median of {args.repeats}; {os.cpu_count()} CPUs; loader threads "
-          f"{args.workers or 'default'}", flush=True)
+          f"{args.workers or 'default'} ({threads} alone)", flush=True)
     load_before = os.getloadavg()
 
     base = {m: run_child(m, builds[tps[0]])["maxrss"]
             for m in ("loader-base", "naive-base", "floor-base")}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    variants = ["loader", "zerocopy", "floor-a", "floor-b", "floor-c"] + (
+    variants = ["loader", "zerocopy", "floor-a", "floor-b", "floor-c", "floor-d", "floor-fault"] + (
         ["naive"] if args.naive else [])
     for repeat in range(args.repeats):
         for position, tp in enumerate(tps):
             spec = {**builds[tp], "files": [str(f) for f in files],
-                    "nbytes": builds[tp]["local"]}
+                    "nbytes": builds[tp]["local"], "threads": threads}
             # rotate the order: a variant that frees much memory makes the next process's
             # first touches slower while the host takes the freed pages back
             turn = (repeat + position) % len(variants)
@@ -520,10 +589,12 @@ def main() -> None:
         local = builds[tp]["local"]
         loader = med(tp, "loader")
         a, b, c = med(tp, "floor-a"), med(tp, "floor-b"), med(tp, "floor-c")
+        d = med(tp, "floor-d")
         row: dict[str, Any] = {
             "T": tp, "share MiB": local / 2**20, "loader s": loader,
-            "floor a s": a, "floor b s": b, "floor c s": c,
-            "loader/a": loader / a, "loader/b": loader / b,
+            "floor a s": a, "floor b s": b, "floor c s": c, "floor d s": d,
+            "loader/a": loader / a, "loader/b": loader / b, "d/a": d / a, "loader/d": loader / d,
+            "fault us/page": med(tp, "floor-fault") / (local / 4096) * 1e6,
             "zero-copy+touch/c": med(tp, "zerocopy") / c,
             "zero-copy load s": med(tp, "zerocopy", "loaded"),
         }

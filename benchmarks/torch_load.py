@@ -26,7 +26,12 @@ Every rank reports, in seconds from its own process start (/proc/self/stat):
   first touch, the figure the weight-loading target is about;
 - ready: process start to the model ready with its weights in memory (then a one-token forward
   checks that it runs);
-- peak RSS: the rank's VmHWM.
+- peak RSS: the rank's VmHWM;
+- floor: the least work any loader returning contiguous parameters does for a rank, the T
+  ranks at once (released together by a barrier): the one-run slices mapped copy-on-write and
+  touched once a page, the column slices copied with numpy into fresh pages faulted in first;
+  no framework, no checks. transformers' weights resident over it is the most any such loader
+  could reach against transformers in the same run.
 
 The figures are medians over the repeats of the slowest rank (the job waits for it). The ratios
 printed are transformers over partc; the targets are weight loading >= 2x and process start ->
@@ -143,6 +148,62 @@ dist.barrier()
 dist.destroy_process_group()
 '''
 
+FLOOR_WORKER = r'''
+import json, mmap, os, struct, sys, time
+import numpy as np
+import torch.distributed as dist
+
+# The least work a loader returning contiguous parameters does for this rank, with the ranks
+# of the node doing it at once: the tensors whose local slice is one byte run of the file are
+# views of a copy-on-write mapping of it, touched once a page (as the recipe's shards are); the
+# others (column slices) are copied with numpy from that mapping into fresh memory faulted in
+# first. No checks, no framework, no threads: data movement and page faults only.
+spec = json.loads(sys.argv[2])
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+path = os.path.join(spec["checkpoint"], "model.safetensors")
+with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+base = 8 + n
+whole = np.frombuffer(mapping, np.uint8)
+import ctypes
+madvise = ctypes.CDLL(None, use_errno=True).madvise
+madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+dist.barrier()
+t0 = time.monotonic()
+total, kept = 0, []
+for name, axis, ranges in spec["selections"][rank]:
+    entry = header[name]
+    begin, end = entry["data_offsets"]
+    shape = entry["shape"]
+    data = whole[base + begin:base + end]
+    assert len(ranges) <= 1, (name, ranges)
+    if axis is None or axis == 0:
+        lo, hi = ranges[0] if axis is not None else (0, shape[0])
+        row = (end - begin) // max(1, shape[0])
+        view = data[lo * row:hi * row]
+        total += int(view[::4096].sum())
+        kept.append(view)
+    else:
+        (lo, hi), = ranges
+        item = (end - begin) // (shape[0] * shape[1])
+        rows = data.reshape(shape[0], shape[1] * item)
+        memory = mmap.mmap(-1, shape[0] * (hi - lo) * item,
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        out = np.frombuffer(memory, np.uint8).reshape(shape[0], (hi - lo) * item)
+        madvise(out.ctypes.data, out.nbytes, 23)  # MADV_POPULATE_WRITE, as partc's readers do
+        out[:] = rows[:, lo * item:hi * item]
+        kept.append(out)
+seconds = time.monotonic() - t0
+nbytes = sum(a.nbytes for a in kept)
+with open(os.path.join(spec["reports"], f"floor-rank-{rank}.json"), "w") as f:
+    f.write(json.dumps({"rank": rank, "seconds": seconds, "nbytes": nbytes}))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
 PHASES = ("imports", "setup", "construction", "weights", "touch")
 
 
@@ -165,8 +226,8 @@ def launch(mode: str, spec: dict[str, Any], tp: int, reports: Path) -> list[dict
     """One torchrun launch of T fresh processes; each rank's report."""
     for old in reports.glob(f"{mode}-rank-*.json"):
         old.unlink()
-    script = reports / "worker.py"
-    script.write_text(WORKER)
+    script = reports / ("floor.py" if mode == "floor" else "worker.py")
+    script.write_text(FLOOR_WORKER if mode == "floor" else WORKER)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONDONTWRITEBYTECODE")}
     done = subprocess.run(
@@ -223,9 +284,11 @@ def main() -> None:
     result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
                             pipeline_parallel_size=1, checkpoint=folder, out=root / "build")
     share = result.plan.ranks[0].info.local_parameter_bytes
+    selections = [[[t.target, t.selection[0], [list(r) for r in t.selection[1]]]
+                   for t in rank.layout.tensors] for rank in result.plan.ranks]
     spec = {"build": str(root / "build"), "package": package_name(result.plan),
             "recipe_dir": str(recipe_module(root / "recipe")), "checkpoint": str(folder),
-            "tp": args.tp, "vocab": config["vocab_size"]}
+            "tp": args.tp, "vocab": config["vocab_size"], "selections": selections}
     reports = root / "reports"
     reports.mkdir()
     import torch
@@ -241,10 +304,13 @@ def main() -> None:
         warm(files)
         launch(mode, spec, args.tp, reports)
     runs: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in modes}
+    floors: list[float] = []
     for repeat in range(args.repeats):
         for mode in (modes if repeat % 2 == 0 else modes[::-1]):
             warm(files)
             runs[mode].append(launch(mode, spec, args.tp, reports))
+        warm(files)
+        floors.append(max(r["seconds"] for r in launch("floor", spec, args.tp, reports)))
     load_after = os.getloadavg()
 
     def slowest(mode: str, key: str) -> float:
@@ -280,7 +346,14 @@ def main() -> None:
     returned = slowest("transformers", "weights") / slowest("partc", "weights")
     ready = slowest("transformers", "ready") / slowest("partc", "ready")
     construct = slowest("transformers", "construction") / slowest("partc", "construction")
+    floor = statistics.median(floors)
     print(f"\nrank 0 parameters: {loaded['partc'] / 2**20:.1f} MiB in both")
+    print(f"floor: the ranks at once, each mapping its one-run slices copy-on-write and "
+          f"touching them, and copying its column slices with numpy into fresh pages: slowest "
+          f"rank {floor:.3f} s (median of {len(floors)}); partc's weights resident / floor "
+          f"{slowest('partc', 'resident') / floor:.2f}, transformers' / floor "
+          f"{slowest('transformers', 'resident') / floor:.2f} (the most any loader returning "
+          "contiguous parameters could reach against transformers here)")
     print(f"ratios, transformers / partc: weight loading (resident) {weights:.2f}x (target >= 2: "
           f"{'ok' if weights >= 2 else 'MISSED'}), process start -> ready {ready:.2f}x "
           f"(target >= 1: {'ok' if ready >= 1 else 'MISSED'}), construction {construct:.2f}x, "

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file
 
 from partc.api import compile_family
 from partc.errors import CheckpointError
@@ -93,3 +94,22 @@ def test_under_torchrun_full_tensor_of_every_dtensor_is_the_checkpoint_tensor(tm
         expected = {layout.target for layout in result.plan.ranks[rank].layout.tensors}
         assert owned[rank] == expected
     assert all(r["sharded"] > 0 for r in reports)
+
+
+@pytest.mark.parametrize("mode", ["fast", "fallback"])
+def test_to_dtensors_equals_from_local_tensor_by_tensor(tmp_path, mode):
+    # one spec per kind of tensor (placement, global shape, dtype) is shared by the DTensors
+    # DTensor's constructor makes; where it refuses, every tensor comes from from_local
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(
+        [sys.executable, str(WORKER.parent / "dtensor_fast_worker.py"), str(tmp_path / "b"),
+         str(LLAMA), "partc_llama_tp2_pp1", mode],
+        capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["tensors"] == len(load_file(str(LLAMA / "model.safetensors")))
+    if mode == "fast":  # exactly one spec per kind: q, k/v, o, gate/up, down, norms, vocab
+        assert report["specs"] == report["kinds"] == 7, report
+    else:
+        assert report["specs"] == report["tensors"], report

@@ -174,3 +174,66 @@ def test_read_only_views_point_torch_users_to_private(builds: dict[str, Any]) ->
                                               r"torch tensors cannot be; load with "
                                               r"zero_copy='private'"):
         builds["llama"].load(LLAMA, rank=0, zero_copy=True, framework="torch")
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_private_column_slices_are_copied_in_process_with_exact_reads(
+        builds: dict[str, Any], family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zero_copy="private" copies the pieces of a column slice out of the mapping with numpy
+    (its views already risk SIGBUS); the default mode copies them through the kernel. Both
+    equal the safetensors slices, and the reader hook sees the same exact byte runs."""
+    from partc.runtime import gather
+
+    asked: list[str] = []
+    lookup = gather._libc
+
+    def recording(name: str) -> Any:
+        asked.append(name)
+        return lookup(name)
+
+    monkeypatch.setattr(gather, "_libc", recording)
+    monkeypatch.setattr(gather, "_USE_DIRECT", False)  # warm or not, the page-cache paths
+    full = load_file(str(hf(family) / "model.safetensors"))
+
+    class Runs:
+        def __init__(self) -> None:
+            self.runs: list[tuple[str, int, int]] = []
+
+        def record(self, path: str, offset: int, length: int) -> None:
+            self.runs.append((path, offset, length))
+
+    seen, copied = {}, {}
+    for mode in ("private", False):
+        asked.clear()
+        hook = Runs()
+        state = builds[family].load(hf(family), rank=1, zero_copy=mode, reader=hook)
+        gathered = [item.target for item in state.layout.tensors
+                    if item.selection[0] not in (None, 0)]
+        assert gathered, family  # column slices (o_proj, down_proj) are there to copy
+        for item in state.layout.tensors:
+            axis, ranges = item.selection
+            np.testing.assert_array_equal(state.tensors[item.target],
+                                          safetensors_slice(full, item.target, axis, ranges),
+                                          err_msg=f"{mode}: {item.target}")
+        assert ("process_vm_writev" in asked) == (mode is False), (mode, asked)
+        seen[mode] = hook.runs
+        copied[mode] = sum(array.nbytes for array in state.tensors.values()
+                           if not isinstance(mapped_base(array), mmap.mmap))
+    # the private mode reads exactly the bytes it copies (its views are not read), and every
+    # byte it reads is one the default mode reads too
+    assert sum(length for _, _, length in seen["private"]) == copied["private"] > 0
+    default = merged(seen[False])
+    for path, offset, length in seen["private"]:
+        assert any(p == path and a <= offset and offset + length <= b
+                   for p, a, b in default), (path, offset, length)
+
+
+def merged(runs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Byte runs (path, offset, length) as disjoint (path, start, end) intervals."""
+    out: list[tuple[str, int, int]] = []
+    for path, offset, length in sorted(runs):
+        if out and out[-1][0] == path and offset <= out[-1][2]:
+            out[-1] = (path, out[-1][1], max(out[-1][2], offset + length))
+        else:
+            out.append((path, offset, offset + length))
+    return out

@@ -129,13 +129,24 @@ def _gathers(file: int, header: FileHeader, entry: TensorEntry, sel: TensorSelec
 class GatherFile:
     """One file's means of gathering: a read-only mapping of it (whose addresses the kernel
     copies from and whose residency mincore tells) and, once a cold job needs it, an O_DIRECT
-    descriptor of the same file. `name` is the first tensor gathered, named by a failure."""
+    descriptor of the same file. `name` is the first tensor gathered, named by a failure.
 
-    def __init__(self, header: FileHeader, fd: int, name: str) -> None:
+    `in_process`: warm pieces are copied out of the mapping by numpy in the reader thread
+    instead of by the kernel (process_vm_writev). It is for the zero-copy modes only, whose
+    views of the file already raise SIGBUS when it is truncated while they live: a truncation
+    during the load then raises SIGBUS too, instead of a CheckpointError. numpy's copy is
+    ~25% cheaper a piece (measured: 109 MiB of 1-2.8 KiB pieces, 59,392 of them, in 68-80 ms
+    against 82-113 ms, destination faults included).
+    """
+
+    def __init__(self, header: FileHeader, fd: int, name: str, *,
+                 in_process: bool = False) -> None:
         self.path = header.path
         """The file."""
         self.fd = fd
         """Its checked descriptor."""
+        self.in_process = in_process
+        """Whether warm pieces are copied by numpy (see the class docstring)."""
         try:
             self.mapping = mmap.mmap(fd, header.file_size, flags=mmap.MAP_SHARED,
                                      prot=mmap.PROT_READ)
@@ -222,6 +233,11 @@ def run_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
         return
     if job.prefetch:
         _prefetch(job)
+    if job.source is not None and job.source.in_process:
+        _numpy_gather(job)
+        if recorder is not None:
+            _record_pieces(job, recorder)
+        return
     copy = _libc("process_vm_writev") if _USE_VM_COPY and job.source is not None else None
     if copy is None or not _vm_gather(job, copy):
         _pread_gather(job, recorder)  # records its own reads
@@ -296,6 +312,25 @@ def _vm_gather(job: _Gather, copy: Callable[..., int]) -> bool:
     finally:
         source.release(start, end)
     return True
+
+
+def _numpy_gather(job: _Gather) -> None:
+    """`run_gather` by numpy from the file's mapping, in this thread (the zero-copy modes: a
+    truncated file raises SIGBUS here, as it does at a view's first touch)."""
+    source = job.source
+    assert source is not None
+    first, last = job.rows
+    start, end = job.span()
+    out = job.out[first:last]
+    _populate(int(out.ctypes.data), 0, out.nbytes)
+    rows = np.frombuffer(source.mapping, dtype=np.uint8, count=end - start, offset=start)
+    rows = rows.reshape(last - first, job.row_bytes)
+    try:
+        for src, dst, width in job.pieces:
+            out[:, dst:dst + width] = rows[:, src:src + width]
+    finally:
+        del rows
+        source.release(start, end)
 
 
 def _populate_rows(job: _Gather) -> None:

@@ -290,7 +290,8 @@ class CheckpointReader:
         for job in gathers:
             if job.file not in sources:
                 header = self.checkpoint.files[job.file]
-                sources[job.file] = GatherFile(header, self._fds[header.path], job.name)
+                sources[job.file] = GatherFile(header, self._fds[header.path], job.name,
+                                               in_process=bool(self.zero_copy))
         try:
             cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
             workers = self._cold_workers if cold else self.workers
