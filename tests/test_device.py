@@ -227,9 +227,11 @@ package = __import__(sys.argv[2])
 state = package.load(sys.argv[3], rank=1)
 print(len(state.tensors), type(next(iter(state.tensors.values()))).__name__)
 print(package.topology().world_size, package.launch_position().rank)
+from partc.runtime.dtensor import to_dtensors
 for call in (lambda: package.load(sys.argv[3], rank=1, device="cpu"),
              lambda: package.load(sys.argv[3], rank=1, framework="torch"),
-             lambda: package.process_groups()):
+             lambda: package.process_groups(),
+             lambda: to_dtensors(state, None)):
     try:
         call()
     except PartcError as error:
@@ -251,11 +253,12 @@ def test_the_core_loads_without_torch_and_names_the_extra_when_torch_is_asked_fo
     assert lines[0].endswith(" ndarray") and int(lines[0].split()[0]) > 0
     assert lines[1] == "2 1"
     refusals = lines[2:]
-    assert len(refusals) == 3
+    assert len(refusals) == 4
     for line in refusals:
         assert "needs torch, which is not installed" in line
         assert "pip install 'partc[torch]'" in line
     assert "device=" in refusals[0] and "framework='torch'" in refusals[1]
+    assert "process_groups()" in refusals[2] and "to_dtensors()" in refusals[3]
 
 
 @pytest.mark.parametrize("shape", [(6, 5, 4), (3, 10), (17,), (2, 3, 4, 5)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,60 @@ def test_to_dtensors_equals_from_local_tensor_by_tensor(tmp_path, mode):
         assert report["specs"] == report["kinds"] == 7, report
     else:
         assert report["specs"] == report["tensors"], report
+
+
+REFUSALS = WORKER.parent / "dtensor_refusal_worker.py"
+
+
+def _attempts(build: Path, checkpoint: Path, package: str, rank: int, world: int,
+              cases: list[str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, str(REFUSALS), str(build), str(checkpoint), package, *cases],
+        capture_output=True, text=True, timeout=180,
+        env={**env, "RANK": str(rank), "WORLD_SIZE": str(world)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines())
+
+
+def test_a_dtensor_of_another_rank_dimension_or_world_is_refused_never_built(tmp_path):
+    # a T=2 build in a 4-process job (D=2), as global rank 1 (replica 0, TP rank 1)
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp1", 1, 4,
+                    ["own-rank", "dp-dimension", "other-rank", "read-only", "wrong-world",
+                     "device=gpu", "device=cuda", "device=cuda:0"])
+    assert got["own-rank"] == "accepted"
+    assert re.fullmatch(r"refused: to_dtensors needs an unnamed 1-D tensor-parallel mesh or a "
+                        r"mesh with a `tp` dimension; this mesh has 1 dimensions named \('dp',\)",
+                        got["dp-dimension"]), got["dp-dimension"]
+    assert ("refused: to_dtensors: the state is TP rank 0 of the build (global rank 0), but "
+            "this process is TP rank 1 of the mesh") in got["other-rank"]
+    assert "is a read-only view of the checkpoint file (zero_copy=True)" in got["read-only"]
+    assert ("refused: the torch world has 4 processes; this topology needs 2 (D=1 x S=1 x 2 "
+            "ranks a stage)") in got["wrong-world"]
+    assert "'gpu' is not a torch device type; expected 'cpu' or 'cuda'" in got["device=gpu"]
+    assert "torch sees no cuda device here" in got["device=cuda"]
+    assert "'cuda:0' names one device" in got["device=cuda:0"]
+
+
+def test_a_state_of_another_pipeline_stage_is_refused(tmp_path):
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, pipeline_parallel_size=2,
+                   out=tmp_path / "b")
+    got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp2", 0, 4,
+                    ["own-rank", "other-stage"])
+    assert got["own-rank"] == "accepted"
+    assert got["other-stage"] == ("refused: to_dtensors: the state is of pipeline stage 1, but "
+                                  "this process is on stage 0 of the mesh")
+
+
+def test_an_expert_parallel_build_is_refused_not_replicated(tmp_path):
+    mixtral = HF / "mixtral"
+    result = compile_family(None, mixtral / "config.json", tensor_parallel_size=2,
+                            expert_parallel_size=2, out=tmp_path / "b")
+    from partc.emit.render import package_name
+
+    got = _attempts(tmp_path / "b", mixtral, package_name(result.plan), 0, 2,
+                    ["expert-parallel"])
+    assert got["expert-parallel"].startswith(
+        "refused: to_dtensors: rank 0 is of an expert-parallel build, whose experts are held by "
+        "their EP ranks only"), got

@@ -211,6 +211,36 @@ def test_a_bad_placement_file_is_a_located_error_naming_the_rank_and_the_expert(
     assert not (tmp_path / "build").exists()  # nothing half-written
 
 
+def test_the_guides_example_placement_compiles_with_redundant_copies(tmp_path: Path) -> None:
+    guide = (ROOT / "docs" / "expert_parallel.md").read_text()
+    section = guide.split("## Placement", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```json\n(.*?)```", section, flags=re.S)
+    path = tmp_path / "placement.json"
+    path.write_text(example)
+    compile_family(None, QWEN, expert_parallel_size=3, expert_placement=path,
+                   out=tmp_path / "build")
+    recorded = json.loads((tmp_path / "build" / "plan.json").read_text())["expert_parallel"]
+    document = json.loads(example)
+    assert recorded["slots"] == document["ranks"] and recorded["explicit_placement"]
+    assert recorded["redundant_slots"] == 2
+    # "expert 0 above has three slots": one on every EP rank
+    assert sum(ids.count(0) for ids in document["ranks"]) == 3
+
+
+def test_a_placement_error_points_to_the_expert_parallel_guide(tmp_path: Path,
+                                                               capsys: Any) -> None:
+    path = tmp_path / "placement.json"
+    path.write_text('{"ranks": [[0, 1, 2], [3, 4, 5, 0], [6, 7, 0]]}')
+    code = main(["check", "--config", str(QWEN), "--ep", "3", "--expert-placement", str(path),
+                 "--format", "json"])
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert code != 0 and "lists expert 0 after 5" in error["message"]
+    assert error["doc"] == "expert_parallel#placement"
+    heading = (ROOT / "docs" / "expert_parallel.md").read_text().splitlines().index(
+        "## Placement") + 1
+    assert error["see"].endswith(f"expert_parallel.md:{heading}"), error["see"]
+
+
 def test_check_reports_a_placement_error_once_with_its_position(tmp_path: Path,
                                                                   capsys: Any) -> None:
     path = tmp_path / "placement.json"

@@ -33,11 +33,12 @@ def recipe_block() -> str:
     return blocks[0]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "llama_tied"])
+def served(tmp_path_factory, request):
+    name = request.param  # llama_tied: one embedding tensor, the lm_head tied to it
     folder = tmp_path_factory.mktemp("recipe")
-    result = compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
-                            checkpoint=hf("llama"), out=folder / "build")
+    result = compile_family(None, hf(name) / "config.json", tensor_parallel_size=2,
+                            checkpoint=hf(name), out=folder / "build")
     recipe = folder / "transformers_tp.py"
     recipe.write_text(recipe_block())
     reports = folder / "reports"
@@ -46,7 +47,7 @@ def served(tmp_path_factory):
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
          "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER), str(recipe),
-         str(folder / "build"), package_name(result.plan), str(hf("llama"))],
+         str(folder / "build"), package_name(result.plan), str(hf(name))],
         capture_output=True, text=True, timeout=240,
         env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
@@ -55,12 +56,12 @@ def served(tmp_path_factory):
         with np.load(reports / f"rank-{g}.npz") as npz:
             logits = npz["logits"]
         out.append((json.loads((reports / f"rank-{g}.json").read_text()), logits))
-    return result.plan, out
+    return name, result.plan, out
 
 
 def test_the_doc_recipe_reproduces_hf_logits_on_every_tp_rank(served):
-    _, ranks = served
-    with np.load(hf("llama") / "reference.npz") as npz:
+    name, _, ranks = served
+    with np.load(hf(name) / "reference.npz") as npz:
         want = npz["logits"]
     for report, logits in ranks:
         assert logits.shape == want.shape
@@ -69,7 +70,7 @@ def test_the_doc_recipe_reproduces_hf_logits_on_every_tp_rank(served):
 
 
 def test_every_parameter_slot_holds_the_rank_shard_partc_loaded_and_none_is_left_on_meta(served):
-    plan, ranks = served
+    model, plan, ranks = served
     for report, _ in ranks:
         params = report["params"]
         layouts = {t.target: t for t in plan.ranks[report["rank"]].layout.tensors}
@@ -80,13 +81,19 @@ def test_every_parameter_slot_holds_the_rank_shard_partc_loaded_and_none_is_left
             assert tuple(param["global"]) == tuple(layouts[name].global_shape), name
         # transformers' plan shards the projections and the vocabulary, partc's shards fill them
         assert params["model.embed_tokens.weight"]["dtensor"]
-        assert params["lm_head.weight"]["local"] == [66 if report["rank"] == 0 else 65, 64]
+        vocab_rows = [66 if report["rank"] == 0 else 65, 64]
+        assert params["model.embed_tokens.weight"]["local"] == vocab_rows
+        # tied: the lm_head is the embedding's filled shard (no tensor of its own on disk)
+        assert report["tied"] == (model == "llama_tied")
+        assert ("lm_head.weight" in params) == (model != "llama_tied")
+        if model != "llama_tied":
+            assert params["lm_head.weight"]["local"] == vocab_rows
         assert params["model.layers.0.self_attn.o_proj.weight"]["local"] == [64, 32]
         assert not params["model.norm.weight"]["dtensor"]
 
 
 def test_row_and_whole_shards_are_views_of_the_file_and_column_shards_contiguous_copies(served):
-    plan, ranks = served
+    _, plan, ranks = served
     for report, _ in ranks:
         layouts = {t.target: t for t in plan.ranks[report["rank"]].layout.tensors}
         for name, param in report["params"].items():

@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from partc.runtime.topology import BuildTopology
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
 from support import file_mappings  # noqa: E402
 
@@ -37,8 +35,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     sys.path.insert(0, build)
     loaders = importlib.import_module(package_name)
-    mesh = BuildTopology(tensor_parallel_size=loaders.TENSOR_PARALLEL_SIZE,
-                         pipeline_parallel_size=1).device_mesh("cpu")["tp"]
+    mesh = loaders.device_mesh("cpu")["tp"]
     model = recipe.tp_model_from_partc(loaders, checkpoint, mesh, attn_implementation="eager")
     with np.load(Path(checkpoint) / "reference.npz") as npz:
         input_ids = torch.from_numpy(npz["input_ids"].astype(np.int64))
@@ -57,7 +54,9 @@ def main() -> None:
     me = dist.get_rank()
     reports = Path(os.environ["PARTC_TEST_REPORTS"])
     np.savez(reports / f"rank-{me}.npz", logits=logits.numpy())
-    (reports / f"rank-{me}.json").write_text(json.dumps({"rank": me, "params": params}))
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    (reports / f"rank-{me}.json").write_text(json.dumps({"rank": me, "params": params,
+                                                         "tied": tied}))
     dist.barrier()
     dist.destroy_process_group()
 

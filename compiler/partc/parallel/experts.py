@@ -84,7 +84,8 @@ class ExpertPlacement:
     def __post_init__(self) -> None:
         problem = placement_problem(self.experts, self.slots)
         if problem is not None:
-            raise LayoutError(f"expert placement: {problem[1]}", pointer=problem[0])
+            raise LayoutError(f"expert placement: {problem[1]}", pointer=problem[0],
+                              doc=PLACEMENT_DOC)
 
     @classmethod
     def balanced(cls, experts: int, expert_parallel_size: int) -> ExpertPlacement:
@@ -150,13 +151,18 @@ def placement_problem(experts: int, slots: Sequence[Sequence[object]]
     return None
 
 
+PLACEMENT_DOC = "expert_parallel#placement"
+"""The guide section a placement error points to."""
+
+
 def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
                             file: str, locate: Locate = _no_location) -> ExpertPlacement:
     """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
     list per EP rank. Raises LayoutError naming the file, the rank and the expert."""
     def fail(pointer: str, message: str) -> LayoutError:
         return LayoutError(f"expert placement {file}: {message}",
-                           location=locate(pointer) or SourceLocation(file), pointer=pointer)
+                           location=locate(pointer) or SourceLocation(file), pointer=pointer,
+                           doc=PLACEMENT_DOC)
     if not isinstance(data, Mapping) or set(data) != {"ranks"} or not isinstance(
             data["ranks"], list) or not all(isinstance(r, list) for r in data["ranks"]):
         raise fail("", "expected an object with one key `ranks`: a list of one list of "

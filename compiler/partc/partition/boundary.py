@@ -299,13 +299,15 @@ class BoundaryWireSchema:
         """
         self._check_dimensions(dimensions)
         lengths = self._sequence_lengths(sequences)
-        bad = [(r, s) for r, s in zip(self.roles, lengths, strict=True) if s < 1]
-        if batch < 1 or bad:
-            found = f"batch {batch}" + "".join(f", sequence {s} for `{r}`" for r, s in bad)
+        bad = [(r, s) for r, s in zip(self.roles, lengths, strict=True) if not _positive(s)]
+        if not _positive(batch) or bad:
+            found = f"batch {batch!r}" + "".join(f", sequence {s!r} for `{r}`" for r, s in bad)
+            kind = "" if all(isinstance(v, int) and not isinstance(v, bool)
+                             for v in (batch, *lengths)) else " (integers)"
             raise ArchitectureBoundaryError(
                 ArchitectureBoundaryErrorKind.INVALID_GEOMETRY,
-                f"boundary `{self.identity}` needs a positive batch and sequence length; found "
-                f"{found}", boundary=self.identity, role=bad[0][0] if bad else None)
+                f"boundary `{self.identity}` needs a positive batch and sequence length{kind}; "
+                f"found {found}", boundary=self.identity, role=bad[0][0] if bad else None)
         resolved = [t.resolve(batch, s, activation_dtype, dimensions)
                     for t, s in zip(self.tensors, lengths, strict=True)]
         return ResolvedBoundaryWireSchema(identity=self.identity, primary=resolved[0],
@@ -564,13 +566,22 @@ class ArchitectureBoundary:
             shape = _shape_of(value, self.identity)
             if len(shape) != len(spec.shape):
                 continue
-            for dim, size in zip(spec.shape, shape, strict=True):
+            for axis, (dim, size) in enumerate(zip(spec.shape, shape, strict=True)):
+                declared = (dim.kind is BoundaryTensorDimensionKind.BATCH
+                            or dim.kind is BoundaryTensorDimensionKind.SEQUENCE
+                            or dim.name is not None)
+                if declared and size < 1:  # a resolved shape never has an empty axis
+                    raise self._error(
+                        ArchitectureBoundaryErrorKind.WRONG_SHAPE,
+                        f"boundary tensor `{value.role}` of `{self.identity}` has shape "
+                        f"{list(shape)}: axis {axis} (`{dim.spell()}`) is empty; batch, "
+                        "sequence and per-request dimensions are at least 1", value.role)
                 if dim.kind is BoundaryTensorDimensionKind.BATCH and batch is None:
                     batch = size
                 if dim.kind is BoundaryTensorDimensionKind.SEQUENCE and sequence is None:
                     sequence = size
                 if dim.name is not None and dim.name not in named:
-                    named[dim.name] = max(size, 1)
+                    named[dim.name] = size
         for name in self.schema.request_dimensions:
             named.setdefault(name, 1)
         return self.resolve(batch or 1, sequence or 1, named)
@@ -605,6 +616,11 @@ class ArchitectureBoundary:
     def _error(self, kind: ArchitectureBoundaryErrorKind, message: str,
                role: str | None) -> ArchitectureBoundaryError:
         return ArchitectureBoundaryError(kind, message, boundary=self.identity, role=role)
+
+
+def _positive(value: object) -> bool:
+    """Whether `value` is an integer of at least 1 (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _same_dtype(found: Any, expected: np.dtype[Any]) -> bool:

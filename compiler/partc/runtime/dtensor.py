@@ -20,7 +20,7 @@ from partc.errors import CheckpointError
 from partc.parallel.layout import LocalTensorLayout
 from partc.parallel.placements import PlacementKind
 from partc.parallel.realize import chunk_range
-from partc.runtime.frameworks import to_torch
+from partc.runtime.frameworks import import_torch, to_torch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +39,11 @@ def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
                       tensor_parallel_rank: int) -> DTensorSpec:
     """The DTensor form of one layout on one TP rank, or a CheckpointError saying why not."""
     target, placement = layout.target, layout.placement
+    if placement.kind in (PlacementKind.LOCAL, PlacementKind.RANK) and tensor_parallel_size > 1:
+        raise CheckpointError(
+            f"`{target}` is held whole by one rank of its tensor-parallel group only "
+            f"({placement.kind.value}); DTensor's Replicate() would claim all "
+            f"{tensor_parallel_size} hold it", tensor=target)
     if layout.kv_replicas > 1:
         raise CheckpointError(
             f"`{target}` repeats KV heads over {layout.kv_replicas} ranks (KV replication); "
@@ -79,17 +84,26 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
 
     Every tensor is checked first, so either all are converted or none is.
     """
-    import torch
+    torch = import_torch("to_dtensors()")
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    tp_mesh = mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh
     info = state.info
+    if info.ranks_per_stage or info.expert_parallel_size > 1:
+        raise CheckpointError(
+            f"to_dtensors: rank {info.rank} is of an expert-parallel build, whose experts are "
+            "held by their EP ranks only (DTensor has no placement for a tensor some ranks of "
+            "the mesh lack); use its tensors with the package's process_groups()")
     tp_size, tp_rank = info.tensor_parallel_size, info.tensor_parallel_rank
-    if tp_mesh.size() != tp_size:
-        raise CheckpointError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
-                              f"has tensor-parallel size {tp_size}")
+    tp_mesh = _tp_mesh(mesh, info)
     specs = dtensor_specs(state.layout, tp_size, tp_rank)
     arrays = state.tensors
+    read_only = sorted(target for target, a in arrays.items()
+                       if not isinstance(a, torch.Tensor) and not a.flags.writeable)
+    if read_only:
+        raise CheckpointError(
+            f"to_dtensors: `{read_only[0]}` is a read-only view of the checkpoint file "
+            "(zero_copy=True), which a torch tensor cannot be; load with zero_copy='private' "
+            "(writable copy-on-write views) or without zero_copy", tensor=read_only[0])
     if not all(isinstance(a, torch.Tensor) for a in arrays.values()):
         arrays = to_torch(dict(arrays))
     out: dict[str, Any] = {}
@@ -110,6 +124,39 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
             local, tp_mesh, [placement], run_check=False, shape=torch.Size(spec.global_shape),
             stride=_contiguous_strides(spec.global_shape))
     return out
+
+
+def _tp_mesh(mesh: Any, info: Any) -> Any:
+    """The tensor-parallel dimension of `mesh`, checked against the rank a state was loaded
+    for: its size is the build's T, this process lies in it at the state's TP rank, and on
+    the mesh's `pp` dimension (if any) at the state's stage."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tp" in names:
+        tp_mesh = mesh["tp"]
+    elif mesh.ndim == 1 and not names:  # an unnamed 1-D mesh is taken as the TP group
+        tp_mesh = mesh
+    else:
+        raise CheckpointError(
+            f"to_dtensors needs an unnamed 1-D tensor-parallel mesh or a mesh with a `tp` "
+            f"dimension; "
+            f"this mesh has {mesh.ndim} dimensions named {names or 'nothing'}")
+    size, rank = info.tensor_parallel_size, info.tensor_parallel_rank
+    if tp_mesh.size() != size:
+        raise CheckpointError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
+                              f"has tensor-parallel size {size}")
+    if mesh.get_coordinate() is None:
+        raise CheckpointError("to_dtensors: this process is not one of the mesh's ranks")
+    mine = tp_mesh.get_local_rank()
+    if mine != rank:
+        raise CheckpointError(
+            f"to_dtensors: the state is TP rank {rank} of the build (global rank {info.rank}), "
+            f"but this process is TP rank {mine} of the mesh; load this process's own rank "
+            "(the default: torchrun's RANK) or pass the mesh this rank belongs to")
+    if "pp" in names and mesh.get_local_rank("pp") != info.pipeline_stage:
+        raise CheckpointError(
+            f"to_dtensors: the state is of pipeline stage {info.pipeline_stage}, but this "
+            f"process is on stage {mesh.get_local_rank('pp')} of the mesh")
+    return tp_mesh
 
 
 def _like(dtensor_type: Any, first: Any, local: Any) -> Any:

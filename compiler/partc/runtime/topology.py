@@ -216,6 +216,16 @@ class BuildTopology:
             groups["etp"] = tuple(sorted({self.expert_tensor_parallel_group(r) for r in ranks}))
         return groups
 
+    def _check_world(self, world: int) -> None:
+        """Refuse a job whose process count is not this topology's world size."""
+        if world != self.world_size:
+            raise CheckpointError(
+                f"the torch world has {world} processes; this topology needs {self.world_size} "
+                f"(D={self.data_parallel_size} x S={self.pipeline_parallel_size} x "
+                f"{self.ranks_per_stage} ranks a stage); for data parallelism pass "
+                "data_parallel_size, or use the package's own device_mesh()/process_groups(), "
+                "which take D from WORLD_SIZE")
+
     def process_groups(self, global_rank: int | None = None) -> ProcessGroups:
         """Create the torch process groups of every dimension; return this process's.
 
@@ -229,9 +239,7 @@ class BuildTopology:
         if not dist.is_initialized():
             raise CheckpointError("torch.distributed is not initialised; call "
                                   "init_process_group first (torchrun sets its environment)")
-        if dist.get_world_size() != self.world_size:
-            raise CheckpointError(f"the torch world has {dist.get_world_size()} processes; this "
-                                  f"topology needs {self.world_size} (D x S x T)")
+        self._check_world(dist.get_world_size())
         me = dist.get_rank() if global_rank is None else global_rank
         mine: dict[str, Any] = {}
         for dimension, groups in self.all_groups().items():
@@ -247,9 +255,15 @@ class BuildTopology:
         """A torch `DeviceMesh` of shape (D, S, T) with dimensions named `dp`, `pp`, `tp`; for
         an expert-parallel build (D, S, E, X) named `dp`, `pp`, `ep`, `etp` (the dense TP group
         is `tensor_parallel_group`)."""
-        import_torch("device_mesh()")
+        torch = import_torch("device_mesh()")
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        _check_device_type(torch, device_type)
+        if dist.is_initialized():
+            self._check_world(dist.get_world_size())
+        elif os.environ.get("WORLD_SIZE") is not None:  # init_device_mesh initialises from it
+            self._check_world(environment_integer("WORLD_SIZE", os.environ["WORLD_SIZE"]))
         if self.expert_parallel_size is not None:
             return init_device_mesh(device_type, (self.data_parallel_size,
                                                   self.pipeline_parallel_size,
@@ -260,6 +274,26 @@ class BuildTopology:
                                               self.pipeline_parallel_size,
                                               self.tensor_parallel_size),
                                 mesh_dim_names=("dp", "pp", "tp"))
+
+
+def _check_device_type(torch: Any, device_type: Any) -> None:
+    """Refuse a device type torch does not know, a device (an index), or one it has none of."""
+    try:
+        device = torch.device(device_type) if isinstance(device_type, str) else None
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None:
+        raise CheckpointError(f"device_mesh(): {device_type!r} is not a torch device type; "
+                              "expected 'cpu' or 'cuda'")
+    if device.index is not None:
+        raise CheckpointError(f"device_mesh(): {device_type!r} names one device; a mesh takes a "
+                              f"device type, {device.type!r} (each rank uses its own device)")
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise CheckpointError(f"device_mesh({device_type!r}): torch sees no {device.type} "
+                                  "device here; use 'cpu'")
 
 
 def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
