@@ -251,3 +251,38 @@ def test_a_text_usage_error_ends_with_the_commands_section_of_the_guide(capsys):
     with pytest.raises(SystemExit):
         main([])  # no command: the guide itself
     assert capsys.readouterr().err.splitlines()[-1] == "    see: " + str(docs_folder() / "cli.md")
+
+
+def _heading_line(page: str, heading: str) -> int:
+    return (docs_folder() / f"{page}.md").read_text().splitlines().index(heading) + 1
+
+
+@pytest.mark.parametrize(("argv", "page", "heading"), [
+    # a stage layout the model cannot take: how units become stages
+    (["--pp", "4"], "boundaries", "## Units and stages"),
+    (["--pp", "2", "--pp-layers", "1,1"], "boundaries", "## Units and stages"),
+    # expert parallelism asked of a dense family, or a bad expert topology: the EP guide
+    (["--ep", "2"], "expert_parallel", "## The rank layout"),
+    (["--etp", "2"], "expert_parallel", "## The rank layout"),
+])
+def test_a_topology_error_points_to_the_guide_section_that_explains_it(capsys, argv, page,
+                                                                       heading):
+    status, _, err = _run(["check", "--config", str(hf("llama") / "config.json"), *argv], capsys)
+    assert status == 1, err
+    assert _see_lines(err) == [f"{docs_folder() / page}.md:{_heading_line(page, heading)}"], err
+
+
+def test_a_tensor_no_group_owns_points_to_the_parameter_groups_section(capsys, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "llama"
+    shutil.copytree(hf("llama"), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.extra.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    status, _, err = _run(["check", "--config", str(folder / "config.json"), "--checkpoint",
+                           str(folder)], capsys)
+    assert status == 1 and "`model.extra.weight` is owned by no parameter group" in err, err
+    line = _heading_line("authoring", "## 3. Parameter groups")
+    assert _see_lines(err) == [f"{docs_folder() / 'authoring'}.md:{line}"], err

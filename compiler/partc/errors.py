@@ -159,6 +159,12 @@ class LayoutError(PartcError):
     doc_topic = "policy"
 
 
+class ExpertParallelError(LayoutError):
+    """An expert-parallel topology or placement that cannot be realized for the model."""
+
+    doc_topic = "expert_parallel#the-rank-layout"
+
+
 class EmitError(PartcError):
     """Generated code that fails its own checks, or an output folder that cannot be written."""
 
@@ -248,7 +254,7 @@ class ArchitectureParameterError(PartcError):
     """An ownership declaration that does not own every checkpoint target exactly once."""
 
     stage = "family"
-    doc_topic = "boundaries#units-and-stages"
+    doc_topic = "authoring#3-parameter-groups"
 
     def __init__(self, kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
                  **kwargs: object) -> None:
@@ -282,6 +288,9 @@ class ArchitecturePartitionError(PartcError):
     doc_topic = "boundaries#what-each-ranks-partition-checks"
 
     def __init__(self, kind: ArchitecturePartitionErrorKind, message: str, **kwargs: object):
+        if kind in (ArchitecturePartitionErrorKind.INVALID_STAGES,
+                    ArchitecturePartitionErrorKind.UNKNOWN_GROUP):  # the stage layout asked for
+            kwargs.setdefault("doc", "boundaries#units-and-stages")
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.kind = kind
         """Which rule was broken."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import LayoutError, SourceLocation
+from partc.errors import ExpertParallelError, LayoutError, SourceLocation
 from partc.parallel.layout import LocalTensorLayout
 from partc.parallel.placements import Indices, Range, TensorPlacement, _is_count
 from partc.parallel.specs import ParameterGroupSpec, balanced_contiguous_range
@@ -84,14 +84,14 @@ class ExpertPlacement:
     def __post_init__(self) -> None:
         problem = placement_problem(self.experts, self.slots)
         if problem is not None:
-            raise LayoutError(f"expert placement: {problem[1]}", pointer=problem[0],
-                              doc=PLACEMENT_DOC)
+            raise ExpertParallelError(f"expert placement: {problem[1]}", pointer=problem[0],
+                                      doc=PLACEMENT_DOC)
 
     @classmethod
     def balanced(cls, experts: int, expert_parallel_size: int) -> ExpertPlacement:
         """Balanced contiguous ranges: EP rank i holds `experts // E (+1 if i < experts % E)`."""
         if expert_parallel_size > experts:
-            raise LayoutError(
+            raise ExpertParallelError(
                 f"expert_parallel_size {expert_parallel_size} exceeds the model's {experts} "
                 "experts: a balanced placement gives every EP rank at least one expert; use "
                 f"--ep of at most {experts}, or a placement file (--expert-placement) with "
@@ -160,9 +160,9 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
     """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
     list per EP rank. Raises LayoutError naming the file, the rank and the expert."""
     def fail(pointer: str, message: str) -> LayoutError:
-        return LayoutError(f"expert placement {file}: {message}",
-                           location=locate(pointer) or SourceLocation(file), pointer=pointer,
-                           doc=PLACEMENT_DOC)
+        return ExpertParallelError(f"expert placement {file}: {message}",
+                                   location=locate(pointer) or SourceLocation(file),
+                                   pointer=pointer, doc=PLACEMENT_DOC)
     if not isinstance(data, Mapping) or set(data) != {"ranks"} or not isinstance(
             data["ranks"], list) or not all(isinstance(r, list) for r in data["ranks"]):
         raise fail("", "expected an object with one key `ranks`: a list of one list of "
@@ -200,9 +200,10 @@ class ExpertMap:
                 range(len(self.local_experts))) or any(
                 self.local_experts[slot] != expert for expert, held in enumerate(self.owners)
                 for ep, slot in held if ep == self.expert_parallel_rank):
-            raise LayoutError(f"inconsistent expert map: EP rank {self.expert_parallel_rank} "
-                              f"of {self.expert_parallel_size}, local experts "
-                              f"{list(self.local_experts)}")
+            raise ExpertParallelError(
+                f"inconsistent expert map: EP rank {self.expert_parallel_rank} "
+                f"of {self.expert_parallel_size}, local experts "
+                f"{list(self.local_experts)}")
 
     @property
     def experts(self) -> int:
@@ -264,5 +265,5 @@ class ExpertGroup:
 
     def __post_init__(self) -> None:
         if (self.expert is None) == (self.axis is None):
-            raise LayoutError("an expert group is either one expert (an id) or stacked (an "
-                              f"axis), found expert {self.expert} and axis {self.axis}")
+            raise ExpertParallelError("an expert group is either one expert (an id) or stacked (an "
+                                      f"axis), found expert {self.expert} and axis {self.axis}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from partc.errors import LayoutError
+from partc.errors import ExpertParallelError
 from partc.parallel.experts import (
     ExpertGroup,
     ExpertPlacement,
@@ -95,12 +95,14 @@ def model_expert_count(bound: BoundArchitecture) -> int:
         group = groups[name]
         problem = expert_axis_problem(group, role.axis)
         if problem is not None:
-            raise LayoutError(f"stacked expert group `{name}` (experts: {{axis: {role.axis}}}): "
-                              f"{problem}", tensor=group.members[0].target)
+            raise ExpertParallelError(
+                f"stacked expert group `{name}` (experts: {{axis: {role.axis}}}): "
+                f"{problem}", tensor=group.members[0].target)
         counts.setdefault(group.members[0].shape[role.axis], f"stacked group `{name}`")
     if len(counts) > 1:
-        raise LayoutError("the routed-expert groups disagree on the expert count: "
-                          + ", ".join(f"{n} ({what})" for n, what in sorted(counts.items())))
+        raise ExpertParallelError(
+            "the routed-expert groups disagree on the expert count: "
+            + ", ".join(f"{n} ({what})" for n, what in sorted(counts.items())))
     return next(iter(counts), 0)
 
 
@@ -113,18 +115,19 @@ def expert_parallel_plan(bound: BoundArchitecture, topology: Topology,
         return None
     count = model_expert_count(bound)
     if count == 0:
-        raise LayoutError(
+        raise ExpertParallelError(
             f"--ep {ep}: family `{bound.family}` declares no routed experts for this config (no "
             "group loops `for: {expert: ...}` or declares `experts: {axis: ...}`), so there is "
             "nothing to place on expert-parallel ranks")
     placement = topology.expert_placement or ExpertPlacement.balanced(count, ep)
     if placement.experts != count:
-        raise LayoutError(f"the expert placement is for {placement.experts} experts but the "
-                          f"model routes to {count}")
+        raise ExpertParallelError(
+            f"the expert placement is for {placement.experts} experts but the "
+            f"model routes to {count}")
     stacked = [name for name, role in bound.experts if role.axis is not None]
     if stacked and topology.expert_tensor_parallel_size > 1:
         site = None if group_location is None else group_location(stacked[0])
-        raise LayoutError(
+        raise ExpertParallelError(
             f"stacked expert group `{stacked[0]}` cannot be split over "
             f"expert_tensor_parallel_size {topology.expert_tensor_parallel_size}: a rank of a "
             "stacked group holds whole experts (the rows of its experts on the expert axis); "

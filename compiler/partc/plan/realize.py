@@ -186,7 +186,7 @@ def _located_layout(choose: Callable[[], Any]) -> Any:
     try:
         return choose()
     except ArchitecturePartitionError as error:
-        raise LayoutError(error.message) from None
+        raise LayoutError(error.message, doc="boundaries#units-and-stages") from None
 
 
 def _group_modes(bound: BoundArchitecture, topology: Topology
@@ -197,7 +197,8 @@ def _group_modes(bound: BoundArchitecture, topology: Topology
     for group, mode in topology.group_modes:
         if group not in names:
             raise LayoutError(f"--group-mode names unknown execution group `{group}`; known: "
-                              f"{', '.join(names)}")
+                              f"{', '.join(names)}",
+                              doc="boundaries#one-boundary-or-one-per-execution-group")
         chosen[group] = mode
     return tuple((g, chosen.get(g, GroupParallelMode.SPLIT)) for g in names)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partc.errors import LayoutError
+from partc.errors import ExpertParallelError, LayoutError
 from partc.parallel.experts import ExpertPlacement, stage_ranks
 from partc.parallel.realize import TensorSplit
 from partc.parallel.specs import ShardingPolicy
@@ -94,18 +94,19 @@ def _check_expert_topology(topology: Topology) -> None:
                   topology.tensor_parallel_size)
     if ep is None:
         if etp != 1 or topology.expert_placement is not None:
-            raise LayoutError("--etp and --expert-placement need expert parallelism: give "
-                              "--ep (the expert-parallel size)")
+            raise ExpertParallelError("--etp and --expert-placement need expert parallelism: give "
+                                      "--ep (the expert-parallel size)")
         return
     if ep < 1 or etp < 1:
-        raise LayoutError(f"expert_parallel_size and expert_tensor_parallel_size must be >= 1, "
-                          f"found {ep} and {etp}")
+        raise ExpertParallelError(
+            f"expert_parallel_size and expert_tensor_parallel_size must be >= 1, "
+            f"found {ep} and {etp}")
     if (ep * etp) % t:
-        raise LayoutError(
+        raise ExpertParallelError(
             f"a stage has N = expert_parallel_size {ep} x expert_tensor_parallel_size {etp} = "
             f"{ep * etp} ranks, not a multiple of tensor_parallel_size {t}: the dense parts "
             f"(split over T ranks) are repeated N / T times; choose T dividing {ep * etp}")
     placement = topology.expert_placement
     if placement is not None and placement.expert_parallel_size != ep:
-        raise LayoutError(f"the expert placement lists {placement.expert_parallel_size} EP "
-                          f"ranks but expert_parallel_size is {ep}")
+        raise ExpertParallelError(f"the expert placement lists {placement.expert_parallel_size} EP "
+                                  f"ranks but expert_parallel_size is {ep}")
