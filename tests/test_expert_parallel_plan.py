@@ -195,7 +195,7 @@ def test_ep_on_a_family_without_experts_and_etp_on_stacked_experts_are_refused()
     ({"ranks": [[0, 1, 2, 3, 4, 5, 6, 7]]}, "/ranks",
      r"it lists 1 EP ranks but expert_parallel_size is 2"),
     ({"experts": {"0": 0}}, "", r"expected an object with one key `ranks`"),
-    ({"ranks": [[0, 1, 2, 3], [4, 5, 6, True]]}, "/ranks/1/3", r"names expert True"),
+    ({"ranks": [[0, 1, 2, 3], [4, 5, 6, True]]}, "/ranks/1/3", r"names expert true"),
 ])
 def test_a_bad_placement_file_is_a_located_error_naming_the_rank_and_the_expert(
         tmp_path: Path, document: dict[str, Any], pointer: str, message: str) -> None:

@@ -77,6 +77,27 @@ def test_explain_names_only_the_ranks_that_load_an_expert(build: Any, capsys: An
             assert tuple(member["local_shape"]) == loaded[r][target]
 
 
+def test_explain_says_which_ep_ranks_hold_an_expert_and_why(build: Any, capsys: Any) -> None:
+    out, loaded = build
+    plan = read_build(out).plan
+    experts = plan["expert_parallel"]
+    for group, expert in sorted(experts["expert_groups"].items())[:4]:
+        target = next(t["target"] for t in plan["tensors"] if t["group"] == group)
+        explained = _json(capsys, "explain", str(out), target, "--format", "json")
+        (reason,) = [w for w in explained["why"] if w.startswith("expert parallelism")]
+        if expert is None:  # stacked: every EP rank holds its slots' rows
+            assert "a stacked expert tensor" in reason, reason
+            continue
+        # the holders the placement file (or the balanced rule) gives, as the loaders load it
+        holders = [(ep, ids.index(expert)) for ep, ids in enumerate(experts["slots"])
+                   if expert in ids]
+        named = ", ".join(f"EP rank {ep} slot {slot}" for ep, slot in holders)
+        assert f"expert {expert} is placed on {named} " in reason, reason
+        assert ("copies" in reason) == (len(holders) > 1), reason
+        loading = {r for r, names in loaded.items() if target in names}
+        assert loading and {ranks["rank"] for ranks in explained["ranks"]} == loading
+
+
 def test_report_bytes_per_rank_are_the_bytes_each_rank_loads(build: Any) -> None:
     out, loaded = build
     plan = read_build(out).plan

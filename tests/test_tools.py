@@ -119,7 +119,7 @@ def test_explain_gives_each_rank_s_range_and_the_family_line(deepseek_build, cap
     assert [r["tensors"][0]["placement"] for r in found["ranks"]] == ["rows 0:48", "rows 48:96"]
     assert any(w.startswith("declared at architectures/deepseek_v3.yaml:") for w in found["why"])
     status, text, _ = _run(["explain", str(deepseek_build), target], capsys)
-    assert "why:" in text and "4 units split evenly: 2 per rank" in text
+    assert "why:" in text and "4 units split evenly over TP=2: 2 per rank" in text
 
 
 def test_explain_of_an_unknown_name_suggests_the_closest(deepseek_build, capsys):

@@ -30,15 +30,23 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
     elif group["role"] == "replicated":
         why.append("role `replicated`: every rank of the stage loads it whole")
     units = group.get("logical_units")
+    experts = build.plan.get("expert_parallel")
+    expert_groups = experts.get("expert_groups", {}) if experts else {}
+    if group["name"] in expert_groups:
+        assert experts is not None
+        why.append(_expert_reason(experts, expert_groups[group["name"]]))
+        tp, split = int(experts["expert_tensor_parallel_size"]), "ETP"
+    else:
+        split = "TP"
     if units and group.get("logical_ranges"):
         sizes = [b - a for a, b in group["logical_ranges"]]
         if len(set(sizes)) > 1:
             rule = "torch.chunk ranges (--split chunk)" if build.plan["topology"].get(
                 "split") == "chunk" else "balanced contiguous ranges"
-            why.append(f"{units} units do not divide evenly by TP={tp}: {rule} of "
+            why.append(f"{units} units do not divide evenly by {split}={tp}: {rule} of "
                        f"{', '.join(map(str, sizes))} units")
         else:
-            why.append(f"{units} units split evenly: {sizes[0]} per rank")
+            why.append(f"{units} units split evenly over {split}={tp}: {sizes[0]} per rank")
     for t in tensors:
         if int(t.get("kv_replicas", 1)) > 1:
             why.append(f"KV replication: `{t['target']}` has fewer KV heads than TP={tp} ranks; "
@@ -58,6 +66,20 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
     if origin:
         why.append(f"declared at {origin}")
     return why
+
+
+def _expert_reason(experts: Mapping[str, Any], expert: int | None) -> str:
+    """Why an expert group is on the ranks it is on (docs/expert_parallel.md)."""
+    size = f"E={experts['expert_parallel_size']}, X={experts['expert_tensor_parallel_size']}"
+    how = "an explicit placement" if experts.get("explicit_placement") else "the balanced placement"
+    if expert is None:
+        return (f"expert parallelism ({size}): a stacked expert tensor; each EP rank loads the "
+                f"rows of the experts in its slots ({how})")
+    holders = [f"EP rank {ep} slot {slot}" for ep, ids in enumerate(experts["slots"])
+               for slot, held in enumerate(ids) if held == expert]
+    copies = f", {len(holders)} copies" if len(holders) > 1 else ""
+    return (f"expert parallelism ({size}): expert {expert} is placed on {', '.join(holders)} by "
+            f"{how}{copies}; only the ranks of those EP ranks load it")
 
 
 def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:

@@ -11,6 +11,7 @@ a stacked `[experts, ...]` group for one EP rank.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,8 +137,8 @@ def placement_problem(experts: int, slots: Sequence[Sequence[object]]
         for slot, expert in enumerate(ids):
             pointer = f"/ranks/{ep}/{slot}"
             if not _is_count(expert) or not 0 <= expert < experts:  # type: ignore[operator]
-                return pointer, (f"EP rank {ep} slot {slot} names expert {expert!r}; expert ids "
-                                 f"are integers 0..{experts - 1}")
+                return pointer, (f"EP rank {ep} slot {slot} names expert {_spelled(expert)}; "
+                                 f"expert ids are integers 0..{experts - 1}")
             assert isinstance(expert, int)
             if slot and expert <= ids[slot - 1]:  # type: ignore[operator]
                 return pointer, (f"EP rank {ep} lists expert {expert} after "
@@ -153,6 +154,14 @@ def placement_problem(experts: int, slots: Sequence[Sequence[object]]
 
 PLACEMENT_DOC = "expert_parallel#placement"
 """The guide section a placement error points to."""
+
+
+def _spelled(value: object) -> str:
+    """A placement file's value as JSON spells it (`true`, `"3"`, `1.5`)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
