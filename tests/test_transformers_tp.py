@@ -104,3 +104,23 @@ def test_row_and_whole_shards_are_views_of_the_file_and_column_shards_contiguous
             assert param["mapped"] == (axis in (None, 0)), (report["rank"], name, axis)
         assert report["params"]["model.layers.0.self_attn.q_proj.weight"]["mapped"]
         assert not report["params"]["model.layers.0.mlp.down_proj.weight"]["mapped"]
+
+
+def test_the_recipe_refuses_a_model_whose_slots_are_not_the_checkpoint_tensors(tmp_path):
+    # transformers stacks qwen3_moe's experts in memory (mlp.experts.gate_up_proj): the recipe
+    # names the slots partc does not load instead of failing somewhere inside the fill
+    result = compile_family(None, hf("qwen3_moe") / "config.json", tensor_parallel_size=2,
+                            checkpoint=hf("qwen3_moe"), out=tmp_path / "build")
+    recipe = tmp_path / "transformers_tp.py"
+    recipe.write_text(recipe_block())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER), str(recipe),
+         str(tmp_path / "build"), package_name(result.plan), str(hf("qwen3_moe"))],
+        capture_output=True, text=True, timeout=240,
+        env={**env, "PARTC_TEST_REPORTS": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert re.search(r"ValueError: the model has parameter slots partc's build does not load: "
+                     r"\['model\.layers\.0\.mlp\.experts\.down_proj', 'model\.layers\.0\.mlp\."
+                     r"experts\.gate_up_proj'", done.stderr), done.stderr[-3000:]

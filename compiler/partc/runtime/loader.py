@@ -116,9 +116,10 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     column range, as a read-only view of the mapped file, and copies the rest;
     `zero_copy="private"` maps the files copy-on-write instead and returns the one-run
     tensors as writable views (a write goes to a private page, never to the file; torch
-    tensors can be made from them) and copies the rest, column slices included (README,
-    "Zero-copy loading", for lifetime, memory accounting and the SIGBUS a truncated file can
-    raise); `local_ranks` is the number of ranks loading on this node at once, which sizes
+    tensors can be made from them) and copies the rest, column slices included; in both
+    zero-copy modes the copies are made by numpy from the mapping (README, "Zero-copy loading",
+    for lifetime, memory accounting and the SIGBUS a file truncated meanwhile can raise, during
+    the load too); `local_ranks` is the number of ranks loading on this node at once, which sizes
     the reader threads (default: `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`,
     else 1); with more than one, cold column slices are read through the page cache, whole
     rows at a time, so the node fetches each byte once (a rank alone reads its own sectors
