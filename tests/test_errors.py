@@ -40,3 +40,29 @@ def test_an_expression_error_located_keeps_its_offset_and_text():
     caught = ExpressionError("division by zero", expression="a // 0", offset=2)
     located = caught.located(SourceLocation("f.yaml", 1, 9), "/config/x/default")
     assert (located.expression, located.offset, located.to_json()["line"]) == ("a // 0", 2, 1)
+
+
+def test_a_checkpoint_with_several_problems_is_still_a_checkpoint_error(tmp_path):
+    # one tensor missing: the header check finds it and the fingerprint differs, two errors
+    from safetensors.numpy import load_file, save_file
+
+    from partc.api import compile_family
+    from partc.errors import CheckpointError, CheckpointErrors, LayoutError, PartcErrors
+
+    from support import hf, import_build
+
+    compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
+                   checkpoint=hf("llama"), out=tmp_path / "b")
+    tensors = load_file(str(hf("llama") / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    (tmp_path / "ck").mkdir()
+    save_file(tensors, str(tmp_path / "ck" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as caught:
+        import_build(tmp_path / "b").load(tmp_path / "ck", rank=0)
+    error = caught.value
+    assert isinstance(error, CheckpointErrors) and isinstance(error, PartcErrors)
+    assert len(error.errors) >= 2 and all(isinstance(e, CheckpointError) for e in error.errors)
+    assert any("model.layers.0.self_attn.q_proj.weight" in str(e) for e in error.errors)
+    # a mix of kinds stays a plain PartcErrors, which `except CheckpointError` must not catch
+    mixed = PartcErrors([CheckpointError("a"), LayoutError("b")])
+    assert type(mixed) is PartcErrors and not isinstance(mixed, CheckpointError)

@@ -218,7 +218,16 @@ def best_error(errors: list[PartcError]) -> PartcError:
 
 
 class PartcErrors(PartcError):
-    """Several errors found in one pass; `errors` holds them sorted, `str` shows the best one."""
+    """Several errors found in one pass; `errors` holds them sorted, `str` shows the best one.
+
+    Several CheckpointErrors make a `CheckpointErrors`, which is a CheckpointError too, so that
+    `except CheckpointError` catches a checkpoint with one problem or many.
+    """
+
+    def __new__(cls, errors: list[PartcError]) -> PartcErrors:
+        if cls is PartcErrors and errors and all(isinstance(e, CheckpointError) for e in errors):
+            cls = CheckpointErrors
+        return super().__new__(cls)
 
     def __init__(self, errors: list[PartcError]) -> None:
         ordered = sorted(errors, key=PartcError.sort_key)
@@ -231,6 +240,10 @@ class PartcErrors(PartcError):
 
     def __str__(self) -> str:
         return "\n".join(str(e) for e in self.errors)
+
+
+class CheckpointErrors(PartcErrors, CheckpointError):
+    """Several CheckpointErrors found in one pass (see PartcErrors)."""
 
 
 # ---------------------------------------------------------------- vocabulary errors
