@@ -23,7 +23,6 @@ import errno
 import glob
 import json
 import os
-import shutil
 import socket
 import stat
 import tempfile
@@ -318,13 +317,82 @@ def _only_partc(folder: Path) -> bool:
         return False
 
 
+def _torn_marker_only(folder: Path) -> bool:
+    """Whether `folder` holds its marker and nothing else, the marker unreadable: a write killed
+    while it wrote the marker, its first file."""
+    try:
+        with os.scandir(folder) as entries:
+            names = [(e.name, e.is_file(follow_symlinks=False)) for e in entries]
+        return names == [(MARKER, True)] and isinstance(read_marker(folder), str)
+    except OSError:
+        return False
+
+
+class _Foreign(Exception):
+    """An entry the marker does not list: the removal stops there."""
+
+
+def _remove_written(folder: Path) -> bool:
+    """Remove a folder partc wrote, its marker last; returns whether the folder is gone.
+
+    Only what the marker lists is removed (with Python's bytecode cache and the folders on the
+    marker's paths); at anything else, or any error, the removal stops and keeps the marker. So
+    a removal that is interrupted (a kill) or stopped leaves a folder that is still provably
+    partc's: its marker and a part of its files, or nothing at all, which the next
+    `sweep_abandoned` recognises and finishes. (shutil.rmtree removes entries in the folder's
+    order and may take the marker first, leaving unmarked files no sweep may touch.)
+    """
+    marker = read_marker(folder)
+    torn = isinstance(marker, str)
+    files = set(marker.files) if isinstance(marker, Marker) else set()
+    folders = {"/".join(f.split("/")[:i]) for f in files for i in range(1, f.count("/") + 1)}
+
+    def clear(path: str, prefix: str) -> None:
+        with os.scandir(path) as found:
+            entries = sorted(found, key=lambda e: e.name)
+        for entry in entries:
+            relative = prefix + entry.name
+            if relative == MARKER:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if relative in folders:
+                    clear(entry.path, relative + "/")
+                elif entry.name == "__pycache__":
+                    clear_bytecode(entry.path)
+                else:
+                    raise _Foreign(relative)
+                os.rmdir(entry.path)
+            elif entry.is_file(follow_symlinks=False) and relative in files and not torn:
+                os.unlink(entry.path)
+            else:
+                raise _Foreign(relative)
+
+    def clear_bytecode(path: str) -> None:
+        with os.scandir(path) as found:
+            entries = sorted(found, key=lambda e: e.name)
+        for entry in entries:
+            if not (entry.name.endswith(".pyc") and entry.is_file(follow_symlinks=False)):
+                raise _Foreign(entry.name)
+            os.unlink(entry.path)
+
+    try:
+        clear(os.fspath(folder), "")
+        if marker is not None:
+            os.unlink(folder / MARKER)
+        os.rmdir(folder)
+    except (OSError, _Foreign):
+        return False
+    return True
+
+
 def sweep_abandoned(out: Path) -> None:
     """Clean up after writes to `out` that were killed: scratch folders of dead processes.
 
     When `out` is missing and a dead process left a backup of it (killed between the two
     renames of the fallback swap), the newest backup is renamed back to `out`. Other
-    abandoned folders are removed only when they hold nothing partc did not write;
-    folders of live processes or other hosts are never touched.
+    abandoned folders are removed only when they hold nothing partc did not write (what is
+    left of a removal that was itself killed included, see `_remove_written`); folders of
+    live processes or other hosts are never touched.
     """
     backups = [p for p in _abandoned(out, "old") if _only_partc(p)]
     if backups and not os.path.lexists(out):
@@ -332,8 +400,9 @@ def sweep_abandoned(out: Path) -> None:
         os.rename(newest, out)
         _fsync_folder(out.parent)
         backups.remove(newest)
-    for entry in backups + [p for p in _abandoned(out, "partc") if _only_partc(p)]:
-        shutil.rmtree(entry, ignore_errors=True)
+    for entry in backups + _abandoned(out, "partc"):
+        if _only_partc(entry) or _torn_marker_only(entry):
+            _remove_written(entry)
 
 
 def _alive(pid: int) -> bool:
@@ -445,11 +514,11 @@ def write_atomically(out: str | os.PathLike[str],
             raise _refuse(given, f"the output folder {given} changed while partc wrote (it "
                           "now holds files partc did not write); it was left as it was")
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_written(staging)
         raise EmitError(f"cannot write the {OUTPUT_KINDS[kind]} to {given}: "
                         f"{exc.strerror or exc}") from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_written(staging)
         raise
-    shutil.rmtree(staging, ignore_errors=True)
+    _remove_written(staging)
     return where
