@@ -1,6 +1,7 @@
-"""Interrupted removals: a write killed while it removed the old build, or a sweep killed while
-it removed what such a write left, leaves a folder the next write still recognises as partc's
-and removes; folders partc cannot prove it wrote are never touched."""
+"""Interrupted removals and long output names: a write killed while it removed the old build,
+or a sweep killed while it removed what such a write left, leaves a folder the next write still
+recognises as partc's and removes; folders partc cannot prove it wrote are never touched; an
+output name up to the file-name limit gets a scratch name that fits."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from partc import output
 from partc.api import compile_family
+from partc.cli.main import main
 from partc.output import MARKER, sweep_abandoned, write_atomically
 
 from support import hf
@@ -223,3 +225,67 @@ def test_a_folder_named_like_an_abandoned_scratch_folder_is_never_touched_unless
     assert link.is_symlink() and (scene / "prev" / MARKER).is_file()
     assert (scene / "notes" / "a.txt").read_text() == "my notes"
     assert _scratch(scene) == sorted([look_alike.name, link.name])
+
+
+LONG = "b" * 250
+
+
+@pytest.mark.parametrize("name", [LONG, "é" * 127])  # 250 and 254 bytes
+def test_an_output_name_as_long_as_a_file_name_may_be_is_compiled_and_sharded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        name: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "--checkpoint", str(LLAMA), "--out", name, "-q"]) == 0
+    assert main(["compile", "--checkpoint", str(LLAMA), "--tp", "2", "--out", name, "-q"]) == 0
+    assert (tmp_path / name / "partc_llama_tp2_pp1").is_dir()
+    shards = name[:-1] + "s"
+    assert main(["shard", name, "--checkpoint", str(LLAMA), "--out", shards, "-q"]) == 0
+    assert main(["shard", name, "--checkpoint", str(LLAMA), "--out", shards, "-q"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, shards])
+    assert "File name too long" not in capsys.readouterr().err
+
+
+def test_a_long_output_name_gets_one_scratch_prefix_whatever_the_pid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / LONG
+    prefixes = []
+    for pid in (7, 4194304, 2**31 - 1):
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        prefix = output._scratch_prefix(out, "partc")
+        assert len(os.fsencode(prefix)) + len("abcdefgh-new") <= 255
+        prefixes.append(prefix.rsplit("-", 2)[0])
+    assert len(set(prefixes)) == 1
+    assert prefixes[0].startswith(".bbbb") and "~" in prefixes[0]
+    # Two long names sharing their start keep different prefixes.
+    other = output._scratch_prefix(tmp_path / ("b" * 249 + "c"), "partc").rsplit("-", 2)[0]
+    assert other != prefixes[0]
+    # A dead process's folder under a long name is found and removed by the sweep.
+    monkeypatch.setattr(os, "getpid", lambda: 2**31 - 1)
+    abandoned = tmp_path / (output._scratch_prefix(out, "partc") + "abcdefgh")
+    _partc_folder(abandoned)
+    monkeypatch.setattr(os, "getpid", lambda: 12)
+    monkeypatch.setattr(output, "_alive", lambda pid: False)
+    sweep_abandoned(out)
+    assert not abandoned.exists()
+
+
+def test_short_names_keep_their_scratch_prefix() -> None:
+    assert output.fitting_name("build", 40) == "build"
+    assert output.fitting_name("b" * 215, 40) == "b" * 215
+    cut = output.fitting_name("b" * 216, 40)
+    assert len(cut) == 215 and cut.startswith("b" * 198 + "~")
+
+
+def test_a_report_and_a_scaffold_under_a_name_as_long_as_a_file_name_may_be_are_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "--checkpoint", str(LLAMA), "--out", "build", "-q"]) == 0
+    report, family = "r" * 245 + ".html", "f" * 245 + ".yaml"
+    assert main(["report", "build", "--out", report]) == 0
+    assert main(["report", "build", "--out", report]) == 0  # replaces its own report
+    assert main(["init", "--checkpoint", str(LLAMA), "--out", family]) == 0
+    assert (tmp_path / report).read_text().startswith("<!-- partc report -->")
+    assert (tmp_path / family).read_text().startswith("# yaml-language-server")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["build", report, family])
+    assert "File name too long" not in capsys.readouterr().err

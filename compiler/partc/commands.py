@@ -134,7 +134,10 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise LoadError(f"folder {parent} does not exist", location=SourceLocation(str(out)))
-    descriptor, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
+    from partc.output import fitting_name
+
+    # `.NAME.` and mkstemp's 8 letters: a long NAME is shortened so the scratch name is valid.
+    descriptor, scratch = tempfile.mkstemp(prefix=f".{fitting_name(out.name, 10)}.", dir=parent)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)

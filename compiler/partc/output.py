@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import errno
 import glob
+import hashlib
 import json
 import os
 import socket
@@ -36,8 +37,8 @@ from partc import __version__
 from partc.errors import EmitError
 from partc.plan.ir import canonical_json
 
-__all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "read_marker",
-           "sweep_abandoned", "write_atomically"]
+__all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "fitting_name",
+           "read_marker", "sweep_abandoned", "write_atomically"]
 
 MARKER = ".partc-build.json"
 """Name of the marker file partc writes into every build and shard set."""
@@ -289,11 +290,39 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code))
 
 
+NAME_MAX = 255
+"""Longest file name (bytes) on the file systems partc writes to (Linux's NAME_MAX)."""
+_SCRATCH_SUFFIX = 8 + len("-new")
+"""What follows a scratch prefix: mkdtemp's random letters, then `-new` when a swap is undone."""
+
+
+def fitting_name(name: str, extra: int) -> str:
+    """`name` when `extra` more bytes still fit in a file name; else the longest start of it
+    that does, followed by `~` and 16 hex digits of its sha256 (so two long names that share
+    their start still differ)."""
+    encoded = os.fsencode(name)
+    if len(encoded) + extra <= NAME_MAX:
+        return name
+    tag = "~" + hashlib.sha256(encoded).hexdigest()[:16]
+    room = NAME_MAX - extra - len(tag)
+    cut = name
+    while cut and len(os.fsencode(cut)) > room:
+        cut = cut[:-1]
+    return cut + tag
+
+
 def _scratch_prefix(out: Path, kind: str) -> str:
     """Name prefix of a scratch folder beside `out`: hidden, and naming the host and process
-    that made it, so a later write can tell an abandoned one (its process is gone)."""
+    that made it, so a later write can tell an abandoned one (its process is gone). A long
+    output name is shortened (`fitting_name`) so that the scratch name stays a valid file
+    name; the same output always gets the same prefix, which the sweep relies on."""
     host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
-    return f".{out.name}.{kind}-{host}-{os.getpid()}-"
+    if len(host) > 64:  # a host name is at most 64 bytes on Linux; keep it short elsewhere too
+        host = host[:47] + "_" + hashlib.sha256(host.encode()).hexdigest()[:16]
+    # The room left for the name counts a pid of 10 digits (the most a 32-bit pid has): every
+    # process must shorten a name the same way, or one could not find another's folders.
+    room = len(f"..{kind}-{host}--") + 10 + _SCRATCH_SUFFIX
+    return f".{fitting_name(out.name, room)}.{kind}-{host}-{os.getpid()}-"
 
 
 def _abandoned(out: Path, kind: str) -> list[Path]:
