@@ -1,10 +1,12 @@
-"""Interrupted removals and long output names: a write killed while it removed the old build,
-or a sweep killed while it removed what such a write left, leaves a folder the next write still
-recognises as partc's and removes; folders partc cannot prove it wrote are never touched; an
-output name up to the file-name limit gets a scratch name that fits."""
+"""Interrupted removals, long output names and missing parents: a write killed while it removed
+the old build, or a sweep killed while it removed what such a write left, leaves a folder the
+next write still recognises as partc's and removes; folders partc cannot prove it wrote are
+never touched; an output name up to the file-name limit gets a scratch name that fits; missing
+parents of `--out` are created, and removed again when the write fails."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,6 +20,7 @@ import pytest
 from partc import output
 from partc.api import compile_family
 from partc.cli.main import main
+from partc.errors import EmitError
 from partc.output import MARKER, sweep_abandoned, write_atomically
 
 from support import hf
@@ -289,3 +292,48 @@ def test_a_report_and_a_scaffold_under_a_name_as_long_as_a_file_name_may_be_are_
     assert (tmp_path / family).read_text().startswith("# yaml-language-server")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["build", report, family])
     assert "File name too long" not in capsys.readouterr().err
+
+
+def test_missing_parents_of_the_output_are_created_for_a_build_and_a_shard_set(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "--checkpoint", str(LLAMA), "--out", "runs/a/build", "-q"]) == 0
+    assert (tmp_path / "runs" / "a" / "build" / MARKER).is_file()
+    assert main(["shard", "runs/a/build", "--checkpoint", str(LLAMA), "--out", "x/y/shards",
+                 "-q"]) == 0
+    assert (tmp_path / "x" / "y" / "shards" / MARKER).is_file()
+    assert sorted(p.name for p in (tmp_path / "runs" / "a").iterdir()) == ["build"]
+
+
+def test_a_write_that_fails_removes_the_parents_it_created_and_only_those(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("mine")
+
+    def full(path: Path, content: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(output, "_write_file", full)
+    with pytest.raises(EmitError, match="cannot write the build to runs/a/b/build: No space "
+                                        "left on device"):
+        compile_family("llama", CONFIG, out="runs/a/b/build")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt"]
+
+
+def test_a_refused_compile_creates_no_parent_and_a_file_on_the_way_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["compile", "--checkpoint", str(hf("qwen2")), "--config", CONFIG, "--out",
+                 "new/parent/build", "-q"]) == 1  # the checkpoint is not llama's
+    assert "error:" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file.txt").write_text("mine")
+    assert main(["compile", "--config", CONFIG, "--out", "file.txt/a/build", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot create the output folder file.txt/a/build: file.txt exists and is not a " \
+           "folder" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]

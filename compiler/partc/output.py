@@ -490,6 +490,18 @@ def _swap_in(staging: Path, where: Path, parent: Path) -> Path:
     return backup
 
 
+def _remove_folders(created: Sequence[Path]) -> None:
+    """Remove the missing parents a failed write created (innermost first), each only while
+    it is empty: a folder something else has put an entry into meanwhile stays."""
+    for folder in created:
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue  # never made: the mkdir failed below it
+        except OSError:
+            return
+
+
 def write_atomically(out: str | os.PathLike[str],
                      files: Mapping[str, str | Callable[[BinaryIO], None]], *, kind: str,
                      inputs: Sequence[tuple[str, str | os.PathLike[str]]] = (),
@@ -498,9 +510,10 @@ def write_atomically(out: str | os.PathLike[str],
 
     A value is the text of the file, or a function that streams its bytes into the open file;
     files are written in the mapping's order (the marker first). `out` is checked first (see
-    `destination`): a refusal writes nothing. A crash at any point leaves the previous folder
-    or the new one, never a mixture; returns the folder written (a link's target with
-    `force`).
+    `destination`): a refusal writes nothing. Missing parent folders of `out` are created (as
+    `mkdir -p` does) and removed again if the write fails. A crash at any point leaves the
+    previous folder or the new one, never a mixture; returns the folder written (a link's
+    target with `force`).
     """
     given = Path(out)
     where = destination(given, kind=kind, inputs=inputs, force=force)
@@ -513,10 +526,12 @@ def write_atomically(out: str | os.PathLike[str],
                       f"{exc.strerror or exc}") from None
     existed = _check_replaceable(where, given, kind, force)
     marker = Marker(kind=kind, partc_version=__version__, files=tuple(sorted(files)))
+    created = [p for p in (parent, *parent.parents) if not os.path.lexists(p)]
     try:
         parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=_scratch_prefix(where, "partc"), dir=parent))
     except OSError as exc:
+        _remove_folders(created)
         up = given.parent
         blocking = next((p for p in (up, *up.parents) if p.exists() and not p.is_dir()), None)
         reason = (f"{blocking} exists and is not a folder" if blocking is not None
@@ -544,10 +559,12 @@ def write_atomically(out: str | os.PathLike[str],
                           "now holds files partc did not write); it was left as it was")
     except OSError as exc:
         _remove_written(staging)
+        _remove_folders(created)
         raise EmitError(f"cannot write the {OUTPUT_KINDS[kind]} to {given}: "
                         f"{exc.strerror or exc}") from None
     except BaseException:
         _remove_written(staging)
+        _remove_folders(created)
         raise
     _remove_written(staging)
     return where

@@ -193,9 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
     compile_.add_argument("--out", required=True,
-                          help="output folder: new, empty, or a build partc wrote (marked by "
-                               ".partc-build.json); replaced atomically, never the checkpoint, "
-                               "the config or the working directory")
+                          help="output folder: new (missing parents are created), empty, or "
+                               "a build partc wrote (marked by .partc-build.json); replaced "
+                               "atomically, never the checkpoint, the config or the working "
+                               "directory")
     compile_.add_argument("--force", action="store_true",
                           help="write through a symbolic link --out into its target folder "
                                "(kept as the link), or replace a partc shard set; never deletes "
@@ -312,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("build", help="a folder written by `partc compile`")
     shard.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
     shard.add_argument("--out", required=True,
-                       help="output folder: new, empty, or a shard set partc wrote (marked by "
-                            ".partc-build.json); replaced atomically, never the checkpoint or "
-                            "the build; the manifest records every tensor's sha256")
+                       help="output folder: new (missing parents are created), empty, or a "
+                            "shard set partc wrote (marked by .partc-build.json); replaced "
+                            "atomically, never the checkpoint or the build; the manifest "
+                            "records every tensor's sha256")
     shard.add_argument("--force", action="store_true",
                        help="write through a symbolic link --out into its target folder (kept "
                             "as the link), or replace a partc build; never deletes files partc "
