@@ -178,12 +178,16 @@ def run_init(args: argparse.Namespace) -> int:
         write_text_file(Path(args.out), result.text)
     if args.format == "json":
         print(json.dumps({"ok": True, "out": args.out, "text": result.text,
-                          "undecided": list(result.undecided)}, indent=1))
-    elif args.out:
+                          "undecided": list(result.undecided), "notes": list(result.notes)},
+                         indent=1))
+        return EXIT_OK
+    if args.out:
         print(f"wrote {args.out}: {len(result.undecided)} line(s) marked `# partc init: CHECK`;"
               f" next: partc check {args.out} --checkpoint {args.checkpoint}")
     else:
         sys.stdout.write(result.text)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     return EXIT_OK
 
 
