@@ -122,3 +122,64 @@ def test_a_module_whose_shape_differs_between_layers_is_marked_and_said_not_to_c
     assert len(report["notes"]) == 1  # type: ignore[arg-type]
     status, _, err = _run(["check", str(family), "--checkpoint", str(checkpoint)], capsys)
     assert status == 1 and "model.layers.1.mlp.down_proj.weight" in err
+
+
+@pytest.mark.parametrize("command", ["init", "families"])
+@pytest.mark.parametrize("name", ["family.toml", "family.json", "family", "yaml"])
+def test_init_and_families_copy_refuse_a_file_name_that_is_not_yaml(
+        command: str, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / name
+    argv = (["init", "--checkpoint", str(hf("llama")), "--out", str(target)]
+            if command == "init" else ["families", "--copy", "llama", str(target)])
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    option = "--out" if command == "init" else "--copy"
+    assert (f"partc {command}: error: argument {option}: expected a family file name ending in "
+            f".yaml or .yml (the family is written as YAML, and partc reads a file by its "
+            f"suffix), found '{target}'") in err
+    assert f"see: {Path(__file__).parents[1] / 'docs' / 'cli.md'}:" in err  # its section
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_a_yml_scaffold_and_a_named_one_check(
+        suffix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    family = tmp_path / f"mine{suffix}"
+    assert main(["init", "--checkpoint", str(hf("llama")), "--name", "my_llama_2",
+                 "--out", str(family)]) == 0
+    assert "\nfamily: my_llama_2\n" in family.read_text()
+    capsys.readouterr()
+    status, out, err = _run(["check", str(family), "--checkpoint", str(hf("llama"))], capsys)
+    assert status == 0, err
+
+
+@pytest.mark.parametrize("name", ["bad name!", "2fast", "a-b", "", "x" * 129])
+def test_init_refuses_a_family_name_check_would_reject_before_writing(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["init", "--checkpoint", str(hf("llama")), "--name", name,
+              "--out", str(tmp_path / "f.yaml")])
+    assert exited.value.code == 2
+    assert (f"partc init: error: argument --name: expected a family name: letters, digits and "
+            f"`_`, not starting with a digit, at most 128 characters, found {name!r}"
+            ) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_copied_family_points_its_editor_line_at_the_installed_schema(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "elsewhere" / "mine.yaml"
+    copy.parent.mkdir()
+    assert main(["families", "--copy", "deepseek_v3", str(copy)]) == 0
+    first, _, rest = copy.read_text().partition("\n")
+    assert first.startswith("# yaml-language-server: $schema=file:///")
+    schema = Path(first.removeprefix("# yaml-language-server: $schema=file://"))
+    assert json.loads(schema.read_text())["$schema"].startswith("https://json-schema.org/")
+    capsys.readouterr()
+    assert _run(["schema", "--path"], capsys)[1].strip() == str(schema)
+    original = (Path(__file__).parents[1] / "architectures" / "deepseek_v3.yaml").read_text()
+    assert rest == original.partition("\n")[2]
+    status, _, err = _run(["check", str(copy), "--checkpoint", str(hf("deepseek_v3"))], capsys)
+    assert status == 0, err

@@ -201,7 +201,12 @@ def run_families(args: argparse.Namespace) -> int:
         files = builtin_families()
         if name not in files:
             raise LoadError(f"no built-in family {name!r}; known: {', '.join(sorted(files))}")
-        write_text_file(Path(target), root.joinpath(files[name]).read_text(encoding="utf-8"))
+        from partc.scaffold import SCHEMA_COMMENT
+
+        text = root.joinpath(files[name]).read_text(encoding="utf-8")
+        if text.startswith(SCHEMA_COMMENT):  # the built-in's line is relative to the library
+            text = SCHEMA_COMMENT + schema_path().resolve().as_uri() + text[text.index("\n"):]
+        write_text_file(Path(target), text)
         if args.format == "json":
             print(json.dumps({"ok": True, "copied": files[name], "out": target}))
         else:

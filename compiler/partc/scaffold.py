@@ -278,7 +278,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
         assert found is not None
         header[tensor] = (found[1], list(found[2]))
     model_type = str(config.get("model_type") or "unknown")
-    family = name or re.sub(r"[^A-Za-z0-9_]", "_", model_type)
+    family = name or re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", model_type))[:128]
     torch_dtype = config.get("torch_dtype") or config.get("dtype")
     default = TORCH_DTYPE_NAMES.get(str(torch_dtype)) if torch_dtype else None
     values, sources = _values(config)

@@ -22,6 +22,7 @@ from partc.cli.parser import (
     MAX_WORLD_SIZE,
     Parser,
     build_parser,
+    yaml_file_problem,
 )
 from partc.errors import PartcError
 
@@ -96,9 +97,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.ep * (args.etp or 1) * (args.pp or 1) > MAX_WORLD_SIZE):
         parser.error(f"--ep x --etp x --pp is {args.ep * (args.etp or 1) * (args.pp or 1)}; "
                      f"partc builds at most {MAX_WORLD_SIZE} ranks")
+    if args.command == "families" and args.copy:
+        problem = yaml_file_problem(args.copy[1])
+        if problem is not None:
+            command_parser(parser, "families").error(f"argument --copy: {problem}")
     if args.command in ("compile", "check"):
         _config_beside(args, parser)
     return _run(args, fmt)
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of one command: its usage errors end with that command's `see:` section."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = action.choices[command]
+    return found
 
 
 def _run(args: argparse.Namespace, fmt: str) -> int:

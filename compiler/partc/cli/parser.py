@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -95,6 +96,35 @@ MAX_PARALLEL_SIZE = 1024
 """Largest --tp or --pp the command line accepts."""
 MAX_WORLD_SIZE = 4096
 """Largest TP x PP the command line accepts."""
+
+
+FAMILY_FILE_SUFFIXES = (".yaml", ".yml")
+"""Suffixes of the family files `init` and `families --copy` write (they write YAML)."""
+
+
+def yaml_file_problem(text: str) -> str | None:
+    """Why `text` is no name for a YAML family file partc writes; None when it is one."""
+    suffix = text[text.rfind("."):].lower() if "." in text.rsplit("/", 1)[-1] else ""
+    if suffix in FAMILY_FILE_SUFFIXES:
+        return None
+    return (f"expected a family file name ending in .yaml or .yml (the family is written as "
+            f"YAML, and partc reads a file by its suffix), found {text!r}")
+
+
+def _yaml_file(text: str) -> str:
+    problem = yaml_file_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _family_name(text: str) -> str:
+    """A family name: an identifier, as the schema's `family` requires."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text) or len(text) > 128:
+        raise argparse.ArgumentTypeError(
+            "expected a family name: letters, digits and `_`, not starting with a digit, at "
+            f"most 128 characters, found {text!r}")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -271,10 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--config", default=None,
                       help="the model's config.json (default: config.json in the checkpoint "
                            "folder)")
-    init.add_argument("--out", default=None,
-                      help="the family file to write (default: print it on stdout); never "
-                           "replaces an existing file")
-    init.add_argument("--name", default=None, help="the family name (default: the model type)")
+    init.add_argument("--out", default=None, type=_yaml_file,
+                      help="the family file to write, ending in .yaml or .yml (default: print "
+                           "it on stdout); never replaces an existing file")
+    init.add_argument("--name", default=None, type=_family_name,
+                      help="the family name: letters, digits and `_`, not starting with a "
+                           "digit (default: the model type)")
     _add_format(init)
 
     demo = commands.add_parser("demo", help="compile and load the embedded tiny Llama")
@@ -285,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     families = commands.add_parser("families",
                                    help="list the built-in families and their model types")
     families.add_argument("--copy", nargs=2, metavar=("NAME", "FILE"), default=None,
-                          help="copy built-in family NAME to FILE to edit it (never replaces "
-                               "an existing file)")
+                          help="copy built-in family NAME to FILE (ending in .yaml or .yml) "
+                               "to edit it (never replaces an existing file)")
     _add_format(families)
 
     schema = commands.add_parser("schema", help="print the family JSON Schema (for editors)",
