@@ -364,8 +364,9 @@ def test_header_numbers_too_large_for_u64_are_refused_before_any_arithmetic(tmp_
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["check", "llama", "--tp", "2"], "partc: error: --checkpoint, --tp, --pp, --pp-layers and "
-     "--policy check a binding: pass --config (or a checkpoint folder holding config.json)"),
+    (["check", "llama", "--tp", "2"], "partc check: error: --checkpoint, --tp, --pp, "
+     "--pp-layers and --policy check a binding: pass --config (or a checkpoint folder holding "
+     "config.json, or a checkpoint file with config.json beside it)"),
     (["check", "llama", "--tp", "5000"], "partc check: error: argument --tp: expected at most "
      "1024, found 5000"),
     (["compile", "llama", "--config", "c.json", "--out", "b", "--tp", "1000", "--pp", "1000"],

@@ -166,13 +166,18 @@ def run_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def config_beside(checkpoint: Path) -> Path:
+    """Where a checkpoint's config.json is: in its folder, or beside its file (a .safetensors
+    file or an index), as Hugging Face saves them; init, compile and check use it."""
+    return (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "config.json"
+
+
 def run_init(args: argparse.Namespace) -> int:
     """`partc init --checkpoint DIR [--config FILE] [--out FILE]`."""
     from partc.scaffold import scaffold
 
     checkpoint = Path(args.checkpoint)
-    config = Path(args.config) if args.config else (
-        checkpoint / "config.json" if checkpoint.is_dir() else checkpoint.parent / "config.json")
+    config = Path(args.config) if args.config else config_beside(checkpoint)
     result = scaffold(checkpoint, config, name=args.name)
     if args.out:
         write_text_file(Path(args.out), result.text)

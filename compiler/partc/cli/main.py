@@ -138,14 +138,19 @@ def _spell_layers(layers: Any) -> str:
 
 
 def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Take --config from the --checkpoint folder when it holds config.json."""
+    """Take --config from beside the --checkpoint (its folder, or the folder of its file) when
+    config.json is there, as `partc init` does."""
     if args.config is not None:
         return
-    beside = Path(args.checkpoint or "") / "config.json"
+    parser = command_parser(parser, args.command)
+    beside = commands.config_beside(Path(args.checkpoint or "."))
     if args.checkpoint and beside.is_file():
-        args.config = str(beside)  # an HF checkpoint folder carries its config
+        args.config = str(beside)  # an HF checkpoint carries its config
     elif args.command == "compile":
-        parser.error("compile needs --config (or a --checkpoint folder holding config.json)")
+        where = (f"; there is no {beside}" if args.checkpoint else "")
+        parser.error("compile needs --config (or a --checkpoint folder holding config.json, or "
+                     f"a --checkpoint file with config.json beside it){where}")
     elif args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy or args.ep:
         parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
-                     "pass --config (or a checkpoint folder holding config.json)")
+                     "pass --config (or a checkpoint folder holding config.json, or a checkpoint "
+                     "file with config.json beside it)")

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     compile_.add_argument("--config", default=None,
                           help="the model's config.json (default: config.json in the "
-                               "--checkpoint folder)")
+                               "--checkpoint folder, or beside the --checkpoint file)")
     _add_topology(compile_, required=True)
     compile_.add_argument("--activation-dtype", default=None,
                           choices=["float16", "bfloat16", "float32"],
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     check.add_argument("--config", default=None,
                        help="a config.json to bind to (default with --checkpoint: the "
-                            "config.json in its folder)")
+                            "config.json in its folder, or beside the checkpoint file)")
     check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
     _add_topology(check, required=False)
     _add_format(check)
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
     init.add_argument("--config", default=None,
                       help="the model's config.json (default: config.json in the checkpoint "
-                           "folder)")
+                           "folder, or beside the checkpoint file)")
     init.add_argument("--out", default=None, type=_yaml_file,
                       help="the family file to write, ending in .yaml or .yml (default: print "
                            "it on stdout); never replaces an existing file")
