@@ -370,7 +370,7 @@ def test_header_numbers_too_large_for_u64_are_refused_before_any_arithmetic(tmp_
     (["check", "llama", "--tp", "5000"], "partc check: error: argument --tp: expected at most "
      "1024, found 5000"),
     (["compile", "llama", "--config", "c.json", "--out", "b", "--tp", "1000", "--pp", "1000"],
-     "partc: error: --tp x --pp is 1000000; partc builds at most 4096 ranks"),
+     "partc compile: error: --tp x --pp is 1000000; partc builds at most 4096 ranks"),
 ])
 def test_command_lines_that_cannot_mean_anything_are_usage_errors(capsys, args, message):
     from partc.cli.main import main
