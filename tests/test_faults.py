@@ -202,7 +202,7 @@ def two_builds(tmp_path_factory) -> tuple[dict[str, bytes], dict[str, bytes]]:
 
 
 KILL_AT = """
-import os, shutil, signal, partc.output as output
+import os, signal, partc.output as output
 target, when = {target!r}, {when}
 count = [0]
 def dying(real):
@@ -214,8 +214,8 @@ def dying(real):
     return wrapper
 if target == "exchange":
     output._exchange = dying(output._exchange)
-elif target == "rmtree":
-    output.shutil.rmtree = dying(shutil.rmtree)
+elif target == "remove":  # the removal of the old build, after the swap
+    output._remove_written = dying(output._remove_written)
 else:
     setattr(os, target, dying(getattr(os, target)))
 from partc.api import compile_family
@@ -224,7 +224,7 @@ compile_family("llama", {config!r}, pipeline_parallel_size=3, out={out!r})
 
 
 @pytest.mark.parametrize(("target", "when", "expect"), [
-    ("fsync", 1, "old"), ("fsync", 5, "old"), ("exchange", 1, "old"), ("rmtree", 1, "new"),
+    ("fsync", 1, "old"), ("fsync", 5, "old"), ("exchange", 1, "old"), ("remove", 1, "new"),
 ])
 def test_a_compile_killed_at_each_step_of_the_write_leaves_a_whole_build(
         tmp_path, two_builds, target, when, expect):
