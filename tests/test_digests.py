@@ -207,7 +207,9 @@ def manifest_before(folder: Path) -> list[dict[str, str]]:
 def test_digests_need_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(LoadError, match="digests need a checkpoint to read"):
         compile_family("llama", LLAMA / "config.json", digests=True)
-    status = main(["compile", "llama", "--config", str(LLAMA / "config.json"), "--digests",
-                   "--out", str(tmp_path / "b")])
-    assert status == 1 and "digests need a checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # on the command line, a usage error
+        main(["compile", "llama", "--config", str(LLAMA / "config.json"), "--digests",
+              "--out", str(tmp_path / "b")])
+    assert exited.value.code == 2
+    assert "partc compile: error: --digests needs --checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()

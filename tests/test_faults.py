@@ -202,7 +202,7 @@ def two_builds(tmp_path_factory) -> tuple[dict[str, bytes], dict[str, bytes]]:
 
 
 KILL_AT = """
-import os, shutil, signal, partc.output as output
+import os, signal, partc.output as output
 target, when = {target!r}, {when}
 count = [0]
 def dying(real):
@@ -214,8 +214,8 @@ def dying(real):
     return wrapper
 if target == "exchange":
     output._exchange = dying(output._exchange)
-elif target == "rmtree":
-    output.shutil.rmtree = dying(shutil.rmtree)
+elif target == "remove":  # the removal of the old build, after the swap
+    output._remove_written = dying(output._remove_written)
 else:
     setattr(os, target, dying(getattr(os, target)))
 from partc.api import compile_family
@@ -224,7 +224,7 @@ compile_family("llama", {config!r}, pipeline_parallel_size=3, out={out!r})
 
 
 @pytest.mark.parametrize(("target", "when", "expect"), [
-    ("fsync", 1, "old"), ("fsync", 5, "old"), ("exchange", 1, "old"), ("rmtree", 1, "new"),
+    ("fsync", 1, "old"), ("fsync", 5, "old"), ("exchange", 1, "old"), ("remove", 1, "new"),
 ])
 def test_a_compile_killed_at_each_step_of_the_write_leaves_a_whole_build(
         tmp_path, two_builds, target, when, expect):
@@ -364,12 +364,13 @@ def test_header_numbers_too_large_for_u64_are_refused_before_any_arithmetic(tmp_
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["check", "llama", "--tp", "2"], "partc: error: --checkpoint, --tp, --pp, --pp-layers and "
-     "--policy check a binding: pass --config (or a checkpoint folder holding config.json)"),
+    (["check", "llama", "--tp", "2"], "partc check: error: --checkpoint, --tp, --pp, "
+     "--pp-layers and --policy check a binding: pass --config (or a checkpoint folder holding "
+     "config.json, or a checkpoint file with config.json beside it)"),
     (["check", "llama", "--tp", "5000"], "partc check: error: argument --tp: expected at most "
      "1024, found 5000"),
     (["compile", "llama", "--config", "c.json", "--out", "b", "--tp", "1000", "--pp", "1000"],
-     "partc: error: --tp x --pp is 1000000; partc builds at most 4096 ranks"),
+     "partc compile: error: --tp x --pp is 1000000; partc builds at most 4096 ranks"),
 ])
 def test_command_lines_that_cannot_mean_anything_are_usage_errors(capsys, args, message):
     from partc.cli.main import main

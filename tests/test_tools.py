@@ -294,7 +294,8 @@ def test_families_in_json_give_absolute_paths_and_copy_writes_an_editable_file(t
     assert all(Path(e["path"]).is_absolute() and Path(e["path"]).is_file() for e in entries)
     copy = tmp_path / "mine.yaml"
     assert main(["families", "--copy", "llama", str(copy)]) == 0
-    assert copy.read_text() == (ROOT / "architectures" / "llama.yaml").read_text()
+    original = (ROOT / "architectures" / "llama.yaml").read_text()
+    assert copy.read_text().partition("\n")[2] == original.partition("\n")[2]
     capsys.readouterr()
     assert main(["families", "--copy", "llama", str(copy)]) == 1  # never replaced
     assert "partc did not write it" in capsys.readouterr().err

@@ -134,7 +134,10 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise LoadError(f"folder {parent} does not exist", location=SourceLocation(str(out)))
-    descriptor, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=parent)
+    from partc.output import fitting_name
+
+    # `.NAME.` and mkstemp's 8 letters: a long NAME is shortened so the scratch name is valid.
+    descriptor, scratch = tempfile.mkstemp(prefix=f".{fitting_name(out.name, 10)}.", dir=parent)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)
@@ -163,24 +166,33 @@ def run_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def config_beside(checkpoint: Path) -> Path:
+    """Where a checkpoint's config.json is: in its folder, or beside its file (a .safetensors
+    file or an index), as Hugging Face saves them; init, compile and check use it."""
+    return (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "config.json"
+
+
 def run_init(args: argparse.Namespace) -> int:
     """`partc init --checkpoint DIR [--config FILE] [--out FILE]`."""
     from partc.scaffold import scaffold
 
     checkpoint = Path(args.checkpoint)
-    config = Path(args.config) if args.config else (
-        checkpoint / "config.json" if checkpoint.is_dir() else checkpoint.parent / "config.json")
+    config = Path(args.config) if args.config else config_beside(checkpoint)
     result = scaffold(checkpoint, config, name=args.name)
     if args.out:
         write_text_file(Path(args.out), result.text)
     if args.format == "json":
         print(json.dumps({"ok": True, "out": args.out, "text": result.text,
-                          "undecided": list(result.undecided)}, indent=1))
-    elif args.out:
+                          "undecided": list(result.undecided), "notes": list(result.notes)},
+                         indent=1))
+        return EXIT_OK
+    if args.out:
         print(f"wrote {args.out}: {len(result.undecided)} line(s) marked `# partc init: CHECK`;"
               f" next: partc check {args.out} --checkpoint {args.checkpoint}")
     else:
         sys.stdout.write(result.text)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -194,7 +206,12 @@ def run_families(args: argparse.Namespace) -> int:
         files = builtin_families()
         if name not in files:
             raise LoadError(f"no built-in family {name!r}; known: {', '.join(sorted(files))}")
-        write_text_file(Path(target), root.joinpath(files[name]).read_text(encoding="utf-8"))
+        from partc.scaffold import SCHEMA_COMMENT
+
+        text = root.joinpath(files[name]).read_text(encoding="utf-8")
+        if text.startswith(SCHEMA_COMMENT):  # the built-in's line is relative to the library
+            text = SCHEMA_COMMENT + schema_path().resolve().as_uri() + text[text.index("\n"):]
+        write_text_file(Path(target), text)
         if args.format == "json":
             print(json.dumps({"ok": True, "copied": files[name], "out": target}))
         else:

@@ -21,9 +21,9 @@ import ctypes
 import ctypes.util
 import errno
 import glob
+import hashlib
 import json
 import os
-import shutil
 import socket
 import stat
 import tempfile
@@ -37,8 +37,8 @@ from partc import __version__
 from partc.errors import EmitError
 from partc.plan.ir import canonical_json
 
-__all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "read_marker",
-           "sweep_abandoned", "write_atomically"]
+__all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "fitting_name",
+           "read_marker", "sweep_abandoned", "write_atomically"]
 
 MARKER = ".partc-build.json"
 """Name of the marker file partc writes into every build and shard set."""
@@ -290,11 +290,39 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code))
 
 
+NAME_MAX = 255
+"""Longest file name (bytes) on the file systems partc writes to (Linux's NAME_MAX)."""
+_SCRATCH_SUFFIX = 8 + len("-new")
+"""What follows a scratch prefix: mkdtemp's random letters, then `-new` when a swap is undone."""
+
+
+def fitting_name(name: str, extra: int) -> str:
+    """`name` when `extra` more bytes still fit in a file name; else the longest start of it
+    that does, followed by `~` and 16 hex digits of its sha256 (so two long names that share
+    their start still differ)."""
+    encoded = os.fsencode(name)
+    if len(encoded) + extra <= NAME_MAX:
+        return name
+    tag = "~" + hashlib.sha256(encoded).hexdigest()[:16]
+    room = NAME_MAX - extra - len(tag)
+    cut = name
+    while cut and len(os.fsencode(cut)) > room:
+        cut = cut[:-1]
+    return cut + tag
+
+
 def _scratch_prefix(out: Path, kind: str) -> str:
     """Name prefix of a scratch folder beside `out`: hidden, and naming the host and process
-    that made it, so a later write can tell an abandoned one (its process is gone)."""
+    that made it, so a later write can tell an abandoned one (its process is gone). A long
+    output name is shortened (`fitting_name`) so that the scratch name stays a valid file
+    name; the same output always gets the same prefix, which the sweep relies on."""
     host = "".join(c if c.isalnum() else "_" for c in socket.gethostname()) or "host"
-    return f".{out.name}.{kind}-{host}-{os.getpid()}-"
+    if len(host) > 64:  # a host name is at most 64 bytes on Linux; keep it short elsewhere too
+        host = host[:47] + "_" + hashlib.sha256(host.encode()).hexdigest()[:16]
+    # The room left for the name counts a pid of 10 digits (the most a 32-bit pid has): every
+    # process must shorten a name the same way, or one could not find another's folders.
+    room = len(f"..{kind}-{host}--") + 10 + _SCRATCH_SUFFIX
+    return f".{fitting_name(out.name, room)}.{kind}-{host}-{os.getpid()}-"
 
 
 def _abandoned(out: Path, kind: str) -> list[Path]:
@@ -318,13 +346,82 @@ def _only_partc(folder: Path) -> bool:
         return False
 
 
+def _torn_marker_only(folder: Path) -> bool:
+    """Whether `folder` holds its marker and nothing else, the marker unreadable: a write killed
+    while it wrote the marker, its first file."""
+    try:
+        with os.scandir(folder) as entries:
+            names = [(e.name, e.is_file(follow_symlinks=False)) for e in entries]
+        return names == [(MARKER, True)] and isinstance(read_marker(folder), str)
+    except OSError:
+        return False
+
+
+class _Foreign(Exception):
+    """An entry the marker does not list: the removal stops there."""
+
+
+def _remove_written(folder: Path) -> bool:
+    """Remove a folder partc wrote, its marker last; returns whether the folder is gone.
+
+    Only what the marker lists is removed (with Python's bytecode cache and the folders on the
+    marker's paths); at anything else, or any error, the removal stops and keeps the marker. So
+    a removal that is interrupted (a kill) or stopped leaves a folder that is still provably
+    partc's: its marker and a part of its files, or nothing at all, which the next
+    `sweep_abandoned` recognises and finishes. (shutil.rmtree removes entries in the folder's
+    order and may take the marker first, leaving unmarked files no sweep may touch.)
+    """
+    marker = read_marker(folder)
+    torn = isinstance(marker, str)
+    files = set(marker.files) if isinstance(marker, Marker) else set()
+    folders = {"/".join(f.split("/")[:i]) for f in files for i in range(1, f.count("/") + 1)}
+
+    def clear(path: str, prefix: str) -> None:
+        with os.scandir(path) as found:
+            entries = sorted(found, key=lambda e: e.name)
+        for entry in entries:
+            relative = prefix + entry.name
+            if relative == MARKER:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if relative in folders:
+                    clear(entry.path, relative + "/")
+                elif entry.name == "__pycache__":
+                    clear_bytecode(entry.path)
+                else:
+                    raise _Foreign(relative)
+                os.rmdir(entry.path)
+            elif entry.is_file(follow_symlinks=False) and relative in files and not torn:
+                os.unlink(entry.path)
+            else:
+                raise _Foreign(relative)
+
+    def clear_bytecode(path: str) -> None:
+        with os.scandir(path) as found:
+            entries = sorted(found, key=lambda e: e.name)
+        for entry in entries:
+            if not (entry.name.endswith(".pyc") and entry.is_file(follow_symlinks=False)):
+                raise _Foreign(entry.name)
+            os.unlink(entry.path)
+
+    try:
+        clear(os.fspath(folder), "")
+        if marker is not None:
+            os.unlink(folder / MARKER)
+        os.rmdir(folder)
+    except (OSError, _Foreign):
+        return False
+    return True
+
+
 def sweep_abandoned(out: Path) -> None:
     """Clean up after writes to `out` that were killed: scratch folders of dead processes.
 
     When `out` is missing and a dead process left a backup of it (killed between the two
     renames of the fallback swap), the newest backup is renamed back to `out`. Other
-    abandoned folders are removed only when they hold nothing partc did not write;
-    folders of live processes or other hosts are never touched.
+    abandoned folders are removed only when they hold nothing partc did not write (what is
+    left of a removal that was itself killed included, see `_remove_written`); folders of
+    live processes or other hosts are never touched.
     """
     backups = [p for p in _abandoned(out, "old") if _only_partc(p)]
     if backups and not os.path.lexists(out):
@@ -332,8 +429,9 @@ def sweep_abandoned(out: Path) -> None:
         os.rename(newest, out)
         _fsync_folder(out.parent)
         backups.remove(newest)
-    for entry in backups + [p for p in _abandoned(out, "partc") if _only_partc(p)]:
-        shutil.rmtree(entry, ignore_errors=True)
+    for entry in backups + _abandoned(out, "partc"):
+        if _only_partc(entry) or _torn_marker_only(entry):
+            _remove_written(entry)
 
 
 def _alive(pid: int) -> bool:
@@ -392,6 +490,18 @@ def _swap_in(staging: Path, where: Path, parent: Path) -> Path:
     return backup
 
 
+def _remove_folders(created: Sequence[Path]) -> None:
+    """Remove the missing parents a failed write created (innermost first), each only while
+    it is empty: a folder something else has put an entry into meanwhile stays."""
+    for folder in created:
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue  # never made: the mkdir failed below it
+        except OSError:
+            return
+
+
 def write_atomically(out: str | os.PathLike[str],
                      files: Mapping[str, str | Callable[[BinaryIO], None]], *, kind: str,
                      inputs: Sequence[tuple[str, str | os.PathLike[str]]] = (),
@@ -400,9 +510,10 @@ def write_atomically(out: str | os.PathLike[str],
 
     A value is the text of the file, or a function that streams its bytes into the open file;
     files are written in the mapping's order (the marker first). `out` is checked first (see
-    `destination`): a refusal writes nothing. A crash at any point leaves the previous folder
-    or the new one, never a mixture; returns the folder written (a link's target with
-    `force`).
+    `destination`): a refusal writes nothing. Missing parent folders of `out` are created (as
+    `mkdir -p` does) and removed again if the write fails. A crash at any point leaves the
+    previous folder or the new one, never a mixture; returns the folder written (a link's
+    target with `force`).
     """
     given = Path(out)
     where = destination(given, kind=kind, inputs=inputs, force=force)
@@ -415,10 +526,12 @@ def write_atomically(out: str | os.PathLike[str],
                       f"{exc.strerror or exc}") from None
     existed = _check_replaceable(where, given, kind, force)
     marker = Marker(kind=kind, partc_version=__version__, files=tuple(sorted(files)))
+    created = [p for p in (parent, *parent.parents) if not os.path.lexists(p)]
     try:
         parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=_scratch_prefix(where, "partc"), dir=parent))
     except OSError as exc:
+        _remove_folders(created)
         up = given.parent
         blocking = next((p for p in (up, *up.parents) if p.exists() and not p.is_dir()), None)
         reason = (f"{blocking} exists and is not a folder" if blocking is not None
@@ -445,11 +558,13 @@ def write_atomically(out: str | os.PathLike[str],
             raise _refuse(given, f"the output folder {given} changed while partc wrote (it "
                           "now holds files partc did not write); it was left as it was")
     except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_written(staging)
+        _remove_folders(created)
         raise EmitError(f"cannot write the {OUTPUT_KINDS[kind]} to {given}: "
                         f"{exc.strerror or exc}") from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_written(staging)
+        _remove_folders(created)
         raise
-    shutil.rmtree(staging, ignore_errors=True)
+    _remove_written(staging)
     return where

@@ -1,16 +1,20 @@
 """`partc init`: a family scaffold guessed from a checkpoint header and its config.json.
 
 It recognises the layer repetition (`<prefix>.layers.<n>.`), the common Llama-style projection
-names (q/k/v/o, gate/up/down), norms, the token embedding and a tied or untied head. Anything
-else is kept as a replicated group with literal shapes and marked `# partc init: CHECK`, so
-that the scaffold still owns every tensor and passes `partc check` as written.
+names (q/k/v/o, gate/up/down, also of shared and routed experts), expert repetition
+(`experts.<e>.`), norms, the token embedding and a tied or untied head; config fields nested
+under `text_config` are read with `from:`. A part found in only some layers gets a `when:` over
+the layer numbers. Anything else is kept as a replicated group with literal shapes and marked
+`# partc init: CHECK`, so that the scaffold still owns every tensor and passes `partc check`
+as written; what it cannot write so that it does (a tensor whose shape differs between layers)
+is marked too and said in `Scaffold.notes`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,14 @@ CHECK = "# partc init: CHECK"
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
 """The editor line (see docs/authoring.md, "Editor support"), followed by the schema's path."""
 _LAYER = re.compile(r"^(?P<prefix>.*?layers)\.(?P<n>\d+)\.(?P<rest>.+)$")
+_EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+_DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
+"""Config names a literal dimension is matched against, first match wins."""
+_EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
+"""Config names an expert count is matched against."""
+_NESTED = ("text_config",)
+"""Config sections whose fields are read (with `from:`) when the top level lacks them."""
 
 _ATTENTION = {  # projection -> (sharding, heads, rows, cols) in config names
     "q_proj": ("column", "num_attention_heads", "num_attention_heads * head_dim", "hidden_size"),
@@ -47,13 +59,23 @@ class Scaffold:
     """The YAML family."""
     undecided: tuple[str, ...]
     """What the scaffold could not decide, one entry per CHECK comment."""
+    notes: tuple[str, ...] = ()
+    """What the user should know before running `partc check` (said on the console too)."""
 
 
-def _values(config: Mapping[str, Any]) -> dict[str, int]:
-    """The config names the scaffold's expressions use, with their defaults."""
+def _values(config: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
+    """The config names the scaffold's expressions use, with their defaults, and where each
+    is read (`hidden_size`, or `text_config.hidden_size` when only that section has it)."""
+    sources: dict[str, str] = {}
+
     def number(key: str, default: int | None = None) -> int | None:
-        value = config.get(key, default)
-        return value if isinstance(value, int) and not isinstance(value, bool) else default
+        for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED)):
+            if isinstance(section, Mapping) and key in section:
+                value = section[key]
+                if isinstance(value, int) and not isinstance(value, bool):
+                    sources[key] = where + key
+                    return value
+        return default
 
     hidden, heads = number("hidden_size"), number("num_attention_heads")
     out = {"hidden_size": hidden, "num_attention_heads": heads,
@@ -61,7 +83,9 @@ def _values(config: Mapping[str, Any]) -> dict[str, int]:
            "intermediate_size": number("intermediate_size"),
            "num_hidden_layers": number("num_hidden_layers"), "vocab_size": number("vocab_size")}
     out["head_dim"] = number("head_dim", hidden // heads if hidden and heads else None)
-    return {k: v for k, v in out.items() if v is not None}
+    for key in (*_DIMENSIONS, *_EXPERT_COUNTS):
+        out.setdefault(key, number(key))
+    return {k: v for k, v in out.items() if v is not None}, sources
 
 
 def _evaluate(expression: str, values: Mapping[str, int]) -> int | None:
@@ -74,20 +98,36 @@ def _evaluate(expression: str, values: Mapping[str, int]) -> int | None:
     return result
 
 
+@dataclass(slots=True)
+class _Module:
+    """One module of the repeated layer: its params, the layers holding it and, for a module
+    of every routed expert (`{expert}` in its name), the number of experts."""
+
+    params: dict[str, tuple[str, list[int]]]
+    layers: set[int]
+    experts: int | None
+    differs: list[int]
+    """Layers where the module has other params, shapes or expert counts than in the first."""
+
+
 class _Writer:
-    def __init__(self, values: dict[str, int], default_dtype: str | None) -> None:
+    def __init__(self, values: dict[str, int], default_dtype: str | None,
+                 layers: Sequence[int]) -> None:
         self.values = values
         self.default_dtype = default_dtype
+        self.all_layers = set(layers)
         self.lines: list[str] = []
         self.undecided: list[str] = []
         self.used: set[str] = set()
+        self.conditional = 0
+        """How many groups got a `when:` over layer numbers."""
 
     def dim(self, expected: str | None, actual: int, what: str) -> str:
         """A shape entry: the config expression when it matches the header, else the number."""
         if expected is not None and _evaluate(expected, self.values) == actual:
             self.used.update(expected.split(" * "))
             return expected
-        for name in ("hidden_size", "intermediate_size", "vocab_size"):
+        for name in _DIMENSIONS:
             if self.values.get(name) == actual:
                 self.used.add(name)
                 return name
@@ -110,6 +150,66 @@ class _Writer:
         self.lines.append(f"{line}  {CHECK}: {why}")
         self.undecided.append(why)
 
+    def scope(self, module: str, entry: _Module, differs: Sequence[int] = ()) -> None:
+        """The `when:` and `for:` lines of a layer group: the layers and experts it covers
+        (`differs`: more layers where a module of the group has other params)."""
+        if entry.layers != self.all_layers:
+            self.conditional += 1
+            self.check(f'    when: "{_condition(entry.layers, self.all_layers)}"',
+                       f"`{module}` is only in {_layers(entry.layers)} of layers "
+                       f"{_spelled(self.all_layers)}: the condition follows this checkpoint; "
+                       "write it over config fields")
+        if entry.experts is not None:
+            count = next((n for n in _EXPERT_COUNTS if self.values.get(n) == entry.experts),
+                         None)
+            if count is None:
+                self.check(f"    for: {{expert: {entry.experts}}}", "the number of experts is "
+                           "no config field the scaffold knows: write it as one")
+            else:
+                self.used.add(count)
+                self.lines.append(f"    for: {{expert: {count}}}")
+        if entry.differs or differs:
+            self.check(f"    # {_layers({*entry.differs, *differs})} hold(s) `{module}` with other "
+                       "params, shapes or expert counts", "this group fits the first layers "
+                       "only: split it by layer, `partc check` fails until then")
+
+
+def _runs(numbers: set[int]) -> list[tuple[int, int]]:
+    """Ascending numbers as (first, last) runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for n in sorted(numbers):
+        if runs and runs[-1][1] + 1 == n:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return [(a, b) for a, b in runs]
+
+
+def _spelled(numbers: set[int]) -> str:
+    """`0-2, 5`."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(numbers))
+
+
+def _layers(numbers: set[int]) -> str:
+    """`layer 3` or `layers 0-2, 5`."""
+    return f"layer{'s' if len(numbers) > 1 else ''} {_spelled(numbers)}"
+
+
+def _condition(layers: set[int], every: set[int]) -> str:
+    """A `when:` over `unit` that holds exactly for `layers` among `every` layer."""
+    first, last = min(every), max(every)
+    parts = []
+    for a, b in _runs(layers):
+        if a == b:
+            parts.append(f"unit == {a}")
+        elif a == first:
+            parts.append(f"unit <= {b}")
+        elif b == last:
+            parts.append(f"unit >= {a}")
+        else:
+            parts.append(f"unit >= {a} and unit <= {b}")
+    return " or ".join(parts)
+
 
 def _modules(tensors: Mapping[str, tuple[str, list[int]]]) -> dict[str, dict[str, Any]]:
     """Tensors grouped by module: `a.b.weight` -> module `a.b`, param `weight`."""
@@ -118,6 +218,46 @@ def _modules(tensors: Mapping[str, tuple[str, list[int]]]) -> dict[str, dict[str
         module, _, param = name.rpartition(".")
         out.setdefault(module, {})[param] = signature
     return out
+
+
+def _layer_modules(tensors: Mapping[str, tuple[str, list[int]]]
+                   ) -> dict[str, tuple[dict[str, Any], int | None]]:
+    """The modules of one layer; the modules of routed experts 0..E-1 with equal params are
+    one `...experts.{expert}...` module with E experts."""
+    out: dict[str, tuple[dict[str, Any], int | None]] = {}
+    repeated: dict[str, dict[int, dict[str, Any]]] = {}
+    for module, params in _modules(tensors).items():
+        match = _EXPERT.match(module)
+        if match:
+            template = f"{match['pre']}.{{expert}}.{match['rest']}"
+            repeated.setdefault(template, {})[int(match["e"])] = params
+        else:
+            out[module] = (params, None)
+    for template, experts in repeated.items():
+        first = experts[min(experts)]
+        if sorted(experts) == list(range(len(experts))) and all(
+                p == first for p in experts.values()):
+            out[template] = (first, len(experts))
+        else:
+            for number, params in experts.items():
+                out[template.replace("{expert}", str(number))] = (params, None)
+    return out
+
+
+def _layer_table(by_layer: Mapping[int, Mapping[str, tuple[str, list[int]]]]
+                 ) -> dict[str, _Module]:
+    """Every module of any layer, with the layers that hold it."""
+    table: dict[str, _Module] = {}
+    for number in sorted(by_layer):
+        for module, (params, experts) in _layer_modules(by_layer[number]).items():
+            entry = table.get(module)
+            if entry is None:
+                table[module] = _Module(params, {number}, experts, [])
+            else:
+                entry.layers.add(number)
+                if (entry.params, entry.experts) != (params, experts):
+                    entry.differs.append(number)
+    return table
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -138,11 +278,10 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
         assert found is not None
         header[tensor] = (found[1], list(found[2]))
     model_type = str(config.get("model_type") or "unknown")
-    family = name or re.sub(r"[^A-Za-z0-9_]", "_", model_type)
+    family = name or re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", model_type))[:128]
     torch_dtype = config.get("torch_dtype") or config.get("dtype")
     default = TORCH_DTYPE_NAMES.get(str(torch_dtype)) if torch_dtype else None
-    values = _values(config)
-    w = _Writer(values, default or "F32")
+    values, sources = _values(config)
     layers: dict[str, dict[int, dict[str, tuple[str, list[int]]]]] = {}
     outside: dict[str, tuple[str, list[int]]] = {}
     for tensor, signature in header.items():
@@ -158,9 +297,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                         location=SourceLocation(str(checkpoint)))
     (prefix, by_layer), = layers.items()
     count = len(by_layer)
-    first = by_layer[min(by_layer)]
-    if any(set(layer) != set(first) for layer in by_layer.values()):
-        w.undecided.append("layers hold different tensors; the scaffold follows layer 0")
+    w = _Writer(values, default or "F32", sorted(by_layer))
     w.lines += [f"# Family scaffold written by `partc init` from {checkpoint.name} "
                 f"({len(header)} tensors). Lines marked `{CHECK}` need a decision.", "",
                 f"family: {family}",
@@ -168,20 +305,16 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                 f"model_types: [{model_type}]", ""]
     body: list[str] = []
     w.lines, saved = body, w.lines
-    _layer_groups(w, prefix, _modules(first))
+    table = _layer_table(by_layer)
+    _layer_groups(w, prefix, table)
     w.lines = saved
-    tied = "lm_head.weight" not in header
-    static = _static_groups(w, _modules(outside), tied)
+    static = _static_groups(w, _modules(outside), _static_roles(_modules(outside), prefix))
+    if "hidden_size" in values:
+        w.used.add("hidden_size")  # the boundary's hidden dimension
     used = sorted(w.used | {"num_hidden_layers"})
     w.lines.append("config:")
     for key in used:
-        if key == "num_key_value_heads":
-            w.lines.append("  num_key_value_heads: {type: int, default: num_attention_heads}")
-        elif key == "head_dim":
-            w.lines.append("  head_dim: {type: int, default: hidden_size // "
-                           "num_attention_heads}")
-        else:
-            w.lines.append(f"  {key}: int")
+        w.lines.append(f"  {key}: {_config_field(key, sources.get(key, key))}")
     if values.get("num_hidden_layers") != count:
         w.check(f"  # the checkpoint has {count} layers", "num_hidden_layers differs from the "
                 "header's layer count")
@@ -190,14 +323,36 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                 "  embedding: {stage: first}", "  final_norm: {stage: last}",
                 "  output: {stage: last}", "", "parameters:"]
     w.lines += static[0] + body + static[1]
-    w.lines += ["", "boundary:", f"  identity: {family}.hidden",
-                "  primary: {role: hidden, shape: [batch, sequence, hidden_size], "
-                "dtype: activation}", "  auxiliary: []", ""]
+    w.lines += ["", "boundary:", f"  identity: {family}.hidden"]
+    if "hidden_size" in values:
+        w.lines.append("  primary: {role: hidden, shape: [batch, sequence, hidden_size], "
+                       "dtype: activation}")
+    else:
+        w.check("  primary: {role: hidden, shape: [batch, sequence, HIDDEN], dtype: activation}",
+                "the config has no hidden_size: write the hidden dimension (a config field)")
+    w.lines += ["  auxiliary: []", ""]
+    notes = []
+    if w.conditional:
+        notes.append(f"the layers hold different tensors: {w.conditional} group(s) apply to "
+                     "some layers only, with a `when:` over layer numbers marked CHECK")
+    if any(e.differs for e in table.values()):
+        notes.append("some layers hold a module with other shapes than the first layer that "
+                     "holds it: the scaffold does not pass `partc check` until those groups "
+                     "are split by layer (marked CHECK)")
     from importlib import resources
 
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
     text = SCHEMA_COMMENT + schema.resolve().as_uri() + "\n" + "\n".join(w.lines)
-    return Scaffold(text=text, undecided=tuple(w.undecided))
+    return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes))
+
+
+def _config_field(key: str, source: str) -> str:
+    """The declaration of config field `key`, read from `source` (a dotted path)."""
+    default = {"num_key_value_heads": "num_attention_heads",
+               "head_dim": "hidden_size // num_attention_heads"}.get(key)
+    parts = ["type: int"] + ([f"from: {source}"] if source != key else []) + (
+        [f"default: {default}"] if default else [])
+    return "int" if parts == ["type: int"] else "{" + ", ".join(parts) + "}"
 
 
 def _signature_params(w: _Writer, params: Mapping[str, tuple[str, list[int]]],
@@ -210,20 +365,41 @@ def _signature_params(w: _Writer, params: Mapping[str, tuple[str, list[int]]],
     return out
 
 
-def _layer_groups(w: _Writer, prefix: str, modules: dict[str, dict[str, Any]]) -> None:
+def _block_groups(table: Mapping[str, _Module], block: str,
+                  projections: Sequence[str]) -> bool:
+    """Whether every projection of `block` is a module of the same layers and experts."""
+    found = [table.get(f"{block}.{p}") for p in projections]
+    return all(e is not None for e in found) and all(
+        e is not None and found[0] is not None and (e.layers, e.experts) ==
+        (found[0].layers, found[0].experts) for e in found)
+
+
+def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None:
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
-    for block, table, group, role, units in (
-            ("self_attn", _ATTENTION, "attention", "attention_heads", "num_key_value_heads"),
-            ("mlp", _MLP, "mlp", "feed_forward_intermediate", "intermediate_size")):
-        found = [p for p in table if f"{block}.{p}" in modules]
-        if len(found) != len(table):
-            continue
-        w.used.add(units)
-        w.lines += ["", f'  - name: "layers.{{unit}}.{group}"', f"    role: {role}",
-                    "    owner: {unit: decoder}", f"    units: {units}", "    projections:"]
-        for proj in found:
-            spec = table[proj]
+    blocks = [("self_attn", "attention")] if _block_groups(table, "self_attn", list(
+        _ATTENTION)) else []
+    blocks += sorted((m.rpartition(".")[0], "mlp") for m in table
+                     if m.endswith(".gate_proj") and _block_groups(
+                         table, m.rpartition(".")[0], list(_MLP)))
+    for block, kind in blocks:
+        spec_table: Mapping[str, tuple[str, ...]] = _ATTENTION if kind == "attention" else _MLP
+        first = table[f"{block}.{next(iter(spec_table))}"]
+        if kind == "attention":
+            name, role, units = "attention", "attention_heads", "num_key_value_heads"
+        else:
+            name = block
+            role = "feed_forward_intermediate" if first.experts is None else \
+                "expert_intermediate"
+            rows = first.params.get("weight", ("", [0]))[1][0]
+            units = w.dim("intermediate_size", rows, "units")
+        if units in w.values:
+            w.used.add(units)
+        w.lines += ["", f'  - name: "layers.{{unit}}.{name}"', f"    role: {role}",
+                    "    owner: {unit: decoder}"]
+        w.scope(block, first, [n for p in spec_table for n in table[f"{block}.{p}"].differs])
+        w.lines += [f"    units: {units}", "    projections:"]
+        for proj, spec in spec_table.items():
             module = f"{block}.{proj}"
             done.add(module)
             w.lines.append(f'      - module: "{unit}.{module}"')
@@ -231,29 +407,56 @@ def _layer_groups(w: _Writer, prefix: str, modules: dict[str, dict[str, Any]]) -
             if len(spec) == 4:
                 w.lines.append(f"        heads: {spec[1]}")
                 w.used.add(spec[1])
-            rows, cols = spec[-2], spec[-1]
-            w.params(_signature_params(w, modules[module], rows, cols), "        ")
-    for module in sorted(set(modules) - done):
-        params = _signature_params(w, modules[module], None, None)
+                rows_of, cols_of = spec[-2], spec[-1]
+            else:  # the intermediate dimension is the group's units
+                rows_of = units if spec[0] == "column" else spec[1]
+                cols_of = units if spec[0] == "row" else spec[2]
+            w.params(_signature_params(w, table[module].params, rows_of, cols_of), "        ")
+    for module in sorted(set(table) - done):
+        entry = table[module]
+        params = _signature_params(w, entry.params, None, None)
         safe = module.replace("self_attn.", "attention.")
         w.lines += ["", f'  - name: "layers.{{unit}}.{safe}"', "    role: replicated",
-                    "    owner: {unit: decoder}", f'    module: "{unit}.{module}"',
-                    "    sharding: replicated"]
+                    "    owner: {unit: decoder}"]
+        w.scope(module, entry)
+        w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
         if "norm" not in module.rsplit(".", 1)[-1]:
             w.check("    # replicated on every rank", f"`{module}` is not a known projection: "
                     "replicated; shard it if it is large")
         w.params(params, "    ")
 
 
-def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], tied: bool
+def _static_roles(modules: Mapping[str, Any], prefix: str) -> dict[str, str]:
+    """Which modules outside the layers are the embedding, the head and the final norm: at
+    most one each (the one beside the layers when several could be); the others get none."""
+    parent = prefix.rpartition(".")[0]
+
+    def beside(module: str) -> tuple[bool, str]:
+        return module.rpartition(".")[0] != parent, module
+
+    leaf = {m: m.rsplit(".", 1)[-1] for m in modules}
+    heads = sorted((m for m in modules if m == "lm_head" or leaf[m] == "embed_out"), key=beside)
+    roles = {heads[0]: "output"} if heads else {}
+    embeddings = sorted((m for m in modules if "embed" in leaf[m] and m not in roles),
+                        key=beside)
+    if embeddings:
+        roles[embeddings[0]] = "embedding"
+    norms = sorted((m for m in modules if "norm" in leaf[m] and m not in roles), key=beside)
+    if norms:
+        roles[norms[0]] = "final_norm"
+    return roles
+
+
+def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mapping[str, str]
                    ) -> tuple[list[str], list[str]]:
     head: list[str] = []
     tail: list[str] = []
+    tied = "output" not in roles.values()
     for module in sorted(modules):
         params = modules[module]
-        leaf = module.rsplit(".", 1)[-1]
+        role = roles.get(module)
         saved, w.lines = w.lines, []
-        if "embed" in leaf:
+        if role == "embedding":
             w.lines += ["", "  - name: embedding", "    role: vocabulary"]
             w.lines.append("    owner: {any_of: [embedding, output]}" if tied else
                            "    owner: {static: embedding}")
@@ -263,14 +466,14 @@ def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], tied: bool
             w.lines += [f"    module: {module}", "    sharding: {balanced: 0}"]
             w.params(_signature_params(w, params, "vocab_size", "hidden_size"), "    ")
             head += w.lines
-        elif module == "lm_head":
-            w.lines += ["", "  - name: lm_head", "    role: vocabulary",
-                        "    owner: {static: output}", "    module: lm_head",
+        elif role == "output":
+            w.lines += ["", f"  - name: {module}", "    role: vocabulary",
+                        "    owner: {static: output}", f"    module: {module}",
                         "    sharding: {balanced: 0}"]
             w.params(_signature_params(w, params, "vocab_size", "hidden_size"), "    ")
             tail += w.lines
         else:
-            norm = "norm" in leaf
+            norm = role == "final_norm"
             w.lines += ["", f"  - name: {'final_norm' if norm else json.dumps(module)}",
                         "    role: replicated",
                         "    owner: {static: final_norm}" if norm else

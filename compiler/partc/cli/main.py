@@ -22,6 +22,7 @@ from partc.cli.parser import (
     MAX_WORLD_SIZE,
     Parser,
     build_parser,
+    yaml_file_problem,
 )
 from partc.errors import PartcError
 
@@ -77,28 +78,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     Parser.json_errors = any(w == "--format=json" or (w == "--format" and i + 1 < len(words)
                                                        and words[i + 1] == "json")
                               for i, w in enumerate(words))
-    args = parser.parse_args(words)
+    args, unknown = parser.parse_known_args(words)
+    usage = command_parser(parser, args.command)  # later usage errors end with its section
+    if unknown:
+        usage.error(f"unrecognized arguments: {' '.join(unknown)}")
     fmt = getattr(args, "format", "text")
     layers = getattr(args, "pp_layers", None)
     if layers and args.pp is None:
         args.pp = len(layers)
     elif layers and args.pp != len(layers):
-        parser.error(f"--pp-layers gives {len(layers)} stage sizes "
+        usage.error(f"--pp-layers gives {len(layers)} stage sizes "
                      f"({_spell_layers(layers)}) but --pp is {args.pp}; expected one unit "
                      "count per pipeline stage")
     if args.command == "compile" and args.pp is None:
         args.pp = 1
     if args.command != "verify" and (
             (getattr(args, "tp", None) or 1) * (getattr(args, "pp", None) or 1) > MAX_WORLD_SIZE):
-        parser.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
+        usage.error(f"--tp x --pp is {args.tp * args.pp}; partc builds at most "
                      f"{MAX_WORLD_SIZE} ranks")
     if getattr(args, "ep", None) is not None and (
             args.ep * (args.etp or 1) * (args.pp or 1) > MAX_WORLD_SIZE):
-        parser.error(f"--ep x --etp x --pp is {args.ep * (args.etp or 1) * (args.pp or 1)}; "
+        usage.error(f"--ep x --etp x --pp is {args.ep * (args.etp or 1) * (args.pp or 1)}; "
                      f"partc builds at most {MAX_WORLD_SIZE} ranks")
+    if args.command == "compile" and args.digests and args.checkpoint is None:
+        usage.error("--digests needs --checkpoint: the digests are of the checkpoint's slices "
+                    "each rank reads")
+    if args.command == "families" and args.copy:
+        problem = yaml_file_problem(args.copy[1])
+        if problem is not None:
+            usage.error(f"argument --copy: {problem}")
     if args.command in ("compile", "check"):
-        _config_beside(args, parser)
+        _config_beside(args, usage)
     return _run(args, fmt)
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of one command: its usage errors end with that command's `see:` section."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = action.choices[command]
+    return found
 
 
 def _run(args: argparse.Namespace, fmt: str) -> int:
@@ -126,14 +144,18 @@ def _spell_layers(layers: Any) -> str:
 
 
 def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Take --config from the --checkpoint folder when it holds config.json."""
+    """Take --config from beside the --checkpoint (its folder, or the folder of its file) when
+    config.json is there, as `partc init` does."""
     if args.config is not None:
         return
-    beside = Path(args.checkpoint or "") / "config.json"
+    beside = commands.config_beside(Path(args.checkpoint or "."))
     if args.checkpoint and beside.is_file():
-        args.config = str(beside)  # an HF checkpoint folder carries its config
+        args.config = str(beside)  # an HF checkpoint carries its config
     elif args.command == "compile":
-        parser.error("compile needs --config (or a --checkpoint folder holding config.json)")
+        where = (f"; there is no {beside}" if args.checkpoint else "")
+        parser.error("compile needs --config (or a --checkpoint folder holding config.json, or "
+                     f"a --checkpoint file with config.json beside it){where}")
     elif args.checkpoint or args.tp or args.pp or args.pp_layers or args.policy or args.ep:
         parser.error("--checkpoint, --tp, --pp, --pp-layers and --policy check a binding: "
-                     "pass --config (or a checkpoint folder holding config.json)")
+                     "pass --config (or a checkpoint folder holding config.json, or a checkpoint "
+                     "file with config.json beside it)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -97,6 +98,35 @@ MAX_WORLD_SIZE = 4096
 """Largest TP x PP the command line accepts."""
 
 
+FAMILY_FILE_SUFFIXES = (".yaml", ".yml")
+"""Suffixes of the family files `init` and `families --copy` write (they write YAML)."""
+
+
+def yaml_file_problem(text: str) -> str | None:
+    """Why `text` is no name for a YAML family file partc writes; None when it is one."""
+    suffix = text[text.rfind("."):].lower() if "." in text.rsplit("/", 1)[-1] else ""
+    if suffix in FAMILY_FILE_SUFFIXES:
+        return None
+    return (f"expected a family file name ending in .yaml or .yml (the family is written as "
+            f"YAML, and partc reads a file by its suffix), found {text!r}")
+
+
+def _yaml_file(text: str) -> str:
+    problem = yaml_file_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _family_name(text: str) -> str:
+    """A family name: an identifier, as the schema's `family` requires."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text) or len(text) > 128:
+        raise argparse.ArgumentTypeError(
+            "expected a family name: letters, digits and `_`, not starting with a digit, at "
+            f"most 128 characters, found {text!r}")
+    return text
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -180,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     compile_.add_argument("--config", default=None,
                           help="the model's config.json (default: config.json in the "
-                               "--checkpoint folder)")
+                               "--checkpoint folder, or beside the --checkpoint file)")
     _add_topology(compile_, required=True)
     compile_.add_argument("--activation-dtype", default=None,
                           choices=["float16", "bfloat16", "float32"],
@@ -193,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
     compile_.add_argument("--out", required=True,
-                          help="output folder: new, empty, or a build partc wrote (marked by "
-                               ".partc-build.json); replaced atomically, never the checkpoint, "
-                               "the config or the working directory")
+                          help="output folder: new (missing parents are created), empty, or "
+                               "a build partc wrote (marked by .partc-build.json); replaced "
+                               "atomically, never the checkpoint, the config or the working "
+                               "directory")
     compile_.add_argument("--force", action="store_true",
                           help="write through a symbolic link --out into its target folder "
                                "(kept as the link), or replace a partc shard set; never deletes "
@@ -213,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     check.add_argument("--config", default=None,
                        help="a config.json to bind to (default with --checkpoint: the "
-                            "config.json in its folder)")
+                            "config.json in its folder, or beside the checkpoint file)")
     check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
     _add_topology(check, required=False)
     _add_format(check)
@@ -269,11 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
     init.add_argument("--config", default=None,
                       help="the model's config.json (default: config.json in the checkpoint "
-                           "folder)")
-    init.add_argument("--out", default=None,
-                      help="the family file to write (default: print it on stdout); never "
-                           "replaces an existing file")
-    init.add_argument("--name", default=None, help="the family name (default: the model type)")
+                           "folder, or beside the checkpoint file)")
+    init.add_argument("--out", default=None, type=_yaml_file,
+                      help="the family file to write, ending in .yaml or .yml (default: print "
+                           "it on stdout); never replaces an existing file")
+    init.add_argument("--name", default=None, type=_family_name,
+                      help="the family name: letters, digits and `_`, not starting with a "
+                           "digit (default: the model type)")
     _add_format(init)
 
     demo = commands.add_parser("demo", help="compile and load the embedded tiny Llama")
@@ -284,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     families = commands.add_parser("families",
                                    help="list the built-in families and their model types")
     families.add_argument("--copy", nargs=2, metavar=("NAME", "FILE"), default=None,
-                          help="copy built-in family NAME to FILE to edit it (never replaces "
-                               "an existing file)")
+                          help="copy built-in family NAME to FILE (ending in .yaml or .yml) "
+                               "to edit it (never replaces an existing file)")
     _add_format(families)
 
     schema = commands.add_parser("schema", help="print the family JSON Schema (for editors)",
@@ -312,9 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument("build", help="a folder written by `partc compile`")
     shard.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
     shard.add_argument("--out", required=True,
-                       help="output folder: new, empty, or a shard set partc wrote (marked by "
-                            ".partc-build.json); replaced atomically, never the checkpoint or "
-                            "the build; the manifest records every tensor's sha256")
+                       help="output folder: new (missing parents are created), empty, or a "
+                            "shard set partc wrote (marked by .partc-build.json); replaced "
+                            "atomically, never the checkpoint or the build; the manifest "
+                            "records every tensor's sha256")
     shard.add_argument("--force", action="store_true",
                        help="write through a symbolic link --out into its target folder (kept "
                             "as the link), or replace a partc build; never deletes files partc "

@@ -1,0 +1,185 @@
+"""`partc init`: the scaffold of a checkpoint passes `partc check` against that checkpoint, also
+when its layers differ (dense and MoE layers), its experts repeat, or its config nests the
+decoder's fields under `text_config`; every decision it could not make is one marked line,
+counted as written; what it cannot write is said in the file and on the console."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from partc.cli.main import main
+
+from support import HF, hf
+
+CHECK = "# partc init: CHECK:"
+SCAFFOLDED = sorted(p.name for p in HF.iterdir()
+                    if p.is_dir() and p.name not in ("bloom", "falcon", "gpt2", "llava"))
+"""Every fixture whose layers repeat as `<prefix>.layers.<n>.` (the others have `h.<n>` or two
+repetitions, which init refuses)."""
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    status = main(args)
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def _init(checkpoint: Path, out: Path, capsys: pytest.CaptureFixture[str]
+          ) -> tuple[str, str, dict[str, object]]:
+    status, stdout, stderr = _run(["init", "--checkpoint", str(checkpoint), "--out", str(out)],
+                                  capsys)
+    assert status == 0, stderr
+    status, report, _ = _run(["init", "--checkpoint", str(checkpoint), "--format", "json"],
+                             capsys)
+    assert status == 0
+    return stdout, stderr, json.loads(report)
+
+
+@pytest.mark.parametrize("fixture", SCAFFOLDED)
+def test_the_scaffold_of_every_fixture_checks_against_its_checkpoint_and_counts_its_marks(
+        fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    family = tmp_path / "family.yaml"
+    stdout, _, report = _init(hf(fixture), family, capsys)
+    text = family.read_text()
+    assert report["text"] == text
+    marked = [line for line in text.splitlines() if CHECK in line]
+    assert len(marked) == len(report["undecided"])  # type: ignore[arg-type]
+    assert f"wrote {family}: {len(marked)} line(s) marked" in stdout
+    next_command = stdout.split("next: ")[1].split()
+    assert next_command[:2] == ["partc", "check"]
+    status, out, err = _run([*next_command[1:], "--tp", "2", "--pp", "2"], capsys)
+    assert status == 0, err
+    assert out.startswith("ok: family, config binding, checkpoint, topology checked")
+
+
+def test_deepseek_dense_and_moe_layers_get_conditions_experts_and_a_console_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    family = tmp_path / "ds.yaml"
+    _, err, report = _init(hf("deepseek_v3"), family, capsys)
+    text = family.read_text()
+    assert ('    when: "unit == 0"  # partc init: CHECK: `mlp` is only in layer 0 of layers '
+            '0-2: the condition follows this checkpoint; write it over config fields') in text
+    experts = text[text.index('  - name: "layers.{unit}.mlp.experts.{expert}"'):]
+    experts = experts[:experts.index("\n\n")]
+    assert experts.splitlines()[1:5] == [
+        "    role: expert_intermediate", "    owner: {unit: decoder}",
+        '    when: "unit >= 1"  # partc init: CHECK: `mlp.experts.{expert}` is only in layers '
+        "1-2 of layers 0-2: the condition follows this checkpoint; write it over config fields",
+        "    for: {expert: n_routed_experts}"]
+    assert "    units: moe_intermediate_size" in experts
+    assert '  - name: "layers.{unit}.mlp.shared_experts"' in text
+    note = ("note: the layers hold different tensors: 4 group(s) apply to some layers only, "
+            "with a `when:` over layer numbers marked CHECK")
+    assert note in err
+    assert report["notes"] == [note.removeprefix("note: ")]
+    # Every tensor of the checkpoint is owned exactly once: check with the checkpoint passes at
+    # every stage split, and the layers' own tensors are all named by a group.
+    status, _, err = _run(["check", str(family), "--checkpoint", str(hf("deepseek_v3")),
+                           "--tp", "2", "--pp", "3"], capsys)
+    assert status == 0, err
+
+
+def test_qwen2_vl_reads_its_decoder_fields_from_text_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    family = tmp_path / "qv.yaml"
+    _init(hf("qwen2_vl"), family, capsys)
+    text = family.read_text()
+    config = json.loads((hf("qwen2_vl") / "config.json").read_text())
+    assert "hidden_size" not in config and config["text_config"]["hidden_size"] == 64
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"):
+        assert f"  {field}: {{type: int, from: text_config.{field}}}" in text
+    assert ("  num_key_value_heads: {type: int, from: text_config.num_key_value_heads, "
+            "default: num_attention_heads}") in text
+    embedding = text[text.index("  - name: embedding"):]
+    assert "    params: {weight: [vocab_size, hidden_size]}" in embedding[:embedding.index("\n\n")]
+    assert "  primary: {role: hidden, shape: [batch, sequence, hidden_size]" in text
+    assert text.count("  - name: final_norm") == 1  # model.norm, not a vision block's norm1
+    assert "    module: model.norm\n" in text[text.index("  - name: final_norm"):]
+
+
+def test_a_module_whose_shape_differs_between_layers_is_marked_and_said_not_to_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    shutil.copy(hf("llama") / "config.json", checkpoint / "config.json")
+    tensors = load_file(hf("llama") / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = np.zeros((64, 96), np.float32)
+    save_file(tensors, checkpoint / "model.safetensors")
+    family = tmp_path / "odd.yaml"
+    _, err, report = _init(checkpoint, family, capsys)
+    text = family.read_text()
+    marked = [line for line in text.splitlines() if "with other params, shapes" in line]
+    assert marked == ["    # layer 1 hold(s) `mlp` with other params, shapes or "
+                      "expert counts  # partc init: CHECK: this group fits the first layers "
+                      "only: split it by layer, `partc check` fails until then"]
+    assert "does not pass `partc check` until those groups are split by layer" in err
+    assert len(report["notes"]) == 1  # type: ignore[arg-type]
+    status, _, err = _run(["check", str(family), "--checkpoint", str(checkpoint)], capsys)
+    assert status == 1 and "model.layers.1.mlp.down_proj.weight" in err
+
+
+@pytest.mark.parametrize("command", ["init", "families"])
+@pytest.mark.parametrize("name", ["family.toml", "family.json", "family", "yaml"])
+def test_init_and_families_copy_refuse_a_file_name_that_is_not_yaml(
+        command: str, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / name
+    argv = (["init", "--checkpoint", str(hf("llama")), "--out", str(target)]
+            if command == "init" else ["families", "--copy", "llama", str(target)])
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    option = "--out" if command == "init" else "--copy"
+    assert (f"partc {command}: error: argument {option}: expected a family file name ending in "
+            f".yaml or .yml (the family is written as YAML, and partc reads a file by its "
+            f"suffix), found '{target}'") in err
+    assert f"see: {Path(__file__).parents[1] / 'docs' / 'cli.md'}:" in err  # its section
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_a_yml_scaffold_and_a_named_one_check(
+        suffix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    family = tmp_path / f"mine{suffix}"
+    assert main(["init", "--checkpoint", str(hf("llama")), "--name", "my_llama_2",
+                 "--out", str(family)]) == 0
+    assert "\nfamily: my_llama_2\n" in family.read_text()
+    capsys.readouterr()
+    status, out, err = _run(["check", str(family), "--checkpoint", str(hf("llama"))], capsys)
+    assert status == 0, err
+
+
+@pytest.mark.parametrize("name", ["bad name!", "2fast", "a-b", "", "x" * 129])
+def test_init_refuses_a_family_name_check_would_reject_before_writing(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["init", "--checkpoint", str(hf("llama")), "--name", name,
+              "--out", str(tmp_path / "f.yaml")])
+    assert exited.value.code == 2
+    assert (f"partc init: error: argument --name: expected a family name: letters, digits and "
+            f"`_`, not starting with a digit, at most 128 characters, found {name!r}"
+            ) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_copied_family_points_its_editor_line_at_the_installed_schema(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "elsewhere" / "mine.yaml"
+    copy.parent.mkdir()
+    assert main(["families", "--copy", "deepseek_v3", str(copy)]) == 0
+    first, _, rest = copy.read_text().partition("\n")
+    assert first.startswith("# yaml-language-server: $schema=file:///")
+    schema = Path(first.removeprefix("# yaml-language-server: $schema=file://"))
+    assert json.loads(schema.read_text())["$schema"].startswith("https://json-schema.org/")
+    capsys.readouterr()
+    assert _run(["schema", "--path"], capsys)[1].strip() == str(schema)
+    original = (Path(__file__).parents[1] / "architectures" / "deepseek_v3.yaml").read_text()
+    assert rest == original.partition("\n")[2]
+    status, _, err = _run(["check", str(copy), "--checkpoint", str(hf("deepseek_v3"))], capsys)
+    assert status == 0, err
