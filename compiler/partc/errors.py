@@ -225,6 +225,7 @@ class PartcErrors(PartcError):
     """
 
     def __new__(cls, errors: list[PartcError]) -> PartcErrors:
+        """A CheckpointErrors when every error is a CheckpointError, else a PartcErrors."""
         if cls is PartcErrors and errors and all(isinstance(e, CheckpointError) for e in errors):
             cls = CheckpointErrors
         return super().__new__(cls)
