@@ -57,7 +57,7 @@ def _print(lines: list[str]) -> None:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
-    from partc.inspect.build import is_build, read_build, summary, tensor_rows
+    from partc.inspect.build import is_build, plan_faults, read_build, summary, tensor_rows
     from partc.inspect.text import inventory_lines, summary_lines, tensor_lines
 
     path = Path(args.path)
@@ -81,16 +81,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.rank is not None or args.group or args.target:
         from partc.inspect.origins import group_origins
 
-        origins = group_origins(build.plan, args.family)
-        rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
-                           origins=origins.lines)
+        with plan_faults(build):
+            origins = group_origins(build.plan, args.family)
+            rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
+                               origins=origins.lines)
         if args.format == "json":
             print(json.dumps({"ok": True, "kind": "tensors", "origin_note": origins.note,
                               "tensors": rows}, indent=1))
         else:
             _print(tensor_lines(rows, origins.note))
         return EXIT_OK
-    found = summary(build)
+    with plan_faults(build):
+        found = summary(build)
     if args.format == "json":
         print(json.dumps({"ok": True, "kind": "build"} | found, indent=1))
     else:
@@ -100,13 +102,14 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_explain(args: argparse.Namespace) -> int:
     """`partc explain BUILD TARGET`."""
-    from partc.inspect.build import read_build
+    from partc.inspect.build import plan_faults, read_build
     from partc.inspect.explain import explain
     from partc.inspect.origins import group_origins
     from partc.inspect.text import explain_lines
 
     build = read_build(args.build)
-    found = explain(build, args.target, group_origins(build.plan, args.family))
+    with plan_faults(build):
+        found = explain(build, args.target, group_origins(build.plan, args.family))
     if args.format == "json":
         print(json.dumps({"ok": True} | found, indent=1))
     else:
@@ -150,12 +153,13 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """`partc report BUILD --out report.html`."""
-    from partc.inspect.build import read_build
+    from partc.inspect.build import plan_faults, read_build
     from partc.inspect.origins import group_origins
     from partc.inspect.report import render_report
 
     build = read_build(args.build)
-    html = render_report(build, group_origins(build.plan, args.family))
+    with plan_faults(build):
+        html = render_report(build, group_origins(build.plan, args.family))
     out = Path(args.out)
     write_text_file(out, html, marker=REPORT_MARKER)
     if args.format == "json":

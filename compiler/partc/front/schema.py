@@ -341,6 +341,15 @@ def _unexpected_key(key: str, allowed: list[str]) -> str:
     return f"unexpected key `{key}`{hint}{listed}"
 
 
+def first_data_error(schema: str, data: object) -> tuple[str, str] | None:
+    """The most relevant violation of plain JSON data (no source positions, such as a plan
+    read back) against a shipped schema: (JSON pointer, jsonschema's message); None if valid."""
+    error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(data))
+    if error is None:
+        return None
+    return "".join(f"/{escape_pointer_token(p)}" for p in error.absolute_path), error.message
+
+
 def iter_schema_errors(document: RawDocument, schema: str = "architecture.schema.json"
                        ) -> Iterator[SchemaError]:
     """Yield every schema violation of `document`, located by pointer and source position."""

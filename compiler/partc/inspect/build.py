@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,35 @@ def read_build(path: str | Path) -> Build:
         raise LoadError(f"{file} is not a partc plan: it lacks {', '.join(missing)}",
                         location=SourceLocation(str(file)))
     return Build(path=file, plan=plan)
+
+
+@contextmanager
+def plan_faults(build: Build) -> Iterator[None]:
+    """Report a plan.json that inspect, explain or report trip over as a located LoadError
+    when it breaks the plan schema (edited by hand, or written by another tool).
+
+    A plan partc wrote follows its schema by construction, so the schema is checked only after
+    a failure: validating a full-size plan (tens of MB) on every command would cost seconds.
+    A failure on a plan that follows the schema is a bug, and propagates as one.
+    """
+    try:
+        yield
+    except (TypeError, KeyError, ValueError, IndexError, AttributeError, ZeroDivisionError):
+        from partc.front.positions import json_locations
+        from partc.front.schema import first_data_error
+
+        problem = first_data_error("plan.schema.json", build.plan)
+        if problem is None:
+            raise
+        pointer, message = problem
+        try:
+            where = json_locations(str(build.path), build.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            where = {}
+        raise LoadError(f"the plan breaks its schema: {message}; it was edited, or not "
+                        "written by partc: compile the build again",
+                        location=where.get(pointer, SourceLocation(str(build.path))),
+                        pointer=pointer) from None
 
 
 def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_rank: int
