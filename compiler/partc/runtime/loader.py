@@ -228,7 +228,7 @@ def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalMod
             f"plan {table.plan_hash[:16]}; run `partc shard` again for this build",
             location=where)
     opened = open_checkpoint(manifest.rank_file(table.rank))
-    errors: list[PartcError] = []
+    errors = _rank_file_identity(table, opened)
     expected = {item.target for item in layout.tensors}
     for extra in sorted(set(opened.names) - expected):
         errors.append(CheckpointError(f"tensor `{extra}` in the rank file is not one of rank "
@@ -248,6 +248,35 @@ def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalMod
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(errors)
     return opened
+
+
+def _rank_file_identity(table: RankTable, opened: Checkpoint) -> list[PartcError]:
+    """The rank file's own record of what it holds (`partc_rank`, `partc_plan_hash` in its
+    header metadata) checked against the rank asked for: a renamed or swapped file raises at
+    once (its names and shapes may all match another rank's); metadata missing (a file
+    re-saved by other tools) is reported with the other mismatches."""
+    header = opened.files[0]
+    where = SourceLocation(str(header.path))
+    metadata = dict(header.metadata)
+    found_rank, found_hash = metadata.get("partc_rank"), metadata.get("partc_plan_hash")
+    if found_rank is not None and found_rank != str(table.rank):
+        raise CheckpointError(
+            f"the rank file holds rank {found_rank}'s tensors (its metadata partc_rank is "
+            f"{found_rank!r}), but rank {table.rank} was asked for; the files of the shard set "
+            f"were renamed or swapped: run `partc shard` again", location=where)
+    if found_hash is not None and found_hash != table.plan_hash:
+        raise CheckpointError(
+            f"the rank file was cut for plan {found_hash[:16]} (its metadata partc_plan_hash), "
+            f"this loader is plan {table.plan_hash[:16]}; run `partc shard` again for this "
+            "build", location=where)
+    missing = [key for key, value in (("partc_rank", found_rank),
+                                      ("partc_plan_hash", found_hash)) if value is None]
+    if not missing:
+        return []
+    return [CheckpointError(
+        f"the rank file's header metadata has no {' or '.join(missing)}; expected partc_rank "
+        f"{str(table.rank)!r} and the partc_plan_hash of plan {table.plan_hash[:16]}, as "
+        "`partc shard` writes them (a file re-saved by another tool?)", location=where)]
 
 
 def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None = None) -> Any:
