@@ -211,3 +211,33 @@ def test_digests_need_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture
                    "--out", str(tmp_path / "b")])
     assert status == 1 and "digests need a checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_shard_checks_every_slice_against_the_digests_compiled_into_the_build(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A build compiled with --digests is bound to its checkpoint's bytes: `partc shard` of a
+    corrupted copy is refused naming the tensor, its file and both digests (computed here
+    from safetensors' own arrays), and no shard set appears; an earlier one stays as it was."""
+    plan, _ = compile_and_import("llama", LLAMA / "config.json", tmp_path / "build", tp=2,
+                                 checkpoint=LLAMA, digests=True)
+    shard_checkpoint(tmp_path / "build", LLAMA, tmp_path / "good")
+    assert manifest_before(tmp_path / "good") == oracle_digests(LLAMA, plan)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "good").iterdir()}
+    copy = tmp_path / "ck"
+    copy.mkdir()
+    shutil.copy(LLAMA / "model.safetensors", copy / "model.safetensors")
+    target = "model.layers.1.self_attn.o_proj.weight"
+    flip_byte_of(copy / "model.safetensors", target)
+    good, bad = oracle_digests(LLAMA, plan), oracle_digests(copy, plan)
+    rank = next(r for r in range(2) if good[r][target] != bad[r][target])
+    assert [n for n in good[rank] if good[rank][n] != bad[rank][n]] == [target]
+    for out in ("fresh", "good"):
+        status = main(["shard", str(tmp_path / "build"), "--checkpoint", str(copy), "--out",
+                       str(tmp_path / out), "--force"])
+        err = capsys.readouterr().err
+        assert status == 1
+        assert err.startswith(f"error: {copy / 'model.safetensors'}")
+        assert (f"tensor `{target}` does not match its digest in the build's plan: expected sha256 "
+                f"{good[rank][target]}, found {bad[rank][target]}") in err
+    assert not (tmp_path / "fresh").exists()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "good").iterdir()} == before

@@ -18,7 +18,12 @@ import numpy as np
 
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.digests import VERIFY_MODES, check_digests, verify_digests
+from partc.runtime.digests import (
+    VERIFY_MODES,
+    check_digests,
+    compiled_digests,
+    verify_digests,
+)
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
@@ -26,7 +31,6 @@ from partc.runtime.ranks import rank_from_environment, rank_out_of_range
 from partc.runtime.reader import TensorSelection, read_tensors
 from partc.runtime.tables import (
     RankTable,
-    _lines,
     local_model_layout,
     parallel_model_info,
     tensor_selections,
@@ -195,12 +199,8 @@ def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: C
     expected = None if manifest is None else manifest.rank_digests(table.rank)
     source = f"the shard manifest {manifest.path}" if manifest is not None else ""
     if expected is None and table.digests is not None:
-        targets, digests = _lines(table.targets), _lines(table.digests)
-        if len(targets) != len(digests):
-            raise CheckpointError(f"the generated tables of rank {table.rank} list "
-                                  f"{len(digests)} DIGESTS for {len(targets)} TARGETS; "
-                                  "regenerate the build")
-        expected, source = dict(zip(targets, digests, strict=True)), "the build's plan"
+        expected = compiled_digests(table.rank, table.targets, table.digests)
+        source = "the build's plan"
     if expected is None:
         where = "its shard manifest records none (cut by an older partc: run `partc shard` " \
             "again)" if manifest is not None else "this build was compiled without digests"
