@@ -165,9 +165,35 @@ def test_open_checkpoint_accepts_a_directory_a_safetensors_file_or_an_index_file
     assert dict(read_header(FP8).metadata) == {"format": "pt"}
 
 
-def test_the_index_is_preferred_when_a_directory_holds_both_forms() -> None:
-    ckpt = open_checkpoint(MLX4)
-    assert ckpt.index_path == str(MLX4 / "model.safetensors.index.json")
+def test_a_folder_holding_both_forms_is_read_from_model_safetensors_as_transformers_does(
+        tmp_path: Path) -> None:
+    """The shards and index of the tiny Llama next to a model.safetensors whose o_proj differs
+    in one byte: transformers' from_pretrained and partc both read model.safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "both"
+    shutil.copytree(LLAMA_SHARDED, folder)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    arrays = load_file(str(LLAMA))
+    arrays[name] = arrays[name].copy()
+    arrays[name].reshape(-1).view(np.uint8)[0] ^= 0x40
+    save_file(arrays, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = open_checkpoint(folder)
+    assert ckpt.index_path is None
+    assert [f.path for f in ckpt.files] == [str(folder / "model.safetensors")]
+    ours = read_tensor(ckpt, name, TensorSelection())
+    assert np.array_equal(bits(ours), bits(arrays[name]))
+    assert not np.array_equal(bits(ours), bits(load_file(str(LLAMA))[name])), \
+        "the shards hold the other bytes"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert np.array_equal(bits(model.state_dict()[name].numpy()), bits(ours))
+    by_index = open_checkpoint(folder / "model.safetensors.index.json")  # named: the shards
+    assert by_index.index_path == str(folder / "model.safetensors.index.json")
+    assert np.array_equal(bits(read_tensor(by_index, name, TensorSelection())),
+                          bits(load_file(str(LLAMA))[name]))
+    # an mlx-lm folder's index names model.safetensors itself: the same file either way
+    assert open_checkpoint(MLX4).files[0].path == str(MLX4 / "model.safetensors")
 
 
 def test_an_unknown_tensor_name_is_reported_with_a_close_match() -> None:
