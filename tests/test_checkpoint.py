@@ -427,6 +427,7 @@ def test_metadata_values_must_be_strings(tmp_path: Path) -> None:
 def test_a_malformed_tensor_entry_is_reported(tmp_path: Path, bad: Any, needle: str) -> None:
     err = fault(write_raw(tmp_path / "x.safetensors", {"t": bad}, bytes(4)), needle)
     assert err.tensor == "t"
+    assert str(err).startswith(f"{tmp_path / 'x.safetensors'} (tensor t): "), "the shown text"
 
 
 def test_an_unknown_dtype_is_reported(tmp_path: Path) -> None:
@@ -437,7 +438,8 @@ def test_an_unknown_dtype_is_reported(tmp_path: Path) -> None:
 
 def test_a_dtype_shape_byte_size_mismatch_is_reported(tmp_path: Path) -> None:
     path = write_raw(tmp_path / "x.safetensors", {"t": entry("BF16", [3, 2], 0, 8)}, bytes(12))
-    fault(path, "dtype/shape byte-size mismatch", "needs 12 bytes", "span 8")
+    err = fault(path, "dtype/shape byte-size mismatch", "needs 12 bytes", "span 8")
+    assert str(err).startswith(f"{path} (tensor t): dtype/shape byte-size mismatch")
 
 
 def test_a_truncated_payload_is_data_offsets_beyond_the_file(tmp_path: Path) -> None:
@@ -446,6 +448,7 @@ def test_a_truncated_payload_is_data_offsets_beyond_the_file(tmp_path: Path) -> 
     os.truncate(path, path.stat().st_size - 1)
     err = fault(path, "data offsets beyond the file (truncated file?)", "holds 63 bytes")
     assert err.tensor == "w"
+    assert str(err).startswith(f"{path} (tensor w): data offsets beyond the file")
 
 
 def test_overlapping_tensor_byte_ranges_are_reported(tmp_path: Path) -> None:

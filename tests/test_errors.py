@@ -40,3 +40,23 @@ def test_an_expression_error_located_keeps_its_offset_and_text():
     caught = ExpressionError("division by zero", expression="a // 0", offset=2)
     located = caught.located(SourceLocation("f.yaml", 1, 9), "/config/x/default")
     assert (located.expression, located.offset, located.to_json()["line"]) == ("a // 0", 2, 1)
+
+
+@pytest.mark.parametrize(("location", "message", "tensor", "shown"), [
+    (SourceLocation("m.safetensors"), "dtype/shape byte-size mismatch", "a.weight",
+     "m.safetensors (tensor a.weight): dtype/shape byte-size mismatch"),
+    (SourceLocation("f.yaml", 3, 4), "bad [x]", "a.b", "f.yaml:3:4 (tensor a.b): bad [x]"),
+    (None, "bad", "a.b", "tensor a.b: bad"),
+    (SourceLocation("m.safetensors"), "tensor `a.b` is F16", "a.b", "m.safetensors: tensor "
+     "`a.b` is F16"),
+    (SourceLocation("m.safetensors"), "tensor 'a.b' is in two shards", "a.b",
+     "m.safetensors: tensor 'a.b' is in two shards"),
+    (SourceLocation("m.safetensors"), "tensor `a.bc` differs", "a.b",
+     "m.safetensors (tensor a.b): tensor `a.bc` differs"),
+    (SourceLocation("m.safetensors"), "bad", "a\nb", "m.safetensors (tensor 'a\\nb'): bad"),
+])
+def test_the_shown_error_names_its_tensor_unless_the_message_quotes_it(
+        location, message, tensor, shown):
+    error = PartcError(message, location=location, tensor=tensor)
+    assert str(error) == shown
+    assert error.message == message and error.tensor == tensor  # the fields stay apart
