@@ -791,8 +791,12 @@ def test_jobs_cut_long_runs_and_keep_file_order() -> None:
 def test_default_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PARTC_READ_THREADS", "3")
     assert checkpoint.default_workers() == 3
+    monkeypatch.setenv("PARTC_READ_THREADS", " ")
+    assert 1 <= checkpoint.default_workers() <= 8, "blank: the default"
     monkeypatch.setenv("PARTC_READ_THREADS", "zero")
-    assert 1 <= checkpoint.default_workers() <= 8
+    with pytest.raises(CheckpointError, match="environment PARTC_READ_THREADS='zero' must be a "
+                       "positive integer in ASCII digits"):
+        checkpoint.default_workers()
 
 
 def test_one_run_answers_as_the_runs_do() -> None:

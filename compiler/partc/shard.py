@@ -33,7 +33,7 @@ from partc.runtime.headers import DTYPES
 from partc.runtime.loader import header_fingerprint
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
 from partc.runtime.progress import progress_bar
-from partc.runtime.reader import TensorSelection, read_tensors
+from partc.runtime.reader import TensorSelection, count_option, read_tensors
 
 if TYPE_CHECKING:
     from partc.runtime.progress import ProgressCallback
@@ -90,6 +90,7 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     `progress` draws one byte bar over the whole set (None: on a terminal only); `report`
     instead hears of the bytes written per rank file (step `write <file>`, unit `B`).
     """
+    count_option("workers", workers)
     plan_path = Path(build) / "plan.json"
     plan = _read_plan(plan_path)
     ranks = _rank_slices(Path(build), plan)

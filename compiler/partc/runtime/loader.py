@@ -24,11 +24,12 @@ from partc.runtime.digests import (
     compiled_digests,
     verify_digests,
 )
+from partc.runtime.files import path_text
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
 from partc.runtime.ranks import rank_from_environment, rank_out_of_range
-from partc.runtime.reader import TensorSelection, read_tensors
+from partc.runtime.reader import TensorSelection, count_option, read_tensors
 from partc.runtime.tables import (
     RankTable,
     local_model_layout,
@@ -133,6 +134,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory;
     `verify="digest"` then hashes the blocks as they pass through the ring.
     """
+    _check_options(checkpoint, reader=reader, workers=workers, local_ranks=local_ranks,
+                   verify_fingerprint=verify_fingerprint, progress=progress)
     if not isinstance(zero_copy, bool) and zero_copy != "private":
         raise CheckpointError(f"zero_copy must be False, True or 'private', found {zero_copy!r}")
     if device is None and framework in (None, "numpy") and staging_bytes is None:
@@ -149,9 +152,6 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                               "which torch tensors cannot be; load with zero_copy='private' "
                               "(writable copy-on-write views), framework='numpy', or without "
                               "zero_copy")
-    if local_ranks is not None and (isinstance(local_ranks, bool) or not isinstance(
-            local_ranks, int) or local_ranks < 1):
-        raise CheckpointError(f"local_ranks must be a positive integer, found {local_ranks!r}")
     target_dtype = None if dtype is None else _float_dtype(dtype)
     selections = tensor_selections(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
@@ -189,6 +189,30 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     if framework == "torch":
         tensors = to_torch(tensors)
     return RankState(tensors=tensors, table=table)
+
+
+def _check_options(checkpoint: object, *, reader: object, workers: object,
+                   local_ranks: object, verify_fingerprint: object, progress: object) -> None:
+    """Refuse, before anything is opened, a checkpoint that is no path and options of the
+    wrong kind, naming the option, the value found and what it must be."""
+    if not isinstance(checkpoint, Checkpoint) and not isinstance(path_text(checkpoint), str):
+        raise CheckpointError(
+            "checkpoint must be a folder or file path (a str or an os.PathLike giving one) or "
+            f"an opened Checkpoint, found {type(checkpoint).__name__} {checkpoint!r:.80}"
+            + ("; decode a bytes path with os.fsdecode()" if isinstance(path_text(checkpoint),
+                                                                         bytes) else ""))
+    if reader is not None and not callable(getattr(reader, "record", None)):
+        raise CheckpointError("reader must be None or an object with a record(path, offset, "
+                              "length) method (partc.runtime.reader.ReadRecorder), found "
+                              f"{reader!r:.80}")
+    count_option("workers", workers)
+    count_option("local_ranks", local_ranks)
+    if not isinstance(verify_fingerprint, bool):
+        raise CheckpointError(f"verify_fingerprint must be True or False, found "
+                              f"{verify_fingerprint!r:.80}")
+    if progress is not None and not isinstance(progress, bool):
+        raise CheckpointError(f"progress must be None (a bar on a terminal only), True or False, "
+                              f"found {progress!r:.80}")
 
 
 def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
