@@ -22,7 +22,7 @@ from partc.front.schema import load_schema
 from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
 from partc.shard import shard_checkpoint
 
-from support import compile_and_import, hf, import_build
+from support import Recorder, compile_and_import, hf, import_build
 
 LLAMA = hf("llama")
 
@@ -161,18 +161,28 @@ def test_a_build_with_digests_verifies_the_original_checkpoint_and_catches_a_fli
 def test_verify_digest_without_recorded_digests_is_a_clear_error(sharded, tmp_path: Path
                                                                  ) -> None:
     _, _, package, shards = sharded
+    recorder = Recorder()
+    package.load(LLAMA, rank=0, reader=recorder)
+    assert recorder.runs, "a load reads (and the recorder hears of it)"
+    recorder = Recorder()
     with pytest.raises(CheckpointError, match="verify='digest' needs recorded digests, but this "
                        "build was compiled without digests; compile with `partc compile ... "
-                       "--checkpoint DIR --digests`"):
-        package.load(LLAMA, rank=0, verify="digest")
+                       "--checkpoint DIR --digests`") as caught:
+        package.load(LLAMA, rank=0, verify="digest", reader=recorder)
+    assert recorder.runs == [], "refused before any payload is read"
+    assert caught.value.location is not None and caught.value.location.file == str(LLAMA)
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy)
     manifest = json.loads((copy / SHARD_MANIFEST).read_text())
     for entry in manifest["ranks"]:
         del entry["digests"]
     (copy / SHARD_MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="its shard manifest records none"):
-        package.load(copy, rank=0, verify="digest")
+    recorder = Recorder()
+    with pytest.raises(CheckpointError, match="its shard manifest records none") as caught:
+        package.load(copy, rank=0, verify="digest", reader=recorder)
+    assert recorder.runs == [], "refused before the rank file is read"
+    assert caught.value.location is not None
+    assert caught.value.location.file == str(copy / SHARD_MANIFEST)
     with pytest.raises(CheckpointError, match="verify must be None or 'digest', found 'sha1'"):
         package.load(LLAMA, rank=0, verify="sha1")
 

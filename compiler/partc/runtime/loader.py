@@ -24,7 +24,7 @@ from partc.runtime.digests import (
     compiled_digests,
     verify_digests,
 )
-from partc.runtime.files import path_text
+from partc.runtime.files import path_text, spelled
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
@@ -155,6 +155,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     target_dtype = None if dtype is None else _float_dtype(dtype)
     selections = tensor_selections(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
+    recorded = None if verify != "digest" else _recorded_digests(table, manifest, checkpoint)
     if manifest is not None:
         opened = _open_presharded(table, manifest, local_model_layout(table))
         requests = [(target, TensorSelection()) for target, _, _ in selections]
@@ -174,14 +175,14 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         with progress_bar(total, f"rank {table.rank}", progress) as update:
             on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
                                         progress=update, digests=found)[0]
-        if found is not None:
-            _verify_payloads(table, manifest, opened, on_device, workers, found=found)
+        if recorded is not None and found is not None:
+            _verify_payloads(recorded, opened, on_device, workers, found=found)
         return RankState(tensors=convert_on_device(on_device, target_dtype), table=table)
     with progress_bar(total, f"rank {table.rank}", progress) as update:
         tensors = read_tensors(opened, requests, reader=reader, workers=workers,
                                progress=update, zero_copy=zero_copy, local_ranks=local_ranks)
-    if verify == "digest":
-        _verify_payloads(table, manifest, opened, tensors, workers)
+    if recorded is not None:
+        _verify_payloads(recorded, opened, tensors, workers)
     if target_dtype is not None:
         for name, array in tensors.items():  # one tensor at a time: the original is freed
             if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
@@ -215,11 +216,12 @@ def _check_options(checkpoint: object, *, reader: object, workers: object,
                               f"found {progress!r:.80}")
 
 
-def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
-                     tensors: Mapping[str, Any], workers: int | None, *,
-                     found: Mapping[str, str] | None = None) -> None:
-    """Check every tensor read against its recorded digest (manifest first, else the build);
-    `found`: the digests already taken (a device load hashes its staging blocks)."""
+def _recorded_digests(table: RankTable, manifest: ShardManifest | None,
+                      checkpoint: str | os.PathLike[str] | Checkpoint
+                      ) -> tuple[dict[str, str], str]:
+    """The digests `verify="digest"` checks the rank's tensors against (the shard manifest's,
+    else the build's) and where they come from; a CheckpointError, before anything is read,
+    when neither records them."""
     expected = None if manifest is None else manifest.rank_digests(table.rank)
     source = f"the shard manifest {manifest.path}" if manifest is not None else ""
     if expected is None and table.digests is not None:
@@ -228,10 +230,21 @@ def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: C
     if expected is None:
         where = "its shard manifest records none (cut by an older partc: run `partc shard` " \
             "again)" if manifest is not None else "this build was compiled without digests"
+        path = (manifest.path if manifest is not None else checkpoint.path
+                if isinstance(checkpoint, Checkpoint) else spelled(checkpoint))
         raise CheckpointError(f"verify='digest' needs recorded digests, but {where}; compile "
                               "with `partc compile ... --checkpoint DIR --digests`, or load a "
                               "folder written by `partc shard`",
-                              location=SourceLocation(str(opened.path)))
+                              location=SourceLocation(str(path)))
+    return expected, source
+
+
+def _verify_payloads(recorded: tuple[dict[str, str], str], opened: Checkpoint,
+                     tensors: Mapping[str, Any], workers: int | None, *,
+                     found: Mapping[str, str] | None = None) -> None:
+    """Check every tensor read against its `recorded` digest (see `_recorded_digests`);
+    `found`: the digests already taken (a device load hashes its staging blocks)."""
+    expected, source = recorded
     files = {}
     for name in tensors:
         signature = opened.signature(name)
