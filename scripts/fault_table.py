@@ -568,6 +568,8 @@ def _faults() -> Iterator[Fault]:
             folder / "model.safetensors.index.json").write_text(
                 '{"metadata": {"total_size": NaN}, "weight_map": {}}'))),
         ("checkpoint_is_a_fifo", "a named pipe given as the checkpoint", _checkpoint_fifo),
+        ("checkpoint_is_config_json", "config.json given as the checkpoint",
+         lambda scratch: scratch / "config.json"),
         ("link_out_of_folder", "model.safetensors links to ../elsewhere.safetensors",
          _single(_link_out)),
         ("wrong_dtype", "norm stored as F16", _single(_norm_as_f16)),

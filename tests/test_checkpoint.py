@@ -388,6 +388,27 @@ def test_a_header_over_100_mib_is_refused(tmp_path: Path) -> None:
     fault(path, f"header length {MAX_HEADER_SIZE + 1}", "refusing")
 
 
+@pytest.mark.parametrize(("text", "kind"), [
+    (json.dumps({"format": "partc-shards", "version": 1}, indent=1), "JSON"),
+    ('[{"rank": 0}]', "JSON"),
+    ("   \n{\n}", "JSON"),
+    ("model weights, see README\n", "text"),
+])
+def test_a_text_file_given_as_the_checkpoint_is_said_to_be_no_safetensors_file(
+        tmp_path: Path, text: str, kind: str) -> None:
+    path = tmp_path / "partc-shards.json"
+    path.write_text(text + " " * 64)
+    first = text.encode()[:8] if len(text) >= 8 else (text + " " * 8).encode()[:8]
+    err = fault(path)
+    assert str(err) == (
+        f"{path}: not a safetensors file: it begins with {first!r}, which looks like {kind}, "
+        "where a safetensors file begins with the 8-byte little-endian length of its JSON "
+        f"header (these bytes read as {int.from_bytes(first, 'little')}); expected a "
+        ".safetensors file, its folder or its model.safetensors.index.json")
+    with pytest.raises(Exception, match="header too large"):  # the library refuses it too
+        load_file(str(path))
+
+
 def test_a_header_that_is_not_utf8_is_reported(tmp_path: Path) -> None:
     fault(write_raw(tmp_path / "x.safetensors", b'{"\xff": 1}'), "not valid UTF-8")
 
