@@ -190,6 +190,41 @@ def test_a_fingerprinted_build_refuses_a_different_header_unless_told_otherwise(
     np.testing.assert_array_equal(state.tensors["model.norm.weight"], full["model.norm.weight"])
 
 
+@pytest.mark.parametrize("other", ["gpt2", "qwen3", "llama_tied"])
+def test_another_models_checkpoint_is_refused_by_its_tensors_not_by_the_fingerprint(
+        tmp_path, capsys, other):
+    """Names or shapes that differ are what is wrong (skipping the fingerprint cannot help):
+    the errors are exactly the plan tensors the other checkpoint lacks or holds in another
+    shape (read with safetensors), by load() and by partc shard alike."""
+    from safetensors import safe_open
+
+    from partc.cli.main import main
+    from partc.errors import PartcErrors
+
+    plan = compile_family("llama", CONFIG, checkpoint=hf("llama"), tensor_parallel_size=2,
+                          out=tmp_path / "build").plan
+    assert plan.checkpoint_fingerprint is not None
+    package = import_build(tmp_path / "build", plan)
+    with safe_open(str(hf(other) / "model.safetensors"), "numpy") as handle:
+        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    for rank in plan.ranks:
+        wrong = {t.target for t in rank.layout.tensors
+                 if shapes.get(t.target) != list(t.global_shape)}
+        assert wrong
+        with pytest.raises((CheckpointError, PartcErrors)) as caught:
+            package.load(hf(other), rank=rank.rank)
+        errors = caught.value.errors if isinstance(caught.value, PartcErrors) else [caught.value]
+        assert {e.tensor for e in errors} == wrong
+        assert "fingerprint" not in str(caught.value)
+    everywhere = {t.target for rank in plan.ranks for t in rank.layout.tensors
+                  if shapes.get(t.target) != list(t.global_shape)}
+    assert main(["shard", str(tmp_path / "build"), "--checkpoint", str(hf(other)), "--out",
+                 str(tmp_path / "shards"), "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert {e["tensor"] for e in report["errors"]} == everywhere
+    assert not (tmp_path / "shards").exists()
+
+
 # ---------------------------------------------------------------- killed compiles
 
 

@@ -204,27 +204,32 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
 
 def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerprint: bool
                   ) -> Iterator[CheckpointError]:
-    """Every mismatch between the plan's global tensor table and the checkpoint header."""
-    expected = plan.get("checkpoint_fingerprint")
-    digest = plan.get("checkpoint_header_digest")
-    if verify_fingerprint and isinstance(expected, str):
-        mismatch = checkpoint.fingerprint_error(
-            expected, digest if isinstance(digest, str) else None,
-            override="--no-verify-fingerprint")
-        if mismatch is not None:
-            yield mismatch
+    """Every mismatch between the plan's global tensor table and the checkpoint header: the
+    tensors missing or of another dtype or shape, else a fingerprint that differs (whose
+    advice, `--no-verify-fingerprint`, can only help when every tensor matches)."""
+    mismatched = False
     for item in plan["tensors"]:
         target, dtype, shape = item["target"], item["dtype"], tuple(item["shape"])
         if target not in checkpoint:
+            mismatched = True
             yield CheckpointError(f"tensor `{target}` of the plan is not in the checkpoint",
                                   location=SourceLocation(str(checkpoint.path)), tensor=target)
             continue
         header, entry = checkpoint.tensor(target)
         if entry.dtype != dtype or tuple(entry.shape) != shape:
+            mismatched = True
             yield CheckpointError(
                 f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the checkpoint; the "
                 f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target)
+    expected = plan.get("checkpoint_fingerprint")
+    digest = plan.get("checkpoint_header_digest")
+    if not mismatched and verify_fingerprint and isinstance(expected, str):
+        mismatch = checkpoint.fingerprint_error(
+            expected, digest if isinstance(digest, str) else None,
+            override="--no-verify-fingerprint")
+        if mismatch is not None:
+            yield mismatch
 
 
 def _safetensors_header(slices: list[_Slice], metadata: dict[str, str]) -> bytes:

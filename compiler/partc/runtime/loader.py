@@ -72,14 +72,10 @@ def header_fingerprint(checkpoint: Checkpoint) -> str:
 
 def check_header(table: RankTable, checkpoint: Checkpoint, *,
                  verify_fingerprint: bool = True) -> list[PartcError]:
-    """Every mismatch between the rank's tensors and the checkpoint header."""
+    """Every mismatch between the rank's tensors and the checkpoint header: the tensors
+    missing or of another dtype or shape, else a fingerprint that differs (whose advice,
+    `verify_fingerprint=False`, can only help when every tensor matches)."""
     errors: list[PartcError] = []
-    if verify_fingerprint and table.checkpoint_fingerprint is not None:
-        mismatch = checkpoint.fingerprint_error(
-            table.checkpoint_fingerprint, table.checkpoint_header_digest,
-            override="verify_fingerprint=False")
-        if mismatch is not None:
-            errors.append(mismatch)
     for target, _, dtype, shape, _, _ in table.tensor_rows():
         signature = checkpoint.signature(target)
         if signature is None:
@@ -97,6 +93,12 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"tensor `{target}` has shape {list(found_shape)} in the checkpoint; the plan "
                 f"expects {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target))
+    if not errors and verify_fingerprint and table.checkpoint_fingerprint is not None:
+        mismatch = checkpoint.fingerprint_error(
+            table.checkpoint_fingerprint, table.checkpoint_header_digest,
+            override="verify_fingerprint=False")
+        if mismatch is not None:
+            errors.append(mismatch)
     return errors
 
 
