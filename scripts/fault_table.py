@@ -568,6 +568,8 @@ def _faults() -> Iterator[Fault]:
             folder / "model.safetensors.index.json").write_text(
                 '{"metadata": {"total_size": NaN}, "weight_map": {}}'))),
         ("checkpoint_is_a_fifo", "a named pipe given as the checkpoint", _checkpoint_fifo),
+        ("checkpoint_is_config_json", "config.json given as the checkpoint",
+         lambda scratch: scratch / "config.json"),
         ("link_out_of_folder", "model.safetensors links to ../elsewhere.safetensors",
          _single(_link_out)),
         ("wrong_dtype", "norm stored as F16", _single(_norm_as_f16)),
@@ -625,15 +627,13 @@ def _first_error(text: str) -> tuple[str, str]:
         first = report["errors"][0]
     except (ValueError, KeyError, IndexError, TypeError):
         return "", ""
+    from partc.errors import error_line
+
     where = first["file"] or ""
     if first["line"]:
         where += f":{first['line']}:{first['column']}"
-    if first.get("tensor"):
-        where += f" (tensor {first['tensor']})" if where else f"tensor {first['tensor']}"
-    message = (f"{where}: " if where else "") + first["message"]
-    if first["pointer"]:
-        message += f" [at {first['pointer']}]"
-    return first["kind"], message
+    return first["kind"], error_line(where, first["message"], tensor=first.get("tensor"),
+                                     pointer=first["pointer"])
 
 
 def _scrub(scratch: Path, kind: str, message: str) -> tuple[str, str]:
@@ -691,7 +691,8 @@ def run_fault(fault: Fault, work: Path) -> Outcome:
                 loader = ("loaded (not detected)" if fault.load_must_fail
                           else "loaded its own tensors (extra ones are not its concern)")
             except PartcError as error:
-                loader = _scrub(scratch, type(error).__name__, error.message)[1]
+                shown = PartcError.__str__(error)  # a PartcErrors: its best error's line
+                loader = _scrub(scratch, type(error).__name__, shown)[1]
                 loader = f"{type(error).__name__}: {loader}"
             except Exception as error:  # a bug, recorded as such
                 loader = f"BUG {type(error).__name__}: {error}"
@@ -779,7 +780,9 @@ def render(outcomes: list[Outcome]) -> str:
         "file is out of date. Every fault runs the `partc` command line (`check`, or `compile` "
         "over a previous build that must survive byte for byte); checkpoint faults also go "
         "through a generated loader's `load()` (TP=2, rank 0). The message is the first error "
-        "of the JSON report; paths are relative to the scratch folder of the fault. The "
+        "of the JSON report as the command line prints it, and the `load()` column the "
+        "loader's error as `str()` shows it (the tensor is named where the message does not "
+        "quote it); paths are relative to the scratch folder of the fault. The "
         "known mistakes of family files are the case table, `tests/cases/<name>/`.",
         "",
         "Checkpoint inputs are held to the safetensors library's rules or stricter (see "

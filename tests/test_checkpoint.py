@@ -165,9 +165,35 @@ def test_open_checkpoint_accepts_a_directory_a_safetensors_file_or_an_index_file
     assert dict(read_header(FP8).metadata) == {"format": "pt"}
 
 
-def test_the_index_is_preferred_when_a_directory_holds_both_forms() -> None:
-    ckpt = open_checkpoint(MLX4)
-    assert ckpt.index_path == str(MLX4 / "model.safetensors.index.json")
+def test_a_folder_holding_both_forms_is_read_from_model_safetensors_as_transformers_does(
+        tmp_path: Path) -> None:
+    """The shards and index of the tiny Llama next to a model.safetensors whose o_proj differs
+    in one byte: transformers' from_pretrained and partc both read model.safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "both"
+    shutil.copytree(LLAMA_SHARDED, folder)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    arrays = load_file(str(LLAMA))
+    arrays[name] = arrays[name].copy()
+    arrays[name].reshape(-1).view(np.uint8)[0] ^= 0x40
+    save_file(arrays, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = open_checkpoint(folder)
+    assert ckpt.index_path is None
+    assert [f.path for f in ckpt.files] == [str(folder / "model.safetensors")]
+    ours = read_tensor(ckpt, name, TensorSelection())
+    assert np.array_equal(bits(ours), bits(arrays[name]))
+    assert not np.array_equal(bits(ours), bits(load_file(str(LLAMA))[name])), \
+        "the shards hold the other bytes"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert np.array_equal(bits(model.state_dict()[name].numpy()), bits(ours))
+    by_index = open_checkpoint(folder / "model.safetensors.index.json")  # named: the shards
+    assert by_index.index_path == str(folder / "model.safetensors.index.json")
+    assert np.array_equal(bits(read_tensor(by_index, name, TensorSelection())),
+                          bits(load_file(str(LLAMA))[name]))
+    # an mlx-lm folder's index names model.safetensors itself: the same file either way
+    assert open_checkpoint(MLX4).files[0].path == str(MLX4 / "model.safetensors")
 
 
 def test_an_unknown_tensor_name_is_reported_with_a_close_match() -> None:
@@ -362,6 +388,27 @@ def test_a_header_over_100_mib_is_refused(tmp_path: Path) -> None:
     fault(path, f"header length {MAX_HEADER_SIZE + 1}", "refusing")
 
 
+@pytest.mark.parametrize(("text", "kind"), [
+    (json.dumps({"format": "partc-shards", "version": 1}, indent=1), "JSON"),
+    ('[{"rank": 0}]', "JSON"),
+    ("   \n{\n}", "JSON"),
+    ("model weights, see README\n", "text"),
+])
+def test_a_text_file_given_as_the_checkpoint_is_said_to_be_no_safetensors_file(
+        tmp_path: Path, text: str, kind: str) -> None:
+    path = tmp_path / "partc-shards.json"
+    path.write_text(text + " " * 64)
+    first = text.encode()[:8] if len(text) >= 8 else (text + " " * 8).encode()[:8]
+    err = fault(path)
+    assert str(err) == (
+        f"{path}: not a safetensors file: it begins with {first!r}, which looks like {kind}, "
+        "where a safetensors file begins with the 8-byte little-endian length of its JSON "
+        f"header (these bytes read as {int.from_bytes(first, 'little')}); expected a "
+        ".safetensors file, its folder or its model.safetensors.index.json")
+    with pytest.raises(Exception, match="header too large"):  # the library refuses it too
+        load_file(str(path))
+
+
 def test_a_header_that_is_not_utf8_is_reported(tmp_path: Path) -> None:
     fault(write_raw(tmp_path / "x.safetensors", b'{"\xff": 1}'), "not valid UTF-8")
 
@@ -401,6 +448,7 @@ def test_metadata_values_must_be_strings(tmp_path: Path) -> None:
 def test_a_malformed_tensor_entry_is_reported(tmp_path: Path, bad: Any, needle: str) -> None:
     err = fault(write_raw(tmp_path / "x.safetensors", {"t": bad}, bytes(4)), needle)
     assert err.tensor == "t"
+    assert str(err).startswith(f"{tmp_path / 'x.safetensors'} (tensor t): "), "the shown text"
 
 
 def test_an_unknown_dtype_is_reported(tmp_path: Path) -> None:
@@ -411,7 +459,8 @@ def test_an_unknown_dtype_is_reported(tmp_path: Path) -> None:
 
 def test_a_dtype_shape_byte_size_mismatch_is_reported(tmp_path: Path) -> None:
     path = write_raw(tmp_path / "x.safetensors", {"t": entry("BF16", [3, 2], 0, 8)}, bytes(12))
-    fault(path, "dtype/shape byte-size mismatch", "needs 12 bytes", "span 8")
+    err = fault(path, "dtype/shape byte-size mismatch", "needs 12 bytes", "span 8")
+    assert str(err).startswith(f"{path} (tensor t): dtype/shape byte-size mismatch")
 
 
 def test_a_truncated_payload_is_data_offsets_beyond_the_file(tmp_path: Path) -> None:
@@ -420,6 +469,7 @@ def test_a_truncated_payload_is_data_offsets_beyond_the_file(tmp_path: Path) -> 
     os.truncate(path, path.stat().st_size - 1)
     err = fault(path, "data offsets beyond the file (truncated file?)", "holds 63 bytes")
     assert err.tensor == "w"
+    assert str(err).startswith(f"{path} (tensor w): data offsets beyond the file")
 
 
 def test_overlapping_tensor_byte_ranges_are_reported(tmp_path: Path) -> None:
@@ -762,8 +812,12 @@ def test_jobs_cut_long_runs_and_keep_file_order() -> None:
 def test_default_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PARTC_READ_THREADS", "3")
     assert checkpoint.default_workers() == 3
+    monkeypatch.setenv("PARTC_READ_THREADS", " ")
+    assert 1 <= checkpoint.default_workers() <= 8, "blank: the default"
     monkeypatch.setenv("PARTC_READ_THREADS", "zero")
-    assert 1 <= checkpoint.default_workers() <= 8
+    with pytest.raises(CheckpointError, match="environment PARTC_READ_THREADS='zero' must be a "
+                       "positive integer in ASCII digits"):
+        checkpoint.default_workers()
 
 
 def test_one_run_answers_as_the_runs_do() -> None:

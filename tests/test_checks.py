@@ -71,7 +71,8 @@ def test_a_partition_unit_that_cuts_a_head_is_refused_with_both_counts():
 
 def test_a_column_bias_shorter_than_its_weight_rows_is_refused():
     assert case("column_bias_length_differs_from_weight") == [
-        "family.yaml:16:17: the bias of column projection `model.layers.0.self_attn.q_proj` "
+        "family.yaml:16:17 (tensor model.layers.0.self_attn.q_proj.bias): the bias of column "
+        "projection `model.layers.0.self_attn.q_proj` "
         "must have the length of its weight's output axis (axis 0 of [64, 64]), so the same "
         "unit ranges cut both: expected [64], found [32] "
         "[at /parameters/2/projections/0/params/bias]"]

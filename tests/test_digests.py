@@ -22,7 +22,7 @@ from partc.front.schema import load_schema
 from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
 from partc.shard import shard_checkpoint
 
-from support import compile_and_import, hf, import_build
+from support import Recorder, compile_and_import, hf, import_build
 
 LLAMA = hf("llama")
 
@@ -161,18 +161,28 @@ def test_a_build_with_digests_verifies_the_original_checkpoint_and_catches_a_fli
 def test_verify_digest_without_recorded_digests_is_a_clear_error(sharded, tmp_path: Path
                                                                  ) -> None:
     _, _, package, shards = sharded
+    recorder = Recorder()
+    package.load(LLAMA, rank=0, reader=recorder)
+    assert recorder.runs, "a load reads (and the recorder hears of it)"
+    recorder = Recorder()
     with pytest.raises(CheckpointError, match="verify='digest' needs recorded digests, but this "
                        "build was compiled without digests; compile with `partc compile ... "
-                       "--checkpoint DIR --digests`"):
-        package.load(LLAMA, rank=0, verify="digest")
+                       "--checkpoint DIR --digests`") as caught:
+        package.load(LLAMA, rank=0, verify="digest", reader=recorder)
+    assert recorder.runs == [], "refused before any payload is read"
+    assert caught.value.location is not None and caught.value.location.file == str(LLAMA)
     copy = tmp_path / "shards"
     shutil.copytree(shards, copy)
     manifest = json.loads((copy / SHARD_MANIFEST).read_text())
     for entry in manifest["ranks"]:
         del entry["digests"]
     (copy / SHARD_MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="its shard manifest records none"):
-        package.load(copy, rank=0, verify="digest")
+    recorder = Recorder()
+    with pytest.raises(CheckpointError, match="its shard manifest records none") as caught:
+        package.load(copy, rank=0, verify="digest", reader=recorder)
+    assert recorder.runs == [], "refused before the rank file is read"
+    assert caught.value.location is not None
+    assert caught.value.location.file == str(copy / SHARD_MANIFEST)
     with pytest.raises(CheckpointError, match="verify must be None or 'digest', found 'sha1'"):
         package.load(LLAMA, rank=0, verify="sha1")
 
@@ -213,3 +223,33 @@ def test_digests_need_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture
     assert exited.value.code == 2
     assert "partc compile: error: --digests needs --checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_shard_checks_every_slice_against_the_digests_compiled_into_the_build(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A build compiled with --digests is bound to its checkpoint's bytes: `partc shard` of a
+    corrupted copy is refused naming the tensor, its file and both digests (computed here
+    from safetensors' own arrays), and no shard set appears; an earlier one stays as it was."""
+    plan, _ = compile_and_import("llama", LLAMA / "config.json", tmp_path / "build", tp=2,
+                                 checkpoint=LLAMA, digests=True)
+    shard_checkpoint(tmp_path / "build", LLAMA, tmp_path / "good")
+    assert manifest_before(tmp_path / "good") == oracle_digests(LLAMA, plan)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "good").iterdir()}
+    copy = tmp_path / "ck"
+    copy.mkdir()
+    shutil.copy(LLAMA / "model.safetensors", copy / "model.safetensors")
+    target = "model.layers.1.self_attn.o_proj.weight"
+    flip_byte_of(copy / "model.safetensors", target)
+    good, bad = oracle_digests(LLAMA, plan), oracle_digests(copy, plan)
+    rank = next(r for r in range(2) if good[r][target] != bad[r][target])
+    assert [n for n in good[rank] if good[rank][n] != bad[rank][n]] == [target]
+    for out in ("fresh", "good"):
+        status = main(["shard", str(tmp_path / "build"), "--checkpoint", str(copy), "--out",
+                       str(tmp_path / out), "--force"])
+        err = capsys.readouterr().err
+        assert status == 1
+        assert err.startswith(f"error: {copy / 'model.safetensors'}")
+        assert (f"tensor `{target}` does not match its digest in the build's plan: expected sha256 "
+                f"{good[rank][target]}, found {bad[rank][target]}") in err
+    assert not (tmp_path / "fresh").exists()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "good").iterdir()} == before

@@ -66,3 +66,23 @@ def test_a_checkpoint_with_several_problems_is_still_a_checkpoint_error(tmp_path
     # a mix of kinds stays a plain PartcErrors, which `except CheckpointError` must not catch
     mixed = PartcErrors([CheckpointError("a"), LayoutError("b")])
     assert type(mixed) is PartcErrors and not isinstance(mixed, CheckpointError)
+
+
+@pytest.mark.parametrize(("location", "message", "tensor", "shown"), [
+    (SourceLocation("m.safetensors"), "dtype/shape byte-size mismatch", "a.weight",
+     "m.safetensors (tensor a.weight): dtype/shape byte-size mismatch"),
+    (SourceLocation("f.yaml", 3, 4), "bad [x]", "a.b", "f.yaml:3:4 (tensor a.b): bad [x]"),
+    (None, "bad", "a.b", "tensor a.b: bad"),
+    (SourceLocation("m.safetensors"), "tensor `a.b` is F16", "a.b", "m.safetensors: tensor "
+     "`a.b` is F16"),
+    (SourceLocation("m.safetensors"), "tensor 'a.b' is in two shards", "a.b",
+     "m.safetensors: tensor 'a.b' is in two shards"),
+    (SourceLocation("m.safetensors"), "tensor `a.bc` differs", "a.b",
+     "m.safetensors (tensor a.b): tensor `a.bc` differs"),
+    (SourceLocation("m.safetensors"), "bad", "a\nb", "m.safetensors (tensor 'a\\nb'): bad"),
+])
+def test_the_shown_error_names_its_tensor_unless_the_message_quotes_it(
+        location, message, tensor, shown):
+    error = PartcError(message, location=location, tensor=tensor)
+    assert str(error) == shown
+    assert error.message == message and error.tensor == tensor  # the fields stay apart

@@ -106,18 +106,22 @@ def test_every_fault_is_a_located_partc_error_without_traceback_or_damage(outcom
 @pytest.mark.parametrize(("fault", "message", "loader"), [
     ("shorter_than_8_bytes",
      "ckpt/model.safetensors: truncated file: 5 bytes, expected at least 8 for the header length",
-     "CheckpointError: truncated file: 5 bytes, expected at least 8 for the header length"),
+     "CheckpointError: ckpt/model.safetensors: truncated file: 5 bytes, expected at least 8 "
+     "for the header length"),
     ("truncated_payload",
      "ckpt/model.safetensors (tensor model.layers.2.self_attn.v_proj.weight): data offsets "
      "beyond the file (truncated file?): tensor ends at data byte 510976, the data region holds "
-     "510232 bytes", None),
+     "510232 bytes",
+     "CheckpointError: ckpt/model.safetensors (tensor model.layers.2.self_attn.v_proj.weight): "
+     "data offsets beyond the file (truncated file?): tensor ends at data byte 510976, the data "
+     "region holds 510232 bytes"),
     ("header_length_beyond_file",
      "ckpt/model.safetensors: header length 512232 beyond the file of size 511242", None),
     ("malformed_header_json",
      "ckpt/model.safetensors: header is not valid JSON: Expecting property name enclosed in "
      "double quotes at line 1 column 2", None),
     ("overlapping_offsets",
-     "ckpt/model.safetensors (tensor model.norm.weight): tensor byte ranges overlap: "
+     "ckpt/model.safetensors: tensor byte ranges overlap: "
      "'model.layers.2.post_attention_layernorm.weight' spans [510976, 511232) and "
      "'model.norm.weight' spans [510976, 511232); expected disjoint ranges", None),
     ("offsets_out_of_file",
@@ -126,28 +130,29 @@ def test_every_fault_is_a_located_partc_error_without_traceback_or_damage(outcom
      "bytes", None),
     ("byte_size_mismatch",
      "ckpt/model.safetensors (tensor model.norm.weight): dtype/shape byte-size mismatch: F32 "
-     "[32] needs 128 bytes, data_offsets [510976, 511232] span 256", None),
+     "[32] needs 128 bytes, data_offsets [510976, 511232] span 256",
+     "CheckpointError: ckpt/model.safetensors (tensor model.norm.weight): dtype/shape "
+     "byte-size mismatch: F32 [32] needs 128 bytes, data_offsets [510976, 511232] span 256"),
     ("missing_shard_file",
      "ckpt/model.safetensors.index.json: missing shard file model-00003-of-00004.safetensors "
      "named by the index", None),
     ("tensor_in_two_shards",
-     "ckpt/model-00004-of-00004.safetensors (tensor model.embed_tokens.weight): tensor "
+     "ckpt/model-00004-of-00004.safetensors: tensor "
      "'model.embed_tokens.weight' is in two shards: model-00001-of-00004.safetensors and "
      "model-00004-of-00004.safetensors; expected exactly one", None),
     ("wrong_dtype",
-     "ckpt/model.safetensors (tensor model.norm.weight): tensor `model.norm.weight` is F16 in "
-     "the checkpoint; the family declares F32",
-     "CheckpointError: tensor `model.norm.weight` has dtype F16 in the checkpoint; the plan "
-     "expects F32"),
+     "ckpt/model.safetensors: tensor `model.norm.weight` is F16 in the checkpoint; the family "
+     "declares F32",
+     "CheckpointError: ckpt/model.safetensors: tensor `model.norm.weight` has dtype F16 in the "
+     "checkpoint; the plan expects F32"),
     ("wrong_shape",
-     "ckpt/model.safetensors (tensor model.norm.weight): tensor `model.norm.weight` has shape "
-     "[8, 8] in the checkpoint; the family declares [64]",
-     "CheckpointError: tensor `model.norm.weight` has shape [8, 8] in the checkpoint; the plan "
-     "expects [64]"),
+     "ckpt/model.safetensors: tensor `model.norm.weight` has shape [8, 8] in the checkpoint; "
+     "the family declares [64]",
+     "CheckpointError: ckpt/model.safetensors: tensor `model.norm.weight` has shape [8, 8] in "
+     "the checkpoint; the plan expects [64]"),
     ("missing_tensor",
-     "ckpt (tensor model.norm.weight): the family declares tensor `model.norm.weight`, which the "
-     "checkpoint does not have",
-     "CheckpointError: tensor `model.norm.weight` of the plan is not in the checkpoint"),
+     "ckpt: the family declares tensor `model.norm.weight`, which the checkpoint does not have",
+     "CheckpointError: ckpt: tensor `model.norm.weight` of the plan is not in the checkpoint"),
 ])
 def test_checkpoint_faults_are_caught_from_the_header_by_check_and_by_load(outcomes, fault,
                                                                          message, loader):
@@ -183,6 +188,41 @@ def test_a_fingerprinted_build_refuses_a_different_header_unless_told_otherwise(
         np.testing.assert_array_equal(array, same.tensors[name])
     full = checkpoint_tensors(hf("llama"))
     np.testing.assert_array_equal(state.tensors["model.norm.weight"], full["model.norm.weight"])
+
+
+@pytest.mark.parametrize("other", ["gpt2", "qwen3", "llama_tied"])
+def test_another_models_checkpoint_is_refused_by_its_tensors_not_by_the_fingerprint(
+        tmp_path, capsys, other):
+    """Names or shapes that differ are what is wrong (skipping the fingerprint cannot help):
+    the errors are exactly the plan tensors the other checkpoint lacks or holds in another
+    shape (read with safetensors), by load() and by partc shard alike."""
+    from safetensors import safe_open
+
+    from partc.cli.main import main
+    from partc.errors import PartcErrors
+
+    plan = compile_family("llama", CONFIG, checkpoint=hf("llama"), tensor_parallel_size=2,
+                          out=tmp_path / "build").plan
+    assert plan.checkpoint_fingerprint is not None
+    package = import_build(tmp_path / "build", plan)
+    with safe_open(str(hf(other) / "model.safetensors"), "numpy") as handle:
+        shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    for rank in plan.ranks:
+        wrong = {t.target for t in rank.layout.tensors
+                 if shapes.get(t.target) != list(t.global_shape)}
+        assert wrong
+        with pytest.raises((CheckpointError, PartcErrors)) as caught:
+            package.load(hf(other), rank=rank.rank)
+        errors = caught.value.errors if isinstance(caught.value, PartcErrors) else [caught.value]
+        assert {e.tensor for e in errors} == wrong
+        assert "fingerprint" not in str(caught.value)
+    everywhere = {t.target for rank in plan.ranks for t in rank.layout.tensors
+                  if shapes.get(t.target) != list(t.global_shape)}
+    assert main(["shard", str(tmp_path / "build"), "--checkpoint", str(hf(other)), "--out",
+                 str(tmp_path / "shards"), "--format", "json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert {e["tensor"] for e in report["errors"]} == everywhere
+    assert not (tmp_path / "shards").exists()
 
 
 # ---------------------------------------------------------------- killed compiles

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from partc import shard
 from partc.cli.main import main
-from partc.errors import CheckpointError, LoadError, PartcError
+from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors
 from partc.output import MARKER
 from partc.runtime import digests
 from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
@@ -124,6 +124,50 @@ def test_a_rank_file_that_does_not_match_the_plan_is_refused(
     text = str(info.value)
     assert "`model.norm.weight` in the rank file is not one of rank 1's tensors" in text
     assert "`model.embed_tokens.weight` of the plan is not in the rank file" in text
+    # save_file wrote no metadata: the file no longer says which rank and plan it holds
+    assert (f"{copy / name}: the rank file's header metadata has no partc_rank or "
+            "partc_plan_hash; expected partc_rank '1'") in text
+
+
+def test_swapped_rank_files_are_refused_naming_the_file_and_both_ranks(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
+    _, _, package, sharded = llama
+    copy = tmp_path / "copy"
+    shutil.copytree(sharded, copy)
+    first, second = copy / rank_file_name(0, 4), copy / rank_file_name(1, 4)
+    with safe_open(str(first), "numpy") as a, safe_open(str(second), "numpy") as b:
+        assert sorted(a.keys()) == sorted(b.keys()), "the TP ranks of stage 0: the same names"
+    first.rename(tmp_path / "t")
+    second.rename(first)
+    (tmp_path / "t").rename(second)
+    for rank, holds in ((0, 1), (1, 0)):
+        recorder = Recorder()
+        with pytest.raises(CheckpointError) as info:
+            package.load(copy, rank=rank, reader=recorder)
+        assert not isinstance(info.value, PartcErrors), "the one error that explains it all"
+        assert str(info.value).startswith(f"{copy / rank_file_name(rank, 4)}: ")
+        assert (f"holds rank {holds}'s tensors (its metadata partc_rank is '{holds}'), but "
+                f"rank {rank} was asked for") in str(info.value)
+        assert recorder.runs == [], "refused before any payload is read"
+    assert package.load(copy, rank=2).tensors  # the untouched ranks still load
+
+
+def test_a_rank_file_cut_for_another_plan_is_refused_by_its_metadata(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
+    _, plan, package, sharded = llama
+    copy = tmp_path / "copy"
+    shutil.copytree(sharded, copy)
+    name = copy / rank_file_name(1, 4)
+    with safe_open(str(name), "numpy") as handle:
+        metadata = handle.metadata()
+    arrays = load_file(str(name))
+    save_file(arrays, str(name), metadata={**metadata, "partc_plan_hash": "ab" * 32})
+    with pytest.raises(CheckpointError) as info:
+        package.load(copy, rank=1)
+    own = plan.to_json()["plan_hash"][:16]
+    assert str(info.value) == (
+        f"{name}: the rank file was cut for plan abababababababab (its metadata "
+        f"partc_plan_hash), this loader is plan {own}; run `partc shard` again for this build")
 
 
 @pytest.mark.parametrize(("manifest", "needle"), [
@@ -151,10 +195,11 @@ def test_shard_checks_the_checkpoint_first_and_leaves_the_previous_output_untouc
     tensors = load_file(str(LLAMA / "model.safetensors"))
     tensors["lm_head.weight"] = tensors["lm_head.weight"][:, :-1].copy()
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(PartcError, match="fingerprint"):
-        shard_checkpoint(root / "build", bad, out)
-    with pytest.raises(CheckpointError, match=r"`lm_head.weight` is F32 \[131, 63\]"):
-        shard_checkpoint(root / "build", bad, out, verify_fingerprint=False)
+    for verify_fingerprint in (True, False):  # the shape is what is wrong, not the fingerprint
+        with pytest.raises(CheckpointError) as caught:
+            shard_checkpoint(root / "build", bad, out, verify_fingerprint=verify_fingerprint)
+        assert caught.value.message == ("tensor `lm_head.weight` is F32 [131, 63] in the "
+                                        "checkpoint; the plan expects F32 [131, 64]")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 

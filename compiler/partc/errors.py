@@ -24,8 +24,22 @@ class SourceLocation:
         return f"{self.file}:{self.line}:{self.column}"
 
 
+def error_line(where: str, message: str, *, tensor: str | None = None, pointer: str = ""
+               ) -> str:
+    """An error as the command line shows it: `where (tensor NAME): message [at pointer]`.
+
+    The tensor is named unless the message already quotes it (as `NAME` or 'NAME'); `where`
+    is the location ('' when unknown).
+    """
+    if tensor is not None and f"`{tensor}`" not in message and repr(tensor) not in message:
+        shown = tensor if tensor.isprintable() else repr(tensor)
+        where = f"{where} (tensor {shown})" if where else f"tensor {shown}"
+    return (f"{where}: " if where else "") + message + (f" [at {pointer}]" if pointer else "")
+
+
 class PartcError(Exception):
-    """Root of every error partc raises on bad input, shown as `file:line:col: msg [at ptr]`."""
+    """Root of every error partc raises on bad input, shown as `file:line:col: msg [at ptr]`
+    (`file (tensor NAME): msg` when it is about a tensor its message does not quote)."""
 
     stage = "partc"
     doc_topic: str | None = None
@@ -89,13 +103,8 @@ class PartcError(Exception):
         return (loc.file, loc.line, loc.column, self.pointer, self.message)
 
     def __str__(self) -> str:
-        parts = []
-        if self.location is not None:
-            parts.append(f"{self.location}: ")
-        parts.append(self.message)
-        if self.pointer:
-            parts.append(f" [at {self.pointer}]")
-        return "".join(parts)
+        return error_line("" if self.location is None else str(self.location), self.message,
+                          tensor=self.tensor, pointer=self.pointer)
 
     def to_json(self) -> dict[str, object]:
         """A machine-readable form of the error for editors and CI."""

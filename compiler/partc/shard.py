@@ -3,7 +3,8 @@
 `partc shard BUILD --checkpoint DIR --out OUT` checks the checkpoint header against the build's
 plan (names, dtypes, shapes, fingerprint) before reading any payload, then streams each rank's
 slices into `rank-<r>-of-<n>.safetensors` and writes a manifest tying the files to the plan
-hash, with the sha256 of every tensor written (for `load(..., verify="digest")`). The folder is
+hash, with the sha256 of every tensor written (for `load(..., verify="digest")`); a build
+compiled with `--digests` has every slice checked against its digests first. The folder is
 written through `output.write_atomically`, so a failed export leaves the previous one
 untouched, and only an empty folder or an earlier shard set is ever replaced. At most one batch
 of one rank's tensors is in memory at a time. A generated loader given the folder reads its own
@@ -27,12 +28,12 @@ from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, So
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.digests import byte_batches, tensor_digest
+from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
 from partc.runtime.headers import DTYPES
 from partc.runtime.loader import header_fingerprint
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
 from partc.runtime.progress import progress_bar
-from partc.runtime.reader import TensorSelection, read_tensors
+from partc.runtime.reader import TensorSelection, count_option, read_tensors
 
 if TYPE_CHECKING:
     from partc.runtime.progress import ProgressCallback
@@ -63,6 +64,8 @@ class _Slice:
     dtype: str
     local_shape: tuple[int, ...]
     selection: TensorSelection
+    digest: str | None = None
+    """The sha256 the build records for the slice (compiled with `--digests`), else None."""
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +90,7 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     `progress` draws one byte bar over the whole set (None: on a terminal only); `report`
     instead hears of the bytes written per rank file (step `write <file>`, unit `B`).
     """
+    count_option("workers", workers)
     plan_path = Path(build) / "plan.json"
     plan = _read_plan(plan_path)
     ranks = _rank_slices(Path(build), plan)
@@ -188,8 +192,10 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
             raise LoadError(f"{path.name} was generated for plan {module.PLAN_HASH[:16]}, "
                             f"plan.json is {plan['plan_hash'][:16]}",
                             location=SourceLocation(str(path)))
+        recorded = compiled_digests(rank, module.TARGETS, getattr(module, "DIGESTS", None))
         slices = [_Slice(target=item.target, dtype=item.dtype, local_shape=item.local_shape,
-                         selection=TensorSelection(*item.selection))
+                         selection=TensorSelection(*item.selection),
+                         digest=None if recorded is None else recorded.get(item.target, ""))
                   for item in module.layout().tensors]
         slices.sort(key=lambda s: (-DTYPES[s.dtype].itemsize, s.target))
         ranks.append(slices)
@@ -198,27 +204,32 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
 
 def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerprint: bool
                   ) -> Iterator[CheckpointError]:
-    """Every mismatch between the plan's global tensor table and the checkpoint header."""
-    expected = plan.get("checkpoint_fingerprint")
-    digest = plan.get("checkpoint_header_digest")
-    if verify_fingerprint and isinstance(expected, str):
-        mismatch = checkpoint.fingerprint_error(
-            expected, digest if isinstance(digest, str) else None,
-            override="--no-verify-fingerprint")
-        if mismatch is not None:
-            yield mismatch
+    """Every mismatch between the plan's global tensor table and the checkpoint header: the
+    tensors missing or of another dtype or shape, else a fingerprint that differs (whose
+    advice, `--no-verify-fingerprint`, can only help when every tensor matches)."""
+    mismatched = False
     for item in plan["tensors"]:
         target, dtype, shape = item["target"], item["dtype"], tuple(item["shape"])
         if target not in checkpoint:
+            mismatched = True
             yield CheckpointError(f"tensor `{target}` of the plan is not in the checkpoint",
                                   location=SourceLocation(str(checkpoint.path)), tensor=target)
             continue
         header, entry = checkpoint.tensor(target)
         if entry.dtype != dtype or tuple(entry.shape) != shape:
+            mismatched = True
             yield CheckpointError(
                 f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the checkpoint; the "
                 f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target)
+    expected = plan.get("checkpoint_fingerprint")
+    digest = plan.get("checkpoint_header_digest")
+    if not mismatched and verify_fingerprint and isinstance(expected, str):
+        mismatch = checkpoint.fingerprint_error(
+            expected, digest if isinstance(digest, str) else None,
+            override="--no-verify-fingerprint")
+        if mismatch is not None:
+            yield mismatch
 
 
 def _safetensors_header(slices: list[_Slice], metadata: dict[str, str]) -> bytes:
@@ -238,7 +249,8 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
                 workers: int | None, update: Callable[[int], None] | None,
                 digests: dict[str, str], handle: BinaryIO) -> None:
     """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
-    record the digest of each into `digests`."""
+    record the digest of each into `digests`; a slice whose digest is not the one the build
+    records (`--digests`) is refused before it is written (the output is then discarded)."""
     handle.write(_safetensors_header(slices, metadata))
     if update is not None:
         update(0)  # the file is begun, even when it holds no bytes
@@ -250,11 +262,26 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
             if array.shape != s.local_shape:
                 raise CheckpointError(f"tensor `{s.target}` read as {list(array.shape)}, the "
                                       f"plan expects {list(s.local_shape)}", tensor=s.target)
+            digest = tensor_digest(array)
+            if s.digest is not None and digest != s.digest:
+                raise _digest_mismatch(checkpoint, s, digest)
             if array.size:
                 handle.write(array.reshape(-1).view("u1").data)
             if update is not None:
                 update(s.nbytes)  # bytes written, so a file's count ends at its size
-            digests[s.target] = tensor_digest(array)
+            digests[s.target] = digest
             del array
+
+
+def _digest_mismatch(checkpoint: Checkpoint, s: _Slice, found: str) -> CheckpointError:
+    """The error for a slice whose payload is not the one the build was compiled against."""
+    header, _ = checkpoint.tensor(s.target)
+    expected = s.digest or "none (the build's DIGESTS table lacks it)"
+    return CheckpointError(
+        f"tensor `{s.target}` does not match its digest in the build's plan: expected sha256 "
+        f"{expected}, found {found} (the payload bytes differ from the checkpoint the build was "
+        "compiled against with --digests); no shard set is written. Shard the checkpoint the "
+        "build was compiled against, or compile the build without --digests to cut other "
+        "weights", location=SourceLocation(str(header.path)), tensor=s.target)
 
 

@@ -158,6 +158,9 @@ def _suggest(name: str, names: tuple[str, ...]) -> str | None:
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a checkpoint directory (model.safetensors or its index), index file or .safetensors.
 
+    A folder holding both model.safetensors and model.safetensors.index.json is read from
+    model.safetensors, the index ignored: transformers' `from_pretrained` (5.x) resolves a
+    folder so, and partc loads the bytes it loads (name the index file to read the shards).
     Every file is checked before it is opened: it must be a regular file, and a symbolic link
     must resolve inside the checkpoint folder or its Hugging Face cache `blobs/` folder.
     """
@@ -167,10 +170,10 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         _fail(p, "no such checkpoint file or directory")
     if stat.S_ISDIR(st.st_mode):
         index, single = join(p, "model.safetensors.index.json"), join(p, "model.safetensors")
-        if present(index, "checkpoint index"):
-            return _open_index(p, checked_member(p, index, "index"))
         if present(single, "checkpoint file"):
             return _open_single(p, checked_member(p, single, "checkpoint file"))
+        if present(index, "checkpoint index"):
+            return _open_index(p, checked_member(p, index, "index"))
         _fail(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json")
     if not stat.S_ISREG(st.st_mode):

@@ -17,12 +17,13 @@ import numpy as np
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.reader import TensorSelection, default_workers, read_tensors
+from partc.runtime.tables import _lines
 
 if TYPE_CHECKING:
     from partc.parallel.layout import LocalModelLayout
 
-__all__ = ["BATCH_BYTES", "VERIFY_MODES", "byte_batches", "plan_digests", "tensor_digest",
-           "tensor_digests", "verify_digests", "check_digests"]
+__all__ = ["BATCH_BYTES", "VERIFY_MODES", "byte_batches", "compiled_digests", "plan_digests",
+           "tensor_digest", "tensor_digests", "verify_digests", "check_digests"]
 
 VERIFY_MODES = (None, "digest")
 """Values of a loader's `verify=` option."""
@@ -97,6 +98,19 @@ def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
     if progress is not None:
         progress(len(layouts), len(layouts))
     return tuple(ranks)
+
+
+def compiled_digests(rank: int, targets: str | tuple[str, ...],
+                     digests: str | tuple[str, ...] | None) -> dict[str, str] | None:
+    """The digests a build compiled with `--digests` records in rank `rank`'s module (its
+    DIGESTS table, in TARGETS order), by target; None for a build without them."""
+    if digests is None:
+        return None
+    names, found = _lines(targets), _lines(digests)
+    if len(names) != len(found):
+        raise CheckpointError(f"the generated tables of rank {rank} list {len(found)} DIGESTS "
+                              f"for {len(names)} TARGETS; regenerate the build")
+    return dict(zip(names, found, strict=True))
 
 
 def verify_digests(tensors: Mapping[str, np.ndarray[Any, Any]], expected: Mapping[str, str],

@@ -56,10 +56,21 @@ def spelled(path: str | os.PathLike[str]) -> str:
     return lead + os.sep.join(parts) or "."
 
 
+def path_text(value: object) -> str | bytes | None:
+    """`os.fspath(value)`: the text of a str, bytes or os.PathLike; None for anything else."""
+    try:
+        return os.fspath(value)  # type: ignore[call-overload, no-any-return]
+    except TypeError:
+        return None
+
+
 def _parts(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
     """pathlib's reading of a path: its root ('', the separator, or exactly two of them, which
     POSIX leaves to the system) and its components without empty and `.` ones."""
-    text = os.fspath(path)
+    text = path_text(path)
+    if not isinstance(text, str):
+        raise CheckpointError(f"a path must be a str or an os.PathLike giving one, found "
+                              f"{type(path).__name__} {path!r:.80}")
     if os.altsep:
         text = text.replace(os.altsep, os.sep)
     sep = os.sep

@@ -225,7 +225,14 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         size = st.st_size
         if size < 8:
             _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
-        n = int.from_bytes(read_exactly(fd, p, 0, 8, "header length"), "little")
+        first = read_exactly(fd, p, 0, 8, "header length")
+        n = int.from_bytes(first, "little")
+        if n > MAX_HEADER_SIZE and _text_like(first):
+            kind = "JSON" if first.lstrip(b" \t\r\n")[:1] in (b"{", b"[") else "text"
+            _fail(p, f"not a safetensors file: it begins with {first!r}, which looks like "
+                     f"{kind}, where a safetensors file begins with the 8-byte little-endian "
+                     f"length of its JSON header (these bytes read as {n}); expected a "
+                     ".safetensors file, its folder or its model.safetensors.index.json")
         if n > MAX_HEADER_SIZE:
             _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
         if n > size - 8:
@@ -237,6 +244,12 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         return _parse_header(p, raw, size, FileStamp.of(st))
     except MemoryError:
         _fail(p, f"ran out of memory parsing the header ({n} bytes)")
+
+
+def _text_like(data: bytes) -> bool:
+    """Whether `data` is printable ASCII and whitespace only: a text file's first bytes (as a
+    header length they exceed MAX_HEADER_SIZE, so no safetensors file begins so)."""
+    return all(32 <= b < 127 or b in (9, 10, 13) for b in data)
 
 
 @contextmanager

@@ -18,15 +18,20 @@ import numpy as np
 
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
-from partc.runtime.digests import VERIFY_MODES, check_digests, verify_digests
+from partc.runtime.digests import (
+    VERIFY_MODES,
+    check_digests,
+    compiled_digests,
+    verify_digests,
+)
+from partc.runtime.files import path_text, spelled
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
 from partc.runtime.ranks import rank_from_environment, rank_out_of_range
-from partc.runtime.reader import TensorSelection, read_tensors
+from partc.runtime.reader import TensorSelection, count_option, read_tensors
 from partc.runtime.tables import (
     RankTable,
-    _lines,
     local_model_layout,
     parallel_model_info,
     tensor_selections,
@@ -67,14 +72,10 @@ def header_fingerprint(checkpoint: Checkpoint) -> str:
 
 def check_header(table: RankTable, checkpoint: Checkpoint, *,
                  verify_fingerprint: bool = True) -> list[PartcError]:
-    """Every mismatch between the rank's tensors and the checkpoint header."""
+    """Every mismatch between the rank's tensors and the checkpoint header: the tensors
+    missing or of another dtype or shape, else a fingerprint that differs (whose advice,
+    `verify_fingerprint=False`, can only help when every tensor matches)."""
     errors: list[PartcError] = []
-    if verify_fingerprint and table.checkpoint_fingerprint is not None:
-        mismatch = checkpoint.fingerprint_error(
-            table.checkpoint_fingerprint, table.checkpoint_header_digest,
-            override="verify_fingerprint=False")
-        if mismatch is not None:
-            errors.append(mismatch)
     for target, _, dtype, shape, _, _ in table.tensor_rows():
         signature = checkpoint.signature(target)
         if signature is None:
@@ -92,6 +93,12 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"tensor `{target}` has shape {list(found_shape)} in the checkpoint; the plan "
                 f"expects {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target))
+    if not errors and verify_fingerprint and table.checkpoint_fingerprint is not None:
+        mismatch = checkpoint.fingerprint_error(
+            table.checkpoint_fingerprint, table.checkpoint_header_digest,
+            override="verify_fingerprint=False")
+        if mismatch is not None:
+            errors.append(mismatch)
     return errors
 
 
@@ -130,6 +137,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory;
     `verify="digest"` then hashes the blocks as they pass through the ring.
     """
+    _check_options(checkpoint, reader=reader, workers=workers, local_ranks=local_ranks,
+                   verify_fingerprint=verify_fingerprint, progress=progress)
     if not isinstance(zero_copy, bool) and zero_copy != "private":
         raise CheckpointError(f"zero_copy must be False, True or 'private', found {zero_copy!r}")
     if device is None and framework in (None, "numpy") and staging_bytes is None:
@@ -146,12 +155,10 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                               "which torch tensors cannot be; load with zero_copy='private' "
                               "(writable copy-on-write views), framework='numpy', or without "
                               "zero_copy")
-    if local_ranks is not None and (isinstance(local_ranks, bool) or not isinstance(
-            local_ranks, int) or local_ranks < 1):
-        raise CheckpointError(f"local_ranks must be a positive integer, found {local_ranks!r}")
     target_dtype = None if dtype is None else _float_dtype(dtype)
     selections = tensor_selections(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
+    recorded = None if verify != "digest" else _recorded_digests(table, manifest, checkpoint)
     if manifest is not None:
         opened = _open_presharded(table, manifest, local_model_layout(table))
         requests = [(target, TensorSelection()) for target, _, _ in selections]
@@ -171,14 +178,14 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         with progress_bar(total, f"rank {table.rank}", progress) as update:
             on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
                                         progress=update, digests=found)[0]
-        if found is not None:
-            _verify_payloads(table, manifest, opened, on_device, workers, found=found)
+        if recorded is not None and found is not None:
+            _verify_payloads(recorded, opened, on_device, workers, found=found)
         return RankState(tensors=convert_on_device(on_device, target_dtype), table=table)
     with progress_bar(total, f"rank {table.rank}", progress) as update:
         tensors = read_tensors(opened, requests, reader=reader, workers=workers,
                                progress=update, zero_copy=zero_copy, local_ranks=local_ranks)
-    if verify == "digest":
-        _verify_payloads(table, manifest, opened, tensors, workers)
+    if recorded is not None:
+        _verify_payloads(recorded, opened, tensors, workers)
     if target_dtype is not None:
         for name, array in tensors.items():  # one tensor at a time: the original is freed
             if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
@@ -188,27 +195,59 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     return RankState(tensors=tensors, table=table)
 
 
-def _verify_payloads(table: RankTable, manifest: ShardManifest | None, opened: Checkpoint,
-                     tensors: Mapping[str, Any], workers: int | None, *,
-                     found: Mapping[str, str] | None = None) -> None:
-    """Check every tensor read against its recorded digest (manifest first, else the build);
-    `found`: the digests already taken (a device load hashes its staging blocks)."""
+def _check_options(checkpoint: object, *, reader: object, workers: object,
+                   local_ranks: object, verify_fingerprint: object, progress: object) -> None:
+    """Refuse, before anything is opened, a checkpoint that is no path and options of the
+    wrong kind, naming the option, the value found and what it must be."""
+    if not isinstance(checkpoint, Checkpoint) and not isinstance(path_text(checkpoint), str):
+        raise CheckpointError(
+            "checkpoint must be a folder or file path (a str or an os.PathLike giving one) or "
+            f"an opened Checkpoint, found {type(checkpoint).__name__} {checkpoint!r:.80}"
+            + ("; decode a bytes path with os.fsdecode()" if isinstance(path_text(checkpoint),
+                                                                         bytes) else ""))
+    if reader is not None and not callable(getattr(reader, "record", None)):
+        raise CheckpointError("reader must be None or an object with a record(path, offset, "
+                              "length) method (partc.runtime.reader.ReadRecorder), found "
+                              f"{reader!r:.80}")
+    count_option("workers", workers)
+    count_option("local_ranks", local_ranks)
+    if not isinstance(verify_fingerprint, bool):
+        raise CheckpointError(f"verify_fingerprint must be True or False, found "
+                              f"{verify_fingerprint!r:.80}")
+    if progress is not None and not isinstance(progress, bool):
+        raise CheckpointError(f"progress must be None (a bar on a terminal only), True or False, "
+                              f"found {progress!r:.80}")
+
+
+def _recorded_digests(table: RankTable, manifest: ShardManifest | None,
+                      checkpoint: str | os.PathLike[str] | Checkpoint
+                      ) -> tuple[dict[str, str], str]:
+    """The digests `verify="digest"` checks the rank's tensors against (the shard manifest's,
+    else the build's) and where they come from; a CheckpointError, before anything is read,
+    when neither records them."""
     expected = None if manifest is None else manifest.rank_digests(table.rank)
     source = f"the shard manifest {manifest.path}" if manifest is not None else ""
     if expected is None and table.digests is not None:
-        targets, digests = _lines(table.targets), _lines(table.digests)
-        if len(targets) != len(digests):
-            raise CheckpointError(f"the generated tables of rank {table.rank} list "
-                                  f"{len(digests)} DIGESTS for {len(targets)} TARGETS; "
-                                  "regenerate the build")
-        expected, source = dict(zip(targets, digests, strict=True)), "the build's plan"
+        expected = compiled_digests(table.rank, table.targets, table.digests)
+        source = "the build's plan"
     if expected is None:
         where = "its shard manifest records none (cut by an older partc: run `partc shard` " \
             "again)" if manifest is not None else "this build was compiled without digests"
+        path = (manifest.path if manifest is not None else checkpoint.path
+                if isinstance(checkpoint, Checkpoint) else spelled(checkpoint))
         raise CheckpointError(f"verify='digest' needs recorded digests, but {where}; compile "
                               "with `partc compile ... --checkpoint DIR --digests`, or load a "
                               "folder written by `partc shard`",
-                              location=SourceLocation(str(opened.path)))
+                              location=SourceLocation(str(path)))
+    return expected, source
+
+
+def _verify_payloads(recorded: tuple[dict[str, str], str], opened: Checkpoint,
+                     tensors: Mapping[str, Any], workers: int | None, *,
+                     found: Mapping[str, str] | None = None) -> None:
+    """Check every tensor read against its `recorded` digest (see `_recorded_digests`);
+    `found`: the digests already taken (a device load hashes its staging blocks)."""
+    expected, source = recorded
     files = {}
     for name in tensors:
         signature = opened.signature(name)
@@ -229,7 +268,7 @@ def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalMod
             f"plan {table.plan_hash[:16]}; run `partc shard` again for this build",
             location=where)
     opened = open_checkpoint(manifest.rank_file(table.rank))
-    errors: list[PartcError] = []
+    errors = _rank_file_identity(table, opened)
     expected = {item.target for item in layout.tensors}
     for extra in sorted(set(opened.names) - expected):
         errors.append(CheckpointError(f"tensor `{extra}` in the rank file is not one of rank "
@@ -249,6 +288,35 @@ def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalMod
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(errors)
     return opened
+
+
+def _rank_file_identity(table: RankTable, opened: Checkpoint) -> list[PartcError]:
+    """The rank file's own record of what it holds (`partc_rank`, `partc_plan_hash` in its
+    header metadata) checked against the rank asked for: a renamed or swapped file raises at
+    once (its names and shapes may all match another rank's); metadata missing (a file
+    re-saved by other tools) is reported with the other mismatches."""
+    header = opened.files[0]
+    where = SourceLocation(str(header.path))
+    metadata = dict(header.metadata)
+    found_rank, found_hash = metadata.get("partc_rank"), metadata.get("partc_plan_hash")
+    if found_rank is not None and found_rank != str(table.rank):
+        raise CheckpointError(
+            f"the rank file holds rank {found_rank}'s tensors (its metadata partc_rank is "
+            f"{found_rank!r}), but rank {table.rank} was asked for; the files of the shard set "
+            f"were renamed or swapped: run `partc shard` again", location=where)
+    if found_hash is not None and found_hash != table.plan_hash:
+        raise CheckpointError(
+            f"the rank file was cut for plan {found_hash[:16]} (its metadata partc_plan_hash), "
+            f"this loader is plan {table.plan_hash[:16]}; run `partc shard` again for this "
+            "build", location=where)
+    missing = [key for key, value in (("partc_rank", found_rank),
+                                      ("partc_plan_hash", found_hash)) if value is None]
+    if not missing:
+        return []
+    return [CheckpointError(
+        f"the rank file's header metadata has no {' or '.join(missing)}; expected partc_rank "
+        f"{str(table.rank)!r} and the partc_plan_hash of plan {table.plan_hash[:16]}, as "
+        "`partc shard` writes them (a file re-saved by another tool?)", location=where)]
 
 
 def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None = None) -> Any:

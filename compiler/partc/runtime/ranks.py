@@ -39,14 +39,19 @@ class LaunchPosition:
 
 
 def environment_integer(name: str, raw: str) -> int:
-    """Environment variable `name`'s value `raw` as a non-negative integer, or a clear error."""
-    try:
-        value = int(raw)
-    except ValueError:
-        raise CheckpointError(f"environment {name}={raw!r} is not an integer") from None
-    if value < 0:
+    """Environment variable `name`'s value `raw` as a non-negative integer, or a clear error.
+
+    Only ASCII digits are read (surrounding whitespace aside): `int` would also take '1_0'
+    and other scripts' digits ('٣' is 3), which no launcher writes.
+    """
+    text = raw.strip()
+    digits = text[1:] if text.startswith("-") else text
+    if not (digits.isascii() and digits.isdigit()):
+        raise CheckpointError(f"environment {name}={raw!r} is not an integer in ASCII digits "
+                              "(e.g. 3)")
+    if text.startswith("-"):
         raise CheckpointError(f"environment {name}={raw!r} must not be negative")
-    return value
+    return int(text)
 
 
 def launch_position(build_world_size: int) -> LaunchPosition:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from partc.errors import CheckpointError
 from partc.parallel.placements import local_shape
 from partc.runtime.checkpoint import MAX_INDEX_BYTES, Checkpoint, open_checkpoint
 from partc.runtime.files import FileStamp, no_readahead
@@ -90,10 +91,30 @@ WHOLE = TensorSelection()
 """The selection of an entire tensor."""
 
 
-def _positive(raw: str | None) -> int | None:
-    """`raw` as a positive integer, or None (unset, empty, not a number, zero)."""
-    raw = (raw or "").strip()
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+def environment_count(name: str) -> int | None:
+    """Environment variable `name` as a positive integer; None when unset or blank.
+
+    Any other value is a CheckpointError naming the variable and its value: only ASCII digits
+    are read (`str.isdigit` accepts '²', which `int` refuses; `int` accepts '1_0' and
+    other scripts' digits, which no launcher writes).
+    """
+    raw = os.environ.get(name)
+    text = (raw or "").strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) == 0:
+        raise CheckpointError(f"environment {name}={raw!r} must be a positive integer in ASCII "
+                              "digits (e.g. 4); unset it for the default")
+    return int(text)
+
+
+def count_option(name: str, value: object) -> int | None:
+    """Option `name`'s `value`: None or a positive integer (a bool is not one); a
+    CheckpointError naming the option and the value otherwise."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise CheckpointError(f"{name} must be a positive integer, found {value!r}")
+    return value
 
 
 def usable_cores() -> int:
@@ -108,8 +129,7 @@ def node_ranks(local_ranks: int | None = None) -> int:
     torchrun's `LOCAL_WORLD_SIZE`, else 1."""
     if local_ranks is not None:
         return max(1, int(local_ranks))
-    return (_positive(os.environ.get("PARTC_LOCAL_RANKS"))
-            or _positive(os.environ.get("LOCAL_WORLD_SIZE")) or 1)
+    return environment_count("PARTC_LOCAL_RANKS") or environment_count("LOCAL_WORLD_SIZE") or 1
 
 
 def default_workers(local_ranks: int | None = None) -> int:
@@ -120,7 +140,7 @@ def default_workers(local_ranks: int | None = None) -> int:
     the ranks take turns (measured: 2T threads on 2 cores made the slowest of T ranks 2x-4x
     slower than one rank alone).
     """
-    forced = _positive(os.environ.get("PARTC_READ_THREADS"))
+    forced = environment_count("PARTC_READ_THREADS")
     if forced is not None:
         return forced
     return max(1, min(8, usable_cores() // node_ranks(local_ranks)))
@@ -153,8 +173,8 @@ class CheckpointReader:
         """Ranks loading on this node at once (see `node_ranks`)."""
         self.workers = default_workers(local_ranks) if workers is None else max(1, workers)
         """Threads `read_many` may use for a large read."""
-        self._cold_workers = self.workers if workers is not None or os.environ.get(
-            "PARTC_READ_THREADS", "").strip().isdigit() else max(
+        self._cold_workers = self.workers if workers is not None or environment_count(
+            "PARTC_READ_THREADS") is not None else max(
             self.workers, DIRECT_THREADS // node_ranks(local_ranks))
         """Threads of a read with cold gathers (waiting on storage, not on cores): the node's
         share of `DIRECT_THREADS` unless the thread count was given."""
