@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from partc.errors import PartcError
+from partc.errors import PartcError, SourceLocation
+from partc.front.load import MAX_CONFIG_BYTES, RawDocument, decode_text, parse_json, read_bytes
 
 INSTALL_HINT = "pip install 'partc[verify]'"
 """How to get the libraries `partc verify` needs."""
@@ -181,15 +182,11 @@ def reference_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 # ---------------------------------------------------------------- building
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """A config.json as a dict, or a VerifyError naming the file."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise VerifyError(f"cannot read config {path}: {error}") from None
-    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
-        raise VerifyError(f"config {path} must be a JSON object with a string `model_type`")
-    return value
+def load_config(path: Path) -> RawDocument:
+    """config.json read by partc's front end, as `partc check` reads it: a LoadError at the
+    file (and line) when it is missing, not UTF-8, malformed or has a duplicate key."""
+    raw = read_bytes(path, "config.json", MAX_CONFIG_BYTES)
+    return parse_json(str(path), decode_text(raw, str(path), "config.json"), "config.json")
 
 
 def model_class(transformers: Any, hf_config: Any) -> Any:
@@ -201,8 +198,10 @@ def model_class(transformers: Any, hf_config: Any) -> Any:
     return transformers.AutoModelForCausalLM  # its own error names the config class
 
 
-def build_reference(config: dict[str, Any], folder: Path, seed: int) -> None:
-    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`."""
+def build_reference(config: dict[str, Any], folder: Path, seed: int,
+                    source: SourceLocation | None = None) -> None:
+    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`;
+    a VerifyError at `source` (the user's config) when transformers cannot build it."""
     torch, transformers = require_libraries()
     fields = dict(config)
     model_type = fields.pop("model_type")
@@ -214,9 +213,11 @@ def build_reference(config: dict[str, Any], folder: Path, seed: int) -> None:
             what = "image-text-to-text model"
         torch.manual_seed(seed)
         model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError,
+            AssertionError) as error:  # torch asserts on some arguments (a padding index)
         raise VerifyError(f"transformers {transformers.__version__} cannot build a "
-                          f"`{model_type}` {what} from the config: {error}") from None
+                          f"`{model_type}` {what} from the config: {error}",
+                          location=source) from None
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, parameter in sorted(model.named_parameters()):

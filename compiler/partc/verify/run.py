@@ -31,10 +31,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import PartcError, PartcErrors
+from partc.api import bind
+from partc.errors import PartcError, PartcErrors, SourceLocation
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.pipeline import pipeline_checks
-from partc.verify.reference import build_reference, load_config, reference_config, require_libraries
+from partc.verify.reference import (
+    VerifyError,
+    build_reference,
+    load_config,
+    reference_config,
+    require_libraries,
+)
 from partc.verify.report import Check, VerifyReport
 from partc.verify.session import Session, compile_build
 
@@ -57,15 +64,14 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     transformers is missing or the model cannot be built.
     """
     require_libraries()
-    given = load_config(Path(config))
+    given = checked_config(family, Path(config))
     reference, notes = reference_config(given)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
         work = Path(scratch)
         folder = work / "reference"
-        build_reference(reference, folder, seed)
-        session = Session(folder, work, seed)
+        session = _reference_session(reference, folder, work, seed, Path(config))
         seconds["reference"] = time.perf_counter() - start
         checks: list[Check] = []
         skipped: list[dict[str, object]] = []
@@ -121,3 +127,26 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     return VerifyReport(family=family_name or str(family or given["model_type"]),
                         model_type=str(given["model_type"]), checks=tuple(checks),
                         skipped=tuple(skipped), notes=tuple(notes), seconds=seconds)
+
+
+def checked_config(family: str | Path | None, config: Path) -> dict[str, Any]:
+    """The user's config.json, checked as `partc check --config` checks it before any model
+    is built: read by partc's front end (duplicate keys refused), the family (the built-in one
+    of its `model_type` by default) loaded and validated, and bound to it, with the meaning of
+    every field it reads checked; each error names the user's files."""
+    bind(family, config)  # raises every binding error, located in the user's files
+    data: dict[str, Any] = load_config(config).data
+    return data
+
+
+def _reference_session(reference: dict[str, Any], folder: Path, work: Path, seed: int,
+                       config: Path) -> Session:
+    """The reference model built and run once; a VerifyError at the user's config when
+    transformers builds a model of it that it cannot run."""
+    build_reference(reference, folder, seed, SourceLocation(str(config)))
+    try:
+        return Session(folder, work, seed)
+    except RuntimeError as error:  # torch: the config's sizes do not fit each other
+        raise VerifyError(f"transformers cannot run the `{reference['model_type']}` model "
+                          f"built from the config: {error}",
+                          location=SourceLocation(str(config))) from None
