@@ -126,3 +126,44 @@ def test_absurd_loop_counts_fail_fast_instead_of_expanding(tmp_path, monkeypatch
     assert bind_errors(tmp_path, monkeypatch, family) == [
         "family.yaml:21:19: the count of `expert` is 1600000; partc accepts at most 4096 "
         "iterations [at /parameters/1/for/expert]"]
+
+
+def test_every_config_field_mistake_is_reported_together(tmp_path, monkeypatch):
+    config = {k: v for k, v in MINI_CONFIG.items() if k != "num_layers"}
+    config.update(hidden_size="8", vocab_size=-4)
+    assert bind_errors(tmp_path, monkeypatch, config=config) == [
+        "config.json:1:1: config.json has no `num_layers`, which family `mini` requires "
+        "(declared as int with no default) [at /num_layers]",
+        "config.json:3:17: config field `hidden_size` must be int, found str '8' (declared at "
+        "family.yaml:4:16) [at /hidden_size]",
+        "config.json:4:16: config field `vocab_size` must be a positive integer of at most "
+        "2147483647, found -4 [at /vocab_size]"]
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({**MINI_CONFIG, "num_local_experts": None},
+     "config.json:6:23: config.json has none of `num_experts`, `num_local_experts` (tried in "
+     "this order); `num_local_experts` is null, which family `mini` requires (declared as int "
+     "with no default) [at /num_local_experts]"),
+    (MINI_CONFIG,
+     "config.json:1:1: config.json has none of `num_experts`, `num_local_experts` (tried in "
+     "this order), which family `mini` requires (declared as int with no default) "
+     "[at /num_experts]"),
+])
+def test_a_missing_field_names_every_source_tried(tmp_path, monkeypatch, config, expected):
+    family = with_config_fields("  experts: {type: int, from: [num_experts, num_local_experts]}\n")
+    assert bind_errors(tmp_path, monkeypatch, family=family, config=config) == [expected]
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"hidden_size": 8}, "config.json:1:1: config.json has no `model_type`, so no built-in "
+                         "family applies; expected the model type of a built-in family (bloom, "),
+    ({"model_type": None}, "config.json:2:16: config.json gives `model_type` as null, not a "
+                           "string, so no built-in family applies; expected the model type of "),
+])
+def test_a_config_without_a_model_type_says_so(tmp_path, monkeypatch, config, expected):
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=1))
+    monkeypatch.chdir(tmp_path)
+    errors = [str(e) for e in check_family(None, "config.json")]
+    assert len(errors) == 1 and errors[0].startswith(expected), errors
+    assert errors[0].endswith("), or name a family file [at /model_type]")

@@ -160,6 +160,19 @@ def _locator(decl: FamilyDecl, bound: BoundArchitecture) -> GroupSite:
     return locate
 
 
+def topology_errors(bound: BoundArchitecture, decl: FamilyDecl,
+                    topology: Topology) -> list[PartcError]:
+    """Every error realizing `bound` (of family `decl`) for `topology`, located as `check`
+    locates them; [] when it compiles there."""
+    try:
+        realize_plan(bound, topology, group_location=_locator(decl, bound))
+    except PartcErrors as many:
+        return list(many.errors)
+    except PartcError as one:
+        return [one]
+    return []
+
+
 def with_expert_placement(topology: Topology, bound: BoundArchitecture,
                           placement: str | Path | None) -> Topology:
     """`topology` with the explicit expert placement of file `placement` (JSON, `{"ranks":

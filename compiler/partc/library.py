@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cache
 from importlib import resources
@@ -81,7 +82,15 @@ def family_for_config(config: RawDocument) -> str:
     """The built-in family name for a config's `model_type`."""
     model_type = config.data.get("model_type")
     families = builtin_families()
-    if not isinstance(model_type, str) or model_type not in families:
+    if not isinstance(model_type, str):
+        found = ("has no `model_type`" if "model_type" not in config.data
+                 else f"gives `model_type` as {json.dumps(model_type)}, not a string")
+        raise LoadError(f"config.json {found}, so no built-in family applies; expected the "
+                        f"model type of a built-in family ({', '.join(sorted(families))}), or "
+                        "name a family file", location=config.locate(
+                            "/model_type" if "model_type" in config.data else ""),
+                        pointer="/model_type")
+    if model_type not in families:
         raise LoadError(f"config model_type {model_type!r} has no built-in family; known: "
                         f"{', '.join(sorted(families))}", location=config.locate("/model_type"),
                         pointer="/model_type")

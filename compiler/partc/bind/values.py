@@ -135,24 +135,30 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
 
     A field with a `present` probe is true when `checkpoint_names` holds the tensor it names;
     without checkpoint names it takes its default. `cache=False` evaluates every default
-    without the evaluation memo (`partc.bind.cache`).
+    without the evaluation memo (`partc.bind.cache`). Every field's error (a value that
+    contradicts its meaning, of the wrong type, or missing) is raised together, before any
+    default is evaluated.
     """
-    meaning: list[PartcError] = list(config_errors(config, read_fields(config.data, (
+    errors: list[PartcError] = list(config_errors(config, read_fields(config.data, (
         f.sources for f in family.config if f.present is None))))
-    if meaning:
-        raise meaning[0] if len(meaning) == 1 else PartcErrors(meaning)
     binder = Binder(family, config, cache)
     values: dict[str, Value] = {"model_type": config.data.get("model_type")}
     pending = []
     for field in family.config:
         if field.present is not None:
             if checkpoint_names is None and field.default is None:
-                raise binder.fail(f"config field `{field.name}` probes the checkpoint and has "
-                                  "no default; give a checkpoint or declare a default",
-                                  field.pointer)
+                errors.append(binder.fail(f"config field `{field.name}` probes the checkpoint "
+                                          "and has no default; give a checkpoint or declare a "
+                                          "default", field.pointer))
             pending.append(field)
-        elif not _read_field(binder, field, values):
-            pending.append(field)
+            continue
+        try:
+            if not _read_field(binder, field, values):
+                pending.append(field)
+        except SemanticError as error:
+            errors.append(error)
+    if errors:
+        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
     while pending:
         progressed = False
         for field in list(pending):  # in declaration order, each seeing the values before it
@@ -226,11 +232,35 @@ def _read_field(binder: Binder, field: ConfigFieldDecl, values: dict[str, Value]
         values[field.name] = field.literal_default[1]
         return True
     if field.default is None:
-        raise SemanticError(
-            f"config.json has no `{field.sources[0]}`, which family `{family.name}` "
-            f"requires (declared as {field.type.value} with no default)",
-            location=config.locate(""), pointer="/" + field.sources[0].replace(".", "/"))
+        raise _missing(binder, field)
     return False
+
+
+def _missing(binder: Binder, field: ConfigFieldDecl) -> SemanticError:
+    """A required field none of whose sources config.json gives: each source named, in the
+    order tried, and those present but null said so (the error at the first of them)."""
+    config, family = binder.config, binder.family
+    nulls = [s for s in field.sources if _is_null(config.data, s)]
+    names = ", ".join(f"`{s}`" for s in field.sources)
+    found = (f"no {names}" if len(field.sources) == 1
+             else f"none of {names} (tried in this order)")
+    if nulls:
+        found += "; " + ", ".join(f"`{s}`" for s in nulls) + (
+            " is null" if len(nulls) == 1 else " are null")
+    pointer = "/" + (nulls or field.sources)[0].replace(".", "/")
+    return SemanticError(
+        f"config.json has {found}, which family `{family.name}` requires (declared as "
+        f"{field.type.value} with no default)",
+        location=config.locate(pointer if nulls else ""), pointer=pointer)
+
+
+def _is_null(data: Mapping[str, Any], dotted: str) -> bool:
+    """Whether config.json gives `dotted` as an explicit null."""
+    *parents, last = dotted.split(".")
+    node: Any = data
+    for part in parents:
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return isinstance(node, Mapping) and last in node and node[last] is None
 
 
 def _probes(field: ConfigFieldDecl, checkpoint_names: Collection[str] | None) -> bool:

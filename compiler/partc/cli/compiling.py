@@ -299,5 +299,9 @@ def run_verify(args: argparse.Namespace) -> int:
     if not report.checks:
         print("error: no topology compiled, nothing was verified", file=sys.stderr)
         return EXIT_ERRORS
-    print(f"verified {report.family} ({report.model_type}): every check holds")
+    left = [f"T={s['tp']} x S={s['pp']}" for s in report.skipped if s["pp"] != 1 or s["tp"] != 1
+            or s["reason"] != "no pipeline split asked for (S=1)"]
+    print(f"verified {report.family} ({report.model_type}) at "
+          f"{', '.join(f'T={tp} x S={pp}' for tp, pp in topologies)}: every check holds"
+          + (f"; not checked: {', '.join(left)} (skipped, see above)" if left else ""))
     return EXIT_OK

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partc.errors import PartcError
+from partc.errors import PartcError, SourceLocation
+from partc.front.load import MAX_CONFIG_BYTES, RawDocument, decode_text, parse_json, read_bytes
 
 INSTALL_HINT = "pip install 'partc[verify]'"
 """How to get the libraries `partc verify` needs."""
@@ -59,15 +61,27 @@ LARGE = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 512,
          "intermediate_size": 512, "num_attention_heads": 16}
 """A config is shrunk when any of these fields exceeds its value; a tiny config is kept as is."""
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sizes:
+    """The largest topology a shrunk reference model must still compile at."""
+
+    tensor_parallel_size: int = 1
+    """The largest T checked."""
+    pipeline_parallel_size: int = 1
+    """The S of the pipeline check (1: none)."""
+
+
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token")
 
 
-def _shrunk_heads(config: dict[str, Any]) -> dict[str, Any]:
+def _shrunk_heads(config: dict[str, Any], largest: Sizes) -> dict[str, Any]:
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     group = heads // kv if heads % kv == 0 else 1
-    kv_small = min(kv, max(2, 4 // group))  # at least 4 query heads when there are
+    # at least 4 query heads when there are, and a KV head for each rank of the largest T
+    # (the real config gives every rank one there: check --tp T compiled it)
+    kv_small = min(kv, max(2, 4 // group, largest.tensor_parallel_size))
     heads_small = kv_small * min(group, 8)  # query heads per KV head kept (up to 8)
     out = {"num_attention_heads": heads_small, "hidden_size": heads_small * HEAD_DIM}
     if "num_key_value_heads" in config:
@@ -77,7 +91,7 @@ def _shrunk_heads(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _shrunk_mla(config: dict[str, Any]) -> dict[str, Any]:
+def _shrunk_mla(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                            "v_head_dim": 16}
     if config.get("q_lora_rank") is not None:
@@ -87,7 +101,7 @@ def _shrunk_mla(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _shrunk_experts(config: dict[str, Any]) -> dict[str, Any]:
+def _shrunk_experts(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _EXPERT_COUNTS:
         if (config.get(name) or 0) > 8:
@@ -101,10 +115,11 @@ def _shrunk_experts(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _shrunk_layers(config: dict[str, Any]) -> dict[str, Any]:
+def _shrunk_layers(config: dict[str, Any], largest: Sizes) -> dict[str, Any]:
     dense = min(config.get("first_k_dense_replace") or 0, 1)
     step = config.get("decoder_sparse_step") or 1
-    layers = min(config["num_hidden_layers"], max(2, dense + 2, step + 1))
+    layers = min(config["num_hidden_layers"], max(2, dense + 2, step + 1,
+                                                  largest.pipeline_parallel_size))
     out: dict[str, Any] = {"num_hidden_layers": layers}
     if "first_k_dense_replace" in config:
         out["first_k_dense_replace"] = dense
@@ -119,7 +134,7 @@ def _shrunk_layers(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _shrunk_widths(config: dict[str, Any]) -> dict[str, Any]:
+def _shrunk_widths(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {"vocab_size": 131}  # odd on purpose: balanced, uneven vocab split
     for name, small in (("intermediate_size", 128), ("moe_intermediate_size", 32),
                         ("shared_expert_intermediate_size", 32)):
@@ -137,17 +152,20 @@ def _shrunk_widths(config: dict[str, Any]) -> dict[str, Any]:
 
 
 SHRINK_RULES: tuple[tuple[str, Callable[[dict[str, Any]], bool],
-                          Callable[[dict[str, Any]], dict[str, Any]]], ...] = (
-    ("attention heads (query heads per KV head kept)",
+                          Callable[[dict[str, Any], Sizes], dict[str, Any]]], ...] = (
+    ("attention heads (query heads per KV head kept, a KV head per rank)",
      lambda c: bool(c.get("num_attention_heads")), _shrunk_heads),
     ("multi-head latent attention ranks", lambda c: "kv_lora_rank" in c, _shrunk_mla),
     ("experts (at most 8, 2 per token, one routing group)",
      lambda c: any(n in c for n in _EXPERT_COUNTS), _shrunk_experts),
-    ("layers (first dense layers and sparse steps kept)",
+    ("layers (first dense layers and sparse steps kept, a layer per stage)",
      lambda c: bool(c.get("num_hidden_layers")), _shrunk_layers),
     ("vocabulary, feed-forward widths, positions", lambda c: True, _shrunk_widths),
 )
-"""The size fields a large config is shrunk on, in order: (what, applies, new values)."""
+"""The size fields a large config is shrunk on, in order: (what, applies, new values). A rule
+sees the largest T and S the real config compiles at and keeps a unit for each of their ranks
+(every partition unit count of the real families is at least the shrunk one, or the shrunk KV
+heads and layers)."""
 
 
 def is_large(config: dict[str, Any]) -> bool:
@@ -155,12 +173,16 @@ def is_large(config: dict[str, Any]) -> bool:
     return any((config.get(name) or 0) > limit for name, limit in LARGE.items())
 
 
-def reference_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
+                     pipeline_parallel_size: int = 1) -> tuple[dict[str, Any], list[str]]:
     """The config of the reference model and one note per change made to it.
 
     Always: float32 weights, eager attention, no quantization. A large config (`is_large`) is
-    shrunk by SHRINK_RULES to a tiny model of the same structure.
+    shrunk by SHRINK_RULES to a tiny model of the same structure, which still compiles at the
+    largest T (`tensor_parallel_size`) and S (`pipeline_parallel_size`) the config compiles at.
     """
+    largest = Sizes(tensor_parallel_size=tensor_parallel_size,
+                    pipeline_parallel_size=pipeline_parallel_size)
     out = {k: v for k, v in config.items() if k not in ("quantization_config", "quantization")}
     notes = [f"dropped {k}: the reference model is dense float32"
              for k in ("quantization_config", "quantization") if k in config]
@@ -170,7 +192,7 @@ def reference_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
         for what, applies, rule in SHRINK_RULES:
             if not applies(out):
                 continue
-            changes = {k: v for k, v in rule(out).items() if out.get(k) != v}
+            changes = {k: v for k, v in rule(out, largest).items() if out.get(k) != v}
             if changes:
                 notes.append(f"shrunk {what}: " + ", ".join(
                     f"{k} {out.get(k)} -> {v}" for k, v in sorted(changes.items())))
@@ -181,15 +203,11 @@ def reference_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
 # ---------------------------------------------------------------- building
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """A config.json as a dict, or a VerifyError naming the file."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise VerifyError(f"cannot read config {path}: {error}") from None
-    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
-        raise VerifyError(f"config {path} must be a JSON object with a string `model_type`")
-    return value
+def load_config(path: Path) -> RawDocument:
+    """config.json read by partc's front end, as `partc check` reads it: a LoadError at the
+    file (and line) when it is missing, not UTF-8, malformed or has a duplicate key."""
+    raw = read_bytes(path, "config.json", MAX_CONFIG_BYTES)
+    return parse_json(str(path), decode_text(raw, str(path), "config.json"), "config.json")
 
 
 def model_class(transformers: Any, hf_config: Any) -> Any:
@@ -201,8 +219,10 @@ def model_class(transformers: Any, hf_config: Any) -> Any:
     return transformers.AutoModelForCausalLM  # its own error names the config class
 
 
-def build_reference(config: dict[str, Any], folder: Path, seed: int) -> None:
-    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`."""
+def build_reference(config: dict[str, Any], folder: Path, seed: int,
+                    source: SourceLocation | None = None) -> None:
+    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`;
+    a VerifyError at `source` (the user's config) when transformers cannot build it."""
     torch, transformers = require_libraries()
     fields = dict(config)
     model_type = fields.pop("model_type")
@@ -214,9 +234,11 @@ def build_reference(config: dict[str, Any], folder: Path, seed: int) -> None:
             what = "image-text-to-text model"
         torch.manual_seed(seed)
         model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError,
+            AssertionError) as error:  # torch asserts on some arguments (a padding index)
         raise VerifyError(f"transformers {transformers.__version__} cannot build a "
-                          f"`{model_type}` {what} from the config: {error}") from None
+                          f"`{model_type}` {what} from the config: {error}",
+                          location=source) from None
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, parameter in sorted(model.named_parameters()):

@@ -28,13 +28,22 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import PartcError, PartcErrors
+from partc.api import bind, topology_errors
+from partc.errors import PartcError, PartcErrors, SourceLocation
+from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.pipeline import pipeline_checks
-from partc.verify.reference import build_reference, load_config, reference_config, require_libraries
+from partc.verify.reference import (
+    VerifyError,
+    build_reference,
+    load_config,
+    reference_config,
+    require_libraries,
+)
 from partc.verify.report import Check, VerifyReport
 from partc.verify.session import Session, compile_build
 
@@ -57,35 +66,28 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     transformers is missing or the model cannot be built.
     """
     require_libraries()
-    given = load_config(Path(config))
-    reference, notes = reference_config(given)
+    user = checked_config(family, Path(config), tensor_parallel_sizes, pipeline_parallel_size,
+                          policy)
+    reference, notes = reference_config(
+        user.data, tensor_parallel_size=max(user.tensor_parallel_sizes, default=1),
+        pipeline_parallel_size=user.pipeline_parallel_size)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
         work = Path(scratch)
         folder = work / "reference"
-        build_reference(reference, folder, seed)
-        session = Session(folder, work, seed)
+        session = _reference_session(reference, folder, work, seed, Path(config))
         seconds["reference"] = time.perf_counter() - start
         checks: list[Check] = []
-        skipped: list[dict[str, object]] = []
         family_name = ""
-        last_plan: dict[str, Any] | None = None
-        sizes = list(tensor_parallel_sizes or range(1, MAX_TENSOR_PARALLEL + 1))
-        for tp in sizes:
+        for tp in user.tensor_parallel_sizes:
             begin = time.perf_counter()
             try:
                 build = compile_build(family, folder, work / f"tp{tp}", tp, 1, policy)
             except PartcError as error:
-                first = error.errors[0] if isinstance(error, PartcErrors) else error
-                if tensor_parallel_sizes is None:
-                    skipped.append({"tp": tp, "pp": 1, "reason": str(first)})
-                    continue
-                checks.append(Check(tp=tp, pp=1, module="", group="", rank=None, ok=False,
-                                    max_error=float("inf"), tolerance=0.0,
-                                    message=f"T={tp} x S=1 does not compile: {first}"))
+                checks.append(_not_compiled(tp, 1, error, notes))
                 continue
-            family_name, last_plan = build.plan["family"], build.plan
+            family_name = build.plan["family"]
             ranks = TensorParallelRanks(session, build)
             checks.extend(Check(
                 tp=tp, pp=1, module=target, group="", rank=rank, ok=False,
@@ -94,13 +96,7 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                         "from the checkpoint's") for rank, target in ranks.loader_faults)
             checks.extend(ranks.check(module) for module in session.modules)
             seconds[f"tp{tp}"] = time.perf_counter() - begin
-        if last_plan is None:
-            try:
-                last_plan = compile_build(family, folder, work / "units", 1, 1, policy).plan
-            except PartcError:
-                last_plan = {"graph": []}
-        units = sum(len(g["unit_paths"]) for g in last_plan["graph"])
-        pp = min(pipeline_parallel_size or 2, units)
+        pp = user.pipeline_parallel_size
         if pp > 1:
             begin = time.perf_counter()
             try:
@@ -108,16 +104,93 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                 checks.extend(pipeline_checks(session, staged))
                 family_name = family_name or staged.plan["family"]
             except PartcError as error:
-                first = error.errors[0] if isinstance(error, PartcErrors) else error
-                checks.append(Check(tp=1, pp=pp, module="", group="", rank=None, ok=False,
-                                    max_error=float("inf"), tolerance=0.0,
-                                    message=f"T=1 x S={pp} does not compile: {first}"))
+                checks.append(_not_compiled(1, pp, error, notes))
             seconds[f"pp{pp}"] = time.perf_counter() - begin
-        else:
-            skipped.append({"tp": 1, "pp": pipeline_parallel_size or 2, "reason":
-                            "no pipeline split asked for (S=1)" if pipeline_parallel_size == 1
-                            else f"the model has {units} unit(s); no pipeline split"})
     seconds["total"] = time.perf_counter() - start
-    return VerifyReport(family=family_name or str(family or given["model_type"]),
-                        model_type=str(given["model_type"]), checks=tuple(checks),
-                        skipped=tuple(skipped), notes=tuple(notes), seconds=seconds)
+    return VerifyReport(family=family_name or user.family, model_type=user.model_type,
+                        checks=tuple(checks), skipped=user.skipped, notes=tuple(notes),
+                        seconds=seconds)
+
+
+def _not_compiled(tp: int, pp: int, error: PartcError, notes: list[str]) -> Check:
+    """A failed check: the reference model does not compile at a topology the user's config
+    compiles at (its shrunk sizes are too small for it)."""
+    first = error.errors[0] if isinstance(error, PartcErrors) else error
+    shrunk = " (shrunk as the notes say)" if any(n.startswith("shrunk") for n in notes) else ""
+    return Check(tp=tp, pp=pp, module="", group="", rank=None, ok=False,
+                 max_error=float("inf"), tolerance=0.0,
+                 message=f"T={tp} x S={pp}: the config compiles here but the reference model "
+                         f"built from it{shrunk} does not: {first.message}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckedConfig:
+    """The user's config as `partc check` reads it, and the topologies verify checks it at."""
+
+    data: dict[str, Any]
+    """config.json's fields."""
+    family: str
+    """The bound family's name."""
+    model_type: str
+    """The config's `model_type`."""
+    tensor_parallel_sizes: tuple[int, ...]
+    """The T the config compiles at (each checked)."""
+    pipeline_parallel_size: int
+    """The S of the pipeline check (1: none)."""
+    skipped: tuple[dict[str, object], ...]
+    """The topologies not checked, each with the reason."""
+
+
+def checked_config(family: str | Path | None, config: Path,
+                   tensor_parallel_sizes: Sequence[int] | None = None,
+                   pipeline_parallel_size: int | None = None,
+                   policy: ShardingPolicy | None = None) -> CheckedConfig:
+    """The user's config.json, checked as `partc check --config` checks it before any model
+    is built: read by partc's front end (duplicate keys refused), the family (the built-in one
+    of its `model_type` by default) loaded and validated, and bound to it, with the meaning of
+    every field it reads checked; each error names the user's files.
+
+    Then each topology is realized for the config itself, as `check --tp T` / `--pp S` does: a
+    size given that does not compile is an error (all of them raised together); by default
+    (every T up to 8, S = 2) one that does not compile is skipped, with its first error.
+    """
+    bound, decl, _ = bind(family, config)  # raises every binding error, in the user's files
+    data: dict[str, Any] = load_config(config).data
+    skipped: list[dict[str, object]] = []
+    errors: list[PartcError] = []
+
+    def compiles(tp: int, pp: int, given: bool) -> bool:
+        found = topology_errors(bound, decl, Topology(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, policy=policy))
+        if found and given:
+            errors.extend(found)
+        elif found:
+            skipped.append({"tp": tp, "pp": pp, "reason": f"the config does not compile at "
+                            f"T={tp} x S={pp}: {min(found, key=PartcError.sort_key)}"})
+        return not found
+
+    sizes = tuple(tp for tp in tensor_parallel_sizes or range(1, MAX_TENSOR_PARALLEL + 1)
+                  if compiles(tp, 1, tensor_parallel_sizes is not None))
+    stages = pipeline_parallel_size or 2
+    if stages == 1:
+        skipped.append({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)"})
+    elif not compiles(1, stages, pipeline_parallel_size is not None):
+        stages = 1
+    if errors:
+        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    return CheckedConfig(data=data, family=bound.family, model_type=bound.model_type,
+                         tensor_parallel_sizes=sizes, pipeline_parallel_size=stages,
+                         skipped=tuple(skipped))
+
+
+def _reference_session(reference: dict[str, Any], folder: Path, work: Path, seed: int,
+                       config: Path) -> Session:
+    """The reference model built and run once; a VerifyError at the user's config when
+    transformers builds a model of it that it cannot run."""
+    build_reference(reference, folder, seed, SourceLocation(str(config)))
+    try:
+        return Session(folder, work, seed)
+    except RuntimeError as error:  # torch: the config's sizes do not fit each other
+        raise VerifyError(f"transformers cannot run the `{reference['model_type']}` model "
+                          f"built from the config: {error}",
+                          location=SourceLocation(str(config))) from None

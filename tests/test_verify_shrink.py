@@ -1,0 +1,111 @@
+"""`partc verify` checks every topology the real config compiles at, and says which it skips.
+
+The oracle for "compiles" is `partc check` (check_family with a topology) on the real config
+and on the shrunk reference config: whatever the real model compiles at, the reference model
+verify builds must compile at too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from partc.api import check_family
+from partc.cli.main import main
+from partc.plan.topology import Topology
+from partc.verify.reference import reference_config
+
+from support import FULLSIZE, hf
+
+
+def _topology(tp: int, pp: int = 1) -> Topology:
+    return Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+@pytest.fixture
+def no_reference_model(monkeypatch):
+    """Fail the test if verify gets as far as building a reference model."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("verify built a reference model from a bad input")
+    monkeypatch.setattr("partc.verify.run.build_reference", refuse)
+
+
+@pytest.mark.parametrize("name", ["Llama-3.1-70B", "Qwen2.5-72B", "Mixtral-8x7B-v0.1",
+                                  "Qwen3-30B-A3B"])
+def test_a_shrunk_reference_compiles_at_every_t_and_s_the_real_config_compiles_at(
+        tmp_path, name):
+    real = FULLSIZE / name / "config.json"
+    sizes = [tp for tp in range(1, 9) if check_family(None, real, topology=_topology(tp)) == []]
+    assert sizes[:4] == [1, 2, 3, 4]  # every one of these GQA models compiles up to T=4 at least
+    assert check_family(None, real, topology=_topology(1, 4)) == []
+    small, notes = reference_config(json.loads(real.read_text()), tensor_parallel_size=max(
+        sizes), pipeline_parallel_size=4)
+    assert small["num_hidden_layers"] == 4 and any(n.startswith("shrunk") for n in notes)
+    reference = tmp_path / "config.json"
+    reference.write_text(json.dumps(small))
+    for tp in sizes:
+        assert check_family(None, reference, topology=_topology(tp)) == [], (tp, notes)
+    assert check_family(None, reference, topology=_topology(1, 4)) == []
+
+
+def test_verify_checks_t_4_and_8_of_a_real_gqa_model(capsys):
+    status = main(["verify", "--config", str(FULLSIZE / "Llama-3.1-70B" / "config.json"),
+                   "--tp", "4,8", "--pp", "1", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["ok"] is True, report
+    assert {(c["tp"], c["pp"]) for c in report["checks"]} == {(4, 1), (8, 1)}
+    assert any(c["tp"] == 8 and c["module"] == "model.layers.0.self_attn"
+               for c in report["checks"])
+    # all 8 KV heads kept (one per rank at T=8), 8 query heads per KV head as in the real model
+    heads = next(n for n in report["notes"] if n.startswith("shrunk attention heads"))
+    assert heads.endswith(": hidden_size 8192 -> 1024") and "num_key_value_heads" not in heads
+
+
+def test_verify_lists_every_size_the_config_does_not_compile_at(capsys):
+    config = hf("llama") / "config.json"  # 2 KV heads: T = 1, 2 compile, 3..8 do not
+    status = main(["verify", "--config", str(config), "--pp", "1"])
+    out = capsys.readouterr().out
+    assert status == 0
+    for tp in range(3, 9):
+        assert (f"skipped T={tp} x S=1: the config does not compile at T={tp} x S=1: "
+                "architectures/llama.yaml:50:5: group `layers.0.attention` cannot be sharded "
+                f"over tensor_parallel_size {tp}: it (role attention_heads) has 2 partition "
+                f"units (num_key_value_heads) but tensor_parallel_size is {tp}") in out
+    assert out.splitlines()[-1] == (
+        "verified llama (llama) at T=1 x S=1, T=2 x S=1: every check holds; not checked: "
+        + ", ".join(f"T={tp} x S=1" for tp in range(3, 9)) + " (skipped, see above)")
+
+
+def _errors(capsys, *argv: str) -> tuple[int, list[str]]:
+    status = main(list(argv))
+    err = capsys.readouterr().err
+    return status, [line for line in err.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.parametrize(("given", "check"), [
+    (["--tp", "1,3", "--pp", "1"], ["--tp", "3"]),
+    (["--tp", "1", "--pp", "5"], ["--pp", "5"]),
+])
+def test_a_size_given_that_the_config_does_not_compile_at_is_checks_error(
+        capsys, no_reference_model, given, check):
+    config = str(hf("llama") / "config.json")
+    status, errors = _errors(capsys, "verify", "--config", config, *given)
+    assert status == 1 and len(errors) == 1, errors
+    assert (status, errors) == _errors(capsys, "check", "--config", config, *check)
+
+
+def test_the_default_pipeline_split_is_skipped_with_checks_reason_for_a_one_layer_model(
+        tmp_path, capsys):
+    config = json.loads((hf("llama") / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    path = tmp_path / "one_layer.json"
+    path.write_text(json.dumps(config))
+    status = main(["verify", "--config", str(path), "--tp", "1", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["ok"] is True
+    assert report["skipped"] == [{"tp": 1, "pp": 2, "reason": (
+        "the config does not compile at T=1 x S=2: pipeline_parallel_size 2 exceeds the 1 "
+        "execution units of the model; every stage needs at least one unit (use --pp 1 or "
+        "fewer)")}]
+
