@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from partc.cli.main import main
+from partc.commands import error_reference
 
 from support import HF, hf
 
@@ -139,7 +140,7 @@ def test_init_and_families_copy_refuse_a_file_name_that_is_not_yaml(
     assert (f"partc {command}: error: argument {option}: expected a family file name ending in "
             f".yaml or .yml (the family is written as YAML, and partc reads a file by its "
             f"suffix), found '{target}'") in err
-    assert f"see: {Path(__file__).parents[1] / 'docs' / 'cli.md'}:" in err  # its section
+    assert f"    see: {error_reference(f'cli#partc-{command}')}\n" in err  # its section
     assert list(tmp_path.iterdir()) == []
 
 
