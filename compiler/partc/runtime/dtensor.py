@@ -137,9 +137,8 @@ def _tp_mesh(mesh: Any, info: Any) -> Any:
         tp_mesh = mesh
     else:
         raise CheckpointError(
-            f"to_dtensors needs an unnamed 1-D tensor-parallel mesh or a mesh with a `tp` "
-            f"dimension; "
-            f"this mesh has {mesh.ndim} dimensions named {names or 'nothing'}")
+            "to_dtensors needs an unnamed 1-D tensor-parallel mesh or a mesh with a `tp` "
+            f"dimension; this mesh has {mesh.ndim} dimensions named {names or 'nothing'}")
     size, rank = info.tensor_parallel_size, info.tensor_parallel_rank
     if tp_mesh.size() != size:
         raise CheckpointError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
