@@ -104,8 +104,16 @@ def test_demo_runs_from_a_subprocess_and_prints_every_rank(tmp_path):
     done = subprocess.run([sys.executable, "-m", "partc.cli", "demo"], capture_output=True,
                           text=True, cwd=tmp_path, check=True)
     assert "embedded tiny Llama (3 layers) at TP=2 x PP=2" in done.stdout
+    assert "temporary folder, removed on exit (--out DIR keeps it)" in done.stdout
     assert done.stdout.count("loaded ") == 4
     assert "Traceback" not in done.stderr
+
+
+def test_demo_out_keeps_the_build_it_names(tmp_path, capsys):
+    out = tmp_path / "kept"
+    assert main(["demo", "--tp", "1", "--pp", "2", "--out", str(out)]) == 0
+    assert f"at TP=1 x PP=2, build in {out}" in capsys.readouterr().out
+    assert json.loads((out / "plan.json").read_text())["topology"]["pipeline_parallel_size"] == 2
 
 
 # ---------------------------------------------------------------- the caret under a located error

@@ -234,8 +234,10 @@ def run_demo(args: argparse.Namespace) -> int:
                                 pipeline_parallel_size=args.pp, out=out)
         plan = result.plan
         layers = dict(plan.config_values)["num_hidden_layers"]
+        where = (f"build in {out}" if args.out else
+                 "build in a temporary folder, removed on exit (--out DIR keeps it)")
         print(f"partc demo: embedded tiny Llama ({layers} layers) "
-              f"at TP={args.tp} x PP={args.pp}, build in {out}")
+              f"at TP={args.tp} x PP={args.pp}, {where}")
         from partc.emit.render import package_name
 
         _sys.path.insert(0, str(out))
