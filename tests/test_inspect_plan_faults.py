@@ -1,4 +1,4 @@
-"""inspect and report on a plan.json edited by hand so that they trip over it: one located
+"""inspect, report and shard on a plan.json edited by hand so that they trip over it: one located
 error (file, line, pointer) from the plan schema, exit 1, never a crash. A plan partc wrote is
 not schema-checked again (a full-size plan takes seconds to validate)."""
 
@@ -64,3 +64,19 @@ def test_an_edited_plan_is_a_located_schema_error(built: Path, tmp_path: Path, c
 def test_the_unedited_plan_still_inspects(built: Path, capsys: object) -> None:
     assert main(["inspect", str(built), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"]  # type: ignore[attr-defined]
+
+
+def test_shard_of_an_edited_plan_is_a_located_schema_error_and_writes_nothing(
+        built: Path, tmp_path: Path, capsys: object) -> None:
+    copy = _edited(built, tmp_path, lambda p: p["tensors"][1].pop("shape"))
+    out = tmp_path / "shards"
+    status = main(["shard", str(copy), "--checkpoint", str(hf("llama")), "--out", str(out),
+                   "--format", "json"])
+    report = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]
+    assert status == 1 and not report["ok"], report
+    (error,) = report["errors"]
+    assert error["pointer"] == "/tensors/1", error
+    assert "'shape' is a required property" in error["message"], error
+    assert "it was edited, or not written by partc" in error["message"]
+    assert error["file"] == str(copy / "plan.json") and error["line"] > 1
+    assert not out.exists()

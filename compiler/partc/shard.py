@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.front.schema import plan_faults
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -93,9 +94,10 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     count_option("workers", workers)
     plan_path = Path(build) / "plan.json"
     plan = _read_plan(plan_path)
-    ranks = _rank_slices(Path(build), plan)
-    opened = open_checkpoint(Path(checkpoint))
-    errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
+    with plan_faults(plan_path, plan):  # a hand-edited plan: located, not a KeyError
+        ranks = _rank_slices(Path(build), plan)
+        opened = open_checkpoint(Path(checkpoint))
+        errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(errors)
     inputs = [("checkpoint", checkpoint), ("build", build)]

@@ -13,15 +13,17 @@ import difflib
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
 from jsonschema.exceptions import ValidationError
 
-from partc.errors import SchemaError
+from partc.errors import LoadError, SchemaError, SourceLocation
 from partc.front.positions import escape_pointer_token
 
 if TYPE_CHECKING:
@@ -348,6 +350,34 @@ def first_data_error(schema: str, data: object) -> tuple[str, str] | None:
     if error is None:
         return None
     return "".join(f"/{escape_pointer_token(p)}" for p in error.absolute_path), error.message
+
+
+@contextmanager
+def plan_faults(path: Path, plan: object) -> Iterator[None]:
+    """Report a plan.json (read from `path` as `plan`) that a command trips over as a located
+    LoadError when it breaks the plan schema (edited by hand, or written by another tool).
+
+    A plan partc wrote follows its schema by construction, so the schema is checked only after
+    a failure: validating a full-size plan (tens of MB) on every command would cost seconds.
+    A failure on a plan that follows the schema is a bug, and propagates as one.
+    """
+    try:
+        yield
+    except (TypeError, KeyError, ValueError, IndexError, AttributeError, ZeroDivisionError):
+        from partc.front.positions import json_locations
+
+        problem = first_data_error("plan.schema.json", plan)
+        if problem is None:
+            raise
+        pointer, message = problem
+        try:
+            where = json_locations(str(path), path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            where = {}
+        raise LoadError(f"the plan breaks its schema: {message}; it was edited, or not "
+                        "written by partc: compile the build again",
+                        location=where.get(pointer, SourceLocation(str(path))),
+                        pointer=pointer) from None
 
 
 def iter_schema_errors(document: RawDocument, schema: str = "architecture.schema.json"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
+from partc.front.schema import plan_faults as schema_plan_faults
 from partc.parallel.placements import tensor_bytes
 
 MAX_PLAN_BYTES = 1 << 30
@@ -74,31 +75,9 @@ def read_build(path: str | Path) -> Build:
 
 @contextmanager
 def plan_faults(build: Build) -> Iterator[None]:
-    """Report a plan.json that inspect, explain or report trip over as a located LoadError
-    when it breaks the plan schema (edited by hand, or written by another tool).
-
-    A plan partc wrote follows its schema by construction, so the schema is checked only after
-    a failure: validating a full-size plan (tens of MB) on every command would cost seconds.
-    A failure on a plan that follows the schema is a bug, and propagates as one.
-    """
-    try:
+    """`front.schema.plan_faults` for a build read by `read_build`."""
+    with schema_plan_faults(build.path, build.plan):
         yield
-    except (TypeError, KeyError, ValueError, IndexError, AttributeError, ZeroDivisionError):
-        from partc.front.positions import json_locations
-        from partc.front.schema import first_data_error
-
-        problem = first_data_error("plan.schema.json", build.plan)
-        if problem is None:
-            raise
-        pointer, message = problem
-        try:
-            where = json_locations(str(build.path), build.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            where = {}
-        raise LoadError(f"the plan breaks its schema: {message}; it was edited, or not "
-                        "written by partc: compile the build again",
-                        location=where.get(pointer, SourceLocation(str(build.path))),
-                        pointer=pointer) from None
 
 
 def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_rank: int
