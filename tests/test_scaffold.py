@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from partc.api import compile_family
 from partc.cli.main import main
 from partc.commands import error_reference
 
 from support import HF, hf
 
 CHECK = "# partc init: CHECK:"
-SCAFFOLDED = sorted(p.name for p in HF.iterdir()
-                    if p.is_dir() and p.name not in ("bloom", "falcon", "gpt2", "llava"))
-"""Every fixture whose layers repeat as `<prefix>.layers.<n>.` (the others have `h.<n>` or two
-repetitions, which init refuses)."""
+SCAFFOLDED = sorted(p.name for p in HF.iterdir() if p.is_dir() and p.name != "llava")
+"""Every fixture with one layer repetition (`model.layers.<n>.`, `transformer.h.<n>.`): llava
+has two (its language model's and its vision tower's), which init refuses."""
 
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -84,6 +84,39 @@ def test_deepseek_dense_and_moe_layers_get_conditions_experts_and_a_console_note
     status, _, err = _run(["check", str(family), "--checkpoint", str(hf("deepseek_v3")),
                            "--tp", "2", "--pp", "3"], capsys)
     assert status == 0, err
+
+
+def test_gpt2_layers_config_names_and_embeddings_are_recognised_and_staged_as_hf_uses_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    family = tmp_path / "gpt2.yaml"
+    _init(hf("gpt2"), family, capsys)
+    text = family.read_text()
+    assert '  - {group: decoder, units: num_hidden_layers, path: "transformer.h.{unit}"' in text
+    config = json.loads((hf("gpt2") / "config.json").read_text())
+    assert "hidden_size" not in config and "num_hidden_layers" not in config  # n_embd, n_layer
+    assert "  hidden_size: {type: int, from: n_embd}" in text
+    assert "  num_hidden_layers: {type: int, from: n_layer}" in text
+    assert "ln_1` is not a known projection" not in text  # GPT-2's norms are norms
+    result = compile_family(str(family), hf("gpt2") / "config.json", tensor_parallel_size=1,
+                            pipeline_parallel_size=2, checkpoint=hf("gpt2"))
+    first, last = ({t.target for t in rank.layout.tensors} for rank in result.plan.ranks)
+    # GPT2Model.forward: wte(input_ids) + wpe(positions) before the blocks, ln_f after them;
+    # the tied head (no lm_head tensor) reads wte on the last stage too
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= first
+    assert "transformer.ln_f.weight" in last and "transformer.ln_f.weight" not in first
+    assert "transformer.wte.weight" in last and "transformer.wpe.weight" not in last
+
+
+def test_a_config_alias_never_hides_the_usual_name(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(hf("gpt2"), checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["num_hidden_layers"] = config["n_layer"]  # both spellings: the usual one is read
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    _init(checkpoint, tmp_path / "f.yaml", capsys)
+    text = (tmp_path / "f.yaml").read_text()
+    assert "  num_hidden_layers: int\n" in text and "from: n_layer" not in text
 
 
 def test_qwen2_vl_reads_its_decoder_fields_from_text_config(

@@ -1,13 +1,15 @@
 """`partc init`: a family scaffold guessed from a checkpoint header and its config.json.
 
-It recognises the layer repetition (`<prefix>.layers.<n>.`), the common Llama-style projection
-names (q/k/v/o, gate/up/down, also of shared and routed experts), expert repetition
-(`experts.<e>.`), norms, the token embedding and a tied or untied head; config fields nested
-under `text_config` are read with `from:`. A part found in only some layers gets a `when:` over
-the layer numbers. Anything else is kept as a replicated group with literal shapes and marked
-`# partc init: CHECK`, so that the scaffold still owns every tensor and passes `partc check`
-as written; what it cannot write so that it does (a tensor whose shape differs between layers)
-is marked too and said in `Scaffold.notes`.
+It recognises the layer repetition (`<prefix>.layers.<n>.`, GPT-2's `<prefix>.h.<n>.`), the
+common Llama-style projection names (q/k/v/o, gate/up/down, also of shared and routed experts),
+expert repetition (`experts.<e>.`), norms (`ln_1` too), the token embedding and what the first
+stage uses beside it (position embeddings), and a tied or untied head; config fields nested
+under `text_config`, or spelled GPT-2's way (`n_embd`, `n_layer`), are read with `from:`. A
+part found in only some layers gets a `when:` over the layer numbers. Anything else is kept
+as a replicated group with literal shapes and marked `# partc init: CHECK`, so that the
+scaffold still owns every tensor and passes `partc check` as written; what it cannot write so
+that it does (a tensor whose shape differs between layers) is marked too and said in
+`Scaffold.notes`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ CHECK = "# partc init: CHECK"
 """The comment on every line the scaffold could not decide."""
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
 """The editor line (see docs/authoring.md, "Editor support"), followed by the schema's path."""
-_LAYER = re.compile(r"^(?P<prefix>.*?layers)\.(?P<n>\d+)\.(?P<rest>.+)$")
+_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h))\.(?P<n>\d+)\.(?P<rest>.+)$")
+"""A tensor of the layer repetition: `model.layers.3.`, or GPT-2/BLOOM/Falcon's `transformer.h.3.`
+(the first such name from the left; a vision tower's `blocks.<n>` stay outside, as its own)."""
 _EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 _DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
                "shared_expert_intermediate_size")
@@ -37,6 +41,10 @@ _EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 """Config names an expert count is matched against."""
 _NESTED = ("text_config",)
 """Config sections whose fields are read (with `from:`) when the top level lacks them."""
+_ALIASES = {"hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
+            "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",)}
+"""The names GPT-2 and BLOOM configs use instead (transformers' `attribute_map`), read with
+`from:` when the config lacks the usual one."""
 
 _ATTENTION = {  # projection -> (sharding, heads, rows, cols) in config names
     "q_proj": ("column", "num_attention_heads", "num_attention_heads * head_dim", "hidden_size"),
@@ -69,12 +77,13 @@ def _values(config: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
     sources: dict[str, str] = {}
 
     def number(key: str, default: int | None = None) -> int | None:
-        for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED)):
-            if isinstance(section, Mapping) and key in section:
-                value = section[key]
-                if isinstance(value, int) and not isinstance(value, bool):
-                    sources[key] = where + key
-                    return value
+        for name in (key, *_ALIASES.get(key, ())):
+            for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED)):
+                if isinstance(section, Mapping) and name in section:
+                    value = section[name]
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        sources[key] = where + name
+                        return value
         return default
 
     hidden, heads = number("hidden_size"), number("num_attention_heads")
@@ -292,7 +301,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
         else:
             outside[tensor] = signature
     if len(layers) != 1:
-        raise LoadError(f"partc init recognises one `<prefix>.layers.<n>.` repetition; "
+        raise LoadError(f"partc init recognises one `<prefix>.layers.<n>.` (or `.h.<n>.`) "
+                        "repetition; "
                         f"{checkpoint} has {len(layers)} ({', '.join(sorted(layers)) or 'none'})",
                         location=SourceLocation(str(checkpoint)))
     (prefix, by_layer), = layers.items()
@@ -420,7 +430,7 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
                     "    owner: {unit: decoder}"]
         w.scope(module, entry)
         w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
-        if "norm" not in module.rsplit(".", 1)[-1]:
+        if not _is_norm(module.rsplit(".", 1)[-1]):
             w.check("    # replicated on every rank", f"`{module}` is not a known projection: "
                     "replicated; shard it if it is large")
         w.params(params, "    ")
@@ -437,14 +447,31 @@ def _static_roles(modules: Mapping[str, Any], prefix: str) -> dict[str, str]:
     leaf = {m: m.rsplit(".", 1)[-1] for m in modules}
     heads = sorted((m for m in modules if m == "lm_head" or leaf[m] == "embed_out"), key=beside)
     roles = {heads[0]: "output"} if heads else {}
-    embeddings = sorted((m for m in modules if "embed" in leaf[m] and m not in roles),
-                        key=beside)
+    embeddings = sorted((m for m in modules if ("embed" in leaf[m] or leaf[m] == "wte")
+                         and m not in roles and not _positional(leaf[m])
+                         and not _is_norm(leaf[m])), key=beside)
     if embeddings:
         roles[embeddings[0]] = "embedding"
-    norms = sorted((m for m in modules if "norm" in leaf[m] and m not in roles), key=beside)
+    norms = sorted((m for m in modules if _is_norm(leaf[m]) and m not in roles), key=beside)
     if norms:
         roles[norms[0]] = "final_norm"
     return roles
+
+
+def _is_norm(leaf: str) -> bool:
+    """A normalisation module's name: `norm`, `input_layernorm`, GPT-2's `ln_1`, `ln_f`."""
+    return "norm" in leaf or leaf.startswith("ln_")
+
+
+def _positional(leaf: str) -> bool:
+    """A learned position embedding's name: GPT-2's `wpe`, `embed_positions`."""
+    return leaf == "wpe" or "position" in leaf
+
+
+def _beside_embedding(leaf: str) -> bool:
+    """A module outside the layers used with the token embedding, on the first stage: a
+    position embedding, BLOOM's `word_embeddings_layernorm`."""
+    return _positional(leaf) or "embed" in leaf
 
 
 def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mapping[str, str]
@@ -472,6 +499,12 @@ def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mappin
                         "    sharding: {balanced: 0}"]
             w.params(_signature_params(w, params, "vocab_size", "hidden_size"), "    ")
             tail += w.lines
+        elif role is None and _beside_embedding(module.rsplit(".", 1)[-1]):
+            w.lines += ["", f"  - name: {json.dumps(module)}", "    role: replicated",
+                        "    owner: {static: embedding}", f"    module: {module}",
+                        "    sharding: replicated"]
+            w.params(_signature_params(w, params, None, None), "    ")
+            head += w.lines
         else:
             norm = role == "final_norm"
             w.lines += ["", f"  - name: {'final_norm' if norm else json.dumps(module)}",
