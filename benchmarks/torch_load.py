@@ -21,9 +21,10 @@ Every rank reports, in seconds from its own process start (/proc/self/stat):
 - weights: reading the rank's share into the parameter slots (transformers: from the start of
   its `_load_pretrained_model` to the end of its `_finalize_model_loading`, timed by wrapping
   them; construction is the rest of `from_pretrained`);
-- first touch: one byte read from every 4 KiB page of every parameter (transformers may return
-  views of the mapped checkpoint whose pages are read only then); weights resident = weights +
-  first touch, the figure the weight-loading target is about;
+- first touch: one byte read from every 4 KiB page of every parameter, by numpy over the local
+  tensor's memory (transformers may return views of the mapped checkpoint whose pages are read
+  only then); weights resident = weights + first touch, the figure the weight-loading target is
+  about;
 - ready: process start to the model ready with its weights in memory (then a one-token forward
   checks that it runs);
 - peak RSS: the rank's VmHWM;
