@@ -282,6 +282,32 @@ def test_a_payload_with_a_wrong_sequence_length_is_refused_with_both_shapes():
         "(declared [batch, sequence, 8])")
 
 
+@pytest.mark.parametrize("shape", [(5, 8), (1, 2, 5, 8)])
+def test_a_tensor_of_another_rank_is_refused_by_its_axis_count_not_a_guessed_shape(shape):
+    """Batch and sequence are read from tensors of the declared rank only: a tensor of another
+    rank is said to have the wrong number of axes (not to miss a shape [1, 1, 8] it never
+    had)."""
+    boundary = residual_boundary()
+    tensors = payload()
+    tensors["hidden"] = np.zeros(shape, dtype=ml_dtypes.bfloat16)
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.encode_values(tensors)
+    assert caught.value.kind is BK.WRONG_SHAPE
+    assert caught.value.message == (
+        f"boundary tensor `hidden` of `toy.residual` has {len(shape)} axes (shape "
+        f"{list(shape)}); expected 3: [batch, sequence, 8]")
+
+
+def test_decode_tensors_refuses_one_tensor_for_the_list_of_received_ones():
+    boundary = residual_boundary()
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.decode_tensors(payload()["hidden"])  # (2, 5, 8): not "2 were received"
+    assert caught.value.kind is BK.WRONG_COUNT
+    assert caught.value.message.startswith(
+        "decode_tensors takes the received tensors of `toy.residual` as a list in wire order (")
+    assert caught.value.message.endswith("found one tensor of shape [2, 5, 8]")
+
+
 def test_a_wrong_fixed_dimension_is_refused():
     boundary = residual_boundary()
     tensors = payload()

@@ -61,6 +61,60 @@ def test_an_uneven_vocabulary_split_is_refused_with_both_ranges(tmp_path):
     assert "would hold 119:131" in message
 
 
+def test_the_plan_lists_every_tensor_some_tp_rank_holds_otherwise_than_torch_chunk(tmp_path):
+    plan = compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
+                          policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b").plan
+    expected = {}  # every rank's own range against torch.chunk's (chunk_range is torch.chunk)
+    for rank in sorted(plan.ranks, key=lambda r: r.tensor_parallel_rank):
+        for layout in rank.layout.tensors:
+            axis, ranges = layout.selection
+            if axis is None or len(ranges) != 1 or layout.target in expected:
+                continue
+            chunk = chunk_range(layout.global_shape[axis], 8, rank.tensor_parallel_rank)
+            if tuple(ranges[0]) != chunk:
+                expected[layout.target] = (rank.tensor_parallel_rank, tuple(ranges[0]), chunk)
+    assert expected["lm_head.weight"] == (3, (51, 67), (51, 68))  # 131 rows: 17,17,17,16,...
+    assert {t: (r, a, b) for t, r, a, b in plan.chunk_mismatches(0)} == expected
+    module = import_build(tmp_path / "b").rank_module(0)  # rank 0's own rows are torch.chunk's
+    assert module.CHUNK_MISMATCHES == plan.chunk_mismatches(0)
+
+
+def test_an_uneven_split_is_refused_on_a_rank_whose_own_range_is_torch_chunks(tmp_path):
+    """Without the stage's list, TP ranks 0-2 (rows 0:51, as torch.chunk's) built DTensors
+    and went on into collectives the refusing ranks 3-7 never joined."""
+    result = compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
+                            policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
+    from partc.emit.render import package_name
+
+    got = _attempts(tmp_path / "b", LLAMA, package_name(result.plan), 0, 8, ["own-rank"])
+    assert got["own-rank"].startswith("refused: `"), got
+    assert "so that TP rank 3 holds 51:67, but DTensor's Shard(0) (torch.chunk) would hold " \
+           "51:68 there" in got["own-rank"]
+    assert "every rank of the TP group refuses this state" in got["own-rank"]
+
+
+def test_a_mesh_whose_tp_groups_are_not_the_builds_is_refused_by_every_process(tmp_path):
+    # a (tp, pp) mesh: TP groups [0, 2] and [1, 3] instead of the build's [0, 1] and [2, 3];
+    # processes 0 and 3 sit at their own TP rank and stage in it and were accepted
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, pipeline_parallel_size=2,
+                   out=tmp_path / "b")
+    for rank in range(4):
+        got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp2", rank, 4, ["swapped-mesh"])
+        assert got["swapped-mesh"].startswith(
+            "refused: to_dtensors: the mesh's tp dimension groups global ranks [0, 2]; a "
+            "build's TP group is 2 consecutive ranks from a multiple of 2"), (rank, got)
+
+
+def test_to_dtensors_names_what_it_takes_when_given_something_else(tmp_path):
+    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp1", 0, 2,
+                    ["tensors-dict", "no-mesh"])
+    assert got["tensors-dict"] == ("refused: to_dtensors takes the RankState load() returned "
+                                   "(its layout says how each tensor is split), found dict")
+    assert got["no-mesh"] == ("refused: to_dtensors takes a torch DeviceMesh (the package's "
+                              "device_mesh()), found NoneType")
+
+
 def test_repeated_kv_heads_are_refused(tmp_path):
     family = tmp_path / "llama_kv.yaml"
     text = (Path(__file__).resolve().parent.parent / "architectures" / "llama.yaml").read_text()

@@ -225,6 +225,77 @@ def test_another_models_checkpoint_is_refused_by_its_tensors_not_by_the_fingerpr
     assert not (tmp_path / "shards").exists()
 
 
+def _with_extra_tensor(source: Path, folder: Path, name: str) -> Path:
+    """A copy of `source` whose model.safetensors gains one tensor `name` (with safetensors)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder.mkdir()
+    (folder / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors[name] = np.ones(16, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("other", ["extra", "qwen3", "mistral"])
+def test_a_build_compiled_without_a_checkpoint_refuses_one_of_other_tensor_names_on_every_rank(
+        tmp_path, capsys, other):
+    """A Qwen3 checkpoint (its q_norm/k_norm), a 2-layer Mistral, or the Llama with one extra
+    tensor all match every tensor of some ranks of a 3-layer Llama build: without the plan-wide
+    names check those ranks loaded them and the model ran without the tensors no rank owns."""
+    from safetensors import safe_open
+
+    from partc.cli.main import main
+    from partc.errors import PartcErrors
+
+    checkpoint = (_with_extra_tensor(hf("llama"), tmp_path / "extra",
+                                     "model.layers.0.self_attn.q_norm.weight")
+                  if other == "extra" else hf(other))
+    plan = compile_family("llama", CONFIG, tensor_parallel_size=2, pipeline_parallel_size=2,
+                          out=tmp_path / "build").plan
+    assert plan.checkpoint_fingerprint is None
+    package = import_build(tmp_path / "build", plan)
+    with safe_open(str(checkpoint / "model.safetensors"), "numpy") as handle:
+        names = set(handle.keys())
+    owned = {t.target for t in plan.tensors}
+    assert names != owned
+    matching = [rank for rank in plan.ranks  # ranks whose own tensors all match the header
+                if {t.target for t in rank.layout.tensors} <= names]
+    assert matching, "the case must be one a rank's own check alone lets through"
+    for rank in plan.ranks:
+        with pytest.raises((CheckpointError, PartcErrors)) as caught:
+            package.load(checkpoint, rank=rank.rank)
+        if rank in matching:
+            assert "the checkpoint is not the one this build's plan describes" in str(
+                caught.value)
+            assert f"holds {len(names)} tensors where the plan has {len(owned)}" in str(
+                caught.value)
+    state = package.load(checkpoint, rank=matching[0].rank, verify_fingerprint=False)
+    assert set(state.tensors) == {t.target for t in matching[0].layout.tensors}
+    assert package.load(hf("llama"), rank=matching[0].rank).tensors.keys() == state.tensors.keys()
+    if other == "extra":  # partc shard names the tensor no rank loads, and writes nothing
+        assert main(["shard", str(tmp_path / "build"), "--checkpoint", str(checkpoint),
+                     "--out", str(tmp_path / "shards"), "--format", "json"]) == 1
+        (error,) = json.loads(capsys.readouterr().out)["errors"]
+        assert error["tensor"] == "model.layers.0.self_attn.q_norm.weight"
+        assert "1 tensor(s) no rank of the plan loads" in error["message"]
+        assert not (tmp_path / "shards").exists()
+
+
+def test_the_familys_omit_globs_are_left_out_of_the_names_check(tmp_path):
+    """GPT-2's `omit` globs (attention buffers older checkpoints hold): a checkpoint with such
+    a tensor loads under a build compiled without it, and the plan records the globs."""
+    checkpoint = _with_extra_tensor(hf("gpt2"), tmp_path / "buffers", "transformer.h.0.attn.bias")
+    plan = compile_family("gpt2", hf("gpt2") / "config.json", tensor_parallel_size=2,
+                          out=tmp_path / "build").plan
+    assert plan.omit and json.loads((tmp_path / "build" / "plan.json").read_text())["omit"]
+    package = import_build(tmp_path / "build", plan)
+    full = checkpoint_tensors(hf("gpt2"))
+    state = package.load(checkpoint, rank=0)
+    np.testing.assert_array_equal(state.tensors["transformer.ln_f.weight"],
+                                  full["transformer.ln_f.weight"])
+
+
 # ---------------------------------------------------------------- killed compiles
 
 

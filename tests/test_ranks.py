@@ -50,6 +50,28 @@ def test_a_world_size_that_is_no_multiple_of_the_build_is_refused(monkeypatch, r
     assert message in str(caught.value)
 
 
+def test_a_rank_beyond_the_build_without_world_size_names_the_builds_ranks(monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(CheckpointError) as caught:
+        launch_position(4)
+    assert str(caught.value) == ("RANK=5 is outside this build's ranks 0..3 (WORLD_SIZE is not "
+                                 "set: one replica)")
+
+
+def test_a_malformed_local_rank_is_refused_on_a_machine_without_a_gpu(monkeypatch):
+    import torch
+
+    from partc.runtime.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU machine
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(CheckpointError, match=r"environment LOCAL_RANK='x' is not an integer"):
+        resolve_device(None)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device(None) == torch.device("cpu")
+
+
 def test_without_rank_the_message_says_how_to_give_one(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(CheckpointError, match="pass rank= or run under torchrun"):

@@ -109,6 +109,19 @@ def test_a_pre_sharded_folder_of_another_plan_is_refused_before_reading(
     assert recorder.runs == []
 
 
+def test_one_rank_file_given_as_the_checkpoint_is_named_as_such_before_reading(
+        llama: tuple[Path, Any, Any, Path]) -> None:
+    _, plan, package, sharded = llama
+    recorder = Recorder()
+    with pytest.raises(CheckpointError) as caught:
+        package.load(sharded / rank_file_name(2, 4), rank=2, reader=recorder)
+    assert caught.value.message == (
+        f"this file is rank 2's of a `partc shard` set (plan {plan.plan_hash[:16]}), not a "
+        "checkpoint: pass the set's folder, whose manifest each rank's load reads its own file "
+        "from")
+    assert recorder.runs == []
+
+
 def test_a_rank_file_that_does_not_match_the_plan_is_refused(
         llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
     _, _, package, sharded = llama

@@ -106,6 +106,28 @@ def test_row_and_whole_shards_are_views_of_the_file_and_column_shards_contiguous
         assert not report["params"]["model.layers.0.mlp.down_proj.weight"]["mapped"]
 
 
+def test_the_recipe_refuses_a_pipeline_build_by_its_stage_count_before_building(tmp_path):
+    # a PP=2 build loads half the layers a rank: the recipe says so, not "slots not loaded"
+    import importlib.util
+
+    result = compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
+                            pipeline_parallel_size=2, out=tmp_path / "build")
+    (tmp_path / "transformers_tp.py").write_text(recipe_block())
+    spec = importlib.util.spec_from_file_location("recipe_under_test",
+                                                  tmp_path / "transformers_tp.py")
+    assert spec is not None and spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    sys.path.insert(0, str(tmp_path / "build"))
+    try:
+        loaders = importlib.import_module(package_name(result.plan))
+        with pytest.raises(ValueError, match=r"compile the build with --pp 1 \(this one has 2 "
+                                             r"pipeline stages\)"):
+            recipe.tp_model_from_partc(loaders, hf("llama"), None)
+    finally:
+        sys.path.remove(str(tmp_path / "build"))
+
+
 def test_the_recipe_refuses_a_model_whose_slots_are_not_the_checkpoint_tensors(tmp_path):
     # transformers stacks qwen3_moe's experts in memory (mlp.experts.gate_up_proj): the recipe
     # names the slots partc does not load instead of failing somewhere inside the fill

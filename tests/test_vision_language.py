@@ -134,6 +134,28 @@ def _named(layout):
     return parse_stage_layout(layout)
 
 
+def test_the_runtime_boundary_functions_take_a_rank_module_and_answer_as_its_own(tmp_path):
+    """`partc.runtime.send_boundary(module)` / `receive_boundary(module)`, per-cut (qwen2_vl)
+    and one-boundary (llama) builds alike; anything else is a CheckpointError naming it."""
+    from partc import runtime
+    from partc.errors import CheckpointError
+
+    _, cut = modules(tmp_path / "vl", "qwen2_vl", "vision|vision*2,merger|decoder*2")
+    for module in cut:
+        for name in ("send_boundary", "receive_boundary"):
+            mine, theirs = getattr(runtime, name)(module), getattr(module, name)()
+            assert (mine is None) == (theirs is None), (module.RANK, name)
+            if mine is not None:
+                assert mine.identity == theirs.identity
+    _, one = modules(tmp_path / "llama", "llama", "decoder*2|decoder")
+    assert runtime.receive_boundary(one[0]) is None and runtime.send_boundary(one[1]) is None
+    assert runtime.send_boundary(one[0]).identity == one[0].boundary().identity
+    assert runtime.receive_boundary(one[1]).identity == one[1].boundary().identity
+    with pytest.raises(CheckpointError, match=r"send_boundary\(\) takes a generated rank "
+                                              r"module .* found function"):
+        runtime.send_boundary(one[0].boundary)
+
+
 def test_a_cut_inside_the_vision_tower_carries_patches_and_the_merger_cut_image_tokens(tmp_path):
     ref = reference("qwen2_vl")
     plan, ranks = modules(tmp_path, "qwen2_vl", "vision|vision*2,merger|decoder*2")

@@ -218,6 +218,7 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
                         checkpoint_header_digest=digest,
                         group_location=_locator(decl, bound), omitted=omitted,
+                        omit=tuple(bound.omit),
                         progress=_step(progress, "realize groups"))
 
 

@@ -224,6 +224,20 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
                 f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the checkpoint; the "
                 f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target)
+    if not mismatched and verify_fingerprint:
+        import fnmatch
+
+        owned = {item["target"] for item in plan["tensors"]}
+        omit = plan.get("omit", [])
+        extra = [n for n in checkpoint.names if n not in owned
+                 and not any(fnmatch.fnmatchcase(n, glob) for glob in omit)]
+        if extra:
+            mismatched = True
+            yield CheckpointError(
+                f"the checkpoint holds {len(extra)} tensor(s) no rank of the plan loads: "
+                f"{', '.join(f'`{n}`' for n in extra[:3])}{' ...' if len(extra) > 3 else ''}; "
+                "another model's checkpoint? (--no-verify-fingerprint shards it anyway)",
+                location=SourceLocation(str(checkpoint.path)), tensor=extra[0])
     expected = plan.get("checkpoint_fingerprint")
     digest = plan.get("checkpoint_header_digest")
     if not mismatched and verify_fingerprint and isinstance(expected, str):

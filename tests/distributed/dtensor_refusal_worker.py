@@ -26,6 +26,15 @@ def attempt(loaders: object, checkpoint: str, case: str) -> None:
         to_dtensors(load(checkpoint, rank=0), mesh("cpu"))
     elif case == "other-stage":  # TP rank 0 of stage 1 on a process of stage 0
         to_dtensors(load(checkpoint, rank=2), mesh("cpu"))
+    elif case == "swapped-mesh":  # the dimensions named the other way round: (tp, pp)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        to_dtensors(load(checkpoint), init_device_mesh("cpu", (2, 2),
+                                                        mesh_dim_names=("tp", "pp")))
+    elif case == "tensors-dict":
+        to_dtensors(dict(load(checkpoint).tensors), mesh("cpu"))
+    elif case == "no-mesh":
+        to_dtensors(load(checkpoint), None)
     elif case == "read-only":
         to_dtensors(load(checkpoint, zero_copy=True), mesh("cpu"))
     elif case == "wrong-world":  # D=1 asked for in a job with more processes

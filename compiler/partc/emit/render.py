@@ -174,6 +174,8 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "model_type_literal": python_literal(plan.model_type),
         "fingerprint_literal": python_literal(plan.checkpoint_fingerprint),
         "header_digest_literal": python_literal(plan.checkpoint_header_digest),
+        "plan_tensors_literal": python_literal(plan.tensor_names_check),
+        "chunk_mismatches_literal": python_literal(plan.chunk_mismatches(rank.pipeline_stage)),
         "kind_rows": [_kind_row(plan.kinds[k], rank) for k in tables.kinds],
         "owner_rows": tables.owner_rows,
         "groups_text": tables.groups_text,

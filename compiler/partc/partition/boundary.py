@@ -552,6 +552,11 @@ class ArchitectureBoundary:
     def decode_tensors(self, tensors: Sequence[Any], *,
                        resolved: ResolvedBoundaryWireSchema | None = None) -> dict[str, Any]:
         """Decode untagged tensors straight off the wire: counted first, then tagged by order."""
+        if hasattr(tensors, "shape") and hasattr(tensors, "dtype"):  # one tensor, not a list
+            raise self._error(ArchitectureBoundaryErrorKind.WRONG_COUNT,
+                              f"decode_tensors takes the received tensors of `{self.identity}` "
+                              f"as a list in wire order ({', '.join(self.schema.roles)}), found "
+                              f"one tensor of shape {list(tensors.shape)}", None)
         validate_boundary_tensor_count(self.schema, tensors)
         values = tuple(ArchitectureBoundaryValue(role=r, tensor=t)
                        for r, t in zip(self.schema.roles, tensors, strict=True))
@@ -600,6 +605,11 @@ class ArchitectureBoundary:
         for spec, symbolic, value in zip(resolved.tensors, self.schema.tensors, values,
                                          strict=True):
             shape = _shape_of(value, self.identity)
+            if len(shape) != len(spec.shape):  # its sizes were not read from it: no [1, 1, ..]
+                raise self._error(ArchitectureBoundaryErrorKind.WRONG_SHAPE,
+                                  f"boundary tensor `{spec.role}` of `{self.identity}` has "
+                                  f"{len(shape)} axes (shape {list(shape)}); expected "
+                                  f"{len(spec.shape)}: {_spell_shape(symbolic.shape)}", spec.role)
             if shape != spec.shape:
                 raise self._error(ArchitectureBoundaryErrorKind.WRONG_SHAPE,
                                   f"boundary tensor `{spec.role}` of `{self.identity}` has shape "

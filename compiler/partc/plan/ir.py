@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
+from partc.parallel.layout import tensor_names_digest
 from partc.partition.boundary import BoundaryWireSchema
 from partc.partition.ownership import (
     ExecutionGroupSpec,
@@ -111,6 +112,9 @@ class Plan:
     omitted: tuple[str, ...] = ()
     """Checkpoint tensors the family's `omit` globs matched: loaded by no rank (the JSON key
     `omitted` is absent when there are none)."""
+    omit: tuple[str, ...] = ()
+    """The family's `omit` globs (the JSON key `omit` is absent when it has none): a loader
+    leaves the checkpoint tensors they match out of its check of the checkpoint's names."""
     pipeline: PipelineSummary | None = None
     """How a multi-group graph was cut into stages (the JSON key `pipeline` is absent for a
     single-group graph, whose stages are balanced by unit count)."""
@@ -120,6 +124,48 @@ class Plan:
     expert_parallel: ExpertParallelPlan | None = None
     """The expert-parallel layout and placement (the JSON key `expert_parallel` is absent
     without expert parallelism)."""
+
+    def chunk_mismatches(self, stage: int) -> tuple[tuple[str, int, tuple[int, int],
+                                                          tuple[int, int]], ...]:
+        """The tensors of `stage` that some TP rank holds otherwise than torch.chunk (DTensor's
+        `Shard`) would: (target, that TP rank, partc's range, torch.chunk's), the first such
+        rank of each, in target order. The same on every rank of the stage, so that
+        `to_dtensors` refuses them on all of them, not only where its own range differs.
+        Empty under expert parallelism (whose states `to_dtensors` refuses as such)."""
+        return self._chunk_mismatches.get(stage, ())
+
+    @cached_property
+    def _chunk_mismatches(self) -> dict[int, tuple[tuple[str, int, tuple[int, int],
+                                                          tuple[int, int]], ...]]:
+        from partc.parallel.realize import chunk_range
+
+        tp = self.topology.tensor_parallel_size
+        if tp == 1 or self.topology.expert_parallel_size is not None:
+            return {}
+        out: dict[int, Any] = {}
+        for stage in range(self.topology.pipeline_parallel_size):
+            peers = [r for r in self.ranks if r.pipeline_stage == stage]
+            found: dict[str, tuple[str, int, tuple[int, int], tuple[int, int]]] = {}
+            for peer in sorted(peers, key=lambda r: r.tensor_parallel_rank):
+                for layout in peer.layout.tensors:
+                    axis, ranges = layout.selection
+                    if layout.target in found or axis is None or len(ranges) != 1:
+                        continue
+                    chunk = chunk_range(layout.global_shape[axis], tp, peer.tensor_parallel_rank)
+                    if tuple(ranges[0]) != chunk:
+                        start, end = ranges[0]
+                        found[layout.target] = (layout.target, peer.tensor_parallel_rank,
+                                                (start, end), chunk)
+            if found:
+                out[stage] = tuple(found[t] for t in sorted(found))
+        return out
+
+    @cached_property
+    def tensor_names_check(self) -> tuple[int, str, tuple[str, ...]]:
+        """What a loader checks a checkpoint's names against: (tensor count,
+        `tensor_names_digest` of the targets, the family's `omit` globs)."""
+        targets = [t.target for t in self.tensors]
+        return len(targets), tensor_names_digest(targets), self.omit
 
     @cached_property
     def tensors(self) -> tuple[GlobalTensor, ...]:
@@ -190,6 +236,7 @@ class Plan:
             {} if self.payload_digests is None else {
             "digests": [dict(rank) for rank in self.payload_digests]}) | (
             {"omitted": list(self.omitted)} if self.omitted else {}) | (
+            {"omit": list(self.omit)} if self.omit else {}) | (
             {} if self.expert_parallel is None
             else {"expert_parallel": self.expert_parallel.to_json()})
 

@@ -63,6 +63,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                  checkpoint_header_digest: str | None = None,
                  group_location: GroupSite | None = None,
                  omitted: tuple[str, ...] = (),
+                 omit: tuple[str, ...] = (),
                  progress: Callable[[int, int], None] | None = None) -> Plan:
     """The plan of `bound` for `topology`; raises LayoutError (created located at the group's
     declaration when `group_location` knows it).
@@ -175,7 +176,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
         boundary=bound.boundary,
         groups=groups, kinds=tuple(kinds), ranks=tuple(ranks),
         checkpoint_fingerprint=checkpoint_fingerprint,
-        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted,
+        checkpoint_header_digest=checkpoint_header_digest, omitted=omitted, omit=omit,
         pipeline=summary, cuts=cuts, expert_parallel=expert_plan)
 
 

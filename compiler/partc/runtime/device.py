@@ -55,6 +55,7 @@ def resolve_device(device: Any) -> Any:
     torch = import_torch("loading torch tensors (framework='torch' or device=)")
     if device is None:
         if not torch.cuda.is_available():
+            local_rank_from_environment()  # a malformed LOCAL_RANK is refused on a CPU too
             return torch.device("cpu")
         device = "cuda"
     if isinstance(device, bool) or not isinstance(device, str | torch.device):

@@ -57,14 +57,23 @@ def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
             "Shard holds one contiguous range per rank", tensor=target)
     expected = chunk_range(layout.global_shape[axis], tensor_parallel_size, tensor_parallel_rank)
     if ranges[0] != expected:
-        raise CheckpointError(
-            f"`{target}`: partc split axis {axis} of {layout.global_shape[axis]} so that TP rank "
-            f"{tensor_parallel_rank} holds {_spell(ranges)}, but DTensor's Shard({axis}) (torch."
-            f"chunk) would hold {_spell((expected,))} there; compile with `--split chunk` (a "
-            "group split by units wider than one element, such as attention heads, cannot follow "
-            "torch.chunk's element ranges: use a tensor-parallel size dividing its units) or use "
-            "the plain tensors", tensor=target)
+        raise _chunk_error(layout, tensor_parallel_rank, ranges[0], expected)
     return DTensorSpec(target=target, shard_axis=axis, global_shape=layout.global_shape)
+
+
+def _chunk_error(layout: LocalTensorLayout, tensor_parallel_rank: int, held: Any,
+                 chunk: Any) -> CheckpointError:
+    """The refusal of a tensor TP rank `tensor_parallel_rank` holds as `held`, not `chunk`."""
+    target, (axis, _) = layout.target, layout.selection
+    assert axis is not None  # a split tensor
+    return CheckpointError(
+        f"`{target}`: partc split axis {axis} of {layout.global_shape[axis]} so that TP rank "
+        f"{tensor_parallel_rank} holds {_spell((tuple(held),))}, but DTensor's Shard({axis}) "
+        f"(torch.chunk) would hold {_spell((tuple(chunk),))} there; compile with `--split "
+        "chunk` (a group split by units wider than one element, such as attention heads, "
+        "cannot follow torch.chunk's element ranges: use a tensor-parallel size dividing its "
+        "units) or use the plain tensors (every rank of the TP group refuses this state)",
+        tensor=target)
 
 
 def _spell(ranges: Any) -> str:
@@ -85,8 +94,15 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
     Every tensor is checked first, so either all are converted or none is.
     """
     torch = import_torch("to_dtensors()")
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if not (hasattr(state, "info") and hasattr(state, "layout") and hasattr(state, "tensors")):
+        raise CheckpointError(f"to_dtensors takes the RankState load() returned (its layout "
+                              f"says how each tensor is split), found {type(state).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise CheckpointError(f"to_dtensors takes a torch DeviceMesh (the package's "
+                              f"device_mesh()), found {type(mesh).__name__}")
     info = state.info
     if info.ranks_per_stage or info.expert_parallel_size > 1:
         raise CheckpointError(
@@ -95,6 +111,10 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
             "the mesh lack); use its tensors with the package's process_groups()")
     tp_size, tp_rank = info.tensor_parallel_size, info.tensor_parallel_rank
     tp_mesh = _tp_mesh(mesh, info)
+    mismatches = getattr(state.table, "chunk_mismatches", None)  # the stage's, on every rank
+    if mismatches:
+        target, rank, held, chunk = mismatches[0]
+        raise _chunk_error(state.layout[target], rank, held, chunk)
     specs = dtensor_specs(state.layout, tp_size, tp_rank)
     arrays = state.tensors
     read_only = sorted(target for target, a in arrays.items()
@@ -143,6 +163,17 @@ def _tp_mesh(mesh: Any, info: Any) -> Any:
     if tp_mesh.size() != size:
         raise CheckpointError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
                               f"has tensor-parallel size {size}")
+    # Every process holds the whole mesh: each TP group of it must be T consecutive global
+    # ranks from a multiple of T, as the build's are (g = (dp*S + stage)*T + tp), so that a
+    # mesh of other groups is refused by every process, not only where its own group differs.
+    whole = mesh.mesh
+    axis = names.index("tp") if "tp" in names else whole.ndim - 1
+    for group in whole.movedim(axis, -1).reshape(-1, whole.shape[axis]).tolist():
+        if group != list(range(group[0], group[0] + size)) or group[0] % size:
+            raise CheckpointError(
+                f"to_dtensors: the mesh's tp dimension groups global ranks {group}; a build's "
+                f"TP group is {size} consecutive ranks from a multiple of {size} (global rank "
+                "= (dp*S + stage)*T + tp): use the package's device_mesh()")
     if mesh.get_coordinate() is None:
         raise CheckpointError("to_dtensors: this process is not one of the mesh's ranks")
     mine = tp_mesh.get_local_rank()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -76,6 +76,14 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
     missing or of another dtype or shape, else a fingerprint that differs (whose advice,
     `verify_fingerprint=False`, can only help when every tensor matches)."""
     errors: list[PartcError] = []
+    if len(checkpoint.files) == 1:  # a rank file of a `partc shard` set given by itself
+        shard = dict(checkpoint.files[0].metadata)
+        if "partc_plan_hash" in shard and "partc_rank" in shard:
+            return [CheckpointError(
+                f"this file is rank {shard['partc_rank']}'s of a `partc shard` set (plan "
+                f"{shard['partc_plan_hash'][:16]}), not a checkpoint: pass the set's folder, "
+                "whose manifest each rank's load reads its own file from",
+                location=SourceLocation(str(checkpoint.path)))]
     for target, _, dtype, shape, _, _ in table.tensor_rows():
         signature = checkpoint.signature(target)
         if signature is None:
@@ -99,7 +107,40 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
             override="verify_fingerprint=False")
         if mismatch is not None:
             errors.append(mismatch)
+    elif not errors and verify_fingerprint and table.plan_tensors is not None:
+        mismatch = _names_error(table.plan_tensors, checkpoint)
+        if mismatch is not None:
+            errors.append(mismatch)
     return errors
+
+
+def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> CheckpointError | None:
+    """The error when the checkpoint's tensor names (less the family's `omit` matches) are not
+    exactly the plan's, though every tensor of this rank matched: another model's checkpoint
+    whose extra tensors (a Qwen3's q_norm under a Llama build) no rank would load, or whose
+    missing ones another rank needs. A plan compiled against a checkpoint checks its
+    fingerprint instead, which covers this."""
+    from partc.parallel.layout import tensor_names_digest  # here: most loads never need it
+
+    count, digest, omit = plan_tensors
+    names: Iterable[str] = checkpoint.names
+    if omit:
+        import fnmatch
+        import re
+
+        skip = re.compile("|".join(fnmatch.translate(glob) for glob in omit))
+        names = [n for n in names if skip.match(n) is None]
+    names = list(names)
+    if len(names) == count and tensor_names_digest(names) == digest:
+        return None
+    held = (f"{count} tensors, as the plan has, but under other names" if len(names) == count
+            else f"{len(names)} tensors where the plan has {count}")
+    return CheckpointError(
+        f"the checkpoint is not the one this build's plan describes: every tensor of this rank "
+        f"matches, but the checkpoint holds {held} (tensors no rank would load, or ones another "
+        "rank needs); `partc check FAMILY --config CONFIG --checkpoint CHECKPOINT` names them; "
+        "verify_fingerprint=False loads this rank anyway",
+        location=SourceLocation(str(checkpoint.path)))
 
 
 def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,

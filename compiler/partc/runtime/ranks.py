@@ -72,7 +72,10 @@ def launch_position(build_world_size: int) -> LaunchPosition:
             f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} ranks "
             f"(T x S); run {build_world_size} x D processes for D data-parallel replicas")
     if global_rank >= world:
-        raise CheckpointError(f"RANK={global_rank} is outside WORLD_SIZE={world}")
+        raise CheckpointError(f"RANK={global_rank} is outside WORLD_SIZE={world}" if world_raw
+                              is not None else f"RANK={global_rank} is outside this build's "
+                              f"ranks 0..{build_world_size - 1} (WORLD_SIZE is not set: one "
+                              "replica)")
     return LaunchPosition(global_rank=global_rank, world_size=world,
                           rank=global_rank % build_world_size,
                           build_world_size=build_world_size,

@@ -82,6 +82,12 @@ class RankTable:
     send_boundary: Mapping[str, Any] | None = None
     """SEND_BOUNDARY: the wire schema of the cut the stage sends at (as RECEIVE_BOUNDARY; None
     on the last stage)."""
+    plan_tensors: tuple[Any, ...] | None = None
+    """PLAN_TENSORS: (the plan's tensor count, `tensor_names_digest` of its targets, the
+    family's `omit` globs); None in a module generated before it was written."""
+    chunk_mismatches: tuple[Any, ...] | None = None
+    """CHUNK_MISMATCHES: the stage's tensors some TP rank holds otherwise than torch.chunk
+    would, (target, TP rank, partc's range, torch.chunk's); None in an older module."""
     experts: Mapping[str, Any] | None = None
     """EXPERTS: the expert-parallel sizes, this rank's coordinates, each global expert's
     (EP rank, local slot) holders and this rank's local experts (only in an expert-parallel
@@ -285,22 +291,36 @@ def _contract(table: RankTable, schema: Mapping[str, Any] | None
                                 activation_dtype=PipelineActivationDtype(table.activation_dtype))
 
 
-def receive_boundary(table: RankTable) -> ArchitectureBoundary | None:
-    """Typed decode of the cut this stage receives at (None on the first stage); the one
-    pipeline boundary in a build without per-group boundaries."""
+def _rank_table(source: Any, what: str) -> RankTable:
+    """The RankTable of a generated rank module (or the table itself); a CheckpointError
+    naming what was passed otherwise."""
+    table = getattr(source, "_TABLE", source)
+    if not isinstance(table, RankTable):
+        raise CheckpointError(f"{what}() takes a generated rank module (`package.rank_module("
+                              f"r)`) or its RankTable, found {type(source).__name__}")
+    return table
+
+
+def receive_boundary(source: Any) -> ArchitectureBoundary | None:
+    """Typed decode of the cut a stage receives at (None on the first stage); the one
+    pipeline boundary in a build without per-group boundaries. `source`: a generated rank
+    module or its RankTable."""
     from partc.partition.boundary import architecture_boundary as _boundary_for
 
+    table = _rank_table(source, "receive_boundary")
     if table.receive_boundary is None and table.send_boundary is None:
         return None if table.pipeline_stage == 0 else architecture_boundary(table)
     contract = _contract(table, table.receive_boundary)
     return None if contract is None else _boundary_for(contract)
 
 
-def send_boundary(table: RankTable) -> ArchitectureBoundary | None:
-    """Typed encode of the cut this stage sends at (None on the last stage); the one pipeline
-    boundary in a build without per-group boundaries."""
+def send_boundary(source: Any) -> ArchitectureBoundary | None:
+    """Typed encode of the cut a stage sends at (None on the last stage); the one pipeline
+    boundary in a build without per-group boundaries. `source`: a generated rank module or
+    its RankTable."""
     from partc.partition.boundary import architecture_boundary as _boundary_for
 
+    table = _rank_table(source, "send_boundary")
     if table.receive_boundary is None and table.send_boundary is None:
         last = table.pipeline_stage == table.pipeline_parallel_size - 1
         return None if last else architecture_boundary(table)
