@@ -204,6 +204,11 @@ def test_docs_names_a_section_by_path_and_line_and_lists_every_topic(capsys):
     listed = out.split()
     assert {"policy", "output", "boundaries", "kv_replication#the-rule-vllms"} <= set(listed)
     assert doc_reference("boundaries").endswith("boundaries.md")
+    notes = sorted(p.stem for p in (ROOT / "docs" / "families").glob("*.md"))
+    assert notes and {f"families/{n}" for n in notes} <= set(listed)  # the family notes too
+    status, out, _ = _run(["docs", "families/llama"], capsys)
+    assert status == 0 and Path(out.strip()).read_text().startswith("# ")
+    assert Path(out.strip()).name == "llama.md" and Path(out.strip()).parent.name == "families"
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -109,7 +109,7 @@ def test_a_rank_module_loads_in_a_venv_holding_only_numpy_ml_dtypes_and_the_whee
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    for args in (["numpy", "ml_dtypes"], ["--no-deps", str(wheel)]):
+    for args in (["numpy>=1.26", "ml_dtypes>=0.4,<0.7"], ["--no-deps", str(wheel)]):  # README
         done = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -124,6 +124,14 @@ def test_a_rank_module_loads_in_a_venv_holding_only_numpy_ml_dtypes_and_the_whee
     assert seen["tensors"] == sorted(checkpoint_tensors(hf("llama")))
     assert seen["importable"] == []
     assert "partc.runtime" in seen["partc"]
+    # the compiler's commands say what this install lacks (not "a bug in partc", exit 70)
+    done = subprocess.run([str(venv / "bin" / "partc"), "compile", "--config",
+                           str(hf("llama") / "config.json"), "--out", str(tmp_path / "b2")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert re.search(r"partc compile needs the compiler's dependencies, and this install lacks "
+                     r"(pyyaml|jsonschema|jinja2) ", done.stderr), done.stderr
+    assert "internal error" not in done.stderr and not (tmp_path / "b2").exists()
 
 
 def test_the_progress_bar_is_skipped_when_tqdm_is_not_installed(monkeypatch):

@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from partc import LayoutError, ParallelPlanError
+from partc import LayoutError, LoadError, ParallelPlanError
 from partc.api import compile_family, plan_family
 from partc.errors import ArchitecturePartitionError
 from partc.front.schema import load_schema
@@ -124,6 +124,21 @@ def test_four_ranks_over_two_kv_heads_fail_under_require_naming_group_units_and_
     assert caught.value.location.file == "architectures/llama.yaml"
     assert caught.value.location.line > 0
     assert isinstance(caught.value, LayoutError)
+
+
+@pytest.mark.parametrize("spelled", ["replicate-unsupported", "replicate_unsupported"])
+def test_the_policy_may_be_given_by_name_as_the_command_line_spells_it(tmp_path, spelled):
+    import partc
+
+    by_name = compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4,
+                             policy=spelled).plan
+    by_enum = compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4,
+                             policy=partc.ShardingPolicy.REPLICATE_UNSUPPORTED).plan
+    assert by_name.document[1] == by_enum.document[1]
+    with pytest.raises(LoadError, match=r"policy must be one of require, replicate-unsupported "
+                                        r"\(or a partc.ShardingPolicy\), found 'replicate'"):
+        compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4,
+                       policy="replicate")
 
 
 def test_replicate_unsupported_replicates_attention_and_records_the_fallback(tmp_path):

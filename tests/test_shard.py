@@ -109,6 +109,16 @@ def test_a_pre_sharded_folder_of_another_plan_is_refused_before_reading(
     assert recorder.runs == []
 
 
+def test_inspect_of_a_shard_set_says_what_it_is_and_what_to_inspect_instead(
+        llama: tuple[Path, Any, Any, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    _, _, _, sharded = llama
+    assert main(["inspect", str(sharded)]) == 1
+    err = capsys.readouterr().err
+    assert (f"{sharded} is a `partc shard` set ({SHARD_MANIFEST} and 4 rank file(s)), not a "
+            "checkpoint or a build: inspect one rank's file (rank-00-of-04.safetensors)") in err
+    assert main(["inspect", str(sharded / rank_file_name(0, 4))]) == 0
+
+
 def test_one_rank_file_given_as_the_checkpoint_is_named_as_such_before_reading(
         llama: tuple[Path, Any, Any, Path]) -> None:
     _, plan, package, sharded = llama

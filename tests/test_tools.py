@@ -204,6 +204,22 @@ def test_the_report_highlights_fallbacks(fallback_build, tmp_path, capsys):
     found = _report_html(fallback_build, tmp_path, capsys)
     assert found["fallback_rows"] == 3
     assert any("fallback" in s["class"].split() for s in found["segment"])
+    page = (tmp_path / f"{fallback_build.parent.name}.html").read_text()
+    assert "None" not in page  # a replicated group has no logical units to print
+    assert "attention_heads replicated by the policy" in page
+
+
+def test_inspect_and_report_titles_name_the_expert_parallel_topology(tmp_path, capsys):
+    qwen = hf("qwen3_moe")
+    assert main(["compile", "--config", str(qwen / "config.json"), "--tp", "1", "--ep", "3",
+                 "--out", str(tmp_path / "b")]) == 0
+    compiled = capsys.readouterr().out
+    assert "for TP=1 x PP=1 x EP=3 (ETP=1)" in compiled
+    assert main(["inspect", str(tmp_path / "b")]) == 0
+    assert " at TP=1 x PP=1 x EP=3 (ETP=1), plan " in capsys.readouterr().out.splitlines()[0]
+    assert main(["report", str(tmp_path / "b"), "--out", str(tmp_path / "r.html")]) == 0
+    assert ("<title>partc report: qwen3_moe at TP=1 x PP=1 x EP=3 (ETP=1)</title>"
+            in (tmp_path / "r.html").read_text())
 
 
 def test_the_report_never_replaces_a_file_partc_did_not_write(deepseek_build, tmp_path, capsys):

@@ -74,7 +74,8 @@ def test_kv_replication_verifies_at_more_ranks_than_kv_heads(tmp_path):
     assert report.ok, report.first_failure
     attention = [c for c in report.checks if c.module == "model.layers.0.self_attn"]
     assert attention[0].group == "layers.0.attention" and attention[0].max_error > 0
-    assert report.skipped == ({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)"},)
+    assert report.skipped == ({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)",
+                               "check": "pipeline"},)
 
 
 # ---------------------------------------------------------------- wrong declarations
@@ -189,6 +190,8 @@ def test_the_cli_skips_illegal_sizes_by_default_and_names_the_first_failure(tmp_
     captured = capsys.readouterr()
     assert status == 1
     assert "skipped T=3 x S=1: " in captured.out and "skipped T=8 x S=1: " in captured.out
+    assert "skipped the pipeline check: no pipeline split asked for (S=1)" in captured.out
+    assert "skipped T=1 x S=1" not in captured.out  # T=1 was checked, not skipped
     assert "T=1 x S=1: 15/15 checks hold" in captured.out
     assert re.search(r"error: T=2 x S=1: module `model.layers.0.mlp` \(group `layers.0.mlp`\), "
                      r"rank 0: .*max abs error [0-9.e-]+, tolerance [0-9.e-]+", captured.err)

@@ -32,6 +32,7 @@ _EXPORTS = {
     "SourceLocation": "partc.errors",
     "Plan": "partc.plan.ir",
     "RankPlan": "partc.plan.ranks",
+    "ShardingPolicy": "partc.parallel.specs",
     "Topology": "partc.plan.topology",
 }
 
@@ -53,6 +54,7 @@ __all__ = [
     "RankPlan",
     "SchemaError",
     "SemanticError",
+    "ShardingPolicy",
     "SourceLocation",
     "Topology",
     "check_family",
@@ -79,6 +81,7 @@ if TYPE_CHECKING:
         SemanticError,
         SourceLocation,
     )
+    from partc.parallel.specs import ShardingPolicy
     from partc.plan.ir import Plan
     from partc.plan.ranks import RankPlan
     from partc.plan.topology import Topology

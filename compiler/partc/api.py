@@ -258,7 +258,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
                    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    stage_units: Sequence[int] | Sequence[Sequence[tuple[str, int]]] | None = None,
                    group_modes: Sequence[tuple[str, GroupParallelMode]] | None = None,
-                   policy: ShardingPolicy | None = None,
+                   policy: ShardingPolicy | str | None = None,
                    activation_dtype: str | None = None,
                    checkpoint: str | Path | None = None,
                    out: str | Path | None = None, force: bool = False,
@@ -284,6 +284,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     """
     from partc.emit.render import render_package
     from partc.output import check_output, write_atomically
+    from partc.parallel.specs import ShardingPolicy
 
     try:  # None: the model's own dtype (plan.model_activation_dtype)
         dtype = None if activation_dtype is None else PipelineActivationDtype(activation_dtype)
@@ -291,6 +292,15 @@ def compile_family(family: str | Path | None, config: str | Path, *,
         raise LoadError(f"activation dtype must be one of "
                         f"{', '.join(d.value for d in PipelineActivationDtype)}, found "
                         f"{activation_dtype!r}") from None
+    if isinstance(policy, str):  # "replicate-unsupported", as the CLI spells it, or its value
+        try:
+            policy = ShardingPolicy(policy.replace("-", "_"))
+        except ValueError:
+            raise LoadError(f"policy must be one of "
+                            f"{', '.join(p.value.replace('_', '-') for p in ShardingPolicy)} "
+                            f"(or a partc.ShardingPolicy), found {policy!r}") from None
+    elif policy is not None and not isinstance(policy, ShardingPolicy):
+        raise LoadError(f"policy must be a partc.ShardingPolicy or its name, found {policy!r}")
     try:
         tensor_split = TensorSplit(split)
     except ValueError:

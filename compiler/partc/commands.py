@@ -59,11 +59,18 @@ def run_inspect(args: argparse.Namespace) -> int:
     """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
     from partc.inspect.build import is_build, plan_faults, read_build, summary, tensor_rows
     from partc.inspect.text import inventory_lines, summary_lines, tensor_lines
+    from partc.runtime.manifest import SHARD_MANIFEST
 
     path = Path(args.path)
     if not path.exists():
         raise LoadError(f"{path} does not exist; expected a build folder, a plan.json or a "
                         "checkpoint", location=SourceLocation(str(path)))
+    if path.is_dir() and (path / SHARD_MANIFEST).is_file():
+        files = sorted(p.name for p in path.glob("rank-*.safetensors"))
+        raise LoadError(f"{path} is a `partc shard` set ({SHARD_MANIFEST} and {len(files)} rank "
+                        f"file(s)), not a checkpoint or a build: inspect one rank's file "
+                        f"({files[0] if files else 'rank-NN-of-NN.safetensors'}), or the build "
+                        "it was cut for", location=SourceLocation(str(path)))
     if not is_build(path):
         from partc.inspect.checkpoint import inventory
 
@@ -253,8 +260,11 @@ def docs_folder() -> Path:
 
 
 def doc_topics() -> tuple[str, ...]:
-    """The installed guides' topics: their file names without `.md`, sorted."""
-    return tuple(sorted(p.stem for p in docs_folder().glob("*.md")))
+    """The installed guides' topics: their file names without `.md`, sorted, then the family
+    notes as `families/NAME`."""
+    folder = docs_folder()
+    return (tuple(sorted(p.stem for p in folder.glob("*.md")))
+            + tuple(sorted(f"families/{p.stem}" for p in (folder / "families").glob("*.md"))))
 
 
 def heading_anchor(heading: str) -> str:

@@ -288,7 +288,9 @@ def run_verify(args: argparse.Namespace) -> int:
     for note in report.notes:
         print(f"note: {note}")
     for skipped in report.skipped:
-        print(f"skipped T={skipped['tp']} x S={skipped['pp']}: {skipped['reason']}")
+        what = ("the pipeline check" if skipped.get("check") == "pipeline"
+                else f"T={skipped['tp']} x S={skipped['pp']}")
+        print(f"skipped {what}: {skipped['reason']}")
     topologies = sorted({(c.tp, c.pp) for c in report.checks})
     for tp, pp in topologies:
         mine = [c for c in report.checks if (c.tp, c.pp) == (tp, pp)]

@@ -24,7 +24,7 @@ from partc.cli.parser import (
     build_parser,
     yaml_file_problem,
 )
-from partc.errors import PartcError
+from partc.errors import LoadError, PartcError
 
 _COMMANDS: dict[str, Any] = {
     "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
@@ -119,6 +119,10 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
     return found
 
 
+_COMPILER_DEPENDENCIES = {"yaml": "pyyaml", "jsonschema": "jsonschema", "jinja2": "jinja2"}
+"""Import name -> distribution of what the compiler needs beyond a runtime-only install."""
+
+
 def _run(args: argparse.Namespace, fmt: str) -> int:
     """Run one parsed command: errors reported, a closed pipe quiet, bugs in one line."""
     try:
@@ -132,6 +136,13 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
     except KeyboardInterrupt:
         print("partc: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ModuleNotFoundError as exc:
+        if exc.name not in _COMPILER_DEPENDENCIES:
+            return _internal(exc, fmt)
+        return report_errors([LoadError(
+            f"partc {args.command} needs the compiler's dependencies, and this install lacks "
+            f"{_COMPILER_DEPENDENCIES[exc.name]} (a runtime-only install, README \"Serving "
+            "images\", loads builds only): pip install partc with its dependencies")], fmt)
     except Exception as exc:  # the last line of defence against tracebacks
         return _internal(exc, fmt)
 

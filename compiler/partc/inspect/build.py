@@ -73,6 +73,15 @@ def read_build(path: str | Path) -> Build:
     return Build(path=file, plan=plan)
 
 
+def topology_text(topology: Mapping[str, Any]) -> str:
+    """`TP=T x PP=S`, with ` x EP=E (ETP=X)` under expert parallelism (as compile says it)."""
+    text = f"TP={topology['tensor_parallel_size']} x PP={topology['pipeline_parallel_size']}"
+    if topology.get("expert_parallel_size") is not None:
+        text += (f" x EP={topology['expert_parallel_size']} "
+                 f"(ETP={topology.get('expert_tensor_parallel_size', 1)})")
+    return text
+
+
 @contextmanager
 def plan_faults(build: Build) -> Iterator[None]:
     """`front.schema.plan_faults` for a build read by `read_build`."""

@@ -19,6 +19,7 @@ from partc.inspect.build import (
     byte_text,
     rank_role_bytes,
     summary,
+    topology_text,
     unit_columns,
 )
 from partc.inspect.origins import Origins
@@ -171,8 +172,7 @@ def render_report(build: Build, origins: Origins) -> str:
                   "origin": origins.lines.get(f["group"], "?")} for f in facts["fallbacks"]]
     kv = [{"group": k["group"], "replicas": k["kv_replicas"], "tensors": len(k["tensors"]),
            "origin": origins.lines.get(k["group"], "?")} for k in facts["kv_replication"]]
-    title = (f"{facts['family']} at TP={topology['tensor_parallel_size']} x "
-             f"PP={topology['pipeline_parallel_size']}")
+    title = f"{facts['family']} at {topology_text(topology)}"
     return _environment().get_template("report.html.jinja2").render(
         title=title,
         version=__version__, plan_hash=facts["plan_hash"], facts=facts,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partc.inspect.build import byte_text
+from partc.inspect.build import byte_text, topology_text
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
@@ -72,8 +72,7 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     """The whole build: header, stages, ranks, fallbacks."""
     topology = summary["topology"]
     out = [f"build {summary['path']}: {summary['family']} ({summary['model_type']}) at "
-           f"TP={topology['tensor_parallel_size']} x PP={topology['pipeline_parallel_size']}, "
-           f"plan {summary['plan_hash'][:16]}",
+           f"{topology_text(topology)}, plan {summary['plan_hash'][:16]}",
            f"{summary['tensors']} tensors in {summary['groups']} groups, "
            f"{byte_text(summary['global_bytes'])} in the checkpoint; policy "
            f"{topology.get('policy') or 'the family default'}", ""]

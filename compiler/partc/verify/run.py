@@ -173,7 +173,8 @@ def checked_config(family: str | Path | None, config: Path,
                   if compiles(tp, 1, tensor_parallel_sizes is not None))
     stages = pipeline_parallel_size or 2
     if stages == 1:
-        skipped.append({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)"})
+        skipped.append({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)",
+                        "check": "pipeline"})
     elif not compiles(1, stages, pipeline_parallel_size is not None):
         stages = 1
     if errors:
