@@ -119,6 +119,24 @@ def test_a_config_alias_never_hides_the_usual_name(tmp_path: Path,
     assert "  num_hidden_layers: int\n" in text and "from: n_layer" not in text
 
 
+@pytest.mark.parametrize("fixture", ["llama_mlx4", "qwen3_fp8", "deepseek_v3_fp8",
+                                     "gpt_oss_mxfp4"])
+def test_a_quantized_checkpoints_scaffold_checks_and_marks_what_it_packed(
+        fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = HF.parent / "quantized" / fixture
+    family = tmp_path / "q.yaml"
+    _, _, report = _init(checkpoint, family, capsys)
+    status, _, err = _run(["check", str(family), "--checkpoint", str(checkpoint), "--tp", "2",
+                           "--pp", "2"], capsys)
+    assert status == 0, err
+    if fixture == "llama_mlx4":  # MLX: U32 weights with scales/biases are no dense matrices
+        packed = [u for u in report["undecided"]  # type: ignore[union-attr]
+                  if "holds packed quantized weights (biases, scales)" in u]
+        assert {p.split("`")[1] for p in packed} == {
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+
+
 def test_qwen2_vl_reads_its_decoder_fields_from_text_config(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     family = tmp_path / "qv.yaml"

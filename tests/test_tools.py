@@ -260,8 +260,25 @@ def test_repeated_errors_collapse_into_one_line_and_the_built_in_family_is_sugge
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: 9 errors like this one")
     assert "mlp" in lines[0]
+    with safe_open(str(LLAMA / "model.safetensors"), "np") as f:  # the 9 unowned tensors
+        unowned = sorted(n for n in f.keys() if ".mlp." in n)
+    assert len(unowned) == 9 and f"`{unowned[0]}` is owned by no parameter group" in lines[0]
+    assert lines[0].endswith("; the others: " + "; ".join(f"`{n}`" for n in unowned[1:]))
     assert "hint: the built-in family for this config's model_type fits" in err
     assert err.splitlines()[-1] == "partc: 9 error(s)"
+
+
+def test_collapsed_typos_name_the_lines_of_the_others(tmp_path, capsys):
+    text = (ROOT / "architectures" / "llama.yaml").read_text()
+    family = tmp_path / "typos.yaml"
+    family.write_text(text.replace("sharding: column", "sharding: colum"))
+    wrong = [i + 1 for i, line in enumerate(family.read_text().splitlines())
+             if "sharding: colum" in line]
+    assert len(wrong) > 3  # collapsed: more than COLLAPSE_AFTER of one shape
+    status, _, err = _run(["check", str(family)], capsys)
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert status == 1 and f"typos.yaml:{wrong[0]}:" in line
+    assert line.endswith("; the others: " + "; ".join(f"line {n}" for n in wrong[1:]))
 
 
 def test_usage_errors_are_json_under_format_json(capsys):

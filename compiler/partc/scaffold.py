@@ -375,11 +375,16 @@ def _signature_params(w: _Writer, params: Mapping[str, tuple[str, list[int]]],
     return out
 
 
+_PACKED = frozenset({"scales", "biases", "qweight", "qzeros", "g_idx"})
+"""Params of a packed quantized linear (MLX's `scales`/`biases`, GPTQ/AWQ's): its columns are
+not the matrix's, so the scaffold cannot split it by heads as a dense one."""
+
+
 def _block_groups(table: Mapping[str, _Module], block: str,
                   projections: Sequence[str]) -> bool:
-    """Whether every projection of `block` is a module of the same layers and experts."""
+    """Whether every projection of `block` is a dense module of the same layers and experts."""
     found = [table.get(f"{block}.{p}") for p in projections]
-    return all(e is not None for e in found) and all(
+    return all(e is not None and not _PACKED & set(e.params) for e in found) and all(
         e is not None and found[0] is not None and (e.layers, e.experts) ==
         (found[0].layers, found[0].experts) for e in found)
 
@@ -430,7 +435,16 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
                     "    owner: {unit: decoder}"]
         w.scope(module, entry)
         w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
-        if not _is_norm(module.rsplit(".", 1)[-1]):
+        leaf = module.rsplit(".", 1)[-1]
+        if _PACKED & set(entry.params):
+            w.check("    # replicated on every rank", f"`{module}` holds packed quantized "
+                    f"weights ({', '.join(sorted(_PACKED & set(entry.params)))}): replicated; "
+                    "shard it with the family's linear format (docs/linear_formats.md)")
+        elif leaf in _ATTENTION or leaf in _MLP:
+            w.check("    # replicated on every rank", f"`{module}` is a known projection, but "
+                    "its block's others are not all there as separate dense modules (fused, "
+                    "such as qkv_proj?): replicated; shard the block by hand")
+        elif not _is_norm(leaf):
             w.check("    # replicated on every rank", f"`{module}` is not a known projection: "
                     "replicated; shard it if it is large")
         w.params(params, "    ")

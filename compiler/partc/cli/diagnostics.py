@@ -93,6 +93,35 @@ def _collapsed(errors: Sequence[PartcError]) -> list[tuple[PartcError, int]]:
     return out
 
 
+def _group_of(errors: Sequence[PartcError], first: PartcError) -> list[PartcError]:
+    """The errors of `first`'s shape, `first` first (as `_collapsed` grouped them)."""
+    return [e for e in errors if _shape(e) == _shape(first)]
+
+
+_NAMED = re.compile(r"`[^`]*`")
+_LISTED = 12
+"""The most other errors of a collapsed group named beside the one shown."""
+
+
+def _others(group: Sequence[PartcError]) -> str:
+    """What tells the other errors of a collapsed group from the first: their names in
+    backticks where those differ, else their line; `--format json` lists every one whole."""
+    first = group[0]
+    labels = []
+    for error in group[1:]:
+        names = [n for n in _NAMED.findall(error.message) if n not in first.message]
+        where = error.location
+        if names:
+            labels.append(", ".join(names))
+        elif where is not None and where.line and where != first.location:
+            labels.append(f"line {where.line}" if where.file == getattr(first.location, "file",
+                                                                        None) else str(where))
+    if not labels:
+        return ""
+    more = len(labels) - _LISTED
+    return f"; the others: {'; '.join(labels[:_LISTED])}{f' and {more} more' if more > 0 else ''}"
+
+
 def _error_json(error: PartcError) -> dict[str, object]:
     """An error's JSON with `see`: where its guide (`doc`) is installed, None without one."""
     return error.to_json() | {"see": commands.error_reference(error.doc)}
@@ -109,8 +138,8 @@ def report_errors(errors: Sequence[PartcError], fmt: str, hints: Sequence[str] =
     else:
         for error, count in _collapsed(ordered):
             if count > 1:
-                print(f"error: {count} errors like this one (first shown): {error}",
-                      file=sys.stderr)
+                print(f"error: {count} errors like this one (first shown): {error}"
+                      f"{_others(_group_of(ordered, error))}", file=sys.stderr)
             else:
                 print(f"error: {error}", file=sys.stderr)
             for line in _caret_context(error):
