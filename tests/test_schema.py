@@ -77,7 +77,7 @@ def test_the_mini_family_is_schema_valid():
      "f.yaml:27:42: expected a number >= 1, found 0 [at /boundary/primary/shape/1]"),
     ("params: {weight: [vocab_size, hidden_size]}",
      "params: {weight: {shape: [vocab_size], extra: 1}}",
-     "f.yaml:17:51: unexpected key `extra` (allowed here: dtype, shape, when) "
+     "f.yaml:17:44: unexpected key `extra` (allowed here: dtype, shape, when) "
      "[at /parameters/0/params/weight/extra]"),
 ])
 def test_one_mistake_gives_one_message_stating_rule_and_value(old, new, expected):
@@ -86,9 +86,17 @@ def test_one_mistake_gives_one_message_stating_rule_and_value(old, new, expected
 
 def test_an_unknown_key_is_pointed_at_itself_with_a_suggestion():
     (message,) = edited("    role: vocabulary\n", "    role: vocabulary\n    shards: 2\n")
-    assert message.startswith("f.yaml:14:13: unexpected key `shards`; did you mean `sharding`? "
+    assert message.startswith("f.yaml:14:5: unexpected key `shards`; did you mean `sharding`? "
                               "(allowed here: ")
     assert message.endswith("[at /parameters/0/shards]")
+
+
+def test_an_unknown_top_level_key_over_a_list_is_pointed_at_its_own_line():
+    # the value of `grahp:` starts on the next line: the error is at the key, not there
+    line = MINI.splitlines().index("graph:") + 1
+    messages = edited("graph:\n", "grahp:\n")
+    unexpected = [m for m in messages if "unexpected key `grahp`" in m]
+    assert len(unexpected) == 1 and unexpected[0].startswith(f"f.yaml:{line}:1: "), messages
 
 
 def test_missing_required_keys_are_reported_one_by_one_at_the_mapping():

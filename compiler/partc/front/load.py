@@ -86,6 +86,9 @@ class RawDocument:
     verbatim: dict[str, int] = field(default_factory=dict)
     """For strings written on one line exactly as read (no escapes): the 1-based column of their
     first character, so an error at a character offset inside them can be located exactly."""
+    keys: dict[str, SourceLocation] = field(default_factory=dict)
+    """Position of the key of each mapping entry, keyed by the entry's pointer (YAML files; an
+    error about the key itself, such as an unexpected one, points there, not at its value)."""
 
     def locate(self, pointer: str) -> SourceLocation:
         """The position of the node at `pointer`, or of its nearest located ancestor."""
@@ -97,6 +100,11 @@ class RawDocument:
             if not probe:
                 return SourceLocation(self.file, 1, 1)
             probe = probe.rsplit("/", 1)[0]
+
+    def locate_key(self, pointer: str) -> SourceLocation:
+        """The position of the key of the entry at `pointer` (else of the node, as `locate`)."""
+        found = self.keys.get(pointer)
+        return found if found is not None else self.locate(pointer)
 
     def locate_offset(self, pointer: str, offset: int) -> SourceLocation:
         """The position of character `offset` of the string at `pointer` (else of the node)."""
@@ -306,6 +314,7 @@ class _YamlBuilder:
     def __init__(self, file: str) -> None:
         self.file = file
         self.locations: dict[str, SourceLocation] = {}
+        self.keys: dict[str, SourceLocation] = {}
         self.notes: dict[str, str] = {}
         self.verbatim: dict[str, int] = {}
         self.anchors: dict[str, _Anchored] = {}
@@ -407,6 +416,7 @@ class _YamlBuilder:
             raise self.fail(mark, f"duplicate key {key!r} (first defined at line "
                             f"{top.key_lines[key]})", join_pointer(top.pointer, key))
         top.key_lines[key] = mark.line + 1
+        self.keys[join_pointer(top.pointer, key)] = self.loc(mark)
         top.key = key
         self._account(mark, top.pointer, 0, len(key))
 
@@ -522,7 +532,7 @@ def _load_yaml(file: str, text: str) -> RawDocument:
         raise LoadError("empty document: expected a mapping with `family`, `config`, ...",
                         location=SourceLocation(file, 1, 1))
     return RawDocument(file=file, format="yaml", data=builder.root, locations=builder.locations,
-                       notes=builder.notes, verbatim=builder.verbatim)
+                       notes=builder.notes, verbatim=builder.verbatim, keys=builder.keys)
 
 
 # ---------------------------------------------------------------- TOML

@@ -394,7 +394,10 @@ def iter_schema_errors(document: RawDocument, schema: str = "architecture.schema
             if (found.pointer, message) in seen:
                 continue
             seen.add((found.pointer, message))
-            yield SchemaError(message, location=document.locate(found.pointer),
+            where = (document.locate_key(found.pointer)
+                     if found.error.validator == "additionalProperties"
+                     else document.locate(found.pointer))
+            yield SchemaError(message, location=where,
                               pointer=found.pointer,
                               schema_path=_pointer(found.error.absolute_schema_path))
 
