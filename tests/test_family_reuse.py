@@ -275,6 +275,12 @@ def test_extends_cycles_and_unknown_bases_are_located_errors(tmp_path):
     c = write_family(tmp_path, "c.yaml", "family: c\nextends: no_such_family\n"
                      "model_types: [x]\n")
     assert "no built-in family for model type 'no_such_family'" in check_family(c)[0].message
+    d = write_family(tmp_path, "d.yaml", "family: d\nextends: lama\nmodel_types: [x]\n")
+    (error,) = check_family(d)  # at the `extends` line, with the built-in it resembles
+    assert error.location is not None and (error.location.file, error.location.line,
+                                           error.location.column) == (str(d), 2, 10)
+    assert error.message.startswith("`extends: lama`: no built-in family for model type 'lama'")
+    assert error.message.endswith("; did you mean `llama`?")
 
 
 # ---------------------------------------------------------------- floats

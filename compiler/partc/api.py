@@ -24,6 +24,7 @@ from partc.front.load import (
 from partc.front.schema import validate_document
 from partc.library import (
     BUILTIN_PREFIX,
+    builtin_families,
     family_for_config,
     family_spec_is_file,
     read_family_source,
@@ -96,7 +97,17 @@ def _extended(document: RawDocument, chain: tuple[str, ...]) -> tuple[RawDocumen
     if is_file and not Path(spec).is_absolute() and not document.file.startswith(
             BUILTIN_PREFIX):
         spec = str(Path(document.file).parent / spec)
-    base_label, base_text = read_family_source(spec, builtin=not is_file)
+    try:
+        base_label, base_text = read_family_source(spec, builtin=not is_file)
+    except LoadError as error:  # an unknown built-in, a missing file: said at the `extends`
+        if error.location is not None and error.location.line:
+            raise  # located inside the base file already
+        import difflib
+
+        close = difflib.get_close_matches(spec, sorted(builtin_families()), n=1)
+        hint = f"; did you mean `{close[0]}`?" if close and not is_file else ""
+        raise LoadError(f"`extends: {spec}`: {error.message}{hint}",
+                        location=document.locate("/extends"), pointer="/extends") from None
     if base_label in chain:
         raise LoadError(f"`extends` makes a cycle: {' -> '.join((*chain, base_label))}",
                         location=document.locate("/extends"),
