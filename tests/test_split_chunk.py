@@ -114,6 +114,17 @@ def test_a_rank_torch_chunk_leaves_empty_is_a_located_compile_error(tmp_path):
     compile_family(None, config, tensor_parallel_size=16)
 
 
+def test_check_takes_split_chunk_and_refuses_what_its_compile_refuses(tmp_path, capsys):
+    config = _config(tmp_path, num_attention_heads=16, num_key_value_heads=16, head_dim=4)
+    assert main(["check", "--config", str(config), "--tp", "16"]) == 0
+    capsys.readouterr()
+    assert main(["check", "--config", str(config), "--tp", "16", "--split", "chunk"]) == 1
+    assert "leaving TP rank 15 empty" in capsys.readouterr().err
+    assert main(["check", "--config", str(LLAMA / "config.json"), "--tp", "2", "--pp", "2",
+                 "--activation-dtype", "float16", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
 def test_partition_units_torch_chunk_leaves_empty_are_refused(tmp_path):
     # intermediate 130 over 16 ranks: chunks of 9 fill 15 ranks
     config = _config(tmp_path, num_attention_heads=16, num_key_value_heads=16, head_dim=4,

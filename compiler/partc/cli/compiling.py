@@ -192,13 +192,19 @@ def run_check(args: argparse.Namespace) -> int:
     topology = None
     if (args.tp is not None or args.pp is not None or args.pp_layers or args.policy
             or args.group_mode or args.ep is not None or args.etp is not None
-            or args.expert_placement):
+            or args.expert_placement or args.split != "balanced"
+            or args.activation_dtype is not None):
+        from partc.parallel.realize import TensorSplit
+        from partc.partition.boundary import PipelineActivationDtype
+
         named = bool(args.pp_layers) and isinstance(args.pp_layers[0], tuple)
         topology = Topology(tensor_parallel_size=args.tp or 1, pipeline_parallel_size=args.pp or 1,
                             stage_units=None if named else args.pp_layers,
                             stage_layout=args.pp_layers if named else None,
                             group_modes=tuple(args.group_mode or ()), policy=_policy(args.policy),
-                            expert_parallel_size=args.ep,
+                            activation_dtype=None if args.activation_dtype is None
+                            else PipelineActivationDtype(args.activation_dtype),
+                            split=TensorSplit(args.split), expert_parallel_size=args.ep,
                             expert_tensor_parallel_size=args.etp or 1)
     with terminal_progress(_progress_enabled(args)) as report:
         errors = check_family(args.family, args.config, args.checkpoint, progress=report)

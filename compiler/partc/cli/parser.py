@@ -146,6 +146,18 @@ FAMILY_HELP = ("family file or built-in family name (default: the built-in famil
 """How the family argument is read (api.family_spec_is_file)."""
 
 
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """The plan's options beyond the topology: the activation dtype and the split rule."""
+    parser.add_argument("--activation-dtype", default=None,
+                        choices=["float16", "bfloat16", "float32"],
+                        help="dtype of activations crossing pipeline cuts (default: the "
+                             "model's own, the most common float dtype of its tensors)")
+    parser.add_argument("--split", choices=["balanced", "chunk"], default="balanced",
+                        help="how uneven splits give out the remainder: balanced (the first "
+                             "n mod T ranks get one more) or chunk (torch.chunk's rule, which "
+                             "DTensor's Shard and transformers follow; docs/torch.md)")
+
+
 def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--tp", type=_positive, default=None if not required else 1,
                         help="tensor-parallel size T (default 1)")
@@ -212,14 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the model's config.json (default: config.json in the "
                                "--checkpoint folder, or beside the --checkpoint file)")
     _add_topology(compile_, required=True)
-    compile_.add_argument("--activation-dtype", default=None,
-                          choices=["float16", "bfloat16", "float32"],
-                          help="dtype of activations crossing pipeline cuts (default: the "
-                               "model's own, the most common float dtype of its tensors)")
-    compile_.add_argument("--split", choices=["balanced", "chunk"], default="balanced",
-                          help="how uneven splits give out the remainder: balanced (the first "
-                               "n mod T ranks get one more) or chunk (torch.chunk's rule, which "
-                               "DTensor's Shard and transformers follow; docs/torch.md)")
+    _add_plan_options(compile_)
     compile_.add_argument("--checkpoint", default=None,
                           help="checkpoint to validate and fingerprint the plan against")
     compile_.add_argument("--out", required=True,
@@ -247,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "config.json in its folder, or beside the checkpoint file)")
     check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
     _add_topology(check, required=False)
+    _add_plan_options(check)
     _add_format(check)
     _add_quiet(check)
 
