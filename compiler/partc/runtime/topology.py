@@ -218,13 +218,16 @@ class BuildTopology:
 
     def _check_world(self, world: int) -> None:
         """Refuse a job whose process count is not this topology's world size."""
-        if world != self.world_size:
-            raise CheckpointError(
-                f"the torch world has {world} processes; this topology needs {self.world_size} "
-                f"(D={self.data_parallel_size} x S={self.pipeline_parallel_size} x "
-                f"{self.ranks_per_stage} ranks a stage); for data parallelism pass "
-                "data_parallel_size, or use the package's own device_mesh()/process_groups(), "
-                "which take D from WORLD_SIZE")
+        if world == self.world_size:
+            return
+        replica = self.world_size // self.data_parallel_size
+        fix = (f"; data_parallel_size={world // replica} fits this world (the default: D is "
+               "WORLD_SIZE over a replica's ranks)" if world % replica == 0 else
+               f", and {world} is no multiple of a replica's {replica} ranks")
+        raise CheckpointError(
+            f"the torch world has {world} processes; this topology needs {self.world_size} "
+            f"(D={self.data_parallel_size} x S={self.pipeline_parallel_size} x "
+            f"{self.ranks_per_stage} ranks a stage){fix}")
 
     def process_groups(self, global_rank: int | None = None) -> ProcessGroups:
         """Create the torch process groups of every dimension; return this process's.
