@@ -188,3 +188,24 @@ def test_derived_cycles_name_the_cycle():
         "family.yaml:5:6: derived values depend on each other in a cycle: `a` -> `b` -> `c` -> "
         "`a` [at /derived/a]"]
 
+
+
+def test_a_declared_tensor_the_checkpoint_lacks_is_located_at_its_group_with_a_suggestion(
+        tmp_path):
+    family = tmp_path / "typo.yaml"
+    text = (ROOT / "architectures" / "llama.yaml").read_text()
+    family.write_text(text.replace("self_attn.q_proj", "self_attn.qproj"))
+    errors = check_family(family, hf("llama") / "config.json", hf("llama"))
+    declared = [e for e in errors if "the family declares tensor" in e.message]
+    assert len(declared) == 3  # one per layer of the tiny Llama
+    group_line = 1 + family.read_text().splitlines().index('  - name: "layers.{unit}.attention"')
+    for layer, error in enumerate(sorted(declared, key=lambda e: e.tensor or "")):
+        assert error.location is not None
+        assert (error.location.file, error.location.line) == (str(family), group_line)
+        assert error.message == (
+            f"the family declares tensor `model.layers.{layer}.self_attn.qproj.weight`, which "
+            f"the checkpoint does not have (group `layers.{layer}.attention`); did you mean "
+            f"`model.layers.{layer}.self_attn.q_proj.weight`?")
+    unowned = [e for e in errors if "is owned by no parameter group" in e.message]
+    assert {e.tensor for e in unowned} == {f"model.layers.{i}.self_attn.q_proj.weight"
+                                           for i in range(3)}

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from partc.bind.binder import BoundArchitecture, bind_family
-from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.errors import (
+    ArchitectureParameterError,
+    CheckpointError,
+    LoadError,
+    PartcError,
+    PartcErrors,
+    SourceLocation,
+)
 from partc.family.build import build_family
 from partc.family.declaration import FamilyDecl
 from partc.front.extend import MAX_EXTENDS_DEPTH, merge_documents
@@ -224,7 +231,7 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
         omitted = bound.omitted(opened.names)
         from partc.runtime.loader import header_fingerprint
 
-        _raise_all(checkpoint_errors(bound, opened))
+        _raise_all(checkpoint_errors(bound, opened, _locator(decl, bound)))
         fingerprint, digest = header_fingerprint(opened), opened.header_digest()
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
                         checkpoint_header_digest=digest,
@@ -233,12 +240,32 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
                         progress=_step(progress, "realize groups"))
 
 
-def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint) -> list[PartcError]:
-    """Ownership gaps and name/dtype/shape mismatches between a family and a checkpoint."""
-    errors: list[PartcError] = [  # ownership gaps are about the checkpoint: name its file
-        error if error.location is not None else error.located(_tensor_file(checkpoint, error))
-        for error in bound.description.check_targets(
-            set(checkpoint.names) - set(bound.omitted(checkpoint.names)))]
+def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint,
+                      locate: GroupSite | None = None) -> list[PartcError]:
+    """Ownership gaps and name/dtype/shape mismatches between a family and a checkpoint; a
+    tensor the family declares but the checkpoint lacks is located at its group's declaration
+    (by `locate`), with the unowned checkpoint name it most resembles."""
+    present = set(checkpoint.names) - set(bound.omitted(checkpoint.names))
+    group_of = {t: owned.group.name for owned in bound.description.groups
+                for t in owned.group.targets}
+    unowned = sorted(present - set(group_of))
+    errors: list[PartcError] = []
+    for error in bound.description.check_targets(present):
+        if error.location is not None:
+            errors.append(error)
+        elif error.tensor in group_of and locate is not None:  # declared, not in the file
+            import difflib
+
+            close = difflib.get_close_matches(error.tensor or "", unowned, n=1, cutoff=0.8)
+            site = locate(group_of[error.tensor or ""])
+            message = (f"{error.message} (group `{group_of[error.tensor or '']}`)"
+                       + (f"; did you mean `{close[0]}`?" if close else ""))
+            errors.append(ArchitectureParameterError(
+                error.kind, message, group=group_of[error.tensor or ""], tensor=error.tensor,
+                location=None if site is None else site[0],
+                pointer=None if site is None else site[1]))
+        else:  # an ownership gap is about the checkpoint: name its file
+            errors.append(error.located(_tensor_file(checkpoint, error)))
     for owned in bound.description.groups:
         for member in owned.group.members:
             signature = checkpoint.signature(member.target)
@@ -401,7 +428,7 @@ def check_family(family: str | Path | None, config: str | Path | None = None,
             opened = open_checkpoint(Path(checkpoint))
         bound, decl, _ = bind(family, config, opened, progress=progress)
         if opened is not None:
-            errors.extend(checkpoint_errors(bound, opened))
+            errors.extend(checkpoint_errors(bound, opened, _locator(decl, bound)))
         if topology is not None:
             realize_plan(bound, with_expert_placement(topology, bound, expert_placement),
                          group_location=_locator(decl, bound),
