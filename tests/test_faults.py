@@ -151,7 +151,9 @@ def test_every_fault_is_a_located_partc_error_without_traceback_or_damage(outcom
      "CheckpointError: ckpt/model.safetensors: tensor `model.norm.weight` has shape [8, 8] in "
      "the checkpoint; the plan expects [64]"),
     ("missing_tensor",
-     "ckpt: the family declares tensor `model.norm.weight`, which the checkpoint does not have",
+     "architectures/llama.yaml:110:5: the family declares tensor `model.norm.weight`, which "
+     "the checkpoint does not have (group `final_norm`); did you mean `model.norm.weights`? "
+     "[at /parameters/5]",
      "CheckpointError: ckpt: tensor `model.norm.weight` of the plan is not in the checkpoint"),
 ])
 def test_checkpoint_faults_are_caught_from_the_header_by_check_and_by_load(outcomes, fault,
@@ -406,7 +408,7 @@ def test_the_cli_prints_every_error_of_a_document_sorted_then_a_count(tmp_path, 
     assert lines[0].startswith("error: bad.yaml:2:14: expected a list")
     assert lines[1:3] == ["    model_types: mini", "    " + " " * 13 + "^"]
     assert lines[3].startswith("error: bad.yaml:13:11: expected one of")
-    assert lines[6].startswith("error: bad.yaml:14:13: unexpected key `shards`")
+    assert lines[6].startswith("error: bad.yaml:14:5: unexpected key `shards`")
     assert lines[9] == "partc: 3 error(s)"
 
 
