@@ -21,10 +21,9 @@ Every rank reports, in seconds from its own process start (/proc/self/stat):
 - weights: reading the rank's share into the parameter slots (transformers: from the start of
   its `_load_pretrained_model` to the end of its `_finalize_model_loading`, timed by wrapping
   them; construction is the rest of `from_pretrained`);
-- first touch: one byte read from every 4 KiB page of every parameter, by numpy over the local
-  tensor's memory (transformers may return views of the mapped checkpoint whose pages are read
-  only then); weights resident = weights + first touch, the figure the weight-loading target is
-  about;
+- first touch: one byte read from every 4 KiB page of every parameter (transformers may return
+  views of the mapped checkpoint whose pages are read only then); weights resident = weights +
+  first touch, the figure the weight-loading target is about;
 - ready: process start to the model ready with its weights in memory (then a one-token forward
   checks that it runs);
 - peak RSS: the rank's VmHWM;
@@ -60,7 +59,7 @@ sys.path.insert(0, str(HERE))  # benchmarks/load.py: the synthetic checkpoint
 from load import PRESETS, checkpoint_files, llama_config, warm, write_checkpoint  # noqa: E402
 
 WORKER = r'''
-import ctypes, json, os, sys, time
+import json, os, sys, time
 
 def since_start():
     """Seconds since this process started (its /proc starttime, in clock ticks since boot)."""
@@ -74,7 +73,6 @@ def vm(key):
 
 mode, spec = sys.argv[1], json.loads(sys.argv[2])
 marks = {"started": since_start()}
-import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
@@ -131,17 +129,12 @@ else:
     marks["weights"] = marks["construction"] + (weights["end"] - weights["start"])
 marks["returned"] = since_start()
 # read one byte of every 4 KiB page of every parameter: transformers' tensors may still be
-# views of the mapped checkpoint, whose pages are read only when first touched. numpy over
-# each local tensor's memory: a few µs a tensor, where torch's reshape/view/slice/sum on
-# DTensors cost ~90 µs each (24 ms for 264 parameters, paid by both contenders alike)
+# views of the mapped checkpoint, whose pages are read only when first touched
 total = 0
 for p in model.parameters():
     local = p.to_local() if hasattr(p, "to_local") else p
-    assert local.is_contiguous() and local.device.type == "cpu", local.shape
-    nbytes = local.numel() * local.element_size()
-    if nbytes:
-        memory = (ctypes.c_uint8 * nbytes).from_address(local.data_ptr())
-        total += int(np.frombuffer(memory, np.uint8)[::4096].sum())
+    flat = local.detach().reshape(-1).view(torch.uint8)
+    total += int(flat[::4096].sum())
 marks["ready"] = since_start()
 with torch.no_grad():  # the model runs: one token
     out = model(torch.tensor([[1]])).logits
