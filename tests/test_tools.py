@@ -344,3 +344,20 @@ def test_schema_prints_the_family_schema_and_docs_the_installed_guides(capsys):
     assert Path(out.strip()).read_text() == (ROOT / "docs" / "authoring.md").read_text()
     status, _, err = _run(["docs", "nope"], capsys)
     assert status == 1 and "authoring" in err
+
+
+def test_explain_says_why_a_group_fell_back_and_the_plan_records_it(fallback_build, capsys):
+    kv_heads = json.loads((LLAMA / "config.json").read_text())["num_key_value_heads"]
+    plan = json.loads((fallback_build / "plan.json").read_text())
+    attention = next(g for g in plan["groups"] if g["name"] == "layers.0.attention")
+    assert attention["fell_back_to_replication"]
+    assert f"has {kv_heads} partition units (num_key_value_heads)" in attention["fallback_reason"]
+    assert all("fallback_reason" not in g for g in plan["groups"]
+               if not g["fell_back_to_replication"])
+    status, out, _ = _run(["explain", str(fallback_build),
+                           "model.layers.0.self_attn.q_proj.weight"], capsys)
+    assert status == 0
+    assert (f"policy fallback: the group could not be sharded over TP=4: it (role "
+            f"attention_heads) has {kv_heads} partition units (num_key_value_heads) but "
+            "tensor_parallel_size is 4") in out
+    assert "--policy replicate-unsupported replicated it on every rank" in out

@@ -24,9 +24,12 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
     policy = build.plan["topology"].get("policy")
     why = []
     if group.get("fell_back_to_replication"):
-        why.append(f"policy fallback: the group could not be sharded over TP={tp}, and the "
-                   f"policy {policy or 'of the family'} (replicate_unsupported) replicated it "
-                   "on every rank of its stages instead of failing")
+        reason = group.get("fallback_reason")
+        by = ("--policy replicate-unsupported" if policy else
+              "the family's policy replicate_unsupported")
+        why.append(f"policy fallback: the group could not be sharded over TP={tp}"
+                   + (f": {reason}." if reason else ";") + f" {by[0].upper()}{by[1:]} "
+                   "replicated it on every rank of its stages instead of failing")
     elif group["role"] == "replicated":
         why.append("role `replicated`: every rank of the stage loads it whole")
     units = group.get("logical_units")

@@ -74,6 +74,9 @@ class LocalTensorLayout:
     """This rank's half-open range of the group's units, when partitioned."""
     fell_back_to_replication: bool = False
     """True when the policy replicated a group that could not be sharded."""
+    fallback_reason: str = ""
+    """Why the group could not be sharded, when it fell back (the compile error it would have
+    been under `require`); '' otherwise, and in layouts decoded from generated tables."""
     kv_replicas: int = 1
     """How many ranks hold this same slice because KV heads are repeated (1: not repeated)."""
     needs_tp_reduction: bool = False

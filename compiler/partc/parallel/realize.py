@@ -328,6 +328,7 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
             target=targets.pop() if len(targets) == 1 else "", location=location,
             pointer=pointer, doc="kv_replication#the-rule-vllms" if group.kv_replication else None)
     fallback = bool(problems)
+    reason = "; ".join(m for _, m in problems)
     result = []
     for rank in range(tp):
         units: int | None = None
@@ -345,7 +346,7 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
                 target=member.target, logical_name=group.name, role=group.role,
                 dtype=member.dtype, global_shape=member.shape, local_shape=local,
                 placement=placement, logical_units=units, logical_range=unit_range,
-                fell_back_to_replication=fallback,
+                fell_back_to_replication=fallback, fallback_reason=reason,
                 kv_replicas=_kv_replicas(member, tp) if kv else 1,
                 needs_tp_reduction=member.tp_reduction and not placement.holds_whole))
         result.append(tuple(layouts))

@@ -246,12 +246,15 @@ class Plan:
         for group in sorted(self.groups, key=lambda g: g.name):
             layouts = [rank[0] for rank in self.kinds[group.kind].layouts]
             first = layouts[0]
-            out.append({
+            entry: dict[str, object] = {
                 "name": group.name, "role": first.role.value, "owner": group.owner.to_json(),
                 "stages": list(group.stages), "logical_units": first.logical_units,
                 "logical_ranges": None if first.logical_range is None else
                 [list(x.logical_range or ()) for x in layouts],
-                "fell_back_to_replication": first.fell_back_to_replication})
+                "fell_back_to_replication": first.fell_back_to_replication}
+            if first.fallback_reason:  # absent otherwise: other plans read as before
+                entry["fallback_reason"] = first.fallback_reason
+            out.append(entry)
         return out
 
     def _tensors_json(self) -> list[dict[str, object]]:
