@@ -132,14 +132,6 @@ class LocalTensorLayout:
         return self.placement.selection(self.global_shape)
 
 
-def tensor_names_digest(names: Iterable[str]) -> str:
-    """sha256 of the sorted checkpoint tensor names, one per line: what a loader compares the
-    checkpoint's names with (the plan's every target, each rank's own checked one by one)."""
-    import hashlib
-
-    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
-
-
 def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
     totals: dict[str, int] = {}
     for dtype, nbytes in items:

@@ -11,7 +11,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from partc import __version__
-from partc.parallel.layout import tensor_names_digest
 from partc.partition.boundary import BoundaryWireSchema
 from partc.partition.ownership import (
     ExecutionGroupSpec,
@@ -162,10 +161,12 @@ class Plan:
 
     @cached_property
     def tensor_names_check(self) -> tuple[int, str, tuple[str, ...]]:
-        """What a loader checks a checkpoint's names against: (tensor count,
-        `tensor_names_digest` of the targets, the family's `omit` globs)."""
-        targets = [t.target for t in self.tensors]
-        return len(targets), tensor_names_digest(targets), self.omit
+        """What a loader checks a checkpoint's names against: (tensor count, sha256 of the
+        sorted targets one per line, the family's `omit` globs); `partc.runtime.loader`
+        takes the same digest of the checkpoint's names."""
+        targets = sorted(t.target for t in self.tensors)
+        digest = hashlib.sha256("\n".join(targets).encode()).hexdigest()  # as the loader's
+        return len(targets), digest, self.omit
 
     @cached_property
     def tensors(self) -> tuple[GlobalTensor, ...]:

@@ -24,7 +24,7 @@ from partc.runtime.digests import (
     compiled_digests,
     verify_digests,
 )
-from partc.runtime.files import path_text, spelled
+from partc.runtime.files import path_text, sha256, spelled
 from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
@@ -120,8 +120,6 @@ def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> Check
     whose extra tensors (a Qwen3's q_norm under a Llama build) no rank would load, or whose
     missing ones another rank needs. A plan compiled against a checkpoint checks its
     fingerprint instead, which covers this."""
-    from partc.parallel.layout import tensor_names_digest  # here: most loads never need it
-
     count, digest, omit = plan_tensors
     names: Iterable[str] = checkpoint.names
     if omit:
@@ -130,8 +128,8 @@ def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> Check
 
         skip = re.compile("|".join(fnmatch.translate(glob) for glob in omit))
         names = [n for n in names if skip.match(n) is None]
-    names = list(names)
-    if len(names) == count and tensor_names_digest(names) == digest:
+    names = sorted(names)  # the plan's digest (Plan.tensor_names_check): one name a line
+    if len(names) == count and sha256("\n".join(names).encode()).hexdigest() == digest:
         return None
     held = (f"{count} tensors, as the plan has, but under other names" if len(names) == count
             else f"{len(names)} tensors where the plan has {count}")

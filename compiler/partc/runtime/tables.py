@@ -83,7 +83,7 @@ class RankTable:
     """SEND_BOUNDARY: the wire schema of the cut the stage sends at (as RECEIVE_BOUNDARY; None
     on the last stage)."""
     plan_tensors: tuple[Any, ...] | None = None
-    """PLAN_TENSORS: (the plan's tensor count, `tensor_names_digest` of its targets, the
+    """PLAN_TENSORS: (the plan's tensor count, the sha256 of its sorted targets, the
     family's `omit` globs); None in a module generated before it was written."""
     chunk_mismatches: tuple[Any, ...] | None = None
     """CHUNK_MISMATCHES: the stage's tensors some TP rank holds otherwise than torch.chunk
