@@ -251,17 +251,18 @@ def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint,
     unowned = sorted(present - set(group_of))
     errors: list[PartcError] = []
     for error in bound.description.check_targets(present):
+        group = group_of.get(error.tensor or "")
         if error.location is not None:
             errors.append(error)
-        elif error.tensor in group_of and locate is not None:  # declared, not in the file
+        elif group is not None and locate is not None:  # declared, not in the file
             import difflib
 
             close = difflib.get_close_matches(error.tensor or "", unowned, n=1, cutoff=0.8)
-            site = locate(group_of[error.tensor or ""])
-            message = (f"{error.message} (group `{group_of[error.tensor or '']}`)"
+            site = locate(group)
+            message = (f"{error.message} (group `{group}`)"
                        + (f"; did you mean `{close[0]}`?" if close else ""))
             errors.append(ArchitectureParameterError(
-                error.kind, message, group=group_of[error.tensor or ""], tensor=error.tensor,
+                error.kind, message, group=group, tensor=error.tensor,
                 location=None if site is None else site[0],
                 pointer=None if site is None else site[1]))
         else:  # an ownership gap is about the checkpoint: name its file

@@ -141,23 +141,26 @@ class Plan:
         tp = self.topology.tensor_parallel_size
         if tp == 1 or self.topology.expert_parallel_size is not None:
             return {}
-        out: dict[int, Any] = {}
-        for stage in range(self.topology.pipeline_parallel_size):
-            peers = [r for r in self.ranks if r.pipeline_stage == stage]
-            found: dict[str, tuple[str, int, tuple[int, int], tuple[int, int]]] = {}
-            for peer in sorted(peers, key=lambda r: r.tensor_parallel_rank):
-                for layout in peer.layout.tensors:
-                    axis, ranges = layout.selection
-                    if layout.target in found or axis is None or len(ranges) != 1:
+        # per group kind (shared by every group of one structure), once: each member's first
+        # TP rank whose one range is not torch.chunk's; then the stages' groups of those kinds
+        uneven: dict[int, list[tuple[int, int, tuple[int, int], tuple[int, int]]]] = {}
+        for index, kind in enumerate(self.kinds):
+            for member in range(len(kind.layouts[0])):
+                for rank, layouts in enumerate(kind.layouts):
+                    axis, ranges = layouts[member].selection
+                    if axis is None or len(ranges) != 1:  # whole, or fused segments here
                         continue
-                    chunk = chunk_range(layout.global_shape[axis], tp, peer.tensor_parallel_rank)
+                    chunk = chunk_range(layouts[member].global_shape[axis], tp, rank)
                     if tuple(ranges[0]) != chunk:
                         start, end = ranges[0]
-                        found[layout.target] = (layout.target, peer.tensor_parallel_rank,
-                                                (start, end), chunk)
-            if found:
-                out[stage] = tuple(found[t] for t in sorted(found))
-        return out
+                        uneven.setdefault(index, []).append((member, rank, (start, end), chunk))
+                        break
+        out: dict[int, Any] = {}
+        for group in self.groups:
+            for member, rank, held, chunk in uneven.get(group.kind, ()):
+                for stage in group.stages:
+                    out.setdefault(stage, []).append((group.targets[member], rank, held, chunk))
+        return {stage: tuple(sorted(found)) for stage, found in sorted(out.items())}
 
     @cached_property
     def tensor_names_check(self) -> tuple[int, str, tuple[str, ...]]:
