@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 import partc
 
-from support import compile_and_import, hf
+from support import QUANTIZED, compile_and_import, hf
 
 PROBE = r"""
 import json, sys
@@ -109,3 +109,62 @@ def test_the_header_hash_equals_hashlibs_sha256() -> None:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     assert open_checkpoint(path).files[0].digest == hashlib.sha256(raw[8:8 + n]).hexdigest()
+
+
+TORCH_PROBE = r"""
+import json, sys
+build, package, checkpoint = sys.argv[1:4]
+sys.path.insert(0, build)
+import importlib
+import torch
+module = importlib.import_module(package)
+found = {"before": "ml_dtypes" in sys.modules}
+tensors = {}
+for rank in range(module.WORLD_SIZE):
+    for zero_copy in (False, "private"):
+        state = module.load(checkpoint, rank=rank, framework="torch", zero_copy=zero_copy)
+        tensors[f"{rank} {zero_copy}"] = {name: [str(t.dtype), t.view(torch.uint8).reshape(-1)
+                                                 .tolist()[:4096]]
+                                          for name, t in state.tensors.items()}
+found["after"] = "ml_dtypes" in sys.modules
+found["tensors"] = tensors
+print(json.dumps(found))
+"""
+
+
+def test_a_torch_load_reads_bf16_and_fp8_as_their_bits_and_never_imports_ml_dtypes(
+        tmp_path: Path) -> None:
+    # gpt-oss MXFP4: BF16 tensors beside U8 packed blocks and scales (which must stay uint8);
+    # Qwen3 FP8: F8_E4M3 weights beside BF16 ones. The oracle is the safetensors library's
+    # torch loader: same dtype, same bytes, for every slice a rank holds.
+    import torch
+    from safetensors.torch import load_file
+
+    for fixture, family in (("gpt_oss_mxfp4", "gpt_oss"), ("qwen3_fp8", "qwen3")):
+        folder = QUANTIZED / fixture
+        out = tmp_path / fixture
+        plan, _ = compile_and_import(family, folder / "config.json", out, tp=2, pp=1,
+                                     checkpoint=folder)
+        package = next(p.name for p in out.iterdir() if (p / "__init__.py").is_file())
+        run = subprocess.run([sys.executable, "-c", TORCH_PROBE, str(out), package, str(folder)],
+                             capture_output=True, text=True, check=False)
+        assert run.returncode == 0, run.stderr
+        found = json.loads(run.stdout.strip().splitlines()[-1])
+        assert found["before"] is False and found["after"] is False, fixture
+        whole = load_file(str(folder / "model.safetensors"))
+        kinds = {str(t.dtype) for t in whole.values()}
+        assert "torch.bfloat16" in kinds and kinds & {"torch.uint8", "torch.float8_e4m3fn"}
+        for rank in plan.ranks:
+            for zero_copy in (False, "private"):
+                got = found["tensors"][f"{rank.rank} {zero_copy}"]
+                assert set(got) == {t.target for t in rank.layout.tensors}
+                for item in rank.layout.tensors:
+                    want = whole[item.target]
+                    axis, ranges = item.placement.selection(tuple(want.shape))
+                    if axis is not None:
+                        want = torch.cat([want.narrow(axis, lo, hi - lo)
+                                          for lo, hi in ranges], dim=axis)
+                    dtype, head = got[item.target]
+                    assert dtype == str(want.dtype), (fixture, item.target)
+                    assert head == want.contiguous().view(torch.uint8).reshape(-1).tolist()[
+                        :4096], (fixture, rank.rank, item.target)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from partc.api import compile_family
 from partc.emit.render import package_name
@@ -88,6 +89,11 @@ def test_every_parameter_slot_holds_the_rank_shard_partc_loaded_and_none_is_left
         assert ("lm_head.weight" in params) == (model != "llama_tied")
         if model != "llama_tied":
             assert params["lm_head.weight"]["local"] == vocab_rows
+        assert report["training"] == [], "the recipe returns the model in inference mode"
+        with safe_open(str(hf(model) / "model.safetensors"), "pt") as f:  # the stored dtypes
+            stored = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}
+        for name, param in params.items():
+            assert param["dtype"] == {"F32": "torch.float32"}[stored[name]], name
         assert params["model.layers.0.self_attn.o_proj.weight"]["local"] == [64, 32]
         assert not params["model.norm.weight"]["dtensor"]
 

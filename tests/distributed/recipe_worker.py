@@ -37,6 +37,7 @@ def main() -> None:
     loaders = importlib.import_module(package_name)
     mesh = loaders.device_mesh("cpu")["tp"]
     model = recipe.tp_model_from_partc(loaders, checkpoint, mesh, attn_implementation="eager")
+    training = sorted(name for name, module in model.named_modules() if module.training)
     with np.load(Path(checkpoint) / "reference.npz") as npz:
         input_ids = torch.from_numpy(npz["input_ids"].astype(np.int64))
     with torch.no_grad():
@@ -47,6 +48,7 @@ def main() -> None:
         local = param.to_local() if isinstance(param, DTensor) else param
         start = local.data_ptr()
         params[name] = {"dtensor": isinstance(param, DTensor), "local": list(local.shape),
+                        "dtype": str(local.dtype),
                         "global": list(param.shape), "meta": bool(local.is_meta),
                         "contiguous": local.is_contiguous(),
                         "mapped": any(a <= start and start + local.nbytes <= b
@@ -56,7 +58,7 @@ def main() -> None:
     np.savez(reports / f"rank-{me}.npz", logits=logits.numpy())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     (reports / f"rank-{me}.json").write_text(json.dumps({"rank": me, "params": params,
-                                                         "tied": tied}))
+                                                         "tied": tied, "training": training}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -59,12 +60,19 @@ def import_torch(feature: str) -> Any:
     return torch
 
 
-def to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Torch tensors sharing each array's memory (bf16/fp8 through an integer view)."""
+def to_torch(tensors: dict[str, np.ndarray], bits: Mapping[str, str] | None = None
+             ) -> dict[str, Any]:
+    """Torch tensors sharing each array's memory (bf16/fp8 through an integer view).
+
+    `bits` names the safetensors dtype of the tensors read as their bits (`BIT_DTYPES`: bf16
+    as uint16, fp8 as uint8); each is viewed as torch's dtype of that name.
+    """
     torch = import_torch("framework='torch'")
     out = {}
     for name, array in tensors.items():
-        special = _TORCH_VIEWS.get(array.dtype.name)
+        stored = None if bits is None else bits.get(name)
+        special = (_TORCH_VIEWS.get(array.dtype.name) if stored is None
+                   else _TORCH_VIEWS[_ML_DTYPES[stored][0]])
         if special is None:
             out[name] = torch.from_numpy(array)
             continue
@@ -72,6 +80,7 @@ def to_torch(tensors: dict[str, np.ndarray]) -> dict[str, Any]:
         if torch_dtype is None:
             raise CheckpointError(f"torch {torch.__version__} has no {special} for tensor "
                                   f"`{name}`", tensor=name)
-        bits = array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint8)
-        out[name] = torch.from_numpy(bits).view(torch_dtype)
+        bits_view = array if stored is not None else array.view(
+            np.uint16 if array.dtype.itemsize == 2 else np.uint8)
+        out[name] = torch.from_numpy(bits_view).view(torch_dtype)
     return out

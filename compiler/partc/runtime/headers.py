@@ -82,6 +82,14 @@ DTYPES: Mapping[str, np.dtype[Any]] = _DtypeTable()
 """Safetensors dtype string -> little-endian numpy dtype (bf16/fp8 through ml_dtypes, imported
 on first use)."""
 
+BIT_DTYPES: Mapping[str, np.dtype[Any]] = {
+    **{name: np.dtype(code) for name, code in _NUMPY_DTYPES.items()},
+    **{name: np.dtype(f"<u{size}" if size > 1 else "u1") for name, (_, size) in
+       _ML_DTYPES.items()}}
+"""Safetensors dtype string -> numpy dtype holding its bits: DTYPES' own, and an unsigned
+integer of the same size for the dtypes numpy lacks. A torch load reads bf16 and fp8 tensors as
+these and views them as torch's dtype (`frameworks.to_torch`), never importing ml_dtypes."""
+
 _ITEMSIZE: dict[str, int] = {**{name: np.dtype(code).itemsize
                                 for name, code in _NUMPY_DTYPES.items()},
                              **{name: size for name, (_, size) in _ML_DTYPES.items()}}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
@@ -30,6 +30,7 @@ from partc.runtime.gather import (
     run_gather,
 )
 from partc.runtime.headers import (
+    BIT_DTYPES,
     DTYPES,
     MAX_HEADER_SIZE,
     FileHeader,
@@ -56,7 +57,8 @@ from partc.runtime.runs import (
 )
 
 __all__ = [
-    "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST", "WHOLE",
+    "BIT_DTYPES", "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST",
+    "WHOLE",
     "Checkpoint", "CheckpointReader", "FileHeader", "ReadRecorder", "ShardManifest", "TensorEntry",
     "TensorSelection", "TensorTable", "default_workers", "node_ranks", "open_checkpoint",
     "paused_gc", "read_header", "read_shard_manifest", "read_tensor", "read_tensors",
@@ -162,7 +164,8 @@ class CheckpointReader:
 
     def __init__(self, checkpoint: Checkpoint, *, recorder: ReadRecorder | None = None,
                  max_gap: int = 0, workers: int | None = None, mapped: bool = True,
-                 zero_copy: bool | str = False, local_ranks: int | None = None) -> None:
+                 zero_copy: bool | str = False, local_ranks: int | None = None,
+                 dtypes: Mapping[str, np.dtype[Any]] = DTYPES) -> None:
         self.checkpoint = checkpoint
         """The checkpoint read from."""
         self.recorder = recorder
@@ -185,6 +188,9 @@ class CheckpointReader:
         of the mapped file (see `_view`) instead of a copy: True, a read-only view of a shared
         mapping (a column slice too, strided); "private", a writable view of a copy-on-write
         mapping (column slices are copied, so every array is C-contiguous)."""
+        self.dtypes = dtypes
+        """Safetensors dtype -> the numpy dtype of the arrays read: DTYPES, or BIT_DTYPES (bf16
+        and fp8 as unsigned integers of their size, for a torch load)."""
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
 
@@ -249,7 +255,7 @@ class CheckpointReader:
             return self.read_many([(name, selection)])[name]
         header, entry = self.checkpoint.tensor(name)
         _check_selection(header, entry, selection)
-        out = _empty(selection.local_shape(entry.shape), DTYPES[entry.dtype])
+        out = _empty(selection.local_shape(entry.shape), self.dtypes[entry.dtype])
         src, dst, length = _runs(entry, selection)
         if len(src):
             fd, base = self._fd(header), header.data_start + entry.begin
@@ -293,7 +299,7 @@ class CheckpointReader:
                     out[name] = view
                     continue
             gather = self.mapped and _gatherable(entry, selection)
-            array = _empty(selection.local_shape(entry.shape), DTYPES[entry.dtype])
+            array = _empty(selection.local_shape(entry.shape), self.dtypes[entry.dtype])
             out[name] = array
             if gather:
                 gathers.extend(_gathers(file, header, entry, selection, array))
@@ -361,7 +367,7 @@ class CheckpointReader:
                 _fail(header.path, f"cannot map checkpoint file: {exc.strerror or exc}",
                       entry.name)
             self._maps[header.path] = mapping
-        dtype, base = DTYPES[entry.dtype], header.data_start + entry.begin
+        dtype, base = self.dtypes[entry.dtype], header.data_start + entry.begin
         if runs == 1:
             shape = sel.local_shape(entry.shape)
             view = np.frombuffer(mapping, dtype=dtype, count=math.prod(shape),
@@ -502,10 +508,11 @@ def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = 
 def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]], *,
                  reader: ReadRecorder | None = None, workers: int | None = None,
                  progress: Callable[[int], None] | None = None, zero_copy: bool | str = False,
-                 local_ranks: int | None = None) -> dict[str, np.ndarray[Any, Any]]:
+                 local_ranks: int | None = None, dtypes: Mapping[str, np.dtype[Any]] = DTYPES
+                 ) -> dict[str, np.ndarray[Any, Any]]:
     """Read several selections in (file, offset) order, opening each file once (`zero_copy`:
     one-run selections as views of the mapped file, see `CheckpointReader.zero_copy`;
-    `local_ranks`: see `default_workers`)."""
+    `local_ranks`: see `default_workers`; `dtypes`: see `CheckpointReader.dtypes`)."""
     with CheckpointReader(checkpoint, recorder=reader, workers=workers, zero_copy=zero_copy,
-                          local_ranks=local_ranks) as r:
+                          local_ranks=local_ranks, dtypes=dtypes) as r:
         return r.read_many(requests, progress=progress)
