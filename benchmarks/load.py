@@ -37,11 +37,19 @@ the page cache warmed before every warm run:
   imported nothing before it, alternating; the median of the pairs' differences and the best
   against the best.
 
+The page cache is put in one state before the warm runs, and again after every cold run
+(`--page-cache`, see PAGE_CACHE_STATES): by default the checkpoint evicted and read once with
+readahead, which leaves it in 2 MiB folios; `--page-cache small` reads it with readahead off,
+which leaves it in 4 KiB pages. How much of it is mapped 2 MiB at a time is printed before and
+after the runs: a mapping's page faults cost ~10-30x less per page in the large state, so the
+zero-copy and column-gather figures depend on it (floor a does not).
+
 Every figure is the median of --repeats runs, interleaved across variants so that a noisy
 neighbour hits them alike; the load average is printed with each table. Usage:
 
     python benchmarks/load.py                      # ~2 GB, T = 1 2 4 8, median of 3
     python benchmarks/load.py --preset reference   # the 777.7 MiB model of BENCHMARKS.md
+    python benchmarks/load.py --page-cache small   # the checkpoint cached in 4 KiB pages
     python benchmarks/load.py --layers 8 --tp 2,4 --shards 4 --dir /tmp/ckpt
 """
 
@@ -50,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -137,14 +146,75 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return [folder / "model.safetensors"]
 
 
-def warm(files: list[Path]) -> None:
-    """Read every file once so its pages are in the page cache (the host evicts idle pages)."""
+PAGE_CACHE_STATES = ("large", "small")
+"""How the page cache holds the checkpoint in a warm run (`--page-cache`), each made the same
+way before the runs: the files evicted, then read once from start to end,
+
+- large: with the kernel's readahead, which on this kernel (6.18, ext4) leaves them in large
+  folios, mostly 2 MiB ones that a mapping maps one page-table entry each (as a file written
+  or read sequentially is usually held);
+- small: with POSIX_FADV_RANDOM (no readahead), which leaves them in 4 KiB pages, as reads by
+  page faults or with readahead off do.
+
+A mapping's page faults, a zero-copy view's first touch and a column gather's reads of the
+mapping cost ~10-30x less per page in the large state (`huge_mapped` measures which state
+the cache is in); a copy from the file (floor a) costs the same in both."""
+
+
+def warm(files: list[Path], page_cache: str = "large") -> None:
+    """Read every file once so its pages are in the page cache (the host evicts idle pages);
+    pages read again are read the way `settle` first read them."""
     buf = bytearray(16 << 20)
     view = memoryview(buf)
     for f in files:
         with open(f, "rb", buffering=0) as handle:
+            if page_cache == "small":
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             while handle.readinto(view):
                 pass
+
+
+def settle(files: list[Path], page_cache: str) -> float:
+    """Put the checkpoint in the page cache in state `page_cache` (PAGE_CACHE_STATES): evict
+    it, read it once that way; the fraction of it then mapped 2 MiB at a time."""
+    evict(files)
+    warm(files, page_cache)
+    return huge_mapped(files)
+
+
+MAPPING_LINE = re.compile(r"^([0-9a-f]+)-[0-9a-f]+ ")
+"""The first line of a mapping's entry in /proc/self/smaps (its start address)."""
+
+
+def huge_mapped(files: list[Path]) -> float:
+    """The fraction of the checkpoint's bytes a read-only mapping of it maps in 2 MiB entries
+    (FilePmdMapped of /proc/self/smaps after touching every page; 0 where it is not told)."""
+    import mmap
+
+    total = huge = 0
+    for f in files:
+        size = f.stat().st_size
+        total += size
+        if not size:
+            continue
+        with open(f, "rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            view = np.frombuffer(mapping, np.uint8)
+            int(view[::4096].sum())
+            address = view.ctypes.data
+            del view
+            with open("/proc/self/smaps") as smaps:
+                lines = smaps.read().splitlines()
+            starts = [i for i, line in enumerate(lines) if MAPPING_LINE.match(line)]
+            for i, j in zip(starts, [*starts[1:], len(lines)], strict=True):
+                if int(MAPPING_LINE.match(lines[i]).group(1), 16) == address:  # type: ignore[union-attr]
+                    huge += sum(int(row.split()[1]) * 1024 for row in lines[i + 1:j]
+                                if row.startswith("FilePmdMapped:"))
+                    break
+        finally:
+            mapping.close()
+    return huge / total if total else 0.0
 
 
 # ------------------------------------------------------------------ child processes
@@ -517,6 +587,9 @@ def main() -> None:
     parser.add_argument("--naive", action="store_true", help="also run the naive baseline")
     parser.add_argument("--skip-cold", action="store_true", help="skip the cold-cache runs")
     parser.add_argument("--skip-node", action="store_true", help="skip the whole-node runs")
+    parser.add_argument("--page-cache", choices=PAGE_CACHE_STATES, default="large",
+                        help="how the warm runs find the checkpoint cached: large (read with "
+                             "readahead: 2 MiB folios) or small (4 KiB pages); see settle()")
     parser.add_argument("--workers", type=int, default=None,
                         help="loader threads (PARTC_READ_THREADS; default: the cores shared "
                              "among the node's loading ranks, max 8)")
@@ -545,6 +618,11 @@ def main() -> None:
           f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}; rank 0 of each "
           f"T, median of {args.repeats}; {os.cpu_count()} CPUs; loader threads "
           f"{args.workers or 'default'} ({threads} alone)", flush=True)
+    cache = args.page_cache
+    huge_before = settle(files, cache)
+    print(f"page cache: {cache} (the checkpoint evicted, then read once "
+          f"{'with readahead' if cache == 'large' else 'with POSIX_FADV_RANDOM'}; again after "
+          f"every cold run): {huge_before:.0%} of it mapped in 2 MiB entries", flush=True)
     load_before = os.getloadavg()
 
     base = {m: run_child(m, builds[tps[0]])["maxrss"]
@@ -560,10 +638,10 @@ def main() -> None:
             # first touches slower while the host takes the freed pages back
             turn = (repeat + position) % len(variants)
             for mode in variants[turn:] + variants[:turn]:
-                warm(files)
+                warm(files, cache)
                 runs.setdefault((tp, mode), []).append(run_child(mode, spec))
             if not args.skip_node and tp > 1:
-                warm(files)
+                warm(files, cache)
                 runs.setdefault((tp, "node"), []).append(whole_node(spec, tp))
             if not args.skip_cold:
                 evict(files)
@@ -571,10 +649,12 @@ def main() -> None:
                 if not args.skip_node and tp > 1:
                     evict(files)
                     runs.setdefault((tp, "node-cold"), []).append(whole_node(spec, tp, "cold"))
+                settle(files, cache)  # a cold load left the pages it read its own way
     hooks = {}
     for tp in tps:
-        warm(files)
+        warm(files, cache)
         hooks[tp] = run_child("loader-bytes", builds[tp])
+    huge_after = huge_mapped(files)
     imports: dict[str, list[dict[str, Any]]] = {"numpy": [], "partc.runtime": []}
     for _ in range(max(15, 5 * args.repeats)):
         for module in imports:
@@ -622,6 +702,8 @@ def main() -> None:
         rows.append(row)
     print(f"load average (1, 5, 15 min): before {fmt_load(load_before)}, after "
           f"{fmt_load(load_after)}")
+    print(f"page cache {cache}: {huge_before:.0%} of the checkpoint mapped in 2 MiB entries "
+          f"before the runs, {huge_after:.0%} after")
     print_table(rows)
     print(f"\ntransformers from_pretrained(tp_plan='auto'), T=2, BENCHMARKS.md reference model: "
           f"{TRANSFORMERS_T2} s process start to return (not measured here).")
