@@ -537,3 +537,25 @@ def test_a_torch_tensor_of_the_wrong_dtype_or_shape_is_refused_by_name():
     with pytest.raises(ArchitectureBoundaryError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.kind is BK.WRONG_SHAPE
+
+
+def test_a_torch_meta_tensor_is_refused_as_having_no_data_on_encode_and_decode():
+    # a meta tensor has the right shape and dtype but no values: sending it would fail inside
+    # torch.distributed (or send nothing meaningful), so the boundary refuses it by name
+    import torch
+
+    boundary = residual_boundary()
+    tensors = _torch_payload()
+    tensors["residual"] = tensors["residual"].to("meta")
+    assert tensors["residual"].is_meta and tensors["residual"].dtype == torch.bfloat16
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.encode_values(tensors)
+    assert caught.value.kind is BK.NO_DATA
+    assert caught.value.message == (
+        "boundary tensor `residual` of `toy.residual` is a torch meta tensor (a shape and "
+        "dtype, no data); expected the stage's computed values on the CPU or a device")
+    ordered = [tensors[role] for role in boundary.schema.roles]
+    with pytest.raises(ArchitectureBoundaryError) as caught:
+        boundary.decode_tensors(ordered)
+    assert caught.value.kind is BK.NO_DATA
+    boundary.encode_values(_torch_payload())  # the same tensors with data pass

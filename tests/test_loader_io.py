@@ -308,6 +308,27 @@ def test_a_non_floating_target_dtype_or_unknown_framework_is_refused_before_read
     assert recorder.runs == []
 
 
+def test_a_misspelt_load_option_is_refused_by_name_with_the_option_it_resembles(
+        llama_build: tuple[Any, Any]) -> None:
+    import inspect
+
+    from partc.runtime.loader import LOAD_OPTIONS, load_rank
+
+    _, package = llama_build
+    recorder = Recorder()
+    with pytest.raises(CheckpointError) as caught:
+        package.load(LLAMA, rank=0, reader=recorder, zero_copi=True)
+    assert "no option 'zero_copi' (did you mean 'zero_copy'?)" in str(caught.value)
+    with pytest.raises(CheckpointError) as caught:
+        package.rank_module(1).load(LLAMA, reader=recorder, wrkers=2, colour="red")
+    assert "no options 'colour', 'wrkers' (did you mean 'workers'?)" in str(caught.value)
+    assert recorder.runs == [], "refused before anything is read"
+    # the options the message lists are load_rank's own keyword options
+    keywords = [p.name for p in inspect.signature(load_rank).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert list(LOAD_OPTIONS) == keywords
+
+
 def test_torch_output_without_torch_installed_is_a_checkpoint_error(
         llama_build: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     _, package = llama_build

@@ -372,6 +372,7 @@ class ArchitectureBoundaryErrorKind(enum.Enum):
     WRONG_ROLE = "wrong_role"
     WRONG_SHAPE = "wrong_shape"
     WRONG_DTYPE = "wrong_dtype"
+    NO_DATA = "no_data"
 
 
 _PAYLOAD_KINDS = frozenset(ArchitectureBoundaryErrorKind) - {

@@ -622,6 +622,11 @@ class ArchitectureBoundary:
                                   f"boundary tensor `{spec.role}` of `{self.identity}` has dtype "
                                   f"{value.tensor.dtype}; expected {spec.numpy_dtype} ({why})",
                                   spec.role)
+            if getattr(value.tensor, "is_meta", False) is True:  # a torch tensor of no storage
+                raise self._error(ArchitectureBoundaryErrorKind.NO_DATA,
+                                  f"boundary tensor `{spec.role}` of `{self.identity}` is a torch "
+                                  "meta tensor (a shape and dtype, no data); expected the "
+                                  "stage's computed values on the CPU or a device", spec.role)
 
     def _error(self, kind: ArchitectureBoundaryErrorKind, message: str,
                role: str | None) -> ArchitectureBoundaryError:

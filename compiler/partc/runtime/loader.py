@@ -147,7 +147,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
               framework: str | None = None, workers: int | None = None,
               progress: bool | None = None, verify: str | None = None,
               zero_copy: bool | str = False, local_ranks: int | None = None,
-              device: Any = None, staging_bytes: int | None = None) -> RankState:
+              device: Any = None, staging_bytes: int | None = None,
+              **unknown: Any) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
     `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
@@ -177,6 +178,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory;
     `verify="digest"` then hashes the blocks as they pass through the ring.
     """
+    if unknown:
+        raise _unknown_option(sorted(unknown))
     _check_options(checkpoint, reader=reader, workers=workers, local_ranks=local_ranks,
                    verify_fingerprint=verify_fingerprint, progress=progress)
     if not isinstance(zero_copy, bool) and zero_copy != "private":
@@ -250,6 +253,25 @@ def _stored_bits(opened: Checkpoint, tensors: Mapping[str, np.ndarray[Any, Any]]
             if found is not None and found[1] in _ML_DTYPES:
                 out[name] = found[1]
     return out
+
+
+LOAD_OPTIONS = ("verify_fingerprint", "dtype", "reader", "framework", "workers", "progress",
+                "verify", "zero_copy", "local_ranks", "device", "staging_bytes")
+"""The keyword options of `load_rank` (a package's `load` also takes `rank`)."""
+
+
+def _unknown_option(names: list[str]) -> CheckpointError:
+    """The refusal of keyword options `load` does not have, with the option the first one
+    resembles (a misspelt option would otherwise be a TypeError naming `load_rank`)."""
+    import difflib  # only for the suggestion of an error
+
+    spelled = []
+    for name in names:
+        close = difflib.get_close_matches(name, LOAD_OPTIONS, n=1, cutoff=0.6)
+        spelled.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return CheckpointError(f"load() has no option{'s' if len(names) > 1 else ''} "
+                           f"{', '.join(spelled)}; its options are rank, "
+                           f"{', '.join(LOAD_OPTIONS)}")
 
 
 def _check_options(checkpoint: object, *, reader: object, workers: object,
