@@ -151,10 +151,10 @@ PAGE_CACHE_STATES = ("large", "small")
 way before the runs: the files evicted, then read once from start to end,
 
 - large: with the kernel's readahead, which on this kernel (6.18, ext4) leaves them in large
-  folios, mostly 2 MiB ones that a mapping maps one page-table entry each (as a file written
-  or read sequentially is usually held);
+  folios, mostly 2 MiB ones that a mapping maps one page-table entry each;
 - small: with POSIX_FADV_RANDOM (no readahead), which leaves them in 4 KiB pages, as reads by
-  page faults or with readahead off do.
+  page faults or with readahead off do, and as a file just written (copied, downloaded) is
+  held.
 
 A mapping's page faults, a zero-copy view's first touch and a column gather's reads of the
 mapping cost ~10-30x less per page in the large state (`huge_mapped` measures which state
