@@ -261,8 +261,8 @@ LOAD_OPTIONS = ("verify_fingerprint", "dtype", "reader", "framework", "workers",
 
 
 def _unknown_option(names: list[str]) -> CheckpointError:
-    """The refusal of keyword options `load` does not have, with the option the first one
-    resembles (a misspelt option would otherwise be a TypeError naming `load_rank`)."""
+    """The refusal of keyword options `load` does not have, each with the option it resembles
+    (a misspelt option would otherwise be a TypeError naming `load_rank`)."""
     import difflib  # only for the suggestion of an error
 
     spelled = []
