@@ -548,14 +548,13 @@ def test_a_torch_meta_tensor_is_refused_as_having_no_data_on_encode_and_decode()
     tensors = _torch_payload()
     tensors["residual"] = tensors["residual"].to("meta")
     assert tensors["residual"].is_meta and tensors["residual"].dtype == torch.bfloat16
-    with pytest.raises(ArchitectureBoundaryError) as caught:
-        boundary.encode_values(tensors)
-    assert caught.value.kind is BK.NO_DATA
-    assert caught.value.message == (
-        "boundary tensor `residual` of `toy.residual` is a torch meta tensor (a shape and "
-        "dtype, no data); expected the stage's computed values on the CPU or a device")
     ordered = [tensors[role] for role in boundary.schema.roles]
-    with pytest.raises(ArchitectureBoundaryError) as caught:
-        boundary.decode_tensors(ordered)
-    assert caught.value.kind is BK.NO_DATA
+    refusals = []
+    for call in (lambda: boundary.encode_values(tensors), lambda: boundary.decode_tensors(ordered)):
+        with pytest.raises(ArchitectureBoundaryError) as caught:
+            call()
+        refusals.append((caught.value.kind, caught.value.message))
+    message = ("boundary tensor `residual` of `toy.residual` is a torch meta tensor (a shape and "
+               "dtype, no data); expected the stage's computed values on the CPU or a device")
+    assert refusals == [(BK.NO_DATA, message)] * 2, "encode and decode refuse it alike"
     boundary.encode_values(_torch_payload())  # the same tensors with data pass
