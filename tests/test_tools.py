@@ -301,13 +301,58 @@ def test_a_closed_pipe_ends_quietly(deepseek_build):
     assert b"internal error" not in err and b"Traceback" not in err
 
 
+def test_a_full_disk_is_the_machines_refusal_not_a_bug_in_partc():
+    # stdout on /dev/full: every write fails with ENOSPC, as a scratch checkpoint's does on a
+    # full disk (where `partc verify` used to report "internal error (a bug in partc)")
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run([sys.executable, "-m", "partc.cli", "schema"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    assert done.returncode == 74, done.stderr
+    assert done.stderr.splitlines() == [
+        "error: partc schema: the machine refused a read or write: No space left on device; "
+        "free space on that file system", "partc: 1 error(s)"]
+
+
+@pytest.mark.parametrize("raised, status, stage, said", [
+    ("safetensors", 74, "machine", "Error while serializing: I/O error: No space left on device "
+     "(os error 28); free space on that file system, or point TMPDIR at a folder with room"),
+    ("denied", 74, "machine", "Permission denied: /scratch/partc-verify-1"),
+    ("einval", 70, "internal", "internal error (a bug in partc): OSError: [Errno 22]"),
+    ("value", 70, "internal", "internal error (a bug in partc): ValueError: no"),
+])
+def test_only_the_operating_systems_refusals_are_told_apart_from_bugs(
+        monkeypatch, capsys, raised, status, stage, said):
+    import errno
+
+    from safetensors import SafetensorError
+
+    import partc.cli.main as cli
+
+    errors = {
+        "safetensors": SafetensorError("Error while serializing: I/O error: No space left on "
+                                       "device (os error 28)"),
+        "denied": PermissionError(errno.EACCES, "Permission denied", "/scratch/partc-verify-1"),
+        "einval": OSError(errno.EINVAL, "Invalid argument"),  # partc asked for something wrong
+        "value": ValueError("no"),
+    }
+
+    def command(args):
+        raise errors[raised]
+
+    monkeypatch.setitem(cli._COMMANDS, "verify", command)
+    assert main(["verify", "--config", str(hf("llama") / "config.json"), "--format",
+                 "json"]) == status
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert error["stage"] == stage and said in error["message"], error
+
+
 def test_every_option_of_every_command_has_help_and_every_exit_code_is_documented():
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     missing = [f"{name} {action.dest}" for name, sub in commands.choices.items()
                for action in sub._actions if not action.help]
     assert missing == []
-    assert {code for code, _ in EXIT_CODES} == {0, 1, 2, 70, 130}
+    assert {code for code, _ in EXIT_CODES} == {0, 1, 2, 70, 74, 130}
     epilog = parser.format_help()
     assert all(f"{code:>3}  {meaning}" in epilog for code, meaning in EXIT_CODES)
 

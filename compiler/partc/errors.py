@@ -128,6 +128,13 @@ class LoadError(PartcError):
     stage = "load"
 
 
+class MachineError(PartcError):
+    """The machine refused a read or write partc needed (a full disk, no permission, an I/O
+    error): not the input's fault and not a bug in partc."""
+
+    stage = "machine"
+
+
 class SchemaError(PartcError):
     """A document that violates the JSON Schema of the authoring format."""
 

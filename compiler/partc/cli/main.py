@@ -4,6 +4,7 @@ in partc is one line and exit 70, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -18,13 +19,14 @@ from partc.cli.diagnostics import flatten_errors, report_errors
 from partc.cli.parser import (
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
+    EXIT_MACHINE,
     EXIT_OK,
     MAX_WORLD_SIZE,
     Parser,
     build_parser,
     yaml_file_problem,
 )
-from partc.errors import LoadError, PartcError
+from partc.errors import LoadError, MachineError, PartcError
 
 _COMMANDS: dict[str, Any] = {
     "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
@@ -69,9 +71,10 @@ def _internal(exc: BaseException, fmt: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status.
 
-    Errors in the input (PartcError) are reported, all of them, sorted, and exit 1; anything
-    else is a bug in partc, reported in one line (no traceback unless PARTC_TRACEBACK is set)
-    with exit 70.
+    Errors in the input (PartcError) are reported, all of them, sorted, and exit 1; a read or
+    write the operating system refused (a full disk, no permission) is reported as such with
+    exit 74; anything else is a bug in partc, reported in one line (no traceback unless
+    PARTC_TRACEBACK is set) with exit 70.
     """
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
@@ -144,7 +147,46 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
             f"{_COMPILER_DEPENDENCIES[exc.name]} (a runtime-only install, README \"Serving "
             "images\", loads builds only): pip install partc with its dependencies")], fmt)
     except Exception as exc:  # the last line of defence against tracebacks
-        return _internal(exc, fmt)
+        refused = _machine_refusal(args.command, exc)
+        if refused is None:
+            return _internal(exc, fmt)
+        report_errors([refused], fmt)
+        return EXIT_MACHINE
+
+
+_MACHINE_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EIO", "EMFILE", "ENFILE", "ENOMEM")
+    if hasattr(errno, name))
+"""Error numbers that mean the machine refused an operation (its disk, its permissions, its
+limits), not that partc asked for something wrong."""
+
+
+def _machine_refusal(command: str, exc: BaseException) -> MachineError | None:
+    """The MachineError of an exception no step turned into a PartcError, when the operating
+    system refused a read or write (an OSError, or the safetensors library's error wrapping
+    one: "I/O error: No space left on device (os error 28)"); None for anything else (a bug)."""
+    import re
+    import tempfile
+
+    if isinstance(exc, OSError):
+        number, text = exc.errno, exc.strerror or str(exc)
+        if exc.filename is not None:
+            text += f": {os.fsdecode(exc.filename)}"
+    elif type(exc).__name__ == "SafetensorError" and (
+            found := re.search(r"\(os error (\d+)\)", str(exc))):
+        number, text = int(found.group(1)), str(exc)
+    else:
+        return None
+    if number not in _MACHINE_ERRNOS:
+        return None
+    advice = ""
+    if number in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        advice = "; free space on that file system"
+        if command in ("verify", "demo"):  # they write scratch checkpoints and builds
+            advice += (f", or point TMPDIR at a folder with room (scratch folders go under "
+                       f"{tempfile.gettempdir()})")
+    return MachineError(f"partc {command}: the machine refused a read or write: {text}"
+                        f"{advice}")
 
 
 def _spell_layers(layers: Any) -> str:

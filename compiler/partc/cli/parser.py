@@ -20,12 +20,16 @@ EXIT_USAGE = 2
 """The command line itself was wrong."""
 EXIT_INTERNAL = 70
 """A bug in partc."""
+EXIT_MACHINE = 74
+"""The machine refused a read or write (sysexits' EX_IOERR)."""
 EXIT_INTERRUPTED = 130
 """Interrupted (Ctrl-C)."""
 EXIT_CODES = ((EXIT_OK, "success (also when output stops early because a pipe was closed)"),
               (EXIT_ERRORS, "the input had errors; every one was reported"),
               (EXIT_USAGE, "the command line itself was wrong"),
               (EXIT_INTERNAL, "a bug in partc (PARTC_TRACEBACK=1 prints the traceback)"),
+              (EXIT_MACHINE, "the machine refused a read or write partc needed (a full disk, no "
+                             "permission, an I/O error); the message names it"),
               (EXIT_INTERRUPTED, "interrupted"))
 """Every exit status and what it means (documented in --help and docs/cli.md)."""
 FORMAT_HELP = "text: human tables on stdout, errors on stderr; json: one JSON document on stdout"
