@@ -206,9 +206,10 @@ def huge_mapped(files: list[Path]) -> float:
             del view
             with open("/proc/self/smaps") as smaps:
                 lines = smaps.read().splitlines()
-            starts = [i for i, line in enumerate(lines) if MAPPING_LINE.match(line)]
-            for i, j in zip(starts, [*starts[1:], len(lines)], strict=True):
-                if int(MAPPING_LINE.match(lines[i]).group(1), 16) == address:  # type: ignore[union-attr]
+            starts = [(i, int(m.group(1), 16)) for i, line in enumerate(lines)
+                      if (m := MAPPING_LINE.match(line))]
+            for (i, start), (j, _) in zip(starts, [*starts[1:], (len(lines), 0)], strict=True):
+                if start == address:
                     huge += sum(int(row.split()[1]) * 1024 for row in lines[i + 1:j]
                                 if row.startswith("FilePmdMapped:"))
                     break

@@ -255,23 +255,21 @@ def _stored_bits(opened: Checkpoint, tensors: Mapping[str, np.ndarray[Any, Any]]
     return out
 
 
-LOAD_OPTIONS = ("verify_fingerprint", "dtype", "reader", "framework", "workers", "progress",
-                "verify", "zero_copy", "local_ranks", "device", "staging_bytes")
-"""The keyword options of `load_rank` (a package's `load` also takes `rank`)."""
-
-
 def _unknown_option(names: list[str]) -> CheckpointError:
     """The refusal of keyword options `load` does not have, each with the option it resembles
-    (a misspelt option would otherwise be a TypeError naming `load_rank`)."""
+    (a misspelt option would otherwise be a TypeError naming `load_rank`). The options are read
+    from `load_rank`'s signature, so the list cannot drift from it."""
     import difflib  # only for the suggestion of an error
+    import inspect
 
+    options = [p.name for p in inspect.signature(load_rank).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY]
     spelled = []
     for name in names:
-        close = difflib.get_close_matches(name, LOAD_OPTIONS, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
         spelled.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return CheckpointError(f"load() has no option{'s' if len(names) > 1 else ''} "
-                           f"{', '.join(spelled)}; its options are rank, "
-                           f"{', '.join(LOAD_OPTIONS)}")
+                           f"{', '.join(spelled)}; its options are rank, {', '.join(options)}")
 
 
 def _check_options(checkpoint: object, *, reader: object, workers: object,
