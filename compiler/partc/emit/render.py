@@ -249,8 +249,10 @@ occur in any other value of the table, which holds only integers)."""
 
 def _comment_safe(text: str) -> str:
     """Text safe inside a generated `#` comment: printable ASCII only (no line breaks of any
-    kind, so a file name cannot end the comment and start code)."""
-    return "".join(c if " " <= c <= "~" else "?" for c in text)
+    kind, so a file name cannot end the comment and start code), every other character written
+    as Python writes it in a string literal (`\\xe9`, `\\r`, `\\u2028`), so the name is
+    still legible and tells two names apart; a backslash is doubled."""
+    return "".join(c if " " <= c <= "~" and c != "\\" else ascii(c)[1:-1] for c in text)
 
 
 def _docstring_safe(text: str) -> str:
