@@ -225,3 +225,47 @@ def test_a_shrunk_deepseek_v3_verifies():
                            / "config.json", tensor_parallel_sizes=[2], pipeline_parallel_size=2)
     assert report.ok, report.first_failure
     assert any(n.startswith("shrunk experts") for n in report.notes)
+
+
+# ---------------------------------------------------------------- static roles on the wrong stage
+
+# (case, fixture, text replaced, replacement, S, the stage the full model's run puts the module
+# on, the module, the tensor): each passes check, and the family's own placement would have
+# checked itself; verify takes the stage from where transformers runs the module instead
+MISPLACED = [
+    ("final norm declared on the first stage", "llama",
+     "final_norm: {stage: last}", "final_norm: {stage: first}", 3, 2, "model.norm.weight",
+     "model.norm.weight"),
+    ("final norm owned by the embedding's role", "llama",
+     "owner: {static: final_norm}", "owner: {static: embedding}", 2, 1, "model.norm.weight",
+     "model.norm.weight"),
+    ("tied embedding not also owned by the output role", "llama_tied",
+     "      - {any_of: [embedding, output], when: tie_word_embeddings}\n", "", 3, 2,
+     "lm_head.weight", "model.embed_tokens.weight"),
+    ("embedding declared on the last stage", "llama",
+     "embedding: {stage: first}", "embedding: {stage: last}", 2, 0,
+     "model.embed_tokens.weight", "model.embed_tokens.weight"),
+]
+
+
+@pytest.mark.parametrize("case", MISPLACED, ids=[c[0] for c in MISPLACED])
+def test_a_static_role_on_a_stage_that_does_not_run_it_is_refused_by_verify(tmp_path, case):
+    _, fixture, old, new, stages, stage, parameter, target = case
+    text = (ARCHITECTURES / "llama.yaml").read_text()
+    assert text.count(old) == 1
+    family = tmp_path / "llama.yaml"
+    family.write_text(text.replace(old, new))
+    config = hf(fixture) / "config.json"
+    assert check_family(family, config, topology=Topology(
+        tensor_parallel_size=1, pipeline_parallel_size=stages)) == []
+    report = verify_family(family, config, tensor_parallel_sizes=[1],
+                           pipeline_parallel_size=stages)
+    failures = [c for c in report.checks if not c.ok]
+    assert not report.ok and failures, report
+    assert failures[0].message == (
+        f"T=1 x S={stages}: stage {stage} executes `{parameter}`, made of `{target}`, but "
+        "does not own that tensor"), failures[0].message
+    # the same declaration unchanged verifies: the refusal is the placement's
+    good = verify_family(ARCHITECTURES / "llama.yaml", config, tensor_parallel_sizes=[1],
+                         pipeline_parallel_size=stages)
+    assert good.ok, good.first_failure

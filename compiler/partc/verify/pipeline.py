@@ -66,27 +66,63 @@ class _Placement:
         self.roles = _role_stages(plan, disk)
         self.owners = _owners(plan)
         self.ran = {module: i for i, module in enumerate(session.captured)}
-        in_units = [i for m, i in self.ran.items()
-                    if any(m.startswith(p + ".") for p in self.units)]
-        self.last_unit = max(in_units, default=None)
+        self.last = plan["topology"]["pipeline_parallel_size"] - 1
+        self.unit_runs = sorted((i, self.units[unit]) for m, i in self.ran.items()
+                                for unit in [self._unit_of(m)] if unit is not None)
+        """(position in the full model's run, stage) of every module run inside a unit."""
+        self.group_starts = max((disk[g["unit_paths"][0]] for g in plan["graph"]
+                                 if g["unit_paths"] and g["unit_paths"][0] in disk), default=0)
+        """The last stage a graph group begins on."""
+
+    def _unit_of(self, name: str) -> str | None:
+        """The in-memory unit path `name` lies under (None: outside every unit)."""
+        return max((p for p in self.units if name.startswith(p + ".")), key=len, default=None)
+
+    def allowed(self, module: str) -> tuple[int, int] | None:
+        """The stages [first, last] a module outside the units may run on, from where the full
+        model ran it: after every unit, from the last unit's stage to the last stage (a later
+        stage gets the hidden state over the cuts; the logits come from the last); between
+        units, from the stage of the unit run before it to that of the unit run after it;
+        before every unit, from stage 0 to the last stage a graph group begins on (token ids
+        travel over the cuts to where the decoder begins, as a vision-language model's do).
+        None when no unit ran."""
+        at = self.ran[module]
+        before = [stage for i, stage in self.unit_runs if i < at]
+        after = [stage for i, stage in self.unit_runs if i > at]
+        if before and after:
+            return before[-1], after[0]
+        if before:
+            return before[-1], self.last
+        if after:
+            return 0, self.group_starts
+        return None
 
     def stages(self, name: str) -> dict[str, int]:
         """On-disk tensor -> the stage executing the in-memory parameter `name` made of it: the
         stage of the unit holding it, else the placement of the static role owning the tensor
         (of a role shared by several, `any_of`: the first of their stages for a module that
-        runs before the last unit, the last for a module after it, as a tied head)."""
+        runs before the last unit, the last for a module after it, as a tied head) when that
+        lies where the full model's run allows (`allowed`); a placement outside that, or none,
+        is taken as the nearest allowed stage, which then must own the tensor. So a family
+        cannot check its own static placements: a final norm or tied head declared on the
+        first stage is executed on the last one, which does not own it."""
         sources = self.session.sources[name]
-        unit = max((p for p in self.units if name.startswith(p + ".")), key=len, default=None)
+        unit = self._unit_of(name)
         if unit is not None:
             return dict.fromkeys(sources, self.units[unit])
         module = max((m for m in self.ran if name.startswith(m + ".")), key=len, default=None)
-        after = module is not None and self.last_unit is not None and \
-            self.ran[module] > self.last_unit
+        last_unit = self.unit_runs[-1][0] if self.unit_runs else None
+        after = module is not None and last_unit is not None and self.ran[module] > last_unit
+        window = self.allowed(module) if module is not None else None
         out = {}
         for target in sources:
             placed = [self.roles[r] for r in self.owners.get(target, ()) if r in self.roles]
-            if placed:
-                out[target] = max(placed) if after else min(placed)
+            stage = (max(placed) if after else min(placed)) if placed else None
+            if window is not None and (stage is None or not window[0] <= stage <= window[1]):
+                low, high = window
+                stage = low if stage is None or stage < low else high
+            if stage is not None:
+                out[target] = stage
         return out
 
 
