@@ -21,10 +21,12 @@ from partc.family.declaration import (
     ModuleDecl,
     OwnerKind,
     ParamDecl,
+    ShardingDecl,
 )
 from partc.family.expr import Expression, Template
 from partc.front.positions import join_pointer
 from partc.parallel.layout import ParameterRole
+from partc.parallel.specs import LinearWeightLayout, MemberShardingKind, ProjectionSharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,13 +376,179 @@ def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcEr
                 "cut a head", member.pointer)
 
 
+def _split(rule: ShardingDecl | None) -> bool:
+    """Whether a member rule splits its tensor (None: not stated, replicated)."""
+    return rule is not None and rule.kind is not MemberShardingKind.REPLICATED
+
+
+def _replicated_splits_nothing(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A `replicated` group is whole on every rank of its stages: none of its members is
+    split (a split norm in one adds up exactly in verify's sum of masked ranks, so only this
+    rule sees it)."""
+    if group.role is not ParameterRole.REPLICATED:
+        return
+    fix = ("expected `sharding: replicated`, or a role that says what the split divides "
+           "(`channels`, `feed_forward_intermediate`, `attention_heads`, ...)")
+    for member in group.members:
+        if _split(member.sharding):
+            assert member.sharding is not None
+            yield known.error(f"this `replicated` group splits `{member.name.text}` "
+                              f"({member.sharding.kind.value}); {fix}", member.pointer)
+    if _split(group.module_sharding):
+        assert group.module_sharding is not None
+        yield known.error(f"this `replicated` group splits its module's parameters "
+                          f"({group.module_sharding.kind.value}); {fix}",
+                          join_pointer(group.pointer, "sharding"))
+    for module in group.projections:
+        if module.sharding in (ProjectionSharding.COLUMN, ProjectionSharding.ROW):
+            assert module.sharding is not None
+            yield known.error(f"this `replicated` group splits `{module.module.text}` "
+                              f"({module.sharding.value}); {fix}", module.pointer)
+
+
+def _vocabulary_splits_rows(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A `vocabulary` group splits the vocabulary: a head by its output features (`column`),
+    an embedding's rows (axis 0); a row split, or another axis, splits the hidden features."""
+    if group.role is not ParameterRole.VOCABULARY:
+        return
+    for module in group.projections:
+        if module.sharding is ProjectionSharding.ROW:
+            yield known.error(
+                f"this `vocabulary` group splits `{module.module.text}` by its input features "
+                "(`row`); expected `column` (a head's vocabulary rows) or `replicated`",
+                module.pointer)
+    rules = [(m.sharding, m.pointer, f"`{m.name.text}`") for m in group.members]
+    if group.module_sharding is not None:
+        rules.append((group.module_sharding, join_pointer(group.pointer, "sharding"),
+                      "its module's parameters"))
+    for rule, pointer, what in rules:
+        if _split(rule) and rule is not None and rule.axis not in (None, 0):
+            yield known.error(
+                f"this `vocabulary` group splits {what} on axis {rule.axis}; expected axis 0, "
+                "the vocabulary rows of an embedding or head (another axis splits the hidden "
+                "features)", pointer)
+
+
+def _stated_heads_are_split(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """In a partitioned `attention_heads` group a projection that states `heads:` is split:
+    heads are what the units divide, and one kept whole would give each rank all of its heads
+    beside a share of the others' (every key head against a share of the value heads)."""
+    if group.role is not ParameterRole.ATTENTION_HEADS or group.units is None:
+        return
+    for module in group.projections:
+        if module.heads and module.sharding is ProjectionSharding.REPLICATED:
+            yield known.error(
+                f"this `attention_heads` group keeps `{module.module.text}` whole although it "
+                f"states `heads:`; expected it split (`column` or `row`) like the group's other "
+                f"head projections over `units: {group.units_text}`, or no `heads:` for a "
+                "projection every rank needs whole", module.pointer)
+    for member in group.members:
+        if member.heads and not _split(member.sharding):
+            yield known.error(
+                f"this `attention_heads` group keeps `{member.name.text}` whole although it "
+                f"states `heads:`; expected it partitioned over `units: {group.units_text}`, or "
+                "no `heads:` for a tensor every rank needs whole", member.pointer)
+
+
+def _split_axes(module: ModuleDecl | None, param: ParamDecl,
+                rule: ShardingDecl | None) -> set[int]:
+    """The axes of `param` its group's declaration splits."""
+    if module is not None and module.sharding is not None:
+        if module.sharding is ProjectionSharding.REPLICATED:
+            return set()
+        ndim = len(param.shape)
+        if ndim == 1:  # a bias: split with the output features, whole after a row's sum
+            return {0} if module.sharding is ProjectionSharding.COLUMN else set()
+        out_axis, in_axis = module.orientation.axes(ndim)
+        return {out_axis if module.sharding is ProjectionSharding.COLUMN else in_axis}
+    return {rule.axis} if _split(rule) and rule is not None and rule.axis is not None else set()
+
+
+def _units_axes_split(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A matrix kept whole in a partitioned group must not have a dimension written exactly as
+    the group's `units`: that is the axis the units divide, so it would hold every unit on
+    every rank while the others hold a share (a `c_proj` kept whole beside a split `c_fc`).
+    A matrix that splits some axis, and a vector (a row projection's bias is whole), are left
+    to the other rules: the same expression may also size an axis the units do not divide."""
+    if group.units is None:
+        return
+    units = group.units.text.replace(" ", "")
+    params: list[tuple[ModuleDecl | None, ParamDecl, ShardingDecl | None]] = [
+        (None, m, m.sharding) for m in group.members]
+    for projection in group.projections:
+        params.extend((projection, p, None) for p in projection.params)
+    if group.module is not None:
+        params.extend((None, p, group.module_sharding) for p in group.module.params)
+    for module, param, rule in params:
+        if len(param.shape) < 2 or _split_axes(module, param, rule):
+            continue
+        for axis, dim in enumerate(param.shape):
+            if dim.text.replace(" ", "") == units:
+                name = (f"{module.module.text}.{param.name.text}" if module is not None
+                        else param.name.text)
+                yield known.error(
+                    f"`{name}` is kept whole but its axis {axis} is `{group.units_text}`, the "
+                    "units this group divides over its ranks; expected that axis split like "
+                    "the group's other members, or the tensor in a group of its own",
+                    param.dimension_pointer(axis))
+                break
+
+
+def _biases_follow_weights(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """In member form a bias `<m>.bias` beside a 2-D `<m>.weight` is split as the weight's
+    output axis is: on axis 0 in the same way when the weight splits its output features,
+    whole when the weight is whole or splits its input features (a row-parallel bias is added
+    once, after the ranks' sum). The output axis is the one sized as the bias (for a square
+    weight: axis 0, or 1 for `format: linear_transposed`)."""
+    weights = {m.name.text.removesuffix("weight"): m for m in group.members
+               if m.name.text.endswith(".weight") and len(m.shape) == 2}
+    for bias in group.members:
+        weight = weights.get(bias.name.text.removesuffix("bias"))
+        if not bias.name.text.endswith(".bias") or len(bias.shape) != 1 or weight is None:
+            continue
+        size = bias.shape[0].text.replace(" ", "")
+        fits = [a for a in (0, 1) if weight.shape[a].text.replace(" ", "") == size]
+        if not fits:
+            continue
+        out_axis = fits[0] if len(fits) == 1 else (
+            1 if weight.layout is LinearWeightLayout.IN_OUT else 0)
+        by_output = _split(weight.sharding) and weight.sharding is not None and \
+            weight.sharding.axis == out_axis
+        rule, want = bias.sharding, weight.sharding
+        if by_output:
+            assert want is not None
+            same = (_split(rule) and rule is not None and rule.axis == 0
+                    and rule.kind is want.kind
+                    and [e.text for e in rule.segments] == [e.text for e in want.segments])
+            if not same:
+                yield known.error(
+                    f"`{bias.name.text}` is {_rule_text(rule)} but `{weight.name.text}` splits "
+                    f"its output features ({_rule_text(want)}); expected the bias split the "
+                    f"same way on axis 0 ({want.kind.value}), so each rank adds its own "
+                    "outputs' bias", bias.pointer)
+        elif _split(rule):
+            how = ("splits its input features" if _split(want) else "is whole")
+            yield known.error(
+                f"`{bias.name.text}` is {_rule_text(rule)} but `{weight.name.text}` {how}; "
+                "expected the bias whole (`sharding: replicated`): the ranks' partial sums are "
+                "added once, and the bias with them", bias.pointer)
+
+
+def _rule_text(rule: ShardingDecl | None) -> str:
+    """A member rule as written, for messages."""
+    if not _split(rule) or rule is None:
+        return "replicated"
+    return f"{{{rule.kind.value}: {rule.axis}}}"
+
+
 GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
 """A check of one parameter group."""
 
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
     _param_names, _units_where_partitioned, _attention_heads_stated,
-    _experts_declared_once)
+    _experts_declared_once, _replicated_splits_nothing, _vocabulary_splits_rows,
+    _stated_heads_are_split, _units_axes_split, _biases_follow_weights)
 """Every check of a parameter group, in the order their errors are yielded."""
 
 
