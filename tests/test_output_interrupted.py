@@ -7,6 +7,7 @@ parents of `--out` are created, and removed again when the write fails."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -148,7 +149,8 @@ def _partc_folder(at: Path) -> Path:
     write_atomically(at, {"plan.json": "{}", "pkg/__init__.py": "", "pkg/rank0.py": "x = 0\n",
                           "pkg/sub/deep.txt": "deep"}, kind="build")
     (at / "pkg" / "__pycache__").mkdir()
-    (at / "pkg" / "__pycache__" / "rank0.cpython-312.pyc").write_bytes(b"\0")
+    (at / "pkg" / "__pycache__" / "rank0.cpython-312.pyc").write_bytes(
+        importlib.util.MAGIC_NUMBER + bytes(12))  # what Python writes: magic, flags, stamp
     return at
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import compileall
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -111,6 +112,19 @@ def _pycache_with_source(scene: Path) -> None:
     (cache / "evil.py").write_text("not bytecode")
 
 
+BYTECODE = importlib.util.MAGIC_NUMBER + bytes(12)
+"""The start of a .pyc Python writes: its magic number, then flags, mtime and size."""
+
+
+def _pycache(folder: str, name: str, content: bytes) -> Callable[[Path], None]:
+    """A `__pycache__` under `folder` of the previous build holding one file."""
+    def make(scene: Path) -> None:
+        cache = scene / "prev" / folder / "__pycache__"
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_bytes(content)
+    return make
+
+
 def _chdir_below(scene: Path) -> None:
     (scene / "work").mkdir()
     os.chdir(scene / "work")
@@ -168,6 +182,19 @@ REFUSALS: list[tuple[str, Callable[[Path], None] | None, list[str], list[str]]] 
     ("a_build_with_an_extra_symlink", _extra_link, [*COMPILE, "--out", "prev"],
      ["the output folder prev holds 1 entry (data) that partc did not write"]),
     ("a_build_whose_pycache_holds_a_source_file", _pycache_with_source,
+     [*COMPILE, "--out", "prev"], ["holds 1 entry (partc_llama_tp2_pp1/__pycache__/)"]),
+    # a __pycache__ is Python's only beside the modules partc wrote, holding their bytecode
+    ("a_pyc_in_a_pycache_beside_no_module_partc_wrote",
+     _pycache("", "mine.cpython-311.pyc", b"precious"), [*COMPILE, "--out", "prev"],
+     ["holds 1 entry (__pycache__/) that partc did not write"]),
+    ("bytecode_in_a_pycache_beside_no_module_partc_wrote",
+     _pycache("", "plan.cpython-311.pyc", BYTECODE), [*COMPILE, "--out", "prev"],
+     ["holds 1 entry (__pycache__/) that partc did not write"]),
+    ("a_pyc_of_no_module_in_the_package_pycache",
+     _pycache("partc_llama_tp2_pp1", "mine.cpython-311.pyc", BYTECODE),
+     [*COMPILE, "--out", "prev"], ["holds 1 entry (partc_llama_tp2_pp1/__pycache__/)"]),
+    ("a_module_named_pyc_that_is_not_bytecode",
+     _pycache("partc_llama_tp2_pp1", "rank_00.cpython-311.pyc", b"precious notes"),
      [*COMPILE, "--out", "prev"], ["holds 1 entry (partc_llama_tp2_pp1/__pycache__/)"]),
     ("a_build_with_an_unreadable_marker", _bad_marker, [*COMPILE, "--out", "prev"],
      ["the output folder prev has an invalid .partc-build.json (it is not valid JSON"]),

@@ -2,11 +2,11 @@
 
 partc replaces its output folder whole, so before anything is written it checks that the
 folder is one it may replace: absent, empty, or a folder partc wrote, which carries a marker
-file (`.partc-build.json`) listing every path partc put there and holds nothing else (Python's
-`__pycache__/*.pyc` aside). The output may never be `/`, a mount point, the working directory
-or one of its ancestors, a symbolic link (unless `force`, see `destination`), or an input of the
-run (the checkpoint, the config, the family file, the build being sharded) or a folder holding
-one. A refusal happens before any write.
+file (`.partc-build.json`) listing every path partc put there and holds nothing else (but the
+bytecode Python writes for those modules, `_is_bytecode`). The output may never be `/`, a
+mount point, the working directory or one of its ancestors, a symbolic link (unless `force`,
+see `destination`), or an input of the run (the checkpoint, the config, the family file, the
+build being sharded) or a folder holding one. A refusal happens before any write.
 
 The new folder is written beside the old one under a hidden scratch name, then swapped in with
 one `renameat2(RENAME_EXCHANGE)`; where that call is missing, the old folder is first renamed
@@ -128,7 +128,8 @@ def _foreign_entries(folder: Path, marker: Marker | None) -> list[str]:
                 elif entry.is_dir(follow_symlinks=False):
                     if relative in folders:
                         walk(Path(entry.path), relative + "/")
-                    elif not (entry.name == "__pycache__" and _bytecode_only(Path(entry.path))):
+                    elif not (entry.name == "__pycache__"
+                              and _bytecode_only(entry.path, prefix, files)):
                         found.append(relative + "/")
                 elif not (entry.is_file(follow_symlinks=False) and relative in files):
                     found.append(relative)
@@ -137,11 +138,30 @@ def _foreign_entries(folder: Path, marker: Marker | None) -> list[str]:
     return found
 
 
-def _bytecode_only(folder: Path) -> bool:
-    """Whether `folder` holds only regular `*.pyc` files (what Python writes on import)."""
+def _bytecode_only(folder: str, prefix: str, files: set[str] | frozenset[str]) -> bool:
+    """Whether the `__pycache__` folder at `folder` (beside the marked files under `prefix`)
+    holds only what Python writes on import: the bytecode of those files (`_is_bytecode`)."""
     with os.scandir(folder) as entries:
-        return all(e.name.endswith(".pyc") and e.is_file(follow_symlinks=False)
-                   and not e.is_symlink() for e in entries)
+        return all(_is_bytecode(e, prefix, files) for e in entries)
+
+
+def _is_bytecode(entry: os.DirEntry[str], prefix: str, files: set[str] | frozenset[str]) -> bool:
+    """Whether `entry` of a `__pycache__` folder is the bytecode Python wrote for a module partc
+    wrote beside that folder: a regular file named `<module>.<tag>[.opt-N].pyc` for a marked
+    `<prefix><module>.py`, starting with a bytecode magic number (two bytes and `\\r\\n`).
+    Anything else there (a `.pyc` of no module partc wrote, or one that is not bytecode) is
+    the user's, and a rewrite refuses to remove it."""
+    if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+        return False
+    module, _, rest = entry.name.partition(".")
+    if not rest.endswith(".pyc") or f"{prefix}{module}.py" not in files:
+        return False
+    try:
+        with open(entry.path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError:
+        return False
+    return len(magic) == 4 and magic[2:] == b"\r\n"
 
 
 def _listing(names: Sequence[str]) -> str:
@@ -387,7 +407,7 @@ def _remove_written(folder: Path) -> bool:
                 if relative in folders:
                     clear(entry.path, relative + "/")
                 elif entry.name == "__pycache__":
-                    clear_bytecode(entry.path)
+                    clear_bytecode(entry.path, prefix)
                 else:
                     raise _Foreign(relative)
                 os.rmdir(entry.path)
@@ -396,12 +416,12 @@ def _remove_written(folder: Path) -> bool:
             else:
                 raise _Foreign(relative)
 
-    def clear_bytecode(path: str) -> None:
+    def clear_bytecode(path: str, prefix: str) -> None:
         with os.scandir(path) as found:
             entries = sorted(found, key=lambda e: e.name)
         for entry in entries:
-            if not (entry.name.endswith(".pyc") and entry.is_file(follow_symlinks=False)):
-                raise _Foreign(entry.name)
+            if torn or not _is_bytecode(entry, prefix, files):
+                raise _Foreign(f"{prefix}__pycache__/{entry.name}")
             os.unlink(entry.path)
 
     try:
