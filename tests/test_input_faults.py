@@ -9,6 +9,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -110,6 +112,59 @@ def test_a_fifo_given_as_config_or_family_is_refused_without_blocking(tmp_path, 
     assert (status, err.splitlines()[0]) == (1, (
         "error: family.yaml: cannot read family file: family.yaml is a FIFO (named pipe), "
         "expected a regular file"))
+
+
+def test_a_fifo_given_as_an_output_file_or_a_build_s_plan_is_refused_without_blocking(
+        tmp_path, monkeypatch):
+    """Each command in a fresh process with a time limit, so that one that blocks in open()
+    fails the test instead of hanging it."""
+    monkeypatch.chdir(tmp_path)
+    compile_family("llama", HF / "llama" / "config.json", tensor_parallel_size=2, out="b")
+    os.mkfifo("out.html")
+    os.mkfifo("out.yaml")
+    os.mkdir("fb")
+    os.mkfifo("fb/plan.json")
+    refused = "is a FIFO; expected a new file path (partc never replaces a file it did not write)"
+    plan = "fb/plan.json is a FIFO (named pipe), expected a regular file"
+    cases = [
+        (["report", "b", "--out", "out.html"], f"error: out.html: out.html {refused}"),
+        (["init", "--checkpoint", str(HF / "llama"), "--out", "out.yaml"],
+         f"error: out.yaml: out.yaml {refused}"),
+        (["families", "--copy", "llama", "out.yaml"], f"error: out.yaml: out.yaml {refused}"),
+        (["explain", "fb", "model.norm.weight"],
+         f"error: fb/plan.json: cannot read a plan from fb/plan.json: {plan}; expected a "
+         "folder written by `partc compile` (it holds plan.json)"),
+        (["report", "fb", "--out", "r.html"],
+         f"error: fb/plan.json: cannot read a plan from fb/plan.json: {plan}"),
+        (["shard", "fb", "--checkpoint", str(HF / "llama"), "--out", "s"],
+         f"error: fb/plan.json: cannot read the build's plan.json: {plan}"),
+    ]
+    for argv, first in cases:
+        done = subprocess.run([sys.executable, "-m", "partc.cli", *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1, (argv, done.stderr)
+        assert done.stderr.splitlines()[0].startswith(first), (argv, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert sorted(os.listdir(".")) == ["b", "fb", "out.html", "out.yaml"]  # nothing written
+
+
+def test_a_refused_write_of_an_output_file_names_the_file_asked_for(tmp_path, monkeypatch):
+    """A read-only folder refuses partc's hidden scratch file: the error names --out (the file
+    the user asked for), and the exit status is the machine's (74), as for every command."""
+    import errno
+    import tempfile
+
+    monkeypatch.chdir(tmp_path)
+    compile_family("llama", HF / "llama" / "config.json", tensor_parallel_size=2, out="b")
+
+    def refuse(*_, dir=".", **__):
+        raise OSError(errno.EROFS, "Read-only file system", os.path.join(dir, ".r.html.x1y2z3"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    status, err = run("report", "b", "--out", "r.html")
+    assert status == 74, err
+    assert "Read-only file system: r.html" in err and ".r.html.x1y2z3" not in err, err
+    assert sorted(os.listdir(".")) == ["b"]
 
 
 def test_a_folder_given_as_config_is_refused(tmp_path):

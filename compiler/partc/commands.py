@@ -4,8 +4,10 @@ families, schema and docs (`partc.cli` parses the arguments and reports errors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
+from partc.runtime.files import file_kind
 
 EXIT_OK = 0
 """Success (cli.parser.EXIT_OK)."""
@@ -130,6 +133,12 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
     if out.is_symlink() or out.is_dir():
         raise LoadError(f"{out} is a {'link' if out.is_symlink() else 'folder'}; expected a "
                         "new file path", location=SourceLocation(str(out)))
+    with contextlib.suppress(OSError):  # a FIFO would block the read of its first line
+        mode = os.lstat(out).st_mode
+        if not stat.S_ISREG(mode):
+            raise LoadError(f"{out} is {file_kind(mode)}; expected a new file path (partc "
+                            "never replaces a file it did not write)",
+                            location=SourceLocation(str(out)))
     if out.exists():
         head = ""
         try:
@@ -147,14 +156,21 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
     from partc.output import fitting_name
 
     # `.NAME.` and mkstemp's 8 letters: a long NAME is shortened so the scratch name is valid.
-    descriptor, scratch = tempfile.mkstemp(prefix=f".{fitting_name(out.name, 10)}.", dir=parent)
+    scratch = ""
     try:
+        descriptor, scratch = tempfile.mkstemp(prefix=f".{fitting_name(out.name, 10)}.",
+                                               dir=parent)
         with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
             stream.write(text)
         os.chmod(scratch, 0o644)
         os.replace(scratch, out)
+    except OSError as exc:  # named as the file asked for, not the hidden scratch file
+        if scratch:
+            Path(scratch).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(out)) from None
     except BaseException:
-        Path(scratch).unlink(missing_ok=True)
+        if scratch:
+            Path(scratch).unlink(missing_ok=True)
         raise
 
 

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.front.load import read_bytes
 from partc.front.schema import plan_faults
+from partc.inspect.build import MAX_PLAN_BYTES
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -149,12 +151,12 @@ def _file_bytes(report: ProgressCallback, name: str, slices: list[_Slice]
 def _read_plan(path: Path) -> dict[str, Any]:
     """The build's plan.json, with the fields sharding needs."""
     where = SourceLocation(str(path))
-    try:
-        plan = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise LoadError(f"no plan.json in {path.parent}; expected a folder written by "
-                        "`partc compile`", location=where) from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+                        "`partc compile`", location=where)
+    try:  # a regular file only, checked before it is opened: a FIFO would block the read
+        plan = json.loads(read_bytes(path, "the build's plan.json", MAX_PLAN_BYTES).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
         raise LoadError(f"cannot read the build's plan.json: {exc}", location=where) from None
     topology = plan.get("topology") if isinstance(plan, dict) else None
     if (not isinstance(plan, dict) or not isinstance(plan.get("plan_hash"), str)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
+from partc.front.load import read_bytes
 from partc.front.schema import plan_faults as schema_plan_faults
 from partc.parallel.placements import tensor_bytes
 
@@ -56,14 +57,13 @@ def read_build(path: str | Path) -> Build:
     """Read a build folder's plan.json (or a plan file); LoadError when it is not one."""
     where = Path(path)
     file = where / "plan.json" if where.is_dir() else where
-    try:
-        if file.stat().st_size > MAX_PLAN_BYTES:
-            raise LoadError(f"{file} is {file.stat().st_size} bytes; a plan is at most "
-                            f"{MAX_PLAN_BYTES}", location=SourceLocation(str(file)))
-        plan = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LoadError(f"cannot read a plan from {file}: {exc}; expected a folder written by "
-                        "`partc compile` (it holds plan.json)",
+    hint = "expected a folder written by `partc compile` (it holds plan.json)"
+    try:  # a regular file only, checked before it is opened: a FIFO would block the read
+        plan = json.loads(read_bytes(file, f"a plan from {file}", MAX_PLAN_BYTES).decode())
+    except LoadError as exc:
+        raise LoadError(f"{exc.message}; {hint}", location=SourceLocation(str(file))) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoadError(f"cannot read a plan from {file}: {exc}; {hint}",
                         location=SourceLocation(str(file))) from None
     needed = ("topology", "groups", "ranks", "tensors", "boundary", "family", "plan_hash")
     missing = [key for key in needed if not isinstance(plan, dict) or key not in plan]
