@@ -527,6 +527,15 @@ def _faults() -> Iterator[Fault]:
         ("duplicate_header_key", "a tensor named twice in the header",
          _single(_header_bytes(b'{"a": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]},'
                                b' "a": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}'))),
+        ("tensor_name_with_escape_sequence", "a tensor named with a terminal escape sequence",
+         _single(_header_bytes(b'{"a\\u001b[2Jb": {"dtype": "F32", "shape": [], '
+                               b'"data_offsets": [0, 4]}}'))),
+        ("tensor_name_with_line_break", "a tensor named with a line break in it",
+         _single(_header_bytes(b'{"a\\nerror: b": {"dtype": "F32", "shape": [], '
+                               b'"data_offsets": [0, 4]}}'))),
+        ("index_name_with_escape_sequence", "the index names a tensor with an escape sequence",
+         _sharded(_index(lambda i: i["weight_map"].__setitem__(
+             "lm_head\x1b[31m.weight", "model-00001-of-00004.safetensors")))),
         ("overlapping_offsets", "two tensors share bytes", _single(_overlap)),
         ("offsets_out_of_file", "data_offsets past the data region",
          _single(_entry("model.norm.weight", data_offsets=[10**9, 10**9 + 256]))),

@@ -633,3 +633,32 @@ def test_running_out_of_memory_parsing_a_header_is_a_located_error(
         open_checkpoint(LLAMA)
     assert info.value.location is not None
     assert info.value.location.file == str(LLAMA / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.x\x1b[2J\x1b[31mFAKE: compiled OK\x1b[0m",
+                                  "model.layers.0.y\nerror: injected line",
+                                  "model.layers.0.z\u2028w", "model.layers.0.\x7fdel",
+                                  "model.layers.0.\u200bzero_width"])
+def test_a_tensor_name_that_is_not_printable_is_refused_escaped(tmp_path: Path, name: str,
+                                                                 capsys: Any) -> None:
+    """The safetensors library writes and reads such a name; partc refuses it before any
+    command prints it (it could clear the terminal or forge an `error:` line), naming it
+    escaped, from compile, inspect and init alike."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    shutil.copy(hf("llama") / "config.json", folder / "config.json")
+    tensors = load_file(str(hf("llama") / "model.safetensors"))
+    tensors[name] = np.zeros(2, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert name in load_file(str(folder / "model.safetensors"))  # the library's own view
+    bad = next(c for c in name if not c.isprintable())
+    for argv in (["inspect", str(folder)], ["init", "--checkpoint", str(folder)],
+                 ["compile", "--checkpoint", str(folder), "--out", str(tmp_path / "b")]):
+        assert cli_main(argv) == 1
+        out, err = capsys.readouterr()
+        assert all(c.isprintable() or c == "\n" for c in out + err), err
+        assert f"tensor name {name!r} holds the non-printable character {bad!r}" in err, err
+        assert name not in out + err and err.count("\n") == 3  # error, see:, count
+    assert not (tmp_path / "b").exists()

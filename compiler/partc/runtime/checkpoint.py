@@ -32,6 +32,7 @@ from partc.runtime.headers import (
     _kind,
     _load_object,
     _unique,
+    check_name,
     paused_gc,
     read_header,
 )
@@ -242,6 +243,7 @@ def _open_index(origin: str, index: str) -> Checkpoint:
         _fail(index, f"index must have a weight_map object (found {_kind(top.get('weight_map'))})")
     weight_map = _unique(index, top["weight_map"], "the weight_map")
     for name, shard in weight_map.items():
+        check_name(index, name, "tensor name")
         if type(shard) is not str:
             _fail(index, f"weight_map[{name!r}] must be a shard file name (found {_kind(shard)})",
                   name)

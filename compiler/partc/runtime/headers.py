@@ -101,6 +101,17 @@ def _fail(path: str | os.PathLike[str], message: str, tensor: str | None = None)
     raise CheckpointError(message, location=SourceLocation(str(path)), tensor=tensor)
 
 
+def check_name(path: str, name: str, what: str) -> None:
+    """Refuse a name holding a character that is not printable (a control character such as
+    ESC or a line break, a format or separator character): every message and listing of partc
+    prints tensor names, and such a name could rewrite the terminal or forge a line. safetensors
+    itself accepts any string; no checkpoint transformers writes has one."""
+    if not name.isprintable():
+        bad = next(c for c in name if not c.isprintable())
+        _fail(path, f"{what} {name!r} holds the non-printable character {bad!r} (U+{ord(bad):04X});"
+                    " expected printable text, as every name transformers writes is")
+
+
 def _kind(value: object) -> str:
     """The JSON kind of a value parsed with objects as tuples of pairs."""
     kinds = {tuple: "object", list: "array", bool: "boolean", type(None): "null", int: "integer",
@@ -303,6 +314,9 @@ def _parse_tables(p: str, text: str, data_size: int
     """Parse and validate the header JSON: metadata pairs and the tensor table ordered by name."""
     columns = _fast_columns(text, data_size) or _careful_columns(p, text, data_size)
     metadata, names, dtypes, shapes, bounds, entries = columns
+    if not text.isascii() or "\\" in text or "\x7f" in text:  # else every name is printable
+        for name in names:
+            check_name(p, name, "tensor name")
     begins, ends = bounds[0::2], bounds[1::2]
     _check_coverage(p, names, begins, ends, data_size)
     if entries is None:
