@@ -417,12 +417,14 @@ def _vocabulary_splits_rows(known: _Known, group: GroupDecl) -> Iterator[PartcEr
                 f"this `vocabulary` group splits `{module.module.text}` by its input features "
                 "(`row`); expected `column` (a head's vocabulary rows) or `replicated`",
                 module.pointer)
-    rules = [(m.sharding, m.pointer, f"`{m.name.text}`") for m in group.members]
-    if group.module_sharding is not None:
+    rules = [(m.sharding, m.pointer, f"`{m.name.text}`", len(m.shape)) for m in group.members]
+    if group.module_sharding is not None and group.module is not None:
         rules.append((group.module_sharding, join_pointer(group.pointer, "sharding"),
-                      "its module's parameters"))
-    for rule, pointer, what in rules:
-        if _split(rule) and rule is not None and rule.axis not in (None, 0):
+                      "its module's parameters", max((len(q.shape) for q in group.module.params),
+                                                     default=0)))
+    for rule, pointer, what, ndim in rules:  # an axis past the shape is the binder's error
+        if _split(rule) and rule is not None and rule.axis not in (None, 0) and \
+                rule.axis < ndim:
             yield known.error(
                 f"this `vocabulary` group splits {what} on axis {rule.axis}; expected axis 0, "
                 "the vocabulary rows of an embedding or head (another axis splits the hidden "
