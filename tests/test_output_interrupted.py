@@ -21,7 +21,7 @@ import pytest
 from partc import output
 from partc.api import compile_family
 from partc.cli.main import main
-from partc.errors import EmitError
+from partc.errors import MachineError
 from partc.output import MARKER, sweep_abandoned, write_atomically
 
 from support import hf
@@ -317,8 +317,8 @@ def test_a_write_that_fails_removes_the_parents_it_created_and_only_those(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(output, "_write_file", full)
-    with pytest.raises(EmitError, match="cannot write the build to runs/a/b/build: No space "
-                                        "left on device"):
+    with pytest.raises(MachineError, match="cannot write the build to runs/a/b/build: No space "
+                                           "left on device"):
         compile_family("llama", CONFIG, out="runs/a/b/build")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt"]

@@ -356,7 +356,7 @@ def test_a_failed_second_rename_puts_the_previous_build_back(
 
     monkeypatch.setattr(os, "rename", failing)
     status, err = _run([*COMPILE, "--pp", "3", "--out", "prev"], capsys)
-    assert status == 1
+    assert status == 74  # the machine's refusal, as for every command (docs/cli.md)
     assert "cannot write the build to prev: No space left on device" in err
     assert tree_hash(scene) == before
 
@@ -413,3 +413,27 @@ def test_the_sweep_never_deletes_an_abandoned_folder_holding_user_files(scene: P
     dead.mkdir()
     assert main([*COMPILE, "--out", "prev"]) == 0
     assert backup.is_dir() and dead.is_dir()
+
+
+def test_a_read_only_parent_refuses_a_rebuild_as_the_machine_s_refusal_naming_the_output(
+        scene: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A previous build in a folder that refuses the new one beside it: exit 74 (the machine's
+    refusal, as report and init give), and the message says where partc writes, instead of
+    claiming it could not create a folder that exists."""
+    import errno
+    import tempfile
+
+    real = tempfile.mkdtemp
+
+    def read_only(*args: object, dir: object = None, **kwargs: object) -> str:
+        if dir is not None and Path(str(dir)).resolve() == scene.resolve():
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real(*args, dir=dir, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    before = tree_hash(scene)
+    status, err = _run([*COMPILE, "--out", "prev"], capsys)
+    assert status == 74, err
+    assert ("cannot write the build to prev (partc writes the new folder beside it, in "
+            f"{Path.cwd().resolve()}): Read-only file system") in err, err
+    assert tree_hash(scene) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import errno
 from dataclasses import dataclass
 from typing import Self
 
@@ -133,6 +134,13 @@ class MachineError(PartcError):
     error): not the input's fault and not a bug in partc."""
 
     stage = "machine"
+
+
+MACHINE_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EIO", "EMFILE", "ENFILE", "ENOMEM")
+    if hasattr(errno, name))
+"""Error numbers that mean the machine refused an operation (its disk, its permissions, its
+limits), not that partc asked for something wrong: a MachineError, exit status 74."""
 
 
 class SchemaError(PartcError):

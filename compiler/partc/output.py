@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from partc import __version__
-from partc.errors import EmitError
+from partc.errors import MACHINE_ERRNOS, EmitError, MachineError
 from partc.plan.ir import canonical_json
 
 __all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "fitting_name",
@@ -556,7 +556,12 @@ def write_atomically(out: str | os.PathLike[str],
         blocking = next((p for p in (up, *up.parents) if p.exists() and not p.is_dir()), None)
         reason = (f"{blocking} exists and is not a folder" if blocking is not None
                   else exc.strerror or str(exc))
-        raise EmitError(f"cannot create the output folder {given}: {reason}") from None
+        # an existing output is replaced by a new folder written beside it, in its parent
+        what = (f"cannot write the {OUTPUT_KINDS[kind]} to {given} (partc writes the new "
+                f"folder beside it, in {parent})" if existed else
+                f"cannot create the output folder {given}")
+        error = MachineError if blocking is None and exc.errno in MACHINE_ERRNOS else EmitError
+        raise error(f"{what}: {reason}") from None
     try:
         _write_file(staging / MARKER, marker.text())  # first: a partial staging is partc's
         for relative, content in files.items():
@@ -580,8 +585,9 @@ def write_atomically(out: str | os.PathLike[str],
     except OSError as exc:
         _remove_written(staging)
         _remove_folders(created)
-        raise EmitError(f"cannot write the {OUTPUT_KINDS[kind]} to {given}: "
-                        f"{exc.strerror or exc}") from None
+        error = MachineError if exc.errno in MACHINE_ERRNOS else EmitError
+        raise error(f"cannot write the {OUTPUT_KINDS[kind]} to {given}: "
+                    f"{exc.strerror or exc}") from None
     except BaseException:
         _remove_written(staging)
         _remove_folders(created)

@@ -26,7 +26,7 @@ from partc.cli.parser import (
     build_parser,
     yaml_file_problem,
 )
-from partc.errors import LoadError, MachineError, PartcError
+from partc.errors import MACHINE_ERRNOS, LoadError, MachineError, PartcError
 
 _COMMANDS: dict[str, Any] = {
     "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
@@ -132,7 +132,10 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
         status: int = _COMMANDS[args.command](args)
         return status
     except PartcError as error:
-        return report_errors(flatten_errors(error), fmt)
+        errors = flatten_errors(error)
+        status = report_errors(errors, fmt)
+        machine = errors and all(isinstance(e, MachineError) for e in errors)
+        return EXIT_MACHINE if machine and status != EXIT_OK else status
     except BrokenPipeError:
         _quiet_pipe()
         return EXIT_OK
@@ -154,13 +157,6 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
         return EXIT_MACHINE
 
 
-_MACHINE_ERRNOS = frozenset(getattr(errno, name) for name in (
-    "ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EIO", "EMFILE", "ENFILE", "ENOMEM")
-    if hasattr(errno, name))
-"""Error numbers that mean the machine refused an operation (its disk, its permissions, its
-limits), not that partc asked for something wrong."""
-
-
 def _machine_refusal(command: str, exc: BaseException) -> MachineError | None:
     """The MachineError of an exception no step turned into a PartcError, when the operating
     system refused a read or write (an OSError, or the safetensors library's error wrapping
@@ -177,7 +173,7 @@ def _machine_refusal(command: str, exc: BaseException) -> MachineError | None:
         number, text = int(found.group(1)), str(exc)
     else:
         return None
-    if number not in _MACHINE_ERRNOS:
+    if number not in MACHINE_ERRNOS:
         return None
     advice = ""
     if number in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
