@@ -116,6 +116,20 @@ def test_demo_out_keeps_the_build_it_names(tmp_path, capsys):
     assert json.loads((out / "plan.json").read_text())["topology"]["pipeline_parallel_size"] == 2
 
 
+def test_demo_out_a_link_is_refused_naming_force_and_force_writes_into_its_target(
+        tmp_path, capsys):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    assert main(["demo", "--tp", "1", "--pp", "1", "--out", str(tmp_path / "link")]) == 1
+    err = capsys.readouterr().err
+    assert "is a symbolic link (to target); partc does not replace a link" in err, err
+    assert "--force" in err and list((tmp_path / "target").iterdir()) == []
+    assert main(["demo", "--tp", "1", "--pp", "1", "--out", str(tmp_path / "link"),
+                 "--force"]) == 0
+    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "target" / "plan.json").is_file()
+
+
 # ---------------------------------------------------------------- the caret under a located error
 
 

@@ -406,3 +406,23 @@ def test_explain_says_why_a_group_fell_back_and_the_plan_records_it(fallback_bui
             f"attention_heads) has {kv_heads} partition units (num_key_value_heads) but "
             "tensor_parallel_size is 4") in out
     assert "--policy replicate-unsupported replicated it on every rank" in out
+
+
+def test_explain_gives_kv_replication_as_the_reason_for_repeated_key_heads(tmp_path, capsys):
+    text = (ROOT / "architectures" / "llama.yaml").read_text()
+    old = "    units: num_key_value_heads          # the q heads of a KV head travel with it\n"
+    assert text.count(old) == 1
+    family = tmp_path / "llama.yaml"
+    family.write_text(text.replace(old, old + "    kv_replication: true\n"))
+    kv_heads = json.loads((LLAMA / "config.json").read_text())["num_key_value_heads"]
+    assert kv_heads < 4
+    assert main(["compile", str(family), "--config", str(LLAMA / "config.json"), "--tp", "4",
+                 "--out", str(tmp_path / "b"), "-q"]) == 0
+    capsys.readouterr()
+    status, out, _ = _run(["explain", str(tmp_path / "b"),
+                           "model.layers.0.self_attn.k_proj.weight"], capsys)
+    assert status == 0
+    assert ("KV replication: `model.layers.0.self_attn.k_proj.weight` has fewer KV heads than "
+            f"TP=4 ranks; each KV head is repeated on {4 // kv_heads} ranks") in out, out
+    # the cuts follow the repeated heads: not blamed on block or head alignment
+    assert "aligned to blocks" not in out and "differ from the unit boundaries" not in out, out

@@ -237,7 +237,8 @@ def run_demo(args: argparse.Namespace) -> int:
     with resources.as_file(example) as folder, tempfile.TemporaryDirectory() as scratch:
         out = Path(args.out) if args.out else Path(scratch) / "build"
         result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
-                                pipeline_parallel_size=args.pp, out=out)
+                                pipeline_parallel_size=args.pp, out=out,
+                                force=bool(args.out) and args.force)
         plan = result.plan
         layers = dict(plan.config_values)["num_hidden_layers"]
         where = (f"build in {out}" if args.out else

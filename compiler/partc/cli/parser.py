@@ -323,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size (default 2)")
     demo.add_argument("--pp", type=_positive, default=2, help="pipeline stages (default 2)")
     demo.add_argument("--out", default=None, help="where to write the build (default: temp)")
+    demo.add_argument("--force", action="store_true",
+                      help="write through a symbolic link --out into its target folder (kept as "
+                           "the link), as compile --force does; never deletes files partc did "
+                           "not write")
 
     families = commands.add_parser("families",
                                    help="list the built-in families and their model types")

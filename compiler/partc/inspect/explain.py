@@ -55,6 +55,7 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
             why.append(f"KV replication: `{t['target']}` has fewer KV heads than TP={tp} ranks; "
                        f"each KV head is repeated on {t['kv_replicas']} ranks "
                        "(`partc docs kv_replication`)")
+            continue  # its cuts follow the repeated heads, not the unit boundaries
         placements = t["placements"]
         logical = group.get("logical_ranges")
         if units and logical and placements and all(p[0] == "range" for p in placements):
