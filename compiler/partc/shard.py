@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
-from partc.front.load import read_bytes
+from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.front.schema import plan_faults
-from partc.inspect.build import MAX_PLAN_BYTES
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint

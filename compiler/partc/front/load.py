@@ -36,6 +36,8 @@ MAX_DOCUMENT_BYTES = 1024 * 1024
 """Largest family file (YAML or TOML) partc reads."""
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 """Largest config.json partc reads."""
+MAX_PLAN_BYTES = 1 << 30
+"""Largest plan.json inspect and shard read (DeepSeek-V3 at 8 x 8 is ~60 MB)."""
 MAX_NODES = 100_000
 """Most values one document may hold, each alias counted at the full size of what it repeats."""
 MAX_EXPANDED_CHARACTERS = 4 * MAX_DOCUMENT_BYTES

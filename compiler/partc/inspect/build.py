@@ -15,12 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
-from partc.front.load import read_bytes
+from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.front.schema import plan_faults as schema_plan_faults
 from partc.parallel.placements import tensor_bytes
-
-MAX_PLAN_BYTES = 1 << 30
-"""Largest plan.json inspect reads (DeepSeek-V3 at 8 x 8 is ~60 MB)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
