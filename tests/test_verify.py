@@ -269,3 +269,52 @@ def test_a_static_role_on_a_stage_that_does_not_run_it_is_refused_by_verify(tmp_
     good = verify_family(ARCHITECTURES / "llama.yaml", config, tensor_parallel_sizes=[1],
                          pipeline_parallel_size=stages)
     assert good.ok, good.first_failure
+
+
+# ---------------------------------------------------------------- what the cuts carry
+
+def test_a_decoder_boundary_declared_with_the_wrong_width_is_refused_by_verify(tmp_path):
+    """A plain decoder's one boundary is compared with the hidden state a stage's last layer
+    really gives (not only the cuts of a vision-language graph)."""
+    text = (ARCHITECTURES / "llama.yaml").read_text()
+    old = "primary: {role: hidden, shape: [batch, sequence, hidden_size], dtype: activation}"
+    assert text.count(old) == 1
+    family = tmp_path / "llama.yaml"
+    family.write_text(text.replace(old, old.replace("hidden_size]", "intermediate_size]")))
+    config = json.loads((hf("llama") / "config.json").read_text())
+    assert config["intermediate_size"] != config["hidden_size"]
+    assert check_family(family, hf("llama") / "config.json", topology=Topology(
+        tensor_parallel_size=1, pipeline_parallel_size=2)) == []
+    report = verify_family(family, hf("llama") / "config.json", tensor_parallel_sizes=[1],
+                           pipeline_parallel_size=2)
+    failures = [c for c in report.checks if not c.ok]
+    assert not report.ok and len(failures) == 1, failures
+    layers = config["num_hidden_layers"]
+    assert failures[0].message == (
+        "T=1 x S=2: the cut after stage 0 (group `decoder`, boundary `llama.hidden`) declares "
+        f"`hidden` as [batch, sequence, {config['intermediate_size']}], but module "
+        f"`model.layers.{(layers + 1) // 2 - 1}` gives it as [1, 8, {config['hidden_size']}]: "
+        f"axis 2 has {config['hidden_size']} elements, the boundary declares "
+        f"{config['intermediate_size']}"), failures[0].message
+
+
+def test_token_ids_the_embedding_needs_past_the_vision_stage_must_cross_the_cut(tmp_path):
+    """llava's embedding sits where the decoder begins; without `input_ids` in the vision
+    boundary, that stage could not embed the prompt: verify says which cut lacks it."""
+    text = (ARCHITECTURES / "llava.yaml").read_text()
+    old = "        - {role: input_ids, shape: [batch, sequence], dtype: int32}\n"
+    assert text.count(old) == 2
+    family = tmp_path / "llava.yaml"
+    family.write_text(text.replace(old, ""))
+    report = verify_family(family, hf("llava") / "config.json", tensor_parallel_sizes=[1],
+                           pipeline_parallel_size=3)
+    failures = [c for c in report.checks if not c.ok]
+    assert not report.ok and failures, report
+    assert failures[0].message.startswith(
+        "T=1 x S=3: stage 1 runs `model.language_model.embed_tokens` on the model input "
+        "`input_ids`, but the cut after stage 0 (boundary `llava.vision`) does not carry it: "
+        "expected an auxiliary tensor `input_ids` in that boundary, found `image_mask`"), \
+        failures[0].message
+    good = verify_family(ARCHITECTURES / "llava.yaml", hf("llava") / "config.json",
+                         tensor_parallel_sizes=[1], pipeline_parallel_size=3)
+    assert good.ok, good.first_failure

@@ -154,8 +154,8 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
         holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
         if holders and not missing:
             composite[target] = np.asarray(build.states[holders[0]].tensors[target])
-    if "cuts" in build.plan:
-        checks.extend(_cut_checks(session, build))
+    checks.extend(_cut_checks(session, build))
+    checks.extend(_input_checks(session, build, placement))
     logits = session.model_of(composite)
     with session.torch.no_grad():
         got = logits(**session.inputs, use_cache=False).logits
@@ -233,6 +233,30 @@ def _spell(shape: Sequence[object]) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 
 
+def _plan_cuts(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cut of a pipeline build: plan.json's `cuts` (a graph of several groups), else one
+    after each stage but the last, all carrying the family's one boundary."""
+    if "cuts" in plan:
+        cuts: list[dict[str, Any]] = plan["cuts"]
+        return cuts
+    group = plan["graph"][-1]["group"] if plan["graph"] else ""
+    return [{"after_stage": stage, "group": group, "boundary": plan["boundary"]}
+            for stage in range(plan["topology"]["pipeline_parallel_size"] - 1)]
+
+
+def _modules_run(session: Session, paths: Sequence[str]) -> list[str]:
+    """The paths of `paths` that are modules of the reference model (a unit transformers does
+    not build, as DeepSeek-V3's multi-token-prediction layer, is not)."""
+    found = []
+    for path in paths:
+        try:
+            session.model.get_submodule(path)
+        except AttributeError:
+            continue
+        found.append(path)
+    return found
+
+
 def _cut_checks(session: Session, build: Build) -> list[Check]:
     """Each cut's declared boundary against what really crosses it: the primary tensor against
     the output of the stage's last unit, an auxiliary tensor against the model input or the
@@ -240,8 +264,9 @@ def _cut_checks(session: Session, build: Build) -> list[Check]:
     stages, plan = build.pp, build.plan
     ends = _unit_ends(plan)
     cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
-             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in plan["cuts"]]
-    outputs, inputs = _unit_traffic(session, [c[1] for c in cuts], [c[2] for c in cuts])
+             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in _plan_cuts(plan)]
+    outputs, inputs = _unit_traffic(session, _modules_run(session, [c[1] for c in cuts]),
+                                    _modules_run(session, [c[2] for c in cuts]))
     checks = []
     for cut, sender, receiver in cuts:
         stage, schema = cut["after_stage"], cut["boundary"]
@@ -264,4 +289,46 @@ def _cut_checks(session: Session, build: Build) -> list[Check]:
         checks.append(Check(tp=1, pp=stages, module=sender, group=cut["group"], rank=stage,
                             ok=not failure, max_error=float("inf") if failure else 0.0,
                             tolerance=0.0, message=failure))
+    return checks
+
+
+def _input_checks(session: Session, build: Build, placement: _Placement) -> list[Check]:
+    """A model input (the token ids) that a module outside the units consumes on a stage after
+    the first must cross every cut before that stage as an auxiliary tensor of its name: a
+    vision-language model whose embedding sits where the decoder begins needs the token ids
+    carried over the vision stages. (Which module reads an input is taken from the full
+    model's run: an argument that is the input tensor itself.)"""
+    plan, stages = build.plan, build.pp
+    cuts = {c["after_stage"]: c for c in _plan_cuts(plan)}
+    needs: dict[str, tuple[int, str]] = {}  # input -> (the last stage reading it, the module)
+    for module, (args, kwargs, _) in session.captured.items():
+        if any(module.startswith(unit + ".") for unit in placement.units):
+            continue
+        given = [*args, *kwargs.values()]
+        read = [name for name, value in session.inputs.items()
+                if any(v is value for v in given)]
+        if not read:
+            continue
+        params = [n for n in session.sources if n.startswith(module + ".")]
+        stage = max((s for n in params for s in placement.stages(n).values()), default=0)
+        for name in read:
+            if stage > needs.get(name, (0, ""))[0]:
+                needs[name] = (stage, module)
+    checks = []
+    for name, (stage, module) in sorted(needs.items()):
+        for after in range(stage):
+            cut = cuts.get(after)
+            if cut is None:
+                continue
+            roles = [spec["role"] for spec in cut["boundary"]["auxiliary"]]
+            if name in roles:
+                continue
+            checks.append(Check(
+                tp=1, pp=stages, module=module, group=cut["group"], rank=after, ok=False,
+                max_error=float("inf"), tolerance=0.0,
+                message=f"T=1 x S={stages}: stage {stage} runs `{module}` on the model input "
+                        f"`{name}`, but the cut after stage {after} (boundary "
+                        f"`{cut['boundary']['identity']}`) does not carry it: expected an "
+                        f"auxiliary tensor `{name}` in that boundary, found "
+                        f"{', '.join(f'`{r}`' for r in roles) or 'none'}"))
     return checks
