@@ -291,3 +291,24 @@ def test_a_tensor_no_group_owns_points_to_the_parameter_groups_section(capsys, t
     assert status == 1 and "`model.extra.weight` is owned by no parameter group" in err, err
     line = _heading_line("authoring", "## 3. Parameter groups")
     assert _see_lines(err) == [f"{docs_folder() / 'authoring'}.md:{line}"], err
+
+
+def test_authoring_s_extends_and_toml_examples_are_real(tmp_path, capsys):
+    """The guide's `extends:` example checks and binds to a tied Llama config, and its TOML
+    block is a verbatim excerpt of llama.yaml as TOML (tests/regenerate_cases.py's spelling,
+    which compiles to the YAML's plan in tests/test_families.py)."""
+    import yaml
+    from regenerate_cases import toml_spelling
+
+    text = (ROOT / "docs" / "authoring.md").read_text()
+    blocks = re.findall(r"```(yaml|toml)\n(.*?)```", text, re.S)
+    (child,) = [b for lang, b in blocks if lang == "yaml" and "extends: llama" in b]
+    family = tmp_path / "cohere_like.yaml"
+    family.write_text(child)
+    status, _, err = _run(["check", str(family), "--config",
+                           str(hf("llama_tied") / "config.json")], capsys)
+    assert status == 0, err
+    (toml,) = [b for lang, b in blocks if lang == "toml"]
+    whole = toml_spelling(yaml.safe_load((ROOT / "architectures" / "llama.yaml").read_text()))
+    lines = toml.strip("\n").split("\n")
+    assert lines[0] in whole and "\n".join(lines[1:]) in whole
