@@ -662,3 +662,30 @@ def test_a_tensor_name_that_is_not_printable_is_refused_escaped(tmp_path: Path, 
         assert f"tensor name {name!r} holds the non-printable character {bad!r}" in err, err
         assert name not in out + err and err.count("\n") == 3  # error, see:, count
     assert not (tmp_path / "b").exists()
+
+
+def test_a_stale_single_file_beside_an_index_is_named_as_what_was_read(tmp_path: Path) -> None:
+    """A folder holding both is read from model.safetensors (as transformers reads it); when that
+    file lacks the plan's tensors, the error says so and how to read the shards instead."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    tensors = load_file(str(hf("llama") / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, str(folder / file), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}))
+    shutil.copy(hf("qwen3") / "model.safetensors", folder / "model.safetensors")  # stale
+    _, package = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "b", tp=2)
+    with pytest.raises(CheckpointError) as caught:
+        package.load(str(folder), rank=0)
+    assert ("of the plan is not in the checkpoint (read from model.safetensors: the folder also "
+            "holds model.safetensors.index.json, which is ignored when both are present") \
+        in str(caught.value), caught.value
+    assert str(caught.value).count("read from model.safetensors") == 1
+    state = package.load(str(folder / "model.safetensors.index.json"), rank=0)  # as it says
+    assert sorted(state.tensors) and all(n in tensors for n in state.tensors)

@@ -85,12 +85,19 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"{shard['partc_plan_hash'][:16]}), not a checkpoint: pass the set's folder, "
                 "whose manifest each rank's load reads its own file from",
                 location=SourceLocation(str(checkpoint.path)))]
+    beside = ""  # a folder read from its single file while an index sits beside it
+    if checkpoint.index_path is None and os.path.isdir(checkpoint.path) and os.path.isfile(
+            os.path.join(checkpoint.path, "model.safetensors.index.json")):
+        beside = (" (read from model.safetensors: the folder also holds "
+                  "model.safetensors.index.json, which is ignored when both are present, as "
+                  "transformers ignores it; pass the index file itself to read the shards)")
     for target, _, dtype, shape, _, _ in table.tensor_rows():
         signature = checkpoint.signature(target)
         if signature is None:
             errors.append(CheckpointError(
-                f"tensor `{target}` of the plan is not in the checkpoint",
+                f"tensor `{target}` of the plan is not in the checkpoint{beside}",
                 location=SourceLocation(str(checkpoint.path)), tensor=target))
+            beside = ""  # said once
             continue
         header, found_dtype, found_shape = signature
         if found_dtype != dtype:
