@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from partc.cli.diagnostics import CONTEXT_WIDTH
 from partc.cli.main import main
 from partc.commands import docs_folder
@@ -238,3 +240,18 @@ def test_the_json_report_carries_no_source_lines(tmp_path, capsys, monkeypatch):
     (error,) = json.loads(captured.out)["errors"]
     assert (error["line"], error["column"]) == (13, 11) and captured.err == ""
     assert "role: vocab" not in json.dumps(error)
+
+
+@pytest.mark.parametrize("spelled", ["２", "1_0", "+2", " 2", "2.0", "0x2"])
+def test_a_size_not_in_ascii_digits_is_a_usage_error(capsys, spelled):
+    """As the environment's counts (RANK, WORLD_SIZE, ...): `int()` alone would take some."""
+    with pytest.raises(SystemExit) as exited:
+        main(["check", "llama", "--config", str(hf("llama") / "config.json"), "--tp", spelled])
+    assert exited.value.code == 2
+    assert f"argument --tp: expected a positive integer, found {spelled!r}" in \
+        capsys.readouterr().err
+
+
+def test_a_size_in_ascii_digits_is_taken(capsys):
+    assert main(["check", "llama", "--config", str(hf("llama") / "config.json"),
+                 "--tp", "2", "--pp-layers", "1,2"]) == 0

@@ -72,7 +72,7 @@ def _stage_units(text: str) -> Any:
         except PartcError as exc:
             raise argparse.ArgumentTypeError(exc.message) from None
     try:
-        values = tuple(int(v) for v in text.split(","))
+        values = tuple(_digits(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated unit counts such as 3,5,4, found {text!r}") from None
@@ -131,9 +131,17 @@ def _family_name(text: str) -> str:
     return text
 
 
+def _digits(text: str) -> int:
+    """An integer written in ASCII digits only, as the environment's counts are: `int()`
+    alone also takes `２`, `1_0`, ` 3` and `+3`."""
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(text)
+    return int(text)
+
+
 def _positive(text: str) -> int:
     try:
-        value = int(text)
+        value = _digits(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
     if value < 1:
