@@ -129,6 +129,15 @@ def test_explain_of_an_unknown_name_suggests_the_closest(deepseek_build, capsys)
     assert "did you mean `model.layers.0.self_attn.q_b_proj.weight`" in err
 
 
+def test_explain_suggests_the_tensor_that_ends_as_the_name_given(fallback_build, capsys):
+    """A name missing its module (`self_attn`) gets the tensor of that projection, not another
+    projection whose characters match more of it (`mlp.up_proj`)."""
+    status, _, err = _run(["explain", str(fallback_build), "model.layers.0.q_proj.weight"],
+                          capsys)
+    assert status == 1
+    assert "did you mean `model.layers.0.self_attn.q_proj.weight`?" in err, err
+
+
 def test_compile_and_check_report_fallbacks_with_their_extra_bytes(fallback_build, capsys):
     with safe_open(str(LLAMA / "model.safetensors"), "np") as f:
         attention = sum(f.get_slice(n).get_shape()[0] * f.get_slice(n).get_shape()[1] * 4

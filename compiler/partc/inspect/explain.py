@@ -11,9 +11,15 @@ from partc.inspect.origins import Origins
 
 
 def _suggest(name: str, names: list[str]) -> str:
+    """The closest name, preferring those that end as `name` does (its module and parameter:
+    `model.layers.0.q_proj.weight` is `...self_attn.q_proj.weight`, not `...mlp.up_proj.weight`,
+    which a plain character match finds closer)."""
     import difflib
 
-    close = difflib.get_close_matches(name, names, n=1)
+    tail = ".".join(name.split(".")[-2:])
+    ending = [n for n in names if n == tail or n.endswith("." + tail)]
+    close = difflib.get_close_matches(name, ending, n=1, cutoff=0.3) if ending else []
+    close = close or difflib.get_close_matches(name, names, n=1)
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
