@@ -77,6 +77,20 @@ CASES = [
      LLAMA.replace('self_attn.o_proj"\n        sharding: row',
                    'self_attn.o_proj"\n        sharding: replicated'),
      "this `attention_heads` group keeps `model.layers.{unit}.self_attn.o_proj` whole"),
+    ("k_proj kept whole, without heads:, beside a split v_proj of its size",
+     LLAMA.replace('self_attn.k_proj"\n        sharding: column\n'
+                   '        heads: num_key_value_heads\n',
+                   'self_attn.k_proj"\n        sharding: replicated\n'),
+     "`model.layers.{unit}.self_attn.k_proj.weight` is kept whole but its axis 0 is "
+     "`num_key_value_heads * head_dim`, the axis `model.layers.{unit}.self_attn.v_proj.weight` "
+     "splits"),
+    ("o_proj kept whole, without heads:, beside a split q_proj",
+     LLAMA.replace('self_attn.o_proj"\n        sharding: row\n'
+                   '        heads: num_attention_heads\n',
+                   'self_attn.o_proj"\n        sharding: replicated\n'),
+     "`model.layers.{unit}.self_attn.o_proj.weight` is kept whole but its axis 1 is "
+     "`num_attention_heads * head_dim`, the axis `model.layers.{unit}.self_attn.q_proj.weight` "
+     "splits"),
     ("down_proj kept whole beside split gate and up",
      LLAMA.replace('mlp.down_proj"\n        sharding: row',
                    'mlp.down_proj"\n        sharding: replicated'),

@@ -467,32 +467,46 @@ def _split_axes(module: ModuleDecl | None, param: ParamDecl,
 
 
 def _units_axes_split(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
-    """A matrix kept whole in a partitioned group must not have a dimension written exactly as
-    the group's `units`: that is the axis the units divide, so it would hold every unit on
-    every rank while the others hold a share (a `c_proj` kept whole beside a split `c_fc`).
-    A matrix that splits some axis, and a vector (a row projection's bias is whole), are left
-    to the other rules: the same expression may also size an axis the units do not divide."""
+    """A matrix kept whole in a partitioned group must not have an axis written exactly as one
+    the group divides: its `units`, or the split axis of another of its members. It would hold
+    every unit on every rank while the others hold a share (a `c_proj` kept whole beside a
+    split `c_fc`; a `k_proj` kept whole beside a split `v_proj` of the same size, which gives a
+    rank every key head against its share of the value heads). A matrix that splits some axis,
+    and a vector (a row projection's bias is whole), are left to the other rules: the same
+    expression may also size an axis that is not divided."""
     if group.units is None:
         return
-    units = group.units.text.replace(" ", "")
     params: list[tuple[ModuleDecl | None, ParamDecl, ShardingDecl | None]] = [
         (None, m, m.sharding) for m in group.members]
     for projection in group.projections:
         params.extend((projection, p, None) for p in projection.params)
     if group.module is not None:
         params.extend((None, p, group.module_sharding) for p in group.module.params)
+
+    def spelt(module: ModuleDecl | None, param: ParamDecl) -> str:
+        return f"{module.module.text}.{param.name.text}" if module is not None else \
+            param.name.text
+
+    divided = {group.units.text.replace(" ", ""): f"`{group.units_text}`, the units this group "
+                                                  "divides over its ranks"}
+    for module, param, rule in params:
+        if len(param.shape) < 2:
+            continue
+        for axis in sorted(_split_axes(module, param, rule)):
+            if axis < len(param.shape):
+                divided.setdefault(param.shape[axis].text.replace(" ", ""),
+                                   f"`{param.shape[axis].text}`, the axis `{spelt(module, param)}` "
+                                   "splits")
     for module, param, rule in params:
         if len(param.shape) < 2 or _split_axes(module, param, rule):
             continue
         for axis, dim in enumerate(param.shape):
-            if dim.text.replace(" ", "") == units:
-                name = (f"{module.module.text}.{param.name.text}" if module is not None
-                        else param.name.text)
+            why = divided.get(dim.text.replace(" ", ""))
+            if why is not None:
                 yield known.error(
-                    f"`{name}` is kept whole but its axis {axis} is `{group.units_text}`, the "
-                    "units this group divides over its ranks; expected that axis split like "
-                    "the group's other members, or the tensor in a group of its own",
-                    param.dimension_pointer(axis))
+                    f"`{spelt(module, param)}` is kept whole but its axis {axis} is {why}; "
+                    "expected that axis split like the group's other members, or the tensor in "
+                    "a group of its own", param.dimension_pointer(axis))
                 break
 
 
