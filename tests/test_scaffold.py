@@ -235,3 +235,33 @@ def test_a_copied_family_points_its_editor_line_at_the_installed_schema(
     assert rest == original.partition("\n")[2]
     status, _, err = _run(["check", str(copy), "--checkpoint", str(hf("deepseek_v3"))], capsys)
     assert status == 0, err
+
+
+def test_full_width_attention_norms_are_marked_and_sized_by_their_projection(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """OLMoE's q_norm and k_norm normalise the whole q/k output, which the attention group
+    splits: the scaffold marks them (they need the group and `reduction: tensor_parallel`) and
+    writes their size as the projection's expression, not as whichever config field has that
+    value (here intermediate_size = K*d = 32); its router is sized by the expert count. The
+    checkpoint is a random one written by transformers' own OLMoE code."""
+    import torch
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(0)
+    config = OlmoeConfig(hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, num_experts=4,
+                         num_experts_per_tok=2, vocab_size=131)
+    folder = tmp_path / "olmoe"
+    OlmoeForCausalLM(config).save_pretrained(folder)
+    family = tmp_path / "olmoe.yaml"
+    _init(folder, family, capsys)
+    text = family.read_text()
+    for norm, proj, size in (("q_norm", "q_proj", "num_attention_heads * head_dim"),
+                             ("k_norm", "k_proj", "num_key_value_heads * head_dim")):
+        block = text[text.index(f'module: "model.layers.{{unit}}.self_attn.{norm}"'):]
+        block = block[:block.index("\n\n")]
+        assert f"{CHECK} `self_attn.{norm}` normalises the whole `{proj}` output ({size})" in block
+        assert f"params: {{weight: [{size}]}}" in block, block
+    assert "params: {weight: [num_experts, hidden_size]}" in text
+    status, _, err = _run(["check", str(family), "--checkpoint", str(folder)], capsys)
+    assert status == 0, err  # as written it checks; verify is what the mark warns of

@@ -429,14 +429,20 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
             w.params(_signature_params(w, table[module].params, rows_of, cols_of), "        ")
     for module in sorted(set(table) - done):
         entry = table[module]
-        params = _signature_params(w, entry.params, None, None)
+        leaf = module.rsplit(".", 1)[-1]
+        sized, spans = _sized_like(w, table, module, leaf, entry)
+        params = _signature_params(w, entry.params, sized, None)
         safe = module.replace("self_attn.", "attention.")
         w.lines += ["", f'  - name: "layers.{{unit}}.{safe}"', "    role: replicated",
                     "    owner: {unit: decoder}"]
         w.scope(module, entry)
         w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
-        leaf = module.rsplit(".", 1)[-1]
-        if _PACKED & set(entry.params):
+        if spans is not None:
+            w.check("    # replicated on every rank", f"`{module}` normalises the whole "
+                    f"`{spans}` output ({sized}), which the attention group splits: declare "
+                    "it in that group, split with the projection and `reduction: "
+                    "tensor_parallel` (architectures/olmo2.yaml), or verify fails at T >= 2")
+        elif _PACKED & set(entry.params):
             w.check("    # replicated on every rank", f"`{module}` holds packed quantized "
                     f"weights ({', '.join(sorted(_PACKED & set(entry.params)))}): replicated; "
                     "shard it with the family's linear format (docs/linear_formats.md)")
@@ -448,6 +454,28 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
             w.check("    # replicated on every rank", f"`{module}` is not a known projection: "
                     "replicated; shard it if it is large")
         w.params(params, "    ")
+
+
+def _sized_like(w: _Writer, table: Mapping[str, _Module], module: str, leaf: str,
+                entry: _Module) -> tuple[str | None, str | None]:
+    """The expression a module outside the projection groups is sized by, and, for a norm of
+    the attention block as wide as a projection's whole output (OLMo-2's q_norm and k_norm,
+    not Qwen3's per-head ones), that projection: a size read as the projection's expression
+    (`num_key_value_heads * head_dim`), not whichever config field has that value; a router
+    (`gate`, `router`) by the expert count."""
+    weight = entry.params.get("weight", ("", []))[1]
+    block = module.rpartition(".")[0]
+    if _is_norm(leaf) and len(weight) == 1 and block.endswith("self_attn"):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            rows = _ATTENTION[proj][2]
+            if f"{block}.{proj}" in table and _evaluate(rows, w.values) == weight[0] and \
+                    w.values.get("head_dim") != weight[0]:
+                return rows, proj
+        return ("head_dim" if w.values.get("head_dim") == weight[0] else None), None
+    if leaf in ("gate", "router") and len(weight) == 2:
+        count = next((n for n in _EXPERT_COUNTS if w.values.get(n) == weight[0]), None)
+        return count, None
+    return None, None
 
 
 def _static_roles(modules: Mapping[str, Any], prefix: str) -> dict[str, str]:
