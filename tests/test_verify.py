@@ -318,3 +318,49 @@ def test_token_ids_the_embedding_needs_past_the_vision_stage_must_cross_the_cut(
     good = verify_family(ARCHITECTURES / "llava.yaml", hf("llava") / "config.json",
                          tensor_parallel_sizes=[1], pipeline_parallel_size=3)
     assert good.ok, good.first_failure
+
+
+def test_a_norm_kept_whole_over_a_split_projection_is_named_in_the_failure(tmp_path):
+    """OLMo-2's q_norm and k_norm moved to a replicated group of their own: the attention
+    group's split is then what breaks (its module runs the norms), and the failure says the
+    whole norms are the cause, naming their group."""
+    from transformers import Olmo2Config
+
+    Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=2, vocab_size=131).save_pretrained(
+        tmp_path / "olmo2")
+    text = (ARCHITECTURES / "olmo2.yaml").read_text()
+    start = text.index('      - module: "model.layers.{unit}.self_attn.q_norm"')
+    end = text.index('      - module: "model.layers.{unit}.self_attn.o_proj"')
+    text = text[:start] + text[end:]
+    text = text.replace("      # RMSNorm over the whole q / k width: split like the projection's "
+                        "output axis, its\n      # statistic all-reduced over the tensor-parallel "
+                        "ranks\n", "")
+    after = text.index('  - name: "layers.{unit}.post_attention_layernorm"')
+    text = text[:after] + """  - name: "layers.{unit}.qk_norm"
+    role: replicated
+    owner: {unit: decoder}
+    members:
+      - target: "model.layers.{unit}.self_attn.q_norm.weight"
+        shape: [num_attention_heads * head_dim]
+        sharding: replicated
+      - target: "model.layers.{unit}.self_attn.k_norm.weight"
+        shape: [num_key_value_heads * head_dim]
+        sharding: replicated
+
+""" + text[after:]
+    family = tmp_path / "olmo2.yaml"
+    family.write_text(text)
+    config = tmp_path / "olmo2" / "config.json"
+    assert check_family(family, config, topology=Topology(
+        tensor_parallel_size=2, pipeline_parallel_size=1)) == []
+    report = verify_family(family, config, tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    failure = report.first_failure
+    assert not report.ok and failure is not None
+    assert failure.module == "model.layers.0.self_attn", failure
+    assert ("the module also runs `model.layers.0.self_attn.k_norm` (group `layers.0.qk_norm`) "
+            "and `model.layers.0.self_attn.q_norm` (group `layers.0.qk_norm`), kept whole "
+            "although as wide as the split") in failure.message, failure.message
+    good = verify_family(ARCHITECTURES / "olmo2.yaml", config, tensor_parallel_sizes=[2],
+                         pipeline_parallel_size=1)
+    assert good.ok, good.first_failure

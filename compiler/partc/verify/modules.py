@@ -199,12 +199,38 @@ class TensorParallelRanks:
                     return self._fail(module, group, rank, alone, tolerance,
                                       "the rank's part of the group is not separable from the "
                                       "other ranks' (rank + the others - the shared part "
-                                      f"differs by {separable:.3g})")
+                                      f"differs by {separable:.3g})"
+                                      + self._whole_norms(module, targets, mine))
             return self._fail(module, group, None, alone, tolerance,
-                              "the ranks' parts of the group do not add up to the full module")
+                              "the ranks' parts of the group do not add up to the full module"
+                              + self._whole_norms(module, targets, mine))
         return self._fail(module, ", ".join(groups), None, error, tolerance,
                           "the ranks' parts do not add up to the full module, though each "
                           "group alone does")
+
+    def _whole_norms(self, module: str, targets: Sequence[str], split: Sequence[str]) -> str:
+        """A hint when `module` also runs a norm kept whole that is as wide as a split axis of
+        the failing group (OLMo-2's q_norm over a split q_proj): the norm's statistic then
+        spans the ranks, and the culprit is the norm's declaration, not the group's split."""
+        widths: set[int] = set()
+        for target in split:
+            layouts = [st.layout[target] for st in self.build.states if target in st.layout]
+            for x in layouts:
+                widths.update(g for g, loc in zip(x.global_shape, x.local_shape, strict=True)
+                              if g != loc)
+        found = []
+        for target in targets:
+            path = target.rsplit(".", 1)[0]
+            if target in split or not self.whole[target] or "norm" not in path.rsplit(".", 1)[-1]:
+                continue
+            shape = self.session.shapes[target]
+            if len(shape) == 1 and shape[0] in widths:
+                found.append(f"`{path}` (group `{', '.join(self._groups([target]))}`)")
+        if not found:
+            return ""
+        return (f"; the module also runs {' and '.join(found)}, kept whole although as wide as "
+                "the split: a norm whose statistic spans split rows goes in that group, split "
+                "with them and declared `reduction: tensor_parallel` (docs/verify.md)")
 
     def _fail(self, module: str, group: str, rank: int | None, error: float,
               tolerance: float, why: str) -> Check:
