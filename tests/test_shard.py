@@ -295,3 +295,22 @@ def test_a_build_folder_without_a_plan_is_a_load_error(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text("[]")
     with pytest.raises(LoadError, match="not a partc plan"):
         shard_checkpoint(tmp_path, LLAMA, tmp_path / "out")
+
+
+def test_a_shard_set_that_lost_its_manifest_is_named_as_one(
+        llama: tuple[Path, Any, Any, Path], tmp_path: Path) -> None:
+    _, _, package, sharded = llama
+    copy = tmp_path / "set"
+    shutil.copytree(sharded, copy)
+    (copy / SHARD_MANIFEST).unlink()
+    with pytest.raises(CheckpointError) as caught:
+        package.load(copy, rank=0)
+    files = len(list(copy.glob("*.safetensors")))
+    assert (f"checkpoint directory holds neither model.safetensors nor "
+            f"model.safetensors.index.json; it holds partc's folder marker (.partc-build.json) "
+            f"and {files} .safetensors file(s), as a `partc shard` set does, but not the set's "
+            f"manifest (partc-shards.json)") in str(caught.value), caught.value
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError) as plain:
+        package.load(tmp_path / "empty", rank=0)
+    assert "partc shard" not in str(plain.value)

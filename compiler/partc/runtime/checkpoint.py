@@ -176,7 +176,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         if present(index, "checkpoint index"):
             return _open_index(p, checked_member(p, index, "index"))
         _fail(p, "checkpoint directory holds neither model.safetensors "
-                 "nor model.safetensors.index.json")
+                 "nor model.safetensors.index.json" + _shard_set_hint(p))
     if not stat.S_ISREG(st.st_mode):
         _fail(p, "checkpoint path is not a regular file or folder (found "
                  f"{file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
@@ -184,6 +184,22 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if os.path.basename(p).endswith(".index.json"):
         return _open_index(p, member)
     return _open_single(p, member)
+
+
+def _shard_set_hint(folder: str) -> str:
+    """What a folder without a checkpoint looks like when it is a `partc shard` set that lost
+    its manifest: partc's folder marker beside .safetensors files ('' otherwise)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return ""
+    files = [n for n in names if n.endswith(".safetensors")]
+    if ".partc-build.json" not in names or not files:
+        return ""
+    return (f"; it holds partc's folder marker (.partc-build.json) and {len(files)} "
+            ".safetensors file(s), as a `partc shard` set does, but not the set's manifest "
+            "(partc-shards.json), which each rank's load reads its file from: write the set "
+            "again with `partc shard`")
 
 
 def _open_single(origin: str, file: str) -> Checkpoint:
