@@ -39,7 +39,8 @@ def test_a_job_of_d_replicas_gives_each_process_its_build_rank_and_replica(
     ("8", "8", "RANK=8 is outside WORLD_SIZE=8"),
     ("x", "4", "environment RANK='x' is not an integer"),
     ("1", "-4", "environment WORLD_SIZE='-4' must not be negative"),
-    ("1", "0", "WORLD_SIZE=0 is not a multiple of this build's 4 ranks"),
+    ("1", "0", "environment WORLD_SIZE='0' must be a positive count of processes (at least "
+               "this build's 4); unset it for one replica"),
 ])
 def test_a_world_size_that_is_no_multiple_of_the_build_is_refused(monkeypatch, rank, world,
                                                                  message):

@@ -67,7 +67,11 @@ def launch_position(build_world_size: int) -> LaunchPosition:
     global_rank = environment_integer("RANK", raw)
     world_raw = os.environ.get("WORLD_SIZE")
     world = build_world_size if world_raw is None else environment_integer("WORLD_SIZE", world_raw)
-    if world == 0 or world % build_world_size:
+    if world == 0:
+        raise CheckpointError(f"environment WORLD_SIZE={world_raw!r} must be a positive count of "
+                              "processes (at least this build's "
+                              f"{build_world_size}); unset it for one replica")
+    if world % build_world_size:
         raise CheckpointError(
             f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} ranks "
             f"(T x S); run {build_world_size} x D processes for D data-parallel replicas")
