@@ -135,3 +135,18 @@ def test_the_member_form_mlp_with_its_biases_split_as_its_weights_passes(tmp_pat
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "architectures").glob("*.yaml")))
 def test_every_built_in_family_passes_the_role_and_split_rules(name):
     assert check_family(ROOT / "architectures" / f"{name}.yaml") == []
+
+
+def test_a_wrong_name_in_a_weight_a_default_bias_copies_is_reported_once_at_the_weight(
+        tmp_path):
+    """A group's `bias: <condition>` gives each projection a bias of its weight's rows: a
+    misspelt name there is the weight's, reported at its line only, not also at `bias:`."""
+    text = (ROOT / "architectures" / "llava.yaml").read_text()
+    old = "params: {weight: [hidden_size, vision_hidden_size]}}"
+    assert text.count(old) == 1
+    family = tmp_path / "llava.yaml"
+    family.write_text(text.replace(old, old.replace("[hidden_size,", "[hiden_size,")))
+    errors = [e for e in check_family(family) if "hiden_size" in e.message]
+    assert len(errors) == 1, [str(e) for e in errors]
+    line = family.read_text().splitlines()[errors[0].location.line - 1]
+    assert "hiden_size" in line, line

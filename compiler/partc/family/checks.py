@@ -303,11 +303,15 @@ def _param_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
     params: list[ParamDecl] = list(group.members)
     for module in _modules(group):
         params.extend(module.params)
-    for param in params:
+    checked: set[int] = set()  # a group's default bias reuses its weight's row expression:
+    for param in params:       # a name wrong there is reported once, at the weight's line
         yield from known.names(param.name, scope, param.pointer, "a target")
         yield from known.names(param.when, scope, param.pointer, "`when`")
         yield from known.names(param.dtype, scope, param.pointer, "`dtype`")
         for index, dim in enumerate(param.shape):
+            if id(dim) in checked:
+                continue
+            checked.add(id(dim))
             yield from known.names(dim, scope, param.dimension_pointer(index), "a shape")
         for heads in param.heads:
             yield from known.names(heads, scope, param.pointer, "`heads`")
