@@ -142,12 +142,12 @@ def test_every_fault_is_a_located_partc_error_without_traceback_or_damage(outcom
      "model-00004-of-00004.safetensors; expected exactly one", None),
     ("wrong_dtype",
      "ckpt/model.safetensors: tensor `model.norm.weight` is F16 in the checkpoint; the family "
-     "declares F32",
+     "declares F32 (group `final_norm`, declared at architectures/llama.yaml:110:5)",
      "CheckpointError: ckpt/model.safetensors: tensor `model.norm.weight` has dtype F16 in the "
      "checkpoint; the plan expects F32"),
     ("wrong_shape",
      "ckpt/model.safetensors: tensor `model.norm.weight` has shape [8, 8] in the checkpoint; "
-     "the family declares [64]",
+     "the family declares [64] (group `final_norm`, declared at architectures/llama.yaml:110:5)",
      "CheckpointError: ckpt/model.safetensors: tensor `model.norm.weight` has shape [8, 8] in "
      "the checkpoint; the plan expects [64]"),
     ("missing_tensor",

@@ -268,20 +268,25 @@ def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint,
         else:  # an ownership gap is about the checkpoint: name its file
             errors.append(error.located(_tensor_file(checkpoint, error)))
     for owned in bound.description.groups:
+        declared = ""  # where to fix it: the group's declaration in the family file
         for member in owned.group.members:
             signature = checkpoint.signature(member.target)
             if signature is None:
                 continue
             header, dtype, shape = signature
+            if (dtype != member.dtype or tuple(shape) != member.shape) and not declared:
+                site = locate(owned.group.name) if locate is not None else None
+                declared = (f" (group `{owned.group.name}`"
+                            + (f", declared at {site[0]})" if site is not None else ")"))
             if dtype != member.dtype:
                 errors.append(CheckpointError(
                     f"tensor `{member.target}` is {dtype} in the checkpoint; the family "
-                    f"declares {member.dtype}", location=SourceLocation(str(header.path)),
-                    tensor=member.target))
+                    f"declares {member.dtype}{declared}",
+                    location=SourceLocation(str(header.path)), tensor=member.target))
             if tuple(shape) != member.shape:
                 errors.append(CheckpointError(
                     f"tensor `{member.target}` has shape {list(shape)} in the checkpoint; "
-                    f"the family declares {list(member.shape)}",
+                    f"the family declares {list(member.shape)}{declared}",
                     location=SourceLocation(str(header.path)), tensor=member.target))
     return sorted(errors, key=lambda e: (e.tensor or "", e.message))
 
