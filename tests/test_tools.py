@@ -435,3 +435,31 @@ def test_explain_gives_kv_replication_as_the_reason_for_repeated_key_heads(tmp_p
             f"TP=4 ranks; each KV head is repeated on {4 // kv_heads} ranks") in out, out
     # the cuts follow the repeated heads: not blamed on block or head alignment
     assert "aligned to blocks" not in out and "differ from the unit boundaries" not in out, out
+
+
+def test_explain_says_a_norm_over_a_split_projection_is_all_reduced(tmp_path, capsys):
+    """OLMo-2's q_norm (plan.json `needs_tp_reduction`) is explained as all-reduced; Qwen3's
+    per-head q_norm, whole on every rank, is not."""
+    from transformers import Olmo2Config
+
+    Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, num_hidden_layers=2, vocab_size=131).save_pretrained(
+        tmp_path / "olmo2")
+    for config, out in ((tmp_path / "olmo2" / "config.json", tmp_path / "o"),
+                        (hf("qwen3") / "config.json", tmp_path / "q")):
+        assert main(["compile", "--config", str(config), "--tp", "2", "--out", str(out),
+                     "-q"]) == 0
+    capsys.readouterr()
+    target = "model.layers.0.self_attn.q_norm.weight"
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert next(t for t in plan["tensors"] if t["target"] == target)["needs_tp_reduction"]
+    status, out, _ = _run(["explain", str(tmp_path / "o"), target], capsys)
+    assert status == 0
+    assert (f"TP reduction: `{target}` is a norm over a split projection's whole output, split "
+            "with it; its statistic spans every rank's piece, so an engine all-reduces the sum "
+            "of squares over the TP group before scaling") in out, out
+    status, out, _ = _run(["explain", str(tmp_path / "q"), target, "--format", "json"], capsys)
+    assert status == 0
+    found = json.loads(out)
+    assert not any("TP reduction" in w for w in found["why"])
+    assert [t["needs_tp_reduction"] for t in found["tensors"]] == [False]

@@ -57,6 +57,11 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
         else:
             why.append(f"{units} units split evenly over {split}={tp}: {sizes[0]} per rank")
     for t in tensors:
+        if t.get("needs_tp_reduction"):
+            why.append(f"TP reduction: `{t['target']}` is a norm over a split projection's whole "
+                       "output, split with it; its statistic spans every rank's piece, so an "
+                       "engine all-reduces the sum of squares over the TP group before scaling "
+                       "(`reduction: tensor_parallel`)")
         if int(t.get("kv_replicas", 1)) > 1:
             why.append(f"KV replication: `{t['target']}` has fewer KV heads than TP={tp} ranks; "
                        f"each KV head is repeated on {t['kv_replicas']} ranks "
@@ -133,6 +138,8 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
             "logical_units": group.get("logical_units"),
             "fell_back_to_replication": bool(group.get("fell_back_to_replication")),
             "tensors": [{"target": t["target"], "dtype": t["dtype"], "shape": t["shape"],
-                         "kv_replicas": t.get("kv_replicas", 1)} for t in tensors],
+                         "kv_replicas": t.get("kv_replicas", 1),
+                         "needs_tp_reduction": bool(t.get("needs_tp_reduction"))}
+                        for t in tensors],
             "ranks": ranks, "origin": origin, "origin_note": origins.note,
             "why": _reasons(build, group, tensors, origin)}
