@@ -13,7 +13,7 @@ import pytest
 
 from partc.api import check_family
 
-from support import ROOT
+from support import ROOT, hf
 
 LLAMA = (ROOT / "architectures" / "llama.yaml").read_text()
 
@@ -150,3 +150,47 @@ def test_a_wrong_name_in_a_weight_a_default_bias_copies_is_reported_once_at_the_
     assert len(errors) == 1, [str(e) for e in errors]
     line = family.read_text().splitlines()[errors[0].location.line - 1]
     assert "hiden_size" in line, line
+
+
+def test_a_group_s_default_bias_follows_a_projection_kept_whole(tmp_path):
+    """llava's vision MLP kept whole (a replicated group, both projections replicated) under
+    its group-level `bias: true`: each projection keeps its bias, whole on every rank, as the
+    checkpoint holds it (it used to be left to no group)."""
+    from safetensors import safe_open
+
+    from partc.api import compile_family
+
+    text = (ROOT / "architectures" / "llava.yaml").read_text()
+    old = """  - name: "vision.{unit}.mlp"
+    role: feed_forward_intermediate
+    owner: {unit: vision}
+    units: vision_intermediate_size
+    bias: true
+    projections:
+      - {module: "{path}.mlp.fc1", sharding: column,"""
+    new = """  - name: "vision.{unit}.mlp"
+    role: replicated
+    owner: {unit: vision}
+    bias: true
+    projections:
+      - {module: "{path}.mlp.fc1", sharding: replicated,"""
+    assert text.count(old) == 1
+    text = text.replace(old, new).replace(
+        '      - {module: "{path}.mlp.fc2", sharding: row,',
+        '      - {module: "{path}.mlp.fc2", sharding: replicated,', 1)
+    family = tmp_path / "llava.yaml"
+    family.write_text(text)
+    checkpoint = hf("llava")
+    assert check_family(family, checkpoint / "config.json", checkpoint) == []
+    result = compile_family(family, checkpoint / "config.json", tensor_parallel_size=2,
+                            checkpoint=checkpoint)
+    with safe_open(str(checkpoint / "model.safetensors"), "np") as f:
+        biases = [n for n in f.keys() if ".mlp.fc1.bias" in n and "vision" in n]
+        shapes = {n: f.get_slice(n).get_shape() for n in biases}
+    groups = {t.target: t.logical_name for r in result.plan.ranks for t in r.layout.tensors}
+    mine = [n for n in biases if groups.get(n, "").startswith("vision.")]  # the used layers
+    assert mine and all(groups[n].endswith(".mlp") for n in mine)
+    for rank in result.plan.ranks:
+        held = {t.target: t for t in rank.layout.tensors}
+        for name in mine:
+            assert name in held and list(held[name].local_shape) == list(shapes[name])

@@ -257,15 +257,17 @@ def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
 
 def _default_biases(builder: _Builder, condition: Any, pointer: str,
                     projections: tuple[ModuleDecl, ...]) -> tuple[ModuleDecl, ...]:
-    """A group's `bias: <condition>`: every column or row projection that declares no `bias`
-    of its own gets `bias: {shape: [the weight's rows], when: <condition>}`."""
+    """A group's `bias: <condition>`: every projection (column, row or replicated) that
+    declares no `bias` of its own gets `bias: {shape: [the weight's rows], when: <condition>}`
+    (a projection kept whole keeps its bias whole; one switched to `replicated` does not lose
+    it)."""
     when = builder.expression(condition, pointer)
     out = []
     for module in projections:
         names = {p.name.text for p in module.params}
         weight = next((p for p in module.params if p.name.text == "weight"), None)
         if (when is None or "bias" in names or weight is None or not weight.shape
-                or module.sharding not in (ProjectionSharding.COLUMN, ProjectionSharding.ROW)):
+                or module.sharding is None):
             out.append(module)
             continue
         rows = weight.shape[1] if module.orientation is LinearWeightLayout.IN_OUT else (
