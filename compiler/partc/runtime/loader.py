@@ -71,6 +71,17 @@ def header_fingerprint(checkpoint: Checkpoint) -> str:
     return checkpoint.fingerprint()
 
 
+def _index_beside(checkpoint: Checkpoint) -> str:
+    """Why a folder's tensors may be missing: it was read from its single file while an index
+    sits beside it ('' otherwise)."""
+    if checkpoint.index_path is None and os.path.isdir(checkpoint.path) and os.path.isfile(
+            os.path.join(checkpoint.path, "model.safetensors.index.json")):
+        return (" (read from model.safetensors: the folder also holds "
+                "model.safetensors.index.json, which is ignored when both are present, as "
+                "transformers ignores it; pass the index file itself to read the shards)")
+    return ""
+
+
 def check_header(table: RankTable, checkpoint: Checkpoint, *,
                  verify_fingerprint: bool = True) -> list[PartcError]:
     """Every mismatch between the rank's tensors and the checkpoint header: the tensors
@@ -85,19 +96,15 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"{shard['partc_plan_hash'][:16]}), not a checkpoint: pass the set's folder, "
                 "whose manifest each rank's load reads its own file from",
                 location=SourceLocation(str(checkpoint.path)))]
-    beside = ""  # a folder read from its single file while an index sits beside it
-    if checkpoint.index_path is None and os.path.isdir(checkpoint.path) and os.path.isfile(
-            os.path.join(checkpoint.path, "model.safetensors.index.json")):
-        beside = (" (read from model.safetensors: the folder also holds "
-                  "model.safetensors.index.json, which is ignored when both are present, as "
-                  "transformers ignores it; pass the index file itself to read the shards)")
+    missing = 0
     for target, _, dtype, shape, _, _ in table.tensor_rows():
         signature = checkpoint.signature(target)
         if signature is None:
+            beside = "" if missing else _index_beside(checkpoint)  # said once
+            missing += 1
             errors.append(CheckpointError(
                 f"tensor `{target}` of the plan is not in the checkpoint{beside}",
                 location=SourceLocation(str(checkpoint.path)), tensor=target))
-            beside = ""  # said once
             continue
         header, found_dtype, found_shape = signature
         if found_dtype != dtype:
