@@ -37,7 +37,9 @@ def reference() -> str:
              "| status | meaning |", "| --: | --- |"]
     lines += [f"| {code} | {meaning} |" for code, meaning in EXIT_CODES]
     lines += ["", "Under `--format json` every outcome is one JSON document on stdout with an "
-              "`ok` field, usage errors included (`\"stage\": \"usage\"`).", ""]
+              "`ok` field, usage errors included (`\"stage\": \"usage\"`).", "",
+              "A file or folder argument that starts with `~` names the home folder, as in a "
+              "shell, also where the shell leaves it alone (`--out=~/build`, quotes).", ""]
     lines += ["## Global options", ""] + _options(parser) + [""]
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help for c in commands._choices_actions}

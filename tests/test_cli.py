@@ -53,6 +53,18 @@ def test_compile_without_a_family_uses_the_built_in_one_for_the_model_type(tmp_p
     assert main(["compile", "--config", CONFIG, "--out", str(tmp_path / "b")]) == 0
 
 
+def test_a_leading_tilde_names_the_home_folder_where_the_shell_left_it(tmp_path, capsys,
+                                                                      monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    (home / "config.json").write_bytes((hf("llama") / "config.json").read_bytes())
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(["compile", "llama", "--config=~/config.json", "--out=~/b"]) == 0
+    assert f"into {home / 'b'}" in capsys.readouterr().out
+    assert (home / "b" / "plan.json").is_file() and list(work.iterdir()) == []
+
+
 def test_an_illegal_topology_exits_one_with_a_located_message(tmp_path, capsys):
     status = main(["compile", "llama", "--config", CONFIG, "--tp", "4", "--out",
                    str(tmp_path / "b")])
@@ -164,6 +176,28 @@ def test_a_toml_error_shows_its_source_line_and_a_caret_under_the_column(tmp_pat
     source, caret = caret_report(err, f"f.toml:{line}:{column}: ")
     assert source == '    units = "hidden_size % 0 +"'
     assert caret == "    " + " " * (column - 1) + "^"
+
+
+def test_a_checkpoint_passed_as_the_config_is_named_as_one_with_no_binary_line(tmp_path,
+                                                                              capsys):
+    weights = hf("llama") / "model.safetensors"
+    header = int.from_bytes(weights.read_bytes()[:8], "little")  # safetensors' own framing
+    assert main(["compile", "--config", str(weights), "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"error: {weights}: config.json expected, found a safetensors checkpoint (a {header}-byte"
+        " header, then tensor data), not text (a checkpoint goes to --checkpoint)",
+        "partc: 1 error(s)"]
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_line_with_a_byte_that_is_not_utf8_is_shown_with_a_question_mark(tmp_path, capsys,
+                                                                           monkeypatch):
+    (tmp_path / "f.yaml").write_bytes(b"a: 1\nb: caf\xe9\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "f.yaml"]) == 1
+    source, caret = caret_report(capsys.readouterr().err, "f.yaml:2:7: family file is not UTF-8")
+    assert source == "    b: caf?" and caret == "    " + " " * 6 + "^"
 
 
 def test_a_config_error_shows_the_config_json_line_and_a_caret(tmp_path, capsys, monkeypatch):

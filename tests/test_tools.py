@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -463,3 +464,91 @@ def test_explain_says_a_norm_over_a_split_projection_is_all_reduced(tmp_path, ca
     found = json.loads(out)
     assert not any("TP reduction" in w for w in found["why"])
     assert [t["needs_tp_reduction"] for t in found["tensors"]] == [False]
+
+
+@pytest.fixture(scope="module")
+def olmo2_build(tmp_path_factory):
+    """OLMo-2 at TP=2, compiled from a config transformers wrote: its q_norm and k_norm span
+    the whole q/k projection output (HF's Olmo2Attention), so they are split and all-reduced."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    root = tmp_path_factory.mktemp("olmo2")
+    config = Olmo2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=131)
+    config.save_pretrained(root / "config")
+    assert main(["compile", "--config", str(root / "config" / "config.json"), "--tp", "2",
+                 "--out", str(root / "b"), "-q"]) == 0
+    # the independent answer: the norms HF applies to a projection's whole output
+    model = Olmo2ForCausalLM(config)
+    modules = dict(model.named_modules())
+    widths = {name: m.out_features for name, m in modules.items()
+              if name.endswith(("q_proj", "k_proj"))}
+    whole = {f"{name}.weight" for name, m in modules.items() if name.endswith(("q_norm", "k_norm"))
+             and m.weight.shape[0] == widths[name[:-len("norm")] + "proj"]}
+    assert len(whole) == 4
+    return root / "b", whole
+
+
+def test_inspect_and_report_show_the_norms_all_reduced_over_the_tp_group(olmo2_build, capsys):
+    build, whole = olmo2_build
+    status, out, _ = _run(["inspect", str(build)], capsys)
+    assert status == 0
+    lines = out.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("TP reduction:")]
+    assert lines[at].startswith("TP reduction: 4 norm(s) in 2 group(s) are split with a "
+                                "projection's output and all-reduced over the TP group")
+    listed = {n for line in lines[at + 1:at + 3] for n in line.split(": ", 1)[1].split(", ")}
+    assert listed == whole
+    status, out, _ = _run(["inspect", str(build), "--target", "model.layers.0.*",
+                           "--format", "json"], capsys)
+    rows = json.loads(out)["tensors"]
+    assert status == 0 and len(rows) > 8
+    assert {r["target"] for r in rows if r["needs_tp_reduction"]} == {
+        n for n in whole if n.startswith("model.layers.0.")}
+    status, out, _ = _run(["inspect", str(build), "--target", "*q_norm*"], capsys)
+    assert [line.split()[5:8] for line in out.splitlines()[1:5]] == [
+        ["rows", "0:32", "(TP"], ["rows", "32:64", "(TP"], ["rows", "0:32", "(TP"],
+        ["rows", "32:64", "(TP"]]
+    assert _run(["report", str(build), "--out", str(build.parent / "r.html")], capsys)[0] == 0
+    html = (build.parent / "r.html").read_text()
+    rows_html = re.findall(r'<tr class="reduction"><td>([^<]*)</td><td>([^<]*)</td>', html)
+    assert {n for _, names in rows_html for n in names.split(", ")} == whole
+    assert [g for g, _ in rows_html] == ["layers.0.attention", "layers.1.attention"]
+
+
+def test_a_build_without_split_norms_shows_no_tp_reduction(tmp_path, capsys):
+    out = tmp_path / "q"
+    status, text, _ = _run(["compile", "--config", str(hf("qwen3") / "config.json"), "--tp", "2",
+                            "--out", str(out)], capsys)
+    assert status == 0 and "TP reduction" not in text
+    assert "TP reduction" not in _run(["inspect", str(out)], capsys)[1]
+    assert _run(["report", str(out), "--out", str(tmp_path / "r.html")], capsys)[0] == 0
+    assert 'id="reductions"' not in (tmp_path / "r.html").read_text()
+
+
+def test_the_compile_summary_names_the_norms_to_all_reduce(olmo2_build, tmp_path, capsys):
+    build, whole = olmo2_build
+    status, out, _ = _run(["compile", "--config", str(build.parent / "config" / "config.json"),
+                           "--tp", "2", "--out", str(tmp_path / "again")], capsys)
+    assert status == 0
+    lines = out.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("TP reduction: 4 norm(s)")]
+    assert {n for line in lines[at + 1:at + 3] for n in line.split(": ", 1)[1].split(", ")} \
+        == whole
+
+
+@pytest.mark.parametrize(("option", "glob", "hint"), [
+    ("--group", "model.layers.0.*", "it matches checkpoint tensor names: use --target"),
+    ("--target", "layers.0.*", "it matches groups: use --group"),
+    ("--group", "layers.0.atention", "did you mean 'layers.0.attention'"),
+    ("--target", "nothing-like-it", "it has 25, e.g. 'lm_head.weight', "),
+])
+def test_a_glob_that_matches_nothing_is_an_error_with_a_hint(olmo2_build, capsys, option, glob,
+                                                              hint):
+    build, _ = olmo2_build
+    status, out, err = _run(["inspect", str(build), option, glob], capsys)
+    kind = "group" if option == "--group" else "checkpoint tensor"
+    assert status == 1 and out == ""
+    assert err.startswith(f"error: {build / 'plan.json'}: {option} {glob!r} matches no {kind} "
+                          f"of this build; "), err
+    assert hint in err.splitlines()[0]

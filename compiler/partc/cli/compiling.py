@@ -31,16 +31,20 @@ def _policy(value: str | None):  # type: ignore[no-untyped-def]
 
 def _plan_facts(plan: Any) -> dict[str, Any]:
     """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
-    from partc.inspect.build import kv_replicated, plan_summary
+    from partc.inspect.build import kv_replicated, plan_summary, tp_reduced
     from partc.parallel.placements import tensor_bytes
 
     body = plan.document[0]
     sizes: dict[str, int] = {}
     fell = {g["name"] for g in body["groups"] if g["fell_back_to_replication"]}
-    kv = []
+    kv, reduced = [], []
     for group in plan.groups:
-        layouts = plan.kinds[group.kind].layouts[0]
-        for layout, target in zip(layouts, group.targets, strict=True):
+        per_rank = plan.kinds[group.kind].layouts
+        layouts = per_rank[0]
+        for i, (layout, target) in enumerate(zip(layouts, group.targets, strict=True)):
+            if any(rank[i].needs_tp_reduction for rank in per_rank):
+                reduced.append({"group": group.name, "target": target,
+                                "needs_tp_reduction": True})
             if group.name in fell:
                 sizes[group.name] = sizes.get(group.name, 0) + tensor_bytes(
                     layout.dtype, layout.global_shape)
@@ -49,6 +53,7 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
                            "kv_replicas": layout.kv_replicas})
     facts = plan_summary(body, lambda name: sizes.get(name, 0))
     facts["kv_replication"] = kv_replicated(kv)
+    facts["tp_reduction"] = tp_reduced(reduced)
     if "pipeline" in body:  # a multi-group graph: how its stages were chosen
         facts["pipeline"] = body["pipeline"]
     return facts | _expert_facts(plan)
@@ -62,7 +67,8 @@ def _print_facts(facts: dict[str, Any]) -> None:
         print(line)
     for line in pipeline_lines(facts.get("pipeline")):
         print(line)
-    for line in fallback_lines(facts["fallbacks"], facts["kv_replication"]) or [
+    for line in fallback_lines(facts["fallbacks"], facts["kv_replication"],
+                               facts["tp_reduction"]) or [
             "fallbacks: none; KV replication: none"]:
         print(line)
     for line in _expert_lines(facts):

@@ -39,7 +39,8 @@ def _caret_context(error: PartcError) -> list[str]:
     """The offending source line and a caret under its column, as lark shows them.
 
     Nothing when the error has no line, or its file cannot be read. Tabs before the column are
-    kept so that the caret lines up; unprintable characters are shown as `?`.
+    kept so that the caret lines up; unprintable characters and bytes that are not UTF-8 are shown
+    as `?`.
     """
     where = error.location
     if where is None or where.line <= 0 or not where.file:
@@ -50,8 +51,8 @@ def _caret_context(error: PartcError) -> list[str]:
     lines = text.split("\n")  # the loaders count lines at "\n" (and "\r\n")
     if where.line > len(lines):
         return []
-    line = "".join(c if c.isprintable() or c == "\t" else "?" for c in lines[where.line - 1]
-                   .removesuffix("\r"))
+    line = "".join(c if (c.isprintable() and c != "\ufffd") or c == "\t" else "?"
+                   for c in lines[where.line - 1].removesuffix("\r"))
     column = min(max(where.column, 0), len(line) + 1)
     start = 0
     if len(line) > CONTEXT_WIDTH:  # a window around the column, cut marks on both sides

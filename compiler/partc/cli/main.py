@@ -85,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usage = command_parser(parser, args.command)  # later usage errors end with its section
     if unknown:
         usage.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _expand_home(args)
     fmt = getattr(args, "format", "text")
     layers = getattr(args, "pp_layers", None)
     if layers and args.pp is None:
@@ -113,6 +114,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("compile", "check"):
         _config_beside(args, usage)
     return _run(args, fmt)
+
+
+PATH_ARGUMENTS = ("family", "config", "checkpoint", "out", "expert_placement", "build", "path")
+"""The arguments that name files or folders (`family` and `--family` only when a file)."""
+
+
+def _expand_home(args: argparse.Namespace) -> None:
+    """Expand a leading `~` of every path argument to the home folder, as a shell would.
+
+    The shell leaves it alone after `=` (`--out=~/build`) and inside quotes, where it would
+    otherwise make a folder named `~` in the working directory. A name no user has
+    (`~nobody-here/x`) stays as written.
+    """
+    for name in PATH_ARGUMENTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, os.path.expanduser(value))
+    copy = getattr(args, "copy", None)
+    if copy and copy[1].startswith("~"):
+        args.copy = [copy[0], os.path.expanduser(copy[1])]
 
 
 def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:

@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="list the tensors of this global rank")
     inspect.add_argument("--group", default=None,
                          help="list the tensors of the groups matching this glob "
-                              "(e.g. 'model.layers.3.*')")
+                              "(e.g. 'layers.3.*')")
     inspect.add_argument("--target", default=None,
                          help="list the tensors whose checkpoint name matches this glob")
     inspect.add_argument("--family", default=None,

@@ -179,11 +179,30 @@ def read_bytes(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) ->
     return raw
 
 
+def _safetensors_header_bytes(raw: bytes) -> int:
+    """The header length a safetensors file starts with, when `raw` begins as one does (an
+    8-byte little-endian length, then a JSON object that fits the file); 0 otherwise."""
+    if len(raw) < 10 or raw[8:9] != b"{":
+        return 0
+    size = int.from_bytes(raw[:8], "little")
+    return size if 2 <= size <= len(raw) - 8 else 0
+
+
 def decode_text(raw: bytes, file: str, label: str) -> str:
-    """Decode UTF-8 bytes (a BOM is dropped); LoadError at the first undecodable byte."""
+    """Decode UTF-8 bytes (a BOM is dropped); LoadError at the first undecodable byte.
+
+    A safetensors file (a checkpoint named where a text file was expected) is refused as what
+    it is, with no line shown: its first bytes are a binary length, not text.
+    """
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
+        header = _safetensors_header_bytes(raw)
+        if header:
+            hint = " (a checkpoint goes to --checkpoint)" if label == "config.json" else ""
+            raise LoadError(f"{label} expected, found a safetensors checkpoint (a {header}-byte "
+                            f"header, then tensor data), not text{hint}",
+                            location=SourceLocation(file)) from None
         line = raw[: exc.start].count(b"\n") + 1
         column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         raise LoadError(f"{label} is not UTF-8: byte {raw[exc.start]:#04x} at offset {exc.start}",

@@ -229,6 +229,17 @@ def kv_replicated(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [found[g] for g in sorted(found)]
 
 
+def tp_reduced(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Groups holding norms an engine all-reduces over the TP group (plan.json
+    `needs_tp_reduction`), one entry per group with those tensors."""
+    found: dict[str, dict[str, Any]] = {}
+    for t in tensors:
+        if t.get("needs_tp_reduction"):
+            found.setdefault(t["group"], {"group": t["group"], "tensors": []})["tensors"].append(
+                t["target"])
+    return [found[g] for g in sorted(found)]
+
+
 def plan_summary(plan: Mapping[str, Any], group_bytes: Callable[[str], int]
                  ) -> dict[str, Any]:
     """Stages, ranks, imbalance and fallbacks of a plan body (plan.json without `tensors` is
@@ -252,7 +263,8 @@ def summary(build: Build) -> dict[str, Any]:
         "global_bytes": sum(tensor_bytes(t["dtype"], t["shape"]) for t in plan["tensors"]),
         "tensors": len(plan["tensors"]), "groups": len(plan["groups"]),
     } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
-        "kv_replication": kv_replicated(plan["tensors"]), "boundary": plan["boundary"]} | (
+        "kv_replication": kv_replicated(plan["tensors"]),
+        "tp_reduction": tp_reduced(plan["tensors"]), "boundary": plan["boundary"]} | (
         {} if plan.get("expert_parallel") is None
         else {"expert_parallel": expert_summary(plan)}) | (
         {} if plan.get("pipeline") is None else {"pipeline": plan["pipeline"]})
@@ -281,8 +293,21 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
     if rank is not None and not wanted_ranks:
         raise LoadError(f"--rank {rank} is not a rank of this build: it has ranks 0 to "
                         f"{len(build.plan['ranks']) - 1}")
+    tensors = build.plan["tensors"]
+    for option, glob, key, other in (("--group", group, "group", "target"),
+                                     ("--target", target, "target", "group")):
+        if glob is None or any(fnmatch.fnmatchcase(t[key], glob) for t in tensors):
+            continue
+        kind = "group" if key == "group" else "checkpoint tensor"
+        if any(fnmatch.fnmatchcase(t[other], glob) for t in tensors):
+            hint = (f"it matches {'checkpoint tensor names' if other == 'target' else 'groups'}"
+                    f": use --{other}")
+        else:
+            hint = _names_hint(sorted({t[key] for t in tensors}), glob)
+        raise LoadError(f"{option} {glob!r} matches no {kind} of this build; {hint}",
+                        location=SourceLocation(str(build.path)))
     rows = []
-    for t in build.plan["tensors"]:
+    for t in tensors:
         if group is not None and not fnmatch.fnmatchcase(t["group"], group):
             continue
         if target is not None and not fnmatch.fnmatchcase(t["target"], target):
@@ -296,8 +321,21 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
                          "dtype": t["dtype"], "global_shape": list(t["shape"]),
                          "local_shape": list(shape), "placement": placement_text(placement),
                          "kv_replicas": t.get("kv_replicas", 1),
+                         "needs_tp_reduction": bool(t.get("needs_tp_reduction")),
                          "origin": None if origins is None else origins.get(t["group"])})
     return rows
+
+
+def _names_hint(names: list[str], glob: str) -> str:
+    """What a glob that matched nothing could have said: the closest names, or the first few."""
+    import difflib
+
+    close = difflib.get_close_matches(glob, names, n=3, cutoff=0.6)
+    if close:
+        return "did you mean " + " or ".join(repr(n) for n in close) + "?"
+    shown = names[:6]
+    return (f"it has {len(names)}, e.g. " + ", ".join(repr(n) for n in shown)
+            + (" ..." if len(names) > len(shown) else ""))
 
 
 def byte_text(n: float) -> str:

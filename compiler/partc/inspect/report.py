@@ -172,6 +172,8 @@ def render_report(build: Build, origins: Origins) -> str:
                   "origin": origins.lines.get(f["group"], "?")} for f in facts["fallbacks"]]
     kv = [{"group": k["group"], "replicas": k["kv_replicas"], "tensors": len(k["tensors"]),
            "origin": origins.lines.get(k["group"], "?")} for k in facts["kv_replication"]]
+    reduced = [{"group": r["group"], "tensors": ", ".join(r["tensors"]),
+                "origin": origins.lines.get(r["group"], "?")} for r in facts["tp_reduction"]]
     title = f"{facts['family']} at {topology_text(topology)}"
     return _environment().get_template("report.html.jinja2").render(
         title=title,
@@ -179,5 +181,5 @@ def render_report(build: Build, origins: Origins) -> str:
         global_bytes=byte_text(facts["global_bytes"]), policy=topology.get("policy") or
         "family default", stages=stages, ownership=_ownership(build), bars=_bars(build),
         wire=_wire(build), identity=str(build.plan["boundary"].get("identity", "")),
-        fallbacks=fallbacks, kv=kv, origin_note=origins.note,
+        fallbacks=fallbacks, kv=kv, reduced=reduced, origin_note=origins.note,
         sources=[f"{s['name']} (sha256 {s['sha256'][:16]})" for s in facts["sources"]])

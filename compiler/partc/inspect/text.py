@@ -26,8 +26,10 @@ def _dtypes(by_dtype: Mapping[str, int]) -> str:
 
 
 def fallback_lines(fallbacks: Sequence[Mapping[str, Any]],
-                   kv: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One line per policy fallback (with its extra bytes) and per KV-replicated group."""
+                   kv: Sequence[Mapping[str, Any]],
+                   reduced: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """One line per policy fallback (with its extra bytes), per KV-replicated group and per
+    group with norms all-reduced over the TP group."""
     out = []
     if fallbacks:
         extra = sum(f["extra_bytes"] for f in fallbacks)
@@ -40,6 +42,12 @@ def fallback_lines(fallbacks: Sequence[Mapping[str, Any]],
         out.append(f"KV replication: {len(kv)} group(s) repeat KV heads across ranks")
         out += [f"  {k['group']}: each KV head on {k['kv_replicas']} ranks "
                 f"({len(k['tensors'])} tensors)" for k in kv]
+    if reduced:
+        count = sum(len(r["tensors"]) for r in reduced)
+        out.append(f"TP reduction: {count} norm(s) in {len(reduced)} group(s) are split with a "
+                   "projection's output and all-reduced over the TP group (plan.json "
+                   "`needs_tp_reduction`; `partc explain` says why)")
+        out += [f"  {r['group']}: " + ", ".join(r["tensors"]) for r in reduced]
     return out
 
 
@@ -85,7 +93,8 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     out += table(("rank", "stage", "tp", "units", "tensors", "bytes", "by dtype", "static roles"),
                  rows, right=(True, True, True, False, True, True, False, False))
     out.append(f"rank imbalance (largest / mean bytes): {summary['rank_imbalance']:.3f}")
-    extra = fallback_lines(summary["fallbacks"], summary["kv_replication"])
+    extra = fallback_lines(summary["fallbacks"], summary["kv_replication"],
+                           summary.get("tp_reduction", ()))
     out += [""] + (extra or ["fallbacks: none; KV replication: none"])
     experts = summary.get("expert_parallel")
     if experts is not None:
@@ -115,7 +124,8 @@ def _id_ranges(ids: Sequence[int]) -> str:
 def tensor_lines(rows: Sequence[Mapping[str, Any]], note: str) -> list[str]:
     """The tensor table of `inspect --rank/--group/--target`."""
     body = [(r["rank"], r["target"], r["dtype"], r["global_shape"], r["local_shape"],
-             r["placement"] + (f" (KV x{r['kv_replicas']})" if r["kv_replicas"] > 1 else ""),
+             r["placement"] + (f" (KV x{r['kv_replicas']})" if r["kv_replicas"] > 1 else "")
+             + (" (TP all-reduce)" if r.get("needs_tp_reduction") else ""),
              r["origin"] or "?") for r in rows]
     out = table(("rank", "tensor", "dtype", "global shape", "local shape", "placement",
                  "family line"), body, right=(True, False, False, False, False, False, False))
