@@ -1,7 +1,9 @@
 """`partc init`: the scaffold of a checkpoint passes `partc check` against that checkpoint, also
-when its layers differ (dense and MoE layers), its experts repeat, or its config nests the
-decoder's fields under `text_config`; every decision it could not make is one marked line,
-counted as written; what it cannot write is said in the file and on the console."""
+when its layers differ (dense and MoE layers), its experts repeat, its config nests the
+decoder's fields under `text_config`, or it is a vision-language model (a vision tower's layers
+beside the decoder's: a multi-group graph, encoder first); every decision it could not make is
+one marked line, counted as written; what it cannot write is said in the file and on the
+console."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from partc.api import compile_family
@@ -20,9 +24,14 @@ from partc.commands import error_reference
 from support import HF, hf
 
 CHECK = "# partc init: CHECK:"
-SCAFFOLDED = sorted(p.name for p in HF.iterdir() if p.is_dir() and p.name != "llava")
-"""Every fixture with one layer repetition (`model.layers.<n>.`, `transformer.h.<n>.`): llava
-has two (its language model's and its vision tower's), which init refuses."""
+SCAFFOLDED = sorted(p.name for p in HF.iterdir() if p.is_dir())
+"""Every fixture: init writes a scaffold of each, also of the vision-language ones."""
+VISION_LANGUAGE = {  # fixture -> (its vision layers' prefix, group, vision_config layer count)
+    "llava": ("vision_tower.encoder.layers.", "vision", "num_hidden_layers"),
+    "qwen2_vl": ("visual.blocks.", "visual", "depth"),
+}
+"""The fixtures with two layer repetitions, a vision tower's beside the decoder's."""
+DECODER = {"llava": "language_model.model.layers.", "qwen2_vl": "model.layers."}
 
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -265,3 +274,130 @@ def test_full_width_attention_norms_are_marked_and_sized_by_their_projection(
     assert "params: {weight: [num_experts, hidden_size]}" in text
     status, _, err = _run(["check", str(family), "--checkpoint", str(folder)], capsys)
     assert status == 0, err  # as written it checks; verify is what the mark warns of
+
+
+def _keys(fixture: str) -> set[str]:
+    """The checkpoint's tensor names, read by the safetensors library (not partc)."""
+    with safe_open(str(hf(fixture) / "model.safetensors"), "np") as opened:
+        return set(opened.keys())
+
+
+@pytest.mark.parametrize("fixture", sorted(set(SCAFFOLDED) - set(VISION_LANGUAGE)))
+def test_a_single_repetition_scaffold_has_the_decoder_as_its_only_graph_entry(
+        fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = _keys(fixture)
+    repeated = {k.split(".0.")[0] for k in keys if ".0." in k and k.split(".0.")[0].rsplit(
+        ".", 1)[-1] in ("layers", "h", "blocks")}
+    assert len(repeated) == 1, repeated  # one repetition, counted without partc
+    family = tmp_path / "f.yaml"
+    _, err, report = _init(hf(fixture), family, capsys)
+    data = yaml.safe_load(family.read_text())
+    assert [g["group"] for g in data["graph"]] == ["decoder"]
+    assert "after" not in data["graph"][0] and "boundary" not in data["graph"][0]
+    assert "dimensions" not in data
+    assert data["static"]["embedding"] == {"stage": "first"}
+    notes = report["notes"]
+    assert isinstance(notes, list)
+    assert "layer repetitions" not in err and not any("layer repetitions" in n for n in notes)
+
+
+@pytest.mark.parametrize("fixture", sorted(VISION_LANGUAGE))
+def test_a_vision_language_scaffold_compiles_with_its_encoder_group_before_the_decoder(
+        fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix, encoder, count_field = VISION_LANGUAGE[fixture]
+    family = tmp_path / "vl.yaml"
+    _, err, report = _init(hf(fixture), family, capsys)
+    text = family.read_text()
+    assert report["text"] == text  # a second run writes the same bytes
+    data = yaml.safe_load(text)
+    config = json.loads((hf(fixture) / "config.json").read_text())
+    keys = _keys(fixture)
+    layers = {int(k[len(prefix):].split(".")[0]) for k in keys if k.startswith(prefix)}
+    assert layers == set(range(len(layers))) and len(layers) == config["vision_config"][
+        count_field]
+    groups = [g["group"] for g in data["graph"]]
+    assert groups == ([encoder, "projector", "decoder"] if fixture == "llava" else
+                      [encoder, "decoder"])
+    assert [g.get("after", []) for g in data["graph"]] == [[], *([g] for g in groups[:-1])]
+    assert data["graph"][0]["units"] == f"vision_{count_field}"
+    assert data["config"][f"vision_{count_field}"] == {
+        "type": "int", "from": f"vision_config.{count_field}"}
+    assert data["static"]["embedding"] == {"stage": {"with": "decoder", "unit": "first"}}
+    assert data["static"][f"{encoder}_embeddings"] == {"stage": {"with": encoder,
+                                                                 "unit": "first"}}
+    for group in data["graph"][:-1]:  # a boundary per encoder / projector group, marked
+        assert group["boundary"]["identity"] == f"{fixture}.{group['group']}"
+        assert {"role": "input_ids", "shape": ["batch", "sequence"], "dtype": "int32"} in group[
+            "boundary"]["auxiliary"]
+    assert text.count("      primary: {role:") == len(groups) - 1
+    assert all(CHECK in line for line in text.splitlines() if line.startswith("      primary:"))
+    assert "execution groups " + " -> ".join(groups) in err
+    out = tmp_path / "out"
+    status, _, err = _run(["compile", str(family), "--checkpoint", str(hf(fixture)), "--tp", "2",
+                           "--pp", "2", "--out", str(out)], capsys)
+    assert status == 0, err
+    plan = json.loads(next(out.rglob("plan.json")).read_text())
+    targets = [t["target"] for t in plan["tensors"]]
+    assert sorted(targets) == sorted(keys)  # every tensor owned, and once
+    assert [g["group"] for g in plan["graph"]] == groups
+    assert plan["graph"][0]["unit_paths"] == [f"{prefix}{n}" for n in sorted(layers)]
+    owners = {g["name"]: g["owner"] for g in plan["groups"]}
+    stages = {t["target"]: t["stages"] for t in plan["tensors"]}
+    by_target = {t["target"]: t["group"] for t in plan["tensors"]}
+    encoder_stages, decoder_stages = set(), set()
+    for target in keys:
+        if target.startswith(prefix):
+            owner = owners[by_target[target]]
+            number = int(target[len(prefix):].split(".")[0])
+            assert owner == {"kind": "execution_unit", "group": encoder, "unit": number}, target
+            encoder_stages.update(stages[target])
+        elif target.startswith(DECODER[fixture]):
+            assert owners[by_target[target]]["group"] == "decoder"
+            decoder_stages.update(stages[target])
+    assert max(encoder_stages) <= min(decoder_stages) and min(encoder_stages) == 0
+    # the tower's modules outside its layers sit with its first unit (embeddings) or its last
+    embeddings = [t for t in keys if "embed" in t and t.startswith(prefix.split(".")[0] + ".")]
+    assert embeddings and all(stages[t] == [0] for t in embeddings)
+    if fixture == "llava":  # the tower's dimensions are vision_config's, not the decoder's
+        assert "    units: vision_intermediate_size" in text
+        assert "          weight: [vision_intermediate_size, vision_hidden_size]" in text
+        assert "      weight: [hidden_size, vision_hidden_size]" in text  # linear_1
+        projector = [t for t in keys if t.startswith("multi_modal_projector.")]
+        assert {owners[by_target[t]]["group"] for t in projector} == {"projector"}
+    else:  # the fused qkv is kept whole, marked; the merger is owned with the last block
+        assert "`attn.qkv` looks like a fused [q | k | v] projection" in text
+        merger = [t for t in keys if t.startswith("visual.merger.")]
+        assert merger and {owners[by_target[t]]["roles"][0] for t in merger} == {"visual_tail"}
+        last = max(stages[f"{prefix}{max(layers)}.norm1.weight"])
+        assert all(stages[t] == [last] for t in merger)
+
+
+def test_the_llava_scaffold_verifies_against_transformers(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    """As written, its splits and stages agree with HF's LlavaForConditionalGeneration, also
+    at S = 3 where a cut falls after the vision layers (their boundary's placeholder shape)."""
+    from partc.verify.run import verify_family
+
+    family = tmp_path / "llava.yaml"
+    _init(hf("llava"), family, capsys)
+    config = hf("llava") / "config.json"
+    two = verify_family(family, config, tensor_parallel_sizes=[1, 2], pipeline_parallel_size=2)
+    assert two.ok, two.first_failure
+    three = verify_family(family, config, tensor_parallel_sizes=[1], pipeline_parallel_size=3)
+    assert three.ok, three.first_failure
+    assert any(c.group == "vision" and c.pp == 3 for c in three.checks)  # the vision cut
+
+
+def test_several_repetitions_none_beside_an_embedding_are_refused_with_the_file_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "two"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "two"}))
+    save_file({"a.layers.0.w.weight": np.zeros((2, 2), np.float32),
+               "b.blocks.0.w.weight": np.zeros((2, 2), np.float32)},
+              checkpoint / "model.safetensors")
+    status, _, err = _run(["init", "--checkpoint", str(checkpoint)], capsys)
+    assert status == 1
+    assert (f"{checkpoint}: partc init found 2 layer repetitions in {checkpoint} (a.layers, "
+            "b.blocks) and cannot tell which is the decoder") in err

@@ -1,15 +1,25 @@
 """`partc init`: a family scaffold guessed from a checkpoint header and its config.json.
 
-It recognises the layer repetition (`<prefix>.layers.<n>.`, GPT-2's `<prefix>.h.<n>.`), the
-common Llama-style projection names (q/k/v/o, gate/up/down, also of shared and routed experts),
-expert repetition (`experts.<e>.`), norms (`ln_1` too), the token embedding and what the first
-stage uses beside it (position embeddings), and a tied or untied head; config fields nested
-under `text_config`, or spelled GPT-2's way (`n_embd`, `n_layer`), are read with `from:`. A
-part found in only some layers gets a `when:` over the layer numbers. Anything else is kept
+It recognises the layer repetition (`<prefix>.layers.<n>.`, GPT-2's `<prefix>.h.<n>.`, a vision
+tower's `<prefix>.blocks.<n>.`), the common Llama-style projection names (q/k/v/o,
+gate/up/down, also of shared and routed experts), expert repetition (`experts.<e>.`), norms
+(`ln_1` too), the token embedding and what the first stage uses beside it (position
+embeddings), and a tied or untied head; config fields nested under `text_config`, or spelled
+GPT-2's way (`n_embd`, `n_layer`), are read with `from:`. A part found in only some layers
+gets a `when:` over the layer numbers. Anything else is kept
 as a replicated group with literal shapes and marked `# partc init: CHECK`, so that the
 scaffold still owns every tensor and passes `partc check` as written; what it cannot write so
 that it does (a tensor whose shape differs between layers) is marked too and said in
 `Scaffold.notes`.
+
+A checkpoint with several repetitions (a vision-language model: a vision tower's layers beside
+the language model's) gets a multi-group graph: the decoder is the repetition beside the token
+embedding (or nearest the head), every other one an encoder execution group before it, its
+config fields read from its config section (`vision_config`) under prefixed names, CLIP's
+attention and `fc1`/`fc2` split, its modules outside the layers static roles placed with its
+first or last unit; modules outside every repetition's root (LLaVA's projector) are one
+`projector` group between them. Each such group gets a boundary whose shapes are placeholders
+marked CHECK (what crosses a cut inside a vision tower is not in the header).
 """
 
 from __future__ import annotations
@@ -30,9 +40,10 @@ CHECK = "# partc init: CHECK"
 """The comment on every line the scaffold could not decide."""
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
 """The editor line (see docs/authoring.md, "Editor support"), followed by the schema's path."""
-_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h))\.(?P<n>\d+)\.(?P<rest>.+)$")
-"""A tensor of the layer repetition: `model.layers.3.`, or GPT-2/BLOOM/Falcon's `transformer.h.3.`
-(the first such name from the left; a vision tower's `blocks.<n>` stay outside, as its own)."""
+_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h|blocks))\.(?P<n>\d+)\.(?P<rest>.+)$")
+"""A tensor of a layer repetition: `model.layers.3.`, GPT-2/BLOOM/Falcon's `transformer.h.3.`, or
+Qwen2-VL's vision `visual.blocks.3.` (the first such name from the left, so a `blocks.<n>` inside
+a layer stays part of that layer)."""
 _EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 _DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
                "shared_expert_intermediate_size")
@@ -57,6 +68,64 @@ _MLP = {
     "up_proj": ("column", "intermediate_size", "hidden_size"),
     "down_proj": ("row", "hidden_size", "intermediate_size"),
 }
+_ENCODER_WIDTHS = ("hidden_size", "embed_dim", "intermediate_size")
+"""Fields of an encoder's config section a literal dimension inside the tower is matched
+against, and only these (a decoder width of the same size would be a coincidence): CLIP's
+`hidden_size`, Qwen2-VL's `embed_dim` (its `hidden_size` is the merger's output width)."""
+_ENCODER_HEADS = ("num_attention_heads", "num_heads")
+"""An encoder's head count: CLIP's spelling, Qwen2-VL's."""
+_ENCODER_COUNTS = ("num_hidden_layers", "depth", "num_layers")
+"""An encoder's layer count: CLIP's spelling, Qwen2-VL's `depth`, others'."""
+_ENCODER_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "fc1",
+                                  "fc2", *_MLP})
+"""Projection names of an encoder layer the scaffold splits when their block is complete."""
+_TOWER_SUFFIXES = ("_tower", "_model", "_encoder", "_backbone")
+"""Dropped from an encoder root's name for its group's name: `vision_tower` -> `vision`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Kinds:
+    """What a repetition's groups are named and recognised by: the decoder's (Llama-style
+    names over the decoder's config) or an encoder's (also CLIP's, over its prefixed ones)."""
+
+    group: str
+    """The execution group (`decoder`, `vision`), also the owner of its layer groups."""
+    label: str
+    """The first part of its layer groups' names: `layers`, or the group's name."""
+    attention: tuple[Mapping[str, tuple[str | None, ...]], ...]
+    """Alternative projection sets of `self_attn` (q/k/v/o or CLIP's q/k/v/out_proj)."""
+    heads: str
+    """The attention group's units (KV heads of a decoder, the heads of an encoder)."""
+    mlps: tuple[tuple[str, Mapping[str, tuple[str | None, ...]]], ...]
+    """MLP projection sets, each found by its first projection's name."""
+    intermediate: str
+    """The config name an MLP's intermediate dimension is expected as."""
+    encoder: bool = False
+
+
+_DECODER = _Kinds("decoder", "layers", (_ATTENTION,), "num_key_value_heads",
+                  (("gate_proj", _MLP),), "intermediate_size")
+
+
+@dataclass(slots=True)
+class _Encoder:
+    """A repetition other than the decoder's (a vision tower's layers)."""
+
+    prefix: str
+    """`vision_tower.encoder.layers`."""
+    root: str
+    """The module holding it and its other modules: `vision_tower`, Qwen2-VL's `visual`."""
+    group: str
+    """Its execution group: `vision`, `visual`."""
+    section: str | None
+    """Its config section (`vision_config`), if the config has one for it."""
+    stem: str
+    """The prefix of its config names (`vision_`), from the section's name."""
+    by_layer: dict[int, dict[str, tuple[str, list[int]]]]
+    modules: dict[str, dict[str, Any]]
+    """Its modules outside the layers (embeddings, post norm, Qwen2-VL's merger)."""
+    names: set[str]
+    """The config names read from its section (`vision_hidden_size`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +199,16 @@ class _Writer:
         self.used: set[str] = set()
         self.conditional = 0
         """How many groups got a `when:` over layer numbers."""
+        self.dimensions: tuple[str, ...] = _DIMENSIONS
+        """Config names a literal dimension is matched against, first match wins: the
+        decoder's, or an encoder's own."""
 
     def dim(self, expected: str | None, actual: int, what: str) -> str:
         """A shape entry: the config expression when it matches the header, else the number."""
         if expected is not None and _evaluate(expected, self.values) == actual:
             self.used.update(expected.split(" * "))
             return expected
-        for name in _DIMENSIONS:
+        for name in self.dimensions:
             if self.values.get(name) == actual:
                 self.used.add(name)
                 return name
@@ -278,7 +350,8 @@ def _read_config(path: Path) -> dict[str, Any]:
 
 
 def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) -> Scaffold:
-    """A family for the checkpoint: Llama-like parts recognised, the rest marked CHECK."""
+    """A family for the checkpoint: Llama-like parts recognised, the rest marked CHECK; with
+    several layer repetitions, encoder groups and a projector before the decoder."""
     config = _read_config(config_path)
     opened = open_checkpoint(checkpoint)
     header: dict[str, tuple[str, list[int]]] = {}
@@ -300,39 +373,85 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                 match["rest"]] = signature
         else:
             outside[tensor] = signature
-    if len(layers) != 1:
-        raise LoadError(f"partc init recognises one `<prefix>.layers.<n>.` (or `.h.<n>.`) "
-                        "repetition; "
-                        f"{checkpoint} has {len(layers)} ({', '.join(sorted(layers)) or 'none'})",
+    if not layers:
+        raise LoadError("partc init recognises layer repetitions `<prefix>.layers.<n>.` (or "
+                        f"`.h.<n>.`, `.blocks.<n>.`); {checkpoint} has none",
                         location=SourceLocation(str(checkpoint)))
-    (prefix, by_layer), = layers.items()
+    modules = _modules(outside)
+    prefix = _decoder_prefix(layers, modules, checkpoint)
+    common = _common_parts(sorted(layers))
+    encoders = _encoders(layers, prefix, common, modules, config, values, sources, checkpoint)
+    by_layer = layers[prefix]
     count = len(by_layer)
     w = _Writer(values, default or "F32", sorted(by_layer))
+    chain = [e.group for e in encoders]
+    decoder_modules = {m: p for m, p in modules.items()
+                       if not any(_under(m, e.root) for e in encoders)}
+    roles = _static_roles(decoder_modules, prefix)
+    projector = _projector(decoder_modules, roles, _root_of(prefix, common), common) \
+        if encoders else None
+    if projector is not None:
+        chain.append("projector")
+        decoder_modules = {m: p for m, p in decoder_modules.items() if m not in projector[1]}
+    description = (f"{model_type} decoder" if not encoders else
+                   f"{model_type} model, execution groups {', '.join([*chain, 'decoder'])}")
     w.lines += [f"# Family scaffold written by `partc init` from {checkpoint.name} "
                 f"({len(header)} tensors). Lines marked `{CHECK}` need a decision.", "",
                 f"family: {family}",
-                f"description: {model_type} decoder (scaffold; describe it here)",
+                f"description: {description} (scaffold; describe it here)",
                 f"model_types: [{model_type}]", ""]
     body: list[str] = []
     w.lines, saved = body, w.lines
     table = _layer_table(by_layer)
     _layer_groups(w, prefix, table)
     w.lines = saved
-    static = _static_groups(w, _modules(outside), _static_roles(_modules(outside), prefix))
+    tables = [table]
+    static = _static_groups(w, decoder_modules, roles)
+    front: list[str] = []  # the encoders' and the projector's groups and their graph entries
+    graph: list[str] = []
+    for number, encoder in enumerate(encoders):
+        tables.append(_encoder_groups(w, encoder, front, graph, family,
+                                      chain[number - 1] if number else None,
+                                      config.get("vision_feature_layer")))
+    if projector is not None:
+        _projector_groups(w, projector, encoders[-1], front, graph, family)
+    w.dimensions, w.all_layers = _DIMENSIONS, set(by_layer)
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
-    used = sorted(w.used | {"num_hidden_layers"})
+    prefixed = {n for e in encoders for n in e.names}
+    used = sorted((w.used - prefixed) | {"num_hidden_layers"})
     w.lines.append("config:")
     for key in used:
         w.lines.append(f"  {key}: {_config_field(key, sources.get(key, key))}")
     if values.get("num_hidden_layers") != count:
         w.check(f"  # the checkpoint has {count} layers", "num_hidden_layers differs from the "
                 "header's layer count")
-    w.lines += ["", "graph:", f'  - {{group: decoder, units: num_hidden_layers, path: '
-                f'"{prefix}.{{unit}}", state: true}}', "", "static:",
+    for section, names in _sections(encoders).items():
+        written = sorted(names & w.used)
+        if written:
+            w.lines.append(f"  # {', '.join(e.group for e in encoders if e.section == section)}"
+                           f" ({section})")
+            w.lines += [f"  {key}: {_config_field(key, sources[key])}" for key in written]
+    if encoders:
+        w.lines += ["", "dimensions:"]
+        w.lines += [f"  {e.group}_tokens: the rows of what crosses a cut inside `{e.group}` "
+                    "(its units' output; written by partc init, see its boundary)"
+                    for e in encoders]
+        if projector is not None:
+            w.lines.append("  image_tokens: the image-token positions of the request (the "
+                           "projector's output rows)")
+    decoder = (f'  - {{group: decoder, units: num_hidden_layers, path: "{prefix}.{{unit}}", '
+               "state: true" + (f", after: [{chain[-1]}]}}" if chain else "}"))
+    w.lines += ["", "graph:", *graph, decoder, "", "static:"]
+    for e in encoders:  # the roles its modules outside the layers have (_encoder_statics)
+        before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules}
+        for role, unit, holds in (("embeddings", "first", True), ("tail", "last", False)):
+            if holds in before:
+                w.lines.append(f"  {e.group}_{role}: {{stage: {{with: {e.group}, unit: {unit}}}}}")
+    w.lines += ["  embedding: {stage: {with: decoder, unit: first}}" if encoders else
                 "  embedding: {stage: first}", "  final_norm: {stage: last}",
                 "  output: {stage: last}", "", "parameters:"]
-    w.lines += static[0] + body + static[1]
+    w.lines += front + static[0] + body + static[1]
     w.lines += ["", "boundary:", f"  identity: {family}.hidden"]
     if "hidden_size" in values:
         w.lines.append("  primary: {role: hidden, shape: [batch, sequence, hidden_size], "
@@ -345,15 +464,283 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     if w.conditional:
         notes.append(f"the layers hold different tensors: {w.conditional} group(s) apply to "
                      "some layers only, with a `when:` over layer numbers marked CHECK")
-    if any(e.differs for e in table.values()):
+    if any(e.differs for t in tables for e in t.values()):
         notes.append("some layers hold a module with other shapes than the first layer that "
                      "holds it: the scaffold does not pass `partc check` until those groups "
                      "are split by layer (marked CHECK)")
+    if encoders:
+        notes.append(f"{len(layers)} layer repetitions: execution groups "
+                     f"{' -> '.join([*chain, 'decoder'])}; the boundaries of "
+                     f"{', '.join(chain)} are placeholders marked CHECK (what crosses a cut "
+                     "there is not in the checkpoint)")
     from importlib import resources
 
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
     text = SCHEMA_COMMENT + schema.resolve().as_uri() + "\n" + "\n".join(w.lines)
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes))
+
+
+def _decoder_prefix(layers: Mapping[str, object], modules: Mapping[str, object],
+                    checkpoint: Path) -> str:
+    """The repetition that is the decoder: the only one; of several, the one whose parent
+    module holds the token embedding (`embed_tokens`, `wte`: LLaVA's `language_model.model`),
+    else the one sharing the longest name prefix with the head (`lm_head`, `embed_out`)."""
+    if len(layers) == 1:
+        return next(iter(layers))
+    leaf = {m: m.rsplit(".", 1)[-1] for m in modules}
+    parents = {m.rpartition(".")[0] for m in modules if leaf[m] in ("embed_tokens", "wte")}
+    beside = [p for p in sorted(layers) if p.rpartition(".")[0] in parents]
+    if len(beside) == 1:
+        return beside[0]
+    heads = [m for m in modules if leaf[m] in ("lm_head", "embed_out")]
+    candidates = beside or sorted(layers)
+    near = {p: max((len(_common_parts([p, h])) for h in heads), default=0) for p in candidates}
+    nearest = [p for p in candidates if near[p] == max(near.values())]
+    if len(nearest) == 1 and near[nearest[0]] > 0:
+        return nearest[0]
+    raise LoadError(f"partc init found {len(layers)} layer repetitions in {checkpoint} "
+                    f"({', '.join(sorted(layers))}) and cannot tell which is the decoder: none "
+                    "alone sits beside the token embedding (`embed_tokens`, `wte`) or nearest "
+                    "the head (`lm_head`); write the family from the scaffold of a checkpoint "
+                    "holding the decoder's layers only, or start from a built-in one "
+                    "(`partc families --copy llava`)", location=SourceLocation(str(checkpoint)))
+
+
+def _common_parts(names: Sequence[str]) -> list[str]:
+    """The dotted components every name starts with, each name keeping at least one more."""
+    parts = [n.split(".") for n in names]
+    count = 0
+    while all(len(p) > count + 1 for p in parts) and len({p[count] for p in parts}) == 1:
+        count += 1
+    return parts[0][:count]
+
+
+def _root_of(module: str, common: Sequence[str]) -> str:
+    """The module a name lies under, one component past the repetitions' common prefix:
+    `vision_tower` of `vision_tower.encoder.layers` beside `language_model.model.layers`."""
+    parts = module.split(".")
+    if parts[:len(common)] == list(common) and len(parts) > len(common):
+        return ".".join(parts[:len(common) + 1])
+    return parts[0]
+
+
+def _under(module: str, root: str) -> bool:
+    return module == root or module.startswith(root + ".")
+
+
+def _encoders(layers: Mapping[str, dict[int, dict[str, tuple[str, list[int]]]]], decoder: str,
+              common: Sequence[str], modules: Mapping[str, dict[str, Any]],
+              config: Mapping[str, Any], values: dict[str, int], sources: dict[str, str],
+              checkpoint: Path) -> list[_Encoder]:
+    """The repetitions other than the decoder's, in name order, with their roots, group
+    names, config sections and modules; their config fields are added to `values` and
+    `sources` under prefixed names (`vision_hidden_size` from `vision_config.hidden_size`)."""
+    roots = {p: _root_of(p, common) for p in layers}
+    if len(set(roots.values())) != len(roots):
+        raise LoadError(f"partc init found layer repetitions in {checkpoint} that lie inside "
+                        f"one another ({', '.join(sorted(layers))}): it cannot tell their "
+                        "modules apart", location=SourceLocation(str(checkpoint)))
+    others = [p for p in sorted(layers) if p != decoder]
+    sections = [k for k in sorted(config) if k.endswith("_config") and k not in _NESTED
+                and isinstance(config[k], Mapping)]
+    taken = {"decoder", "projector"}
+    out = []
+    for prefix in others:
+        root = roots[prefix]
+        group = _group_name(root, taken)
+        taken.add(group)
+        section = _section(sections, group, root, alone=len(others) == 1)
+        stem = re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", (
+            section.removesuffix("_config") if section else group)))[:64] + "_"
+        names = set()
+        for key in (*_ENCODER_WIDTHS, *_ENCODER_HEADS, *_ENCODER_COUNTS):
+            value = config[section].get(key) if section else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                values[stem + key], sources[stem + key] = value, f"{section}.{key}"
+                names.add(stem + key)
+        out.append(_Encoder(prefix, root, group, section, stem, dict(layers[prefix]),
+                            {m: p for m, p in modules.items() if _under(m, root)}, names))
+    return out
+
+
+def _group_name(root: str, taken: set[str]) -> str:
+    """An encoder group's name from its root: `vision_tower` -> `vision`, `visual`."""
+    leaf = root.rsplit(".", 1)[-1]
+    for suffix in _TOWER_SUFFIXES:
+        if leaf.endswith(suffix) and leaf != suffix:
+            leaf = leaf.removesuffix(suffix)
+            break
+    name = re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", leaf))[:64] or "encoder"
+    base, number = name, 2
+    while name in taken:
+        name, number = f"{base}_{number}", number + 1
+    return name
+
+
+def _section(sections: Sequence[str], group: str, root: str, *, alone: bool) -> str | None:
+    """An encoder's config section: the only one beside `text_config` for the only encoder,
+    else the one whose name starts most like the group's or the root's (at least 3 letters:
+    `vision_config` for `vision`), if exactly one does."""
+    if alone and len(sections) == 1:
+        return sections[0]
+    names = (group, root.rsplit(".", 1)[-1])
+
+    def shared(section: str) -> int:
+        stem = section.removesuffix("_config")
+        return max(next((i for i, (a, b) in enumerate(zip(stem, n, strict=False)) if a != b),
+                        min(len(stem), len(n))) for n in names)
+
+    scores = {s: shared(s) for s in sections}
+    best = [s for s in sections if scores[s] == max(scores.values())]
+    return best[0] if len(best) == 1 and scores[best[0]] >= 3 else None
+
+
+def _sections(encoders: Sequence[_Encoder]) -> dict[str, set[str]]:
+    """The config sections the encoders read, in their order, with the names read."""
+    out: dict[str, set[str]] = {}
+    for e in encoders:
+        if e.section is not None:
+            out.setdefault(e.section, set()).update(e.names)
+    return out
+
+
+def _projector(modules: Mapping[str, dict[str, Any]], roles: Mapping[str, str],
+               decoder_root: str, common: Sequence[str]
+               ) -> tuple[str, dict[str, dict[str, Any]]] | None:
+    """The modules outside every repetition's root that are no decoder static role (LLaVA's
+    `multi_modal_projector`), with their root, when they share one: the projector group."""
+    rest = {m: p for m, p in modules.items() if m not in roles and not _under(m, decoder_root)}
+    found = {_root_of(m, common) for m in rest}
+    return (found.pop(), rest) if len(found) == 1 else None
+
+
+def _before_layers(relative: str) -> bool:
+    """A module of an encoder run before its layers, by name: CLIP's `embeddings` (class,
+    patch and position embeddings) and `pre_layrnorm`, Qwen2-VL's `patch_embed`."""
+    return any("embed" in part or "patch" in part or part.startswith("pre") or
+               part.endswith("_pre") for part in relative.split("."))
+
+
+def _encoder_groups(w: _Writer, e: _Encoder, front: list[str], graph: list[str], family: str,
+                    after: str | None, feature: object) -> dict[str, _Module]:
+    """An encoder's parameter groups (appended to `front`: its modules before the layers,
+    its layers, its other modules) and its graph entry (to `graph`); its table of modules.
+    `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
+    the projector reads), if any."""
+    table = _layer_table(e.by_layer)
+    w.dimensions = tuple(e.stem + k for k in _ENCODER_WIDTHS if e.stem + k in w.values)
+    w.all_layers = set(e.by_layer)
+    heads = next((e.stem + k for k in _ENCODER_HEADS if e.stem + k in w.values), None)
+    width = next((e.stem + k for k in _ENCODER_WIDTHS[:2] if e.stem + k in w.values), None)
+    inter = e.stem + "intermediate_size"
+    attention: tuple[Mapping[str, tuple[str | None, ...]], ...] = tuple(
+        {"q_proj": ("column", heads, width, width), "k_proj": ("column", heads, width, width),
+         "v_proj": ("column", heads, width, width), out: ("row", heads, width, width)}
+        for out in ("out_proj", "o_proj")) if heads else ()
+    mlps = (("fc1", {"fc1": ("column", inter, width), "fc2": ("row", width, inter)}),
+            ("gate_proj", {"gate_proj": ("column", inter, width),
+                           "up_proj": ("column", inter, width),
+                           "down_proj": ("row", width, inter)}))
+    saved, w.lines = w.lines, []
+    head, tail = _encoder_statics(w, e)
+    _layer_groups(w, e.prefix, table, _Kinds(e.group, e.group, attention, heads or "", mlps,
+                                             inter, encoder=True))
+    front += head + w.lines + tail
+    w.lines = graph
+    w.lines.append(f"  - group: {e.group}")
+    count = next((e.stem + k for k in _ENCODER_COUNTS if e.stem + k in w.values), None)
+    if count is not None and w.values[count] == len(e.by_layer) and feature is not None \
+            and e.section == "vision_config":
+        w.used.add(count)
+        w.check(f"    units: {count}", f"the config's vision_feature_layer ({feature}) says "
+                "the projector reads an earlier layer's output: the layers after it never "
+                "reach the logits (architectures/llava.yaml's vision_used, vision_unused)")
+    elif count is not None and w.values[count] == len(e.by_layer):
+        w.used.add(count)
+        w.lines.append(f"    units: {count}")
+    else:
+        w.check(f"    units: {len(e.by_layer)}", f"`{e.prefix}` has {len(e.by_layer)} layers "
+                + (f"and {e.section} no layer count ({', '.join(_ENCODER_COUNTS)}) equal to "
+                   "it" if e.section else "and the config no section for it (vision_config)")
+                + ": write the count as a config field")
+    w.lines.append(f'    path: "{e.prefix}.{{unit}}"')
+    if after is not None:
+        w.lines.append(f"    after: [{after}]")
+    norm = next((entry.params["weight"][1][0] for module, entry in sorted(table.items())
+                 if _is_norm(module.rsplit(".", 1)[-1]) and len(entry.params.get(
+                     "weight", ("", []))[1]) == 1), None)
+    out_width = w.dim(None, norm, "width") if norm is not None else (width or "hidden_size")
+    w.lines += ["    boundary:", f"      identity: {family}.{e.group}"]
+    w.check(f"      primary: {{role: hidden, shape: [{e.group}_tokens, {out_width}], dtype: "
+            "activation}", f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
+            f"`{e.group}_tokens` takes the leading axes of its layers' output (CLIP's [images, "
+            "positions, width]); write the shape, and the tensors the next stage needs "
+            "besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
+    w.lines += ["      # the text embedding runs with the first decoder unit, on a later "
+                "stage: its token ids cross this cut", "      auxiliary:",
+                "        - {role: input_ids, shape: [batch, sequence], dtype: int32}"]
+    w.lines = saved
+    return table
+
+
+def _encoder_statics(w: _Writer, e: _Encoder) -> tuple[list[str], list[str]]:
+    """The groups of an encoder's modules outside its layers: those run before them with its
+    first unit (`<group>_embeddings`), the others with its last (`<group>_tail`), marked."""
+    head: list[str] = []
+    tail: list[str] = []
+    for module in sorted(e.modules):
+        before = _before_layers(module[len(e.root) + 1:])
+        role = f"{e.group}_embeddings" if before else f"{e.group}_tail"
+        saved, w.lines = w.lines, []
+        w.lines += ["", f"  - name: {json.dumps(module)}", "    role: replicated",
+                    f"    owner: {{static: {role}}}", f"    module: {module}",
+                    "    sharding: replicated"]
+        if not before:
+            w.check("    # owner guessed", f"`{module}` is under `{e.root}` but not run before "
+                    f"its layers: loaded with the last `{e.group}` unit; whether it reaches the "
+                    "logits the scaffold cannot know (LLaVA's post_layernorm does not; "
+                    "Qwen2-VL's merger does, an execution group after the tower in "
+                    "architectures/qwen2_vl.yaml)")
+        w.params(_signature_params(w, e.modules[module], None, None), "    ")
+        (head if before else tail).extend(w.lines)
+        w.lines = saved
+    return head, tail
+
+
+def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]]],
+                      encoder: _Encoder, front: list[str], graph: list[str], family: str
+                      ) -> None:
+    """The projector's groups (replicated, marked) and its graph entry after the last
+    encoder: its dimensions are matched against the decoder's config, then the encoder's
+    (it maps the tower's width to the decoder's)."""
+    root, modules = projector
+    w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
+                                    if encoder.stem + k in w.values))
+    saved, w.lines = w.lines, front
+    for module in sorted(modules):
+        relative = module[len(root) + 1:]
+        label = "projector" + (f".{relative}" if relative else "")
+        w.lines += ["", f"  - name: {json.dumps(label)}", "    role: replicated",
+                    "    owner: {unit: projector}", f"    module: {module}",
+                    "    sharding: replicated"]
+        if not _is_norm(module.rsplit(".", 1)[-1]):
+            w.check("    # replicated on every rank", f"`{module}` is the projector's: "
+                    "replicated; a two-linear MLP splits as one feed_forward_intermediate "
+                    "group, the first column, the second row (architectures/llava.yaml)")
+        w.params(_signature_params(w, modules[module], None, None), "    ")
+    w.lines = graph
+    w.lines += ["  - group: projector", "    units: 1", f"    path: {root}",
+                f"    after: [{encoder.group}]", "    boundary:",
+                f"      identity: {family}.projector"]
+    hidden = "hidden_size" if "hidden_size" in w.values else "HIDDEN"
+    w.check(f"      primary: {{role: image_features, shape: [image_tokens, {hidden}], dtype: "
+            "activation}", "what the projector hands the decoder is not in the checkpoint: "
+            "`image_tokens` rows of the decoder's width is LLaVA's; write the shape, and the "
+            "tensors the decoder needs besides (architectures/llava.yaml's image_mask)")
+    w.lines += ["      # the text embedding runs with the first decoder unit, on a later "
+                "stage: its token ids cross this cut", "      auxiliary:",
+                "        - {role: input_ids, shape: [batch, sequence], dtype: int32}"]
+    w.lines = saved
 
 
 def _config_field(key: str, source: str) -> str:
@@ -389,31 +776,39 @@ def _block_groups(table: Mapping[str, _Module], block: str,
         (found[0].layers, found[0].experts) for e in found)
 
 
-def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None:
+def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
+                  kinds: _Kinds = _DECODER) -> None:
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
-    blocks = [("self_attn", "attention")] if _block_groups(table, "self_attn", list(
-        _ATTENTION)) else []
-    blocks += sorted((m.rpartition(".")[0], "mlp") for m in table
-                     if m.endswith(".gate_proj") and _block_groups(
-                         table, m.rpartition(".")[0], list(_MLP)))
-    for block, kind in blocks:
-        spec_table: Mapping[str, tuple[str, ...]] = _ATTENTION if kind == "attention" else _MLP
+    attention = next((spec for spec in kinds.attention
+                      if _block_groups(table, "self_attn", list(spec))), None)
+    blocks: list[tuple[str, Mapping[str, tuple[str | None, ...]]]] = [
+        ("self_attn", attention)] if attention is not None else []
+    blocks += sorted(((m.rpartition(".")[0], spec) for marker, spec in kinds.mlps for m in table
+                      if m.endswith(f".{marker}") and _block_groups(
+                          table, m.rpartition(".")[0], list(spec))), key=lambda b: b[0])
+    for block, spec_table in blocks:
         first = table[f"{block}.{next(iter(spec_table))}"]
-        if kind == "attention":
-            name, role, units = "attention", "attention_heads", "num_key_value_heads"
+        if spec_table is attention:
+            name, role, units = "attention", "attention_heads", kinds.heads
         else:
             name = block
             role = "feed_forward_intermediate" if first.experts is None else \
                 "expert_intermediate"
             rows = first.params.get("weight", ("", [0]))[1][0]
-            units = w.dim("intermediate_size", rows, "units")
+            units = w.dim(kinds.intermediate, rows, "units")
         if units in w.values:
             w.used.add(units)
-        w.lines += ["", f'  - name: "layers.{{unit}}.{name}"', f"    role: {role}",
-                    "    owner: {unit: decoder}"]
+        w.lines += ["", f'  - name: "{kinds.label}.{{unit}}.{name}"', f"    role: {role}",
+                    f"    owner: {{unit: {kinds.group}}}"]
         w.scope(block, first, [n for p in spec_table for n in table[f"{block}.{p}"].differs])
-        w.lines += [f"    units: {units}", "    projections:"]
+        if kinds.encoder and units not in w.values:
+            w.check(f"    units: {units}", f"the intermediate size of `{block}` ({units}) is "
+                    "no field of the encoder's config section: write it as an expression "
+                    "(Qwen2-VL's is embed_dim * mlp_ratio)")
+            w.lines.append("    projections:")
+        else:
+            w.lines += [f"    units: {units}", "    projections:"]
         for proj, spec in spec_table.items():
             module = f"{block}.{proj}"
             done.add(module)
@@ -421,7 +816,7 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
             w.lines.append(f"        sharding: {spec[0]}")
             if len(spec) == 4:
                 w.lines.append(f"        heads: {spec[1]}")
-                w.used.add(spec[1])
+                w.used.add(str(spec[1]))
                 rows_of, cols_of = spec[-2], spec[-1]
             else:  # the intermediate dimension is the group's units
                 rows_of = units if spec[0] == "column" else spec[1]
@@ -430,11 +825,13 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
-        sized, spans = _sized_like(w, table, module, leaf, entry)
+        # an encoder's norms are sized by its own widths, not as the decoder's attention's
+        sized, spans = (None, None) if kinds.encoder else _sized_like(w, table, module, leaf,
+                                                                      entry)
         params = _signature_params(w, entry.params, sized, None)
         safe = module.replace("self_attn.", "attention.")
-        w.lines += ["", f'  - name: "layers.{{unit}}.{safe}"', "    role: replicated",
-                    "    owner: {unit: decoder}"]
+        w.lines += ["", f'  - name: "{kinds.label}.{{unit}}.{safe}"', "    role: replicated",
+                    f"    owner: {{unit: {kinds.group}}}"]
         w.scope(module, entry)
         w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
         if spans is not None:
@@ -446,6 +843,15 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module]) -> None
             w.check("    # replicated on every rank", f"`{module}` holds packed quantized "
                     f"weights ({', '.join(sorted(_PACKED & set(entry.params)))}): replicated; "
                     "shard it with the family's linear format (docs/linear_formats.md)")
+        elif kinds.encoder and leaf == "qkv":
+            w.check("    # replicated on every rank", f"`{module}` looks like a fused "
+                    "[q | k | v] projection: replicated; split it by heads with `fused:` and "
+                    "its output projection (architectures/qwen2_vl.yaml)")
+        elif kinds.encoder and leaf in _ENCODER_PROJECTIONS:
+            w.check("    # replicated on every rank", f"`{module}` is a known projection, but "
+                    "its block's others are not all there as separate dense modules, or the "
+                    "encoder's config section has no head count: replicated; shard the block "
+                    "by hand")
         elif leaf in _ATTENTION or leaf in _MLP:
             w.check("    # replicated on every rank", f"`{module}` is a known projection, but "
                     "its block's others are not all there as separate dense modules (fused, "
@@ -487,7 +893,7 @@ def _static_roles(modules: Mapping[str, Any], prefix: str) -> dict[str, str]:
         return module.rpartition(".")[0] != parent, module
 
     leaf = {m: m.rsplit(".", 1)[-1] for m in modules}
-    heads = sorted((m for m in modules if m == "lm_head" or leaf[m] == "embed_out"), key=beside)
+    heads = sorted((m for m in modules if leaf[m] in ("lm_head", "embed_out")), key=beside)
     roles = {heads[0]: "output"} if heads else {}
     embeddings = sorted((m for m in modules if ("embed" in leaf[m] or leaf[m] == "wte")
                          and m not in roles and not _positional(leaf[m])
