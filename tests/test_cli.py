@@ -65,6 +65,21 @@ def test_a_leading_tilde_names_the_home_folder_where_the_shell_left_it(tmp_path,
     assert (home / "b" / "plan.json").is_file() and list(work.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", [
+    ["init"], ["init", "--config", CONFIG], ["compile"], ["compile", "llama", "--config", CONFIG],
+    ["check", "llama"], ["check", "llama", "--config", CONFIG]])
+def test_a_checkpoint_that_does_not_exist_is_named_not_the_config_its_folder_lacks(
+        tmp_path, capsys, command):
+    missing = tmp_path / "chekpoint"  # mistyped
+    out = {"init": ["--out", str(tmp_path / "f.yaml")], "compile": ["--out", str(tmp_path / "b")],
+           "check": []}[command[0]]
+    assert main([*command, "--checkpoint", str(missing), *out]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0] == f"error: {missing}: no such checkpoint file or directory"
+    assert "config.json" not in captured.err and captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_illegal_topology_exits_one_with_a_located_message(tmp_path, capsys):
     status = main(["compile", "llama", "--config", CONFIG, "--tp", "4", "--out",
                    str(tmp_path / "b")])

@@ -26,7 +26,13 @@ from partc.cli.parser import (
     build_parser,
     yaml_file_problem,
 )
-from partc.errors import MACHINE_ERRNOS, LoadError, MachineError, PartcError
+from partc.errors import (
+    MACHINE_ERRNOS,
+    LoadError,
+    MachineError,
+    PartcError,
+    SourceLocation,
+)
 
 _COMMANDS: dict[str, Any] = {
     "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
@@ -111,9 +117,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = yaml_file_problem(args.copy[1])
         if problem is not None:
             usage.error(f"argument --copy: {problem}")
+    if args.command in ("compile", "check", "init") and args.checkpoint is not None and \
+            not os.path.lexists(args.checkpoint):
+        return _missing_checkpoint(args.checkpoint, fmt)
     if args.command in ("compile", "check"):
         _config_beside(args, usage)
     return _run(args, fmt)
+
+
+def _missing_checkpoint(checkpoint: str, fmt: str) -> int:
+    """A --checkpoint that does not exist, reported as what loading it says, not as the
+    config.json its folder would have held (a mistyped folder was reported as a missing
+    config.json)."""
+    from partc.errors import CheckpointError
+
+    return report_errors([CheckpointError("no such checkpoint file or directory",
+                                          location=SourceLocation(checkpoint))], fmt)
 
 
 PATH_ARGUMENTS = ("family", "config", "checkpoint", "out", "expert_placement", "build", "path")
