@@ -166,3 +166,52 @@ def test_the_cli_names_the_module_of_a_wrong_boundary(tmp_path, capsys):
     assert status == 1
     assert re.search(r"error: T=1 x S=3: the cut after stage 0 .* module "
                      r"`model\.vision_tower\.encoder\.layers\.1` gives it as \[1, 5, 32\]", err)
+
+
+def test_a_cut_after_a_module_placed_with_the_last_unit_is_checked_against_that_modules_output(
+        tmp_path, capsys):
+    """`partc init` places Qwen2-VL's merger with the last vision block (static role
+    `visual_tail`): it runs on the vision stage after that block, so what crosses the cut is the
+    merger's output (the decoder's width), not the block's (the vision width). A boundary of the
+    block's width passed verify before; the same boundary of the merger's width passes."""
+    config = json.loads((hf("qwen2_vl") / "config.json").read_text())
+    vision, text = config["vision_config"]["embed_dim"], config["text_config"]["hidden_size"]
+    assert vision != text
+    family = tmp_path / "qv.yaml"
+    assert main(["init", "--checkpoint", str(hf("qwen2_vl")), "--out", str(family)]) == 0
+    capsys.readouterr()
+    scaffold = family.read_text()
+    assert "owner: {static: visual_tail}\n    module: visual.merger.mlp.0" in scaffold
+    placeholder = "shape: [visual_tokens, vision_embed_dim]"
+    assert scaffold.count(placeholder) == 1
+    report = verify_family(family, hf("qwen2_vl") / "config.json", tensor_parallel_sizes=[1],
+                           pipeline_parallel_size=2)
+    failure = report.first_failure
+    assert not report.ok and failure is not None
+    assert (failure.module, failure.group, failure.pp) == ("model.visual.merger", "visual", 2)
+    assert re.search(rf"declares `hidden` as \[visual_tokens, {vision}\], but module "
+                     rf"`model\.visual\.merger` gives it as \[\d+, {text}\]: axis 1 has {text} "
+                     rf"elements, the boundary declares {vision}$", failure.message), \
+        failure.message
+    family.write_text(scaffold.replace(placeholder, "shape: [visual_tokens, hidden_size]"))
+    fixed = verify_family(family, hf("qwen2_vl") / "config.json", tensor_parallel_sizes=[1],
+                          pipeline_parallel_size=2)
+    assert fixed.ok, fixed.first_failure
+    cut = [c for c in fixed.checks if c.pp == 2 and c.group == "visual"]
+    assert [c.module for c in cut] == ["model.visual.merger"]
+
+
+def test_a_folded_boundary_mismatch_names_the_axis_of_the_folded_shape(tmp_path):
+    """A per-request first axis spans HF's leading axes (one image's patches and its batch of
+    one): the axis a mismatch names is counted in the folded shape, which the message shows."""
+    _, fixture, file, old, _ = WRONG[2][:5]
+    family = tmp_path / file
+    family.write_text((ARCHITECTURES / file).read_text().replace(
+        old, "shape: [image_tokens, vision_hidden_size + 1]"))
+    report = verify_family(family, hf(fixture) / "config.json", tensor_parallel_sizes=[1],
+                           pipeline_parallel_size=3)
+    failure = report.first_failure
+    assert failure is not None and failure.module == "model.vision_tower.encoder.layers.1"
+    assert failure.message.endswith(
+        "gives it as [1, 5, 32]: axis 1 (its first 2 axes folded into one: [5, 32]) has 32 "
+        "elements, the boundary declares 33"), failure.message

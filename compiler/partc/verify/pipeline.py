@@ -154,7 +154,7 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
         holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
         if holders and not missing:
             composite[target] = np.asarray(build.states[holders[0]].tensors[target])
-    checks.extend(_cut_checks(session, build))
+    checks.extend(_cut_checks(session, build, placement))
     checks.extend(_input_checks(session, build, placement))
     logits = session.model_of(composite)
     with session.torch.no_grad():
@@ -221,11 +221,13 @@ def _axes(declared: Sequence[int | str], shape: Sequence[int], bound: dict[str, 
         return f"it has {len(shape)} axes, the boundary declares {len(declared)}"
     lead = len(shape) - len(declared) + 1
     sizes = [int(np.prod(shape[:lead])), *shape[lead:]]
+    folded = f" (its first {lead} axes folded into one: {_spell(sizes)})" if lead > 1 else ""
     for axis, (want, got) in enumerate(zip(declared, sizes, strict=True)):
         if isinstance(want, int) and want != got:
-            return f"axis {axis} has {got} elements, the boundary declares {want}"
+            return f"axis {axis}{folded} has {got} elements, the boundary declares {want}"
         if isinstance(want, str) and bound.setdefault(want, got) != got:
-            return f"axis {axis} (`{want}`) has {got} elements, but `{want}` is {bound[want]}"
+            return (f"axis {axis}{folded} (`{want}`) has {got} elements, but `{want}` is "
+                    f"{bound[want]}")
     return None
 
 
@@ -257,10 +259,61 @@ def _modules_run(session: Session, paths: Sequence[str]) -> list[str]:
     return found
 
 
-def _cut_checks(session: Session, build: Build) -> list[Check]:
+def _reaches_logits(session: Session, module: str) -> bool:
+    """Whether the output of `module` changes the logits: the full model run again with that
+    output perturbed (its first tensor doubled plus one). A module run but never used, as
+    LLaVA's vision post_layernorm or SigLIP's pooling head, does not."""
+    torch = session.torch
+
+    def perturb(_: Any, args: Any, output: Any) -> Any:
+        first = first_tensor(output)
+        if not torch.is_floating_point(first):
+            return output
+        changed = first * 2 + 1
+        if isinstance(output, (tuple, list)):
+            return type(output)([changed, *output[1:]]) if output and output[0] is first \
+                else output
+        return changed
+
+    handle = session.model.get_submodule(module).register_forward_hook(perturb)
+    try:
+        with torch.no_grad():
+            got = session.model(**session.inputs, use_cache=False).logits
+    finally:
+        handle.remove()
+    return largest_error(got, session.logits) > tolerance_of(session.logits)
+
+
+def _stage_tail(session: Session, placement: _Placement, stage: int, sender: str,
+                receiver: str) -> str | None:
+    """The module outside the units that hands the next stage its tensor in place of the
+    stage's last unit: of the modules run after that unit and before the next stage's first
+    one (in the full model's run) whose parameters all execute on `stage` (a static role
+    placed with the stage's last unit, as a vision merger), the last one whose output reaches
+    the logits. None when there is none: the last unit's output crosses."""
+    ran = placement.ran
+    after = max((i for m, i in ran.items() if m.startswith(sender + ".")), default=None)
+    before = min((i for m, i in ran.items() if m.startswith(receiver + ".")), default=None)
+    if after is None:
+        return None
+    tails = []
+    for module, at in ran.items():
+        if at <= after or (before is not None and at >= before) or \
+                placement._unit_of(module) is not None:
+            continue
+        params = [n for n in session.sources if n.startswith(module + ".")]
+        runs_on = {s for n in params for s in placement.stages(n).values()}
+        if runs_on == {stage}:
+            tails.append((at, module))
+    return next((m for _, m in sorted(tails, reverse=True) if _reaches_logits(session, m)), None)
+
+
+def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[Check]:
     """Each cut's declared boundary against what really crosses it: the primary tensor against
-    the output of the stage's last unit, an auxiliary tensor against the model input or the
-    next stage's first-unit argument of the same name (one of neither is not checked)."""
+    the output of the stage's last unit, or of the module after it the stage runs last and the
+    logits depend on (`_stage_tail`: a merger placed with the last vision unit), an auxiliary
+    tensor against the model input or the next stage's first-unit argument of the same name
+    (one of neither is not checked)."""
     stages, plan = build.pp, build.plan
     ends = _unit_ends(plan)
     cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
@@ -268,7 +321,11 @@ def _cut_checks(session: Session, build: Build) -> list[Check]:
     outputs, inputs = _unit_traffic(session, _modules_run(session, [c[1] for c in cuts]),
                                     _modules_run(session, [c[2] for c in cuts]))
     checks = []
-    for cut, sender, receiver in cuts:
+    for cut, unit, receiver in cuts:
+        tail = _stage_tail(session, placement, cut["after_stage"], unit, receiver)
+        sender = unit if tail is None else tail
+        if tail is not None:
+            outputs[tail] = session.captured[tail][2]
         stage, schema = cut["after_stage"], cut["boundary"]
         bound = {"batch": int(session.ids.shape[0]), "sequence": int(session.ids.shape[1])}
         where = (f"T=1 x S={stages}: the cut after stage {stage} (group `{cut['group']}`, "
