@@ -39,7 +39,7 @@ def test_the_mini_family_binds_to_its_config(tmp_path, monkeypatch):
      "family.yaml:4:16) [at /hidden_size]"),
     ({k: v for k, v in MINI_CONFIG.items() if k != "vocab_size"},
      "config.json:1:1: config.json has no `vocab_size`, which family `mini` requires (declared "
-     "as int with no default) [at /vocab_size]"),
+     "as int with no default, at family.yaml:6:15) [at /vocab_size]"),
     ({**MINI_CONFIG, "model_type": "llama"},
      "config.json:2:16: config model_type is 'llama' but family `mini` describes 'mini' "
      "[at /model_type]"),
@@ -133,22 +133,41 @@ def test_every_config_field_mistake_is_reported_together(tmp_path, monkeypatch):
     config.update(hidden_size="8", vocab_size=-4)
     assert bind_errors(tmp_path, monkeypatch, config=config) == [
         "config.json:1:1: config.json has no `num_layers`, which family `mini` requires "
-        "(declared as int with no default) [at /num_layers]",
+        "(declared as int with no default, at family.yaml:5:15) [at /num_layers]",
         "config.json:3:17: config field `hidden_size` must be int, found str '8' (declared at "
         "family.yaml:4:16) [at /hidden_size]",
         "config.json:4:16: config field `vocab_size` must be a positive integer of at most "
         "2147483647, found -4 [at /vocab_size]"]
 
 
+@pytest.mark.parametrize(("declared", "config", "line", "close"), [
+    ("  experts: {type: int, from: num_local_expert}\n", {"num_local_experts": 4}, 7,
+     "num_local_experts"),
+    ("  experts: {type: int, from: text_config.num_local_expert}\n",
+     {"text_config": {"num_local_experts": 4}}, 7, "text_config.num_local_experts"),
+    ("  experts: {type: int, from: text_confg.num_local_experts}\n",
+     {"text_config": {"num_local_experts": 4}}, 7, "text_config.num_local_experts"),
+])
+def test_a_misspelt_source_is_located_at_the_family_line_with_the_name_config_json_has(
+        tmp_path, monkeypatch, declared, config, line, close):
+    family = with_config_fields(declared)
+    source = declared.split("from: ")[1].split("}")[0]
+    column = declared.index("{") + 1
+    assert bind_errors(tmp_path, monkeypatch, family=family, config={**MINI_CONFIG, **config}) \
+        == [f"family.yaml:{line}:{column}: config.json has no `{source}`, which family `mini` "
+            "requires (declared as int with no default); did you mean "
+            f"`{close}`, which config.json has? [at /{source.replace('.', '/')}]"]
+
+
 @pytest.mark.parametrize(("config", "expected"), [
     ({**MINI_CONFIG, "num_local_experts": None},
      "config.json:6:23: config.json has none of `num_experts`, `num_local_experts` (tried in "
      "this order); `num_local_experts` is null, which family `mini` requires (declared as int "
-     "with no default) [at /num_local_experts]"),
+     "with no default, at family.yaml:7:12) [at /num_local_experts]"),
     (MINI_CONFIG,
      "config.json:1:1: config.json has none of `num_experts`, `num_local_experts` (tried in "
-     "this order), which family `mini` requires (declared as int with no default) "
-     "[at /num_experts]"),
+     "this order), which family `mini` requires (declared as int with no default, at "
+     "family.yaml:7:12) [at /num_experts]"),
 ])
 def test_a_missing_field_names_every_source_tried(tmp_path, monkeypatch, config, expected):
     family = with_config_fields("  experts: {type: int, from: [num_experts, num_local_experts]}\n")

@@ -3,7 +3,7 @@ prefixes and derived values), and the binder every later step evaluates expressi
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -248,10 +248,48 @@ def _missing(binder: Binder, field: ConfigFieldDecl) -> SemanticError:
         found += "; " + ", ".join(f"`{s}`" for s in nulls) + (
             " is null" if len(nulls) == 1 else " are null")
     pointer = "/" + (nulls or field.sources)[0].replace(".", "/")
+    declared = family.document.locate(field.pointer)
+    close = None if nulls else _close_source(config.data, field.sources)
+    if close is not None:  # a misspelt name in the family, most likely: located there
+        return SemanticError(
+            f"config.json has {found}, which family `{family.name}` requires (declared as "
+            f"{field.type.value} with no default); did you mean `{close}`, which config.json "
+            f"has?", location=declared, pointer=pointer)
     return SemanticError(
         f"config.json has {found}, which family `{family.name}` requires (declared as "
-        f"{field.type.value} with no default)",
+        f"{field.type.value} with no default, at {declared})",
         location=config.locate(pointer if nulls else ""), pointer=pointer)
+
+
+def _close_source(data: Mapping[str, Any], sources: Sequence[str]) -> str | None:
+    """A name config.json has that one of `sources` is probably a misspelling of: the closest
+    key beside where the source looks (`vision_config.hidden_size` for `vision_config.hiden_size`,
+    the section's name too: `text_config.hidden_size` for `text_confg.hidden_size`)."""
+    import difflib
+
+    for source in sources:
+        *parents, last = source.split(".")
+        node: Any = data
+        path: list[str] = []
+        for part in parents:
+            if not isinstance(node, Mapping):
+                break
+            if part not in node:
+                sections = [k for k, v in node.items() if isinstance(v, Mapping)]
+                match = difflib.get_close_matches(part, sections, n=1, cutoff=0.8)
+                if not match:
+                    node = None
+                    break
+                part = match[0]
+            path.append(part)
+            node = node[part]
+        if not isinstance(node, Mapping):
+            continue
+        keys = [k for k in node if isinstance(k, str) and node[k] is not None]
+        match = difflib.get_close_matches(last, keys, n=1, cutoff=0.8)
+        if match and ".".join([*path, match[0]]) != source:
+            return ".".join([*path, match[0]])
+    return None
 
 
 def _is_null(data: Mapping[str, Any], dotted: str) -> bool:
