@@ -401,3 +401,183 @@ def test_several_repetitions_none_beside_an_embedding_are_refused_with_the_file_
     assert status == 1
     assert (f"{checkpoint}: partc init found 2 layer repetitions in {checkpoint} (a.layers, "
             "b.blocks) and cannot tell which is the decoder") in err
+
+
+def _keys_of(checkpoint: Path) -> set[str]:
+    """A checkpoint folder's tensor names, read by the safetensors library."""
+    names: set[str] = set()
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(file), "np") as opened:
+            names.update(opened.keys())
+    return names
+
+
+def _compiled(family: Path, checkpoint: Path, tp: int, pp: int, out: Path,
+              capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    status, _, err = _run(["compile", str(family), "--checkpoint", str(checkpoint), "--tp",
+                           str(tp), "--pp", str(pp), "--out", str(out)], capsys)
+    assert status == 0, err
+    plan: dict[str, object] = json.loads(next(out.rglob("plan.json")).read_text())
+    return plan
+
+
+def _checks(family: Path, checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = _run(["check", str(family), "--checkpoint", str(checkpoint), "--tp", "2",
+                             "--pp", "2"], capsys)
+    assert status == 0, err
+    assert out.startswith("ok: family, config binding, checkpoint, topology checked")
+
+
+@pytest.fixture(scope="module")
+def paligemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, int]:
+    """A random PaliGemma written by transformers (vision width 40, decoder width 48), with
+    its decoder's hidden and vocabulary sizes read from the model's own config object. Its
+    config.json keeps PaliGemmaConfig's legacy top-level `hidden_size` (2048) and
+    `vocab_size` (257152) beside `text_config`'s."""
+    import torch
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = PaliGemmaConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 40,
+                       "intermediate_size": 80, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "image_size": 16, "patch_size": 8},
+        text_config={"model_type": "gemma", "hidden_size": 48, "intermediate_size": 96,
+                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 12, "vocab_size": 260},
+        image_token_index=257, projection_dim=48)
+    model = PaliGemmaForConditionalGeneration(config)
+    folder = tmp_path_factory.mktemp("paligemma") / "pg"
+    model.save_pretrained(folder)
+    text = model.config.text_config
+    return folder, text.hidden_size, text.vocab_size
+
+
+def test_paligemma_reads_the_decoder_fields_text_config_holds_beside_legacy_top_level_ones(
+        paligemma: tuple[Path, int, int], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """PaliGemma's config.json has a top-level `hidden_size` (2048) and `vocab_size` besides
+    `text_config`'s: the decoder's are the ones its tensors have, so they are read, and the
+    boundaries (the projector's output, the decoder's hidden state) are the decoder's width."""
+    folder, hidden, vocab = paligemma
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_size"] != hidden == config["text_config"]["hidden_size"]
+    assert config["vocab_size"] != vocab == config["text_config"]["vocab_size"]
+    family = tmp_path / "pg.yaml"
+    _, _, report = _init(folder, family, capsys)
+    text = family.read_text()
+    data = yaml.safe_load(text)
+    for field in ("hidden_size", "vocab_size"):
+        assert data["config"][field] == {"type": "int", "from": f"text_config.{field}"}
+        assert not any(line.startswith(f"  {field}:") and CHECK in line
+                       for line in text.splitlines())
+    embedding = text[text.index("  - name: embedding"):]
+    assert "    params: {weight: [vocab_size, hidden_size]}" in embedding[:embedding.index("\n\n")]
+    assert f"[{hidden}]" not in text and f", {hidden}]" not in text  # no literal decoder width
+    _checks(family, folder, capsys)
+    plan = _compiled(family, folder, 1, 2, tmp_path / "out", capsys)
+    cuts = plan["cuts"]
+    assert isinstance(cuts, list) and cuts
+    widths = [cut["boundary"]["primary"]["shape"][-1] for cut in cuts]
+    boundary = plan["boundary"]
+    assert isinstance(boundary, dict)
+    assert widths + [boundary["primary"]["shape"][-1]] == [hidden] * (len(cuts) + 1), cuts
+    assert isinstance(report["undecided"], list)
+
+
+def test_a_top_level_field_and_text_configs_neither_matching_the_header_is_marked(
+        paligemma: tuple[Path, int, int], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two different values of a field, neither the embedding's rows: text_config's is read,
+    marked; a field whose two values agree is read from text_config, unmarked."""
+    folder, hidden, vocab = paligemma
+    checkpoint = tmp_path / "pg"
+    shutil.copytree(folder, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["text_config"]["vocab_size"] = vocab + 4  # the embedding keeps `vocab` rows
+    config["hidden_size"] = hidden  # the legacy field agrees with text_config's
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    family = tmp_path / "pg.yaml"
+    _, _, report = _init(checkpoint, family, capsys)
+    text = family.read_text()
+    assert (f"  vocab_size: {{type: int, from: text_config.vocab_size}}  {CHECK} the config's "
+            f"top level has vocab_size = {config['vocab_size']} and text_config.vocab_size = "
+            f"{vocab + 4}; neither matches the decoder's shapes in the header") in text
+    assert "  hidden_size: {type: int, from: text_config.hidden_size}\n" in text
+    assert len([line for line in text.splitlines() if CHECK in line]) == len(
+        report["undecided"])  # type: ignore[arg-type]
+    _checks(family, checkpoint, capsys)
+
+
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LLaVA-NeXT written by transformers: its root-level `image_newline` [48] (no
+    module) beside `multi_modal_projector.linear_1/2`."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = LlavaNextConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32,
+                       "intermediate_size": 80, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                       "projection_dim": 32},
+        text_config={"model_type": "llama", "hidden_size": 48, "intermediate_size": 96,
+                     "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "vocab_size": 260},
+        image_token_index=257, image_grid_pinpoints=[[32, 32], [32, 64]])
+    folder = tmp_path_factory.mktemp("llava_next") / "lnext"
+    LlavaNextForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
+def test_llava_next_puts_its_root_level_image_newline_with_the_projector(
+        llava_next: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    keys = _keys_of(llava_next)
+    assert "image_newline" in keys  # a tensor of no module
+    family = tmp_path / "lnext.yaml"
+    _init(llava_next, family, capsys)
+    text = family.read_text()
+    _checks(family, llava_next, capsys)
+    data = yaml.safe_load(text)
+    assert [g["group"] for g in data["graph"]] == ["vision", "projector", "decoder"]
+    assert all(g["name"] for g in data["parameters"])
+    newline = next(g for g in data["parameters"] if g["name"] == "projector.image_newline")
+    assert newline["owner"] == {"unit": "projector"}
+    assert newline["members"] == [{"target": "image_newline", "shape": ["hidden_size"]}]
+    block = text[text.index('  - name: "projector.image_newline"'):]
+    assert f"{CHECK} `image_newline` is a tensor of no module" in block[:block.index("\n\n")]
+    plan = _compiled(family, llava_next, 2, 2, tmp_path / "out", capsys)
+    tensors = plan["tensors"]
+    assert isinstance(tensors, list)
+    assert sorted(t["target"] for t in tensors) == sorted(keys)  # every tensor, once
+    owners = {g["name"]: g["owner"] for g in plan["groups"]}  # type: ignore[attr-defined]
+    projector = {t["target"] for t in tensors
+                 if owners[t["group"]].get("group") == "projector"}
+    assert projector == {"image_newline", *(f"multi_modal_projector.linear_{n}.{p}"
+                                            for n in (1, 2) for p in ("weight", "bias"))}
+
+
+def test_a_root_level_tensor_of_a_single_repetition_checkpoint_is_owned_by_the_last_stage(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    shutil.copy(hf("llama") / "config.json", checkpoint / "config.json")
+    tensors = load_file(hf("llama") / "model.safetensors")
+    tensors["extra_scale"] = np.ones((64,), np.float32)  # no module; [hidden_size]
+    save_file(tensors, checkpoint / "model.safetensors")
+    family = tmp_path / "extra.yaml"
+    _init(checkpoint, family, capsys)
+    text = family.read_text()
+    _checks(family, checkpoint, capsys)
+    data = yaml.safe_load(text)
+    assert [g["group"] for g in data["graph"]] == ["decoder"]
+    extra = next(g for g in data["parameters"] if g["name"] == "extra_scale")
+    assert extra["owner"] == {"static": "output"}
+    assert extra["members"] == [{"target": "extra_scale", "shape": ["hidden_size"]}]
+    block = text[text.index('  - name: "extra_scale"'):]
+    assert f"{CHECK} `extra_scale` is a tensor of no module" in block
+    plan = _compiled(family, checkpoint, 2, 2, tmp_path / "out", capsys)
+    targets = {t["target"]: t["stages"] for t in plan["tensors"]}  # type: ignore[attr-defined]
+    assert sorted(targets) == sorted(_keys_of(checkpoint))
+    assert targets["extra_scale"] == [1]

@@ -5,12 +5,12 @@ tower's `<prefix>.blocks.<n>.`), the common Llama-style projection names (q/k/v/
 gate/up/down, also of shared and routed experts), expert repetition (`experts.<e>.`), norms
 (`ln_1` too), the token embedding and what the first stage uses beside it (position
 embeddings), and a tied or untied head; config fields nested under `text_config`, or spelled
-GPT-2's way (`n_embd`, `n_layer`), are read with `from:`. A part found in only some layers
-gets a `when:` over the layer numbers. Anything else is kept
-as a replicated group with literal shapes and marked `# partc init: CHECK`, so that the
-scaffold still owns every tensor and passes `partc check` as written; what it cannot write so
-that it does (a tensor whose shape differs between layers) is marked too and said in
-`Scaffold.notes`.
+GPT-2's way (`n_embd`, `n_layer`), are read with `from:` (of a field both the top level and
+`text_config` hold, the value that matches the header's decoder). A part found in only some
+layers gets a `when:` over the layer numbers. Anything else is kept as a replicated group
+with literal shapes and marked `# partc init: CHECK`, so that the scaffold still owns every
+tensor and passes `partc check` as written; what it cannot write so that it does (a tensor
+whose shape differs between layers) is marked too and said in `Scaffold.notes`.
 
 A checkpoint with several repetitions (a vision-language model: a vision tower's layers beside
 the language model's) gets a multi-group graph: the decoder is the repetition beside the token
@@ -19,14 +19,16 @@ config fields read from its config section (`vision_config`) under prefixed name
 attention and `fc1`/`fc2` split, its modules outside the layers static roles placed with its
 first or last unit; modules outside every repetition's root (LLaVA's projector) are one
 `projector` group between them. Each such group gets a boundary whose shapes are placeholders
-marked CHECK (what crosses a cut inside a vision tower is not in the header).
+marked CHECK (what crosses a cut inside a vision tower is not in the header). A tensor of no
+module (LLaVA-NeXT's root-level `image_newline`) is a `members:` group placed with the projector
+when there is one, else with the last stage, marked.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,9 @@ _DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermedia
 _EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 """Config names an expert count is matched against."""
 _NESTED = ("text_config",)
-"""Config sections whose fields are read (with `from:`) when the top level lacks them."""
+"""Config sections whose fields are read (with `from:`) when the top level lacks them, or holds
+them too (PaliGemma's legacy top-level `hidden_size`): then the value that matches the header
+(`_nested_choice`)."""
 _ALIASES = {"hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
             "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",)}
 """The names GPT-2 and BLOOM configs use instead (transformers' `attribute_map`), read with
@@ -140,19 +144,31 @@ class Scaffold:
     """What the user should know before running `partc check` (said on the console too)."""
 
 
-def _values(config: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
-    """The config names the scaffold's expressions use, with their defaults, and where each
-    is read (`hidden_size`, or `text_config.hidden_size` when only that section has it)."""
+def _values(config: Mapping[str, Any], matches: Callable[[str, int], bool | None]
+            ) -> tuple[dict[str, int], dict[str, str], dict[str, str]]:
+    """The config names the scaffold's expressions use, with their defaults, where each is read
+    (`hidden_size`, or `text_config.hidden_size` when only that section has it) and, by name,
+    why a field read from a guess is marked CHECK. A field both the top level and
+    `text_config` hold (PaliGemma's legacy top-level `hidden_size`) is read where its value
+    `matches` the header's decoder, `text_config` when both do; when neither or both of two
+    different values do (or the header cannot tell), `text_config`'s, marked."""
     sources: dict[str, str] = {}
+    marked: dict[str, str] = {}
 
     def number(key: str, default: int | None = None) -> int | None:
         for name in (key, *_ALIASES.get(key, ())):
-            for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED)):
-                if isinstance(section, Mapping) and name in section:
-                    value = section[name]
-                    if isinstance(value, int) and not isinstance(value, bool):
-                        sources[key] = where + name
-                        return value
+            found: list[tuple[str, int]] = [
+                (where, section[name]) for where, section in (
+                    ("", config), *((f"{n}.", config.get(n)) for n in _NESTED))
+                if isinstance(section, Mapping) and name in section
+                and isinstance(section[name], int) and not isinstance(section[name], bool)]
+            if not found:
+                continue
+            where, value = found[0]
+            if len(found) > 1:
+                where, value = _nested_choice(key, name, found, matches, marked)
+            sources[key] = where + name
+            return value
         return default
 
     hidden, heads = number("hidden_size"), number("num_attention_heads")
@@ -163,7 +179,55 @@ def _values(config: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, str]]:
     out["head_dim"] = number("head_dim", hidden // heads if hidden and heads else None)
     for key in (*_DIMENSIONS, *_EXPERT_COUNTS):
         out.setdefault(key, number(key))
-    return {k: v for k, v in out.items() if v is not None}, sources
+    return {k: v for k, v in out.items() if v is not None}, sources, marked
+
+
+def _nested_choice(key: str, name: str, found: Sequence[tuple[str, int]],
+                   matches: Callable[[str, int], bool | None], marked: dict[str, str]
+                   ) -> tuple[str, int]:
+    """Of a field the top level and `text_config` both hold, the one the decoder uses: the
+    one whose value matches the header, else `text_config`'s (the decoder's section), marked
+    in `marked` when the values differ and the header does not single one out."""
+    (_, top), nested = found[0], found[-1]
+    if top == nested[1]:
+        return nested
+    said = [matches(key, value) for _, value in found]
+    if said.count(True) == 1:
+        return found[said.index(True)]
+    why = ("both match the decoder's shapes in the header" if True in said else
+           "neither matches the decoder's shapes in the header" if all(
+               s is False for s in said) else "the header does not tell which the decoder uses")
+    marked[key] = (f"the config's top level has {name} = {top} and {nested[0]}{name} = "
+                   f"{nested[1]}; {why}: read {nested[0].rstrip('.')}'s (the decoder's section "
+                   "in vision-language configs); write the one the decoder uses")
+    return nested
+
+
+def _header_matches(by_layer: Mapping[int, Mapping[str, tuple[str, list[int]]]],
+                    modules: Mapping[str, Mapping[str, tuple[str, list[int]]]],
+                    roles: Mapping[str, str]) -> Callable[[str, int], bool | None]:
+    """Whether a config value of a decoder field agrees with the decoder's tensors in the
+    header (None: they do not say): `hidden_size` and `vocab_size` with the token embedding's
+    (or head's) [rows, width], `num_hidden_layers` with the layer count, another dimension
+    with some axis of a decoder layer's tensors or its embedding, norm and head."""
+    tables = [modules[m]["weight"][1] for m, role in roles.items()
+              if role in ("embedding", "output") and len(modules[m].get("weight", ("", []))[1])
+              == 2]
+    axes = {n for tensors in by_layer.values() for _, shape in tensors.values() for n in shape}
+    axes |= {n for m in roles for _, shape in modules[m].values() for n in shape}
+
+    def matches(key: str, value: int) -> bool | None:
+        if key == "num_hidden_layers":
+            return value == len(by_layer)
+        if key in ("hidden_size", "vocab_size"):
+            if not tables:
+                return value in axes if key == "hidden_size" else None
+            return any(shape[key == "hidden_size"] == value for shape in tables)
+        if key in (*_DIMENSIONS, "head_dim"):
+            return value in axes
+        return None
+
+    return matches
 
 
 def _evaluate(expression: str, values: Mapping[str, int]) -> int | None:
@@ -226,6 +290,19 @@ class _Writer:
         else:
             self.lines.append(f"{indent}params:")
             self.lines += [f"{indent}  {item}" for item in items]
+
+    def loose(self, name: str, tensor: str, signature: tuple[str, list[int]], owner: str,
+              why: str) -> None:
+        """The group `name` of a tensor of no module (a root-level `image_newline`): one
+        `members:` entry, replicated, owned by `owner`, a guess marked with `why`."""
+        dtype, shape = signature
+        entry = f"{{target: {json.dumps(tensor)}, shape: [" + ", ".join(
+            self.dim(None, n, tensor) for n in shape) + "]" + (
+            f", dtype: {dtype}" if dtype != self.default_dtype else "") + "}"
+        self.lines += ["", f"  - name: {json.dumps(name)}", "    role: replicated",
+                       f"    owner: {owner}"]
+        self.check("    # owner guessed", why)
+        self.lines += ["    members:", f"      - {entry}"]
 
     def check(self, line: str, why: str) -> None:
         self.lines.append(f"{line}  {CHECK}: {why}")
@@ -363,7 +440,6 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     family = name or re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", model_type))[:128]
     torch_dtype = config.get("torch_dtype") or config.get("dtype")
     default = TORCH_DTYPE_NAMES.get(str(torch_dtype)) if torch_dtype else None
-    values, sources = _values(config)
     layers: dict[str, dict[int, dict[str, tuple[str, list[int]]]]] = {}
     outside: dict[str, tuple[str, list[int]]] = {}
     for tensor, signature in header.items():
@@ -378,16 +454,19 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                         f"`.h.<n>.`, `.blocks.<n>.`); {checkpoint} has none",
                         location=SourceLocation(str(checkpoint)))
     modules = _modules(outside)
+    loose = modules.pop("", {})  # tensors of no module (LLaVA-NeXT's `image_newline`)
     prefix = _decoder_prefix(layers, modules, checkpoint)
     common = _common_parts(sorted(layers))
-    encoders = _encoders(layers, prefix, common, modules, config, values, sources, checkpoint)
     by_layer = layers[prefix]
+    roots = {_root_of(p, common) for p in layers if p != prefix}  # the encoders' (_encoders)
+    decoder_modules = {m: p for m, p in modules.items()
+                       if not any(_under(m, root) for root in roots)}
+    roles = _static_roles(decoder_modules, prefix)
+    values, sources, marked = _values(config, _header_matches(by_layer, decoder_modules, roles))
+    encoders = _encoders(layers, prefix, common, modules, config, values, sources, checkpoint)
     count = len(by_layer)
     w = _Writer(values, default or "F32", sorted(by_layer))
     chain = [e.group for e in encoders]
-    decoder_modules = {m: p for m, p in modules.items()
-                       if not any(_under(m, e.root) for e in encoders)}
-    roles = _static_roles(decoder_modules, prefix)
     projector = _projector(decoder_modules, roles, _root_of(prefix, common), common) \
         if encoders else None
     if projector is not None:
@@ -406,7 +485,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     _layer_groups(w, prefix, table)
     w.lines = saved
     tables = [table]
-    static = _static_groups(w, decoder_modules, roles)
+    static = _static_groups(w, decoder_modules, roles, {} if projector else loose)
     front: list[str] = []  # the encoders' and the projector's groups and their graph entries
     graph: list[str] = []
     for number, encoder in enumerate(encoders):
@@ -414,15 +493,20 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                                       chain[number - 1] if number else None,
                                       config.get("vision_feature_layer")))
     if projector is not None:
-        _projector_groups(w, projector, encoders[-1], front, graph, family)
+        _projector_groups(w, projector, encoders[-1], front, graph, family, loose)
     w.dimensions, w.all_layers = _DIMENSIONS, set(by_layer)
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
     prefixed = {n for e in encoders for n in e.names}
-    used = sorted((w.used - prefixed) | {"num_hidden_layers"})
+    # a field read from a guess is declared (and marked) also when no shape uses it
+    used = sorted((w.used - prefixed) | {"num_hidden_layers"} | set(marked))
     w.lines.append("config:")
     for key in used:
-        w.lines.append(f"  {key}: {_config_field(key, sources.get(key, key))}")
+        line = f"  {key}: {_config_field(key, sources.get(key, key))}"
+        if key in marked:
+            w.check(line, marked[key])
+        else:
+            w.lines.append(line)
     if values.get("num_hidden_layers") != count:
         w.check(f"  # the checkpoint has {count} layers", "num_hidden_layers differs from the "
                 "header's layer count")
@@ -708,11 +792,12 @@ def _encoder_statics(w: _Writer, e: _Encoder) -> tuple[list[str], list[str]]:
 
 
 def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]]],
-                      encoder: _Encoder, front: list[str], graph: list[str], family: str
-                      ) -> None:
+                      encoder: _Encoder, front: list[str], graph: list[str], family: str,
+                      loose: Mapping[str, tuple[str, list[int]]]) -> None:
     """The projector's groups (replicated, marked) and its graph entry after the last
     encoder: its dimensions are matched against the decoder's config, then the encoder's
-    (it maps the tower's width to the decoder's)."""
+    (it maps the tower's width to the decoder's). The tensors of no module (`loose`) are
+    placed with it, marked: LLaVA-NeXT's `image_newline` is appended to its output."""
     root, modules = projector
     w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
                                     if encoder.stem + k in w.values))
@@ -728,6 +813,11 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                     "replicated; a two-linear MLP splits as one feed_forward_intermediate "
                     "group, the first column, the second row (architectures/llava.yaml)")
         w.params(_signature_params(w, modules[module], None, None), "    ")
+    for tensor in sorted(loose):
+        w.loose(f"projector.{tensor}", tensor, loose[tensor], "{unit: projector}",
+                f"`{tensor}` is a tensor of no module, outside the layers: owned with the "
+                "projector, whose output LLaVA-NeXT's `image_newline` is appended to (HF's "
+                "pack_image_features); whether this one is, the header does not say")
     w.lines = graph
     w.lines += ["  - group: projector", "    units: 1", f"    path: {root}",
                 f"    after: [{encoder.group}]", "    boundary:",
@@ -922,8 +1012,10 @@ def _beside_embedding(leaf: str) -> bool:
     return _positional(leaf) or "embed" in leaf
 
 
-def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mapping[str, str]
-                   ) -> tuple[list[str], list[str]]:
+def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mapping[str, str],
+                   loose: Mapping[str, tuple[str, list[int]]]) -> tuple[list[str], list[str]]:
+    """The groups of the decoder's modules outside its layers (the first stage's, the last
+    stage's), and of the tensors of no module (`loose`: the last stage's, marked)."""
     head: list[str] = []
     tail: list[str] = []
     tied = "output" not in roles.values()
@@ -966,4 +1058,10 @@ def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mappin
             w.params(_signature_params(w, params, None, None), "    ")
             tail += w.lines
         w.lines = saved
+    saved, w.lines = w.lines, tail
+    for tensor in sorted(loose):
+        w.loose(tensor, tensor, loose[tensor], "{static: output}", f"`{tensor}` is a tensor "
+                "of no module, outside the layers, and not a known name: owned by the last "
+                "stage")
+    w.lines = saved
     return head, tail
