@@ -220,6 +220,24 @@ def test_a_large_config_is_shrunk_keeping_its_structure():
     assert not is_large(tiny) and reference_config(tiny)[0]["hidden_size"] == tiny["hidden_size"]
 
 
+def test_a_vision_language_config_is_not_shrunk_by_its_top_level_legacy_sizes():
+    """PaliGemma's config.json keeps a legacy top-level `hidden_size` (2048) and `vocab_size`
+    beside text_config's: the model ignores them, and rewriting them (the shrink rules read the
+    top level) only broke a family reading them and printed a shrink that did not happen."""
+    config = json.loads((hf("llava") / "config.json").read_text())
+    legacy = {**config, "hidden_size": 2048, "vocab_size": 257152}
+    assert not is_large(legacy)
+    out, notes = reference_config(legacy, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert notes == []
+    assert {k: out[k] for k in legacy if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in legacy.items() if k not in ("dtype", "torch_dtype")}
+    large = {**config, "text_config": {**config["text_config"], "hidden_size": 4096}}
+    out, notes = reference_config(large)
+    assert out["text_config"] == large["text_config"]
+    assert notes == ["not shrunk: a vision-language config keeps its sizes in text_config and "
+                     "vision_config; the reference model is built at full size"]
+
+
 def test_a_shrunk_deepseek_v3_verifies():
     report = verify_family(None, ROOT / "tests" / "fixtures" / "fullsize" / "DeepSeek-V3"
                            / "config.json", tensor_parallel_sizes=[2], pipeline_parallel_size=2)

@@ -168,9 +168,25 @@ sees the largest T and S the real config compiles at and keeps a unit for each o
 heads and layers)."""
 
 
-def is_large(config: dict[str, Any]) -> bool:
-    """Whether a config is shrunk before the reference model is built."""
+_SECTIONS = ("text_config", "vision_config")
+"""The sections a vision-language config keeps its models' sizes in."""
+
+
+def _composite(config: dict[str, Any]) -> bool:
+    """Whether a config keeps its sizes in sections (a vision-language config)."""
+    return any(isinstance(config.get(name), dict) for name in _SECTIONS)
+
+
+def _exceeds(config: dict[str, Any]) -> bool:
     return any((config.get(name) or 0) > limit for name, limit in LARGE.items())
+
+
+def is_large(config: dict[str, Any]) -> bool:
+    """Whether a config is shrunk before the reference model is built: one whose top-level
+    sizes exceed LARGE, unless it is a vision-language config (its sizes are in `text_config`
+    and `vision_config`, which the shrink rules do not rewrite; a top-level `hidden_size`
+    beside them, as PaliGemma's legacy one, is not the model's)."""
+    return not _composite(config) and _exceeds(config)
 
 
 def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
@@ -188,6 +204,9 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
              for k in ("quantization_config", "quantization") if k in config]
     out["dtype"] = "float32"
     out.pop("torch_dtype", None)
+    if _composite(config) and any(_exceeds(config.get(n) or {}) for n in _SECTIONS):
+        notes.append("not shrunk: a vision-language config keeps its sizes in text_config and "
+                     "vision_config; the reference model is built at full size")
     if is_large(config):
         for what, applies, rule in SHRINK_RULES:
             if not applies(out):
