@@ -215,3 +215,60 @@ def test_a_folded_boundary_mismatch_names_the_axis_of_the_folded_shape(tmp_path)
     assert failure.message.endswith(
         "gives it as [1, 5, 32]: axis 1 (its first 2 axes folded into one: [5, 32]) has 32 "
         "elements, the boundary declares 33"), failure.message
+
+
+POST_LAYERNORM = '''  - name: vision_unused.post_layernorm
+    role: replicated
+    owner: {static: vision_unused}
+    module: "{vision_root}.post_layernorm"
+    sharding: replicated
+    params: {weight: [vision_hidden_size], bias: [vision_hidden_size]}
+'''
+
+
+def _llava_omitting(tmp_path: Path, glob: str, *replaced: tuple[str, str]) -> Path:
+    text = (ARCHITECTURES / "llava.yaml").read_text()
+    for old, new in replaced:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    family = tmp_path / "llava_omit.yaml"
+    family.write_text(text.replace("\nparameters:\n", f'\nomit: ["{glob}"]\n\nparameters:\n', 1))
+    return family
+
+
+def test_a_module_made_of_omitted_tensors_that_reaches_nothing_verifies(tmp_path):
+    """CLIP's post_layernorm runs in HF's vision tower, but LLaVA reads an earlier layer's
+    hidden state: a family may omit it instead of owning it, and verify agrees (the module
+    checks and the stages' checks both), because changing its output changes no logit."""
+    family = _llava_omitting(tmp_path, "vision_tower*.post_layernorm.*", (POST_LAYERNORM, ""))
+    config = hf("llava") / "config.json"
+    assert check_family(family, config, topology=Topology(
+        tensor_parallel_size=2, pipeline_parallel_size=2)) == []
+    report = verify_family(family, config, tensor_parallel_sizes=[1, 2], pipeline_parallel_size=2)
+    assert report.ok, report.first_failure
+    checked = [c for c in report.checks if c.module == "model.vision_tower.post_layernorm"]
+    assert [c.tp for c in checked] == [1, 2] and all(c.ok for c in checked)
+
+
+def test_an_omitted_tensor_the_logits_depend_on_fails_verify_naming_it(tmp_path):
+    """The projector's biases omitted (no rank loads them) though HF adds them: the projector's
+    module check names them, and the stages' check says no stage loads them."""
+    family = _llava_omitting(tmp_path, "multi_modal_projector.*.bias",
+                             ("    bias: projector_bias\n", "    bias: false\n"))
+    config = hf("llava") / "config.json"
+    assert check_family(family, config, topology=Topology(
+        tensor_parallel_size=1, pipeline_parallel_size=2)) == []
+    report = verify_family(family, config, tensor_parallel_sizes=[1], pipeline_parallel_size=2)
+    failed = [c for c in report.checks if not c.ok]
+    assert not report.ok
+    module = next(c for c in failed if c.module == "model.multi_modal_projector")
+    assert module.message.startswith(
+        "T=1 x S=1: module `model.multi_modal_projector`, ranks 0-0: no rank loads "
+        "`multi_modal_projector.linear_1.bias`, `multi_modal_projector.linear_2.bias` (the "
+        "family omits them), but the module runs them and the logits depend on it"), \
+        module.message
+    stages = [c for c in failed if c.pp == 2 and c.module.startswith("multi_modal_projector")]
+    assert sorted(c.module for c in stages) == ["multi_modal_projector.linear_1.bias",
+                                                "multi_modal_projector.linear_2.bias"]
+    assert all("no stage loads that tensor (the family omits it), and the logits depend on it"
+               in c.message for c in stages)

@@ -85,6 +85,15 @@ class TensorParallelRanks:
         want = session.captured[module][2]
         tolerance = tolerance_of(want)
         targets = session.targets(module)
+        omitted = [t for t in targets if not any(t in m for m in self.masks)]
+        if omitted:  # no rank loads them (the family's `omit:`)
+            if len(omitted) == len(targets) and not session.reaches_logits(module):
+                return Check(tp=tp, pp=1, module=module, group="", rank=None, ok=True,
+                             max_error=0.0, tolerance=tolerance)  # run, never used
+            return self._fail(module, "", None, float("inf"), tolerance,
+                              "no rank loads " + ", ".join(f"`{t}`" for t in omitted)
+                              + " (the family omits " + ("it" if len(omitted) == 1 else "them")
+                              + "), but the module runs them and the logits depend on it")
         split = [t for t in targets if not self.whole[t]]
         groups = self._groups(split)
         if not split:

@@ -145,12 +145,18 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
     for target in session.names:
         users = executing.get(target, {})
         missing = [s for s in sorted(users) if target not in owned[s]]
+        omitted = not any(target in held for held in owned)
+        runners = {session.module_of(users[s]) for s in missing}
+        if omitted and not any(session.reaches_logits(m) for m in runners if m is not None):
+            continue  # run but never used (SigLIP's pooling head): the family may omit it
         for stage in missing:
             checks.append(Check(
                 tp=1, pp=stages, module=target, group="", rank=stage, ok=False,
                 max_error=float("inf"), tolerance=0.0,
                 message=f"T=1 x S={stages}: stage {stage} executes `{users[stage]}`, made of "
-                        f"`{target}`, but does not own that tensor"))
+                        f"`{target}`, but " + (
+                            "no stage loads that tensor (the family omits it), and the logits "
+                            "depend on it" if omitted else "does not own that tensor")))
         holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
         if holders and not missing:
             composite[target] = np.asarray(build.states[holders[0]].tensors[target])
@@ -259,31 +265,6 @@ def _modules_run(session: Session, paths: Sequence[str]) -> list[str]:
     return found
 
 
-def _reaches_logits(session: Session, module: str) -> bool:
-    """Whether the output of `module` changes the logits: the full model run again with that
-    output perturbed (its first tensor doubled plus one). A module run but never used, as
-    LLaVA's vision post_layernorm or SigLIP's pooling head, does not."""
-    torch = session.torch
-
-    def perturb(_: Any, args: Any, output: Any) -> Any:
-        first = first_tensor(output)
-        if not torch.is_floating_point(first):
-            return output
-        changed = first * 2 + 1
-        if isinstance(output, (tuple, list)):
-            return type(output)([changed, *output[1:]]) if output and output[0] is first \
-                else output
-        return changed
-
-    handle = session.model.get_submodule(module).register_forward_hook(perturb)
-    try:
-        with torch.no_grad():
-            got = session.model(**session.inputs, use_cache=False).logits
-    finally:
-        handle.remove()
-    return largest_error(got, session.logits) > tolerance_of(session.logits)
-
-
 def _stage_tail(session: Session, placement: _Placement, stage: int, sender: str,
                 receiver: str) -> str | None:
     """The module outside the units that hands the next stage its tensor in place of the
@@ -305,7 +286,7 @@ def _stage_tail(session: Session, placement: _Placement, stage: int, sender: str
         runs_on = {s for n in params for s in placement.stages(n).values()}
         if runs_on == {stage}:
             tails.append((at, module))
-    return next((m for _, m in sorted(tails, reverse=True) if _reaches_logits(session, m)), None)
+    return next((m for _, m in sorted(tails, reverse=True) if session.reaches_logits(m)), None)
 
 
 def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[Check]:

@@ -91,6 +91,7 @@ class Session:
         self.ids = self.inputs["input_ids"]
         self.modules = self._modules()
         self.captured = self._capture()
+        self._reaches: dict[str, bool] = {}
         with self.torch.no_grad():
             self.logits = self.model(**self.inputs, use_cache=False).logits
 
@@ -148,6 +149,40 @@ class Session:
             for handle in handles:
                 handle.remove()
         return captured
+
+    def module_of(self, parameter: str) -> str | None:
+        """The checked module (`modules`) a parameter of the model lies in, if any."""
+        return max((m for m in self.captured if parameter.startswith(m + ".")), key=len,
+                   default=None)
+
+    def reaches_logits(self, module: str) -> bool:
+        """Whether the output of `module` changes the logits: the full model run again with
+        that output perturbed (its first tensor doubled plus one). A module run but never
+        used, as LLaVA's vision post_layernorm or SigLIP's pooling head, does not. Cached."""
+        known = self._reaches.get(module)
+        if known is not None:
+            return known
+        torch = self.torch
+
+        def perturb(_: Any, args: Any, output: Any) -> Any:
+            first = first_tensor(output)
+            if not torch.is_floating_point(first):
+                return output
+            changed = first * 2 + 1
+            if isinstance(output, (tuple, list)):
+                return type(output)([changed, *output[1:]]) if output and output[0] is first \
+                    else output
+            return changed
+
+        handle = self.model.get_submodule(module).register_forward_hook(perturb)
+        try:
+            with torch.no_grad():
+                got = self.model(**self.inputs, use_cache=False).logits
+        finally:
+            handle.remove()
+        found = self._reaches[module] = largest_error(got, self.logits) > tolerance_of(
+            self.logits)
+        return found
 
     def model_of(self, tensors: dict[str, np.ndarray]) -> Any:
         """A model loaded by transformers from these on-disk tensors (the rest: zeros)."""
