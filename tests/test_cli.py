@@ -49,6 +49,25 @@ def test_the_summary_counts_each_rank_s_tensors(tmp_path, capsys):
         assert int(row[4]) == sum(stage in t["stages"] for t in written["tensors"])
 
 
+def test_the_rank_table_keeps_its_columns_aligned_for_a_stage_of_several_groups(tmp_path,
+                                                                                capsys):
+    """A vision-language stage's units (`vision[0:2], projector[0:1]`) are wider than a
+    decoder's: every row's tensor count ends under the header's `tensors`, and its static roles
+    start under `static roles`."""
+    assert main(["compile", "--checkpoint", str(hf("llava")), "--tp", "2", "--pp", "2",
+                 "--out", str(tmp_path / "b")]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    header, rows = lines[0], lines[1:lines.index("")]
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert len(rows) == 4 and any("projector[0:1]" in row for row in rows)
+    end, roles = header.index("tensors") + len("tensors"), header.index("static roles")
+    for rank, row in enumerate(rows):
+        count = sum(plan["ranks"][rank]["partition"]["stage"] in t["stages"]
+                    for t in plan["tensors"])
+        assert row[:end].split()[-1] == str(count) and row[end] == " ", row
+        assert row[roles - 1] == " " and row[roles] != " ", row
+
+
 def test_compile_without_a_family_uses_the_built_in_one_for_the_model_type(tmp_path):
     assert main(["compile", "--config", CONFIG, "--out", str(tmp_path / "b")]) == 0
 

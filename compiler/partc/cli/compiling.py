@@ -175,17 +175,26 @@ def _id_ranges(ids: Sequence[int]) -> str:
 
 
 def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
-    print(f"{'rank':>4} {'tp':>3} {'stage':>5} {'units':>13} {'tensors':>7} {'local MiB':>10} "
-          f"{'static roles'}")
+    """One row per rank, its columns as wide as their widest cell (a vision-language stage's
+    units, `vision[0:2], projector[0:1]`, are wider than a decoder's)."""
+    from partc.inspect.text import table
+
+    rows = []
     for rank in plan.ranks:
         part = rank.partition
         units = ", ".join(f"{g.group}[{g.unit_range[0]}:{g.unit_range[1]}]" for g in part.groups)
-        line = (f"{rank.rank:>4} {rank.tensor_parallel_rank:>3} {rank.pipeline_stage:>5} "
-                f"{units:>13} {rank.info.owned_tensors:>7} "
-                f"{rank.info.local_parameter_bytes / 2**20:>10.3f} "
-                f"{', '.join(part.ownership.static_roles) or '-'}")
+        row = [rank.rank, rank.tensor_parallel_rank, rank.pipeline_stage, units,
+               rank.info.owned_tensors, f"{rank.info.local_parameter_bytes / 2**20:.3f}",
+               ", ".join(part.ownership.static_roles) or "-"]
         if loaded is not None:
-            line += f"  loaded {loaded[rank.rank]}"
+            row.append(f"loaded {loaded[rank.rank]}")
+        rows.append(row)
+    header = ["rank", "tp", "stage", "units", "tensors", "local MiB", "static roles"]
+    right = [True, True, True, False, True, True, False]
+    if loaded is not None:
+        header.append("")
+        right.append(False)
+    for line in table(header, rows, right=right):
         print(line)
 
 
