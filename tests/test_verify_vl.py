@@ -59,7 +59,7 @@ def test_every_module_of_the_vision_tower_projector_and_decoder_is_checked(repor
     name, two, three = reports
     assert two.ok, two.first_failure
     assert three.ok, three.first_failure
-    assert two.family == name and two.model_type == name and not two.notes
+    assert two.family == name and two.model_type == name
     assert {(c.tp, c.pp) for c in two.checks} == {(1, 1), (2, 1), (1, 2)}
     assert {(c.tp, c.pp) for c in three.checks} == {(2, 1), (1, 3)}
     modules = {c.module for c in two.checks if c.tp == 2}
@@ -70,6 +70,27 @@ def test_every_module_of_the_vision_tower_projector_and_decoder_is_checked(repor
         # split over the two ranks and summed (not a whole-on-every-rank module)
         assert split and split[0].rank is None and split[0].group and split[0].max_error > 0
         assert split[0].max_error <= split[0].tolerance
+
+
+def test_verify_names_the_boundaries_no_cut_crossed(reports, tmp_path):
+    """At S=2 both models are cut once, after the group before the decoder: the vision
+    group's boundary and the decoder's own are checked by no cut, and verify says so; the
+    groups it names are exactly the plan's groups that no cut of plan.json crosses."""
+    name, two, three = reports
+    for report, stages in ((two, 2), (three, 3)):
+        plan_cuts = _cuts(name, stages, tmp_path)
+        assert main(["compile", "--config", str(hf(name) / "config.json"), "--tp", "1", "--pp",
+                     str(stages), "--out", str(tmp_path / f"g{stages}")]) == 0
+        plan = json.loads((tmp_path / f"g{stages}" / "plan.json").read_text())
+        crossed = {c["group"] for c in plan_cuts}
+        missed = [g["group"] for g in plan["graph"] if g["group"] not in crossed]
+        (note,) = [n for n in report.notes if "crossed no cut" in n]
+        named = re.findall(r"`(\w+)`", note.split(" crossed no cut")[0])
+        assert named == missed and missed, (note, missed)
+        assert f"crossed no cut at S={stages} ({plan['pipeline']['layout']})" in note
+    # S=2 cuts after the projector (llava) or the merger (qwen2_vl): the decoder begins there
+    assert re.findall(r"`(\w+)`", next(n for n in two.notes if "crossed" in n)) == [
+        "vision", "decoder"]
 
 
 def test_the_inputs_carry_an_image_as_the_fixture_generator_made_it(reports):

@@ -252,6 +252,30 @@ def _plan_cuts(plan: dict[str, Any]) -> list[dict[str, Any]]:
             for stage in range(plan["topology"]["pipeline_parallel_size"] - 1)]
 
 
+def unexercised_boundaries(plan: dict[str, Any]) -> str | None:
+    """A note naming the execution groups whose boundary no cut of a pipeline build crossed
+    (a group cut after or inside), so that no check saw its declared shapes: at S=2 LLaVA is
+    cut after its projector only; None when every group that can be cut was."""
+    if "cuts" not in plan or not plan["graph"]:
+        return None  # one boundary, which every cut carries
+    crossed = {c["group"] for c in plan["cuts"]}
+    graph = plan["graph"]
+    missed = [g["group"] for i, g in enumerate(graph) if g["group"] not in crossed
+              and (i < len(graph) - 1 or len(g["unit_paths"]) > 1)]
+    if not missed:
+        return None
+    last = graph[-1]["group"]
+    names = [f"`{g}`" + (f" ({plan['boundary']['identity']})" if g == last else "")
+             for g in missed]
+    stages = plan["topology"]["pipeline_parallel_size"]
+    layout = (plan.get("pipeline") or {}).get("layout")
+    several = len(names) > 1
+    listed = ", ".join(names[:-1]) + " and " + names[-1] if several else names[0]
+    return (f"the boundar{'ies' if several else 'y'} of {listed} crossed no cut at S={stages}"
+            + (f" ({layout})" if layout else "") + f": no check saw {'their' if several else 'its'}"
+            " shapes; verify with another --pp to cut there")
+
+
 def _modules_run(session: Session, paths: Sequence[str]) -> list[str]:
     """The paths of `paths` that are modules of the reference model (a unit transformers does
     not build, as DeepSeek-V3's multi-token-prediction layer, is not)."""

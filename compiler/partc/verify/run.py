@@ -36,7 +36,7 @@ from partc.api import bind, topology_errors
 from partc.errors import PartcError, PartcErrors, SourceLocation
 from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
-from partc.verify.pipeline import pipeline_checks
+from partc.verify.pipeline import pipeline_checks, unexercised_boundaries
 from partc.verify.reference import (
     VerifyError,
     build_reference,
@@ -102,6 +102,9 @@ def verify_family(family: str | Path | None, config: str | Path, *,
             try:
                 staged = compile_build(family, folder, work / f"pp{pp}", 1, pp, policy)
                 checks.extend(pipeline_checks(session, staged))
+                missed = unexercised_boundaries(staged.plan)
+                if missed is not None:
+                    notes.append(missed)
                 family_name = family_name or staged.plan["family"]
             except PartcError as error:
                 checks.append(_not_compiled(1, pp, error, notes))
