@@ -552,3 +552,38 @@ def test_a_glob_that_matches_nothing_is_an_error_with_a_hint(olmo2_build, capsys
     assert err.startswith(f"error: {build / 'plan.json'}: {option} {glob!r} matches no {kind} "
                           f"of this build; "), err
     assert hint in err.splitlines()[0]
+
+
+def test_inspect_finds_a_family_file_beside_the_build_by_its_name_and_sha256(tmp_path, capsys,
+                                                                            monkeypatch):
+    """plan.json names a user's family file by its file name and sha256: inspect, explain and
+    report find it in the working directory or beside the build without --family, and refuse
+    a file of that name whose bytes changed."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    family = work / "my_llama.yaml"
+    assert main(["families", "--copy", "llama", str(family)]) == 0
+    assert main(["compile", str(family), "--config", str(LLAMA / "config.json"), "--tp", "2",
+                 "--out", str(work / "b"), "-q"]) == 0
+    capsys.readouterr()
+    target = "model.layers.1.mlp.down_proj.weight"
+    lines = family.read_text().splitlines()
+    for where in (elsewhere, work):  # beside the build, then the working directory
+        monkeypatch.chdir(where)
+        status, out, _ = _run(["inspect", str(work / "b"), "--target", target, "--format",
+                               "json"], capsys)
+        rows = json.loads(out)["tensors"]
+        assert status == 0 and len(rows) == 2
+        file, line = rows[0]["origin"].rsplit(":", 1)
+        assert Path(file).resolve() == family.resolve()
+        assert lines[int(line) - 1].strip().startswith("- name:"), lines[int(line) - 1]
+        assert "mlp" in lines[int(line) - 1]
+        status, out, _ = _run(["explain", str(work / "b"), target], capsys)
+        assert status == 0 and f"declared at {rows[0]['origin']}" in out
+    family.write_text(family.read_text() + "# edited after the build\n")
+    status, out, _ = _run(["inspect", str(work / "b"), "--target", target, "--format", "json"],
+                          capsys)
+    found = json.loads(out)
+    assert status == 0 and {r["origin"] for r in found["tensors"]} == {None}
+    assert "no file of that name and sha256" in found["origin_note"]
+

@@ -58,6 +58,14 @@ def _print(lines: list[str]) -> None:
         print(line)
 
 
+def _origins(build: Any, args: argparse.Namespace) -> Any:
+    """The family lines of a build's groups: from --family, the built-in family, or the file
+    plan.json names found here or in the folder holding the build."""
+    from partc.inspect.origins import group_origins
+
+    return group_origins(build.plan, args.family, near=build.path.parent.parent)
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
     from partc.inspect.build import is_build, plan_faults, read_build, summary, tensor_rows
@@ -89,10 +97,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     build = read_build(path)
     if args.rank is not None or args.group or args.target:
-        from partc.inspect.origins import group_origins
 
         with plan_faults(build):
-            origins = group_origins(build.plan, args.family)
+            origins = _origins(build, args)
             rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
                                origins=origins.lines)
         if args.format == "json":
@@ -114,12 +121,11 @@ def run_explain(args: argparse.Namespace) -> int:
     """`partc explain BUILD TARGET`."""
     from partc.inspect.build import plan_faults, read_build
     from partc.inspect.explain import explain
-    from partc.inspect.origins import group_origins
     from partc.inspect.text import explain_lines
 
     build = read_build(args.build)
     with plan_faults(build):
-        found = explain(build, args.target, group_origins(build.plan, args.family))
+        found = explain(build, args.target, _origins(build, args))
     if args.format == "json":
         print(json.dumps({"ok": True} | found, indent=1))
     else:
@@ -177,12 +183,11 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """`partc report BUILD --out report.html`."""
     from partc.inspect.build import plan_faults, read_build
-    from partc.inspect.origins import group_origins
     from partc.inspect.report import render_report
 
     build = read_build(args.build)
     with plan_faults(build):
-        html = render_report(build, group_origins(build.plan, args.family))
+        html = render_report(build, _origins(build, args))
     out = Path(args.out)
     write_text_file(out, html, marker=REPORT_MARKER)
     if args.format == "json":

@@ -285,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="list the tensors whose checkpoint name matches this glob")
     inspect.add_argument("--family", default=None,
                          help="the family file the build was compiled from, to show the line "
-                              "of each split (built-in families are found by themselves)")
+                              "of each split (built-in families, and a file of the name and "
+                              "sha256 plan.json records here or beside the build, are found "
+                              "by themselves)")
     _add_format(inspect)
 
     explain = commands.add_parser(
@@ -296,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("build", help="a build folder (or its plan.json)")
     explain.add_argument("target", help="a checkpoint tensor name or a group name")
     explain.add_argument("--family", default=None,
-                         help="the family file the build was compiled from (for its line)")
+                         help="the family file the build was compiled from (for its line; found "
+                              "by itself as for inspect)")
     _add_format(explain)
 
     report = commands.add_parser(
@@ -307,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", required=True,
                         help="the HTML file to write (replaced atomically; never a folder)")
     report.add_argument("--family", default=None,
-                        help="the family file the build was compiled from (for its lines)")
+                        help="the family file the build was compiled from (for its lines; found "
+                              "by itself as for inspect)")
     _add_format(report)
 
     init = commands.add_parser(

@@ -59,12 +59,39 @@ def _config_document(decl: Any, plan: dict[str, Any]) -> str:
     return json.dumps(doc)
 
 
-def group_origins(plan: dict[str, Any], family: str | Path | None = None) -> Origins:
-    """Each group's declaration line, by re-loading and re-binding the plan's family."""
+def _found_beside(label: str, recorded: str | None, folders: list[Path]) -> Path | None:
+    """The family file plan.json names (`label`, its file name), in the first of `folders`
+    holding a file of that name whose sha256 (with the families it extends) is the one the
+    plan recorded; None when none does."""
+    if not recorded or not label or Path(label).name != label:
+        return None
+    for folder in folders:
+        candidate = folder / label  # Path() / label: the working directory, as given
+        if not candidate.is_file():
+            continue
+        try:
+            name, text = read_family_source(candidate)
+            if family_document(name, text)[1] == recorded:
+                return candidate
+        except PartcError:
+            continue
+    return None
+
+
+def group_origins(plan: dict[str, Any], family: str | Path | None = None, *,
+                  near: Path | None = None) -> Origins:
+    """Each group's declaration line, by re-loading and re-binding the plan's family: the
+    built-in one, the file given, or else the file plan.json names found in the working
+    directory or in `near` (the folder holding the build) with the sha256 the plan records."""
     label, recorded = _family_source(plan)
     if family is None and not label.endswith(BUILTIN_SUFFIX):
-        return Origins(lines={}, note=f"family file `{label}` is not built in: pass "
-                                      "--family FILE to see the line of each split")
+        folders = [Path()] + ([near] if near is not None else [])
+        family = _found_beside(label, recorded, folders)
+        if family is None:
+            return Origins(lines={}, note=f"family file `{label}` is not built in and no file "
+                                          "of that name and sha256 is in the working directory "
+                                          "or beside the build: pass --family FILE to see the "
+                                          "line of each split")
     spec: str | Path = family if family is not None else str(plan.get("model_type"))
     try:
         name, text = read_family_source(spec, builtin=family is None)
