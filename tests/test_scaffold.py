@@ -164,14 +164,22 @@ def test_qwen2_vl_reads_its_decoder_fields_from_text_config(
     assert "    module: model.norm\n" in text[text.index("  - name: final_norm"):]
 
 
-def test_a_module_whose_shape_differs_between_layers_is_marked_and_said_not_to_check(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _llama_with(tmp_path: Path, name: str, array: np.ndarray) -> Path:
+    """A copy of the tiny Llama checkpoint (config.json too) with tensor `name` set to `array`
+    (added when it is not there)."""
     checkpoint = tmp_path / "ck"
     checkpoint.mkdir()
     shutil.copy(hf("llama") / "config.json", checkpoint / "config.json")
     tensors = load_file(hf("llama") / "model.safetensors")
-    tensors["model.layers.1.mlp.down_proj.weight"] = np.zeros((64, 96), np.float32)
+    tensors[name] = array
     save_file(tensors, checkpoint / "model.safetensors")
+    return checkpoint
+
+
+def test_a_module_whose_shape_differs_between_layers_is_marked_and_said_not_to_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = _llama_with(tmp_path, "model.layers.1.mlp.down_proj.weight",
+                             np.zeros((64, 96), np.float32))
     family = tmp_path / "odd.yaml"
     _, err, report = _init(checkpoint, family, capsys)
     text = family.read_text()
@@ -560,12 +568,7 @@ def test_llava_next_puts_its_root_level_image_newline_with_the_projector(
 
 def test_a_root_level_tensor_of_a_single_repetition_checkpoint_is_owned_by_the_last_stage(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    checkpoint = tmp_path / "ck"
-    checkpoint.mkdir()
-    shutil.copy(hf("llama") / "config.json", checkpoint / "config.json")
-    tensors = load_file(hf("llama") / "model.safetensors")
-    tensors["extra_scale"] = np.ones((64,), np.float32)  # no module; [hidden_size]
-    save_file(tensors, checkpoint / "model.safetensors")
+    checkpoint = _llama_with(tmp_path, "extra_scale", np.ones((64,), np.float32))  # [hidden]
     family = tmp_path / "extra.yaml"
     _init(checkpoint, family, capsys)
     text = family.read_text()
