@@ -87,7 +87,7 @@ class TensorParallelRanks:
         targets = session.targets(module)
         omitted = [t for t in targets if not any(t in m for m in self.masks)]
         if omitted:  # no rank loads them (the family's `omit:`)
-            if len(omitted) == len(targets) and not session.reaches_logits(module):
+            if len(omitted) == len(targets) and session.reaches_logits(module) is False:
                 return Check(tp=tp, pp=1, module=module, group="", rank=None, ok=True,
                              max_error=0.0, tolerance=tolerance)  # run, never used
             return self._fail(module, "", None, float("inf"), tolerance,

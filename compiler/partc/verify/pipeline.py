@@ -68,13 +68,13 @@ class _Placement:
         self.ran = {module: i for i, module in enumerate(session.captured)}
         self.last = plan["topology"]["pipeline_parallel_size"] - 1
         self.unit_runs = sorted((i, self.units[unit]) for m, i in self.ran.items()
-                                for unit in [self._unit_of(m)] if unit is not None)
+                                for unit in [self.unit_of(m)] if unit is not None)
         """(position in the full model's run, stage) of every module run inside a unit."""
         self.group_starts = max((disk[g["unit_paths"][0]] for g in plan["graph"]
                                  if g["unit_paths"] and g["unit_paths"][0] in disk), default=0)
         """The last stage a graph group begins on."""
 
-    def _unit_of(self, name: str) -> str | None:
+    def unit_of(self, name: str) -> str | None:
         """The in-memory unit path `name` lies under (None: outside every unit)."""
         return max((p for p in self.units if name.startswith(p + ".")), key=len, default=None)
 
@@ -107,10 +107,10 @@ class _Placement:
         cannot check its own static placements: a final norm or tied head declared on the
         first stage is executed on the last one, which does not own it."""
         sources = self.session.sources[name]
-        unit = self._unit_of(name)
+        unit = self.unit_of(name)
         if unit is not None:
             return dict.fromkeys(sources, self.units[unit])
-        module = max((m for m in self.ran if name.startswith(m + ".")), key=len, default=None)
+        module = self.session.module_of(name)
         last_unit = self.unit_runs[-1][0] if self.unit_runs else None
         after = module is not None and last_unit is not None and self.ran[module] > last_unit
         window = self.allowed(module) if module is not None else None
@@ -147,7 +147,8 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
         missing = [s for s in sorted(users) if target not in owned[s]]
         omitted = not any(target in held for held in owned)
         runners = {session.module_of(users[s]) for s in missing}
-        if omitted and not any(session.reaches_logits(m) for m in runners if m is not None):
+        if omitted and runners and all(m is not None and session.reaches_logits(m) is False
+                                       for m in runners):
             continue  # run but never used (SigLIP's pooling head): the family may omit it
         for stage in missing:
             checks.append(Check(
@@ -304,13 +305,16 @@ def _stage_tail(session: Session, placement: _Placement, stage: int, sender: str
     tails = []
     for module, at in ran.items():
         if at <= after or (before is not None and at >= before) or \
-                placement._unit_of(module) is not None:
+                placement.unit_of(module) is not None:
             continue
         params = [n for n in session.sources if n.startswith(module + ".")]
         runs_on = {s for n in params for s in placement.stages(n).values()}
         if runs_on == {stage}:
             tails.append((at, module))
-    return next((m for _, m in sorted(tails, reverse=True) if session.reaches_logits(m)), None)
+    # a tail whose effect cannot be told is not taken for the sender: the last unit's output
+    # is checked, as before such tails were looked for
+    return next((m for _, m in sorted(tails, reverse=True) if session.reaches_logits(m)),
+                None)
 
 
 def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[Check]:

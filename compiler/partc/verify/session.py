@@ -91,7 +91,7 @@ class Session:
         self.ids = self.inputs["input_ids"]
         self.modules = self._modules()
         self.captured = self._capture()
-        self._reaches: dict[str, bool] = {}
+        self._reaches: dict[str, bool | None] = {}
         with self.torch.no_grad():
             self.logits = self.model(**self.inputs, use_cache=False).logits
 
@@ -155,24 +155,28 @@ class Session:
         return max((m for m in self.captured if parameter.startswith(m + ".")), key=len,
                    default=None)
 
-    def reaches_logits(self, module: str) -> bool:
+    def reaches_logits(self, module: str) -> bool | None:
         """Whether the output of `module` changes the logits: the full model run again with
         that output perturbed (its first tensor doubled plus one). A module run but never
-        used, as LLaVA's vision post_layernorm or SigLIP's pooling head, does not. Cached."""
-        known = self._reaches.get(module)
-        if known is not None:
-            return known
+        used, as LLaVA's vision post_layernorm or SigLIP's pooling head, does not. None when
+        the output cannot be perturbed so (not floating point, or nested deeper than a tuple
+        of tensors): the callers then take the cautious answer. Cached."""
+        if module in self._reaches:
+            return self._reaches[module]
         torch = self.torch
+        perturbed = []
 
         def perturb(_: Any, args: Any, output: Any) -> Any:
             first = first_tensor(output)
             if not torch.is_floating_point(first):
                 return output
-            changed = first * 2 + 1
             if isinstance(output, (tuple, list)):
-                return type(output)([changed, *output[1:]]) if output and output[0] is first \
-                    else output
-            return changed
+                if not output or output[0] is not first:
+                    return output
+                perturbed.append(True)
+                return type(output)([first * 2 + 1, *output[1:]])
+            perturbed.append(True)
+            return first * 2 + 1
 
         handle = self.model.get_submodule(module).register_forward_hook(perturb)
         try:
@@ -180,8 +184,9 @@ class Session:
                 got = self.model(**self.inputs, use_cache=False).logits
         finally:
             handle.remove()
-        found = self._reaches[module] = largest_error(got, self.logits) > tolerance_of(
+        found = None if not perturbed else largest_error(got, self.logits) > tolerance_of(
             self.logits)
+        self._reaches[module] = found
         return found
 
     def model_of(self, tensors: dict[str, np.ndarray]) -> Any:
