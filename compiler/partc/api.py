@@ -47,8 +47,13 @@ from partc.plan.topology import Topology
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
+    from partc.partition.stages import StageLayout
     from partc.runtime.checkpoint import Checkpoint
     from partc.runtime.progress import ProgressCallback
+
+StageUnits = Sequence[int] | Sequence[Sequence[tuple[str, int]]] | None
+"""The stages' units as `compile_family` takes them: one unit count per stage (`3,5,4`), or per
+stage its (execution group, units) runs (`vision*3|decoder*2`); None: balanced."""
 
 
 def _raise_all(errors: Sequence[PartcError]) -> None:
@@ -178,6 +183,18 @@ def _locator(decl: FamilyDecl, bound: BoundArchitecture) -> GroupSite:
     return locate
 
 
+def stage_topology(stage_units: StageUnits) -> tuple[tuple[int, ...] | None, StageLayout | None]:
+    """`stage_units` as `compile_family` takes it (one unit count per stage, or per stage its
+    (execution group, units) runs) as Topology's `stage_units` and `stage_layout`."""
+    if not stage_units:
+        return None, None
+    first = next(iter(stage_units))
+    if isinstance(first, int):
+        return tuple(int(n) for n in stage_units), None  # type: ignore[arg-type]
+    return None, tuple(tuple((str(g), int(n)) for g, n in runs)  # type: ignore[union-attr]
+                       for runs in stage_units)
+
+
 def topology_errors(bound: BoundArchitecture, decl: FamilyDecl,
                     topology: Topology) -> list[PartcError]:
     """Every error realizing `bound` (of family `decl`) for `topology`, located as `check`
@@ -300,7 +317,7 @@ def _tensor_file(checkpoint: Checkpoint, error: PartcError) -> SourceLocation:
 
 def compile_family(family: str | Path | None, config: str | Path, *,
                    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                   stage_units: Sequence[int] | Sequence[Sequence[tuple[str, int]]] | None = None,
+                   stage_units: StageUnits = None,
                    group_modes: Sequence[tuple[str, GroupParallelMode]] | None = None,
                    policy: ShardingPolicy | str | None = None,
                    activation_dtype: str | None = None,
@@ -350,14 +367,10 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     except ValueError:
         raise LoadError(f"split must be one of {', '.join(s.value for s in TensorSplit)}, found "
                         f"{split!r}") from None
-    named = bool(stage_units) and not isinstance(next(iter(stage_units or ())), int)
+    counts, layout = stage_topology(stage_units)
     topology = Topology(tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size,
-                        stage_units=tuple(stage_units) if stage_units and not named  # type: ignore[arg-type]
-                        else None,
-                        stage_layout=tuple(tuple((str(g), int(n)) for g, n in runs)  # type: ignore[union-attr]
-                                           for runs in stage_units) if named and stage_units
-                        else None,
+                        stage_units=counts, stage_layout=layout,
                         group_modes=tuple(group_modes or ()), policy=policy,
                         activation_dtype=dtype, split=tensor_split,
                         expert_parallel_size=expert_parallel_size,

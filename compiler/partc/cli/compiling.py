@@ -302,8 +302,8 @@ def run_verify(args: argparse.Namespace) -> int:
     from partc.verify.run import verify_family
 
     report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
-                           pipeline_parallel_size=args.pp, policy=_policy(args.policy),
-                           seed=args.seed)
+                           pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
+                           policy=_policy(args.policy), seed=args.seed)
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=1))
         return EXIT_OK if report.ok else EXIT_ERRORS
@@ -314,10 +314,15 @@ def run_verify(args: argparse.Namespace) -> int:
                 else f"T={skipped['tp']} x S={skipped['pp']}")
         print(f"skipped {what}: {skipped['reason']}")
     topologies = sorted({(c.tp, c.pp) for c in report.checks})
+
+    def spelled(tp: int, pp: int) -> str:
+        cut = f" (--pp-layers {report.stage_units})" if pp > 1 and report.stage_units else ""
+        return f"T={tp} x S={pp}{cut}"
+
     for tp, pp in topologies:
         mine = [c for c in report.checks if (c.tp, c.pp) == (tp, pp)]
         failed = sum(not c.ok for c in mine)
-        print(f"T={tp} x S={pp}: {len(mine) - failed}/{len(mine)} checks hold")
+        print(f"{spelled(tp, pp)}: {len(mine) - failed}/{len(mine)} checks hold")
     failure = report.first_failure
     if failure is not None:
         print(f"error: {failure.message}", file=sys.stderr)
@@ -328,6 +333,6 @@ def run_verify(args: argparse.Namespace) -> int:
     left = [f"T={s['tp']} x S={s['pp']}" for s in report.skipped if s["pp"] != 1 or s["tp"] != 1
             or s["reason"] != "no pipeline split asked for (S=1)"]
     print(f"verified {report.family} ({report.model_type}) at "
-          f"{', '.join(f'T={tp} x S={pp}' for tp, pp in topologies)}: every check holds"
+          f"{', '.join(spelled(tp, pp) for tp, pp in topologies)}: every check holds"
           + (f"; not checked: {', '.join(left)} (skipped, see above)" if left else ""))
     return EXIT_OK

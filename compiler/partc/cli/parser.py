@@ -394,7 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tensor-parallel sizes, e.g. 1,2,4 (default: every T up to 8 "
                              "that compiles)")
     verify.add_argument("--pp", type=_positive, default=None,
-                        help="pipeline stages of the pipeline check (default 2; 1 skips it)")
+                        help="pipeline stages of the pipeline check (default 2, or the number "
+                             "of --pp-layers counts; 1 skips it)")
+    verify.add_argument("--pp-layers", type=_stage_units, default=None,
+                        help="where the pipeline check cuts: units per stage, e.g. 3,5,4, or "
+                             "per stage and execution group, e.g. 'vision*3,projector|decoder*2'"
+                             ", as compile takes them (a large config then keeps its layers "
+                             "when shrunk)")
     verify.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="sharding policy for groups that cannot be sharded")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")

@@ -274,7 +274,7 @@ def unexercised_boundaries(plan: dict[str, Any]) -> str | None:
     listed = ", ".join(names[:-1]) + " and " + names[-1] if several else names[0]
     return (f"the boundar{'ies' if several else 'y'} of {listed} crossed no cut at S={stages}"
             + (f" ({layout})" if layout else "") + f": no check saw {'their' if several else 'its'}"
-            " shapes; verify with another --pp to cut there")
+            " shapes; verify with another --pp or --pp-layers to cut there")
 
 
 def _modules_run(session: Session, paths: Sequence[str]) -> list[str]:

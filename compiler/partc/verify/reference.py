@@ -190,12 +190,16 @@ def is_large(config: dict[str, Any]) -> bool:
 
 
 def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
-                     pipeline_parallel_size: int = 1) -> tuple[dict[str, Any], list[str]]:
+                     pipeline_parallel_size: int = 1, keep_layers: bool = False
+                     ) -> tuple[dict[str, Any], list[str]]:
     """The config of the reference model and one note per change made to it.
 
     Always: float32 weights, eager attention, no quantization. A large config (`is_large`) is
     shrunk by SHRINK_RULES to a tiny model of the same structure, which still compiles at the
     largest T (`tensor_parallel_size`) and S (`pipeline_parallel_size`) the config compiles at.
+    `keep_layers`: the shrunk model keeps the config's layers (the pipeline check's cut, given
+    as unit counts, names them); only a multi-token-prediction layer, which transformers does
+    not build, is dropped.
     """
     largest = Sizes(tensor_parallel_size=tensor_parallel_size,
                     pipeline_parallel_size=pipeline_parallel_size)
@@ -212,6 +216,10 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
             if not applies(out):
                 continue
             changes = {k: v for k, v in rule(out, largest).items() if out.get(k) != v}
+            if keep_layers and rule is _shrunk_layers:
+                notes.append(f"kept all {out['num_hidden_layers']} layers: the pipeline check's "
+                             "stage units (--pp-layers) count them")
+                changes = {k: v for k, v in changes.items() if k == "num_nextn_predict_layers"}
             if changes:
                 notes.append(f"shrunk {what}: " + ", ".join(
                     f"{k} {out.get(k)} -> {v}" for k, v in sorted(changes.items())))

@@ -51,6 +51,8 @@ class VerifyReport:
     """How the reference model differs from the given config."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall-clock time per phase, for the report only."""
+    stage_units: str | None = None
+    """Where the pipeline check cut, as --pp-layers spells it (None: balanced)."""
 
     @property
     def ok(self) -> bool:
@@ -66,5 +68,5 @@ class VerifyReport:
         """The report as a JSON object."""
         return {"family": self.family, "model_type": self.model_type, "ok": self.ok,
                 "checks": [c.to_json() for c in self.checks], "skipped": list(self.skipped),
-                "notes": list(self.notes),
+                "notes": list(self.notes), "stage_units": self.stage_units,
                 "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}}

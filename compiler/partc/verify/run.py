@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partc.api import bind, topology_errors
+from partc.api import StageUnits, bind, stage_topology, topology_errors
 from partc.errors import PartcError, PartcErrors, SourceLocation
 from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
@@ -56,21 +56,26 @@ MAX_TENSOR_PARALLEL = 8
 
 def verify_family(family: str | Path | None, config: str | Path, *,
                   tensor_parallel_sizes: Sequence[int] | None = None,
-                  pipeline_parallel_size: int | None = None,
+                  pipeline_parallel_size: int | None = None, stage_units: StageUnits = None,
                   policy: ShardingPolicy | None = None, seed: int = 0) -> VerifyReport:
     """Verify a family's split against transformers' modeling code for `config`'s architecture.
 
     `tensor_parallel_sizes`: the T to check (default: every T up to 8 that compiles, the others
     reported as skipped); `pipeline_parallel_size`: the S of the pipeline check (default 2, or
-    the number of units if smaller; 1 skips it). Raises a VerifyError when torch or
+    the number of units if smaller, or of `stage_units`; 1 skips it); `stage_units`: where
+    the pipeline check cuts, as `compile_family` takes it (default balanced; a large config is
+    then shrunk keeping its layers, which the counts name). Raises a VerifyError when torch or
     transformers is missing or the model cannot be built.
     """
     require_libraries()
+    if stage_units and pipeline_parallel_size is None:
+        pipeline_parallel_size = len(stage_units)
     user = checked_config(family, Path(config), tensor_parallel_sizes, pipeline_parallel_size,
-                          policy)
+                          policy, stage_units)
     reference, notes = reference_config(
         user.data, tensor_parallel_size=max(user.tensor_parallel_sizes, default=1),
-        pipeline_parallel_size=user.pipeline_parallel_size)
+        pipeline_parallel_size=user.pipeline_parallel_size,
+        keep_layers=user.stage_units is not None)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
@@ -100,7 +105,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
         if pp > 1:
             begin = time.perf_counter()
             try:
-                staged = compile_build(family, folder, work / f"pp{pp}", 1, pp, policy)
+                staged = compile_build(family, folder, work / f"pp{pp}", 1, pp, policy,
+                                       user.stage_units)
                 checks.extend(pipeline_checks(session, staged))
                 missed = unexercised_boundaries(staged.plan)
                 if missed is not None:
@@ -112,7 +118,18 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     seconds["total"] = time.perf_counter() - start
     return VerifyReport(family=family_name or user.family, model_type=user.model_type,
                         checks=tuple(checks), skipped=user.skipped, notes=tuple(notes),
-                        seconds=seconds)
+                        seconds=seconds, stage_units=_spelled(user.stage_units))
+
+
+def _spelled(stage_units: StageUnits) -> str | None:
+    """The stages' units as --pp-layers spells them (`3,5` or `vision*3|decoder*2`)."""
+    if not stage_units:
+        return None
+    counts, layout = stage_topology(stage_units)
+    if counts is not None:
+        return ",".join(map(str, counts))
+    assert layout is not None
+    return "|".join(",".join(f"{g}*{n}" for g, n in runs) for runs in layout)
 
 
 def _not_compiled(tp: int, pp: int, error: PartcError, notes: list[str]) -> Check:
@@ -140,6 +157,8 @@ class CheckedConfig:
     """The T the config compiles at (each checked)."""
     pipeline_parallel_size: int
     """The S of the pipeline check (1: none)."""
+    stage_units: StageUnits
+    """Where the pipeline check cuts (None: balanced)."""
     skipped: tuple[dict[str, object], ...]
     """The topologies not checked, each with the reason."""
 
@@ -147,7 +166,8 @@ class CheckedConfig:
 def checked_config(family: str | Path | None, config: Path,
                    tensor_parallel_sizes: Sequence[int] | None = None,
                    pipeline_parallel_size: int | None = None,
-                   policy: ShardingPolicy | None = None) -> CheckedConfig:
+                   policy: ShardingPolicy | None = None,
+                   stage_units: StageUnits = None) -> CheckedConfig:
     """The user's config.json, checked as `partc check --config` checks it before any model
     is built: read by partc's front end (duplicate keys refused), the family (the built-in one
     of its `model_type` by default) loaded and validated, and bound to it, with the meaning of
@@ -156,15 +176,20 @@ def checked_config(family: str | Path | None, config: Path,
     Then each topology is realized for the config itself, as `check --tp T` / `--pp S` does: a
     size given that does not compile is an error (all of them raised together); by default
     (every T up to 8, S = 2) one that does not compile is skipped, with its first error.
+    `stage_units` (the pipeline check's cut) is realized at T=1 x S, an error when it does not
+    compile.
     """
     bound, decl, _ = bind(family, config)  # raises every binding error, in the user's files
     data: dict[str, Any] = load_config(config).data
     skipped: list[dict[str, object]] = []
     errors: list[PartcError] = []
+    counts, layout = stage_topology(stage_units)
 
     def compiles(tp: int, pp: int, given: bool) -> bool:
+        staged = pp > 1
         found = topology_errors(bound, decl, Topology(
-            tensor_parallel_size=tp, pipeline_parallel_size=pp, policy=policy))
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, policy=policy,
+            stage_units=counts if staged else None, stage_layout=layout if staged else None))
         if found and given:
             errors.extend(found)
         elif found:
@@ -178,12 +203,13 @@ def checked_config(family: str | Path | None, config: Path,
     if stages == 1:
         skipped.append({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)",
                         "check": "pipeline"})
-    elif not compiles(1, stages, pipeline_parallel_size is not None):
+    elif not compiles(1, stages, pipeline_parallel_size is not None or bool(stage_units)):
         stages = 1
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(errors)
     return CheckedConfig(data=data, family=bound.family, model_type=bound.model_type,
                          tensor_parallel_sizes=sizes, pipeline_parallel_size=stages,
+                         stage_units=stage_units if stages > 1 else None,
                          skipped=tuple(skipped))
 
 

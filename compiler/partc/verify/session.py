@@ -26,6 +26,7 @@ from partc.verify.reference import (
 )
 
 if TYPE_CHECKING:
+    from partc.api import StageUnits
     from partc.parallel.specs import ShardingPolicy
 
 RELATIVE_TOLERANCE = 1e-4
@@ -60,10 +61,12 @@ def _imported(out: Path) -> Iterator[Any]:
 
 
 def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int, pp: int,
-                  policy: ShardingPolicy | None) -> Build:
-    """Compile the family for the reference checkpoint at T x S and load every rank."""
+                  policy: ShardingPolicy | None, stage_units: StageUnits = None) -> Build:
+    """Compile the family for the reference checkpoint at T x S (`stage_units`: the stages'
+    units, as `compile_family` takes them; None: balanced) and load every rank."""
     compile_family(family, reference / "config.json", tensor_parallel_size=tp,
-                   pipeline_parallel_size=pp, policy=policy, checkpoint=reference, out=out)
+                   pipeline_parallel_size=pp, stage_units=stage_units, policy=policy,
+                   checkpoint=reference, out=out)
     plan = json.loads((out / "plan.json").read_text())
     with _imported(out) as package:
         states = [package.load(reference, rank=r) for r in range(tp * pp)]
