@@ -31,7 +31,7 @@ def _policy(value: str | None):  # type: ignore[no-untyped-def]
 
 def _plan_facts(plan: Any) -> dict[str, Any]:
     """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
-    from partc.inspect.build import kv_replicated, plan_summary, tp_reduced
+    from partc.inspect.build import kv_replicated, pipeline_facts, plan_summary, tp_reduced
     from partc.parallel.placements import tensor_bytes
 
     body = plan.document[0]
@@ -55,7 +55,7 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
     facts["kv_replication"] = kv_replicated(kv)
     facts["tp_reduction"] = tp_reduced(reduced)
     if "pipeline" in body:  # a multi-group graph: how its stages were chosen
-        facts["pipeline"] = body["pipeline"]
+        facts["pipeline"] = pipeline_facts(body)
     return facts | _expert_facts(plan)
 
 

@@ -267,7 +267,17 @@ def summary(build: Build) -> dict[str, Any]:
         "tp_reduction": tp_reduced(plan["tensors"]), "boundary": plan["boundary"]} | (
         {} if plan.get("expert_parallel") is None
         else {"expert_parallel": expert_summary(plan)}) | (
-        {} if plan.get("pipeline") is None else {"pipeline": plan["pipeline"]})
+        {} if plan.get("pipeline") is None else {"pipeline": pipeline_facts(plan)})
+
+
+def pipeline_facts(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """plan.json's `pipeline` (a multi-group graph's stage choice) with its group modes in the
+    graph's order, vision before decoder (the plan keeps them sorted by name)."""
+    pipeline = dict(plan["pipeline"])
+    modes = pipeline["group_modes"]
+    order = [node["group"] for node in plan["graph"] if node["group"] in modes]
+    pipeline["group_modes"] = {g: modes[g] for g in order + sorted(set(modes) - set(order))}
+    return pipeline
 
 
 def expert_summary(plan: Mapping[str, Any]) -> dict[str, Any]:
