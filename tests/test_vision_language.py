@@ -248,9 +248,12 @@ def test_a_boundary_dimension_that_is_not_declared_is_an_error_at_its_line(tmp_p
     assert len(errors) == 1
     line = next(i for i, t in enumerate(bad.read_text().splitlines(), 1) if "image_tokenz" in t)
     assert errors[0].location.line == line
-    assert ("a boundary dimension uses unknown name `image_tokenz`; expected `batch`, "
-            "`sequence`, a per-request dimension declared under `dimensions` (`patches`, "
-            "`images`, `image_tokens`)") in errors[0].message
+    # the caret is at the dimension itself, not at the tensor's mapping
+    assert errors[0].location.column == bad.read_text().splitlines()[line - 1].index(
+        "image_tokenz") + 1
+    assert ("a boundary dimension uses unknown name `image_tokenz`; did you mean "
+            "`image_tokens`? Expected `batch`, `sequence`, a per-request dimension declared "
+            "under `dimensions` (`patches`, `images`, `image_tokens`)") in errors[0].message
 
 
 # ---------------------------------------------------------------- static placement

@@ -151,17 +151,22 @@ def _boundary_names(known: _Known) -> Iterator[PartcError]:
     declared per-request dimension."""
     tensors = [*known.family.boundary, *(t for g in known.family.graph for t in g.boundary)]
     declared = known.family.dimensions
+    names = sorted({"batch", "sequence", *declared, *known.config})
     for tensor in tensors:
-        for dim in tensor.shape:
+        for i, dim in enumerate(tensor.shape):
             if not isinstance(dim, Expression):
                 continue
             unknown = sorted(n for n in dim.names if n not in known.config)
             if unknown:
+                close = difflib.get_close_matches(unknown[0], names, n=1)
+                hint = f"; did you mean `{close[0]}`?" if close else ""
                 yield known.error(
-                    f"a boundary dimension uses unknown name `{unknown[0]}`; expected `batch`, "
-                    "`sequence`, a per-request dimension declared under `dimensions` ("
+                    f"a boundary dimension uses unknown name `{unknown[0]}`{hint or '.'} "
+                    "Expected `batch`, `sequence`, a per-request dimension declared under "
+                    "`dimensions` ("
                     f"{', '.join(f'`{d}`' for d in declared) or 'none declared'}) or an "
-                    "expression over config fields", tensor.pointer)
+                    "expression over config fields",
+                    join_pointer(join_pointer(tensor.pointer, "shape"), i))
     for name in declared:
         if name in known.config:
             yield known.error(f"per-request dimension `{name}` has the name of a config "
