@@ -170,17 +170,21 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
                              "DTensor's Shard and transformers follow; docs/torch.md)")
 
 
+def _add_stages(parser: argparse.ArgumentParser, stages: str, layers: str) -> None:
+    """`--pp` and `--pp-layers`, with their help texts."""
+    parser.add_argument("--pp", type=_positive, default=None, help=stages)
+    parser.add_argument("--pp-layers", type=_stage_units, default=None, help=layers)
+
+
 def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--tp", type=_positive, default=None if not required else 1,
                         help="tensor-parallel size T (default 1)")
-    parser.add_argument("--pp", type=_positive, default=None,
-                        help="pipeline-parallel size S (default 1, or the number of "
-                             "--pp-layers counts)")
-    parser.add_argument("--pp-layers", type=_stage_units, default=None,
-                        help="explicit units per pipeline stage, e.g. 3,5,4 (one count per "
-                             "stage, summing to the model's units), or per stage and "
-                             "execution group in the layout notation partc prints, e.g. "
-                             "'vision*3,projector|decoder*2' (stages split by `|`)")
+    _add_stages(parser, "pipeline-parallel size S (default 1, or the number of --pp-layers "
+                        "counts)",
+                "explicit units per pipeline stage, e.g. 3,5,4 (one count per stage, summing "
+                "to the model's units), or per stage and execution group in the layout "
+                "notation partc prints, e.g. 'vision*3,projector|decoder*2' (stages split by "
+                "`|`)")
     parser.add_argument("--group-mode", type=_group_mode, action="append", default=None,
                         metavar="GROUP=MODE",
                         help="parallel mode of an execution group, overriding the family's "
@@ -393,14 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--tp", type=_size_list, default=None,
                         help="tensor-parallel sizes, e.g. 1,2,4 (default: every T up to 8 "
                              "that compiles)")
-    verify.add_argument("--pp", type=_positive, default=None,
-                        help="pipeline stages of the pipeline check (default 2, or the number "
-                             "of --pp-layers counts; 1 skips it)")
-    verify.add_argument("--pp-layers", type=_stage_units, default=None,
-                        help="where the pipeline check cuts: units per stage, e.g. 3,5,4, or "
-                             "per stage and execution group, e.g. 'vision*3,projector|decoder*2'"
-                             ", as compile takes them (a large config then keeps its layers "
-                             "when shrunk)")
+    _add_stages(verify, "pipeline stages of the pipeline check (default 2, or the number of "
+                        "--pp-layers counts; 1 skips it)",
+                "where the pipeline check cuts: units per stage, e.g. 3,5,4, or per stage and "
+                "execution group, e.g. 'vision*3,projector|decoder*2', as compile takes them "
+                "(a large config then keeps its layers when shrunk)")
     verify.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="sharding policy for groups that cannot be sharded")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
