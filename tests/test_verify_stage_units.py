@@ -1,4 +1,5 @@
-"""`partc verify --pp-layers`: the pipeline check cuts where the user asks, as compile does.
+"""`partc verify --pp-layers`: the pipeline check cuts where the user asks, as compile does; a
+failed check names the family line declaring its group.
 
 A wrong boundary is caught at the cut given, and named by the module the stage runs last there
 (transformers' own module, found independently of the counts); a cut the default split never
@@ -130,3 +131,24 @@ def test_deepseek_v3_keeps_its_layers_but_not_its_multi_token_prediction_layer()
     assert kept["num_hidden_layers"] == config["num_hidden_layers"]
     assert kept["first_k_dense_replace"] == config["first_k_dense_replace"]
     assert kept["num_nextn_predict_layers"] == 0  # transformers builds no such layer
+
+
+def test_a_failed_check_names_the_line_declaring_its_group(tmp_path, capsys):
+    text = (ARCHITECTURES / "llama.yaml").read_text()
+    old = '''      - module: "model.layers.{unit}.mlp.up_proj"
+        sharding: column'''
+    assert text.count(old) == 1
+    family = tmp_path / "llama.yaml"
+    family.write_text(text.replace(old, old.replace("column", "row")))
+    line = text.splitlines().index('  - name: "layers.{unit}.mlp"') + 1
+    config = hf("llama") / "config.json"
+    report = verify_family(family, config, tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    failure = report.first_failure
+    assert failure is not None and failure.group == "layers.0.mlp"
+    assert failure.declared == f"{family}:{line}"
+    assert report.to_json()["checks"][[c.ok for c in report.checks].index(False)][
+        "declared"] == f"{family}:{line}"
+    assert all(c.declared == "" for c in report.checks if c.ok)
+    assert main(["verify", str(family), "--config", str(config), "--tp", "2", "--pp", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"    group `layers.0.mlp` is declared at {family}:{line}\n" in err

@@ -326,6 +326,9 @@ def run_verify(args: argparse.Namespace) -> int:
     failure = report.first_failure
     if failure is not None:
         print(f"error: {failure.message}", file=sys.stderr)
+        if failure.declared:
+            print(f"    group `{failure.group.split(', ')[0]}` is declared at "
+                  f"{failure.declared}", file=sys.stderr)
         return EXIT_ERRORS
     if not report.checks:
         print("error: no topology compiled, nothing was verified", file=sys.stderr)

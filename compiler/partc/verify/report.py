@@ -27,12 +27,16 @@ class Check:
     """The largest difference allowed."""
     message: str = ""
     """What failed, in words ('' when ok)."""
+    declared: str = ""
+    """`file:line` of the family entry declaring the (first) group concerned, for a failed
+    check ('' when ok, not narrowed to a group, or not found)."""
 
     def to_json(self) -> dict[str, object]:
         """The check as a JSON object."""
         return {"tp": self.tp, "pp": self.pp, "module": self.module, "group": self.group,
                 "rank": self.rank, "ok": self.ok, "max_error": self.max_error,
-                "tolerance": self.tolerance, "message": self.message}
+                "tolerance": self.tolerance, "message": self.message,
+                "declared": self.declared}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
