@@ -159,6 +159,37 @@ def test_a_misspelt_source_is_located_at_the_family_line_with_the_name_config_js
             f"`{close}`, which config.json has? [at /{source.replace('.', '/')}]"]
 
 
+@pytest.mark.parametrize(("declared", "config", "meant"), [
+    # the field's own name beside a source naming another key
+    ("  kv_heads: {type: int, from: num_kv_heads, default: 1}\n", {"kv_heads": 2}, "kv_heads"),
+    ("  kv_heads: {type: int, from: text_config.n_kv, default: hidden_size}\n",
+     {"text_config": {"kv_heads": 2}}, "text_config.kv_heads"),
+    # a misspelt source, with an expression default
+    ("  experts: {type: int, from: num_local_expert, default: hidden_size}\n",
+     {"num_local_experts": 4}, "num_local_experts"),
+])
+def test_a_misspelt_source_with_a_default_is_an_error_not_a_silent_default(
+        tmp_path, monkeypatch, declared, config, meant):
+    family = with_config_fields(declared)
+    name, source = declared.split(":")[0].strip(), declared.split("from: ")[1].split(",")[0]
+    column = declared.index("{") + 1
+    assert bind_errors(tmp_path, monkeypatch, family=family, config={**MINI_CONFIG, **config}) \
+        == [f"family.yaml:7:{column}: config field `{name}` reads `{source}`, which config.json "
+            f"lacks, so it would take its default; config.json has `{meant}`: did you mean "
+            f"`from: {meant}`? [at /config/{name}]"]
+
+
+@pytest.mark.parametrize("config", [
+    MINI_CONFIG,                               # nothing close: the default, silently
+    {**MINI_CONFIG, "kv_heads": None},         # the own name given as null is no value
+    {**MINI_CONFIG, "num_kv_heads": 3},        # the source itself: read
+])
+def test_a_source_with_a_default_and_nothing_it_could_mean_binds(tmp_path, monkeypatch,
+                                                                 config):
+    family = with_config_fields("  kv_heads: {type: int, from: num_kv_heads, default: 1}\n")
+    assert bind_errors(tmp_path, monkeypatch, family=family, config=config) == []
+
+
 @pytest.mark.parametrize(("config", "expected"), [
     ({**MINI_CONFIG, "num_local_experts": None},
      "config.json:6:23: config.json has none of `num_experts`, `num_local_experts` (tried in "

@@ -228,6 +228,14 @@ def _read_field(binder: Binder, field: ConfigFieldDecl, values: dict[str, Value]
                     location=config.locate("/" + source.split(".")[0]), pointer="/" + source)
             values[field.name] = converted
             return True
+    defaulted = field.literal_default[0] or field.default is not None
+    meant = _meant_source(config.data, field) if defaulted else None
+    if meant is not None:  # the default would hide a misspelt `from:`
+        names = ", ".join(f"`{s}`" for s in field.sources)
+        raise SemanticError(
+            f"config field `{field.name}` reads {names}, which config.json lacks, so it would "
+            f"take its default; config.json has `{meant}`: did you mean `from: {meant}`?",
+            location=family.document.locate(field.pointer), pointer=field.pointer)
     if field.literal_default[0]:
         values[field.name] = field.literal_default[1]
         return True
@@ -259,6 +267,21 @@ def _missing(binder: Binder, field: ConfigFieldDecl) -> SemanticError:
         f"config.json has {found}, which family `{family.name}` requires (declared as "
         f"{field.type.value} with no default, at {declared})",
         location=config.locate(pointer if nulls else ""), pointer=pointer)
+
+
+def _meant_source(data: Mapping[str, Any], field: ConfigFieldDecl) -> str | None:
+    """For a field with a default none of whose sources config.json gives: a key config.json
+    has (not null) that a source is probably a misspelling of, or the field's own name beside a
+    source that names another key (`num_key_value_heads` read `from: num_kv_heads`); None when
+    there is none, or the field reads its own name."""
+    for source in field.sources:
+        *parents, last = source.split(".")
+        own = ".".join([*parents, field.name])
+        if last != field.name and own not in field.sources:
+            present, raw = _lookup(data, own)
+            if present and raw is not None:
+                return own
+    return _close_source(data, field.sources)
 
 
 def _close_source(data: Mapping[str, Any], sources: Sequence[str]) -> str | None:
