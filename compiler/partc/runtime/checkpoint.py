@@ -6,7 +6,7 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from types import MappingProxyType
@@ -89,22 +89,24 @@ class Checkpoint:
             return self.files[0].digest
         return sha256(" ".join(f.digest for f in self.files).encode()).hexdigest()
 
-    def fingerprint_error(self, expected: str, header_digest: str | None, *, override: str
-                          ) -> CheckpointError | None:
+    def fingerprint_error(self, expected: str, header_digest: str | None, *, override: str,
+                          explain: Callable[[], str] | None = None) -> CheckpointError | None:
         """The error when this checkpoint's fingerprint is not `expected` (None when it is).
 
         When `header_digest` (of the checkpoint `expected` was taken from) equals this one's,
         the headers are byte-identical and the fingerprint is not recomputed. `override` names
-        how to skip the check.
+        how to skip the check. `explain`, called only once the fingerprints differ, says what
+        differs (its text follows the two fingerprints; '' says nothing more).
         """
         if header_digest is not None and header_digest == self.header_digest():
             return None
         found = self.fingerprint()
         if found == expected:
             return None
+        detail = explain() if explain is not None else ""
         return CheckpointError(
             f"checkpoint header fingerprint {found[:16]} does not match the plan's "
-            f"{expected[:16]}; recompile against this checkpoint or pass {override}",
+            f"{expected[:16]}{detail}; recompile against this checkpoint or pass {override}",
             location=SourceLocation(str(self.path)))
 
     def fingerprint(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -119,7 +119,8 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
     if not errors and verify_fingerprint and table.checkpoint_fingerprint is not None:
         mismatch = checkpoint.fingerprint_error(
             table.checkpoint_fingerprint, table.checkpoint_header_digest,
-            override="verify_fingerprint=False")
+            override="verify_fingerprint=False",
+            explain=lambda: _fingerprint_difference(table, checkpoint))
         if mismatch is not None:
             errors.append(mismatch)
     elif not errors and verify_fingerprint and table.plan_tensors is not None:
@@ -127,6 +128,17 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
         if mismatch is not None:
             errors.append(mismatch)
     return errors
+
+
+def _omitted(omit: Iterable[str]) -> Callable[[str], object] | None:
+    """A predicate true of the names the family's `omit` globs match (None: no globs)."""
+    globs = list(omit)
+    if not globs:
+        return None
+    import fnmatch
+    import re
+
+    return re.compile("|".join(fnmatch.translate(glob) for glob in globs)).match
 
 
 def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> CheckpointError | None:
@@ -137,12 +149,9 @@ def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> Check
     fingerprint instead, which covers this."""
     count, digest, omit = plan_tensors
     names: Iterable[str] = checkpoint.names
-    if omit:
-        import fnmatch
-        import re
-
-        skip = re.compile("|".join(fnmatch.translate(glob) for glob in omit))
-        names = [n for n in names if skip.match(n) is None]
+    skip = _omitted(omit)
+    if skip is not None:
+        names = [n for n in names if skip(n) is None]
     names = sorted(names)  # the plan's digest (Plan.tensor_names_check): one name a line
     if len(names) == count and sha256("\n".join(names).encode()).hexdigest() == digest:
         return None
@@ -154,6 +163,125 @@ def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> Check
         "rank needs); `partc check FAMILY --config CONFIG --checkpoint CHECKPOINT` names them; "
         "verify_fingerprint=False loads this rank anyway",
         location=SourceLocation(str(checkpoint.path)))
+
+
+_SHOWN = 3
+"""How many tensors of each kind of difference a fingerprint mismatch names."""
+
+
+def _fingerprint_difference(table: RankTable, checkpoint: Checkpoint) -> str:
+    """What a checkpoint whose fingerprint is not the plan's holds otherwise (called only once
+    the fingerprints differ; this rank's own tensors all matched): the plan's tensors it
+    lacks, the tensors it holds that the plan does not know (less the family's `omit`
+    matches), and those of another dtype or shape, each counted and the first few named.
+    The plan's tensors are those of every rank module of the build package; when they cannot
+    all be imported, only the counts are compared."""
+    omit = tuple(table.plan_tensors[2]) if table.plan_tensors is not None else ()
+    skip = _omitted(omit)
+    held = [n for n in checkpoint.names if skip is None or skip(n) is None]
+    if len(checkpoint.files) == 1:
+        file = checkpoint.files[0].path
+    else:
+        file = checkpoint.index_path or checkpoint.path
+    matched = f": every tensor of rank {table.rank} matches"
+    plan = _plan_signatures(table)
+    if plan is None:
+        if table.plan_tensors is None:
+            return ""
+        count = table.plan_tensors[0]
+        what = (f"holds {len(held)} tensors where the plan has {count}" if len(held) != count
+                else f"holds {count} tensors, as the plan has, but one differs from another "
+                     "rank's by name, dtype or shape")
+        return (f"{matched}, but {file} {what} (the tables of the build's other ranks, "
+                "which name the plan's other tensors, were not found); `partc check FAMILY "
+                "--config CONFIG --checkpoint CHECKPOINT` names them")
+    missing = sorted(name for name in plan if name not in checkpoint)
+    extra = [name for name in held if name not in plan]  # checkpoint.names is sorted
+    changed = []
+    for name in sorted(plan):
+        signature = checkpoint.signature(name)
+        if signature is None:
+            continue
+        header, found_dtype, found_shape = signature
+        dtype, shape = plan[name]
+        if found_dtype != dtype or tuple(found_shape) != shape:
+            changed.append(f"`{name}`{_shard_of(checkpoint, header.path)} is {found_dtype} "
+                           f"{list(found_shape)} where the plan expects {dtype} {list(shape)}")
+    clauses = []
+    if missing:
+        clauses.append(f"lacks {_count(missing)} of the plan that other ranks load "
+                       f"({_listed([f'`{n}`' for n in missing])})")
+    if extra:
+        clauses.append(f"holds {_count(extra)} the plan does not know ("
+                       + _listed([f"`{n}`{_shard_of(checkpoint, _file_of(checkpoint, n))}"
+                                  for n in extra]) + ")")
+    if changed:
+        clauses.append(f"holds {_count(changed)} in another dtype or shape "
+                       f"({_listed(changed)})")
+    if not clauses:
+        where = (f"the tensors the family omits ({', '.join(f'`{g}`' for g in omit)}), which "
+                 "no rank loads" if omit else "tensors the plan does not record")
+        return (f"{matched}, and {file} holds every tensor of the plan, in its dtype and shape, "
+                f"and no other: what differs is among {where}")
+    text = (", ".join(clauses[:-1]) + " and " + clauses[-1]) if len(clauses) > 1 else clauses[0]
+    hint = ("; `partc check FAMILY --config CONFIG --checkpoint CHECKPOINT` names them all"
+            if max(len(missing), len(extra), len(changed)) > _SHOWN else "")
+    return f"{matched}, but {file} {text}{hint}"
+
+
+def _count(items: list[str]) -> str:
+    """'1 tensor', 'N tensors'."""
+    return f"{len(items)} tensor{'s' if len(items) != 1 else ''}"
+
+
+def _listed(items: list[str]) -> str:
+    """The first _SHOWN items, then how many more."""
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _file_of(checkpoint: Checkpoint, name: str) -> str:
+    """The file of the checkpoint holding tensor `name` (present)."""
+    return checkpoint.files[checkpoint.owners[name]].path
+
+
+def _shard_of(checkpoint: Checkpoint, path: str) -> str:
+    """' in <shard file>' for a checkpoint of several files ('' for one file, named once)."""
+    return f" in {os.path.basename(path)}" if len(checkpoint.files) > 1 else ""
+
+
+def _plan_signatures(table: RankTable) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """Every tensor of the plan, target -> (dtype, global shape), from the tables of every rank
+    module of the build package that defined `table`; None when that package or one of its
+    rank modules cannot be found, or they do not make up the plan's tensors (PLAN_TENSORS).
+    Only for an error: it imports the other ranks' modules."""
+    import sys
+    import types
+
+    module = next((m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)
+                   and vars(m).get("_TABLE") is table), None)
+    if module is None:
+        return None
+    package = module.__name__.rpartition(".")[0]
+    names = vars(sys.modules[package]).get("RANK_MODULES") if package in sys.modules else None
+    if not isinstance(names, tuple):
+        return None
+    plan: dict[str, tuple[str, tuple[int, ...]]] = {}
+    try:
+        for name in names:
+            other = vars(importlib.import_module("." + name, package)).get("_TABLE")
+            if not isinstance(other, RankTable) or other.plan_hash != table.plan_hash:
+                return None
+            for target, _, dtype, shape, _, _ in other.tensor_rows():
+                plan.setdefault(target, (dtype, shape))
+    except Exception:  # a rank module missing or broken: the error says less, never fails
+        return None
+    if table.plan_tensors is not None:
+        count, digest = table.plan_tensors[:2]
+        targets = sorted(plan)
+        if len(targets) != count or sha256("\n".join(targets).encode()).hexdigest() != digest:
+            return None
+    return plan
 
 
 def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint, *,
