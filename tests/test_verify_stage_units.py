@@ -142,13 +142,13 @@ def test_a_failed_check_names_the_line_declaring_its_group(tmp_path, capsys):
     family.write_text(text.replace(old, old.replace("column", "row")))
     line = text.splitlines().index('  - name: "layers.{unit}.mlp"') + 1
     config = hf("llama") / "config.json"
-    report = verify_family(family, config, tensor_parallel_sizes=[2], pipeline_parallel_size=1)
-    failure = report.first_failure
-    assert failure is not None and failure.group == "layers.0.mlp"
-    assert failure.declared == f"{family}:{line}"
-    assert report.to_json()["checks"][[c.ok for c in report.checks].index(False)][
-        "declared"] == f"{family}:{line}"
-    assert all(c.declared == "" for c in report.checks if c.ok)
+    assert main(["verify", str(family), "--config", str(config), "--tp", "2", "--pp", "1",
+                 "--format", "json"]) == 1
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    failed = [c for c in checks if not c["ok"]]
+    assert failed and failed[0]["group"] == "layers.0.mlp"
+    assert failed[0]["declared"] == f"{family}:{line}"
+    assert all(c["declared"] == "" for c in checks if c["ok"])
     assert main(["verify", str(family), "--config", str(config), "--tp", "2", "--pp", "1"]) == 1
     err = capsys.readouterr().err
     assert f"    group `layers.0.mlp` is declared at {family}:{line}\n" in err

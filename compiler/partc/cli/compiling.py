@@ -8,13 +8,17 @@ import json
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partc.cli.diagnostics import report_errors
 from partc.cli.parser import EXIT_ERRORS, EXIT_OK
 from partc.errors import PartcError
+
+if TYPE_CHECKING:
+    from partc.verify.report import Check
 
 
 def _progress_enabled(args: argparse.Namespace) -> bool | None:
@@ -297,6 +301,26 @@ def run_shard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _declared(checks: tuple[Check, ...], family: str | Path | None,
+              plans: tuple[dict[str, Any], ...]) -> tuple[Check, ...]:
+    """`checks`, each failed one narrowed to groups with the `file:line` of the family entry
+    declaring its first group (found by re-binding the family to a build's plan, as inspect
+    finds them); the others as they are."""
+    failed = [c for c in checks if not c.ok and c.group]
+    if not failed or not plans:
+        return checks
+    from partc.inspect.origins import group_origins
+    from partc.library import family_spec_is_file
+
+    given = Path(family) if family is not None and family_spec_is_file(family) else None
+    lines = group_origins(plans[0], given).lines
+    out: list[Check] = []
+    for check in checks:
+        first = next((lines[g] for g in check.group.split(", ") if g in lines), "")
+        out.append(replace(check, declared=first) if not check.ok and first else check)
+    return tuple(out)
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """`partc verify`: check the split against transformers' modeling code."""
     from partc.verify.run import verify_family
@@ -304,6 +328,7 @@ def run_verify(args: argparse.Namespace) -> int:
     report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
                            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
                            policy=_policy(args.policy), seed=args.seed)
+    report = replace(report, checks=_declared(report.checks, args.family, report.plans))
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=1))
         return EXIT_OK if report.ok else EXIT_ERRORS

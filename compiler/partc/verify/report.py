@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +58,8 @@ class VerifyReport:
     """Wall-clock time per phase, for the report only."""
     stage_units: str | None = None
     """Where the pipeline check cut, as --pp-layers spells it (None: balanced)."""
+    plans: tuple[dict[str, Any], ...] = ()
+    """The plan.json documents of the builds checked (to locate a failed group's line)."""
 
     @property
     def ok(self) -> bool:

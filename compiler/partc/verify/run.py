@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,30 +119,10 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                 checks.append(_not_compiled(1, pp, error, notes))
             seconds[f"pp{pp}"] = time.perf_counter() - begin
     seconds["total"] = time.perf_counter() - start
-    checks = _declared(checks, family, plans)
     return VerifyReport(family=family_name or user.family, model_type=user.model_type,
                         checks=tuple(checks), skipped=user.skipped, notes=tuple(notes),
-                        seconds=seconds, stage_units=_spelled(user.stage_units))
-
-
-def _declared(checks: list[Check], family: str | Path | None,
-              plans: list[dict[str, Any]]) -> list[Check]:
-    """`checks`, each failed one narrowed to groups with the `file:line` of the family entry
-    declaring its first group (found by re-binding the family to a build's plan, as inspect
-    finds them); the others as they are."""
-    failed = [c for c in checks if not c.ok and c.group]
-    if not failed or not plans:
-        return checks
-    from partc.inspect.origins import group_origins
-    from partc.library import family_spec_is_file
-
-    given = Path(family) if family is not None and family_spec_is_file(family) else None
-    lines = group_origins(plans[0], given).lines
-    out = []
-    for check in checks:
-        first = next((lines[g] for g in check.group.split(", ") if g in lines), "")
-        out.append(replace(check, declared=first) if not check.ok and first else check)
-    return out
+                        seconds=seconds, stage_units=_spelled(user.stage_units),
+                        plans=tuple(plans))
 
 
 def _spelled(stage_units: StageUnits) -> str | None:
