@@ -8,6 +8,7 @@ console."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -584,3 +585,153 @@ def test_a_root_level_tensor_of_a_single_repetition_checkpoint_is_owned_by_the_l
     targets = {t["target"]: t["stages"] for t in plan["tensors"]}  # type: ignore[attr-defined]
     assert sorted(targets) == sorted(_keys_of(checkpoint))
     assert targets["extra_scale"] == [1]
+
+
+def _cohere(folder: Path, heads: int, kv_heads: int, hidden: int) -> Path:
+    """A random Cohere with per-head q/k norms (`use_qk_norm`: [heads, head_dim] and
+    [kv_heads, head_dim], head_dim = hidden / heads), written by transformers."""
+    import torch
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    config = CohereConfig(hidden_size=hidden, intermediate_size=96, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, num_hidden_layers=2, vocab_size=131,
+                          max_position_embeddings=64, use_qk_norm=True)
+    CohereForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _shapes(checkpoint: Path, suffix: str) -> dict[str, list[int]]:
+    """The shapes of a checkpoint's tensors ending in `suffix`, read by safetensors."""
+    out: dict[str, list[int]] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(file), "np") as opened:
+            for name in opened.keys():
+                if name.endswith(suffix):
+                    out[name] = list(opened.get_slice(name).get_shape())
+    return out
+
+
+def _group_block(text: str, module: str) -> str:
+    block = text[text.index(f'module: "model.layers.{{unit}}.{module}"'):]
+    return block[:block.index("\n\n")]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_cohere_per_head_norms_are_sized_by_their_heads_and_follow_another_config(
+        kv_heads: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Cohere's q_norm / k_norm hold one head_dim row per head of their projection: the
+    scaffold writes [num_attention_heads, head_dim] and [num_key_value_heads, head_dim], not
+    the literal [4, 16] that held for this checkpoint only (and passed `partc check` against
+    a larger config, declaring q_norm [4, 16] beside a [128, 128] q_proj). With as many KV
+    heads as heads (kv_heads 4) both norms are [4, 16]: each is read as its own
+    projection's heads, which a config with 2 KV heads of 8 heads tells apart."""
+    checkpoint = _cohere(tmp_path / "cohere", 4, kv_heads, 64)
+    other = _cohere(tmp_path / "cohere8", 8, 2, 128)  # the same architecture, larger
+    real = _shapes(checkpoint, "_norm.weight")
+    assert real["model.layers.0.self_attn.q_norm.weight"] == [4, 16]
+    assert real["model.layers.0.self_attn.k_norm.weight"] == [kv_heads, 16]
+    family = tmp_path / "cohere.yaml"
+    stdout, _, report = _init(checkpoint, family, capsys)
+    text = family.read_text()
+    q_norm, k_norm = (_group_block(text, f"self_attn.{n}") for n in ("q_norm", "k_norm"))
+    assert "    params: {weight: [num_attention_heads, head_dim]}" in q_norm.splitlines()
+    assert "    params: {weight: [num_key_value_heads, head_dim]}" in k_norm.splitlines()
+    assert CHECK not in q_norm + k_norm
+    marked = [line for line in text.splitlines() if CHECK in line]
+    assert len(marked) == len(report["undecided"])  # type: ignore[arg-type]
+    assert f"{len(marked)} line(s) marked" in stdout
+    for folder in (checkpoint, other):  # as written it holds for both checkpoints
+        _checks(family, folder, capsys)
+    status, _, err = _run(["check", str(family), "--config", str(other / "config.json"),
+                           "--tp", "2"], capsys)
+    assert status == 0, err
+    for number, folder in enumerate((checkpoint, other)):
+        plan = _compiled(family, folder, 2, 1, tmp_path / f"out{number}", capsys)
+        compiled = {t["target"]: t["shape"] for t in plan["tensors"]  # type: ignore[attr-defined]
+                    if t["target"].endswith("_norm.weight")}
+        assert compiled == _shapes(folder, "_norm.weight")
+    assert _shapes(other, "q_norm.weight")["model.layers.1.self_attn.q_norm.weight"] == [8, 16]
+    assert _shapes(other, "k_norm.weight")["model.layers.1.self_attn.k_norm.weight"] == [2, 16]
+
+
+def test_a_whole_per_head_norm_is_still_one_head_dim_and_replicated(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3's q_norm / k_norm are one head_dim shared by every head: [head_dim],
+    replicated, unmarked."""
+    family = tmp_path / "qwen3.yaml"
+    _init(hf("qwen3"), family, capsys)
+    text = family.read_text()
+    for norm in ("q_norm", "k_norm"):
+        block = _group_block(text, f"self_attn.{norm}")
+        assert block.splitlines()[1:] == ["    sharding: replicated",
+                                          "    params: {weight: [head_dim]}"], block
+
+
+_SHAPE = re.compile(r"\[([^\[\]]*)\]")
+
+
+def _literal_lines(text: str) -> list[str]:
+    """The lines declaring a shape with a literal dimension (a number other than 1) or a
+    literal `units:`."""
+    out = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        code = line.split(" # ", 1)[0]
+        shapes = _SHAPE.findall(code)
+        if any(d.strip().isdigit() and d.strip() != "1" for s in shapes for d in s.split(",")) \
+                or re.match(r"^\s*units: (?!1\s*$)\d+\s*$", code):
+            out.append(line)
+    return out
+
+
+def test_granitemoe_marks_the_dimension_it_cannot_explain_on_its_own_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GraniteMoE's fused experts `input_linear` [experts, 2 * intermediate, hidden]: the
+    expert count and the width are config fields, 2 * intermediate_size is no field the
+    scaffold knows. Its params line keeps the literal and is marked (not only the group's
+    "not a known projection" line), and the printed count is the count of marked lines."""
+    import torch
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteMoeConfig(hidden_size=64, intermediate_size=48, num_attention_heads=4,
+                              num_key_value_heads=2, num_hidden_layers=2, num_local_experts=3,
+                              num_experts_per_tok=2, vocab_size=131,
+                              max_position_embeddings=64)
+    checkpoint = tmp_path / "granitemoe"
+    GraniteMoeForCausalLM(config).save_pretrained(checkpoint, safe_serialization=True)
+    family = tmp_path / "granitemoe.yaml"
+    stdout, _, report = _init(checkpoint, family, capsys)
+    text = family.read_text()
+    block = _group_block(text, "block_sparse_moe.input_linear")
+    params = block.splitlines()[-1]
+    assert params.startswith("    params: {weight: [num_local_experts, 96, hidden_size]}  "
+                             f"{CHECK} `block_sparse_moe.input_linear`: weight axis 1: 96 is "
+                             "no config field the scaffold knows"), params
+    assert "    params: {weight: [num_local_experts, hidden_size, intermediate_size]}" in \
+        _group_block(text, "block_sparse_moe.output_linear").splitlines()
+    assert "  num_local_experts: int" in text.splitlines()  # declared: a shape uses it
+    marked = [line for line in text.splitlines() if CHECK in line]
+    assert len(marked) == len(report["undecided"])  # type: ignore[arg-type]
+    assert f"wrote {family}: {len(marked)} line(s) marked" in stdout
+    assert set(_literal_lines(text)) <= set(marked)
+    _checks(family, checkpoint, capsys)
+
+
+@pytest.mark.parametrize("checkpoint", [*(hf(f) for f in SCAFFOLDED), *(
+    HF.parent / "quantized" / q for q in ("llama_mlx4", "qwen3_fp8", "deepseek_v3_fp8",
+                                          "gpt_oss_mxfp4"))], ids=lambda p: p.name)
+def test_every_literal_dimension_of_a_scaffold_is_on_a_marked_line(
+        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the scaffold writes as a number (BLOOM's fused [192, hidden_size], block-FP8's
+    weight_scale_inv [4, 4]) holds for this checkpoint's config only: every such line is
+    marked, so the count the scaffold prints covers them."""
+    family = tmp_path / "f.yaml"
+    stdout, _, report = _init(checkpoint, family, capsys)
+    text = family.read_text()
+    marked = [line for line in text.splitlines() if CHECK in line]
+    assert [line for line in _literal_lines(text) if CHECK not in line] == []
+    assert len(marked) == len(report["undecided"])  # type: ignore[arg-type]
+    assert f"{len(marked)} line(s) marked" in stdout

@@ -8,9 +8,14 @@ embeddings), and a tied or untied head; config fields nested under `text_config`
 GPT-2's way (`n_embd`, `n_layer`), are read with `from:` (of a field both the top level and
 `text_config` hold, the value that matches the header's decoder). A part found in only some
 layers gets a `when:` over the layer numbers. Anything else is kept as a replicated group
-with literal shapes and marked `# partc init: CHECK`, so that the scaffold still owns every
-tensor and passes `partc check` as written; what it cannot write so that it does (a tensor
-whose shape differs between layers) is marked too and said in `Scaffold.notes`.
+marked `# partc init: CHECK`, so that the scaffold still owns every tensor and passes `partc
+check` as written; what it cannot write so that it does (a tensor whose shape differs between
+layers) is marked too and said in `Scaffold.notes`. Every dimension is written as the
+expression the module's place expects (a projection's `num_key_value_heads * head_dim`, a
+per-head norm's `[num_attention_heads, head_dim]`), else as the config field of its value
+(`_Writer.resolve`); a dimension no field explains stays a literal, one several fields have is
+written as the one its neighbours use or marked, and every line with a literal or such a guess
+is marked, so that no shape silently holds for this checkpoint's config only.
 
 A checkpoint with several repetitions (a vision-language model: a vision tower's layers beside
 the language model's) gets a multi-group graph: the decoder is the repetition beside the token
@@ -49,9 +54,22 @@ a layer stays part of that layer)."""
 _EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 _DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
                "shared_expert_intermediate_size")
-"""Config names a literal dimension is matched against, first match wins."""
+"""The decoder's widths: the config names a literal dimension is matched against first
+(`_decoder_dimensions`)."""
 _EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 """Config names an expert count is matched against."""
+_HEADS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+"""Config names of the attention's head counts and head width a literal dimension is matched
+against, after the widths (a per-head norm's [num_attention_heads, head_dim])."""
+_DIMENSION_NAME = re.compile(
+    r"^(?:num|n)_[a-z0-9_]+$|^[a-z0-9_]+_(?:size|dim|rank|heads|experts|channels|embeddings"
+    r"|positions)$")
+_NOT_DIMENSION = re.compile(
+    r"(?:_ids?|_idx|_index|_layers?|_tok|_groups?|_replace|_freq|_steps?|_labels)$")
+"""Which other integer config fields (DeepSeek's `q_lora_rank`, GPT-2's `n_positions`, CLIP's
+`patch_size`) a literal dimension is matched against too, by name: counts and sizes, not token
+ids, layer counts or routing settings. A dimension equal to one of them and to a known name is
+ambiguous (marked), one equal to one of them only is written as that field."""
 _NESTED = ("text_config",)
 """Config sections whose fields are read (with `from:`) when the top level lacks them, or holds
 them too (PaliGemma's legacy top-level `hidden_size`): then the value that matches the header
@@ -179,7 +197,29 @@ def _values(config: Mapping[str, Any], matches: Callable[[str, int], bool | None
     out["head_dim"] = number("head_dim", hidden // heads if hidden and heads else None)
     for key in (*_DIMENSIONS, *_EXPERT_COUNTS):
         out.setdefault(key, number(key))
+    known = {*out, *(a for names in _ALIASES.values() for a in names)}
+    for key, (where, value) in _other_dimensions(config, known).items():
+        out[key], sources[key] = value, where + key
     return {k: v for k, v in out.items() if v is not None}, sources, marked
+
+
+def _other_dimensions(config: Mapping[str, Any], known: set[str]
+                      ) -> dict[str, tuple[str, int]]:
+    """The integer fields of the config's top level and `text_config` named like a dimension
+    (`_DIMENSION_NAME`) that are not `known`, sorted, each with where it is read (`""` or
+    `text_config.`); a field both hold with different values is left out (which the decoder
+    uses, the scaffold does not try to tell for these)."""
+    found: dict[str, list[tuple[str, int]]] = {}
+    for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED)):
+        if not isinstance(section, Mapping):
+            continue
+        for key, value in section.items():
+            if isinstance(key, str) and isinstance(value, int) and not isinstance(value, bool) \
+                    and key not in known and _DIMENSION_NAME.match(key) \
+                    and not _NOT_DIMENSION.search(key):
+                found.setdefault(key, []).append((where, value))
+    return {key: places[-1] for key, places in sorted(found.items())
+            if len({value for _, value in places}) == 1}
 
 
 def _nested_choice(key: str, name: str, found: Sequence[tuple[str, int]],
@@ -254,7 +294,7 @@ class _Module:
 
 class _Writer:
     def __init__(self, values: dict[str, int], default_dtype: str | None,
-                 layers: Sequence[int]) -> None:
+                 layers: Sequence[int], dimensions: tuple[str, ...]) -> None:
         self.values = values
         self.default_dtype = default_dtype
         self.all_layers = set(layers)
@@ -263,46 +303,101 @@ class _Writer:
         self.used: set[str] = set()
         self.conditional = 0
         """How many groups got a `when:` over layer numbers."""
-        self.dimensions: tuple[str, ...] = _DIMENSIONS
-        """Config names a literal dimension is matched against, first match wins: the
+        self.dimensions = dimensions
+        """Config names a literal dimension is matched against, in this order: the
         decoder's, or an encoder's own."""
 
-    def dim(self, expected: str | None, actual: int, what: str) -> str:
-        """A shape entry: the config expression when it matches the header, else the number."""
+    def vocabulary(self, module: str) -> tuple[list[str], tuple[str, ...]]:
+        """The config names a literal dimension of `module` is matched against, and those
+        preferred when several have its value: of `self.dimensions`, a position count only
+        in a position embedding, an MLP's intermediate size not in an attention block (where
+        DeepSeek's q_lora_rank may have its value); an attention block's head counts and
+        head width preferred there, an expert count in an expert or router module."""
+        parts = module.split(".")
+        leaf = parts[-1]
+        attention = any("attn" in p or "attention" in p for p in parts[:-1]) or (
+            not _is_norm(leaf) and ("attn" in leaf or "attention" in leaf))
+        experts = any("expert" in p or "moe" in p or "router" in p for p in parts)
+        positional = any(_positional(p) for p in parts)
+        names = [n for n in self.dimensions if ("position" not in n or positional)
+                 and not (attention and "intermediate" in n)]
+        return names, (*(_HEADS if attention else ()), *(_EXPERT_COUNTS if experts else ()))
+
+    def resolve(self, expected: str | None, actual: int, *, lookup: bool = True,
+                names: Sequence[str] | None = None, prefer: Sequence[str] = ()
+                ) -> tuple[str, str | None]:
+        """A shape entry and, when it is a guess, why (for a CHECK): the `expected`
+        expression when it has the header's value; else, if `lookup`, the config name of
+        `names` (`self.dimensions`) with that value, when just one has it or `prefer` names
+        one of those that do (the name the neighbouring modules use), else the first, said
+        ambiguous; else the number, said unexplained. An axis of 1 is no dimension (a gate's
+        single row): written 1, unmarked."""
         if expected is not None and _evaluate(expected, self.values) == actual:
             self.used.update(expected.split(" * "))
-            return expected
-        for name in self.dimensions:
-            if self.values.get(name) == actual:
-                self.used.add(name)
-                return name
-        return str(actual)
+            return expected, None
+        if actual == 1:
+            return "1", None
+        names = [n for n in (self.dimensions if names is None else names)
+                 if self.values.get(n) == actual] if lookup else []
+        chosen = next((n for n in prefer if n in names), names[0] if names else None)
+        if chosen is not None:
+            self.used.add(chosen)
+        if chosen is not None and (len(names) == 1 or chosen in prefer):
+            return chosen, None
+        if chosen is not None:
+            return chosen, f"{actual} is {_spelled_names(names)} alike, {chosen} written"
+        value = _evaluate(expected, self.values) if expected is not None else None
+        if value is None:
+            return str(actual), f"{actual} is no config field the scaffold knows"
+        return str(actual), f"{actual} is not {expected} ({value})" + (
+            " nor any config field the scaffold knows" if lookup else "")
 
-    def params(self, entries: Mapping[str, tuple[list[str], str]], indent: str) -> None:
+    def dim(self, expected: str | None, actual: int) -> str:
+        """A shape entry where a guess is not marked (a line marked already)."""
+        return self.resolve(expected, actual)[0]
+
+    def params(self, entries: Mapping[str, tuple[list[str], str, list[str]]], indent: str,
+               what: str) -> None:
+        """The `params:` of module `what`: one line per param (one line for a single one),
+        a line with a dimension the scaffold guessed or could not explain marked with why."""
         items = []
-        for name, (shape, dtype) in sorted(entries.items()):
+        for name, (shape, dtype, whys) in sorted(entries.items()):
             text = "[" + ", ".join(shape) + "]"
             if dtype != self.default_dtype:
                 text = f"{{shape: {text}, dtype: {dtype}}}"
-            items.append(f"{name}: {text}")
+            items.append((f"{name}: {text}", [f"{name} {w}" for w in whys]))
         if len(items) == 1:
-            self.lines.append(f"{indent}params: {{{items[0]}}}")
+            self.shape_line(f"{indent}params: {{{items[0][0]}}}", what, items[0][1])
         else:
             self.lines.append(f"{indent}params:")
-            self.lines += [f"{indent}  {item}" for item in items]
+            for item, whys in items:
+                self.shape_line(f"{indent}  {item}", what, whys)
+
+    def shape_line(self, line: str, what: str, whys: Sequence[str]) -> None:
+        """A line declaring a shape, marked when some of its dimensions are guesses."""
+        if whys:
+            self.check(line, f"`{what}`: {'; '.join(whys)}: write each as an expression "
+                       "over config fields, or the shape holds for this checkpoint's config "
+                       "only")
+        else:
+            self.lines.append(line)
 
     def loose(self, name: str, tensor: str, signature: tuple[str, list[int]], owner: str,
               why: str) -> None:
         """The group `name` of a tensor of no module (a root-level `image_newline`): one
         `members:` entry, replicated, owned by `owner`, a guess marked with `why`."""
         dtype, shape = signature
+        names, prefer = self.vocabulary(tensor)
+        resolved = [self.resolve(None, n, names=names, prefer=prefer) for n in shape]
         entry = f"{{target: {json.dumps(tensor)}, shape: [" + ", ".join(
-            self.dim(None, n, tensor) for n in shape) + "]" + (
+            text for text, _ in resolved) + "]" + (
             f", dtype: {dtype}" if dtype != self.default_dtype else "") + "}"
         self.lines += ["", f"  - name: {json.dumps(name)}", "    role: replicated",
                        f"    owner: {owner}"]
         self.check("    # owner guessed", why)
-        self.lines += ["    members:", f"      - {entry}"]
+        self.lines.append("    members:")
+        self.shape_line(f"      - {entry}", tensor, [f"axis {i}: {w}" for i, (_, w) in
+                                                      enumerate(resolved) if w is not None])
 
     def check(self, line: str, why: str) -> None:
         self.lines.append(f"{line}  {CHECK}: {why}")
@@ -330,6 +425,11 @@ class _Writer:
             self.check(f"    # {_layers({*entry.differs, *differs})} hold(s) `{module}` with other "
                        "params, shapes or expert counts", "this group fits the first layers "
                        "only: split it by layer, `partc check` fails until then")
+
+
+def _spelled_names(names: Sequence[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _runs(numbers: set[int]) -> list[tuple[int, int]]:
@@ -465,7 +565,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     values, sources, marked = _values(config, _header_matches(by_layer, decoder_modules, roles))
     encoders = _encoders(layers, prefix, common, modules, config, values, sources, checkpoint)
     count = len(by_layer)
-    w = _Writer(values, default or "F32", sorted(by_layer))
+    dimensions = _decoder_dimensions(values, sources, {n for e in encoders for n in e.names})
+    w = _Writer(values, default or "F32", sorted(by_layer), dimensions)
     chain = [e.group for e in encoders]
     projector = _projector(decoder_modules, roles, _root_of(prefix, common), common) \
         if encoders else None
@@ -494,7 +595,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                                       config.get("vision_feature_layer")))
     if projector is not None:
         _projector_groups(w, projector, encoders[-1], front, graph, family, loose)
-    w.dimensions, w.all_layers = _DIMENSIONS, set(by_layer)
+    w.dimensions, w.all_layers = dimensions, set(by_layer)
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
     prefixed = {n for e in encoders for n in e.names}
@@ -562,6 +663,19 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
     text = SCHEMA_COMMENT + schema.resolve().as_uri() + "\n" + "\n".join(w.lines)
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes))
+
+
+def _decoder_dimensions(values: Mapping[str, int], sources: Mapping[str, str],
+                        encoders: set[str]) -> tuple[str, ...]:
+    """The config names a literal dimension of the decoder is matched against, in this order:
+    its widths, head counts and head width, expert counts, then the config's other fields
+    named like a dimension (`_other_dimensions`); not `num_key_value_heads` when the config
+    lacks it (then it is the head count by default, no field of its own), nor an encoder's."""
+    known = (*_DIMENSIONS, *_HEADS, *_EXPERT_COUNTS)
+    return (*(n for n in known if n in values and (
+        n != "num_key_value_heads" or n in sources)),
+        *sorted(n for n in values if n not in known and n not in encoders
+                and n != "num_hidden_layers"))
 
 
 def _decoder_prefix(layers: Mapping[str, object], modules: Mapping[str, object],
@@ -637,9 +751,14 @@ def _encoders(layers: Mapping[str, dict[int, dict[str, tuple[str, list[int]]]]],
         stem = re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", (
             section.removesuffix("_config") if section else group)))[:64] + "_"
         names = set()
-        for key in (*_ENCODER_WIDTHS, *_ENCODER_HEADS, *_ENCODER_COUNTS):
+        known = (*_ENCODER_WIDTHS, *_ENCODER_HEADS, *_ENCODER_COUNTS)
+        others = sorted(k for k in (config[section] if section else ()) if isinstance(k, str)
+                        and k not in known and _DIMENSION_NAME.match(k)
+                        and not _NOT_DIMENSION.search(k))  # CLIP's patch_size, num_channels
+        for key in (*known, *others):
             value = config[section].get(key) if section else None
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, int) and not isinstance(value, bool) and (
+                    key in known or stem + key not in values):
                 values[stem + key], sources[stem + key] = value, f"{section}.{key}"
                 names.add(stem + key)
         out.append(_Encoder(prefix, root, group, section, stem, dict(layers[prefix]),
@@ -712,10 +831,20 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[str], graph: list[str],
     `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
     the projector reads), if any."""
     table = _layer_table(e.by_layer)
-    w.dimensions = tuple(e.stem + k for k in _ENCODER_WIDTHS if e.stem + k in w.values)
+    counts = {e.stem + k for k in _ENCODER_COUNTS}
+    w.dimensions = (*(e.stem + k for k in (*_ENCODER_WIDTHS, *_ENCODER_HEADS)
+                      if e.stem + k in w.values),
+                    *sorted(n for n in e.names if n not in counts and n[len(e.stem):] not in (
+                        *_ENCODER_WIDTHS, *_ENCODER_HEADS)))
     w.all_layers = set(e.by_layer)
     heads = next((e.stem + k for k in _ENCODER_HEADS if e.stem + k in w.values), None)
-    width = next((e.stem + k for k in _ENCODER_WIDTHS[:2] if e.stem + k in w.values), None)
+    norm = next((entry.params["weight"][1][0] for module, entry in sorted(table.items())
+                 if _is_norm(module.rsplit(".", 1)[-1]) and len(entry.params.get(
+                     "weight", ("", []))[1]) == 1), None)
+    # the tower's width: the one its layers' norms have (Qwen2-VL's embed_dim, not its
+    # hidden_size, the merger's output width), else the first there is
+    widths = [e.stem + k for k in _ENCODER_WIDTHS[:2] if e.stem + k in w.values]
+    width = next((n for n in widths if w.values[n] == norm), widths[0] if widths else None)
     inter = e.stem + "intermediate_size"
     attention: tuple[Mapping[str, tuple[str | None, ...]], ...] = tuple(
         {"q_proj": ("column", heads, width, width), "k_proj": ("column", heads, width, width),
@@ -750,10 +879,7 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[str], graph: list[str],
     w.lines.append(f'    path: "{e.prefix}.{{unit}}"')
     if after is not None:
         w.lines.append(f"    after: [{after}]")
-    norm = next((entry.params["weight"][1][0] for module, entry in sorted(table.items())
-                 if _is_norm(module.rsplit(".", 1)[-1]) and len(entry.params.get(
-                     "weight", ("", []))[1]) == 1), None)
-    out_width = w.dim(None, norm, "width") if norm is not None else (width or "hidden_size")
+    out_width = w.dim(None, norm) if norm is not None else (width or "hidden_size")
     w.lines += ["    boundary:", f"      identity: {family}.{e.group}"]
     w.check(f"      primary: {{role: hidden, shape: [{e.group}_tokens, {out_width}], dtype: "
             "activation}", f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
@@ -785,7 +911,8 @@ def _encoder_statics(w: _Writer, e: _Encoder) -> tuple[list[str], list[str]]:
                     "logits the scaffold cannot know (LLaVA's post_layernorm does not; "
                     "Qwen2-VL's merger does, an execution group after the tower in "
                     "architectures/qwen2_vl.yaml)")
-        w.params(_signature_params(w, e.modules[module], None, None), "    ")
+        w.params(_signature_params(w, module, e.modules[module], None, None), "    ",
+                 module)
         (head if before else tail).extend(w.lines)
         w.lines = saved
     return head, tail
@@ -812,7 +939,7 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
             w.check("    # replicated on every rank", f"`{module}` is the projector's: "
                     "replicated; a two-linear MLP splits as one feed_forward_intermediate "
                     "group, the first column, the second row (architectures/llava.yaml)")
-        w.params(_signature_params(w, modules[module], None, None), "    ")
+        w.params(_signature_params(w, module, modules[module], None, None), "    ", module)
     for tensor in sorted(loose):
         w.loose(f"projector.{tensor}", tensor, loose[tensor], "{unit: projector}",
                 f"`{tensor}` is a tensor of no module, outside the layers: owned with the "
@@ -842,13 +969,37 @@ def _config_field(key: str, source: str) -> str:
     return "int" if parts == ["type: int"] else "{" + ", ".join(parts) + "}"
 
 
-def _signature_params(w: _Writer, params: Mapping[str, tuple[str, list[int]]],
-                      rows: str | None, cols: str | None) -> dict[str, tuple[list[str], str]]:
+def _signature_params(w: _Writer, module: str, params: Mapping[str, tuple[str, list[int]]],
+                      rows: str | None, cols: str | None, *,
+                      axes: Sequence[str | None] | None = None, prefer: Sequence[str] = ()
+                      ) -> dict[str, tuple[list[str], str, list[str]]]:
+    """Each param's shape entries, dtype and the guesses among them (`_Writer.resolve`): a
+    weight's are expected as [rows, cols], another param's first as rows; `axes`, when
+    given, are every param's (a norm's weight and bias, a router's). An axis expected as
+    an expression is that or a literal; where none is expected it is looked up by value among
+    the names `module` may use (`_Writer.vocabulary`; `prefer` first), but not in a param of a
+    matrix beside its weight and bias (a quantized format's scales: their dimensions are
+    derived, a config field of the same value a coincidence)."""
+    names, preferred = w.vocabulary(module)
+    prefer = (*prefer, *preferred)
+    guided = axes is not None or rows is not None or cols is not None
     out = {}
     for param, (dtype, shape) in params.items():
-        expected = [rows, cols][:len(shape)] if param == "weight" else [rows]
-        out[param] = ([w.dim(e, n, param) for e, n in zip(expected + [None] * len(shape),
-                                                              shape, strict=False)], dtype)
+        expected = list(axes) if axes is not None else [rows, cols] if param == "weight" \
+            else [rows]
+        dense = not guided or axes is not None or param in ("weight", "bias")
+        entries, whys = [], []
+        for i, n in enumerate(shape):
+            e = expected[i] if i < len(expected) else None
+            text, why = w.resolve(e, n, lookup=dense and e is None, names=names,
+                                  prefer=prefer)
+            entries.append(text)
+            if why is not None:
+                whys.append(f"axis {i}: {why}" if len(shape) > 1 else why)
+        if whys and not dense:
+            whys[-1] += " (a param beside a matrix's weight, sized by its format: " \
+                "docs/linear_formats.md)"
+        out[param] = (entries, dtype, whys)
     return out
 
 
@@ -879,6 +1030,7 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
                           table, m.rpartition(".")[0], list(spec))), key=lambda b: b[0])
     for block, spec_table in blocks:
         first = table[f"{block}.{next(iter(spec_table))}"]
+        guessed: str | None = None
         if spec_table is attention:
             name, role, units = "attention", "attention_heads", kinds.heads
         else:
@@ -886,7 +1038,8 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
             role = "feed_forward_intermediate" if first.experts is None else \
                 "expert_intermediate"
             rows = first.params.get("weight", ("", [0]))[1][0]
-            units = w.dim(kinds.intermediate, rows, "units")
+            units, guessed = w.resolve(kinds.intermediate, rows, names=w.vocabulary(block)[0],
+                                       prefer=_intermediate_names(w, block, first))
         if units in w.values:
             w.used.add(units)
         w.lines += ["", f'  - name: "{kinds.label}.{{unit}}.{name}"', f"    role: {role}",
@@ -896,6 +1049,10 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
             w.check(f"    units: {units}", f"the intermediate size of `{block}` ({units}) is "
                     "no field of the encoder's config section: write it as an expression "
                     "(Qwen2-VL's is embed_dim * mlp_ratio)")
+            w.lines.append("    projections:")
+        elif guessed is not None:
+            w.check(f"    units: {units}", f"the intermediate size of `{block}`: {guessed}: "
+                    "write it as a config field")
             w.lines.append("    projections:")
         else:
             w.lines += [f"    units: {units}", "    projections:"]
@@ -911,22 +1068,29 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
             else:  # the intermediate dimension is the group's units
                 rows_of = units if spec[0] == "column" else spec[1]
                 cols_of = units if spec[0] == "row" else spec[2]
-            w.params(_signature_params(w, table[module].params, rows_of, cols_of), "        ")
+            w.params(_signature_params(w, module, table[module].params, rows_of, cols_of),
+                     "        ", module)
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
         # an encoder's norms are sized by its own widths, not as the decoder's attention's
         sized, spans = (None, None) if kinds.encoder else _sized_like(w, table, module, leaf,
                                                                       entry)
-        params = _signature_params(w, entry.params, sized, None)
+        # a known projection outside its group (its block fused or packed) keeps its sizes
+        known: tuple[str, ...] | None = None if kinds.encoder else (
+            _ATTENTION[leaf] if leaf in _ATTENTION else _MLP.get(leaf))
+        size_rows, size_cols = (known[-2], known[-1]) if known is not None else (None, None)
+        prefer = () if kinds.encoder or not _is_norm(leaf) else ("hidden_size",)
+        params = _signature_params(w, module, entry.params, size_rows, size_cols,
+                                   axes=sized, prefer=prefer)
         safe = module.replace("self_attn.", "attention.")
         w.lines += ["", f'  - name: "{kinds.label}.{{unit}}.{safe}"', "    role: replicated",
                     f"    owner: {{unit: {kinds.group}}}"]
         w.scope(module, entry)
         w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
-        if spans is not None:
+        if spans is not None and sized:
             w.check("    # replicated on every rank", f"`{module}` normalises the whole "
-                    f"`{spans}` output ({sized}), which the attention group splits: declare "
+                    f"`{spans}` output ({sized[0]}), which the attention group splits: declare "
                     "it in that group, split with the projection and `reduction: "
                     "tensor_parallel` (architectures/olmo2.yaml), or verify fails at T >= 2")
         elif _PACKED & set(entry.params):
@@ -949,16 +1113,18 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
         elif not _is_norm(leaf):
             w.check("    # replicated on every rank", f"`{module}` is not a known projection: "
                     "replicated; shard it if it is large")
-        w.params(params, "    ")
+        w.params(params, "    ", module)
 
 
 def _sized_like(w: _Writer, table: Mapping[str, _Module], module: str, leaf: str,
-                entry: _Module) -> tuple[str | None, str | None]:
-    """The expression a module outside the projection groups is sized by, and, for a norm of
-    the attention block as wide as a projection's whole output (OLMo-2's q_norm and k_norm,
-    not Qwen3's per-head ones), that projection: a size read as the projection's expression
-    (`num_key_value_heads * head_dim`), not whichever config field has that value; a router
-    (`gate`, `router`) by the expert count."""
+                entry: _Module) -> tuple[list[str | None] | None, str | None]:
+    """The axes a module outside the projection groups is sized by (its every param's), and,
+    for a norm of the attention block as wide as a projection's whole output (OLMo-2's
+    q_norm and k_norm, not Qwen3's per-head ones), that projection: a size read as the
+    projection's expression (`num_key_value_heads * head_dim`), not whichever config field
+    has that value; a per-head norm's [head_dim] (Qwen3's) or [heads, head_dim] (Cohere's),
+    the heads those of the projection it normalises (`q_norm`: q_proj's num_attention_heads);
+    a router (`gate`, `router`) by the expert count."""
     weight = entry.params.get("weight", ("", []))[1]
     block = module.rpartition(".")[0]
     if _is_norm(leaf) and len(weight) == 1 and block.endswith("self_attn"):
@@ -966,12 +1132,30 @@ def _sized_like(w: _Writer, table: Mapping[str, _Module], module: str, leaf: str
             rows = _ATTENTION[proj][2]
             if f"{block}.{proj}" in table and _evaluate(rows, w.values) == weight[0] and \
                     w.values.get("head_dim") != weight[0]:
-                return rows, proj
-        return ("head_dim" if w.values.get("head_dim") == weight[0] else None), None
+                return [rows], proj
+        return (["head_dim"] if w.values.get("head_dim") == weight[0] else None), None
+    if _is_norm(leaf) and len(weight) == 2 and block.endswith("self_attn"):
+        # the projection the norm's name starts like (q_norm, k_layernorm), else any of them
+        named = [p for p in ("q_proj", "k_proj") if leaf.startswith(p[0])] or \
+            ["q_proj", "k_proj", "v_proj"]
+        fits = {str(_ATTENTION[p][1]) for p in named if f"{block}.{p}" in table and [
+            w.values.get(str(_ATTENTION[p][1])), w.values.get("head_dim")] == weight}
+        return ([fits.pop(), "head_dim"] if len(fits) == 1 else None), None
     if leaf in ("gate", "router") and len(weight) == 2:
         count = next((n for n in _EXPERT_COUNTS if w.values.get(n) == weight[0]), None)
-        return count, None
+        return ([count, None] if count is not None else None), None
     return None, None
+
+
+def _intermediate_names(w: _Writer, block: str, first: _Module) -> tuple[str, ...]:
+    """The config names an MLP block's intermediate size is preferred as, when several have
+    its value: a shared expert's, a routed expert's, then any intermediate size."""
+    names = [n for n in w.dimensions if "intermediate" in n]
+    if "shared" in block:
+        names.sort(key=lambda n: "shared" not in n)
+    elif first.experts is not None:
+        names.sort(key=lambda n: "moe" not in n)
+    return tuple(names)
 
 
 def _static_roles(modules: Mapping[str, Any], prefix: str) -> dict[str, str]:
@@ -1031,19 +1215,22 @@ def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mappin
                 w.lines.append("    # the checkpoint has no lm_head: the head is tied to the "
                                "embedding, which the last stage loads too")
             w.lines += [f"    module: {module}", "    sharding: {balanced: 0}"]
-            w.params(_signature_params(w, params, "vocab_size", "hidden_size"), "    ")
+            w.params(_signature_params(w, module, params, "vocab_size", "hidden_size"), "    ",
+                     module)
             head += w.lines
         elif role == "output":
             w.lines += ["", f"  - name: {module}", "    role: vocabulary",
                         "    owner: {static: output}", f"    module: {module}",
                         "    sharding: {balanced: 0}"]
-            w.params(_signature_params(w, params, "vocab_size", "hidden_size"), "    ")
+            w.params(_signature_params(w, module, params, "vocab_size", "hidden_size"), "    ",
+                     module)
             tail += w.lines
         elif role is None and _beside_embedding(module.rsplit(".", 1)[-1]):
             w.lines += ["", f"  - name: {json.dumps(module)}", "    role: replicated",
                         "    owner: {static: embedding}", f"    module: {module}",
                         "    sharding: replicated"]
-            w.params(_signature_params(w, params, None, None), "    ")
+            w.params(_signature_params(w, module, params, None, None, prefer=("hidden_size",)),
+                     "    ", module)
             head += w.lines
         else:
             norm = role == "final_norm"
@@ -1055,7 +1242,8 @@ def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mappin
             if not norm:
                 w.check("    # owner guessed", f"`{module}` is outside the layers and not a "
                         "known name: owned by the last stage")
-            w.params(_signature_params(w, params, None, None), "    ")
+            w.params(_signature_params(w, module, params, None, None, prefer=(
+                "hidden_size",) if norm else ()), "    ", module)
             tail += w.lines
         w.lines = saved
     saved, w.lines = w.lines, tail
