@@ -321,6 +321,36 @@ def _declared(checks: tuple[Check, ...], family: str | Path | None,
     return tuple(out)
 
 
+def _skipped_lines(skipped: Sequence[dict[str, object]]) -> list[tuple[str, str]]:
+    """The topologies verify skipped, as (what, reason) lines: tensor-parallel sizes in a row
+    whose reasons are the same but for the size itself (every T above a group's unit count)
+    are one line, the first one's reason shown."""
+    import re
+
+    runs: list[tuple[list[int], int, str, str]] = []  # ([T...], S, reason, reason less its T)
+    for entry in skipped:
+        tp, pp, reason = int(str(entry["tp"])), int(str(entry["pp"])), str(entry["reason"])
+        if entry.get("check") == "pipeline":
+            runs.append(([], pp, reason, ""))
+            continue
+        shape = re.sub(rf"(?<=T=){tp}\b|(?<=size ){tp}\b|(?<=is ){tp}\b", "#", reason)
+        if runs and runs[-1][0] and runs[-1][1:] == (pp, runs[-1][2], shape) \
+                and runs[-1][0][-1] == tp - 1:
+            runs[-1][0].append(tp)
+        else:
+            runs.append(([tp], pp, reason, shape))
+    lines: list[tuple[str, str]] = []
+    for sizes, pp, reason, _ in runs:
+        if not sizes:
+            lines.append(("the pipeline check", reason))
+        elif len(sizes) == 1:
+            lines.append((f"T={sizes[0]} x S={pp}", reason))
+        else:
+            lines.append((f"T={', '.join(map(str, sizes))} x S={pp}",
+                          f"{reason} (the same error at each of these T, at its own size)"))
+    return lines
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """`partc verify`: check the split against transformers' modeling code."""
     from partc.verify.run import verify_family
@@ -334,10 +364,8 @@ def run_verify(args: argparse.Namespace) -> int:
         return EXIT_OK if report.ok else EXIT_ERRORS
     for note in report.notes:
         print(f"note: {note}")
-    for skipped in report.skipped:
-        what = ("the pipeline check" if skipped.get("check") == "pipeline"
-                else f"T={skipped['tp']} x S={skipped['pp']}")
-        print(f"skipped {what}: {skipped['reason']}")
+    for what, reason in _skipped_lines(report.skipped):
+        print(f"skipped {what}: {reason}")
     topologies = sorted({(c.tp, c.pp) for c in report.checks})
 
     def spelled(tp: int, pp: int) -> str:
