@@ -128,8 +128,8 @@ def expert_shape(dim: str) -> tuple[str, str]:
      "division by zero: `moe_intermediate_size * (expert - 1) // (expert - 1)` where "
      "(expert - 1) = 0"),
     (expert_shape("moe_intermediate_size + (8 if expert == 3 else 0)"),
-     "`model.layers.1.mlp.experts.3.gate_proj.weight` is partitioned(axis 0) but block_fp8 "
-     "[16, 16] stores axis 0 in blocks of 16 elements and 40 is not a multiple of 16"),
+     "`model.layers.1.mlp.experts.3.gate_proj.weight` is split on axis 0, of 40 elements, "
+     "which is not a multiple of group `model.layers.1.experts.3`'s 32 partition units"),
     (('module: "{path}.mlp.experts.{expert}.up_proj"',
       "module: \"{path}.mlp.experts.{expert}.{'gate_proj' if expert == 2 else 'up_proj'}\""),
      "group `model.layers.1.experts.2` lists target "

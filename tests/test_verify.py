@@ -95,9 +95,17 @@ WRONG = [
     # statically now (no partition unit may cut a head), before verify would catch the cut
     ("llama attention by query heads without heads hints", "llama", "llama.yaml",
      None, None, 4, "check", "over `units: num_attention_heads` but it states no `heads:`"),
+    # a split axis that is no multiple of the group's units (down_proj's axis 0 is the hidden
+    # size, 64, in a group of 128 intermediate channels) is refused statically now: before,
+    # the units were narrowed to their gcd with it and only verify caught the wrong axis
     ("llama down_proj declared column", "llama", "llama.yaml",
      'mlp.down_proj"\n        sharding: row', 'mlp.down_proj"\n        sharding: column',
-     2, "verify", ("model.layers.0.mlp", r"layers\.0\.mlp", 0)),
+     2, "check", "`model.layers.0.mlp.down_proj.weight` is split on axis 0, of 64 elements, "
+     "which is not a multiple of group `layers.0.mlp`'s 128 partition units (intermediate_size)"),
+    # a square o_proj split on its output axis has the right multiples: only verify sees it
+    ("llama o_proj declared column", "llama", "llama.yaml",
+     'self_attn.o_proj"\n        sharding: row', 'self_attn.o_proj"\n        sharding: column',
+     2, "verify", ("model.layers.0.self_attn", r"layers\.0\.attention", 0)),
     ("gpt_oss interleaved gate_up declared as two contiguous segments", "gpt_oss",
      "gpt_oss.yaml",
      "        shape: [num_local_experts, hidden_size, 2 * intermediate_size]\n"
@@ -184,7 +192,7 @@ def test_the_cli_reports_json_and_exits_0_when_every_check_holds(capsys):
 
 
 def test_the_cli_skips_illegal_sizes_by_default_and_names_the_first_failure(tmp_path, capsys):
-    family = _wrong_family(tmp_path, WRONG[2])
+    family = _wrong_family(tmp_path, WRONG[3])
     status = main(["verify", str(family), "--config", str(hf("llama") / "config.json"),
                    "--pp", "1"])
     captured = capsys.readouterr()
@@ -193,7 +201,8 @@ def test_the_cli_skips_illegal_sizes_by_default_and_names_the_first_failure(tmp_
     assert "skipped the pipeline check: no pipeline split asked for (S=1)" in captured.out
     assert "skipped T=1 x S=1" not in captured.out  # T=1 was checked, not skipped
     assert "T=1 x S=1: 15/15 checks hold" in captured.out
-    assert re.search(r"error: T=2 x S=1: module `model.layers.0.mlp` \(group `layers.0.mlp`\), "
+    assert re.search(r"error: T=2 x S=1: module `model.layers.0.self_attn` \(group "
+                     r"`layers.0.attention`\), "
                      r"rank 0: .*max abs error [0-9.e-]+, tolerance [0-9.e-]+", captured.err)
 
 

@@ -134,24 +134,25 @@ def test_deepseek_v3_keeps_its_layers_but_not_its_multi_token_prediction_layer()
 
 
 def test_a_failed_check_names_the_line_declaring_its_group(tmp_path, capsys):
+    # a square o_proj split on its output axis: shapes and unit multiples hold, verify fails it
     text = (ARCHITECTURES / "llama.yaml").read_text()
-    old = '''      - module: "model.layers.{unit}.mlp.up_proj"
-        sharding: column'''
+    old = '''      - module: "model.layers.{unit}.self_attn.o_proj"
+        sharding: row'''
     assert text.count(old) == 1
     family = tmp_path / "llama.yaml"
-    family.write_text(text.replace(old, old.replace("column", "row")))
-    line = text.splitlines().index('  - name: "layers.{unit}.mlp"') + 1
+    family.write_text(text.replace(old, old.replace("row", "column")))
+    line = text.splitlines().index('  - name: "layers.{unit}.attention"') + 1
     config = hf("llama") / "config.json"
     assert main(["verify", str(family), "--config", str(config), "--tp", "2", "--pp", "1",
                  "--format", "json"]) == 1
     checks = json.loads(capsys.readouterr().out)["checks"]
     failed = [c for c in checks if not c["ok"]]
-    assert failed and failed[0]["group"] == "layers.0.mlp"
+    assert failed and failed[0]["group"] == "layers.0.attention"
     assert failed[0]["declared"] == f"{family}:{line}"
     assert all(c["declared"] == "" for c in checks if c["ok"])
     assert main(["verify", str(family), "--config", str(config), "--tp", "2", "--pp", "1"]) == 1
     err = capsys.readouterr().err
-    assert f"    group `layers.0.mlp` is declared at {family}:{line}\n" in err
+    assert f"    group `layers.0.attention` is declared at {family}:{line}\n" in err
 
 
 def test_sizes_skipped_for_the_same_reason_are_one_line(capsys):

@@ -133,11 +133,6 @@ def test_each_cut_is_checked_against_the_plans_boundary(reports, tmp_path):
 
 # (case, fixture, family file, text replaced, replacement, T, S, module, group, message start)
 WRONG = [
-    ("llava vision fc1 declared row", "llava", "llava.yaml",
-     '{module: "{path}.mlp.fc1", sharding: column,', '{module: "{path}.mlp.fc1", sharding: row,',
-     2, 1, "model.vision_tower.encoder.layers.0.mlp", "vision.0.mlp",
-     "T=2 x S=1: module `model.vision_tower.encoder.layers.0.mlp` (group `vision.0.mlp`), "
-     "rank 0: the rank's part of the group is not separable"),
     ("qwen2_vl merger mlp.0 declared row", "qwen2_vl", "qwen2_vl.yaml",
      '      - {module: "{path}.mlp.0", sharding: column,',
      '      - {module: "{path}.mlp.0", sharding: row,',
@@ -159,6 +154,28 @@ WRONG = [
 ]
 
 
+def test_a_vision_projection_split_on_an_axis_that_is_no_multiple_of_its_units_is_refused(
+        tmp_path):
+    # fc1 [vision_intermediate, vision_hidden] declared row splits the hidden axis (32) in a
+    # group of 96 intermediate channels: refused at its line (verify caught it only, before)
+    text = (ARCHITECTURES / "llava.yaml").read_text()
+    old = '{module: "{path}.mlp.fc1", sharding: column,'
+    assert text.count(old) == 1
+    family = tmp_path / "llava.yaml"
+    family.write_text(text.replace(old, old.replace("column", "row")))
+    errors = check_family(family, hf("llava") / "config.json", topology=Topology(
+        tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert len(errors) == 1, errors
+    line = next(i for i, t in enumerate(family.read_text().splitlines(), 1)
+                if '"{path}.mlp.fc1", sharding: row' in t)
+    assert errors[0].location.line == line
+    assert "encoder.layers.0.mlp.fc1.weight` is split on axis 1, of 32 elements, which is not " \
+           "a multiple of group `vision.0.mlp`'s 96 partition units (vision_intermediate_size)" \
+           in errors[0].message
+    assert "axis 0 (96) is a multiple: is the projection's sharding the other one?" in (
+        errors[0].message)
+
+
 @pytest.mark.parametrize("case", WRONG, ids=[c[0] for c in WRONG])
 def test_a_wrong_vision_declaration_passes_check_but_fails_verify(tmp_path, case):
     _, fixture, file, old, new, tp, pp, module, group, message = case
@@ -178,7 +195,7 @@ def test_a_wrong_vision_declaration_passes_check_but_fails_verify(tmp_path, case
 
 
 def test_the_cli_names_the_module_of_a_wrong_boundary(tmp_path, capsys):
-    _, fixture, file, old, new = WRONG[2][:5]
+    _, fixture, file, old, new = WRONG[1][:5]
     family = tmp_path / file
     family.write_text((ARCHITECTURES / file).read_text().replace(old, new))
     status = main(["verify", str(family), "--config", str(hf(fixture) / "config.json"),
@@ -225,7 +242,7 @@ def test_a_cut_after_a_module_placed_with_the_last_unit_is_checked_against_that_
 def test_a_folded_boundary_mismatch_names_the_axis_of_the_folded_shape(tmp_path):
     """A per-request first axis spans HF's leading axes (one image's patches and its batch of
     one): the axis a mismatch names is counted in the folded shape, which the message shows."""
-    _, fixture, file, old, _ = WRONG[2][:5]
+    _, fixture, file, old, _ = WRONG[1][:5]
     family = tmp_path / file
     family.write_text((ARCHITECTURES / file).read_text().replace(
         old, "shape: [image_tokens, vision_hidden_size + 1]"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -232,11 +232,46 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
         else:
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
+            _check_unit_multiples(binder, group, units, label, rendered)
     check_projections(binder.family.document, decl, bound)  # after the group's own checks
     members = [m if dtypes.get(m.target, dtype) == m.dtype else
                replace(m, dtype=dtypes[m.target]) for m in group.members]
     return replace(group, members=tuple(members), policy=decl.policy,
                    kv_replication=decl.kv_replication)
+
+
+def _check_unit_multiples(binder: Binder, group: ParameterGroupSpec, units: int, label: str,
+                          rendered: Sequence[tuple[str, ModuleDecl, Any]]) -> None:
+    """Every split axis of a projection group holds a whole number of elements per declared
+    unit. The group's units are reduced by gcd with the split widths (so that every unit spans
+    whole blocks of a block-quantized weight); a split axis that is no multiple of the units
+    would narrow them silently: a `column` projection whose axis 0 is the hidden size in a group
+    of intermediate channels, which compiles and splits the wrong axis. A group whose members
+    state `heads:` is left alone: its units shrink to whole heads by design."""
+    if group.units == units or any(m.heads for m in group.members):
+        return  # a group that states heads shrinks its units to whole heads on purpose
+    for member in group.members:
+        rule = member.sharding
+        if not rule.is_partitioned or rule.segments or rule.granule > 1 \
+                or not member.target.endswith(".weight"):
+            continue  # block-quantized weights and their scales: the format's own checks
+        width = member.shape[rule.axis] if rule.axis is not None else 0
+        if not width or width % units == 0:
+            continue
+        module, _, param = member.target.rpartition(".")
+        decl = next((m for mod, m, _ in rendered if mod == module), None)
+        if decl is None:
+            continue
+        other = [a for a, n in enumerate(member.shape) if a != rule.axis and n % units == 0]
+        hint = (f"; axis {other[0]} ({member.shape[other[0]]}) is a multiple: is the "
+                f"projection's sharding the other one?" if len(member.shape) == 2 and other
+                else "")
+        raise binder.fail(
+            f"`{member.target}` is split on axis {rule.axis}, of {width} elements, which is not "
+            f"a multiple of group `{group.name}`'s {units} partition units"
+            f"{f' ({label})' if label else ''}: every unit must span whole elements of each "
+            f"split member; expected an axis of a multiple of {units}, found {width}{hint}",
+            join_pointer(decl.pointer, "sharding"))
 
 
 # ---------------------------------------------------------------- structural cache
