@@ -21,7 +21,7 @@ from partc.plan.topology import Topology
 from partc.verify.reference import reference_config
 from partc.verify.run import verify_family
 
-from support import ROOT, hf
+from support import ROOT, edited_family, hf
 
 ARCHITECTURES = ROOT / "architectures"
 FULLSIZE = ROOT / "tests" / "fixtures" / "fullsize"
@@ -29,12 +29,8 @@ FULLSIZE = ROOT / "tests" / "fixtures" / "fullsize"
 
 def _wrong_llama(tmp_path):
     """The llama family with a boundary one element narrower than the hidden state."""
-    text = (ARCHITECTURES / "llama.yaml").read_text()
-    old = "shape: [batch, sequence, hidden_size]"
-    assert text.count(old) == 1
-    family = tmp_path / "llama.yaml"
-    family.write_text(text.replace(old, "shape: [batch, sequence, hidden_size - 1]"))
-    return family
+    return edited_family(tmp_path, "llama", "shape: [batch, sequence, hidden_size]",
+                         "shape: [batch, sequence, hidden_size - 1]")
 
 
 @pytest.mark.parametrize(("units", "tail"), [((1, 2), "model.layers.0"),
@@ -82,12 +78,9 @@ def test_counts_that_do_not_fit_the_model_are_one_error_before_any_model_is_buil
 
 def test_a_cut_inside_the_vision_tower_checks_the_boundary_the_default_split_never_crosses(
         tmp_path):
-    text = (ARCHITECTURES / "llava.yaml").read_text()
-    old = "shape: [images, vision_positions, vision_hidden_size]"
-    assert text.count(old) == 1
-    family = tmp_path / "llava.yaml"
-    family.write_text(text.replace(old, "shape: [images, vision_positions - 1, "
-                                        "vision_hidden_size]"))
+    family = edited_family(tmp_path, "llava", "shape: [images, vision_positions, "
+                           "vision_hidden_size]", "shape: [images, vision_positions - 1, "
+                           "vision_hidden_size]")
     config = hf("llava") / "config.json"
     layout = (("vision", 1),), (("vision", 1), ("projector", 1), ("decoder", 2))
     assert check_family(family, config, topology=Topology(
@@ -135,13 +128,10 @@ def test_deepseek_v3_keeps_its_layers_but_not_its_multi_token_prediction_layer()
 
 def test_a_failed_check_names_the_line_declaring_its_group(tmp_path, capsys):
     # a square o_proj split on its output axis: shapes and unit multiples hold, verify fails it
-    text = (ARCHITECTURES / "llama.yaml").read_text()
     old = '''      - module: "model.layers.{unit}.self_attn.o_proj"
         sharding: row'''
-    assert text.count(old) == 1
-    family = tmp_path / "llama.yaml"
-    family.write_text(text.replace(old, old.replace("row", "column")))
-    line = text.splitlines().index('  - name: "layers.{unit}.attention"') + 1
+    family = edited_family(tmp_path, "llama", old, old.replace("row", "column"))
+    line = family.read_text().splitlines().index('  - name: "layers.{unit}.attention"') + 1
     config = hf("llama") / "config.json"
     assert main(["verify", str(family), "--config", str(config), "--tp", "2", "--pp", "1",
                  "--format", "json"]) == 1

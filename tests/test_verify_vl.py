@@ -23,7 +23,7 @@ from partc.plan.topology import Topology
 from partc.verify.report import VerifyReport
 from partc.verify.run import verify_family
 
-from support import ROOT, hf
+from support import ROOT, edited_family, hf
 
 ARCHITECTURES = ROOT / "architectures"
 FAMILIES = ("llava", "qwen2_vl")
@@ -158,11 +158,8 @@ def test_a_vision_projection_split_on_an_axis_that_is_no_multiple_of_its_units_i
         tmp_path):
     # fc1 [vision_intermediate, vision_hidden] declared row splits the hidden axis (32) in a
     # group of 96 intermediate channels: refused at its line (verify caught it only, before)
-    text = (ARCHITECTURES / "llava.yaml").read_text()
     old = '{module: "{path}.mlp.fc1", sharding: column,'
-    assert text.count(old) == 1
-    family = tmp_path / "llava.yaml"
-    family.write_text(text.replace(old, old.replace("column", "row")))
+    family = edited_family(tmp_path, "llava", old, old.replace("column", "row"))
     errors = check_family(family, hf("llava") / "config.json", topology=Topology(
         tensor_parallel_size=2, pipeline_parallel_size=1))
     assert len(errors) == 1, errors

@@ -44,6 +44,16 @@ def hf(name: str) -> Path:
     return HF / name
 
 
+def edited_family(folder: Path, name: str, old: str, new: str) -> Path:
+    """The built-in family `name` with its one occurrence of `old` replaced by `new`, written
+    to `folder` under the built-in's file name."""
+    text = (ROOT / "architectures" / f"{name}.yaml").read_text()
+    assert text.count(old) == 1, old
+    path = folder / f"{name}.yaml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
 def fixture_folder(name: str) -> Path:
     """Folder of one tiny fixture: `hf/<name>`, else `quantized/<name>`."""
     return hf(name) if (HF / name).is_dir() else QUANTIZED / name
