@@ -63,7 +63,8 @@ def test_the_mini_family_checks_clean(tmp_path, monkeypatch):
     ('path: "model.layers.{unit}"', 'path: "model.layers.{layer}"',
      "family.yaml:8:47: the unit path uses unknown name `layer`; did you mean `num_layers`? Known "
      "names: config fields "
-     "(hidden_size, num_layers, unit, vocab_size); declare it under `config` [at /graph/0/path]"),
+     "(hidden_size, num_layers, vocab_size); here also `unit`; declare it under `config` "
+     "[at /graph/0/path]"),
     ("    sharding: {balanced: 0}\n", "    sharding: {balanced: 0}\n    units: vocab_size\n",
      "family.yaml:17:12: this group declares `units: vocab_size` but no member is partitioned; "
      "drop `units`, or shard a member with `partitioned` or `partitioned_segments` "
@@ -109,8 +110,9 @@ def test_toml_unknown_names_in_inline_tables_point_at_the_element(tmp_path, monk
                              'params = {weight = ["hiddensize", 8]}')
     assert check(tmp_path, monkeypatch, text, "family.toml") == [
         "family.toml:37:21: a shape uses unknown name `hiddensize`; did you mean "
-        "`hidden_size`? Known names: config fields (group, hidden_size, num_layers, path, unit, "
-        "vocab_size); declare it under `config` [at /parameters/1/projections/0/params/weight/0]"]
+        "`hidden_size`? Known names: config fields (hidden_size, num_layers, vocab_size); here "
+        "also `group`, `path`, `unit`; declare it under `config` "
+        "[at /parameters/1/projections/0/params/weight/0]"]
 
 
 

@@ -64,9 +64,12 @@ def _name_error(known: _Known, name: str, scope: set[str], pointer: str,
         return known.error(f"{what} uses unknown name `{name}`; {note}", pointer)
     close = difflib.get_close_matches(name, sorted(scope), n=1)
     hint = f"; did you mean `{close[0]}`?" if close else ""
+    fields = sorted(scope & known.config)
+    local = sorted(scope - known.config)  # `unit`, `expert`, `path`: variables of this place
+    here = f"; here also {', '.join(f'`{v}`' for v in local)}" if local else ""
     return known.error(
         f"{what} uses unknown name `{name}`{hint or '.'} Known names: config fields "
-        f"({', '.join(sorted(scope)) or 'none'}); declare it under `config`", pointer)
+        f"({', '.join(fields) or 'none'}){here}; declare it under `config`", pointer)
 
 
 # ---------------------------------------------------------------- the family
