@@ -195,6 +195,14 @@ def stage_topology(stage_units: StageUnits) -> tuple[tuple[int, ...] | None, Sta
                        for runs in stage_units)
 
 
+def spelled_stage_units(stage_units: StageUnits) -> str:
+    """`stage_units` as --pp-layers spells them: `3,5,4`, or `vision*3|decoder*2`."""
+    counts, layout = stage_topology(stage_units)
+    if counts is not None:
+        return ",".join(map(str, counts))
+    return "|".join(",".join(f"{g}*{n}" for g, n in runs) for runs in layout or ())
+
+
 def topology_errors(bound: BoundArchitecture, decl: FamilyDecl,
                     topology: Topology) -> list[PartcError]:
     """Every error realizing `bound` (of family `decl`) for `topology`, located as `check`

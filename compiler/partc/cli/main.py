@@ -97,8 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if layers and args.pp is None:
         args.pp = len(layers)
     elif layers and args.pp != len(layers):
+        from partc.api import spelled_stage_units
+
         usage.error(f"--pp-layers gives {len(layers)} stage sizes "
-                     f"({_spell_layers(layers)}) but --pp is {args.pp}; expected one unit "
+                     f"({spelled_stage_units(layers)}) but --pp is {args.pp}; expected one unit "
                      "count per pipeline stage")
     if args.command == "compile" and args.pp is None:
         args.pp = 1
@@ -223,13 +225,6 @@ def _machine_refusal(command: str, exc: BaseException) -> MachineError | None:
                        f"{tempfile.gettempdir()})")
     return MachineError(f"partc {command}: the machine refused a read or write: {text}"
                         f"{advice}")
-
-
-def _spell_layers(layers: Any) -> str:
-    """`--pp-layers` as given: counts `3,5,4`, or a named layout `vision*3|decoder*2`."""
-    if layers and isinstance(layers[0], tuple):
-        return "|".join(",".join(f"{g}*{n}" for g, n in runs) for runs in layers)
-    return ",".join(map(str, layers))
 
 
 def _config_beside(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

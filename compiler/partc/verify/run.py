@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partc.api import StageUnits, bind, stage_topology, topology_errors
+from partc.api import StageUnits, bind, spelled_stage_units, stage_topology, topology_errors
 from partc.errors import PartcError, PartcErrors, SourceLocation
 from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
@@ -121,19 +121,9 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     seconds["total"] = time.perf_counter() - start
     return VerifyReport(family=family_name or user.family, model_type=user.model_type,
                         checks=tuple(checks), skipped=user.skipped, notes=tuple(notes),
-                        seconds=seconds, stage_units=_spelled(user.stage_units),
+                        seconds=seconds, stage_units=spelled_stage_units(user.stage_units)
+                        if user.stage_units else None,
                         plans=tuple(plans))
-
-
-def _spelled(stage_units: StageUnits) -> str | None:
-    """The stages' units as --pp-layers spells them (`3,5` or `vision*3|decoder*2`)."""
-    if not stage_units:
-        return None
-    counts, layout = stage_topology(stage_units)
-    if counts is not None:
-        return ",".join(map(str, counts))
-    assert layout is not None
-    return "|".join(",".join(f"{g}*{n}" for g, n in runs) for runs in layout)
 
 
 def _not_compiled(tp: int, pp: int, error: PartcError, notes: list[str]) -> Check:
