@@ -56,8 +56,12 @@ def test_the_mini_family_is_schema_valid():
      '{"balance": 0}; unexpected key `balance`; did you mean `balanced`? '
      "[at /parameters/0/sharding]"),
     ("    sharding: {balanced: 0}", "    sharding: column",
-     'f.yaml:16:15: expected "replicated" or a mapping, found "column" '
-     "[at /parameters/0/sharding]"),
+     'f.yaml:16:15: expected "replicated" or a mapping, found "column"; a `module:` group\'s '
+     "`sharding` is `replicated` or one rule along an axis A: `{equal: A}`, `{balanced: A}`, "
+     "`{partitioned: A}`, `{partitioned_segments: {axis: A, segments: [...]}}` or "
+     "`{segmented: {axis: A, segments: [...]}}`; `column` and `row` split the projections of a "
+     "`projections:` group: a vocabulary head's rows are split with `{balanced: 0}`, as the "
+     "built-in families write it [at /parameters/0/sharding]"),
     ("    owner: {static: embedding}", "    owner: {static: embedding, unit: decoder}",
      "f.yaml:14:12: expected exactly one of `static`, `any_of`, `unit`, found `static`, `unit` "
      "[at /parameters/0/owner]"),

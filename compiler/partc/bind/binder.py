@@ -190,8 +190,6 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
-    bound = [BoundProjection(module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
-                             heads=_heads(binder, m, env)) for mod, m, params in rendered]
     if decl.form is GroupForm.FUSED:
         (fused_name, fused, fused_params), (out_name, _, out_params) = rendered
         segments = _segments(binder, fused.segments, env, fused.pointer)
@@ -232,8 +230,15 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
         else:
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
-            _check_unit_multiples(binder, group, units, label, rendered)
-    check_projections(binder.family.document, decl, bound)  # after the group's own checks
+    axes = {m.target: m.sharding.axis for m in group.members
+            if m.sharding.is_partitioned and m.sharding.axis is not None}
+    check_projections(binder.family, decl, [BoundProjection(
+        module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
+        heads=_heads(binder, m, env), split_axes={k: axes[f"{mod}.{k}"] for k in params
+                                                  if f"{mod}.{k}" in axes})
+        for mod, m, params in rendered])  # after the group's own checks
+    if units is not None and decl.form is GroupForm.PROJECTIONS:
+        _check_unit_multiples(binder, group, units, label, rendered)
     members = [m if dtypes.get(m.target, dtype) == m.dtype else
                replace(m, dtype=dtypes[m.target]) for m in group.members]
     return replace(group, members=tuple(members), policy=decl.policy,

@@ -343,6 +343,73 @@ def _unexpected_key(key: str, allowed: list[str]) -> str:
     return f"unexpected key `{key}`{hint}{listed}"
 
 
+def _node(data: Any, path: Sequence[Any]) -> Any:
+    """The value at `path` (keys and indices) of plain data (None: absent)."""
+    for token in path:
+        if isinstance(data, dict) and token in data or isinstance(data, list) and isinstance(
+                token, int) and 0 <= token < len(data):
+            data = data[token]
+        else:
+            return None
+    return data
+
+
+_RULES = ("`{equal: A}`, `{balanced: A}`, `{partitioned: A}`, `{partitioned_segments: {axis: A, "
+          "segments: [...]}}` or `{segmented: {axis: A, segments: [...]}}`")
+"""The axis rules a member sharding may be, as written."""
+
+
+def _member_sharding_hint(document: RawDocument, path: Sequence[Any], instance: Any) -> str:
+    """A `module:` group's or a member's `sharding` given a word it does not take (a
+    projection's `column` / `row`); a mapping's message already lists the rules."""
+    if isinstance(instance, dict):
+        return ""
+    where = "a member's" if "members" in path else "a `module:` group's"
+    hint = f"{where} `sharding` is `replicated` or one rule along an axis A: {_RULES}"
+    if instance not in ("column", "row"):
+        return hint
+    group = _node(document.data, path[:2])
+    vocabulary = isinstance(group, dict) and group.get("role") == "vocabulary"
+    return hint + ("; `column` and `row` split the projections of a `projections:` group"
+                   + (": a vocabulary head's rows are split with `{balanced: 0}`, as the "
+                      "built-in families write it" if vocabulary else ""))
+
+
+def _projection_sharding_hint(document: RawDocument, path: Sequence[Any], instance: Any) -> str:
+    """A projection's `sharding` given a member rule along an axis."""
+    if not isinstance(instance, dict):
+        return ""
+    return ("a projection's `sharding` is `column` (its output features), `row` (its input "
+            "features) or `replicated`; a rule along an axis belongs to a `module:` group or a "
+            "`members:` entry")
+
+
+_HINTS: dict[str, Callable[[RawDocument, Sequence[Any], Any], str]] = {
+    "sharding": _member_sharding_hint,
+    "projection/properties/sharding": _projection_sharding_hint,
+}
+"""Known mistakes: per schema location under `$defs`, the hint added to a violation there,
+from (document, the violating value's path, the value); '' for none."""
+
+
+@cache
+def _hint_locations(name: str) -> dict[int, str]:
+    """The `id` of each schema node `_HINTS` names, to its key (a schema without it: none)."""
+    found = {}
+    for key in _HINTS:
+        node = _node(load_schema(name).get("$defs"), key.split("/"))
+        if isinstance(node, dict):
+            found[id(node)] = key
+    return found
+
+
+def _hint(schema: str, document: RawDocument, error: ValidationError) -> str:
+    """The known-mistake hint of a violation ('' for none)."""
+    key = _hint_locations(schema).get(id(error.schema))
+    return "" if key is None else _HINTS[key](document, list(error.absolute_path),
+                                              error.instance)
+
+
 def first_data_error(schema: str, data: object) -> tuple[str, str] | None:
     """The most relevant violation of plain JSON data (no source positions, such as a plan
     read back) against a shipped schema: (JSON pointer, jsonschema's message); None if valid."""
@@ -388,9 +455,9 @@ def iter_schema_errors(document: RawDocument, schema: str = "architecture.schema
     for error in _validator(schema).iter_errors(document.data):
         for found in explainer.explain(error):
             message = found.message
-            note = document.note(found.pointer)
-            if note:
-                message = f"{message}; {note}"
+            for extra in (_hint(schema, document, found.error), document.note(found.pointer)):
+                if extra:
+                    message = f"{message}; {extra}"
             if (found.pointer, message) in seen:
                 continue
             seen.add((found.pointer, message))
