@@ -92,7 +92,8 @@ def test_inspect_rank_lists_local_shapes_equal_to_the_loaded_arrays_with_family_
         assert row["local_shape"] == list(tensors[row["target"]].shape), row["target"]
         file, line = row["origin"].rsplit(":", 1)
         assert file == "architectures/deepseek_v3.yaml"
-        assert "name:" in family[int(line) - 1]  # the group's declaration line
+        # the line of its projection's `module:` entry, or of a one-module group's `name:`
+        assert f'.{row["target"].split(".")[-2]}"' in family[int(line) - 1]
     assert {r["rank"] for r in rows} == {3}
 
 
@@ -576,8 +577,7 @@ def test_inspect_finds_a_family_file_beside_the_build_by_its_name_and_sha256(tmp
         assert status == 0 and len(rows) == 2
         file, line = rows[0]["origin"].rsplit(":", 1)
         assert Path(file).resolve() == family.resolve()
-        assert lines[int(line) - 1].strip().startswith("- name:"), lines[int(line) - 1]
-        assert "mlp" in lines[int(line) - 1]
+        assert lines[int(line) - 1].strip() == '- module: "model.layers.{unit}.mlp.down_proj"'
         status, out, _ = _run(["explain", str(work / "b"), target], capsys)
         assert status == 0 and f"declared at {rows[0]['origin']}" in out
     family.write_text(family.read_text() + "# edited after the build\n")

@@ -17,7 +17,7 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,7 +32,12 @@ from partc.plan.ir import canonical_json
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
 from partc.runtime.headers import DTYPES
-from partc.runtime.loader import header_fingerprint
+from partc.runtime.loader import (
+    header_fingerprint,
+    plan_difference,
+    unknown_clause,
+    unknown_names,
+)
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
 from partc.runtime.progress import progress_bar
 from partc.runtime.reader import TensorSelection, count_option, read_tensors
@@ -206,47 +211,49 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
 
 
 def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerprint: bool
-                  ) -> Iterator[CheckpointError]:
+                  ) -> list[CheckpointError]:
     """Every mismatch between the plan's global tensor table and the checkpoint header: the
-    tensors missing or of another dtype or shape, else a fingerprint that differs (whose
-    advice, `--no-verify-fingerprint`, can only help when every tensor matches)."""
-    mismatched = False
-    for item in plan["tensors"]:
-        target, dtype, shape = item["target"], item["dtype"], tuple(item["shape"])
+    tensors missing or of another dtype or shape (the first error also naming the tensors the
+    checkpoint holds that the plan does not know), else a fingerprint that differs, explained
+    as `load()` explains it (its advice, `--no-verify-fingerprint`, can only help when every
+    tensor matches), else, for a plan compiled without a checkpoint, the tensors no rank
+    loads."""
+    signatures = {item["target"]: (item["dtype"], tuple(item["shape"]))
+                  for item in plan["tensors"]}
+    omit = plan.get("omit", [])
+    extra = unknown_names(checkpoint, signatures, omit)
+    note = f"; the checkpoint also {unknown_clause(checkpoint, extra)}" if extra else ""
+    errors: list[CheckpointError] = []
+    for target, (dtype, shape) in signatures.items():
         if target not in checkpoint:
-            mismatched = True
-            yield CheckpointError(f"tensor `{target}` of the plan is not in the checkpoint",
-                                  location=SourceLocation(str(checkpoint.path)), tensor=target)
-            continue
-        header, entry = checkpoint.tensor(target)
-        if entry.dtype != dtype or tuple(entry.shape) != shape:
-            mismatched = True
-            yield CheckpointError(
-                f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the checkpoint; the "
-                f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
-                tensor=target)
-    if not mismatched and verify_fingerprint:
-        import fnmatch
-
-        owned = {item["target"] for item in plan["tensors"]}
-        omit = plan.get("omit", [])
-        extra = [n for n in checkpoint.names if n not in owned
-                 and not any(fnmatch.fnmatchcase(n, glob) for glob in omit)]
-        if extra:
-            mismatched = True
-            yield CheckpointError(
-                f"the checkpoint holds {len(extra)} tensor(s) no rank of the plan loads: "
-                f"{', '.join(f'`{n}`' for n in extra[:3])}{' ...' if len(extra) > 3 else ''}; "
-                "another model's checkpoint? (--no-verify-fingerprint shards it anyway)",
-                location=SourceLocation(str(checkpoint.path)), tensor=extra[0])
+            message = f"tensor `{target}` of the plan is not in the checkpoint"
+            where = checkpoint.path
+        else:
+            header, entry = checkpoint.tensor(target)
+            if entry.dtype == dtype and tuple(entry.shape) == shape:
+                continue
+            message = (f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the "
+                       f"checkpoint; the plan expects {dtype} {list(shape)}")
+            where = header.path
+        errors.append(CheckpointError(message + (note if not errors else ""),
+                                      location=SourceLocation(str(where)), tensor=target))
+    if errors or not verify_fingerprint:
+        return errors
     expected = plan.get("checkpoint_fingerprint")
     digest = plan.get("checkpoint_header_digest")
-    if not mismatched and verify_fingerprint and isinstance(expected, str):
+    if isinstance(expected, str):
         mismatch = checkpoint.fingerprint_error(
             expected, digest if isinstance(digest, str) else None,
-            override="--no-verify-fingerprint")
-        if mismatch is not None:
-            yield mismatch
+            override="--no-verify-fingerprint",
+            explain=lambda: plan_difference(checkpoint, signatures, omit, matched=""))
+        return [] if mismatch is None else [mismatch]
+    if extra:
+        return [CheckpointError(
+            f"the checkpoint holds {len(extra)} tensor(s) no rank of the plan loads: "
+            f"{', '.join(f'`{n}`' for n in extra[:3])}{' ...' if len(extra) > 3 else ''}; "
+            "another model's checkpoint? (--no-verify-fingerprint shards it anyway)",
+            location=SourceLocation(str(checkpoint.path)), tensor=extra[0])]
+    return []
 
 
 def _safetensors_header(slices: list[_Slice], metadata: dict[str, str]) -> bytes:

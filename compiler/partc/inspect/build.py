@@ -12,12 +12,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partc.errors import LoadError, SourceLocation
 from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.front.schema import plan_faults as schema_plan_faults
 from partc.parallel.placements import tensor_bytes
+
+if TYPE_CHECKING:
+    from partc.inspect.origins import FamilyLines
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,8 +300,9 @@ def expert_summary(plan: Mapping[str, Any]) -> dict[str, Any]:
 
 def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = None,
                 target: str | None = None,
-                origins: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """The tensors selected by rank, group glob and target glob, one row per (tensor, rank)."""
+                origins: FamilyLines | None = None) -> list[dict[str, Any]]:
+    """The tensors selected by rank, group glob and target glob, one row per (tensor, rank),
+    each with the family line of its own entry (`origins`)."""
     wanted_ranks = [r for r in build.plan["ranks"] if rank is None or r["rank"] == rank]
     if rank is not None and not wanted_ranks:
         raise LoadError(f"--rank {rank} is not a rank of this build: it has ranks 0 to "
@@ -332,7 +336,8 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
                          "local_shape": list(shape), "placement": placement_text(placement),
                          "kv_replicas": t.get("kv_replicas", 1),
                          "needs_tp_reduction": bool(t.get("needs_tp_reduction")),
-                         "origin": None if origins is None else origins.get(t["group"])})
+                         "origin": None if origins is None else origins.tensor(t["target"],
+                                                                                t["group"])})
     return rows
 
 

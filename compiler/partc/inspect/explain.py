@@ -24,8 +24,9 @@ def _suggest(name: str, names: list[str]) -> str:
 
 
 def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, Any]],
-             origin: str | None) -> list[str]:
-    """The causes behind a group's split, each a sentence."""
+             origin: str | None, own: str | None) -> list[str]:
+    """The causes behind a group's split, each a sentence; `origin` is the group's family line,
+    `own` the line of the entry declaring the one tensor explained (None: a group is)."""
     tp = build.tensor_parallel_size
     policy = build.plan["topology"].get("policy")
     why = []
@@ -78,7 +79,10 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
                 why.append(f"`{t['target']}`: cuts {actual} on axis {axis} differ from the unit "
                            f"boundaries {[[int(a), int(b)] for a, b in expected]}: the ranges "
                            "are aligned to blocks (quantization) or heads")
-    if origin:
+    if own and own != origin:
+        why.append(f"declared at {own}" + (f" (its group `{group['name']}` at {origin})"
+                                           if origin else ""))
+    elif origin:
         why.append(f"declared at {origin}")
     return why
 
@@ -98,7 +102,8 @@ def _expert_reason(experts: Mapping[str, Any], expert: int | None) -> str:
 
 
 def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
-    """Group, role, units, each rank's range and placement of a tensor or group, and why."""
+    """Group, role, units, each rank's range and placement of a tensor or group, and why; the
+    family line of the group (`origin`) and of each tensor's own entry."""
     plan = build.plan
     groups = build.groups()
     by_target = {t["target"]: t for t in plan["tensors"]}
@@ -133,13 +138,16 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
                       "pipeline_stage": rank["pipeline_stage"], "logical_range": logical,
                       "tensors": members})
     origin = origins.lines.get(group["name"])
+    lines = {t["target"]: origins.lines.tensor(t["target"], group["name"]) for t in tensors}
+    own = lines[target] if target in by_target else None
     return {"target": target, "group": group["name"], "role": group["role"],
             "owner": group["owner"], "stages": group["stages"],
             "logical_units": group.get("logical_units"),
             "fell_back_to_replication": bool(group.get("fell_back_to_replication")),
             "tensors": [{"target": t["target"], "dtype": t["dtype"], "shape": t["shape"],
                          "kv_replicas": t.get("kv_replicas", 1),
-                         "needs_tp_reduction": bool(t.get("needs_tp_reduction"))}
+                         "needs_tp_reduction": bool(t.get("needs_tp_reduction")),
+                         "origin": lines[t["target"]]}
                         for t in tensors],
             "ranks": ranks, "origin": origin, "origin_note": origins.note,
-            "why": _reasons(build, group, tensors, origin)}
+            "why": _reasons(build, group, tensors, origin, own)}

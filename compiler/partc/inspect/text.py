@@ -145,6 +145,17 @@ def inventory_lines(inv: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _family_line(e: Mapping[str, Any]) -> str:
+    """Where `explain`'s subject is declared: a tensor's own entry (and its group's line when
+    that differs), a group's declaration, or why that is unknown."""
+    group: str | None = e["origin"]
+    own: str | None = next((t.get("origin") for t in e["tensors"]
+                            if t["target"] == e["target"]), None)
+    if own and own != group:
+        return own + (f" (group at {group})" if group else "")
+    return group or own or f"? ({e['origin_note']})"
+
+
 def explain_lines(e: Mapping[str, Any]) -> list[str]:
     """What `partc explain` prints."""
     owner = e["owner"]
@@ -156,7 +167,7 @@ def explain_lines(e: Mapping[str, Any]) -> list[str]:
                                        if e["fell_back_to_replication"] else ""),
            f"  owner   {who}; stage(s) {', '.join(map(str, e['stages']))}",
            f"  units   {e['logical_units'] if e['logical_units'] is not None else '-'}",
-           f"  family  {e['origin'] or '? (' + e['origin_note'] + ')'}"]
+           f"  family  {_family_line(e)}"]
     for t in e["tensors"]:
         out.append(f"  tensor  {t['target']}  {t['dtype']} {t['shape']}"
                    + (f"  KV x{t['kv_replicas']}" if t["kv_replicas"] > 1 else ""))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -171,32 +171,40 @@ _SHOWN = 3
 
 def _fingerprint_difference(table: RankTable, checkpoint: Checkpoint) -> str:
     """What a checkpoint whose fingerprint is not the plan's holds otherwise (called only once
-    the fingerprints differ; this rank's own tensors all matched): the plan's tensors it
-    lacks, the tensors it holds that the plan does not know (less the family's `omit`
-    matches), and those of another dtype or shape, each counted and the first few named.
-    The plan's tensors are those of every rank module of the build package; when they cannot
-    all be imported, only the counts are compared."""
+    the fingerprints differ; this rank's own tensors all matched), as `plan_difference` says
+    it. The plan's tensors are those of every rank module of the build package; when they
+    cannot all be imported, only the counts are compared."""
     omit = tuple(table.plan_tensors[2]) if table.plan_tensors is not None else ()
-    skip = _omitted(omit)
-    held = [n for n in checkpoint.names if skip is None or skip(n) is None]
-    if len(checkpoint.files) == 1:
-        file = checkpoint.files[0].path
-    else:
-        file = checkpoint.index_path or checkpoint.path
     matched = f": every tensor of rank {table.rank} matches"
     plan = _plan_signatures(table)
-    if plan is None:
-        if table.plan_tensors is None:
-            return ""
-        count = table.plan_tensors[0]
-        what = (f"holds {len(held)} tensors where the plan has {count}" if len(held) != count
-                else f"holds {count} tensors, as the plan has, but one differs from another "
-                     "rank's by name, dtype or shape")
-        return (f"{matched}, but {file} {what} (the tables of the build's other ranks, "
-                "which name the plan's other tensors, were not found); `partc check FAMILY "
-                "--config CONFIG --checkpoint CHECKPOINT` names them")
+    if plan is not None:
+        return plan_difference(checkpoint, plan, omit, matched=matched,
+                               lacking=" that other ranks load")
+    if table.plan_tensors is None:
+        return ""
+    count = table.plan_tensors[0]
+    held = len(checkpoint.names) - len(omitted_names(checkpoint, omit))
+    what = (f"holds {held} tensors where the plan has {count}" if held != count
+            else f"holds {count} tensors, as the plan has, but one differs from another "
+                 "rank's by name, dtype or shape")
+    return (f"{matched}, but {_checkpoint_file(checkpoint)} {what} (the tables of the build's "
+            "other ranks, which name the plan's other tensors, were not found); `partc check "
+            "FAMILY --config CONFIG --checkpoint CHECKPOINT` names them")
+
+
+def plan_difference(checkpoint: Checkpoint, plan: Mapping[str, tuple[str, tuple[int, ...]]],
+                    omit: Iterable[str], *, matched: str, lacking: str = "") -> str:
+    """What `checkpoint` holds otherwise than `plan` (every tensor of the plan: target ->
+    (dtype, global shape)), for the text of a fingerprint mismatch: the plan's tensors it
+    lacks, the tensors it holds that the plan does not know (less the family's `omit`
+    matches), and those of another dtype or shape, each counted and the first few named, after
+    `matched` (what already matched, e.g. ': every tensor of rank 0 matches'; '': nothing is
+    said of it). `lacking` follows 'lacks N tensors of the plan' (e.g. ' that other ranks
+    load')."""
+    omit = tuple(omit)
+    file = _checkpoint_file(checkpoint)
     missing = sorted(name for name in plan if name not in checkpoint)
-    extra = [name for name in held if name not in plan]  # checkpoint.names is sorted
+    extra = unknown_names(checkpoint, plan, omit)
     changed = []
     for name in sorted(plan):
         signature = checkpoint.signature(name)
@@ -204,29 +212,60 @@ def _fingerprint_difference(table: RankTable, checkpoint: Checkpoint) -> str:
             continue
         header, found_dtype, found_shape = signature
         dtype, shape = plan[name]
-        if found_dtype != dtype or tuple(found_shape) != shape:
+        if found_dtype != dtype or tuple(found_shape) != tuple(shape):
             changed.append(f"`{name}`{_shard_of(checkpoint, header.path)} is {found_dtype} "
                            f"{list(found_shape)} where the plan expects {dtype} {list(shape)}")
     clauses = []
     if missing:
-        clauses.append(f"lacks {_count(missing)} of the plan that other ranks load "
+        clauses.append(f"lacks {_count(missing)} of the plan{lacking} "
                        f"({_listed([f'`{n}`' for n in missing])})")
     if extra:
-        clauses.append(f"holds {_count(extra)} the plan does not know ("
-                       + _listed([f"`{n}`{_shard_of(checkpoint, _file_of(checkpoint, n))}"
-                                  for n in extra]) + ")")
+        clauses.append(unknown_clause(checkpoint, extra))
     if changed:
         clauses.append(f"holds {_count(changed)} in another dtype or shape "
                        f"({_listed(changed)})")
     if not clauses:
         where = (f"the tensors the family omits ({', '.join(f'`{g}`' for g in omit)}), which "
                  "no rank loads" if omit else "tensors the plan does not record")
-        return (f"{matched}, and {file} holds every tensor of the plan, in its dtype and shape, "
-                f"and no other: what differs is among {where}")
+        return (f"{matched}, and " if matched else ": ") + (
+            f"{file} holds every tensor of the plan, in its dtype and shape, and no other: what "
+            f"differs is among {where}")
     text = (", ".join(clauses[:-1]) + " and " + clauses[-1]) if len(clauses) > 1 else clauses[0]
     hint = ("; `partc check FAMILY --config CONFIG --checkpoint CHECKPOINT` names them all"
             if max(len(missing), len(extra), len(changed)) > _SHOWN else "")
-    return f"{matched}, but {file} {text}{hint}"
+    return (f"{matched}, but " if matched else ": ") + f"{file} {text}{hint}"
+
+
+def omitted_names(checkpoint: Checkpoint, omit: Iterable[str]) -> list[str]:
+    """The checkpoint's tensor names the family's `omit` globs match, sorted."""
+    skip = _omitted(omit)
+    return [] if skip is None else [n for n in checkpoint.names if skip(n) is not None]
+
+
+def unknown_names(checkpoint: Checkpoint, known: Container[str], omit: Iterable[str]
+                  ) -> list[str]:
+    """The checkpoint's tensor names not in `known` (the plan's) that no `omit` glob matches,
+    sorted."""
+    skip = _omitted(omit)
+    return [n for n in checkpoint.names  # checkpoint.names is sorted
+            if n not in known and (skip is None or skip(n) is None)]
+
+
+def unknown_clause(checkpoint: Checkpoint, names: list[str]) -> str:
+    """'holds N tensors the plan does not know (`a`, `b` in <shard file>, ...)': the tensors
+    `unknown_names` found (not empty), the first few named with their file when there are
+    several files."""
+    return (f"holds {_count(names)} the plan does not know ("
+            + _listed([f"`{n}`{_shard_of(checkpoint, _file_of(checkpoint, n))}" for n in names])
+            + ")")
+
+
+def _checkpoint_file(checkpoint: Checkpoint) -> str:
+    """The file a message about the checkpoint's header names: its one file, else its index
+    (else the folder)."""
+    if len(checkpoint.files) == 1:
+        return checkpoint.files[0].path
+    return checkpoint.index_path or checkpoint.path
 
 
 def _count(items: list[str]) -> str:
