@@ -8,8 +8,10 @@ error it finds, created with its location; `iter_semantic_errors` runs them in t
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
+from dataclasses import fields as dataclass_fields
 
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import (
@@ -30,6 +32,86 @@ from partc.parallel.specs import LinearWeightLayout, MemberShardingKind, Project
 
 
 @dataclass(frozen=True, slots=True)
+class _Declared:
+    """A config field or derived value that no expression uses."""
+
+    name: str
+    """The declared name."""
+    kind: str
+    """`config field` or `derived value`, for messages."""
+    section: str
+    """`config` or `derived`: where it is declared."""
+    pointer: str
+    """Where it is declared."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Use:
+    """An expression using a name that a declaration used nowhere may be the misspelling of."""
+
+    pointer: str
+    """Where the expression is."""
+    what: str
+    """What the expression is, as its errors say (`a shape`, `units`, ...)."""
+    unknown: tuple[str, ...]
+    """Every name it uses that is not in its scope, sorted."""
+    error: Callable[[str], PartcError]
+    """Its error about one of `unknown`."""
+
+
+class _Misspellings:
+    """Names used but declared nowhere that are close to a declaration used nowhere, and every
+    use of them the checks meet, so that a misspelt declaration is reported once, there."""
+
+    def __init__(self, family: FamilyDecl) -> None:
+        self._family = family
+        self._suspects: dict[str, _Declared] | None = None
+        self.uses: list[_Use] = []
+        """Every expression met using one of `suspects`, in check order."""
+
+    def suspects(self) -> dict[str, _Declared]:
+        """Each undeclared name whose closest declared name (difflib) is used nowhere: the
+        name as used -> that declaration (worked out on the first unknown name met)."""
+        if self._suspects is None:
+            self._suspects = _suspects(self._family)
+        return self._suspects
+
+
+def _used_names(value: object) -> Iterator[str]:
+    """Every name an expression or template anywhere inside a declaration reads."""
+    if isinstance(value, (Expression, Template)):
+        yield from value.names
+    elif isinstance(value, tuple):
+        for item in value:
+            yield from _used_names(item)
+    elif is_dataclass(value) and not isinstance(value, type):
+        for f in dataclass_fields(value):
+            if f.name != "document":
+                yield from _used_names(getattr(value, f.name))
+
+
+def _suspects(family: FamilyDecl) -> dict[str, _Declared]:
+    """`_Misspellings.suspects` of `family`."""
+    used = set(_used_names(family))
+    declared = family.value_names
+    variables = {*UNIT_VARIABLES, *family.dimensions, "batch", "sequence",
+                 *(var for g in family.groups for var, _ in g.loops)}
+    document = family.document
+    unused = {name: _Declared(name, kind, pointer.split("/")[1], pointer)
+              for name, kind, pointer in (
+                  *((f.name, "config field", f.pointer) for f in family.config),
+                  *((d.name, "derived value", d.pointer) for d in family.derived))
+              # a base family's declaration is spelt right: the base used it
+              if name not in used and document.locate(pointer).file == document.file}
+    suspects = {}
+    for name in sorted(used - declared - variables):
+        close = difflib.get_close_matches(name, sorted(declared), n=1)
+        if close and close[0] in unused:
+            suspects[name] = unused[close[0]]
+    return suspects
+
+
+@dataclass(frozen=True, slots=True)
 class _Known:
     """What a family declares, which its expressions and owners may name."""
 
@@ -40,6 +122,8 @@ class _Known:
     """Execution group names, in declaration order (repeats included)."""
     statics: frozenset[str]
     """Static role names."""
+    misspellings: _Misspellings
+    """Uses of names a declaration used nowhere may be the misspelling of (filled by checks)."""
 
     def error(self, message: str, pointer: str) -> SemanticError:
         """A semantic error located at `pointer` of the family document."""
@@ -54,7 +138,25 @@ class _Known:
         known = set(scope)
         unknown = sorted(n for n in expr.names if n not in known)
         if unknown:
-            yield _name_error(self, unknown[0], known, pointer, what)
+            yield from self.out_of_scope(unknown, pointer, what,
+                                         functools.partial(_name_error, self, scope=known,
+                                                           pointer=pointer, what=what))
+
+    def out_of_scope(self, unknown: list[str], pointer: str, what: str,
+                     error: Callable[[str], PartcError]) -> Iterator[PartcError]:
+        """`error` about the first of `unknown` (the names out of scope of the expression
+        `what` at `pointer`), or, when one may be a misspelt declaration's, that use recorded
+        for `_misspelt_declarations` to report."""
+        if any(name in self.misspellings.suspects() for name in unknown):
+            self.misspellings.uses.append(_Use(pointer, what, tuple(unknown), error))
+        else:
+            yield error(unknown[0])
+
+
+def _close_hint(name: str, candidates: Iterable[str]) -> str:
+    """`; did you mean ...?` naming the candidate closest to `name` ('' when none is close)."""
+    close = difflib.get_close_matches(name, sorted(candidates), n=1)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _name_error(known: _Known, name: str, scope: set[str], pointer: str,
@@ -62,14 +164,51 @@ def _name_error(known: _Known, name: str, scope: set[str], pointer: str,
     note = known.family.document.note(pointer)
     if note:  # `no`, `off`: YAML 1.1 booleans partc reads as strings
         return known.error(f"{what} uses unknown name `{name}`; {note}", pointer)
-    close = difflib.get_close_matches(name, sorted(scope), n=1)
-    hint = f"; did you mean `{close[0]}`?" if close else ""
+    hint = _close_hint(name, scope)
     fields = sorted(scope & known.config)
     local = sorted(scope - known.config)  # `unit`, `expert`, `path`: variables of this place
     here = f"; here also {', '.join(f'`{v}`' for v in local)}" if local else ""
     return known.error(
         f"{what} uses unknown name `{name}`{hint or '.'} Known names: config fields "
         f"({', '.join(fields) or 'none'}){here}; declare it under `config`", pointer)
+
+
+def _misspelt_declarations(known: _Known) -> Iterator[PartcError]:
+    """A declaration used nowhere beside a name close to it, declared nowhere and used at
+    least twice (spelt alike each time, so the declaration is the odd one out): one error, at
+    the declaration, in place of one per use. Every other recorded use gets its own error (a
+    name used once beside a declaration used nowhere is as likely the typo: it keeps its
+    `did you mean` the declaration)."""
+    uses = known.misspellings.uses
+    if not uses:
+        return
+    suspects = known.misspellings.suspects()
+    where: dict[str, dict[tuple[str, str], str]] = {}  # a default bias repeats its `when`
+    for use in uses:
+        for name in use.unknown:
+            if name in suspects:
+                where.setdefault(name, {})[use.pointer, use.what] = use.pointer
+    explained: dict[str, _Declared] = {}
+    for name in sorted(where, key=lambda n: (-len(where[n]), n)):
+        declared = suspects[name]
+        if len(where[name]) < 2 or declared in explained.values():
+            continue
+        explained[name] = declared
+        document = known.family.document
+        places = sorted({(loc.file, loc.line, loc.column)
+                         for loc in map(document.locate, where[name].values())})
+        shown = ", ".join(f"{file}:{line}:{column}" for file, line, column in places[:3])
+        more = f" and {len(places) - 3} more" if len(places) > 3 else ""
+        yield SemanticError(
+            f"{declared.kind} `{declared.name}` is declared but used nowhere, while "
+            f"`{name}` is used {len(where[name])} times but not declared ({shown}{more}); "
+            f"expected the declaration spelt as its uses: rename `{declared.name}` to "
+            f"`{name}` under `{declared.section}`",
+            location=document.locate_key(declared.pointer), pointer=declared.pointer)
+    for use in uses:
+        left = [name for name in use.unknown if name not in explained]
+        if left:
+            yield use.error(left[0])
 
 
 # ---------------------------------------------------------------- the family
@@ -161,20 +300,25 @@ def _boundary_names(known: _Known) -> Iterator[PartcError]:
                 continue
             unknown = sorted(n for n in dim.names if n not in known.config)
             if unknown:
-                close = difflib.get_close_matches(unknown[0], names, n=1)
-                hint = f"; did you mean `{close[0]}`?" if close else ""
-                yield known.error(
-                    f"a boundary dimension uses unknown name `{unknown[0]}`{hint or '.'} "
-                    "Expected `batch`, `sequence`, a per-request dimension declared under "
-                    "`dimensions` ("
-                    f"{', '.join(f'`{d}`' for d in declared) or 'none declared'}) or an "
-                    "expression over config fields",
-                    join_pointer(join_pointer(tensor.pointer, "shape"), i))
+                pointer = join_pointer(join_pointer(tensor.pointer, "shape"), i)
+                yield from known.out_of_scope(unknown, pointer, "a boundary dimension",
+                                              functools.partial(_boundary_name_error, known,
+                                                                names=names, pointer=pointer))
     for name in declared:
         if name in known.config:
             yield known.error(f"per-request dimension `{name}` has the name of a config "
                               "value; give it a name of its own",
                               join_pointer("/dimensions", name))
+
+
+def _boundary_name_error(known: _Known, name: str, names: list[str],
+                         pointer: str) -> SemanticError:
+    hint = _close_hint(name, names)
+    return known.error(
+        f"a boundary dimension uses unknown name `{name}`{hint or '.'} Expected `batch`, "
+        "`sequence`, a per-request dimension declared under `dimensions` ("
+        f"{', '.join(f'`{d}`' for d in known.family.dimensions) or 'none declared'}) or an "
+        "expression over config fields", pointer)
 
 
 def _static_placements(known: _Known) -> Iterator[PartcError]:
@@ -211,8 +355,9 @@ FamilyCheck = Callable[[_Known], Iterator[PartcError]]
 FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _derived_values, _omit_globs,
                                           _graph_groups, _parameter_groups, _boundary_names,
                                           _static_placements,
-                                          _format_names)
-"""Every check of a family, in the order their errors are yielded."""
+                                          _format_names, _misspelt_declarations)
+"""Every check of a family, in the order their errors are yielded (`_misspelt_declarations`
+last: it reports the uses the others recorded)."""
 
 
 # ---------------------------------------------------------------- one parameter group
@@ -311,13 +456,16 @@ def _param_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
     params: list[ParamDecl] = list(group.members)
     for module in _modules(group):
         params.extend(module.params)
-    checked: set[int] = set()  # a group's default bias reuses its weight's row expression:
-    for param in params:       # a name wrong there is reported once, at the weight's line
+    # A group's default bias is written nowhere (no `shape_pointer`) and reuses its weight's
+    # row expression: a name wrong there is reported once, at the weight's line. Dimensions
+    # that are written are each checked (equal texts share one parsed Expression).
+    checked: set[int] = set()
+    for param in params:
         yield from known.names(param.name, scope, param.pointer, "a target")
         yield from known.names(param.when, scope, param.pointer, "`when`")
         yield from known.names(param.dtype, scope, param.pointer, "`dtype`")
         for index, dim in enumerate(param.shape):
-            if id(dim) in checked:
+            if not param.shape_pointer and id(dim) in checked:
                 continue
             checked.add(id(dim))
             yield from known.names(dim, scope, param.dimension_pointer(index), "a shape")
@@ -584,7 +732,8 @@ def iter_semantic_errors(family: FamilyDecl) -> Iterator[PartcError]:
     """Yield every inconsistency of a family that can be found without a config."""
     known = _Known(family=family, config=family.value_names,
                    graph=tuple(g.name for g in family.graph),
-                   statics=frozenset(name for name, _ in family.static_roles))
+                   statics=frozenset(name for name, _ in family.static_roles),
+                   misspellings=_Misspellings(family))
     seen: set[tuple[str, str]] = set()  # a group's default bias is checked once, not per use
     for check in FAMILY_CHECKS:
         for error in check(known):
