@@ -171,6 +171,24 @@ def test_a_load_reads_the_selections_of_the_compiled_layout(
         assert package.rank_module(rank.rank).layout() == rank.layout
 
 
+def test_the_column_join_of_the_tables_equals_the_line_by_line_join(
+        llama_build: tuple[Any, Any], phi3_build: tuple[Any, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the loader joins KINDS, OWNERS, GROUPS and TARGETS column by column; the line-by-line
+    # loop (which names a malformed line) is the reference, on plain and fused layouts
+    from partc.runtime import tables
+
+    built = [(package, rank.rank) for plan, package in (llama_build, phi3_build)
+             for rank in plan.ranks]
+    fast = [tables._join_tables(package.rank_module(r)._TABLE) for package, r in built]
+    assert all(tables._joined(package.rank_module(r)._TABLE, tables._lines(
+        package.rank_module(r)._TABLE.targets), tables._lines(
+        package.rank_module(r)._TABLE.groups)) is not None for package, r in built)
+    monkeypatch.setattr(tables, "_joined", lambda *args: None)
+    slow = [tables._join_tables(package.rank_module(r)._TABLE) for package, r in built]
+    assert fast == slow and len(fast) > 4
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (lambda m: (m[0], m[1], ("shard", 0, 0, 3), *m[3:]),
      "placement {'kind': 'shard', 'axis': 0, 'index': 0, 'parts': 3}"),

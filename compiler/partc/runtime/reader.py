@@ -6,7 +6,6 @@ jobs that read them from `partc.runtime.runs`; column slices are gathered by
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -30,6 +29,7 @@ from partc.runtime.gather import (
     run_gather,
 )
 from partc.runtime.headers import (
+    _ITEMSIZE,
     BIT_DTYPES,
     DTYPES,
     MAX_HEADER_SIZE,
@@ -145,7 +145,12 @@ def default_workers(local_ranks: int | None = None) -> int:
     forced = environment_count("PARTC_READ_THREADS")
     if forced is not None:
         return forced
-    return max(1, min(8, usable_cores() // node_ranks(local_ranks)))
+    return _shared_cores(node_ranks(local_ranks))
+
+
+def _shared_cores(ranks: int) -> int:
+    """A rank's share of the node's cores among `ranks` loading ranks, 1 to 8."""
+    return max(1, min(8, usable_cores() // ranks))
 
 
 _SPAN_LIMIT = 8 << 20
@@ -172,20 +177,23 @@ class CheckpointReader:
         """Told of every byte run read, when set."""
         self.max_gap = max_gap
         """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
-        self.node_ranks = node_ranks(local_ranks)
+        # `default_workers` and the cold count, each environment variable read once (os.environ
+        # costs ~2 us a read: eight of them were ~0.04 ms of a zero-copy load, issue 18)
+        ranks = self.node_ranks = node_ranks(local_ranks)
         """Ranks loading on this node at once (see `node_ranks`)."""
-        self.workers = default_workers(local_ranks) if workers is None else max(1, workers)
+        forced = None if workers is not None else environment_count("PARTC_READ_THREADS")
+        self.workers = (max(1, workers) if workers is not None else forced if forced is not None
+                        else _shared_cores(ranks))
         """Threads `read_many` may use for a large read."""
-        self._cold_workers = self.workers if workers is not None or environment_count(
-            "PARTC_READ_THREADS") is not None else max(
-            self.workers, DIRECT_THREADS // node_ranks(local_ranks))
+        self._cold_workers = self.workers if workers is not None or forced is not None else max(
+            self.workers, DIRECT_THREADS // ranks)
         """Threads of a read with cold gathers (waiting on storage, not on cores): the node's
         share of `DIRECT_THREADS` unless the thread count was given."""
         self.mapped = mapped
         """Whether `read_many` gathers finely cut selections from read-only mappings."""
         self.zero_copy = zero_copy
         """Whether `read_many` returns a selection that is one contiguous byte run as a view
-        of the mapped file (see `_view`) instead of a copy: True, a read-only view of a shared
+        of the mapped file (see `_view_of`) instead of a copy: True, a read-only view of a shared
         mapping (a column slice too, strided); "private", a writable view of a copy-on-write
         mapping (column slices are copied, so every array is C-contiguous)."""
         self.dtypes = dtypes
@@ -274,48 +282,69 @@ class CheckpointReader:
         the GIL). `progress` is called in this thread with the bytes of every finished job.
         """
         todo = list(requests)
-        seen: set[str] = set()
-        for name, _ in todo:
-            header, _ = self.checkpoint.tensor(name)
-            if name in seen:
-                _fail(header.path, f"tensor {name!r} requested twice", name)
-            seen.add(name)
+        names = [name for name, _ in todo]
+        found = self.checkpoint.header_entries(names)
+        if found is None or len(set(names)) != len(names):
+            self._refuse_names(todo)
         if self.max_gap > 0:
             ckpt = self.checkpoint
             order = sorted(range(len(todo)), key=lambda i: (
                 ckpt.owners[todo[i][0]], ckpt.tensor(todo[i][0])[1].begin))
             got = {i: self.read(*todo[i]) for i in order}
             return {todo[i][0]: got[i] for i in range(len(todo))}
+        assert found is not None
         out: dict[str, np.ndarray[Any, Any]] = {}
         plan = _ReadPlan()
         gathers: list[_Gather] = []
-        for name, selection in todo:
-            header, entry = self.checkpoint.tensor(name)
-            _check_selection(header, entry, selection)
-            file = self.checkpoint.owners[name]
-            if self.zero_copy:
-                view = self._view(header, entry, selection)
-                if view is not None:
-                    out[name] = view
-                    continue
-            gather = self.mapped and _gatherable(entry, selection)
-            array = _empty(selection.local_shape(entry.shape), self.dtypes[entry.dtype])
+        files = self.checkpoint.files
+        # A rank's tensors come in a few structures (the same dtype, shape and selection in
+        # every layer): each is checked and worked out once (`_shape`), keyed by the header's
+        # dtype and shape, the axis and the ranges object itself (a generated load shares one
+        # per distinct selection; alive in `todo`, so its id is not reused); a tensor then
+        # costs two dict lookups and its array (issue 18: the per-tensor checks and
+        # TensorEntry lookups were ~1 ms of a 165-tensor load). An axis other than None or
+        # an int (a bool equals 1, a list is unhashable) is checked tensor by tensor.
+        shapes: dict[tuple[Any, ...], _Shape] = {}
+        known, ndarray = shapes.get, np.ndarray
+        starts = [header.data_start for header in files]
+        buffers: list[memoryview | None] = [None] * len(files)  # mapped on a first view
+        for (name, selection), file, raw in zip(todo, *found, strict=True):
+            axis = selection.axis
+            if axis is None or type(axis) is int:
+                key = (id(selection.ranges), axis, raw["dtype"], *raw["shape"])
+                shape = known(key)
+                if shape is None:
+                    header = files[file]
+                    shape = shapes[key] = self._shape(header, header.tensors[name], selection)
+            else:
+                shape = self._shape(files[file], files[file].tensors[name], selection)
+            view, offset, strides, local, dtype, gather, runs = shape
+            begin = starts[file] + raw["data_offsets"][0]
+            if view:
+                buffer = buffers[file]
+                if buffer is None:
+                    buffer = buffers[file] = self._map(files[file], name)
+                out[name] = ndarray(local, dtype, buffer, begin + offset, strides)
+                continue
+            header = files[file]
+            array = _empty(local, dtype)
             out[name] = array
             if gather:
-                gathers.extend(_gathers(file, header, entry, selection, array))
+                gathers.extend(_gathers(file, header, header.tensors[name], selection, array))
                 continue
-            src, dst, length = _runs(entry, selection)
+            assert runs is not None
+            src, dst, length = runs
             if len(src):
-                plan.add(file, header.data_start + entry.begin, name, array, src, dst, length)
-        jobs: list[_Job | _Gather] = [*plan.jobs(self.checkpoint.files, _JOB_BYTES), *gathers]
+                plan.add(file, begin, name, array, src, dst, length)
+        jobs: list[_Job | _Gather] = [*plan.jobs(files, _JOB_BYTES), *gathers]
         for job in jobs:
-            job.fd = self._fd(self.checkpoint.files[job.file])
+            job.fd = self._fd(files[job.file])
         jobs.sort(key=_job_start)
         nbytes = plan.nbytes + sum(g.nbytes for g in gathers)
         sources: dict[int, GatherFile] = {}
         for job in gathers:
             if job.file not in sources:
-                header = self.checkpoint.files[job.file]
+                header = files[job.file]
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name,
                                                in_process=bool(self.zero_copy))
         try:
@@ -331,53 +360,57 @@ class CheckpointReader:
         finally:
             for source in sources.values():
                 source.close()
-        mapped = [i for i, h in enumerate(self.checkpoint.files) if h.path in self._maps]
+        mapped = [i for i, h in enumerate(files) if h.path in self._maps]
         self._check_unchanged([*(job.file for job in jobs), *mapped])
         return out
 
-    def _view(self, header: FileHeader, entry: TensorEntry, sel: TensorSelection
-              ) -> np.ndarray[Any, Any] | None:
-        """The selection as a view of the mapped file: one byte run as a contiguous view, one
-        range along an inner axis (a column slice) as a strided one; None for several ranges
-        that are not one run (those are copied).
+    def _refuse_names(self, todo: list[tuple[str, TensorSelection]]) -> None:
+        """Raise the error of the first request, in order, naming a tensor the checkpoint
+        lacks (with the name it resembles) or one requested twice."""
+        seen: set[str] = set()
+        for name, _ in todo:
+            header, _ = self.checkpoint.tensor(name)
+            if name in seen:
+                _fail(header.path, f"tensor {name!r} requested twice", name)
+            seen.add(name)
+        raise AssertionError("_refuse_names called on requests with no fault")
 
-        `zero_copy=True` maps the file shared and read-only, so the views are read-only.
-        `zero_copy="private"` maps it copy-on-write (MAP_PRIVATE): the views are writable, a
-        write lands in a private page of this process and never in the file, and pages not
-        written stay the page cache's; column slices are copied there instead (torch wants
-        contiguous parameters). Nothing is read here: pages come in when the view is first
-        touched. Unlike the copying path, a view can raise SIGBUS on first touch if the file is
-        truncated after the load.
-        """
-        kept = [r for r in sel.ranges if r[1] > r[0]]
+    def _shape(self, header: FileHeader, entry: TensorEntry, sel: TensorSelection) -> _Shape:
+        """How `read_many` returns the selection `sel` of a tensor like `entry` (its dtype and
+        shape; `header` and the name only locate an error): checked, then, for a view of the
+        mapped file (`zero_copy`; see `_view_of`), (1 or 2, the view's offset from the
+        tensor's first byte, its strides (None: contiguous), local shape, dtype, False, None),
+        else (0, 0, None, local shape, dtype, whether it is gathered, its byte runs unless
+        gathered)."""
+        _check_selection(header, entry, sel)
+        local, dtype = sel.local_shape(entry.shape), self.dtypes[entry.dtype]
+        if self.zero_copy:
+            view = _view_of(entry, sel, private=self.zero_copy == "private")
+            if view is not None:
+                return (view[0], view[1], view[2], local, dtype, False, None)
+        gather = self.mapped and _gatherable(entry, sel)
+        return (0, 0, None, local, dtype, gather, None if gather else _runs(entry, sel))
+
+    def _map(self, header: FileHeader, name: str) -> memoryview:
+        """The mapping of `header`'s file the views of `zero_copy` are made from (mapped on
+        first use, as `zero_copy` says; `name`: the tensor a failure names), as a memoryview:
+        numpy makes an array of a buffer without holding it, and the memoryview's hold keeps
+        the mapping from being closed while any view lives."""
+        mapping = self._maps.get(header.path)  # mapped by an earlier read_many
+        if mapping is not None:
+            return memoryview(mapping)
+        fd = self._fd(header)
         private = self.zero_copy == "private"
-        runs, start = one_run(entry, sel)
-        if runs != 1 and (private or runs == 0 or len(kept) != 1 or sel.axis is None):
-            return None  # several runs: copied (a column slice too, when private)
-        mapping = self._maps.get(header.path)
-        if mapping is None:
-            fd = self._fd(header)
-            try:
-                mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_COPY if private
-                                    else mmap.ACCESS_READ)
-            except ValueError:  # Python's mmap checks the size first: the file shrank
-                _fail(header.path, f"file changed since its header was read: it is shorter "
-                                   f"than {header.file_size} bytes (truncated file?)", entry.name)
-            except OSError as exc:
-                _fail(header.path, f"cannot map checkpoint file: {exc.strerror or exc}",
-                      entry.name)
-            self._maps[header.path] = mapping
-        dtype, base = self.dtypes[entry.dtype], header.data_start + entry.begin
-        if runs == 1:
-            shape = sel.local_shape(entry.shape)
-            view = np.frombuffer(mapping, dtype=dtype, count=math.prod(shape),
-                                 offset=base + start)
-            return view.reshape(shape)
-        assert sel.axis is not None
-        whole = np.frombuffer(mapping, dtype=dtype, count=math.prod(entry.shape), offset=base)
-        cut: list[slice] = [slice(None)] * len(entry.shape)
-        cut[sel.axis] = slice(*kept[0])
-        return whole.reshape(entry.shape)[tuple(cut)]
+        try:
+            mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_COPY if private
+                                else mmap.ACCESS_READ)
+        except ValueError:  # Python's mmap checks the size first: the file shrank
+            _fail(header.path, f"file changed since its header was read: it is shorter "
+                               f"than {header.file_size} bytes (truncated file?)", name)
+        except OSError as exc:
+            _fail(header.path, f"cannot map checkpoint file: {exc.strerror or exc}", name)
+        self._maps[header.path] = mapping
+        return memoryview(mapping)
 
     def _run_threaded(self, jobs: list[_Job | _Gather], progress: Callable[[int], None] | None,
                       workers: int) -> None:
@@ -481,6 +514,40 @@ class CheckpointReader:
             else:
                 for r, dd, nn in zip(rel.tolist(), d.tolist(), n.tolist(), strict=True):
                     flat[dd:dd + nn] = span[r:r + nn]
+
+
+_Shape = tuple[int, int, "tuple[int, ...] | None", tuple[int, ...], "np.dtype[Any]", bool,
+               "tuple[_Ints, _Ints, _Ints] | None"]
+"""How `read_many` returns one structure of tensor (see `CheckpointReader._shape`)."""
+
+
+def _view_of(entry: TensorEntry, sel: TensorSelection, *, private: bool
+             ) -> tuple[int, int, tuple[int, ...] | None] | None:
+    """How the (checked) selection is a view of the mapped file: (1, its offset from the
+    tensor's first byte, None) for one byte run, a contiguous view; (2, its offset, the
+    tensor's strides) for one range along an inner axis (a column slice), a strided view;
+    None for several ranges that are not one run (those are copied).
+
+    `zero_copy=True` maps the file shared and read-only, so the views are read-only.
+    `zero_copy="private"` (`private`) maps it copy-on-write (MAP_PRIVATE): the views are
+    writable, a write lands in a private page of this process and never in the file, and
+    pages not written stay the page cache's; column slices are copied there instead (torch
+    wants contiguous parameters). Nothing is read here: pages come in when the view is
+    first touched. Unlike the copying path, a view can raise SIGBUS on first touch if the
+    file is truncated after the load.
+    """
+    runs, start = one_run(entry, sel)
+    if runs == 1:
+        return 1, start, None
+    kept = [r for r in sel.ranges if r[1] > r[0]]
+    if private or runs == 0 or len(kept) != 1 or sel.axis is None:
+        return None  # several runs: copied (a column slice too, when private)
+    strides, step = [], _ITEMSIZE[entry.dtype]
+    for dim in reversed(entry.shape):
+        strides.append(step)
+        step *= dim
+    strides.reverse()
+    return 2, kept[0][0] * strides[sel.axis], tuple(strides)
 
 
 def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
