@@ -286,7 +286,7 @@ def test_compile_summaries_show_the_experts_of_every_rank(tmp_path: Path, capsys
                  str(tmp_path / "b"), "--force"])
     text = capsys.readouterr().out
     assert code == 0 and "for TP=2 x PP=1 x EP=4 (ETP=1)" in text
-    assert "EP rank   2:   2 experts 4-5 on ranks 2," in text
+    assert "EP rank   2:   2 experts 4-5 on rank 2," in text
 
 
 # ---------------------------------------------------------------- the runtime topology

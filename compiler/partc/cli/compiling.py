@@ -143,58 +143,71 @@ def _expert_facts(plan: Any) -> dict[str, Any]:
         {"rank": r.rank, "expert_parallel_rank": r.info.expert_parallel_rank,
          "expert_tensor_parallel_rank": r.info.expert_tensor_parallel_rank,
          "dense_replica": r.info.dense_replica,
-         "experts": list(slots[r.info.expert_parallel_rank]),
+         "experts": list(slots[r.info.expert_parallel_rank]) if r.info.local_experts else [],
          "expert_bytes": r.info.expert_parameter_bytes} for r in plan.ranks]}}
 
 
 def _expert_lines(facts: dict[str, Any]) -> list[str]:
-    """Text lines of `_expert_facts`: the layout, then the experts of each EP rank."""
+    """Text lines of `_expert_facts`: the layout, then the experts of each EP rank and the
+    ranks holding them (a rank of a stage without MoE layers holds none)."""
+    from partc.inspect.build import plural
+    from partc.inspect.text import id_ranges
+
     experts = facts.get("expert_parallel")
     if experts is None:
         return []
     lines = [f"expert parallelism: E={experts['expert_parallel_size']} x "
              f"X={experts['expert_tensor_parallel_size']} = {experts['ranks_per_stage']} "
              f"ranks per stage, dense parts x{experts['dense_replicas']}; "
-             f"{experts['experts']} experts, "
+             f"{plural(experts['experts'], 'expert')}, "
              + ("explicit placement" if experts["explicit_placement"] else "balanced placement")
-             + f", {experts['redundant_slots']} redundant slot(s); {experts['layout']}"]
+             + f", {plural(experts['redundant_slots'], 'redundant slot')}; {experts['layout']}"]
     for ep, ids in enumerate(experts["slots"]):
         ranks = [r for r in experts["ranks"] if r["expert_parallel_rank"] == ep]
-        mib = max((r["expert_bytes"] for r in ranks), default=0) / 2**20
-        lines.append(f"  EP rank {ep:>3}: {len(ids):>3} experts {_id_ranges(ids)}"
-                     f" on ranks {_id_ranges([r['rank'] for r in ranks])}, "
-                     f"{mib:.3f} MiB of experts per rank")
+        holding = [r for r in ranks if r["experts"]]
+        none = [r["rank"] for r in ranks if not r["experts"]]
+        mib = max((r["expert_bytes"] for r in holding), default=0) / 2**20
+        lines.append(f"  EP rank {ep:>3}: {len(ids):>3} {'expert ' if len(ids) == 1 else 'experts'}"
+                     f" {id_ranges(ids)} on {'rank' if len(holding) == 1 else 'ranks'} "
+                     f"{id_ranges([r['rank'] for r in holding]) or '-'}"
+                     f", {mib:.3f} MiB of experts per rank"
+                     + (f"; {'rank' if len(none) == 1 else 'ranks'} {id_ranges(none)} "
+                        f"{'holds' if len(none) == 1 else 'hold'} none (no MoE layer on "
+                        f"{'its' if len(none) == 1 else 'their'} stage)" if none else ""))
     return lines
-
-
-def _id_ranges(ids: Sequence[int]) -> str:
-    """Ascending ids as ranges: `0-3,7,9-10`."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][1] + 1 == i:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
 
 
 def _print_ranks(plan, loaded=None) -> None:  # type: ignore[no-untyped-def]
     """One row per rank, its columns as wide as their widest cell (a vision-language stage's
     units, `vision[0:2], projector[0:1]`, are wider than a decoder's)."""
-    from partc.inspect.text import table
+    from partc.inspect.text import id_ranges, table
 
+    experts = getattr(plan, "expert_parallel", None)
+    etp = experts is not None and experts.expert_tensor_parallel_size > 1
     rows = []
     for rank in plan.ranks:
-        part = rank.partition
+        part, info = rank.partition, rank.info
         units = ", ".join(f"{g.group}[{g.unit_range[0]}:{g.unit_range[1]}]" for g in part.groups)
-        row = [rank.rank, rank.tensor_parallel_rank, rank.pipeline_stage, units,
-               rank.info.owned_tensors, f"{rank.info.local_parameter_bytes / 2**20:.3f}",
-               ", ".join(part.ownership.static_roles) or "-"]
+        row = [rank.rank, rank.tensor_parallel_rank, rank.pipeline_stage]
+        if experts is not None:
+            row += [info.expert_parallel_rank] + ([info.expert_tensor_parallel_rank] if etp
+                                                  else [])
+        row += [units, info.owned_tensors, f"{info.local_parameter_bytes / 2**20:.3f}",
+                ", ".join(part.ownership.static_roles) or "-"]
+        if experts is not None:
+            held = experts.placement.slots[info.expert_parallel_rank] if info.local_experts \
+                else ()
+            row += [f"{len(held)}: {id_ranges(held)}" if held else "-",
+                    f"{info.expert_parameter_bytes / 2**20:.3f}"]
         if loaded is not None:
             row.append(f"loaded {loaded[rank.rank]}")
         rows.append(row)
-    header = ["rank", "tp", "stage", "units", "tensors", "local MiB", "static roles"]
-    right = [True, True, True, False, True, True, False]
+    header = ["rank", "tp", "stage"] + (["ep"] if experts is not None else []) + (
+        ["etp"] if etp else []) + ["units", "tensors", "local MiB", "static roles"]
+    right = [True] * (len(header) - 4) + [False, True, True, False]
+    if experts is not None:
+        header += ["experts", "expert MiB"]
+        right += [False, True]
     if loaded is not None:
         header.append("")
         right.append(False)

@@ -156,17 +156,53 @@ def _units_text(partition: Mapping[str, Any]) -> str:
                      for g in partition["groups"]) or "-"
 
 
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """`1 expert`, `4 experts`: a count and its noun in the right number."""
+    return f"{count} {word if count == 1 else words or word + 's'}"
+
+
+def rank_experts(plan: Mapping[str, Any], rank: Mapping[str, Any]
+                 ) -> tuple[list[int], int] | None:
+    """The routed experts a rank loads (in its slot order) and their bytes, read from the
+    tensors it holds: none on a stage without MoE layers; None without expert parallelism."""
+    experts = plan.get("expert_parallel")
+    if experts is None:
+        return None
+    groups = experts["expert_groups"]
+    slots = list(experts["slots"][int(rank["info"]["expert_parallel_rank"])])
+    held: set[int] = set()
+    nbytes = 0
+    for tensor in plan["tensors"]:
+        if tensor["group"] not in groups:
+            continue
+        placed = rank_placement(plan, rank, tensor)
+        if placed is None:
+            continue
+        expert = groups[tensor["group"]]
+        held.update(slots if expert is None else [expert])  # a stacked tensor: every slot's
+        nbytes += tensor_bytes(tensor["dtype"], placed[1])
+    return [e for e in slots if e in held], nbytes
+
+
 def rank_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One row per rank: stage, TP rank, units, tensors, bytes (total and by dtype), roles."""
+    """One row per rank: stage, TP rank, units, tensors, bytes (total and by dtype), roles;
+    under expert parallelism also its EP and ETP rank, experts and their bytes."""
     rows = []
     for rank in plan["ranks"]:
         info, part = rank["info"], rank["partition"]
-        rows.append({
+        row = {
             "rank": rank["rank"], "tensor_parallel_rank": rank["tensor_parallel_rank"],
             "pipeline_stage": rank["pipeline_stage"], "units": _units_text(part),
             "tensors": info["owned_tensors"], "bytes": info["local_parameter_bytes"],
             "bytes_by_dtype": dict(info["local_bytes_by_dtype"]),
-            "static_roles": list(part["ownership"]["static_roles"])})
+            "static_roles": list(part["ownership"]["static_roles"])}
+        held = rank_experts(plan, rank) if "tensors" in plan else None
+        if plan.get("expert_parallel") is not None:
+            row |= {"expert_parallel_rank": info["expert_parallel_rank"],
+                    "expert_tensor_parallel_rank": info["expert_tensor_parallel_rank"]}
+        if held is not None:
+            row |= {"experts": held[0], "expert_bytes": held[1]}
+        rows.append(row)
     return rows
 
 
@@ -267,10 +303,52 @@ def summary(build: Build) -> dict[str, Any]:
         "tensors": len(plan["tensors"]), "groups": len(plan["groups"]),
     } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
         "kv_replication": kv_replicated(plan["tensors"]),
-        "tp_reduction": tp_reduced(plan["tensors"]), "boundary": plan["boundary"]} | (
+        "tp_reduction": tp_reduced(plan["tensors"]), "boundary": plan["boundary"],
+        "cuts": pipeline_cuts(plan)} | (
         {} if plan.get("expert_parallel") is None
         else {"expert_parallel": expert_summary(plan)}) | (
         {} if plan.get("pipeline") is None else {"pipeline": pipeline_facts(plan)})
+
+
+def wire_tensors(boundary: Mapping[str, Any], activation_dtype: str | None
+                 ) -> list[dict[str, Any]]:
+    """A boundary's tensors, primary first: kind, role, shape and dtype (`activation` spelt
+    with the build's activation dtype when it has one)."""
+    rows = []
+    for kind, tensor in [("primary", boundary.get("primary"))] + [
+            ("auxiliary", t) for t in boundary.get("auxiliary", [])]:
+        if not tensor:
+            continue
+        dtype = str(tensor.get("dtype"))
+        rows.append({"kind": kind, "role": str(tensor.get("role", tensor.get("name", ""))),
+                     "shape": list(tensor.get("shape", [])), "dtype": dtype,
+                     "wire_dtype": activation_dtype or dtype if dtype == "activation"
+                     else dtype})
+    return rows
+
+
+def pipeline_cuts(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every pipeline cut, in order: the stages it is between, the execution group whose unit
+    ends the stage before it, and the boundary that crosses it (plan.json `cuts` where the
+    family declares one per group, else the family's one `boundary`) with its tensors."""
+    declared = {int(c["after_stage"]): c for c in plan.get("cuts") or ()}
+    order = [node["group"] for node in plan.get("graph", ())]
+    last: dict[int, str] = {}
+    for rank in plan["ranks"]:
+        groups = [g["group"] for g in rank["partition"]["groups"]]
+        if groups:
+            last[int(rank["pipeline_stage"])] = max(
+                groups, key=lambda g: order.index(g) if g in order else -1)
+    activation = plan["topology"].get("activation_dtype")
+    out = []
+    for stage in range(int(plan["topology"]["pipeline_parallel_size"]) - 1):
+        cut = declared.get(stage)
+        boundary = cut["boundary"] if cut is not None else plan["boundary"]
+        out.append({"from_stage": stage, "to_stage": stage + 1,
+                    "group": cut["group"] if cut is not None else last.get(stage),
+                    "boundary": boundary.get("identity"),
+                    "tensors": wire_tensors(boundary, activation)})
+    return out
 
 
 def pipeline_facts(plan: Mapping[str, Any]) -> dict[str, Any]:
@@ -317,7 +395,7 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
             hint = (f"it matches {'checkpoint tensor names' if other == 'target' else 'groups'}"
                     f": use --{other}")
         else:
-            hint = _names_hint(sorted({t[key] for t in tensors}), glob)
+            hint = names_hint(sorted({t[key] for t in tensors}), glob)
         raise LoadError(f"{option} {glob!r} matches no {kind} of this build; {hint}",
                         location=SourceLocation(str(build.path)))
     rows = []
@@ -341,7 +419,7 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
     return rows
 
 
-def _names_hint(names: list[str], glob: str) -> str:
+def names_hint(names: Sequence[str], glob: str) -> str:
     """What a glob that matched nothing could have said: the closest names, or the first few."""
     import difflib
 

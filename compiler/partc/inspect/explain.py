@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
-from partc.errors import LoadError
-from partc.inspect.build import Build, placement_text, rank_placement
+from partc.errors import LoadError, SourceLocation
+from partc.inspect.build import Build, names_hint, placement_text, plural, rank_placement
 from partc.inspect.origins import Origins
 
 
@@ -101,7 +102,52 @@ def _expert_reason(experts: Mapping[str, Any], expert: int | None) -> str:
             f"{how}{copies}; only the ranks of those EP ranks load it")
 
 
+def _glob_hint(glob: str, names: list[str], shown: list[str]) -> str:
+    """The names closest to a glob that matched nothing, dotted part by dotted part (a part
+    the glob's own part matches counts whole): `model.layers.0.*.q_prj.weight` is closest to
+    `model.layers.0.self_attn.q_proj.weight`; else the closest of `shown` by characters."""
+    import difflib
+
+    parts = glob.split(".")
+    scored = []
+    for name in names:
+        pieces = name.split(".")
+        if len(pieces) != len(parts):
+            continue
+        score = sum(1.0 if fnmatch.fnmatchcase(piece, part) else difflib.SequenceMatcher(
+            None, part.strip("*?"), piece).ratio() for piece, part in zip(pieces, parts,
+                                                                          strict=True))
+        scored.append((-score / len(parts), name))
+    close = [name for score, name in sorted(scored) if -score >= 0.75][:3]
+    if close:
+        return "did you mean " + " or ".join(repr(n) for n in close) + "?"
+    return names_hint(shown, glob)
+
+
+GLOB_CHARACTERS = frozenset("*?[")
+"""Characters that make `explain`'s subject a glob (fnmatch, as inspect's --target)."""
+
+
 def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
+    """What `partc explain` says of `target`: a tensor's or group's explanation
+    (`explain_one`), or for a glob matching no exact name, every tensor it matches (else every
+    group), in the plan's order, as `{"pattern": glob, "matches": [...]}`."""
+    tensors = [t["target"] for t in build.plan["tensors"]]
+    groups = [g["name"] for g in build.plan["groups"]]
+    if target in tensors or target in groups or not GLOB_CHARACTERS & set(target):
+        return explain_one(build, target, origins)
+    matched = [t for t in tensors if fnmatch.fnmatchcase(t, target)] or [
+        g for g in groups if fnmatch.fnmatchcase(g, target)]
+    if not matched:
+        raise LoadError(f"`{target}` matches no tensor and no group of this build "
+                        f"({plural(len(tensors), 'tensor')}, {plural(len(groups), 'group')}); "
+                        + _glob_hint(target, tensors + groups, tensors),
+                        location=SourceLocation(str(build.path)))
+    return {"pattern": target, "matches": [explain_one(build, name, origins)
+                                           for name in matched]}
+
+
+def explain_one(build: Build, target: str, origins: Origins) -> dict[str, Any]:
     """Group, role, units, each rank's range and placement of a tensor or group, and why; the
     family line of the group (`origin`) and of each tensor's own entry."""
     plan = build.plan
@@ -134,13 +180,20 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
             members.append({"target": t["target"],
                             "placement": "not held" if h is None else placement_text(h[0]),
                             "local_shape": None if h is None else list(h[1])})
-        ranks.append({"rank": rank["rank"], "tensor_parallel_rank": tp_rank,
-                      "pipeline_stage": rank["pipeline_stage"], "logical_range": logical,
-                      "tensors": members})
+        entry = {"rank": rank["rank"], "tensor_parallel_rank": tp_rank,
+                 "pipeline_stage": rank["pipeline_stage"], "logical_range": logical,
+                 "tensors": members}
+        if plan.get("expert_parallel") is not None:
+            entry |= {"expert_parallel_rank": rank["info"]["expert_parallel_rank"],
+                      "expert_tensor_parallel_rank": rank["info"]["expert_tensor_parallel_rank"]}
+        ranks.append(entry)
     origin = origins.lines.get(group["name"])
     lines = {t["target"]: origins.lines.tensor(t["target"], group["name"]) for t in tensors}
     own = lines[target] if target in by_target else None
+    experts = plan.get("expert_parallel")
     return {"target": target, "group": group["name"], "role": group["role"],
+            "expert_tensor_parallel_size": None if experts is None
+            else experts["expert_tensor_parallel_size"],
             "owner": group["owner"], "stages": group["stages"],
             "logical_units": group.get("logical_units"),
             "fell_back_to_replication": bool(group.get("fell_back_to_replication")),

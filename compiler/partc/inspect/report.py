@@ -6,6 +6,7 @@ has its own strict jinja2 environment with HTML autoescaping (emit's renders Pyt
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -17,10 +18,12 @@ from partc.inspect.build import (
     FALLBACK_ROLE,
     Build,
     byte_text,
+    plural,
     rank_role_bytes,
     summary,
     topology_text,
     unit_columns,
+    wire_tensors,
 )
 from partc.inspect.origins import Origins
 
@@ -75,6 +78,18 @@ class Label:
     """Rotated -60 degrees around its anchor (column labels)."""
 
 
+def _coordinates(plan: dict[str, Any], rank: dict[str, Any]) -> str:
+    """`stage 1, tp 0`, with `, ep 1` (and `, etp 0` when experts are split) under expert
+    parallelism."""
+    text = f"stage {rank['pipeline_stage']}, tp {rank['tensor_parallel_rank']}"
+    experts = plan.get("expert_parallel")
+    if experts is not None:
+        text += f", ep {rank['info']['expert_parallel_rank']}"
+        if int(experts["expert_tensor_parallel_size"]) > 1:
+            text += f", etp {rank['info']['expert_tensor_parallel_rank']}"
+    return text
+
+
 def _ownership(build: Build) -> dict[str, Any]:
     plan = build.plan
     columns = unit_columns(plan)
@@ -90,10 +105,10 @@ def _ownership(build: Build) -> dict[str, Any]:
                                 rotate=True))
     row_every = max(1, round(11 / cell_h))
     for j, rank in enumerate(ranks):
-        stage, tp_rank = rank["pipeline_stage"], rank["tensor_parallel_rank"]
+        stage = rank["pipeline_stage"]
         if j % row_every == 0:
             labels.append(Label(4, top + j * cell_h + cell_h * 0.75,
-                                f"rank {rank['rank']}  (stage {stage}, tp {tp_rank})"))
+                                f"rank {rank['rank']}  ({_coordinates(plan, rank)})"))
         for i, column in enumerate(columns):
             owned = rank["rank"] in column["owners"]
             fill = STAGE_COLOURS[stage % len(STAGE_COLOURS)] if owned else "#f3f3f3"
@@ -133,19 +148,49 @@ def _bars(build: Build) -> dict[str, Any]:
             "height": top + len(per_rank) * (height + gap) + 10}
 
 
-def _wire(build: Build) -> list[dict[str, str]]:
-    boundary = build.plan["boundary"]
-    activation = build.plan["topology"].get("activation_dtype", "")
-    rows = []
-    for kind, tensor in [("primary", boundary.get("primary"))] + [
-            ("auxiliary", t) for t in boundary.get("auxiliary", [])]:
-        if not tensor:
-            continue
-        dtype = str(tensor.get("dtype"))
-        rows.append({"kind": kind, "role": str(tensor.get("role", tensor.get("name", ""))),
-                     "shape": " x ".join(map(str, tensor.get("shape", []))),
-                     "dtype": f"{dtype} ({activation})" if dtype == "activation" else dtype})
-    return rows
+def _wire_rows(tensors: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [{"kind": t["kind"], "role": t["role"], "shape": " x ".join(map(str, t["shape"])),
+             "dtype": t["dtype"] if t["dtype"] == t["wire_dtype"]
+             else f"{t['dtype']} ({t['wire_dtype']})"} for t in tensors]
+
+
+def _cuts(facts: dict[str, Any], build: Build) -> list[dict[str, Any]]:
+    """Each boundary crossing a pipeline cut, with the cuts it crosses (`between`, in order;
+    cuts carrying the same boundary share one entry); for a build of one stage, the family's
+    boundary with no cut (what a cut would carry)."""
+    if not facts["cuts"]:
+        boundary = build.plan["boundary"]
+        return [{"between": [], "identity": str(boundary.get("identity", "")),
+                 "wire": _wire_rows(wire_tensors(
+                     boundary, build.plan["topology"].get("activation_dtype")))}]
+    entries: dict[str, dict[str, Any]] = {}
+    for c in facts["cuts"]:
+        wire = _wire_rows(c["tensors"])
+        key = json.dumps([c["boundary"], wire])
+        entry = entries.setdefault(key, {"between": [], "identity": str(c["boundary"]),
+                                         "wire": wire})
+        entry["between"].append({"from_stage": c["from_stage"], "to_stage": c["to_stage"],
+                                 "group": c["group"]})
+    return list(entries.values())
+
+
+def _experts(facts: dict[str, Any], build: Build) -> list[dict[str, Any]]:
+    """Per rank of an expert-parallel build: its coordinates, the experts it holds and their
+    bytes (none on a stage without MoE layers); empty without expert parallelism."""
+    if facts.get("expert_parallel") is None:
+        return []
+    from partc.inspect.text import id_ranges
+
+    ranks = {r["rank"]: r for r in build.plan["ranks"]}
+    return [{"rank": r["rank"], "stage": r["pipeline_stage"], "tp": r["tensor_parallel_rank"],
+             "ep": r["expert_parallel_rank"], "etp": r["expert_tensor_parallel_rank"],
+             "coordinates": _coordinates(build.plan, ranks[r["rank"]]),
+             "count": plural(len(r["experts"]), "expert"),
+             "experts": id_ranges(r["experts"]) or "-",
+             "ids": ",".join(map(str, r["experts"])),
+             "bytes": byte_text(r["expert_bytes"]),
+             "css": "expert" if r["experts"] else "expert none"}
+            for r in facts["ranks"]]
 
 
 @cache
@@ -180,6 +225,19 @@ def render_report(build: Build, origins: Origins) -> str:
         version=__version__, plan_hash=facts["plan_hash"], facts=facts,
         global_bytes=byte_text(facts["global_bytes"]), policy=topology.get("policy") or
         "family default", stages=stages, ownership=_ownership(build), bars=_bars(build),
-        wire=_wire(build), identity=str(build.plan["boundary"].get("identity", "")),
+        cuts=_cuts(facts, build), experts=_experts(facts, build),
+        expert_layout=_expert_layout(facts),
         fallbacks=fallbacks, kv=kv, reduced=reduced, origin_note=origins.note,
         sources=[f"{s['name']} (sha256 {s['sha256'][:16]})" for s in facts["sources"]])
+
+
+def _expert_layout(facts: dict[str, Any]) -> str:
+    """The one-line expert-parallel layout (empty without expert parallelism)."""
+    experts = facts.get("expert_parallel")
+    if experts is None:
+        return ""
+    return (f"E={experts['expert_parallel_size']} x X={experts['expert_tensor_parallel_size']} "
+            f"= {experts['ranks_per_stage']} ranks per stage; "
+            f"{plural(experts['experts'], 'expert')}, "
+            f"{'explicit' if experts['explicit_placement'] else 'balanced'} placement, "
+            f"{plural(experts['redundant_slots'], 'redundant slot')}; {experts['layout']}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partc.inspect.build import byte_text, topology_text
+from partc.inspect.build import byte_text, plural, topology_text
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
@@ -41,7 +41,7 @@ def fallback_lines(fallbacks: Sequence[Mapping[str, Any]],
     if kv:
         out.append(f"KV replication: {len(kv)} group(s) repeat KV heads across ranks")
         out += [f"  {k['group']}: each KV head on {k['kv_replicas']} ranks "
-                f"({len(k['tensors'])} tensors)" for k in kv]
+                f"({plural(len(k['tensors']), 'tensor')})" for k in kv]
     if reduced:
         count = sum(len(r["tensors"]) for r in reduced)
         out.append(f"TP reduction: {count} norm(s) in {len(reduced)} group(s) are split with a "
@@ -87,30 +87,94 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     out += stage_lines(summary["stages"], imbalance=summary["stage_imbalance"])
     out += pipeline_lines(summary.get("pipeline"))
     out.append("")
-    rows = [(r["rank"], r["pipeline_stage"], r["tensor_parallel_rank"], r["units"], r["tensors"],
-             byte_text(r["bytes"]), _dtypes(r["bytes_by_dtype"]),
-             ", ".join(r["static_roles"]) or "-") for r in summary["ranks"]]
-    out += table(("rank", "stage", "tp", "units", "tensors", "bytes", "by dtype", "static roles"),
-                 rows, right=(True, True, True, False, True, True, False, False))
+    experts = summary.get("expert_parallel")
+    etp = experts is not None and experts["expert_tensor_parallel_size"] > 1
+    header, right = expert_columns(("rank", "stage", "tp"), experts is not None, etp)
+    rows = [rank_coordinates((r["rank"], r["pipeline_stage"], r["tensor_parallel_rank"]), r,
+                             etp)
+            + [r["units"], r["tensors"], byte_text(r["bytes"]), _dtypes(r["bytes_by_dtype"]),
+               ", ".join(r["static_roles"]) or "-"]
+            + ([] if experts is None else [expert_ids_text(r.get("experts", [])),
+                                           byte_text(r.get("expert_bytes", 0))])
+            for r in summary["ranks"]]
+    header += ["units", "tensors", "bytes", "by dtype", "static roles"]
+    right += [False, True, True, False, False]
+    if experts is not None:
+        header += ["experts", "expert bytes"]
+        right += [False, True]
+    out += table(header, rows, right=right)
     out.append(f"rank imbalance (largest / mean bytes): {summary['rank_imbalance']:.3f}")
+    out += cut_lines(summary.get("cuts", ()))
     extra = fallback_lines(summary["fallbacks"], summary["kv_replication"],
                            summary.get("tp_reduction", ()))
     out += [""] + (extra or ["fallbacks: none; KV replication: none"])
-    experts = summary.get("expert_parallel")
     if experts is not None:
         out += ["", f"expert parallelism: E={experts['expert_parallel_size']} x "
                 f"X={experts['expert_tensor_parallel_size']} = {experts['ranks_per_stage']} "
-                f"ranks per stage; {experts['experts']} experts, "
+                f"ranks per stage; {plural(experts['experts'], 'expert')}, "
                 f"{'explicit' if experts['explicit_placement'] else 'balanced'} placement, "
-                f"{experts['redundant_slots']} redundant slot(s); {experts['layout']}"]
+                f"{plural(experts['redundant_slots'], 'redundant slot')}; {experts['layout']}"]
         out += table(("EP rank", "experts", "build ranks"),
-                     [(e["ep_rank"], _id_ranges(e["experts"]),
+                     [(e["ep_rank"], id_ranges(e["experts"]),
                        ",".join(str(r) for r in e["ranks"])) for e in experts["ep_ranks"]],
                      right=(True, False, False))
+        if any(not r.get("experts") for r in summary["ranks"]):
+            out.append("a rank whose experts are `-` is on a stage without MoE layers: it "
+                       "holds no expert")
     return out
 
 
-def _id_ranges(ids: Sequence[int]) -> str:
+def expert_columns(head: Sequence[str], experts: bool, etp: bool
+                   ) -> tuple[list[str], list[bool]]:
+    """A rank table's coordinate columns (`head`, right-aligned) and, under expert parallelism,
+    `ep` (and `etp` when experts are split, X > 1)."""
+    header = list(head) + (["ep"] if experts else []) + (["etp"] if etp else [])
+    return header, [True] * len(header)
+
+
+def rank_coordinates(head: Sequence[object], info: Mapping[str, Any], etp: bool
+                     ) -> list[object]:
+    """A rank row's coordinate cells: `head`, then its EP (and ETP) rank when `info` has them."""
+    cells = list(head)
+    if "expert_parallel_rank" in info:
+        cells.append(info["expert_parallel_rank"])
+        if etp:
+            cells.append(info["expert_tensor_parallel_rank"])
+    return cells
+
+
+def expert_ids_text(ids: Sequence[int]) -> str:
+    """A rank's experts as `4: 0-3` (count, then id runs), `-` for none."""
+    return f"{len(ids)}: {id_ranges(ids)}" if ids else "-"
+
+
+def _shape_text(shape: Sequence[object]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def cut_lines(cuts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The pipeline cuts, one paragraph per boundary: the cuts it crosses (stages and the group
+    before each) and its tensors (nothing for a build of one stage)."""
+    if not cuts:
+        return []
+    paragraphs: dict[str, list[Mapping[str, Any]]] = {}
+    for cut in cuts:
+        key = repr((cut["boundary"], cut["tensors"]))
+        paragraphs.setdefault(key, []).append(cut)
+    out = ["", f"pipeline cuts: {plural(len(cuts), 'cut')}, each with the boundary that "
+           "crosses it"]
+    for same in paragraphs.values():
+        where = ", ".join(f"stage {c['from_stage']} -> {c['to_stage']}"
+                          + (f" (after `{c['group']}`)" if c.get("group") else "") for c in same)
+        out.append(f"  {where}: {same[0]['boundary']}")
+        rows = [(f"    {t['kind']}", t["role"], _shape_text(t["shape"]),
+                 t["dtype"] if t["dtype"] == t["wire_dtype"]
+                 else f"{t['dtype']} ({t['wire_dtype']})") for t in same[0]["tensors"]]
+        out += table(("    tensor", "role", "shape", "dtype"), rows)
+    return out
+
+
+def id_ranges(ids: Sequence[int]) -> str:
     """Expert ids as runs: `0-3,8,10-11`."""
     runs: list[list[int]] = []
     for i in ids:
@@ -157,7 +221,18 @@ def _family_line(e: Mapping[str, Any]) -> str:
 
 
 def explain_lines(e: Mapping[str, Any]) -> list[str]:
-    """What `partc explain` prints."""
+    """What `partc explain` prints: one explanation, or each of a glob's matches in turn."""
+    if "matches" not in e:
+        return _explained_lines(e)
+    matches = e["matches"]
+    what = "tensor" if all(m["target"] != m["group"] for m in matches) else "name"
+    out = [f"`{e['pattern']}` matches {plural(len(matches), what)}"]
+    for m in matches:
+        out += [""] + _explained_lines(m)
+    return out
+
+
+def _explained_lines(e: Mapping[str, Any]) -> list[str]:
     owner = e["owner"]
     who = (f"unit {owner.get('unit')} of `{owner.get('group')}`" if owner.get("kind") ==
            "execution_unit" else f"static role {', '.join(owner.get('roles', []))}")
@@ -172,14 +247,17 @@ def explain_lines(e: Mapping[str, Any]) -> list[str]:
         out.append(f"  tensor  {t['target']}  {t['dtype']} {t['shape']}"
                    + (f"  KV x{t['kv_replicas']}" if t["kv_replicas"] > 1 else ""))
     out.append("")
+    size = e.get("expert_tensor_parallel_size")
+    header, right = expert_columns(("rank", "stage", "tp"), size is not None, (size or 1) > 1)
     rows = []
     for r in e["ranks"]:
         logical = r["logical_range"]
         for m in r["tensors"]:
-            rows.append((r["rank"], r["pipeline_stage"], r["tensor_parallel_rank"],
-                         "-" if logical is None else f"{logical[0]}:{logical[1]}",
-                         m["target"], m["placement"], m["local_shape"]))
-    out += table(("rank", "stage", "tp", "units", "tensor", "placement", "local shape"), rows,
-                 right=(True, True, True, False, False, False, False))
+            rows.append(rank_coordinates((r["rank"], r["pipeline_stage"],
+                                          r["tensor_parallel_rank"]), r, (size or 1) > 1)
+                        + ["-" if logical is None else f"{logical[0]}:{logical[1]}",
+                           m["target"], m["placement"], m["local_shape"]])
+    out += table(header + ["units", "tensor", "placement", "local shape"], rows,
+                 right=right + [False, False, False, False])
     out += ["", "why:"] + [f"  - {w}" for w in e["why"]]
     return out

@@ -193,7 +193,8 @@ def expert_parallel_ranks(bound: BoundArchitecture, plan: ExpertParallelPlan,
                 expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
                 expert_parallel_rank=c.expert_parallel_rank,
                 expert_tensor_parallel_rank=c.expert_tensor_parallel_rank,
-                local_experts=len(plan.placement.slots[c.expert_parallel_rank]),
+                local_experts=len(plan.placement.slots[c.expert_parallel_rank]) if any(
+                    g.name in roles for g in rank_groups[stage][c.expert_parallel_rank]) else 0,
                 expert_parameter_bytes=expert_bytes)
             ranks.append(RankPlan(rank=rank, tensor_parallel_rank=c.tensor_parallel_rank,
                                   pipeline_stage=stage, partition=partition, info=info,
