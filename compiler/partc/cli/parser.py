@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "group, and the reasons: policy fallback, KV replication, alignment, the "
                     "family line.")
     explain.add_argument("build", help="a build folder (or its plan.json)")
-    explain.add_argument("target", help="a checkpoint tensor name or a group name")
+    explain.add_argument("target", help="a checkpoint tensor name, a group name, or a glob of "
+                         "tensor names (fnmatch, as inspect's --target), each match explained")
     explain.add_argument("--family", default=None,
                          help="the family file the build was compiled from (for its line; found "
                               "by itself as for inspect)")
