@@ -186,14 +186,14 @@ def test_ep_on_a_family_without_experts_and_etp_on_stacked_experts_are_refused()
 
 
 @pytest.mark.parametrize(("document", "pointer", "message"), [
-    ({"ranks": [[0, 1, 2], [4, 5, 6, 7]]}, "/ranks", r"expert\(s\) \[3\] are on no EP rank"),
+    ({"ranks": [[0, 1, 2], [4, 5, 6, 7]]}, "/ranks", r"1 expert \(3\) is on no EP rank"),
     ({"ranks": [[0, 1, 2, 3], [4, 5, 6, 8]]}, "/ranks/1/3",
      r"EP rank 1 slot 3 names expert 8; expert ids are integers 0..7"),
     ({"ranks": [[0, 1, 3, 2], [4, 5, 6, 7]]}, "/ranks/0/3",
      r"EP rank 0 lists expert 2 after 3; a rank's experts are distinct and ascending"),
     ({"ranks": [[0, 1, 2, 3, 4, 5, 6, 7], []]}, "/ranks/1", r"EP rank 1 holds no expert"),
     ({"ranks": [[0, 1, 2, 3, 4, 5, 6, 7]]}, "/ranks",
-     r"it lists 1 EP ranks but expert_parallel_size is 2"),
+     r"it lists 1 EP rank but expert_parallel_size is 2"),
     ({"experts": {"0": 0}}, "", r"expected an object with one key `ranks`"),
     ({"ranks": [[0, 1, 2, 3], [4, 5, 6, True]]}, "/ranks/1/3", r"names expert true"),
 ])
@@ -233,8 +233,9 @@ def test_a_placement_error_points_to_the_expert_parallel_guide(tmp_path: Path,
     path.write_text('{"ranks": [[0, 1, 2], [3, 4, 5, 0], [6, 7, 0]]}')
     code = main(["check", "--config", str(QWEN), "--ep", "3", "--expert-placement", str(path),
                  "--format", "json"])
-    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    error, second = json.loads(capsys.readouterr().out)["errors"]
     assert code != 0 and "lists expert 0 after 5" in error["message"]
+    assert "lists expert 0 after 7" in second["message"]
     assert error["doc"] == "expert_parallel#placement"
     heading = (ROOT / "docs" / "expert_parallel.md").read_text().splitlines().index(
         "## Placement") + 1
@@ -304,13 +305,13 @@ def test_build_topology_of_an_expert_parallel_build_gives_the_ep_etp_and_tp_grou
     for g in range(16):
         assert topology.global_rank(topology.coordinates(g)) == g
     assert topology.tensor_parallel_group(14) == (14, 15)
-    assert topology.expert_parallel_group(14) == (12, 13, 14, 15)
+    assert topology.expert_parallel_group(14) == (12, 14)
     assert topology.expert_tensor_parallel_group(13) == (12, 13)
     assert topology.pipeline_group(14) == (10, 14)
     assert (topology.previous_stage_peer(14), topology.next_stage_peer(10)) == (10, 14)
     groups = topology.all_groups()
     assert set(groups) == {"tp", "pp", "dp", "ep", "etp"}
-    for dimension, size in (("tp", 2), ("pp", 2), ("dp", 2), ("ep", 4), ("etp", 2)):
+    for dimension, size in (("tp", 2), ("pp", 2), ("dp", 2), ("ep", 2), ("etp", 2)):
         assert sorted(r for group in groups[dimension] for r in group) == list(range(16))
         assert {len(g) for g in groups[dimension]} == {size}
     with pytest.raises(CheckpointError, match="not a multiple of T=4"):

@@ -34,7 +34,7 @@ def test_a_job_of_d_replicas_gives_each_process_its_build_rank_and_replica(
 
 
 @pytest.mark.parametrize(("rank", "world", "message"), [
-    ("1", "6", "WORLD_SIZE=6 is not a multiple of this build's 4 ranks (T x S); run 4 x D "
+    ("1", "6", "WORLD_SIZE=6 is not a multiple of this build's 4 ranks; run 4 x D "
                "processes for D data-parallel replicas"),
     ("8", "8", "RANK=8 is outside WORLD_SIZE=8"),
     ("x", "4", "environment RANK='x' is not an integer"),

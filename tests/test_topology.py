@@ -121,8 +121,8 @@ print(json.dumps(out))
     ({}, {"topology": [2, 2, 1], "error": "no rank given and RANK is not set; pass rank= or "
                                           "run under torchrun"}),
     ({"RANK": "1", "WORLD_SIZE": "6"}, {"error": "WORLD_SIZE=6 is not a multiple of this "
-                                                 "build's 4 ranks (T x S); run 4 x D processes "
-                                                 "for D data-parallel replicas"}),
+                                                 "build's 4 ranks (tp 2 x pp 2); run 4 x D "
+                                                 "processes for D data-parallel replicas"}),
 ])
 def test_a_generated_package_exposes_its_topology_and_launch_position(tmp_path, environment,
                                                                       expected):

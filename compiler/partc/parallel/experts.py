@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import ExpertParallelError, LayoutError, SourceLocation
+from partc.errors import ExpertParallelError, LayoutError, PartcErrors, SourceLocation
 from partc.parallel.layout import LocalTensorLayout
 from partc.parallel.placements import Indices, Range, TensorPlacement, _is_count
 from partc.parallel.specs import ParameterGroupSpec, balanced_contiguous_range
@@ -93,8 +93,9 @@ class ExpertPlacement:
         """Balanced contiguous ranges: EP rank i holds `experts // E (+1 if i < experts % E)`."""
         if expert_parallel_size > experts:
             raise ExpertParallelError(
-                f"expert_parallel_size {expert_parallel_size} exceeds the model's {experts} "
-                "experts: a balanced placement gives every EP rank at least one expert; use "
+                f"expert_parallel_size {expert_parallel_size} exceeds the model's "
+                f"{_counted(experts, 'expert')}: a balanced placement gives every EP rank at "
+                "least one expert; use "
                 f"--ep of at most {experts}, or a placement file (--expert-placement) with "
                 "redundant experts")
         return cls(experts=experts, slots=tuple(
@@ -128,28 +129,50 @@ class ExpertPlacement:
 def placement_problem(experts: int, slots: Sequence[Sequence[object]]
                       ) -> tuple[str, str] | None:
     """(JSON pointer under the file's `ranks`, message) of the first rule `slots` breaks."""
+    return next(iter(placement_problems(experts, slots)), None)
+
+
+def placement_problems(experts: int, slots: Sequence[Sequence[object]]
+                       ) -> list[tuple[str, str]]:
+    """(JSON pointer under the file's `ranks`, message) of every rule `slots` breaks, in file
+    order; [] when it is a placement of `experts` experts. Experts on no rank are reported only
+    when every id is valid (a bad id may be the missing expert, mistyped)."""
     if not slots:
-        return "/ranks", "it lists no expert-parallel rank"
+        return [("/ranks", "it lists no expert-parallel rank")]
+    found: list[tuple[str, str]] = []
     held: set[int] = set()
+    bad_ids = False
     for ep, ids in enumerate(slots):
         if not ids:
-            return f"/ranks/{ep}", f"EP rank {ep} holds no expert; every EP rank needs one"
+            found.append((f"/ranks/{ep}",
+                          f"EP rank {ep} holds no expert; every EP rank needs one"))
+        previous: int | None = None
         for slot, expert in enumerate(ids):
             pointer = f"/ranks/{ep}/{slot}"
             if not _is_count(expert) or not 0 <= expert < experts:  # type: ignore[operator]
-                return pointer, (f"EP rank {ep} slot {slot} names expert {_spelled(expert)}; "
-                                 f"expert ids are integers 0..{experts - 1}")
+                found.append((pointer, f"EP rank {ep} slot {slot} names expert "
+                              f"{_spelled(expert)}; expert ids are integers 0..{experts - 1}"))
+                previous, bad_ids = None, True
+                continue
             assert isinstance(expert, int)
-            if slot and expert <= ids[slot - 1]:  # type: ignore[operator]
-                return pointer, (f"EP rank {ep} lists expert {expert} after "
-                                 f"{ids[slot - 1]}; a rank's experts are distinct and "
-                                 "ascending (its local slot order is the stored order)")
+            if previous is not None and expert <= previous:
+                found.append((pointer, f"EP rank {ep} lists expert {expert} after {previous}; "
+                              "a rank's experts are distinct and ascending (its local slot "
+                              "order is the stored order)"))
+            previous = expert
             held.add(expert)
     missing = sorted(set(range(experts)) - held)
-    if missing:
-        return "/ranks", (f"expert(s) {missing[:8]} are on no EP rank; every one of the "
-                          f"{experts} experts needs at least one")
-    return None
+    if missing and not bad_ids:  # a bad id may be the missing expert mistyped: one mistake
+        shown = ", ".join(str(e) for e in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        found.append(("/ranks", f"{_counted(len(missing), 'expert')} ({shown}) "
+                      f"{'is' if len(missing) == 1 else 'are'} on no EP rank; every one of the "
+                      f"{_counted(experts, 'expert')} needs at least one"))
+    return found
+
+
+def _counted(count: int, word: str) -> str:
+    """`1 expert`, `2 experts`."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 PLACEMENT_DOC = "expert_parallel#placement"
@@ -167,7 +190,8 @@ def _spelled(value: object) -> str:
 def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
                             file: str, locate: Locate = _no_location) -> ExpertPlacement:
     """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
-    list per EP rank. Raises LayoutError naming the file, the rank and the expert."""
+    list per EP rank. Raises LayoutError naming the file, the rank and the expert; a
+    PartcErrors of every one when the file breaks several rules."""
     def fail(pointer: str, message: str) -> LayoutError:
         return ExpertParallelError(f"expert placement {file}: {message}",
                                    location=locate(pointer) or SourceLocation(file),
@@ -177,12 +201,14 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
         raise fail("", "expected an object with one key `ranks`: a list of one list of "
                        "global expert ids per EP rank, e.g. {\"ranks\": [[0, 1], [2, 3]]}")
     ranks: list[list[Any]] = data["ranks"]
-    if len(ranks) != expert_parallel_size:
-        raise fail("/ranks", f"it lists {len(ranks)} EP ranks but expert_parallel_size is "
-                             f"{expert_parallel_size}")
-    problem = placement_problem(experts, ranks)
-    if problem is not None:
-        raise fail(*problem)
+    problems = placement_problems(experts, ranks)
+    if ranks and len(ranks) != expert_parallel_size:
+        problems.insert(0, ("/ranks", f"it lists {_counted(len(ranks), 'EP rank')} but "
+                                      f"expert_parallel_size is {expert_parallel_size}"))
+    if len(problems) == 1:
+        raise fail(*problems[0])
+    if problems:
+        raise PartcErrors([fail(*problem) for problem in problems])
     return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
                            explicit=True)
 

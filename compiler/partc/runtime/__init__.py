@@ -8,7 +8,7 @@ modules call through `_runtime.<name>`; each name is defined in one submodule.
 from typing import TYPE_CHECKING, Any
 
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module
-from partc.runtime.ranks import LaunchPosition, launch_position
+from partc.runtime.ranks import LaunchPosition, build_launch_position, launch_position
 from partc.runtime.tables import (
     RankTable,
     architecture_boundary,
@@ -52,6 +52,7 @@ __all__ = [
     "architecture_partition",
     "boundary_schema",
     "build_device_mesh",
+    "build_launch_position",
     "build_process_groups",
     "build_topology",
     "launch_position",

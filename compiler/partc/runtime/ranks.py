@@ -12,9 +12,9 @@ from partc.errors import CheckpointError
 class LaunchPosition:
     """Where this process sits in a job that runs a build D times side by side.
 
-    A job of WORLD_SIZE = D·T·S processes holds D data-parallel replicas of the build, each
-    replica a contiguous block of T·S global ranks: global rank g runs build rank g mod (T·S)
-    of replica g div (T·S).
+    A job of WORLD_SIZE = D·B processes holds D data-parallel replicas of the build's B ranks
+    (T·S; E·X·S for an expert-parallel build), each replica a contiguous block of B global
+    ranks: global rank g runs build rank g mod B of replica g div B.
     """
 
     global_rank: int
@@ -54,11 +54,25 @@ def environment_integer(name: str, raw: str) -> int:
     return int(text)
 
 
-def launch_position(build_world_size: int) -> LaunchPosition:
+def world_factors(tensor_parallel_size: int, pipeline_parallel_size: int,
+                  expert_parallel_size: int | None = None,
+                  expert_tensor_parallel_size: int = 1) -> str:
+    """The factors of a build's rank count as its messages name them: `tp 2 x pp 2`, or
+    `pp 2 x ep 2 x etp 2` for an expert-parallel build (N = E x X ranks a stage; `etp` only
+    when above 1, and no `tp`: the dense TP groups divide N)."""
+    if expert_parallel_size is None:
+        return f"tp {tensor_parallel_size} x pp {pipeline_parallel_size}"
+    return (f"pp {pipeline_parallel_size} x ep {expert_parallel_size}"
+            + (f" x etp {expert_tensor_parallel_size}" if expert_tensor_parallel_size > 1
+               else ""))
+
+
+def launch_position(build_world_size: int, factors: str | None = None) -> LaunchPosition:
     """This process's position from torchrun's environment (`RANK`, `WORLD_SIZE`).
 
-    WORLD_SIZE must be a multiple of the build's T·S ranks (the quotient is the data-parallel
-    size); without WORLD_SIZE the job is taken to be one replica.
+    WORLD_SIZE must be a multiple of the build's ranks (T·S, or E·X·S; the quotient is the
+    data-parallel size); without WORLD_SIZE the job is taken to be one replica. `factors`
+    (`world_factors`) names the build's sizes in the error when it is not.
     """
     raw = os.environ.get("RANK")
     if raw is None:
@@ -72,9 +86,7 @@ def launch_position(build_world_size: int) -> LaunchPosition:
                               "processes (at least this build's "
                               f"{build_world_size}); unset it for one replica")
     if world % build_world_size:
-        raise CheckpointError(
-            f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} ranks "
-            f"(T x S); run {build_world_size} x D processes for D data-parallel replicas")
+        raise not_a_multiple(world, build_world_size, factors)
     if global_rank >= world:
         raise CheckpointError(f"RANK={global_rank} is outside WORLD_SIZE={world}" if world_raw
                               is not None else f"RANK={global_rank} is outside this build's "
@@ -85,6 +97,27 @@ def launch_position(build_world_size: int) -> LaunchPosition:
                           build_world_size=build_world_size,
                           data_parallel_rank=global_rank // build_world_size,
                           data_parallel_size=world // build_world_size)
+
+
+def build_launch_position(tensor_parallel_size: int, pipeline_parallel_size: int, *,
+                          expert_parallel_size: int | None = None,
+                          expert_tensor_parallel_size: int = 1) -> LaunchPosition:
+    """`launch_position` of a build of these sizes (T·S ranks, or E·X·S under expert
+    parallelism), whose error names them (`world_factors`)."""
+    per_stage = (tensor_parallel_size if expert_parallel_size is None
+                 else expert_parallel_size * expert_tensor_parallel_size)
+    return launch_position(per_stage * pipeline_parallel_size, world_factors(
+        tensor_parallel_size, pipeline_parallel_size, expert_parallel_size,
+        expert_tensor_parallel_size))
+
+
+def not_a_multiple(world: int, build_world_size: int, factors: str | None) -> CheckpointError:
+    """The error for a WORLD_SIZE that is no multiple of the build's ranks (`factors` of them)."""
+    named = "" if factors is None else f" ({factors})"
+    return CheckpointError(
+        f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} "
+        f"rank{'' if build_world_size == 1 else 's'}{named}; run {build_world_size} x D "
+        "processes for D data-parallel replicas")
 
 
 def rank_from_environment(world_size: int) -> int:

@@ -7,8 +7,9 @@ torch.distributed (imported only when called).
 
 An expert-parallel build (docs/expert_parallel.md) has N = E·X ranks per stage instead of T:
 `g = d·N·S + p·N + r`, with stage-local rank r = (dense replica)·T + t, EP rank r div X and ETP
-rank r mod X. Its EP group is the stage's N ranks, its ETP group X consecutive ranks, its TP
-group T consecutive ranks (one copy of the dense parts).
+rank r mod X. As in Megatron, its EP group is the E ranks of the stage holding *different*
+experts at the same ETP rank (stride X), its ETP group the X consecutive ranks splitting the
+*same* experts, its TP group T consecutive ranks (one copy of the dense parts).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from partc.errors import CheckpointError
 from partc.parallel.experts import stage_ranks
 from partc.runtime.frameworks import import_torch
-from partc.runtime.ranks import environment_integer, launch_position
+from partc.runtime.ranks import environment_integer, launch_position, not_a_multiple, world_factors
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,9 +53,11 @@ class ProcessGroups:
     data_parallel: Any
     """The ranks holding this process's build rank in every replica."""
     expert_parallel: Any = None
-    """The N ranks of this process's stage and replica (expert-parallel builds only)."""
+    """The E ranks holding different experts at this process's ETP rank (expert-parallel
+    builds only; the `ep` dimension of `device_mesh()`)."""
     expert_tensor_parallel: Any = None
-    """The X ranks splitting this process's experts (expert-parallel builds only)."""
+    """The X ranks splitting this process's experts (expert-parallel builds only; the `etp`
+    dimension of `device_mesh()`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,14 +171,16 @@ class BuildTopology:
         return tuple(base + p * n for p in range(self.pipeline_parallel_size))
 
     def expert_parallel_group(self, global_rank: int) -> tuple[int, ...]:
-        """The N ranks of this rank's stage and replica (an expert-parallel build's EP group,
-        over which tokens are dispatched to the experts' owners)."""
+        """The E ranks of this rank's stage and replica that hold *different* experts at its
+        ETP rank (its EP group, Megatron's expert-model-parallel group: stride X)."""
         self._expert_build()
-        first = global_rank - global_rank % self.ranks_per_stage
-        return tuple(range(first, first + self.ranks_per_stage))
+        x = self.expert_tensor_parallel_size
+        first = (global_rank - global_rank % self.ranks_per_stage
+                 + self.coordinates(global_rank).expert_tensor_parallel_rank)
+        return tuple(range(first, first + self.ranks_per_stage, x))
 
     def expert_tensor_parallel_group(self, global_rank: int) -> tuple[int, ...]:
-        """The X consecutive ranks that split this rank's experts (its ETP group)."""
+        """The X consecutive ranks that split this rank's (same) experts (its ETP group)."""
         self._expert_build()
         x = self.expert_tensor_parallel_size
         first = global_rank - self.coordinates(global_rank).expert_tensor_parallel_rank
@@ -310,15 +315,14 @@ def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
                      else expert_parallel_size * expert_tensor_parallel_size)
         build = per_stage * pipeline_parallel_size
         data_parallel_size = 1
+        factors = world_factors(tensor_parallel_size, pipeline_parallel_size,
+                                expert_parallel_size, expert_tensor_parallel_size)
         if os.environ.get("RANK") is not None:
-            data_parallel_size = launch_position(build).data_parallel_size
+            data_parallel_size = launch_position(build, factors).data_parallel_size
         elif os.environ.get("WORLD_SIZE") is not None:
             world = environment_integer("WORLD_SIZE", os.environ["WORLD_SIZE"])
             if world == 0 or world % build:
-                raise CheckpointError(
-                    f"WORLD_SIZE={world} is not a multiple of this build's {build} ranks "
-                    f"({'T' if expert_parallel_size is None else 'E x X'} x S); run {build} x D "
-                    "processes for D data-parallel replicas")
+                raise not_a_multiple(world, build, factors)
             data_parallel_size = world // build
     return BuildTopology(tensor_parallel_size=tensor_parallel_size,
                          pipeline_parallel_size=pipeline_parallel_size,
