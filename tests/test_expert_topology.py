@@ -23,7 +23,7 @@ from partc.api import compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError, ExpertParallelError, PartcErrors
 from partc.parallel.experts import ExpertPlacement
-from partc.runtime.topology import build_topology
+from partc.runtime.topology import BuildTopology, build_topology
 
 from support import hf
 
@@ -223,3 +223,13 @@ def test_expert_counts_of_one_are_spelled_in_the_singular() -> None:
     with pytest.raises(ExpertParallelError, match=r"1 expert \(1\) is on no EP rank; every one "
                                                   r"of the 2 experts needs at least one"):
         ExpertPlacement(experts=2, slots=((0,), (0,)))
+
+
+def test_a_rank_outside_an_expert_parallel_job_names_the_factors_of_its_ranks() -> None:
+    topology = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=2,
+                             data_parallel_size=2, expert_parallel_size=2,
+                             expert_tensor_parallel_size=2)
+    assert topology.world_size == 2 * 2 * 2 * 2  # T divides N = E x X: not a factor
+    with pytest.raises(CheckpointError, match=r"^rank 16 is outside this job's ranks 0\.\.15 "
+                                              r"\(dp 2 x pp 2 x ep 2 x etp 2\)$"):
+        topology.coordinates(16)

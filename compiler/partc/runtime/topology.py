@@ -62,7 +62,8 @@ class ProcessGroups:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BuildTopology:
-    """T x S ranks of a build, replicated D times over a job."""
+    """The N x S ranks of a build (N = T, or E x X under expert parallelism), replicated D
+    times over a job."""
 
     tensor_parallel_size: int
     """T."""
@@ -101,6 +102,13 @@ class BuildTopology:
                            self.expert_tensor_parallel_size)
 
     @property
+    def factors(self) -> str:
+        """The factors of a replica's ranks, as messages name them (`tp 2 x pp 2`, or
+        `pp 2 x ep 2 x etp 2`)."""
+        return world_factors(self.tensor_parallel_size, self.pipeline_parallel_size,
+                             self.expert_parallel_size, self.expert_tensor_parallel_size)
+
+    @property
     def build_world_size(self) -> int:
         """Ranks of one replica (N·S; T·S without expert parallelism)."""
         return self.ranks_per_stage * self.pipeline_parallel_size
@@ -114,9 +122,8 @@ class BuildTopology:
         if isinstance(global_rank, bool) or not isinstance(global_rank, int) or not (
                 0 <= global_rank < self.world_size):
             raise CheckpointError(f"rank {global_rank!r} is outside this job's ranks "
-                                  f"0..{self.world_size - 1} (D={self.data_parallel_size} x "
-                                  f"S={self.pipeline_parallel_size} x "
-                                  f"T={self.tensor_parallel_size})")
+                                  f"0..{self.world_size - 1} (dp {self.data_parallel_size} x "
+                                  f"{self.factors})")
 
     def coordinates(self, global_rank: int) -> RankCoordinates:
         """(d, p, t) of a global rank."""
