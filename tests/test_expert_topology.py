@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 
-from partc.api import compile_family
+from partc.api import bind, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError, ExpertParallelError, PartcErrors
 from partc.parallel.experts import ExpertPlacement
+from partc.plan.realize import realize_plan
+from partc.plan.topology import Topology
 from partc.runtime.topology import BuildTopology, build_topology
 
 from support import hf
@@ -233,3 +235,15 @@ def test_a_rank_outside_an_expert_parallel_job_names_the_factors_of_its_ranks() 
     with pytest.raises(CheckpointError, match=r"^rank 16 is outside this job's ranks 0\.\.15 "
                                               r"\(dp 2 x pp 2 x ep 2 x etp 2\)$"):
         topology.coordinates(16)
+
+
+def test_one_rank_per_stage_and_a_placement_of_one_expert_are_spelled_in_the_singular(
+        ) -> None:
+    with pytest.raises(CheckpointError, match=r"= 1 rank per stage is not a multiple of T=2"):
+        BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=1, expert_parallel_size=1)
+    bound, _, _ = bind(None, MIXTRAL, None)
+    one = ExpertPlacement(experts=1, slots=((0,),), explicit=True)
+    with pytest.raises(ExpertParallelError, match=r"the expert placement is for 1 expert but "
+                                                  r"the model routes to 4$"):
+        realize_plan(bound, Topology(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                     expert_parallel_size=1, expert_placement=one))

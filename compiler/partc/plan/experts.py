@@ -122,8 +122,8 @@ def expert_parallel_plan(bound: BoundArchitecture, topology: Topology,
     placement = topology.expert_placement or ExpertPlacement.balanced(count, ep)
     if placement.experts != count:
         raise ExpertParallelError(
-            f"the expert placement is for {placement.experts} experts but the "
-            f"model routes to {count}")
+            f"the expert placement is for {placement.experts} "
+            f"expert{'' if placement.experts == 1 else 's'} but the model routes to {count}")
     stacked = [name for name, role in bound.experts if role.axis is not None]
     if stacked and topology.expert_tensor_parallel_size > 1:
         site = None if group_location is None else group_location(stacked[0])

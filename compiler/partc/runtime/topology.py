@@ -93,7 +93,8 @@ class BuildTopology:
         if self.ranks_per_stage % self.tensor_parallel_size:
             raise CheckpointError(
                 f"N = E {ep} x X {self.expert_tensor_parallel_size} = {self.ranks_per_stage} "
-                f"ranks per stage is not a multiple of T={self.tensor_parallel_size}")
+                f"rank{'' if self.ranks_per_stage == 1 else 's'} per stage is not a multiple of "
+                f"T={self.tensor_parallel_size}")
 
     @property
     def ranks_per_stage(self) -> int:
