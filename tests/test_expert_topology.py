@@ -128,7 +128,8 @@ sys.path.insert(0, sys.argv[1])
 loaders = __import__(sys.argv[2])
 from partc.errors import PartcError
 out = []
-for call in (loaders.launch_position, loaders.topology):
+for call in (loaders.launch_position, loaders.topology, loaders.rank_module,
+             lambda: loaders.load(sys.argv[3])):
     try:
         call()
         out.append(None)
@@ -159,15 +160,16 @@ def test_a_world_size_no_multiple_of_the_build_names_the_builds_real_factors(
     env["WORLD_SIZE"] = "6"
     if rank is not None:
         env["RANK"] = rank
-    done = subprocess.run([sys.executable, "-c", _LAUNCH, str(tmp_path / "b"), package],
-                          capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run([sys.executable, "-c", _LAUNCH, str(tmp_path / "b"), package,
+                           str(hf("mixtral"))], capture_output=True, text=True, timeout=60,
+                          env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     expected = (f"WORLD_SIZE=6 is not a multiple of this build's {ranks} ranks ({factors}); "
                 f"run {ranks} x D processes for D data-parallel replicas")
-    launch, built = json.loads(done.stdout)
+    launch, built, module, loaded = json.loads(done.stdout)
     assert built == expected
-    assert launch == (expected if rank is not None else
-                      "no rank given and RANK is not set; pass rank= or run under torchrun")
+    no_rank = "no rank given and RANK is not set; pass rank= or run under torchrun"
+    assert launch == module == loaded == (expected if rank is not None else no_rank)
 
 
 def test_build_topology_names_the_factors_it_multiplies(monkeypatch: pytest.MonkeyPatch) -> None:

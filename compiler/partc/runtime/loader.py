@@ -29,7 +29,7 @@ from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.headers import _ML_DTYPES, BIT_DTYPES, DTYPES
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
-from partc.runtime.ranks import rank_from_environment, rank_out_of_range
+from partc.runtime.ranks import package_factors, rank_from_environment, rank_out_of_range
 from partc.runtime.reader import TensorSelection, count_option, read_tensors
 from partc.runtime.tables import (
     RankTable,
@@ -597,7 +597,7 @@ def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None
     """The generated module of `rank` in a build package (default: the rank under torchrun)."""
     world_size = len(modules)
     if rank is None:
-        rank = rank_from_environment(world_size)
+        rank = rank_from_environment(world_size, package_factors(package))
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise CheckpointError(f"rank must be an integer, found {rank!r}")
     if not 0 <= rank < world_size:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from partc.errors import CheckpointError
@@ -120,9 +121,22 @@ def not_a_multiple(world: int, build_world_size: int, factors: str | None) -> Ch
         "processes for D data-parallel replicas")
 
 
-def rank_from_environment(world_size: int) -> int:
+def rank_from_environment(world_size: int, factors: str | None = None) -> int:
     """This process's rank in the build, from torchrun's environment (see `launch_position`)."""
-    return launch_position(world_size).rank
+    return launch_position(world_size, factors).rank
+
+
+def package_factors(package: str) -> str | None:
+    """`world_factors` of an imported build package, from the sizes its `__init__` exports
+    (None when it exports none)."""
+    face = sys.modules.get(package)
+    tp, pp, ep, etp = (getattr(face, name, None) for name in (
+        "TENSOR_PARALLEL_SIZE", "PIPELINE_PARALLEL_SIZE", "EXPERT_PARALLEL_SIZE",
+        "EXPERT_TENSOR_PARALLEL_SIZE"))
+    if not (isinstance(tp, int) and isinstance(pp, int)):
+        return None
+    return world_factors(tp, pp, ep if isinstance(ep, int) else None,
+                         etp if isinstance(etp, int) else 1)
 
 
 def rank_out_of_range(rank: int, world_size: int) -> CheckpointError:
