@@ -15,6 +15,7 @@ from dataclasses import fields as dataclass_fields
 
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import (
+    EXPERT_VARIABLE,
     UNIT_VARIABLE,
     UNIT_VARIABLES,
     FamilyDecl,
@@ -26,6 +27,7 @@ from partc.family.declaration import (
     ShardingDecl,
 )
 from partc.family.expr import Expression, Template
+from partc.family.expr_parse import Node, parse_tree
 from partc.front.positions import join_pointer
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import LinearWeightLayout, MemberShardingKind, ProjectionSharding
@@ -506,6 +508,72 @@ def _experts_declared_once(known: _Known, group: GroupDecl) -> Iterator[PartcErr
             join_pointer(group.pointer, "experts"))
 
 
+def _counts_experts_in_order(node: Node) -> bool:
+    """Whether an expert index reads `expert` as the global expert id: the loop variable
+    itself, or it plus (or minus) an offset that does not read it (so on-disk experts keep
+    the loop's order, the order of the router's columns)."""
+    if node.kind == "name":
+        return node.name == EXPERT_VARIABLE
+    if node.kind != "arith" or any(op not in ("+", "-") for op, _ in node.ops):
+        return False
+    reading = [i for i, child in enumerate(node.children)
+               if EXPERT_VARIABLE in _tree_names(child)]
+    if len(reading) != 1:
+        return False
+    index = reading[0]
+    child = node.children[index]
+    positive = index == 0 or node.ops[index - 1][0] == "+"
+    return positive and child.kind == "name" and child.name == EXPERT_VARIABLE
+
+
+def _tree_names(node: Node) -> frozenset[str]:
+    """Every name a syntax tree reads."""
+    if node.kind == "name":
+        return frozenset((node.name,))
+    names: frozenset[str] = frozenset()
+    for child in node.children:
+        names |= _tree_names(child)
+    return names
+
+
+def _misnumbered_field(template: Template) -> str | None:
+    """The first field of `template` that reads `expert` other than in the loop's order."""
+    for field in template.fields:
+        if EXPERT_VARIABLE in field.expression.names:
+            root, _ = parse_tree(field.expression.text)
+            if not _counts_experts_in_order(root):
+                return field.expression.text
+    return None
+
+
+def _experts_numbered_by_loop(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A per-expert group's tensor names number experts with the loop variable `expert` (plus
+    an offset at most): its value is the global expert id, the router's column, which expert
+    parallelism places."""
+    if not group.expert_loop:
+        return
+    templates: list[tuple[Template, str, str]] = []
+    for module in _modules(group):
+        templates.append((module.module, join_pointer(module.pointer, "module"),
+                          "the module path"))
+        templates.extend((param.name, param.pointer, "the parameter name")
+                         for param in module.params)
+    templates.extend((member.name, member.pointer, "the target") for member in group.members)
+    templates.append((group.name, join_pointer(group.pointer, "name"), "the group name"))
+    found = [(template, pointer, what, text) for template, pointer, what in templates
+             if (text := _misnumbered_field(template)) is not None]
+    if not found:
+        return
+    template, pointer, what, text = found[0]
+    others = (f" ({len(found) - 1} more template{'s' * (len(found) > 2)} of this group "
+              "number them the same way)" if len(found) > 1 else "")
+    yield known.error(
+        f"{what} `{template.text}` numbers the experts with `{{{text}}}`; expected "
+        f"`{{{EXPERT_VARIABLE}}}` (or `{{{EXPERT_VARIABLE} + OFFSET}}`, an offset that does not "
+        f"read `{EXPERT_VARIABLE}`): the loop value is the global expert id (the router's "
+        f"column), and the checkpoint's experts must follow it in order{others}", pointer)
+
+
 def _split_modules(group: GroupDecl) -> list[ModuleDecl]:
     """The projections of a partitioned group that split an axis (column or row)."""
     if group.units is None or group.form not in (GroupForm.PROJECTIONS, GroupForm.FUSED):
@@ -723,7 +791,8 @@ GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
     _param_names, _units_where_partitioned, _attention_heads_stated,
-    _experts_declared_once, _replicated_splits_nothing, _vocabulary_splits_rows,
+    _experts_declared_once, _experts_numbered_by_loop, _replicated_splits_nothing,
+    _vocabulary_splits_rows,
     _stated_heads_are_split, _units_axes_split, _biases_follow_weights)
 """Every check of a parameter group, in the order their errors are yielded."""
 
