@@ -47,12 +47,22 @@ def reports(request: pytest.FixtureRequest) -> tuple[str, VerifyReport, VerifyRe
     return name, two, three
 
 
-def _cuts(name: str, stages: int, tmp: Path) -> list[dict[str, object]]:
-    """plan.json's `cuts` of a T=1 x S build, compiled independently of verify."""
-    assert main(["compile", "--config", str(hf(name) / "config.json"), "--tp", "1", "--pp",
-                 str(stages), "--out", str(tmp / f"{name}-{stages}")]) == 0
-    plan = json.loads((tmp / f"{name}-{stages}" / "plan.json").read_text())
-    return list(plan["cuts"])
+def _plans(name: str, stages: int, tmp: Path, sizes: tuple[int, ...]) -> list[dict[str, object]]:
+    """plan.json of a T x S build for each T of `sizes`, compiled independently of verify, each
+    distinct pipeline layout once (verify checks the cut compile makes at each T)."""
+    plans: dict[str, dict[str, object]] = {}
+    for tp in sizes:
+        out = tmp / f"{name}-{stages}-{tp}"
+        assert main(["compile", "--config", str(hf(name) / "config.json"), "--tp", str(tp),
+                     "--pp", str(stages), "--out", str(out)]) == 0
+        plan = json.loads((out / "plan.json").read_text())
+        plans.setdefault(plan["pipeline"]["layout"], plan)
+    return list(plans.values())
+
+
+def _cuts(name: str, stages: int, tmp: Path, sizes: tuple[int, ...]) -> list[dict[str, object]]:
+    """plan.json's `cuts` of those builds, in T order."""
+    return [cut for plan in _plans(name, stages, tmp, sizes) for cut in plan["cuts"]]
 
 
 def test_every_module_of_the_vision_tower_projector_and_decoder_is_checked(reports):
@@ -77,20 +87,19 @@ def test_verify_names_the_boundaries_no_cut_crossed(reports, tmp_path):
     group's boundary and the decoder's own are checked by no cut, and verify says so; the
     groups it names are exactly the plan's groups that no cut of plan.json crosses."""
     name, two, three = reports
-    for report, stages in ((two, 2), (three, 3)):
-        plan_cuts = _cuts(name, stages, tmp_path)
-        assert main(["compile", "--config", str(hf(name) / "config.json"), "--tp", "1", "--pp",
-                     str(stages), "--out", str(tmp_path / f"g{stages}")]) == 0
-        plan = json.loads((tmp_path / f"g{stages}" / "plan.json").read_text())
-        crossed = {c["group"] for c in plan_cuts}
-        missed = [g["group"] for g in plan["graph"] if g["group"] not in crossed]
+    for report, stages, sizes in ((two, 2, (1, 2)), (three, 3, (2,))):
+        plans = _plans(name, stages, tmp_path, sizes)
+        crossed = {c["group"] for plan in plans for c in plan["cuts"]}
+        missed = [g["group"] for g in plans[0]["graph"] if g["group"] not in crossed]
         (note,) = [n for n in report.notes if "crossed no cut" in n]
         named = re.findall(r"`(\w+)`", note.split(" crossed no cut")[0])
         assert named == missed and missed, (note, missed)
-        assert f"crossed no cut at S={stages} ({plan['pipeline']['layout']})" in note
-    # S=2 cuts after the projector (llava) or the merger (qwen2_vl): the decoder begins there
-    assert re.findall(r"`(\w+)`", next(n for n in two.notes if "crossed" in n)) == [
-        "vision", "decoder"]
+        layouts = " or ".join(plan["pipeline"]["layout"] for plan in plans)
+        assert f"crossed no cut at S={stages} ({layouts})" in note
+    # S=2 cuts after the projector (llava, at T=1 and 2) or the merger (qwen2_vl at T=1; after
+    # the vision tower at T=2): the decoder begins there
+    assert re.findall(r"`(\w+)`", next(n for n in two.notes if "crossed" in n)) == {
+        "llava": ["vision", "decoder"], "qwen2_vl": ["decoder"]}[name]
 
 
 def test_the_inputs_carry_an_image_as_the_fixture_generator_made_it(reports):
@@ -114,17 +123,18 @@ def test_the_inputs_carry_an_image_as_the_fixture_generator_made_it(reports):
 
 def test_each_cut_is_checked_against_the_plans_boundary(reports, tmp_path):
     name, two, three = reports
-    for report, stages in ((two, 2), (three, 3)):
-        cuts = _cuts(name, stages, tmp_path)
+    for report, stages, sizes in ((two, 2, (1, 2)), (three, 3, (2,))):
+        cuts = _cuts(name, stages, tmp_path, sizes)
         checked = [c for c in report.checks if c.pp == stages and c.module != "logits"
                    and c.group]
         assert [(c.rank, c.group) for c in checked] == [
             (cut["after_stage"], cut["group"]) for cut in cuts]
         assert all(c.ok and c.tp == 1 for c in checked)
-    # S=3: vision | projector or merger + decoder 0 | decoder 1: a vision cut and a decoder cut
-    assert [c.module for c in three.checks if c.pp == 3 and c.group] == [
-        {"llava": "model.vision_tower.encoder.layers.1",
-         "qwen2_vl": "model.visual.blocks.2"}[name], MODULES[name][4]]
+    # S=3 as T=2 cuts it: llava vision | projector + decoder 0 | decoder 1 (a vision cut and a
+    # decoder cut); qwen2_vl vision 0 | vision 1-2 + merger | decoder (two vision-side cuts)
+    assert [c.module for c in three.checks if c.pp == 3 and c.group] == {
+        "llava": ["model.vision_tower.encoder.layers.1", MODULES[name][4]],
+        "qwen2_vl": ["model.visual.blocks.0", "model.visual.merger"]}[name]
     logits = [c for c in three.checks if c.module == "logits"]
     assert logits[0].ok and logits[0].pp == 3
 

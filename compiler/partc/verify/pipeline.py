@@ -242,7 +242,7 @@ def _spell(shape: Sequence[object]) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 
 
-def _plan_cuts(plan: dict[str, Any]) -> list[dict[str, Any]]:
+def plan_cuts(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Every cut of a pipeline build: plan.json's `cuts` (a graph of several groups), else one
     after each stage but the last, all carrying the family's one boundary."""
     if "cuts" in plan:
@@ -253,13 +253,15 @@ def _plan_cuts(plan: dict[str, Any]) -> list[dict[str, Any]]:
             for stage in range(plan["topology"]["pipeline_parallel_size"] - 1)]
 
 
-def unexercised_boundaries(plan: dict[str, Any]) -> str | None:
-    """A note naming the execution groups whose boundary no cut of a pipeline build crossed
-    (a group cut after or inside), so that no check saw its declared shapes: at S=2 LLaVA is
-    cut after its projector only; None when every group that can be cut was."""
-    if "cuts" not in plan or not plan["graph"]:
+def unexercised_boundaries(plans: Sequence[dict[str, Any]]) -> str | None:
+    """A note naming the execution groups whose boundary no cut of the pipeline builds `plans`
+    (one model at one S, cut as each T chooses) crossed (a group cut after or inside), so that
+    no check saw its declared shapes: at S=2 LLaVA is cut after its projector only; None when
+    every group that can be cut was."""
+    if not plans or any("cuts" not in plan for plan in plans) or not plans[0]["graph"]:
         return None  # one boundary, which every cut carries
-    crossed = {c["group"] for c in plan["cuts"]}
+    plan = plans[0]
+    crossed = {c["group"] for p in plans for c in p["cuts"]}
     graph = plan["graph"]
     missed = [g["group"] for i, g in enumerate(graph) if g["group"] not in crossed
               and (i < len(graph) - 1 or len(g["unit_paths"]) > 1)]
@@ -269,11 +271,12 @@ def unexercised_boundaries(plan: dict[str, Any]) -> str | None:
     names = [f"`{g}`" + (f" ({plan['boundary']['identity']})" if g == last else "")
              for g in missed]
     stages = plan["topology"]["pipeline_parallel_size"]
-    layout = (plan.get("pipeline") or {}).get("layout")
+    layouts = [layout for p in plans if (layout := (p.get("pipeline") or {}).get("layout"))]
     several = len(names) > 1
     listed = ", ".join(names[:-1]) + " and " + names[-1] if several else names[0]
     return (f"the boundar{'ies' if several else 'y'} of {listed} crossed no cut at S={stages}"
-            + (f" ({layout})" if layout else "") + f": no check saw {'their' if several else 'its'}"
+            + (f" ({' or '.join(layouts)})" if layouts else "")
+            + f": no check saw {'their' if several else 'its'}"
             " shapes; verify with another --pp or --pp-layers to cut there")
 
 
@@ -326,7 +329,7 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
     stages, plan = build.pp, build.plan
     ends = _unit_ends(plan)
     cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
-             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in _plan_cuts(plan)]
+             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in plan_cuts(plan)]
     outputs, inputs = _unit_traffic(session, _modules_run(session, [c[1] for c in cuts]),
                                     _modules_run(session, [c[2] for c in cuts]))
     checks = []
@@ -365,7 +368,7 @@ def _input_checks(session: Session, build: Build, placement: _Placement) -> list
     carried over the vision stages. (Which module reads an input is taken from the full
     model's run: an argument that is the input tensor itself.)"""
     plan, stages = build.plan, build.pp
-    cuts = {c["after_stage"]: c for c in _plan_cuts(plan)}
+    cuts = {c["after_stage"]: c for c in plan_cuts(plan)}
     needs: dict[str, tuple[int, str]] = {}  # input -> (the last stage reading it, the module)
     for module, (args, kwargs, _) in session.captured.items():
         if any(module.startswith(unit + ".") for unit in placement.units):

@@ -60,6 +60,10 @@ class VerifyReport:
     """Where the pipeline check cut, as --pp-layers spells it (None: balanced)."""
     plans: tuple[dict[str, Any], ...] = ()
     """The plan.json documents of the builds checked (to locate a failed group's line)."""
+    pipeline_cuts: tuple[dict[str, object], ...] = ()
+    """Each cut the pipeline check checked: `tensor_parallel_sizes` (the T whose compile
+    chooses it at `pipeline_parallel_size`), `given` (--pp-layers), `stage_units` (as
+    --pp-layers spells them) and `cuts` (each `after_stage` and `group`)."""
 
     @property
     def ok(self) -> bool:
@@ -76,4 +80,5 @@ class VerifyReport:
         return {"family": self.family, "model_type": self.model_type, "ok": self.ok,
                 "checks": [c.to_json() for c in self.checks], "skipped": list(self.skipped),
                 "notes": list(self.notes), "stage_units": self.stage_units,
+                "pipeline_cuts": list(self.pipeline_cuts),
                 "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())}}

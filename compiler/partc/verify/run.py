@@ -32,11 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from partc.api import StageUnits, bind, spelled_stage_units, stage_topology, topology_errors
+from partc.api import (
+    StageUnits,
+    bind,
+    plan_family,
+    spelled_stage_units,
+    stage_topology,
+    topology_errors,
+)
 from partc.errors import PartcError, PartcErrors, SourceLocation
 from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
-from partc.verify.pipeline import pipeline_checks, unexercised_boundaries
+from partc.verify.pipeline import pipeline_checks, plan_cuts, unexercised_boundaries
 from partc.verify.reference import (
     VerifyError,
     build_reference,
@@ -49,6 +56,7 @@ from partc.verify.session import Session, compile_build
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
+    from partc.plan.ir import Plan
 
 MAX_TENSOR_PARALLEL = 8
 """By default every T from 1 to this that compiles is checked."""
@@ -104,26 +112,99 @@ def verify_family(family: str | Path | None, config: str | Path, *,
             checks.extend(ranks.check(module) for module in session.modules)
             seconds[f"tp{tp}"] = time.perf_counter() - begin
         pp = user.pipeline_parallel_size
+        cuts: list[dict[str, object]] = []  # each cut checked, as the report lists them
+        staged_plans: list[dict[str, Any]] = []
         if pp > 1:
             begin = time.perf_counter()
-            try:
-                staged = compile_build(family, folder, work / f"pp{pp}", 1, pp, policy,
-                                       user.stage_units)
-                plans.append(staged.plan)
-                checks.extend(pipeline_checks(session, staged))
-                missed = unexercised_boundaries(staged.plan)
-                if missed is not None:
-                    notes.append(missed)
-                family_name = family_name or staged.plan["family"]
-            except PartcError as error:
-                checks.append(_not_compiled(1, pp, error, notes))
+            asked = ([(user.tensor_parallel_sizes, user.stage_units)] if user.stage_units
+                     else asked_cuts(family, folder, user.tensor_parallel_sizes, pp, policy))
+            for index, (sizes, units) in enumerate(asked):
+                try:
+                    staged = compile_build(family, folder, work / f"pp{pp}_{index}", 1, pp,
+                                           policy, units)
+                    plans.append(staged.plan)
+                    checks.extend(pipeline_checks(session, staged))
+                    staged_plans.append(staged.plan)
+                    family_name = family_name or staged.plan["family"]
+                    cuts.append(_cut_entry(sizes, pp, staged.plan, given=bool(user.stage_units)))
+                    notes.append(_cut_note(cuts[-1]))
+                except PartcError as error:
+                    checks.append(_not_compiled(1, pp, error, notes))
+            missed = unexercised_boundaries(staged_plans)
+            if missed is not None:
+                notes.append(missed)
             seconds[f"pp{pp}"] = time.perf_counter() - begin
     seconds["total"] = time.perf_counter() - start
     return VerifyReport(family=family_name or user.family, model_type=user.model_type,
                         checks=tuple(checks), skipped=user.skipped, notes=tuple(notes),
                         seconds=seconds, stage_units=spelled_stage_units(user.stage_units)
                         if user.stage_units else None,
-                        plans=tuple(plans))
+                        plans=tuple(plans), pipeline_cuts=tuple(cuts))
+
+
+def stage_layout(plan: Plan) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Each pipeline stage's (execution group, units) runs in `plan`: the stage units compile
+    chose, as `compile_family` takes them."""
+    stages: dict[int, tuple[tuple[str, int], ...]] = {}
+    for rank in plan.ranks:
+        stages.setdefault(rank.pipeline_stage, tuple(
+            (part.group, part.unit_range[1] - part.unit_range[0])
+            for part in rank.partition.groups))
+    return tuple(stages[stage] for stage in sorted(stages))
+
+
+def asked_cuts(family: str | Path | None, reference: Path, tensor_parallel_sizes: Sequence[int],
+               pipeline_parallel_size: int, policy: ShardingPolicy | None
+               ) -> list[tuple[tuple[int, ...], StageUnits]]:
+    """The stage units compile chooses for the reference build at each T x S (T of
+    `tensor_parallel_sizes`), each distinct one once with the T that choose it, in T order.
+
+    Compile balances the stages' bytes *per rank*, so a T can cut elsewhere than T=1 does (a
+    vision-language model after its tower at T=2, after the projector at T=1); the pipeline
+    check (itself at T=1) is run at each of these cuts. A T that does not compile at S is left
+    out; when none compiles, the balanced cut at T=1 (None)."""
+    chosen: dict[tuple[tuple[tuple[str, int], ...], ...], list[int]] = {}
+    for tp in tensor_parallel_sizes:
+        try:
+            plan = plan_family(family, reference / "config.json", Topology(
+                tensor_parallel_size=tp, pipeline_parallel_size=pipeline_parallel_size,
+                policy=policy), checkpoint=reference)
+        except PartcError:
+            continue
+        chosen.setdefault(stage_layout(plan), []).append(tp)
+    if not chosen:
+        return [((1,), None)]
+    return [(tuple(sizes), layout) for layout, sizes in chosen.items()]
+
+
+def _cut_entry(sizes: Sequence[int], pp: int, plan: dict[str, Any], *, given: bool
+               ) -> dict[str, object]:
+    """Which cut the pipeline check checked (the report's `pipeline_cuts` entry): the T whose
+    compile chooses it (or `--pp-layers`), its stage units, and each cut's stage and group."""
+    units: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
+    for rank in plan["ranks"]:
+        partition = rank["partition"]
+        runs = units[partition["stage"]]
+        if not runs:
+            runs.extend((g["group"], g["unit_range"][1] - g["unit_range"][0])
+                        for g in partition["groups"])
+    return {"tensor_parallel_sizes": list(sizes), "pipeline_parallel_size": pp,
+            "given": given, "stage_units": spelled_stage_units(units),
+            "cuts": [{"after_stage": c["after_stage"], "group": c["group"]}
+                     for c in plan_cuts(plan)]}
+
+
+def _cut_note(entry: dict[str, object]) -> str:
+    """The report's note on a cut the pipeline check checked."""
+    sizes = entry["tensor_parallel_sizes"]
+    assert isinstance(sizes, list)
+    cuts = entry["cuts"]
+    assert isinstance(cuts, list)
+    where = ", ".join(f"after stage {c['after_stage']} in `{c['group']}`" for c in cuts)
+    spelled = ", ".join(f"T={tp}" for tp in sizes)
+    why = ("as --pp-layers asks" if entry["given"]
+           else f"the cut compile chooses at {spelled} x S={entry['pipeline_parallel_size']}")
+    return (f"the pipeline check (at T=1) cut {entry['stage_units']} ({where}): {why}")
 
 
 def _not_compiled(tp: int, pp: int, error: PartcError, notes: list[str]) -> Check:
