@@ -35,6 +35,8 @@ from partc.runtime.headers import DTYPES
 from partc.runtime.loader import (
     header_fingerprint,
     plan_difference,
+    renamed_errors,
+    renamed_prefix,
     unknown_clause,
     unknown_names,
 )
@@ -222,9 +224,20 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
                   for item in plan["tensors"]}
     omit = plan.get("omit", [])
     extra = unknown_names(checkpoint, signatures, omit)
+    rename = renamed_prefix([t for t in signatures if t not in checkpoint], checkpoint,
+                            signatures)
+    if rename is not None:  # said by the hint, not again in the note
+        held = {rename.held(t) for t in rename.targets}
+        extra = [n for n in extra if n not in held]
     note = f"; the checkpoint also {unknown_clause(checkpoint, extra)}" if extra else ""
     errors: list[CheckpointError] = []
+    renamed_said, noted = False, False
     for target, (dtype, shape) in signatures.items():
+        if rename is not None and target in rename.targets:
+            if not renamed_said:  # at the first of them, once
+                errors.extend(renamed_errors(rename, checkpoint))
+                renamed_said = True
+            continue
         if target not in checkpoint:
             message = f"tensor `{target}` of the plan is not in the checkpoint"
             where = checkpoint.path
@@ -235,8 +248,9 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
             message = (f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the "
                        f"checkpoint; the plan expects {dtype} {list(shape)}")
             where = header.path
-        errors.append(CheckpointError(message + (note if not errors else ""),
+        errors.append(CheckpointError(message + (note if not noted else ""),
                                       location=SourceLocation(str(where)), tensor=target))
+        noted = True
     if errors or not verify_fingerprint:
         return errors
     expected = plan.get("checkpoint_fingerprint")

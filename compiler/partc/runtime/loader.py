@@ -97,10 +97,18 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"{shard['partc_plan_hash'][:16]}), not a checkpoint: pass the set's folder, "
                 "whose manifest each rank's load reads its own file from",
                 location=SourceLocation(str(checkpoint.path)))]
-    missing = 0
-    for target, _, dtype, shape, _, _ in table.tensor_rows():
+    rows = table.tensor_rows()
+    targets = {row[0] for row in rows}
+    rename = renamed_prefix([t for t in targets if t not in checkpoint], checkpoint, targets)
+    missing, renamed_said = 0, False
+    for target, _, dtype, shape, _, _ in rows:
         signature = checkpoint.signature(target)
         if signature is None:
+            if rename is not None and target in rename.targets:
+                if not renamed_said:  # at the first of them, once
+                    errors.extend(renamed_errors(rename, checkpoint))
+                    renamed_said = True
+                continue
             beside = "" if missing else _index_beside(checkpoint)  # said once
             missing += 1
             errors.append(CheckpointError(
@@ -193,6 +201,86 @@ def _fingerprint_difference(table: RankTable, checkpoint: Checkpoint) -> str:
             "FAMILY --config CONFIG --checkpoint CHECKPOINT` names them")
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixRename:
+    """Tensors of the plan that the checkpoint holds under another name prefix: each target
+    `expected + rest` is the checkpoint's `found + rest` (a build compiled without the
+    checkpoint, so with the family's default prefix, e.g. LLaVA's `vision_tower.` where the
+    released checkpoints name `vision_tower.vision_model.`)."""
+
+    expected: str
+    """The prefix the build's names start with ('' or ending in `.`)."""
+    found: str
+    """The prefix the checkpoint holds them under ('' or ending in `.`)."""
+    targets: tuple[str, ...]
+    """The plan's targets so renamed, sorted."""
+
+    def held(self, target: str) -> str:
+        """The checkpoint's name of `target`."""
+        return self.found + target[len(self.expected):]
+
+
+_MINIMUM_RENAMED = 2
+"""The fewest missing tensors a prefix substitution is looked for (one missing tensor and one
+extra always differ by some prefix: that says nothing)."""
+
+
+def renamed_prefix(missing: Iterable[str], checkpoint: Checkpoint, known: Container[str]
+                   ) -> PrefixRename | None:
+    """The prefix substitution (whole dotted components) under which the checkpoint holds
+    every one of the plan's `missing` targets (at least _MINIMUM_RENAMED), each under a name
+    the plan does not know (`known`: its targets); None when there is none. The shortest such
+    prefixes are taken: each candidate keeps the longest suffix the first missing name shares
+    with a checkpoint name."""
+    names = sorted(set(missing))
+    if len(names) < _MINIMUM_RENAMED:
+        return None
+    first = names[0].split(".")
+    candidates: set[tuple[str, str]] = set()
+    for name in checkpoint.names:
+        parts = name.split(".")
+        if parts[-1] != first[-1] or name in known:
+            continue
+        same = 0
+        while same < min(len(parts), len(first)) and parts[-1 - same] == first[-1 - same]:
+            same += 1
+        expected = ".".join(first[:len(first) - same])
+        found = ".".join(parts[:len(parts) - same])
+        if expected != found:
+            candidates.add((expected + "." if expected else "", found + "." if found else ""))
+
+    def renamed(expected: str, found: str, name: str) -> bool:
+        held = found + name[len(expected):]
+        return name.startswith(expected) and held in checkpoint and held not in known
+
+    for expected, found in sorted(candidates):
+        # the last name first: most candidates (sharing only a last component) fail there
+        if renamed(expected, found, names[-1]) and all(
+                renamed(expected, found, n) for n in names):
+            return PrefixRename(expected=expected, found=found, targets=tuple(names))
+    return None
+
+
+def renamed_hint(rename: PrefixRename, checkpoint: Checkpoint) -> str:
+    """The one line saying which prefix the checkpoint uses and how to compile for it."""
+    return (f"{_count(list(rename.targets))} of the plan are not in the checkpoint by name: the "
+            f"checkpoint names these tensors `{rename.found}…` where the build expects "
+            f"`{rename.expected}…` (the first {min(_SHOWN, len(rename.targets))} below); "
+            f"compile with --checkpoint {checkpoint.path} so partc picks the checkpoint's "
+            "prefix")
+
+
+def renamed_errors(rename: PrefixRename, checkpoint: Checkpoint) -> list[CheckpointError]:
+    """The errors of tensors the checkpoint holds under another prefix: the hint (its message
+    begins with the count, so it sorts before the others), then the first _SHOWN of them, each
+    with the name the checkpoint holds it under."""
+    where = SourceLocation(str(checkpoint.path))
+    return [CheckpointError(renamed_hint(rename, checkpoint), location=where)] + [
+        CheckpointError(f"tensor `{target}` of the plan is not in the checkpoint, which holds "
+                        f"`{rename.held(target)}`", location=where, tensor=target)
+        for target in rename.targets[:_SHOWN]]
+
+
 def plan_difference(checkpoint: Checkpoint, plan: Mapping[str, tuple[str, tuple[int, ...]]],
                     omit: Iterable[str], *, matched: str, lacking: str = "") -> str:
     """What `checkpoint` holds otherwise than `plan` (every tensor of the plan: target ->
@@ -217,6 +305,16 @@ def plan_difference(checkpoint: Checkpoint, plan: Mapping[str, tuple[str, tuple[
             changed.append(f"`{name}`{_shard_of(checkpoint, header.path)} is {found_dtype} "
                            f"{list(found_shape)} where the plan expects {dtype} {list(shape)}")
     clauses = []
+    rename = renamed_prefix(missing, checkpoint, plan)
+    if rename is not None:
+        renamed = set(rename.held(n) for n in missing)
+        extra = [n for n in extra if n not in renamed]
+        clauses.append(f"names {_count(missing)} of the plan{lacking} `{rename.found}…` where "
+                       f"the build expects `{rename.expected}…` ("
+                       + _listed([f"`{n}` is `{rename.held(n)}`" for n in missing])
+                       + f"; compile with --checkpoint {checkpoint.path} so partc picks the "
+                       "checkpoint's prefix)")
+        missing = []
     if missing:
         clauses.append(f"lacks {_count(missing)} of the plan{lacking} "
                        f"({_listed([f'`{n}`' for n in missing])})")
