@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,15 +142,25 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                         plans=tuple(plans), pipeline_cuts=tuple(cuts))
 
 
-def stage_layout(plan: Plan) -> tuple[tuple[tuple[str, int], ...], ...]:
-    """Each pipeline stage's (execution group, units) runs in `plan`: the stage units compile
-    chose, as `compile_family` takes them."""
+StageLayout = tuple[tuple[tuple[str, int], ...], ...]
+"""Each pipeline stage's (execution group, units) runs, as `compile_family` takes them."""
+
+
+def _layout(ranks: Iterable[tuple[int, Iterable[tuple[str, Sequence[int]]]]]) -> StageLayout:
+    """The stage units of a plan's ranks, each given as (pipeline stage, its partition's
+    (group, unit range) parts); the ranks of one stage hold the same parts."""
     stages: dict[int, tuple[tuple[str, int], ...]] = {}
-    for rank in plan.ranks:
-        stages.setdefault(rank.pipeline_stage, tuple(
-            (part.group, part.unit_range[1] - part.unit_range[0])
-            for part in rank.partition.groups))
+    for stage, parts in ranks:
+        if stage not in stages:
+            stages[stage] = tuple((group, end - begin) for group, (begin, end) in parts)
     return tuple(stages[stage] for stage in sorted(stages))
+
+
+def stage_layout(plan: Plan) -> StageLayout:
+    """The stage units compile chose for `plan`."""
+    return _layout((rank.pipeline_stage, ((part.group, part.unit_range)
+                                          for part in rank.partition.groups))
+                   for rank in plan.ranks)
 
 
 def asked_cuts(family: str | Path | None, reference: Path, tensor_parallel_sizes: Sequence[int],
@@ -163,7 +173,7 @@ def asked_cuts(family: str | Path | None, reference: Path, tensor_parallel_sizes
     vision-language model after its tower at T=2, after the projector at T=1); the pipeline
     check (itself at T=1) is run at each of these cuts. A T that does not compile at S is left
     out; when none compiles, the balanced cut at T=1 (None)."""
-    chosen: dict[tuple[tuple[tuple[str, int], ...], ...], list[int]] = {}
+    chosen: dict[StageLayout, list[int]] = {}
     for tp in tensor_parallel_sizes:
         try:
             plan = plan_family(family, reference / "config.json", Topology(
@@ -181,13 +191,9 @@ def _cut_entry(sizes: Sequence[int], pp: int, plan: dict[str, Any], *, given: bo
                ) -> dict[str, object]:
     """Which cut the pipeline check checked (the report's `pipeline_cuts` entry): the T whose
     compile chooses it (or `--pp-layers`), its stage units, and each cut's stage and group."""
-    units: list[list[tuple[str, int]]] = [[] for _ in range(pp)]
-    for rank in plan["ranks"]:
-        partition = rank["partition"]
-        runs = units[partition["stage"]]
-        if not runs:
-            runs.extend((g["group"], g["unit_range"][1] - g["unit_range"][0])
-                        for g in partition["groups"])
+    units = _layout((rank["partition"]["stage"], ((g["group"], g["unit_range"])
+                                                   for g in rank["partition"]["groups"]))
+                    for rank in plan["ranks"])
     return {"tensor_parallel_sizes": list(sizes), "pipeline_parallel_size": pp,
             "given": given, "stage_units": spelled_stage_units(units),
             "cuts": [{"after_stage": c["after_stage"], "group": c["group"]}
