@@ -161,26 +161,43 @@ def plural(count: int, word: str, words: str | None = None) -> str:
     return f"{count} {word if count == 1 else words or word + 's'}"
 
 
-def rank_experts(plan: Mapping[str, Any], rank: Mapping[str, Any]
-                 ) -> tuple[list[int], int] | None:
+ExpertTensors = dict[tuple[int, int | None], list[Mapping[str, Any]]]
+"""A plan's routed-expert tensors by (pipeline stage, expert id; None: stacked, every slot's)."""
+
+
+def expert_tensors(plan: Mapping[str, Any]) -> ExpertTensors:
+    """The routed-expert tensors of an expert-parallel `plan`, indexed for `rank_experts` (one
+    pass over the tensors, however many ranks are then asked about)."""
+    groups = plan["expert_parallel"]["expert_groups"]
+    index: ExpertTensors = {}
+    for tensor in plan["tensors"]:
+        if tensor["group"] in groups:
+            for stage in tensor["stages"]:
+                index.setdefault((int(stage), groups[tensor["group"]]), []).append(tensor)
+    return index
+
+
+def rank_experts(plan: Mapping[str, Any], rank: Mapping[str, Any],
+                 index: ExpertTensors | None = None) -> tuple[list[int], int] | None:
     """The routed experts a rank loads (in its slot order) and their bytes, read from the
-    tensors it holds: none on a stage without MoE layers; None without expert parallelism."""
+    tensors it holds: none on a stage without MoE layers; None without expert parallelism.
+    `index`: `expert_tensors(plan)`, when several ranks are asked about."""
     experts = plan.get("expert_parallel")
     if experts is None:
         return None
-    groups = experts["expert_groups"]
+    if index is None:
+        index = expert_tensors(plan)
+    stage = int(rank["pipeline_stage"])
     slots = list(experts["slots"][int(rank["info"]["expert_parallel_rank"])])
     held: set[int] = set()
     nbytes = 0
-    for tensor in plan["tensors"]:
-        if tensor["group"] not in groups:
-            continue
-        placed = rank_placement(plan, rank, tensor)
-        if placed is None:
-            continue
-        expert = groups[tensor["group"]]
-        held.update(slots if expert is None else [expert])  # a stacked tensor: every slot's
-        nbytes += tensor_bytes(tensor["dtype"], placed[1])
+    for expert in [None, *dict.fromkeys(slots)]:
+        for tensor in index.get((stage, expert), ()):
+            placed = rank_placement(plan, rank, tensor)
+            if placed is None:
+                continue
+            held.update(slots if expert is None else [expert])  # a stacked tensor: every slot's
+            nbytes += tensor_bytes(tensor["dtype"], placed[1])
     return [e for e in slots if e in held], nbytes
 
 
@@ -188,6 +205,8 @@ def rank_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row per rank: stage, TP rank, units, tensors, bytes (total and by dtype), roles;
     under expert parallelism also its EP and ETP rank, experts and their bytes."""
     rows = []
+    index = (expert_tensors(plan) if plan.get("expert_parallel") is not None
+             and "tensors" in plan else None)
     for rank in plan["ranks"]:
         info, part = rank["info"], rank["partition"]
         row = {
@@ -196,7 +215,7 @@ def rank_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
             "tensors": info["owned_tensors"], "bytes": info["local_parameter_bytes"],
             "bytes_by_dtype": dict(info["local_bytes_by_dtype"]),
             "static_roles": list(part["ownership"]["static_roles"])}
-        held = rank_experts(plan, rank) if "tensors" in plan else None
+        held = rank_experts(plan, rank, index) if index is not None else None
         if plan.get("expert_parallel") is not None:
             row |= {"expert_parallel_rank": info["expert_parallel_rank"],
                     "expert_tensor_parallel_rank": info["expert_tensor_parallel_rank"]}
@@ -206,14 +225,16 @@ def rank_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def stage_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """One row per pipeline stage: units, tensors and bytes summed over its TP ranks."""
+def stage_rows(plan: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]] | None = None
+               ) -> list[dict[str, Any]]:
+    """One row per pipeline stage: units, tensors and bytes summed over its TP ranks (`ranks`:
+    `rank_rows(plan)`, when the caller has them)."""
     stages: dict[int, dict[str, Any]] = {}
-    for row in rank_rows(plan):
+    for row in rank_rows(plan) if ranks is None else ranks:
         stage = stages.setdefault(row["pipeline_stage"], {
             "pipeline_stage": row["pipeline_stage"], "ranks": [], "units": row["units"],
             "tensors": 0, "bytes": 0, "bytes_by_dtype": {},
-            "static_roles": row["static_roles"], "max_rank_bytes": 0})
+            "static_roles": list(row["static_roles"]), "max_rank_bytes": 0})
         stage["ranks"].append(row["rank"])
         stage["tensors"] += row["tensors"]
         stage["bytes"] += row["bytes"]
@@ -283,7 +304,8 @@ def plan_summary(plan: Mapping[str, Any], group_bytes: Callable[[str], int]
                  ) -> dict[str, Any]:
     """Stages, ranks, imbalance and fallbacks of a plan body (plan.json without `tensors` is
     enough); `group_bytes` gives a group's global bytes."""
-    ranks, stages = rank_rows(plan), stage_rows(plan)
+    ranks = rank_rows(plan)
+    stages = stage_rows(plan, ranks)
     tp = int(plan["topology"]["tensor_parallel_size"])
     return {"topology": plan["topology"],
             "rank_imbalance": imbalance(r["bytes"] for r in ranks),
