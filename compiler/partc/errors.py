@@ -38,6 +38,12 @@ def error_line(where: str, message: str, *, tensor: str | None = None, pointer: 
     return (f"{where}: " if where else "") + message + (f" [at {pointer}]" if pointer else "")
 
 
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """`1 expert`, `4 experts`: a count and its noun in the right number (`words`: the plural
+    when it is not `word` + s)."""
+    return f"{count} {word if count == 1 else words or word + 's'}"
+
+
 class PartcError(Exception):
     """Root of every error partc raises on bad input, shown as `file:line:col: msg [at ptr]`
     (`file (tensor NAME): msg` when it is about a tensor its message does not quote)."""

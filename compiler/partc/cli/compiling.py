@@ -150,7 +150,7 @@ def _expert_facts(plan: Any) -> dict[str, Any]:
 def _expert_lines(facts: dict[str, Any]) -> list[str]:
     """Text lines of `_expert_facts`: the layout, then the experts of each EP rank and the
     ranks holding them (a rank of a stage without MoE layers holds none)."""
-    from partc.inspect.build import plural
+    from partc.errors import plural
     from partc.inspect.text import id_ranges
 
     experts = facts.get("expert_parallel")

@@ -156,11 +156,6 @@ def _units_text(partition: Mapping[str, Any]) -> str:
                      for g in partition["groups"]) or "-"
 
 
-def plural(count: int, word: str, words: str | None = None) -> str:
-    """`1 expert`, `4 experts`: a count and its noun in the right number."""
-    return f"{count} {word if count == 1 else words or word + 's'}"
-
-
 ExpertTensors = dict[tuple[int, int | None], list[Mapping[str, Any]]]
 """A plan's routed-expert tensors by (pipeline stage, expert id; None: stacked, every slot's)."""
 

@@ -6,8 +6,8 @@ import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
-from partc.errors import LoadError, SourceLocation
-from partc.inspect.build import Build, names_hint, placement_text, plural, rank_placement
+from partc.errors import LoadError, SourceLocation, plural
+from partc.inspect.build import Build, names_hint, placement_text, rank_placement
 from partc.inspect.origins import Origins
 
 

@@ -14,11 +14,11 @@ from typing import Any
 import jinja2
 
 from partc import __version__
+from partc.errors import plural
 from partc.inspect.build import (
     FALLBACK_ROLE,
     Build,
     byte_text,
-    plural,
     rank_role_bytes,
     summary,
     topology_text,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partc.inspect.build import byte_text, plural, topology_text
+from partc.errors import plural
+from partc.inspect.build import byte_text, topology_text
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], *,

@@ -16,7 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import ExpertParallelError, LayoutError, PartcErrors, SourceLocation
+from partc.errors import (
+    ExpertParallelError,
+    LayoutError,
+    PartcErrors,
+    SourceLocation,
+    plural,
+)
 from partc.parallel.layout import LocalTensorLayout
 from partc.parallel.placements import Indices, Range, TensorPlacement, _is_count
 from partc.parallel.specs import ParameterGroupSpec, balanced_contiguous_range
@@ -94,7 +100,7 @@ class ExpertPlacement:
         if expert_parallel_size > experts:
             raise ExpertParallelError(
                 f"expert_parallel_size {expert_parallel_size} exceeds the model's "
-                f"{_counted(experts, 'expert')}: a balanced placement gives every EP rank at "
+                f"{plural(experts, 'expert')}: a balanced placement gives every EP rank at "
                 "least one expert; use "
                 f"--ep of at most {experts}, or a placement file (--expert-placement) with "
                 "redundant experts")
@@ -164,15 +170,10 @@ def placement_problems(experts: int, slots: Sequence[Sequence[object]]
     missing = sorted(set(range(experts)) - held)
     if missing and not bad_ids:  # a bad id may be the missing expert mistyped: one mistake
         shown = ", ".join(str(e) for e in missing[:8]) + (", ..." if len(missing) > 8 else "")
-        found.append(("/ranks", f"{_counted(len(missing), 'expert')} ({shown}) "
+        found.append(("/ranks", f"{plural(len(missing), 'expert')} ({shown}) "
                       f"{'is' if len(missing) == 1 else 'are'} on no EP rank; every one of the "
-                      f"{_counted(experts, 'expert')} needs at least one"))
+                      f"{plural(experts, 'expert')} needs at least one"))
     return found
-
-
-def _counted(count: int, word: str) -> str:
-    """`1 expert`, `2 experts`."""
-    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 PLACEMENT_DOC = "expert_parallel#placement"
@@ -203,7 +204,7 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
     ranks: list[list[Any]] = data["ranks"]
     problems = placement_problems(experts, ranks)
     if ranks and len(ranks) != expert_parallel_size:
-        problems.insert(0, ("/ranks", f"it lists {_counted(len(ranks), 'EP rank')} but "
+        problems.insert(0, ("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
                                       f"expert_parallel_size is {expert_parallel_size}"))
     if len(problems) == 1:
         raise fail(*problems[0])
