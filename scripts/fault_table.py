@@ -718,7 +718,9 @@ def run_all() -> list[Outcome]:
 
 
 def _cell(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("`", "'")
+    # `] [` escaped: Markdown would read `[32] [at /pointer]` as a reference link
+    return (text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+            .replace("`", "'").replace("] [", "] \\["))
 
 
 def passed(outcome: Outcome) -> bool:
