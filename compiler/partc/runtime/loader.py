@@ -431,32 +431,59 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
               **unknown: Any) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
-    `checkpoint` is a model folder (model.safetensors or its index), a file, an opened
-    Checkpoint, or a folder written by `partc shard` for this plan (its rank file is read
-    whole). `dtype` converts every floating tensor (bf16/fp8 included) after reading, e.g.
-    `np.float32`, and leaves integer and packed tensors alone; `framework="torch"` returns
-    torch tensors sharing the numpy memory; `reader` is told of every byte run read;
-    `workers` caps the reader threads; `progress` shows a bar (None: on a terminal only);
-    `verify="digest"` checks the sha256 of every tensor read against the shard manifest (a
-    `partc shard` folder) or the digests compiled into the build (`--digests`).
-    `zero_copy=True` returns every tensor whose local slice is one contiguous byte run of its
-    file (whole tensors, row slices; every tensor of a `partc shard` folder), or one strided
-    column range, as a read-only view of the mapped file, and copies the rest;
-    `zero_copy="private"` maps the files copy-on-write instead and returns the one-run
-    tensors as writable views (a write goes to a private page, never to the file; torch
-    tensors can be made from them) and copies the rest, column slices included; in both
-    zero-copy modes the copies are made by numpy from the mapping (README, "Zero-copy loading",
-    for lifetime, memory accounting and the SIGBUS a file truncated meanwhile can raise, during
-    the load too); `local_ranks` is the number of ranks loading on this node at once, which sizes
-    the reader threads (default: `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`,
-    else 1); with more than one, cold column slices are read through the page cache, whole
-    rows at a time, so the node fetches each byte once (a rank alone reads its own sectors
-    with O_DIRECT).
-    `device` (implies `framework="torch"`; docs/torch.md) puts the tensors on a torch device:
-    'cpu', 'cuda', 'cuda:N' or a torch.device; with framework="torch" and no device, `cuda:
-    LOCAL_RANK` when torch sees a GPU, else the CPU. A GPU load stages through a host ring of
-    `staging_bytes` (default 64 MiB, pinned) and never holds the shard in host memory;
-    `verify="digest"` then hashes the blocks as they pass through the ring.
+    A generated rank module's `load(checkpoint, **options)` and its build package's
+    `load(checkpoint, rank=None, **options)` call this with the rank's table; every keyword
+    option below is an option of those `load()`s. An option `load` does not have is refused
+    with a CheckpointError naming the option it resembles.
+
+    Args:
+        table: The rank's decoded tables (the generated rank module passes its own).
+        checkpoint: A model folder (model.safetensors or its index), a file, an opened
+            Checkpoint, or a folder written by `partc shard` for this plan (its rank file is
+            read whole).
+        verify_fingerprint: Compare the checkpoint's header with the fingerprint compiled into
+            the build (the names, shapes and dtypes the plan was made for); False skips only
+            that comparison, every tensor is still checked against the plan.
+        dtype: Convert every floating tensor (bf16/fp8 included) after reading, e.g.
+            `np.float32`; integer and packed tensors are left alone. None keeps the stored
+            dtypes.
+        reader: An object with a `record(path, offset, length)` method
+            (`partc.runtime.reader.ReadRecorder`), told of every byte run read.
+        framework: "numpy" (the default) returns numpy arrays; "torch" returns torch tensors
+            sharing the numpy memory (docs/torch.md).
+        workers: The most reader threads (None: sized from the machine and `local_ranks`).
+        progress: Show a progress bar of the bytes read; None shows it on a terminal only.
+        verify: "digest" checks the sha256 of every tensor read against the shard manifest (a
+            `partc shard` folder) or the digests compiled into the build (`--digests`); None
+            checks none.
+        zero_copy: True returns every tensor whose local slice is one contiguous byte run of
+            its file (whole tensors, row slices; every tensor of a `partc shard` folder), or
+            one strided column range, as a read-only view of the mapped file, and copies the
+            rest; "private" maps the files copy-on-write instead and returns the one-run
+            tensors as writable views (a write goes to a private page, never to the file;
+            torch tensors can be made from them) and copies the rest, column slices included.
+            In both zero-copy modes the copies are made by numpy from the mapping (docs/using.md
+            for lifetime, memory accounting and the SIGBUS a file truncated meanwhile can
+            raise, during the load too). False reads every tensor into new memory.
+        local_ranks: The number of ranks loading on this node at once, which sizes the reader
+            threads (None: `PARTC_LOCAL_RANKS`, else torchrun's `LOCAL_WORLD_SIZE`, else 1);
+            with more than one, cold column slices are read through the page cache, whole
+            rows at a time, so the node fetches each byte once (a rank alone reads its own
+            sectors with O_DIRECT).
+        device: Put the tensors on a torch device (implies `framework="torch"`; docs/torch.md):
+            'cpu', 'cuda', 'cuda:N' or a torch.device. None with framework="torch" means
+            `cuda:LOCAL_RANK` when torch sees a GPU, else the CPU.
+        staging_bytes: The size of the host ring a GPU load stages through (None: 64 MiB,
+            pinned); a GPU load never holds the shard in host memory, and `verify="digest"`
+            hashes the blocks as they pass through the ring.
+        **unknown: Refused: any other keyword is an unknown option.
+
+    Returns:
+        The rank's RankState: its tensors by target name, its layout and its info.
+
+    Raises:
+        CheckpointError: The checkpoint does not match the plan, cannot be read, or an option
+            has a wrong value (several problems: PartcErrors).
     """
     if unknown:
         raise _unknown_option(sorted(unknown))
@@ -705,6 +732,20 @@ def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None
 
 def load_package_rank(package: str, modules: tuple[str, ...], checkpoint: Any,
                       rank: int | None = None, **options: Any) -> RankState:
-    """`load` of a build package: the rank module's `load(checkpoint, **options)`."""
+    """`load` of a build package: the rank module's `load(checkpoint, **options)`.
+
+    Args:
+        package: The build package's import name.
+        modules: The rank modules of the package, indexed by global rank.
+        checkpoint: What `load_rank` reads (a model folder, a file, an opened Checkpoint or
+            a `partc shard` folder).
+        rank: The global rank to load; None: this process's rank under torchrun (`RANK`,
+            checked against `WORLD_SIZE` and the build's factors).
+        **options: `load_rank`'s keyword options (`dtype`, `framework`, `device`,
+            `zero_copy`, ...).
+
+    Returns:
+        The rank's RankState.
+    """
     state: RankState = package_rank_module(package, modules, rank).load(checkpoint, **options)
     return state
