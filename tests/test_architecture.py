@@ -41,6 +41,7 @@ STAGE_RANK = {
     "scaffold": 8,
     "commands": 9,
     "cli": 10,
+    "__main__": 11,  # `python -m partc`: runs the cli
 }
 # Rooms that hold data, not code.
 DATA_ROOMS = {"examples", "schemas", "architectures", "docs"}

@@ -192,7 +192,8 @@ def test_an_error_without_a_guide_prints_no_see_line_and_json_says_null(tmp_path
 
 
 def test_docs_names_a_section_by_path_and_line_and_lists_every_topic(capsys):
-    status, out, _ = _run(["docs", "policy#require-and-replicate_unsupported"], capsys)
+    status, out, _ = _run(["docs", "policy#require-and-replicate_unsupported", "--path"],
+                          capsys)
     path, line = out.strip().rsplit(":", 1)
     assert status == 0
     assert Path(path).read_text().split("\n")[int(line) - 1] == (
@@ -206,7 +207,7 @@ def test_docs_names_a_section_by_path_and_line_and_lists_every_topic(capsys):
     assert doc_reference("boundaries").endswith("boundaries.md")
     notes = sorted(p.stem for p in (ROOT / "docs" / "families").glob("*.md"))
     assert notes and {f"families/{n}" for n in notes} <= set(listed)  # the family notes too
-    status, out, _ = _run(["docs", "families/llama"], capsys)
+    status, out, _ = _run(["docs", "families/llama", "--path"], capsys)
     assert status == 0 and Path(out.strip()).read_text().startswith("# ")
     assert Path(out.strip()).name == "llama.md" and Path(out.strip()).parent.name == "families"
 

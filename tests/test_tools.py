@@ -395,9 +395,11 @@ def test_schema_prints_the_family_schema_and_docs_the_installed_guides(capsys):
     assert status == 0
     assert json.loads(out) == json.loads(
         (ROOT / "schemas" / "architecture.schema.json").read_text())
-    status, out, _ = _run(["docs", "authoring"], capsys)
+    status, out, _ = _run(["docs", "authoring", "--path"], capsys)
     assert status == 0 and Path(out.strip()).is_file()
     assert Path(out.strip()).read_text() == (ROOT / "docs" / "authoring.md").read_text()
+    status, out, _ = _run(["docs", "authoring"], capsys)  # the guide itself
+    assert status == 0 and out == (ROOT / "docs" / "authoring.md").read_text()
     status, _, err = _run(["docs", "nope"], capsys)
     assert status == 1 and "authoring" in err
 

@@ -66,6 +66,21 @@ def _origins(build: Any, args: argparse.Namespace) -> Any:
     return group_origins(build.plan, args.family, near=build.path.parent.parent)
 
 
+def _inspect_origins(build: Any, args: argparse.Namespace) -> tuple[Any, str]:
+    """The family lines of a build's tensors and how they were found (`_origins`), or none
+    and why in an install without the compiler's libraries (numpy and ml_dtypes only, README
+    "Serving images"): the lines come from re-binding the family, the table does not."""
+    try:
+        origins = _origins(build, args)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("yaml", "jsonschema", "jinja2"):
+            raise
+        return None, ("not shown: finding them needs the compiler's libraries, and this "
+                      f"install has no {exc.name} module (pip install partc with its "
+                      "dependencies)")
+    return origins.lines, origins.note
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
     from partc.inspect.build import is_build, plan_faults, read_build, summary, tensor_rows
@@ -99,14 +114,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.rank is not None or args.group or args.target:
 
         with plan_faults(build):
-            origins = _origins(build, args)
+            lines, note = _inspect_origins(build, args)
             rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
-                               origins=origins.lines)
+                               origins=lines)
         if args.format == "json":
-            print(json.dumps({"ok": True, "kind": "tensors", "origin_note": origins.note,
+            print(json.dumps({"ok": True, "kind": "tensors", "origin_note": note,
                               "tensors": rows}, indent=1))
         else:
-            _print(tensor_lines(rows, origins.note))
+            _print(tensor_lines(rows, note))
         return EXIT_OK
     with plan_faults(build):
         found = summary(build)
@@ -266,9 +281,15 @@ def schema_path() -> Path:
 
 
 def run_schema(args: argparse.Namespace) -> int:
-    """`partc schema [--path]`."""
+    """`partc schema [--path]`; `--format json` gives {"path", "schema"} (the schema parsed,
+    left out under --path)."""
     path = schema_path()
-    if args.path:
+    if args.format == "json":
+        found: dict[str, Any] = {"ok": True, "path": str(path)}
+        if not args.path:
+            found["schema"] = json.loads(path.read_text(encoding="utf-8"))
+        print(json.dumps(found, indent=1))
+    elif args.path:
         print(path)
     else:
         sys.stdout.write(path.read_text(encoding="utf-8"))
@@ -295,16 +316,44 @@ def heading_anchor(heading: str) -> str:
     return "".join(c for c in text.replace(" ", "-") if c.isalnum() or c in "-_")
 
 
-def doc_sections(path: Path) -> dict[str, int]:
-    """Each heading anchor of a guide and its 1-based line (fenced code is not a heading)."""
-    sections: dict[str, int] = {}
+def _headings(text: str) -> Iterator[tuple[int, str]]:
+    """(1-based line, text) of each Markdown heading of a guide (fenced code is not one)."""
     fenced = False
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and line.startswith("#"):
-            sections.setdefault(heading_anchor(line), number)
+            yield number, line
+
+
+def doc_sections(path: Path) -> dict[str, int]:
+    """Each heading anchor of a guide and its 1-based line (fenced code is not a heading)."""
+    sections: dict[str, int] = {}
+    for number, line in _headings(path.read_text(encoding="utf-8")):
+        sections.setdefault(heading_anchor(line), number)
     return sections
+
+
+def doc_title(path: Path) -> str:
+    """A guide's title: the text of its first heading (its file name when it has none)."""
+    for _, line in _headings(path.read_text(encoding="utf-8")):
+        return line.lstrip("#").strip()
+    return path.stem
+
+
+def doc_text(topic: str) -> str:
+    """What `partc docs TOPIC` prints: the installed guide, or for `page#section` that
+    section, from its heading up to the next heading of the same or a higher level."""
+    path = docs_path(topic)
+    text = path.read_text(encoding="utf-8")
+    if not topic.partition("#")[2]:
+        return text
+    start = int(doc_reference(topic).rpartition(":")[2])  # 1-based; a LoadError when unknown
+    lines = text.split("\n")
+    level = len(lines[start - 1]) - len(lines[start - 1].lstrip("#"))
+    stop = next((n for n, line in _headings(text)
+                 if n > start and len(line) - len(line.lstrip("#")) <= level), len(lines) + 1)
+    return "\n".join(lines[start - 1:stop - 1]).rstrip("\n") + "\n"
 
 
 def docs_path(topic: str | None = None) -> Path:
@@ -343,14 +392,62 @@ def error_reference(topic: str | None) -> str | None:
         return None
 
 
+def _doc_index() -> list[dict[str, Any]]:
+    """Every installed guide: its topic, path, title and sections (anchor and line)."""
+    return [{"topic": topic, "path": str(docs_path(topic)), "title": doc_title(docs_path(topic)),
+             "sections": [{"anchor": anchor, "line": line}
+                          for anchor, line in doc_sections(docs_path(topic)).items()]}
+            for topic in doc_topics()]
+
+
+def _show(text: str) -> None:
+    """Write a guide to stdout: through the pager ($PAGER, else `less`) on a terminal."""
+    if sys.stdout.isatty() and sys.stdin.isatty():
+        import pydoc
+
+        pydoc.pager(text)
+    else:
+        sys.stdout.write(text)
+
+
 def run_docs(args: argparse.Namespace) -> int:
-    """`partc docs [TOPIC[#section]]`: print the path of the installed guide (`:LINE` for a
-    section); with `--list`, every topic and its sections."""
-    if getattr(args, "list", False):
-        for topic in doc_topics():
-            print(topic)
-            for anchor in doc_sections(docs_path(topic)):
-                print(f"  {topic}#{anchor}")
+    """`partc docs [TOPIC[#section]]`: print the installed guide (the section of it), or with
+    `--path` where it is (`:LINE` for a section); without a TOPIC, the guides' titles; with
+    `--list`, every topic (or TOPIC) and its sections."""
+    fmt = getattr(args, "format", "text")
+    if args.list or (args.topic is None and not args.path):
+        index = _doc_index()
+        if args.topic is not None:  # --list TOPIC: that guide's sections
+            page = docs_path(args.topic).relative_to(docs_folder()).with_suffix("").as_posix()
+            index = [g for g in index if g["topic"] == page]
+        if fmt == "json":
+            print(json.dumps({"ok": True, "folder": str(docs_folder()), "guides": index},
+                             indent=1))
+        elif args.list:
+            for guide in index:
+                print(guide["topic"])
+                for section in guide["sections"]:
+                    print(f"  {guide['topic']}#{section['anchor']}")
+        else:
+            width = max(len(g["topic"]) for g in index)
+            _print([f"{g['topic']:<{width}}  {g['title']}" for g in index] + [
+                "", "partc docs TOPIC prints a guide (TOPIC#section: a section of it); "
+                "--list lists the sections; --path prints where a guide is"])
         return EXIT_OK
-    print(doc_reference(args.topic) if args.topic else docs_path())
+    if args.topic is None:  # --path alone: the folder
+        print(json.dumps({"ok": True, "path": str(docs_folder())}, indent=1) if fmt == "json"
+              else docs_folder())
+        return EXIT_OK
+    reference = doc_reference(args.topic)
+    path, _, line = reference.rpartition(":") if "#" in args.topic else (reference, "", "")
+    if fmt == "json":
+        found: dict[str, Any] = {"ok": True, "topic": args.topic, "path": path,
+                                 "line": int(line) if line else None}
+        if not args.path:
+            found["text"] = doc_text(args.topic)
+        print(json.dumps(found, indent=1))
+    elif args.path:
+        print(reference)
+    else:
+        _show(doc_text(args.topic))
     return EXIT_OK

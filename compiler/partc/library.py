@@ -92,6 +92,26 @@ def family_for_config(config: RawDocument) -> str:
                         pointer="/model_type")
     if model_type not in families:
         raise LoadError(f"config model_type {model_type!r} has no built-in family; known: "
-                        f"{', '.join(sorted(families))}", location=config.locate("/model_type"),
-                        pointer="/model_type")
+                        f"{', '.join(sorted(families))}. Write one: "
+                        f"{_init_command(config.file, model_type)} guesses it from the "
+                        "checkpoint; then pass that file as the family argument",
+                        location=config.locate("/model_type"), pointer="/model_type",
+                        doc="authoring#1-look-at-the-checkpoint-and-the-config")
     return model_type
+
+
+def _init_command(config_file: str, model_type: str) -> str:
+    """`partc init --checkpoint DIR --out NAME.yaml` for a config of an unknown model type: DIR
+    is the config's folder when it holds a checkpoint (else `CHECKPOINT`), NAME the model type
+    spelled as a family name."""
+    folder = Path(config_file).parent
+    try:
+        holds = any(p.suffix == ".safetensors" for p in folder.iterdir())
+    except OSError:
+        holds = False
+    name = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_"
+                   for c in model_type)[:64].lstrip("0123456789") or "family"
+    checkpoint = str(folder) if holds else "CHECKPOINT"
+    if any(c.isspace() or c in "'\"$`" for c in checkpoint):
+        checkpoint = "'" + checkpoint.replace("'", "'\\''") + "'"
+    return f"`partc init --checkpoint {checkpoint} --out {name}.yaml`"

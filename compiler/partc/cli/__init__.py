@@ -1,4 +1,5 @@
-"""The `partc` command line (`partc.cli.main:main`, also `python -m partc.cli`).
+"""The `partc` command line (`partc.cli.main:main`, also `python -m partc` and
+`python -m partc.cli`).
 
 `parser.py` holds the arguments of every command and the exit statuses; `main.py` parses them,
 runs one command and turns what went wrong into a report; `diagnostics.py` writes the error

@@ -275,25 +275,49 @@ def run_demo(args: argparse.Namespace) -> int:
         layers = dict(plan.config_values)["num_hidden_layers"]
         where = (f"build in {out}" if args.out else
                  "build in a temporary folder, removed on exit (--out DIR keeps it)")
-        print(f"partc demo: embedded tiny Llama ({layers} layers) "
-              f"at TP={args.tp} x PP={args.pp}, {where}")
+        if args.format == "text":
+            print(f"partc demo: embedded tiny Llama ({layers} layers) "
+                  f"at TP={args.tp} x PP={args.pp}, {where}")
         from partc.emit.render import package_name
 
         _sys.path.insert(0, str(out))
         try:
             package = importlib.import_module(package_name(plan))
-            loaded = {}
+            loaded: dict[int, tuple[int, int]] = {}
             for rank in plan.ranks:
                 state = package.load(folder, rank=rank.rank)
-                total = sum(a.nbytes for a in state.tensors.values())
-                loaded[rank.rank] = f"{len(state.tensors)} arrays, {total} bytes"
+                loaded[rank.rank] = (len(state.tensors),
+                                     sum(a.nbytes for a in state.tensors.values()))
         finally:
             _sys.path.remove(str(out))
             for name in list(_sys.modules):
                 if name.startswith(package_name(plan)):
                     del _sys.modules[name]
-        _print_ranks(plan, loaded)
+        if args.format == "json":
+            print(json.dumps(_demo_json(plan, layers, str(out) if args.out else None, loaded),
+                             indent=1))
+            return EXIT_OK
+        _print_ranks(plan, {rank: f"{arrays} arrays, {nbytes} bytes"
+                            for rank, (arrays, nbytes) in loaded.items()})
     return EXIT_OK
+
+
+def _demo_json(plan: Any, layers: int, out: str | None,
+               loaded: dict[int, tuple[int, int]]) -> dict[str, Any]:
+    """`partc demo --format json`: the topology, where the build is (None: a temporary folder,
+    removed) and per rank its units, what the plan gives it and what loading it returned."""
+    return {"ok": True, "model": "tiny-llama", "layers": layers, "family": plan.family,
+            "tensor_parallel_size": plan.topology.tensor_parallel_size,
+            "pipeline_parallel_size": plan.topology.pipeline_parallel_size,
+            "out": out, "plan_hash": plan.plan_hash,
+            "ranks": [{"rank": rank.rank, "tensor_parallel_rank": rank.tensor_parallel_rank,
+                       "pipeline_stage": rank.pipeline_stage,
+                       "units": [{"group": g.group, "start": g.unit_range[0],
+                                  "stop": g.unit_range[1]} for g in rank.partition.groups],
+                       "tensors": rank.info.owned_tensors,
+                       "local_bytes": rank.info.local_parameter_bytes,
+                       "loaded_arrays": loaded[rank.rank][0],
+                       "loaded_bytes": loaded[rank.rank][1]} for rank in plan.ranks]}
 
 
 def run_shard(args: argparse.Namespace) -> int:

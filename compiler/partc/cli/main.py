@@ -15,6 +15,7 @@ from typing import Any
 
 from partc import commands
 from partc.cli.compiling import run_check, run_compile, run_demo, run_shard, run_verify
+from partc.cli.completion import run_completion
 from partc.cli.diagnostics import flatten_errors, report_errors
 from partc.cli.parser import (
     EXIT_INTERNAL,
@@ -38,7 +39,7 @@ _COMMANDS: dict[str, Any] = {
     "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
     "shard": run_shard, "inspect": commands.run_inspect, "explain": commands.run_explain,
     "report": commands.run_report, "init": commands.run_init, "schema": commands.run_schema,
-    "docs": commands.run_docs, "verify": run_verify}
+    "docs": commands.run_docs, "verify": run_verify, "completion": run_completion}
 """Each command's function: it takes the parsed arguments and returns the exit status."""
 
 
@@ -93,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         usage.error(f"unrecognized arguments: {' '.join(unknown)}")
     _expand_home(args)
     fmt = getattr(args, "format", "text")
+    try:
+        _resolve_repo_ids(args)
+    except PartcError as error:
+        return report_errors([error], fmt)
     layers = getattr(args, "pp_layers", None)
     if layers and args.pp is None:
         args.pp = len(layers)
@@ -157,6 +162,20 @@ def _expand_home(args: argparse.Namespace) -> None:
         args.copy = [copy[0], os.path.expanduser(copy[1])]
 
 
+def _resolve_repo_ids(args: argparse.Namespace) -> None:
+    """Replace a --checkpoint, --config or inspect PATH that names nothing on disk but is
+    spelled as a Hugging Face repo id with the folder (config.json) of its snapshot in the
+    local cache (cli.hub); a path that exists always wins."""
+    from partc.cli import hub
+
+    if isinstance(getattr(args, "checkpoint", None), str):
+        args.checkpoint = hub.resolve_checkpoint(args.checkpoint)
+    if isinstance(getattr(args, "config", None), str):
+        args.config = hub.resolve_config(args.config)
+    if args.command == "inspect":
+        args.path = hub.resolve_checkpoint(args.path, "PATH")
+
+
 def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     """The parser of one command: its usage errors end with that command's `see:` section."""
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -164,7 +183,8 @@ def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.Ar
     return found
 
 
-_COMPILER_DEPENDENCIES = {"yaml": "pyyaml", "jsonschema": "jsonschema", "jinja2": "jinja2"}
+_COMPILER_DEPENDENCIES = {"yaml": "pyyaml", "jsonschema": "jsonschema", "jinja2": "jinja2",
+                          "shtab": "shtab"}
 """Import name -> distribution of what the compiler needs beyond a runtime-only install."""
 
 

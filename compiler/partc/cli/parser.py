@@ -208,8 +208,10 @@ def _add_topology(parser: argparse.ArgumentParser, *, required: bool) -> None:
 
 def _epilog() -> str:
     codes = "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
-    return (f"exit status:\n{codes}\n\nDocumentation: `partc docs` prints where the installed "
-            "guides are (authoring, cli, faults).")
+    return (f"exit status:\n{codes}\n\nDocumentation: `partc docs TOPIC` prints an installed "
+            "guide (authoring, cli, faults, ...; `partc docs` lists them). Shell completion: "
+            "`partc completion bash` or `partc completion zsh`. `python -m partc` is the same "
+            "command line.")
 
 
 def _add_format(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "digit (default: the model type)")
     _add_format(init)
 
-    demo = commands.add_parser("demo", help="compile and load the embedded tiny Llama")
+    demo = commands.add_parser(
+        "demo", help="compile and load the embedded tiny Llama",
+        description="A smoke test of the install, on the CPU: compile the tiny Llama that ships "
+                    "inside the package (3 layers, hidden size 64, 4 query and 2 KV heads, "
+                    "float32, half a MiB) for TP x PP (default 2 x 2; --tp 1, 2 or 4, dividing "
+                    "its query heads; --pp up to 3, its layers), then load every rank's slices "
+                    "from its checkpoint with numpy, in this one process, one rank after "
+                    "another, and print what each rank holds. It runs no model, starts no "
+                    "processes and needs no GPU, torch or network; it takes no family, config "
+                    "or checkpoint of your own (for those: partc compile and partc check).")
     demo.add_argument("--tp", type=_positive, default=2, help="tensor-parallel size (default 2)")
     demo.add_argument("--pp", type=_positive, default=2, help="pipeline stages (default 2)")
     demo.add_argument("--out", default=None, help="where to write the build (default: temp)")
@@ -344,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write through a symbolic link --out into its target folder (kept as "
                            "the link), as compile --force does; never deletes files partc did "
                            "not write")
+    _add_format(demo)
 
     families = commands.add_parser("families",
                                    help="list the built-in families and their model types")
@@ -358,18 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
                                  "$schema=...` line.")
     schema.add_argument("--path", action="store_true",
                         help="print the installed schema's path instead of its text")
+    _add_format(schema)
 
-    docs = commands.add_parser("docs", help="print where the installed documentation is",
-                               description="Print the path of an installed guide (or of the "
-                               "docs folder) so that it can be opened without the repository; "
-                               "TOPIC#section prints PATH:LINE of that section, as the `see:` "
-                               "line under an error does.")
+    docs = commands.add_parser("docs", help="print an installed guide",
+                               description="Print an installed guide (Markdown, through $PAGER "
+                               "on a terminal), so that it can be read without the repository; "
+                               "TOPIC#section prints that section only. Without a TOPIC, list "
+                               "the guides. --path prints where a guide is instead (PATH:LINE "
+                               "for a section, as the `see:` line under an error does).")
     docs.add_argument("topic", nargs="?", default=None,
                       help="a guide, optionally with a section: authoring, policy, "
-                           "kv_replication#the-rule-vllms, ... (default: the folder; --list "
-                           "prints every topic)")
+                           "kv_replication#the-rule-vllms, ... (default: list the guides)")
+    docs.add_argument("--path", action="store_true",
+                      help="print the guide's path (PATH:LINE for a section; the docs folder "
+                           "without a TOPIC) instead of its text")
     docs.add_argument("--list", action="store_true",
                       help="list every installed guide and the anchors of its sections")
+    _add_format(docs)
 
     shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
                                               "build, for sequential loading")
@@ -407,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sharding policy for groups that cannot be sharded")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
     _add_format(verify)
+
+    completion = commands.add_parser(
+        "completion", help="print a shell completion script (bash or zsh)",
+        description="Print a completion script for the shell, generated from this command "
+                    "line's parser (shtab): commands, options, their choices and file names. "
+                    "bash: `source <(partc completion bash)` in ~/.bashrc, or save it as "
+                    "~/.local/share/bash-completion/completions/partc. zsh: save it as `_partc` "
+                    "in a folder of $fpath, before `compinit` runs.")
+    completion.add_argument("shell", choices=["bash", "zsh"], help="the shell to complete for")
     return parser
 
 

@@ -20,9 +20,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from partc.errors import LoadError, SourceLocation
 from partc.front.positions import (
@@ -31,6 +29,9 @@ from partc.front.positions import (
     json_locations,
     scan_toml,
 )
+
+if TYPE_CHECKING:
+    import yaml
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
 """Largest family file (YAML or TOML) partc reads."""
@@ -535,6 +536,9 @@ def _is_tab(mark: Any) -> bool:
 
 
 def _load_yaml(file: str, text: str) -> RawDocument:
+    global yaml  # imported at the first YAML document: a runtime-only install (numpy and
+    import yaml  # ml_dtypes, no pyyaml) reads plan.json and checkpoints through this module
+
     builder = _YamlBuilder(file)
     try:
         for event in _yaml_events(text, fast=True):

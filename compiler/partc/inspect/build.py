@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from partc.errors import LoadError, SourceLocation
 from partc.front.load import MAX_PLAN_BYTES, read_bytes
-from partc.front.schema import plan_faults as schema_plan_faults
 from partc.parallel.placements import tensor_bytes
 
 if TYPE_CHECKING:
@@ -84,9 +83,15 @@ def topology_text(topology: Mapping[str, Any]) -> str:
 
 @contextmanager
 def plan_faults(build: Build) -> Iterator[None]:
-    """`front.schema.plan_faults` for a build read by `read_build`."""
-    with schema_plan_faults(build.path, build.plan):
+    """`front.schema.plan_faults` for a build read by `read_build`, imported (with jsonschema)
+    only when a step fails: a runtime-only install inspects a sound build without it."""
+    try:
         yield
+    except Exception:
+        from partc.front.schema import plan_faults as schema_plan_faults
+
+        with schema_plan_faults(build.path, build.plan):
+            raise
 
 
 def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_rank: int
@@ -449,10 +454,13 @@ def names_hint(names: Sequence[str], glob: str) -> str:
 
 
 def byte_text(n: float) -> str:
-    """Bytes in binary units with three significant digits: `7.41 GiB`, `99.5 KiB`."""
+    """Bytes in binary units with three significant digits: `7.41 GiB`, `99.5 KiB`; 1000 to
+    1023 of a unit are whole numbers (`1000 KiB`, `1023 KiB`), as `ls -h` writes them, and
+    what rounds to 1024 is the next unit (`1 MiB`)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.3g} {unit}"
+        text = f"{int(n)}" if unit == "B" else f"{n:.3g}" if abs(n) < 999.5 else f"{n:.0f}"
+        if abs(float(text)) < 1024 or unit == "TiB":
+            return f"{text} {unit}"
         n /= 1024
     return f"{n} TiB"  # pragma: no cover - the loop always returns
 
