@@ -59,6 +59,9 @@ LIBRARY_OWNERS = {
     "transformers": {"verify"},
     "accelerate": set(),
     "tqdm": {"runtime"},
+    # the command line's shell completion and its Hugging Face repo ids (partc[hub])
+    "shtab": {"cli"},
+    "huggingface_hub": {"cli"},
 }
 # Packages whose `__init__` is a public face: names listed in its `__all__` may be imported
 # from it as well as from their defining module.

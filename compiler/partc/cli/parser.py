@@ -96,6 +96,12 @@ def _group_mode(text: str) -> tuple[str, Any]:
     return group, GroupParallelMode(mode)
 
 
+REPO_ID_HELP = ("; or a Hugging Face repo id (NAMESPACE/NAME, e.g. meta-llama/Llama-3.1-8B) "
+                "naming nothing here, read from the local Hugging Face cache and never "
+                "downloaded (needs partc[hub])")
+"""What --checkpoint, --config and inspect's PATH add about repo ids (cli.hub)."""
+
+
 MAX_PARALLEL_SIZE = 1024
 """Largest --tp or --pp the command line accepts."""
 MAX_WORLD_SIZE = 4096
@@ -240,11 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     compile_.add_argument("--config", default=None,
                           help="the model's config.json (default: config.json in the "
-                               "--checkpoint folder, or beside the --checkpoint file)")
+                               "--checkpoint folder, or beside the --checkpoint file)"
+                               + REPO_ID_HELP)
     _add_topology(compile_, required=True)
     _add_plan_options(compile_)
     compile_.add_argument("--checkpoint", default=None,
-                          help="checkpoint to validate and fingerprint the plan against")
+                          help="checkpoint to validate and fingerprint the plan against"
+                               + REPO_ID_HELP)
     compile_.add_argument("--out", required=True,
                           help="output folder: new (missing parents are created), empty, or "
                                "a build partc wrote (marked by .partc-build.json); replaced "
@@ -267,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     check.add_argument("--config", default=None,
                        help="a config.json to bind to (default with --checkpoint: the "
-                            "config.json in its folder, or beside the checkpoint file)")
-    check.add_argument("--checkpoint", default=None, help="a checkpoint to check ownership of")
+                            "config.json in its folder, or beside the checkpoint file)"
+                            + REPO_ID_HELP)
+    check.add_argument("--checkpoint", default=None,
+                       help="a checkpoint to check ownership of" + REPO_ID_HELP)
     _add_topology(check, required=False)
     _add_plan_options(check)
     _add_format(check)
@@ -281,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "every fallback; with --rank/--group/--target a table of tensors. For a "
                     "checkpoint: its inventory with layer and expert numbers collapsed.")
     inspect.add_argument("path", help="a build folder, a plan.json, or a checkpoint (folder or "
-                                      ".safetensors file)")
+                                      ".safetensors file)" + REPO_ID_HELP)
     inspect.add_argument("--rank", type=int, default=None,
                          help="list the tensors of this global rank")
     inspect.add_argument("--group", default=None,
@@ -326,10 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Guess a family from a checkpoint: layer repetition, projections, norms, "
                     "embeddings, a tied head, experts. Lines it could not decide are marked "
                     "`# partc init: CHECK`.")
-    init.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
+    init.add_argument("--checkpoint", required=True,
+                      help="the checkpoint folder or file" + REPO_ID_HELP)
     init.add_argument("--config", default=None,
                       help="the model's config.json (default: config.json in the checkpoint "
-                           "folder, or beside the checkpoint file)")
+                           "folder, or beside the checkpoint file)" + REPO_ID_HELP)
     init.add_argument("--out", default=None, type=_yaml_file,
                       help="the family file to write, ending in .yaml or .yml (default: print "
                            "it on stdout); never replaces an existing file")
@@ -385,13 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the guide's path (PATH:LINE for a section; the docs folder "
                            "without a TOPIC) instead of its text")
     docs.add_argument("--list", action="store_true",
-                      help="list every installed guide and the anchors of its sections")
+                      help="list every installed guide (or TOPIC) and the anchors of its "
+                           "sections")
     _add_format(docs)
 
     shard = commands.add_parser("shard", help="cut a checkpoint into one file per rank of a "
                                               "build, for sequential loading")
     shard.add_argument("build", help="a folder written by `partc compile`")
-    shard.add_argument("--checkpoint", required=True, help="the checkpoint folder or file")
+    shard.add_argument("--checkpoint", required=True,
+                       help="the checkpoint folder or file" + REPO_ID_HELP)
     shard.add_argument("--out", required=True,
                        help="output folder: new (missing parents are created), empty, or a "
                             "shard set partc wrote (marked by .partc-build.json); replaced "
@@ -411,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "transformers' modeling code (needs partc[verify])")
     verify.add_argument("family", nargs="?", default=None, help=FAMILY_HELP)
     verify.add_argument("--config", required=True, help="the model's config.json (shrunk to "
-                        "a tiny random model of the same structure when large)")
+                        "a tiny random model of the same structure when large)" + REPO_ID_HELP)
     verify.add_argument("--tp", type=_size_list, default=None,
                         help="tensor-parallel sizes, e.g. 1,2,4 (default: every T up to 8 "
                              "that compiles)")
