@@ -164,6 +164,12 @@ def test_compile_takes_the_config_from_the_checkpoint_folder_and_pp_from_pp_laye
     assert [s["units"] for s in report["stages"]] == ["decoder[0:1]", "decoder[1:3]"]
 
 
+def _ids(runs: str) -> list[int]:
+    """`0-1,4` as ids."""
+    return [i for run in runs.split(",") for i in range(int(run.split("-")[0]),
+                                                        int(run.split("-")[-1]) + 1)]
+
+
 def _report_html(build: Path, tmp_path: Path, capsys) -> dict:
     out = tmp_path / f"{build.parent.name}.html"
     status, _, _ = _run(["report", str(build), "--out", str(out)], capsys)
@@ -173,12 +179,16 @@ def _report_html(build: Path, tmp_path: Path, capsys) -> dict:
         def __init__(self):
             super().__init__()
             self.found = {"cell": [], "segment": [], "wire": 0, "fallback_rows": 0,
-                          "links": [], "tables": set()}
-            self.table = None
+                          "links": [], "tables": set(), "rows": {"ownership": [], "bytes": []}}
+            self.table = self.svg = None
 
         def handle_starttag(self, tag, attrs):
             a = dict(attrs)
             css = (a.get("class") or "").split()
+            if tag == "svg":
+                self.svg = a.get("id")
+            if tag == "g" and "row" in css:
+                self.found["rows"][self.svg].append((a["data-ranks"], int(a["data-count"])))
             if tag == "rect" and "cell" in css:
                 self.found["cell"].append(a)
             if tag == "rect" and "segment" in css:
@@ -202,11 +212,14 @@ def test_the_report_maps_every_rank_and_unit_and_the_wire_schema(deepseek_build,
     found = _report_html(deepseek_build, tmp_path, capsys)
     plan = json.loads((deepseek_build / "plan.json").read_text())
     units = sum(len(g["unit_paths"]) for g in plan["graph"]) + len(plan["static_roles"])
-    assert len(found["cell"]) == len(plan["ranks"]) * units
+    # one map row per stage: its 2 TP ranks own the same units
+    assert found["rows"]["ownership"] == [("0-1", 2), ("2-3", 2), ("4-5", 2)]
+    assert len(found["cell"]) == 3 * units
     owned = [c for c in found["cell"] if "owned" in c["class"].split()]
-    assert len(owned) == 6 * 1 + 2 + 2 * 2  # one decoder unit per stage; 1 + 2 static roles
-    assert {float(c["y"]) for c in found["segment"]} and len(
-        {float(c["y"]) for c in found["segment"]}) == len(plan["ranks"])
+    assert len(owned) == 3 * 1 + 1 + 2  # one decoder unit per stage; 1 + 2 static roles
+    bars = found["rows"]["bytes"]  # one bar per set of ranks holding the same bytes
+    assert sorted(r for ranks, _ in bars for r in _ids(ranks)) == list(range(6))
+    assert len({float(c["y"]) for c in found["segment"]}) == len(bars) <= 6
     assert found["wire"] == 1 + 1 + len(plan["boundary"]["auxiliary"])  # header + primary
     assert found["links"] == [] and found["fallback_rows"] == 0
 
