@@ -30,7 +30,8 @@ SDIST_PATHS = [
     "tests/cases/deepseek_v3", "tests/fixtures/hf/llama/model.safetensors",
     "tests/fixtures/quantized", "tests/fixtures/fullsize", "tests/executor/__init__.py",
     "tests/regenerate_cases.py", "scripts/fault_table.py", "benchmarks/load.py",
-    "docs/faults.md", "docs/families", "docs/architecture.md",
+    "docs/faults.md", "docs/families", "docs/architecture.md", "docs/reference/package.md",
+    "mkdocs.yml", "constraints.txt",
 ]
 
 
@@ -81,6 +82,9 @@ def test_the_wheel_ships_py_typed_the_license_and_the_package_data(wheel):
     assert "partc-0.1.0.dist-info/licenses/LICENSE" in names
     assert "partc/architectures/llama.yaml" in names
     assert "partc/schemas/plan.schema.json" in names
+    # the guides ship (errors point to them); the API reference pages are the site's only
+    assert "partc/docs/torch.md" in names
+    assert not [n for n in names if n.startswith("partc/docs/reference/")]
     metadata = zipfile.ZipFile(wheel).read("partc-0.1.0.dist-info/METADATA").decode()
     requires = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
                       if line.startswith("Requires-Dist:") and "extra ==" not in line)
@@ -140,3 +144,67 @@ def test_the_progress_bar_is_skipped_when_tqdm_is_not_installed(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
     with progress_bar(1 << 20, "reading", enabled=True) as update:
         assert update is None
+
+
+OLDEST_TORCH = "2.6.0"
+"""The oldest torch the extras accept: scripts/check_oldest_deps.sh runs the torch and verify
+tests with it (transformers 5 disables an older torch)."""
+
+
+def _resolve(wheel: Path, out: Path, *requirements: str) -> subprocess.CompletedProcess[str]:
+    """pip's resolution of `requirements` from nothing installed, as a JSON report at `out`.
+
+    The registry this runs against does not announce PEP 658 metadata files, so a plain
+    `--dry-run` downloads every wheel it considers (torch and the CUDA libraries: GBs);
+    `fast-deps` reads each wheel's metadata with HTTP range requests instead, and the report's
+    `download_info` says what a real install would fetch.
+    """
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--use-feature=fast-deps", "--report", str(out), *requirements],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+
+
+def _selected(report: Path) -> dict[str, str]:
+    """Name -> version of every distribution a pip report would install."""
+    return {item["metadata"]["name"].lower(): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]}
+
+
+def test_the_verify_extra_resolves_beside_the_oldest_supported_torch_and_the_tested_one(
+        wheel, tmp_path):
+    runs = {torch: _resolve(wheel, tmp_path / f"{torch}.json", f"{wheel}[verify]",
+                            f"torch=={torch}")
+            for torch in (OLDEST_TORCH, "2.13.0")}
+    for torch, done in runs.items():
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        selected = _selected(tmp_path / f"{torch}.json")
+        assert selected["partc"] == "0.1.0"
+        assert selected["torch"].split("+")[0] == torch  # the user's torch, not a pinned one
+        major, minor = (int(n) for n in selected["transformers"].split(".")[:2])
+        assert (major, minor) >= (5, 0), selected["transformers"]
+        assert "accelerate" in selected
+
+
+def test_the_extras_refuse_a_torch_older_than_the_supported_one(wheel, tmp_path):
+    for extra in ("torch", "verify"):
+        done = _resolve(wheel, tmp_path / f"{extra}.json", f"{wheel}[{extra}]", "torch==2.5.1")
+        assert done.returncode == 1, done.stdout[-3000:]
+        assert "torch==2.5.1" in done.stderr and f"partc[{extra}]" in done.stderr, done.stderr
+        assert "ResolutionImpossible" in done.stderr, done.stderr[-3000:]
+
+
+def test_the_constraints_file_pins_every_versioned_test_requirement_ci_installs():
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = version
+    assert pins["torch"] == "2.13.0" and pins["transformers"] == "5.24.0"
+    for name in ("accelerate", "huggingface-hub", "playwright", "mkdocs", "mkdocstrings",
+                 "mkdocstrings-python"):
+        assert name in pins, name
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install --quiet -c constraints.txt '.[test]'" in ci
