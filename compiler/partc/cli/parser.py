@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Any, NoReturn
@@ -51,11 +52,14 @@ class Parser(argparse.ArgumentParser):
         if see is None:  # a command without a section of its own: the guide itself
             topic, see = "cli", commands.error_reference("cli")
         if Parser.json_errors:
-            print(json.dumps({"ok": False, "errors": [{
-                "stage": "usage", "kind": "usage", "file": None, "line": None, "column": None,
-                "pointer": "", "tensor": None, "message": f"{self.prog}: error: {message}",
-                "doc": topic, "see": see}]},
-                indent=1))
+            try:
+                print(json.dumps({"ok": False, "errors": [{
+                    "stage": "usage", "kind": "usage", "file": None, "line": None,
+                    "column": None, "pointer": "", "tensor": None,
+                    "message": f"{self.prog}: error: {message}", "doc": topic, "see": see}]},
+                    indent=1), flush=True)
+            except BrokenPipeError:  # `partc ... --format json | head`: the reader went away
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(EXIT_USAGE)
         self.print_usage(sys.stderr)
         hint = f"    see: {see}\n" if see is not None else ""
