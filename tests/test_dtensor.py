@@ -116,12 +116,8 @@ def test_to_dtensors_names_what_it_takes_when_given_something_else(tmp_path):
 
 
 def test_repeated_kv_heads_are_refused(tmp_path):
-    family = tmp_path / "llama_kv.yaml"
-    text = (Path(__file__).resolve().parent.parent / "architectures" / "llama.yaml").read_text()
-    family.write_text(text.replace("units: num_key_value_heads          # the q heads of a KV "
-                                   "head travel with it",
-                                   "units: num_key_value_heads\n    kv_replication: true"))
-    compile_family(family, LLAMA / "config.json", tensor_parallel_size=4, out=tmp_path / "b")
+    # the built-in Llama repeats its 2 KV heads over 4 ranks (kv_replication: true)
+    compile_family("llama", LLAMA / "config.json", tensor_parallel_size=4, out=tmp_path / "b")
     layout = import_build(tmp_path / "b").load(LLAMA, rank=0).layout
     with pytest.raises(CheckpointError, match=r"repeats KV heads over 2 ranks"):
         dtensor_specs(layout, 4, 0)

@@ -28,6 +28,7 @@ from partc.runtime.checkpoint import open_checkpoint
 
 from executor import load_safetensors
 from support import (
+    FALLS_BACK_OVER_FOUR,
     FULLSIZE,
     checkpoint_tensors,
     compile_and_load,
@@ -77,8 +78,7 @@ WIDE_TOPOLOGIES = [(4, 1), (4, 2)]
 # (fixture, T) pairs that are illegal under Require and run under ReplicateUnsupported (why:
 # support.policy_for). Listed here on their own, so that the test below checks that table.
 NEEDS_REPLICATION_FALLBACK = {(name, 4) for name in [*FIXTURE_FAMILIES, *QUANTIZED_FAMILIES]
-                              if name not in {"deepseek_v3", "gpt_neox", "falcon", "bloom",
-                                              "gpt2"}}
+                              if name in FALLS_BACK_OVER_FOUR}
 
 
 def config_of(name: str) -> dict:
@@ -228,31 +228,22 @@ def test_global_parameter_bytes_equal_the_checkpoint_payload(builds, name, topol
 def test_replicate_unsupported_falls_back_per_group_and_records_it(builds):
     plan, states = builds("gpt_oss_mxfp4", 4, 1)
     layout = states[0].layout
-    for target in ("model.layers.0.self_attn.q_proj.weight",  # 2 KV heads over 4 ranks
-                   "model.layers.0.self_attn.sinks",
-                   "model.layers.0.mlp.experts.down_proj_blocks"):  # 3 MXFP4 block units
-        assert layout[target].fell_back_to_replication, target
-        assert layout[target].selection == (None, ()), target
+    target = "model.layers.0.mlp.experts.down_proj_blocks"  # 3 MXFP4 block units
+    assert layout[target].fell_back_to_replication
+    assert layout[target].selection == (None, ())
+    # 2 KV heads over 4 ranks: KV replication (on in the built-in family), not a fallback
+    for target in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.sinks"):
+        assert not layout[target].fell_back_to_replication, target
+    assert layout["model.layers.0.self_attn.k_proj.weight"].kv_replicas == 2
     assert not layout["model.embed_tokens.weight"].fell_back_to_replication
     assert layout["model.embed_tokens.weight"].selection == (0, ((0, 33),))
 
 
-def opted_into_kv_replication(family: str, folder: Path) -> Path:
-    """The built-in family file with `kv_replication: true` added to its attention group."""
-    text = (ROOT / "architectures" / f"{family}.yaml").read_text()
-    anchor = "    units: num_key_value_heads          # the q heads of a KV head travel with it\n"
-    assert text.count(anchor) == 1
-    path = folder / f"{family}_kv.yaml"
-    path.write_text(text.replace(anchor, anchor + "    kv_replication: true\n"))
-    return path
-
-
 @pytest.mark.parametrize("name", ["llama", "phi3", "gpt_oss", "qwen3_fp8"])
-def test_one_line_opts_a_family_into_kv_replication_and_every_kv_copy_is_exact(
+def test_the_built_in_family_repeats_kv_heads_over_four_ranks_and_every_kv_copy_is_exact(
         tmp_path, checkpoints, name):
     family = {**FIXTURE_FAMILIES, **QUANTIZED_FAMILIES}[name]
-    path = opted_into_kv_replication(family, tmp_path)
-    plan, states = compile_and_load(path, fixture_folder(name) / "config.json", tmp_path / "b",
+    plan, states = compile_and_load(family, fixture_folder(name) / "config.json", tmp_path / "b",
                                     fixture_folder(name), tp=4)
     full = checkpoints(name)
     attention = [t for t in full if ".self_attn." in t and not t.endswith("norm.weight")]

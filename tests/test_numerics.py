@@ -119,17 +119,14 @@ GQA_FIXTURES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "qwen
 
 
 @pytest.mark.parametrize("name", GQA_FIXTURES)
-def test_a_family_opted_into_kv_replication_reproduces_hf_logits_on_four_ranks(tmp_path, name):
-    """One added line (`kv_replication: true`) splits 4 q heads over 4 ranks, each rank holding
-    a copy of the KV head its q heads use; fused qkv (phi3) and per-head sinks (gpt-oss) too."""
-    family = name
-    text = (ROOT / "architectures" / f"{family}.yaml").read_text()
-    anchor = "    units: num_key_value_heads          # the q heads of a KV head travel with it\n"
-    path = tmp_path / "family.yaml"
-    path.write_text(text.replace(anchor, anchor + "    kv_replication: true\n"))
+def test_the_built_in_family_reproduces_hf_logits_on_four_ranks_by_kv_replication(tmp_path, name):
+    """The built-in family (`kv_replication: true`) splits 4 q heads over 4 ranks, each rank
+    holding a copy of the KV head its q heads use; fused qkv (phi3) and per-head sinks
+    (gpt-oss) too."""
     for pp in (1, 2):
-        plan, states = compile_and_load(path, hf(name) / "config.json", tmp_path / f"b{pp}",
+        plan, states = compile_and_load(None, hf(name) / "config.json", tmp_path / f"b{pp}",
                                         hf(name), tp=4, pp=pp)
+        assert any(t.kv_replicas == 2 for t in states[0].layout.tensors)
         assert not any(t.fell_back_to_replication for s in states for t in s.layout.tensors)
         q = [s.layout["model.layers.0.self_attn.o_proj.weight"].selection for s in states[:4]]
         assert len(set(q)) == 4  # every rank its own q head

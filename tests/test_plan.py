@@ -17,7 +17,16 @@ from partc.parallel.specs import ShardingPolicy, balanced_contiguous_range
 from partc.plan.ir import canonical_json
 from partc.plan.topology import Topology
 
-from support import HF, QUANTIZED, ROOT, checkpoint_tensors, compile_and_import, hf, reassemble
+from support import (
+    HF,
+    QUANTIZED,
+    ROOT,
+    checkpoint_tensors,
+    compile_and_import,
+    edited_family,
+    hf,
+    reassemble,
+)
 
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2), (2, 3)]
 CASES = [("llama", t) for t in TOPOLOGIES] + [("llama_tied", t) for t in TOPOLOGIES + [(1, 4)]]
@@ -112,13 +121,13 @@ def test_more_pipeline_stages_than_layers_is_refused_with_a_clear_error(tmp_path
     assert not (tmp_path / "build").exists()
 
 
-def test_four_ranks_over_two_kv_heads_fail_under_require_naming_group_units_and_fix(tmp_path):
-    with pytest.raises(ParallelPlanError) as caught:
-        compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4)
+def test_three_ranks_over_two_kv_heads_fail_under_require_naming_group_units_and_fix(tmp_path):
+    with pytest.raises(ParallelPlanError) as caught:  # KV replication needs 3 | 4 q heads
+        compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=3)
     message = str(caught.value)
     assert "group `layers.0.attention`" in message
-    assert "2 partition units (num_key_value_heads)" in message
-    assert "tensor_parallel_size is 4" in message
+    assert "2 partition units (num_key_value_heads), fewer than 3 ranks" in message
+    assert "4 query heads, not divisible by tensor_parallel_size 3" in message
     assert "--policy replicate-unsupported" in message
     assert caught.value.location is not None
     assert caught.value.location.file == "architectures/llama.yaml"
@@ -142,7 +151,9 @@ def test_the_policy_may_be_given_by_name_as_the_command_line_spells_it(tmp_path,
 
 
 def test_replicate_unsupported_replicates_attention_and_records_the_fallback(tmp_path):
-    plan, package = compile_and_import("llama", hf("llama") / "config.json", tmp_path / "b",
+    # the built-in Llama with its KV replication turned off: 2 KV heads cannot cover 4 ranks
+    family = edited_family(tmp_path, "llama", "kv_replication: true", "kv_replication: false")
+    plan, package = compile_and_import(family, hf("llama") / "config.json", tmp_path / "b",
                                        tp=4, policy=ShardingPolicy.REPLICATE_UNSUPPORTED)
     full = checkpoint_tensors(hf("llama"))
     for rank in range(4):
@@ -239,6 +250,7 @@ def test_an_unshardable_group_is_reported_at_its_declaration_as_created():
         "architectures/llama.yaml", line, 5)
     assert error.pointer == "/parameters/2"
     assert error.message.startswith("group `layers.0.attention` cannot be sharded over "
-                                    "tensor_parallel_size 3: it (role attention_heads) has 2 "
-                                    "partition units (num_key_value_heads)")
+                                    "tensor_parallel_size 3: it has 2 partition units "
+                                    "(num_key_value_heads), fewer than 3 ranks, so KV "
+                                    "replication applies")
     assert str(error).startswith(f"architectures/llama.yaml:{line}:5: group `layers.0.attention`")

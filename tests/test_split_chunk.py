@@ -21,7 +21,7 @@ from partc.errors import CheckpointError, PartcError
 from partc.parallel.specs import ShardingPolicy
 from partc.runtime.dtensor import dtensor_specs
 
-from support import HF, ROOT, import_build
+from support import HF, ROOT, edited_family, import_build
 
 LLAMA = HF / "llama"
 DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
@@ -29,8 +29,8 @@ VOCABULARY = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def _chunk(tmp_path: Path, tp: int, config: Path = LLAMA / "config.json", name: str = "b",
-           **options):
-    return compile_family(None, config, tensor_parallel_size=tp, split="chunk",
+           family: Path | None = None, **options):
+    return compile_family(family, config, tensor_parallel_size=tp, split="chunk",
                           policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / name,
                           **options)
 
@@ -191,7 +191,9 @@ def _vocab_130_checkpoint(tmp_path: Path) -> Path:
 
 def test_under_torchrun_full_tensor_of_a_chunk_build_is_the_checkpoint_tensor(tmp_path):
     checkpoint = _vocab_130_checkpoint(tmp_path)
-    result = _chunk(tmp_path, 4, checkpoint / "config.json")
+    # KV replication off (a DTensor cannot repeat KV heads): attention falls back to replication
+    family = edited_family(tmp_path, "llama", "kv_replication: true", "kv_replication: false")
+    result = _chunk(tmp_path, 4, checkpoint / "config.json", family=family)
     assert result.plan.ranks[3].layout["lm_head.weight"].selection == (0, ((99, 130),))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     reports = tmp_path / "reports"

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from partc.cli.main import main
 from partc.cli.parser import EXIT_CODES, build_parser
 
-from support import ROOT, hf, import_build
+from support import ROOT, edited_family, hf, import_build
 
 DEEPSEEK = hf("deepseek_v3")
 LLAMA = hf("llama")
@@ -40,11 +40,19 @@ def deepseek_build(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fallback_build(tmp_path_factory):
-    """Llama at TP=4 (2 KV heads): the policy replicates every attention group."""
-    out = tmp_path_factory.mktemp("l4") / "build"
-    assert main(["compile", "--config", str(LLAMA / "config.json"), "--tp", "4",
-                 "--policy", "replicate-unsupported", "--out", str(out)]) == 0
+    """Llama at TP=4 (2 KV heads) with KV replication turned off: the policy replicates
+    every attention group."""
+    folder = tmp_path_factory.mktemp("l4")
+    out = folder / "build"
+    assert main(["compile", str(_without_kv_replication(folder)), "--config",
+                 str(LLAMA / "config.json"), "--tp", "4", "--policy", "replicate-unsupported",
+                 "--out", str(out)]) == 0
     return out
+
+
+def _without_kv_replication(folder: Path) -> Path:
+    """The built-in Llama family with `kv_replication: false` on its attention group."""
+    return edited_family(folder, "llama", "kv_replication: true", "kv_replication: false")
 
 
 def _loaded(build: Path, rank: int):
@@ -140,11 +148,13 @@ def test_explain_suggests_the_tensor_that_ends_as_the_name_given(fallback_build,
     assert "did you mean `model.layers.0.self_attn.q_proj.weight`?" in err, err
 
 
-def test_compile_and_check_report_fallbacks_with_their_extra_bytes(fallback_build, capsys):
+def test_compile_and_check_report_fallbacks_with_their_extra_bytes(fallback_build, tmp_path,
+                                                                   capsys):
     with safe_open(str(LLAMA / "model.safetensors"), "np") as f:
         attention = sum(f.get_slice(n).get_shape()[0] * f.get_slice(n).get_shape()[1] * 4
                         for n in f.keys() if n.startswith("model.layers.0.self_attn."))
-    status, out, _ = _run(["check", "--config", str(LLAMA / "config.json"), "--tp", "4",
+    status, out, _ = _run(["check", str(_without_kv_replication(tmp_path)), "--config",
+                           str(LLAMA / "config.json"), "--tp", "4",
                            "--policy", "replicate-unsupported", "--format", "json"], capsys)
     report = json.loads(out)
     assert status == 0 and len(report["fallbacks"]) == 3
@@ -435,14 +445,9 @@ def test_explain_says_why_a_group_fell_back_and_the_plan_records_it(fallback_bui
 
 
 def test_explain_gives_kv_replication_as_the_reason_for_repeated_key_heads(tmp_path, capsys):
-    text = (ROOT / "architectures" / "llama.yaml").read_text()
-    old = "    units: num_key_value_heads          # the q heads of a KV head travel with it\n"
-    assert text.count(old) == 1
-    family = tmp_path / "llama.yaml"
-    family.write_text(text.replace(old, old + "    kv_replication: true\n"))
     kv_heads = json.loads((LLAMA / "config.json").read_text())["num_key_value_heads"]
-    assert kv_heads < 4
-    assert main(["compile", str(family), "--config", str(LLAMA / "config.json"), "--tp", "4",
+    assert kv_heads < 4  # the built-in Llama repeats them (kv_replication: true)
+    assert main(["compile", "llama", "--config", str(LLAMA / "config.json"), "--tp", "4",
                  "--out", str(tmp_path / "b"), "-q"]) == 0
     capsys.readouterr()
     status, out, _ = _run(["explain", str(tmp_path / "b"),

@@ -64,11 +64,7 @@ def test_every_built_in_family_passes_verify_at_t_1_2_4_and_a_pipeline_split(nam
 
 
 def test_kv_replication_verifies_at_more_ranks_than_kv_heads(tmp_path):
-    family = tmp_path / "llama_kv.yaml"
-    text = (ARCHITECTURES / "llama.yaml").read_text()
-    assert "    units: num_key_value_heads" in text
-    family.write_text(text.replace("    units: num_key_value_heads",
-                                   "    units: num_key_value_heads\n    kv_replication: true", 1))
+    family = ARCHITECTURES / "llama.yaml"  # the built-in: `kv_replication: true`
     report = verify_family(family, hf("llama") / "config.json", tensor_parallel_sizes=[4],
                            pipeline_parallel_size=1)
     assert report.ok, report.first_failure
@@ -137,9 +133,8 @@ def _wrong_family(tmp_path: Path, case: tuple[object, ...]) -> Path:
         block = re.sub(r"\n +heads: num_\w+", "", text[start:end])
         if "query heads" in str(label):
             block = block.replace("units: num_key_value_heads", "units: num_attention_heads")
-        else:
-            block = block.replace("units: num_key_value_heads",
-                                  "units: num_key_value_heads\n    kv_replication: true")
+        else:  # the built-in group sets `kv_replication: true` already
+            assert "kv_replication: true" in block
         assert block != text[start:end]
         text = text[:start] + block + text[end:]
     else:
@@ -197,7 +192,9 @@ def test_the_cli_skips_illegal_sizes_by_default_and_names_the_first_failure(tmp_
                    "--pp", "1"])
     captured = capsys.readouterr()
     assert status == 1
-    assert "skipped T=3, 4, 5, 6, 7, 8 x S=1: " in captured.out  # one line: the same error
+    for tp in (3, 5, 6, 7, 8):  # 4 q heads, 2 KV heads: T=4 is legal by KV replication
+        assert f"skipped T={tp} x S=1: " in captured.out
+    assert "T=4 x S=1: 12/15 checks hold" in captured.out
     assert "skipped the pipeline check: no pipeline split asked for (S=1)" in captured.out
     assert "skipped T=1 x S=1" not in captured.out  # T=1 was checked, not skipped
     assert "T=1 x S=1: 15/15 checks hold" in captured.out

@@ -34,9 +34,11 @@ LAYOUT_MODELS = ["gpt_neox", "falcon", "bloom", "gpt2", "olmo2"]
 numerics are checked by `partc verify` against transformers, not (yet) by the executor."""
 HF_MODELS = [*EXECUTOR_MODELS, *LAYOUT_MODELS]
 """Every tiny HF fixture with reference outputs, one or more per built-in family."""
-SHARDS_OVER_FOUR = {"deepseek_v3", "gpt_neox", "falcon", "bloom", "gpt2"}
-"""Fixtures legal over 4 ranks under Require: 4 (MLA or multi-head) heads, or Falcon's KV
-replication; the others have 2 KV heads."""
+FALLS_BACK_OVER_FOUR = {"olmo2", "deepseek_v3_fp8", "llama_mlx4", "gpt_oss_mxfp4"}
+"""Fixtures illegal over 4 ranks under Require: OLMo-2's 2 KV heads (no KV replication: its
+k_norm statistic spans every KV head), DeepSeek's FP8 blocks of 16 rows, MLX's groups of 32
+columns (o_proj by single heads of 16) and gpt-oss's 3 MXFP4 expert block units. The others
+are legal: 4 (MLA or multi-head) heads, or 2 KV heads repeated by KV replication."""
 
 
 def hf(name: str) -> Path:
@@ -60,14 +62,12 @@ def fixture_folder(name: str) -> Path:
 
 
 def policy_for(name: str, tp: int) -> ShardingPolicy:
-    """The sharding policy a fixture needs at T: Require, except over more ranks than KV heads.
+    """The sharding policy a fixture needs at T: Require, except for FALLS_BACK_OVER_FOUR.
 
-    Every fixture shards legally over 2 ranks. Over 4: 2 KV heads are too few (only
-    DeepSeek-V3's MLA, partitioned by its 4 heads, the multi-head GPT-NeoX, BLOOM and GPT-2,
-    and Falcon with KV replication are legal), and DeepSeek's FP8 blocks of 16 rows leave 2
-    units of 2 heads (24 q_b rows each).
+    Every fixture shards legally over 2 ranks, and over 4 all but FALLS_BACK_OVER_FOUR (KV
+    replication repeats 2 KV heads over 4 ranks in every built-in GQA family but OLMo-2).
     """
-    if tp > 2 and name not in SHARDS_OVER_FOUR:
+    if tp > 2 and name in FALLS_BACK_OVER_FOUR:
         return ShardingPolicy.REPLICATE_UNSUPPORTED
     return ShardingPolicy.REQUIRE
 
