@@ -154,7 +154,10 @@ def test_every_fault_is_a_located_partc_error_without_traceback_or_damage(outcom
      "architectures/llama.yaml:110:5: the family declares tensor `model.norm.weight`, which "
      "the checkpoint does not have (group `final_norm`); did you mean `model.norm.weights`? "
      "[at /parameters/5]",
-     "CheckpointError: ckpt: tensor `model.norm.weight` of the plan is not in the checkpoint"),
+     "CheckpointError: ckpt: tensor `model.norm.weight` of the plan is not in the checkpoint; "
+     "the checkpoint holds 1 tensor the plan does not know (`model.norm.weights`); this build "
+     "was compiled without --checkpoint, so its plan has only the tensors the config implies: "
+     "compile with --checkpoint ckpt to plan for the tensors this checkpoint holds"),
 ])
 def test_checkpoint_faults_are_caught_from_the_header_by_check_and_by_load(outcomes, fault,
                                                                          message, loader):
@@ -270,8 +273,13 @@ def test_a_build_compiled_without_a_checkpoint_refuses_one_of_other_tensor_names
         if rank in matching:
             assert "the checkpoint is not the one this build's plan describes" in str(
                 caught.value)
-            assert f"holds {len(names)} tensors where the plan has {len(owned)}" in str(
-                caught.value)
+            # each side named (not only counted), and the way to a plan of this checkpoint
+            lacking, extra = sorted(owned - names), sorted(names - owned)
+            message = str(caught.value)
+            assert all(f"`{n}`" in message for n in (lacking[:3] + extra[:3])), message
+            assert (f"lacks {len(lacking)} tensor" in message) == bool(lacking)
+            assert (f"holds {len(extra)} tensor" in message) == bool(extra)
+            assert "compiled without --checkpoint" in message
     state = package.load(checkpoint, rank=matching[0].rank, verify_fingerprint=False)
     assert set(state.tensors) == {t.target for t in matching[0].layout.tensors}
     assert package.load(hf("llama"), rank=matching[0].rank).tensors.keys() == state.tensors.keys()

@@ -35,6 +35,7 @@ from partc.runtime.headers import DTYPES
 from partc.runtime.loader import (
     header_fingerprint,
     plan_difference,
+    recompile_hint,
     renamed_errors,
     renamed_prefix,
     unknown_clause,
@@ -229,7 +230,8 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
     if rename is not None:  # said by the hint, not again in the note
         held = {rename.held(t) for t in rename.targets}
         extra = [n for n in extra if n not in held]
-    note = f"; the checkpoint also {unknown_clause(checkpoint, extra)}" if extra else ""
+    note = (f"; the checkpoint also {unknown_clause(checkpoint, extra)}" if extra else ""
+            ) + recompile_hint(plan.get("checkpoint_fingerprint"), checkpoint.path)
     errors: list[CheckpointError] = []
     renamed_said, noted = False, False
     for target, (dtype, shape) in signatures.items():
@@ -265,7 +267,9 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
         return [CheckpointError(
             f"the checkpoint holds {len(extra)} tensor(s) no rank of the plan loads: "
             f"{', '.join(f'`{n}`' for n in extra[:3])}{' ...' if len(extra) > 3 else ''}; "
-            "another model's checkpoint? (--no-verify-fingerprint shards it anyway)",
+            "another model's checkpoint?"
+            f"{recompile_hint(None, checkpoint.path)} (--no-verify-fingerprint shards it "
+            "anyway)",
             location=SourceLocation(str(checkpoint.path)), tensor=extra[0])]
     return []
 

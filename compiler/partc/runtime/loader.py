@@ -100,7 +100,8 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
     rows = table.tensor_rows()
     targets = {row[0] for row in rows}
     rename = renamed_prefix([t for t in targets if t not in checkpoint], checkpoint, targets)
-    missing, renamed_said = 0, False
+    missing: list[str] = []
+    renamed_said = False
     for target, _, dtype, shape, _, _ in rows:
         signature = checkpoint.signature(target)
         if signature is None:
@@ -109,11 +110,7 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                     errors.extend(renamed_errors(rename, checkpoint))
                     renamed_said = True
                 continue
-            beside = "" if missing else _index_beside(checkpoint)  # said once
-            missing += 1
-            errors.append(CheckpointError(
-                f"tensor `{target}` of the plan is not in the checkpoint{beside}",
-                location=SourceLocation(str(checkpoint.path)), tensor=target))
+            missing.append(target)
             continue
         header, found_dtype, found_shape = signature
         if found_dtype != dtype:
@@ -125,6 +122,14 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
                 f"tensor `{target}` has shape {list(found_shape)} in the checkpoint; the plan "
                 f"expects {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target))
+    first = min(missing, default="")  # the first reported (errors sort by message) says
+    # once the index beside, the other side and the way to a plan of this checkpoint
+    for target in missing:
+        beside = "" if target != first else _index_beside(checkpoint) + _other_side(
+            table, checkpoint, rename)
+        errors.append(CheckpointError(
+            f"tensor `{target}` of the plan is not in the checkpoint{beside}",
+            location=SourceLocation(str(checkpoint.path)), tensor=target))
     if not errors and verify_fingerprint and table.checkpoint_fingerprint is not None:
         mismatch = checkpoint.fingerprint_error(
             table.checkpoint_fingerprint, table.checkpoint_header_digest,
@@ -133,7 +138,7 @@ def check_header(table: RankTable, checkpoint: Checkpoint, *,
         if mismatch is not None:
             errors.append(mismatch)
     elif not errors and verify_fingerprint and table.plan_tensors is not None:
-        mismatch = _names_error(table.plan_tensors, checkpoint)
+        mismatch = _names_error(table, checkpoint)
         if mismatch is not None:
             errors.append(mismatch)
     return errors
@@ -150,13 +155,16 @@ def _omitted(omit: Iterable[str]) -> Callable[[str], object] | None:
     return re.compile("|".join(fnmatch.translate(glob) for glob in globs)).match
 
 
-def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> CheckpointError | None:
+def _names_error(table: RankTable, checkpoint: Checkpoint) -> CheckpointError | None:
     """The error when the checkpoint's tensor names (less the family's `omit` matches) are not
     exactly the plan's, though every tensor of this rank matched: another model's checkpoint
     whose extra tensors (a Qwen3's q_norm under a Llama build) no rank would load, or whose
-    missing ones another rank needs. A plan compiled against a checkpoint checks its
-    fingerprint instead, which covers this."""
-    count, digest, omit = plan_tensors
+    missing ones another rank needs, or the checkpoint the plan was compiled for without it
+    (DeepSeek-V3's stored MTP layer, which the config alone does not say is there). It names
+    the tensors of each side when the build's other rank modules can be imported. A plan
+    compiled against a checkpoint checks its fingerprint instead, which covers this."""
+    assert table.plan_tensors is not None
+    count, digest, omit = table.plan_tensors
     names: Iterable[str] = checkpoint.names
     skip = _omitted(omit)
     if skip is not None:
@@ -164,14 +172,49 @@ def _names_error(plan_tensors: tuple[Any, ...], checkpoint: Checkpoint) -> Check
     names = sorted(names)  # the plan's digest (Plan.tensor_names_check): one name a line
     if len(names) == count and sha256("\n".join(names).encode()).hexdigest() == digest:
         return None
-    held = (f"{count} tensors, as the plan has, but under other names" if len(names) == count
-            else f"{len(names)} tensors where the plan has {count}")
+    plan = _plan_signatures(table)
+    if plan is not None:
+        said = plan_difference(checkpoint, plan, omit, matched=f": every tensor of rank "
+                               f"{table.rank} matches", lacking=" that other ranks load")
+    else:
+        held = (f"{count} tensors, as the plan has, but under other names"
+                if len(names) == count else f"{len(names)} tensors where the plan has {count}")
+        said = (f": every tensor of rank {table.rank} matches, but the checkpoint holds {held} "
+                "(tensors no rank would load, or ones another rank needs); `partc check FAMILY "
+                "--config CONFIG --checkpoint CHECKPOINT` names them")
     return CheckpointError(
-        f"the checkpoint is not the one this build's plan describes: every tensor of this rank "
-        f"matches, but the checkpoint holds {held} (tensors no rank would load, or ones another "
-        "rank needs); `partc check FAMILY --config CONFIG --checkpoint CHECKPOINT` names them; "
+        f"the checkpoint is not the one this build's plan describes{said}"
+        f"{recompile_hint(table.checkpoint_fingerprint, checkpoint.path, said)}; "
         "verify_fingerprint=False loads this rank anyway",
         location=SourceLocation(str(checkpoint.path)))
+
+
+def recompile_hint(fingerprint: str | None, checkpoint: str, said: str = "") -> str:
+    """'; this build was compiled without --checkpoint ...: compile with --checkpoint PATH'
+    for a plan that recorded no checkpoint fingerprint (plan.json `checkpoint_fingerprint`
+    null: planned from the config alone), '' for one compiled against a checkpoint or when
+    `said` (the message so far) already gives that advice."""
+    if fingerprint is not None or "compile with --checkpoint" in said:
+        return ""
+    return ("; this build was compiled without --checkpoint, so its plan has only the tensors "
+            f"the config implies: compile with --checkpoint {checkpoint} to plan for the "
+            "tensors this checkpoint holds")
+
+
+def _other_side(table: RankTable, checkpoint: Checkpoint, rename: PrefixRename | None) -> str:
+    """For the first of this rank's tensors the checkpoint lacks: the checkpoint's tensors no
+    rank of the plan knows (when the build's rank modules can be imported; less those a
+    prefix rename explains), then `recompile_hint` unless a rename's error gives it."""
+    omit = tuple(table.plan_tensors[2]) if table.plan_tensors is not None else ()
+    plan = _plan_signatures(table)
+    extra = [] if plan is None else unknown_names(checkpoint, plan, omit)
+    if rename is not None:
+        held = {rename.held(t) for t in rename.targets}
+        extra = [n for n in extra if n not in held]
+    said = f"; the checkpoint {unknown_clause(checkpoint, extra)}" if extra else ""
+    if rename is not None:  # its own error already says to compile with --checkpoint
+        return said
+    return said + recompile_hint(table.checkpoint_fingerprint, checkpoint.path)
 
 
 _SHOWN = 3
@@ -351,10 +394,13 @@ def unknown_names(checkpoint: Checkpoint, known: Container[str], omit: Iterable[
 
 
 def unknown_clause(checkpoint: Checkpoint, names: list[str]) -> str:
-    """'holds N tensors the plan does not know (`a`, `b` in <shard file>, ...)': the tensors
-    `unknown_names` found (not empty), the first few named with their file when there are
-    several files."""
-    return (f"holds {_count(names)} the plan does not know ("
+    """'holds N tensors the plan does not know[, all under `p.`] (`a`, `b` in <shard file>,
+    ...)': the tensors `unknown_names` found (not empty), their common prefix of at least two
+    dotted components (an MTP layer's `model.layers.61.`), the first few named with their file
+    when there are several files."""
+    common = os.path.commonprefix([n.split(".")[:-1] for n in names])
+    under = f", all under `{'.'.join(common)}.`" if len(names) > 1 and len(common) > 1 else ""
+    return (f"holds {_count(names)} the plan does not know{under} ("
             + _listed([f"`{n}`{_shard_of(checkpoint, _file_of(checkpoint, n))}" for n in names])
             + ")")
 
