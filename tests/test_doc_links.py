@@ -114,7 +114,7 @@ def test_an_installed_wheel_prints_a_see_line_into_its_own_docs(installed, tmp_p
     script = ("import sys, partc; print(partc.__file__, file=sys.stderr); "
               "from partc.cli.main import main; sys.exit(main(sys.argv[1:]))")
     done = subprocess.run([sys.executable, "-c", script, "check", "--config",
-                           str(hf("llama") / "config.json"), "--tp", "3"], cwd=tmp_path,
+                           str(hf("olmo2") / "config.json"), "--tp", "3"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     first, *rest = done.stderr.splitlines()
@@ -136,7 +136,8 @@ def _see_lines(err: str) -> list[str]:
 
 
 def test_a_group_the_topology_cannot_split_points_to_the_policy_guide(capsys):
-    status, _, err = _run(["check", "--config", str(hf("llama") / "config.json"), "--tp", "3"],
+    # OLMo-2: no KV replication (Llama's would point to its rule instead)
+    status, _, err = _run(["check", "--config", str(hf("olmo2") / "config.json"), "--tp", "3"],
                           capsys)
     assert status == 1
     assert "cannot be sharded over tensor_parallel_size 3" in err
