@@ -32,7 +32,7 @@ LAYOUT = """() => {
     (t) => ({text: t.textContent, box: box(t)}));
   const rows = (sel) => [...document.querySelectorAll(sel)].map((g) => ({
     text: [...g.querySelectorAll('text')].map((t) => t.textContent).join(' | ') || g.innerText,
-    ranks: g.dataset.ranks, count: g.dataset.count, stage: g.dataset.stage,
+    ranks: g.dataset.ranks, count: g.dataset.count, stage: g.dataset.stages,
     ep: g.dataset.ep, etp: g.dataset.etp, experts: g.dataset.experts,
     visible: g.getBoundingClientRect().height > 0}));
   const fills = (sel) => [...new Set([...document.querySelectorAll(sel)].map(

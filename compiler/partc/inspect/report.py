@@ -108,8 +108,8 @@ class Row:
     """Every rank of the row as id runs (`8-15,24-31`)."""
     count: int
     """How many ranks the row stands for."""
-    stage: int
-    """Their pipeline stage."""
+    stages: str
+    """Their pipeline stages (`1`, `1–6`)."""
     labels: tuple[Label, ...]
     """Texts of the row."""
     rects: tuple[Rect, ...]
@@ -282,13 +282,20 @@ def _ownership(build: Build) -> dict[str, Any]:
             text = fit(column["label"], widths[i] - 2)
             head.append(Label(round(lefts[i] + widths[i] / 2, 2), 34, text, "tick", "middle"))
     head = [label for label in head if label.text]
-    top, height, pitch = 44.0, 26.0, 30.0
-    rows = []
+
     def owning(rank: Mapping[str, Any]) -> tuple[int, tuple[int, ...]]:
         return int(rank["pipeline_stage"]), tuple(
             i for i, o in enumerate(owners) if rank["rank"] in o)
 
-    for j, ranks in enumerate(_classes(plan["ranks"], owning)):
+    classes = _classes(plan["ranks"], owning)
+    spans = {_coordinate_spans(plan, ranks) for ranks in classes}
+    single = len(classes) > 12 and len(spans) == 1  # many stages: one line a row
+    if single:
+        head.append(Label(4, 34, fit(f"each row: {spans.pop()}", LABEL_WIDTH - 10), "tick"))
+    top = 44.0
+    height, pitch = (14.0, 18.0) if single else (26.0, 30.0)
+    rows = []
+    for j, ranks in enumerate(classes):
         ids = [int(r["rank"]) for r in ranks]
         stage = int(ranks[0]["pipeline_stage"])
         y = top + j * pitch
@@ -302,9 +309,11 @@ def _ownership(build: Build) -> dict[str, Any]:
                  f"ranks {span_text(ids, 60)} (stage {stage}) / {column['label']} "
                  f"({column['path']}): {'owned' if i in owned else 'not owned'}")
             for i, column in enumerate(columns))
-        labels = _row_labels(y, height, f"ranks {span_text(ids)} ×{len(ids)}",
-                             f"stage {stage} · {_coordinate_spans(plan, ranks)}")
-        rows.append(Row(y, id_ranges(ids), len(ids), stage, labels, cells))
+        labels = (_row_labels(y, height, f"ranks {span_text(ids, 26)} ×{len(ids)} · stage "
+                                         f"{stage}", None) if single else
+                  _row_labels(y, height, f"ranks {span_text(ids)} ×{len(ids)}",
+                              f"stage {stage} · {_coordinate_spans(plan, ranks)}"))
+        rows.append(Row(y, id_ranges(ids), len(ids), str(stage), labels, cells))
     note = "; ".join(
         [f"{name}: units 0–{len(groups[name]) - 1}" for name in hidden]
         + [f"{c['label']} ({c['path'].removeprefix('static role ').strip('()')} stage)"
@@ -340,17 +349,18 @@ def _role_order(role: str) -> tuple[bool, str]:
 
 
 def _bars(build: Build) -> dict[str, Any]:
-    """Bytes per rank by role: one bar per set of ranks of a stage holding the same bytes."""
+    """Bytes per rank by role: one bar per set of ranks holding the same bytes of each role."""
     plan = build.plan
     per_rank = dict(zip((int(r["rank"]) for r in plan["ranks"]), role_bytes(plan), strict=True))
     largest = max((sum(r.values()) for r in per_rank.values()), default=0) or 1
     height, pitch, top = 18.0, 24.0, 6.0
     bar_width = PAGE_WIDTH - LABEL_WIDTH - 110
     rows = []
-    for j, members in enumerate(_classes(plan["ranks"], lambda r: (
-            int(r["pipeline_stage"]), tuple(sorted(per_rank[int(r["rank"])].items()))))):
+    for j, members in enumerate(_classes(plan["ranks"], lambda r: tuple(
+            sorted(per_rank[int(r["rank"])].items())))):
         ids = [int(r["rank"]) for r in members]
-        stage = int(members[0]["pipeline_stage"])
+        stages = [int(r["pipeline_stage"]) for r in members]
+        stage = ("stage " if len(set(stages)) == 1 else "stages ") + span_text(stages, 12)
         roles = per_rank[ids[0]]
         y = top + j * pitch
         x = float(LABEL_WIDTH)
@@ -364,10 +374,11 @@ def _bars(build: Build) -> dict[str, Any]:
                               "each"))
             x += width
         total = byte_text(sum(roles.values())) + (" each" if len(ids) > 1 else "")
-        labels = (*_row_labels(y, height, f"ranks {span_text(ids, 26)} ×{len(ids)} · stage "
-                                          f"{stage}", None),
+        labels = (*_row_labels(y, height, f"ranks {span_text(ids, 24)} ×{len(ids)} · {stage}",
+                               None),
                   Label(round(x + 6, 2), y + height / 2 + FONT * 0.36, total))
-        rows.append(Row(y, id_ranges(ids), len(ids), stage, labels, tuple(rects)))
+        rows.append(Row(y, id_ranges(ids), len(ids), span_text(stages, 12), labels,
+                        tuple(rects)))
     used = sorted({role for roles in per_rank.values() for role in roles}, key=_role_order)
     return {"rows": rows, "legend": [(role, ROLE_COLOURS.get(role, OTHER_ROLE_COLOUR))
                                      for role in used],
@@ -470,8 +481,7 @@ def _expert_cards(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
             "ids": ",".join(map(str, held)), "ranks": id_ranges(ids), "count": len(ids),
             "rank_text": f"ranks {span_text(ids, 30)} ×{len(ids)}",
             "bytes": (byte_text(nbytes[0]) if len(nbytes) == 1
-                      else f"{byte_text(nbytes[0])} – {byte_text(nbytes[-1])}")
-            + (" each" if len(ids) > 1 else ""),
+                      else f"{byte_text(nbytes[0])}–{byte_text(nbytes[-1])}"),
             "css": "expert-card" + ("" if held else " none")})
     return cards
 
@@ -490,6 +500,31 @@ def _every_rank(facts: Mapping[str, Any], build: Build) -> list[dict[str, Any]]:
              "expert_bytes": byte_text(r.get("expert_bytes", 0)),
              "css": "rank" if not experts else "expert" if r.get("experts") else "expert none"}
             for r in facts["ranks"]]
+
+
+def _stage_rows(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The stages table: consecutive stages holding as many tensors and bytes (and the same
+    static roles) share one row."""
+    runs: list[list[Mapping[str, Any]]] = []
+    for stage in facts["stages"]:
+        same = [(s["tensors"], s["bytes"], s["max_rank_bytes"], s["static_roles"],
+                 len(s["ranks"])) for s in (stage, runs[-1][-1] if runs else None) if s]
+        if len(same) == 2 and same[0] == same[1]:
+            runs[-1].append(stage)
+        else:
+            runs.append([stage])
+    rows = []
+    for run in runs:
+        first, numbers = run[0], [int(s["pipeline_stage"]) for s in run]
+        ids = [r for s in run for r in s["ranks"]]
+        rows.append({"stage": span_text(numbers, 12), "ranks": f"{span_text(ids)} ×{len(ids)}",
+                     "units": first["units"] if len(run) == 1
+                     else f"{first['units']} … {run[-1]['units']}",
+                     "tensors": first["tensors"], "bytes": byte_text(first["bytes"]),
+                     "max": byte_text(first["max_rank_bytes"]),
+                     "roles": ", ".join(first["static_roles"]) or "-",
+                     "colours": [stage_colour(n) for n in numbers[:len(STAGE_COLOURS)]]})
+    return rows
 
 
 def _wire_rows(tensors: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -515,6 +550,10 @@ def _cuts(facts: dict[str, Any], build: Build) -> list[dict[str, Any]]:
                                          "wire": wire})
         entry["between"].append({"from_stage": c["from_stage"], "to_stage": c["to_stage"],
                                  "group": c["group"]})
+    for entry in entries.values():  # many cuts: said as one span of stages
+        entry["span"] = span_text([b["from_stage"] for b in entry["between"]])
+        entry["groups"] = ", ".join(sorted({str(b["group"]) for b in entry["between"]
+                                            if b["group"]}))
     return list(entries.values())
 
 
@@ -530,13 +569,6 @@ def render_report(build: Build, origins: Origins) -> str:
     """The report page of a build, as HTML text (deterministic for a given plan)."""
     facts = summary(build)
     topology = facts["topology"]
-    stages = [{"stage": s["pipeline_stage"],
-               "ranks": f"{span_text(s['ranks'])} ×{len(s['ranks'])}",
-               "units": s["units"], "tensors": s["tensors"], "bytes": byte_text(s["bytes"]),
-               "max": byte_text(s["max_rank_bytes"]),
-               "roles": ", ".join(s["static_roles"]) or "-",
-               "colour": stage_colour(s["pipeline_stage"])}
-              for s in facts["stages"]]
     fallbacks = [{"group": f["group"], "role": f["role"], "units": f["units"],
                   "stages": ", ".join(map(str, f["stages"])), "bytes": byte_text(f["bytes"]),
                   "extra": byte_text(f["extra_bytes"]),
@@ -550,7 +582,8 @@ def render_report(build: Build, origins: Origins) -> str:
         title=title,
         version=__version__, plan_hash=facts["plan_hash"], facts=facts,
         global_bytes=byte_text(facts["global_bytes"]), policy=topology.get("policy") or
-        "family default", stages=stages, stage_cycle=len(STAGE_COLOURS),
+        "family default", stages=_stage_rows(facts), stage_cycle=len(STAGE_COLOURS),
+        stage_count=len(facts["stages"]),
         ownership=_ownership(build), slices=_slices(build), bars=_bars(build),
         cuts=_cuts(facts, build), cards=_expert_cards(facts),
         every_rank=_every_rank(facts, build), expert_layout=_expert_layout(facts),
