@@ -492,7 +492,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             that comparison, every tensor is still checked against the plan.
         dtype: Convert every floating tensor (bf16/fp8 included) after reading, e.g.
             `np.float32`; integer and packed tensors are left alone. None keeps the stored
-            dtypes.
+            dtypes. Refused (CheckpointError) when the rank holds a quantized linear weight
+            (block FP8 with its scales, MLX affine, MXFP4): partc does not dequantize.
         reader: An object with a `record(path, offset, length)` method
             (`partc.runtime.reader.ReadRecorder`), told of every byte run read.
         framework: "numpy" (the default) returns numpy arrays; "torch" returns torch tensors
@@ -552,6 +553,15 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                               "(writable copy-on-write views), framework='numpy', or without "
                               "zero_copy")
     target_dtype = None if dtype is None else _float_dtype(dtype)
+    if target_dtype is not None:
+        encoded = quantized_tensor(table)
+        if encoded is not None:
+            raise CheckpointError(
+                f"load(dtype={np.dtype(target_dtype).name}) would convert `{encoded[0]}`, stored "
+                f"{encoded[1]}, without applying {encoded[2]}: wrong weights; partc does not "
+                "dequantize. Load without dtype= (the stored encoding, scales included) and "
+                "dequantize with the format's own kernel (docs/linear_formats.md)",
+                tensor=encoded[0])
     selections = tensor_selections(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
     recorded = None if verify != "digest" else _recorded_digests(table, manifest, checkpoint)
@@ -592,6 +602,33 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     if framework == "torch":
         tensors = to_torch(tensors, _stored_bits(opened, tensors) if as_bits else None)
     return RankState(tensors=tensors, table=table)
+
+
+_FP8 = ("F8_E4M3", "F8_E5M2")
+
+
+def quantized_tensor(table: RankTable) -> tuple[str, str, str] | None:
+    """The first of the rank's tensors stored in a quantized linear format (docs/
+    linear_formats.md), as (target, how it is stored, what decodes it), or None: block FP8
+    (an F8 weight with its `weight_scale_inv` / `weight_scale`), MLX affine (a U32 weight with
+    its `scales`), MXFP4 (U8 `X_blocks` with `X_scales`). A dtype= conversion would widen or
+    keep their stored values without these companions."""
+    rows = {row[0]: row[2] for row in table.tensor_rows()}
+    for target in sorted(rows):
+        dtype = rows[target]
+        stem = target.removesuffix(".weight")
+        if dtype in _FP8:
+            for scale in (f"{target}_scale_inv", f"{target}_scale"):
+                if scale in rows:
+                    return target, f"as {dtype}", f"its block scales `{scale}`"
+        elif dtype == "U32" and target.endswith(".weight") and f"{stem}.scales" in rows:
+            return (target, "packed as MLX affine U32", f"its group scales and biases "
+                    f"`{stem}.scales`, `{stem}.biases`")
+        elif dtype == "U8" and target.endswith("_blocks") and \
+                f"{target.removesuffix('_blocks')}_scales" in rows:
+            return (target, "as MXFP4 U8 blocks", f"its scales "
+                    f"`{target.removesuffix('_blocks')}_scales`")
+    return None
 
 
 def _requests(selections: list[tuple[str, Selection, int]]
