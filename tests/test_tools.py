@@ -236,11 +236,12 @@ def test_the_report_maps_every_rank_and_unit_and_the_wire_schema(deepseek_build,
 
 def test_the_report_highlights_fallbacks(fallback_build, tmp_path, capsys):
     found = _report_html(fallback_build, tmp_path, capsys)
-    assert found["fallback_rows"] == 3
+    assert found["fallback_rows"] == 1  # 3 groups alike: one row
     assert any("fallback" in s["class"].split() for s in found["segment"])
     page = (tmp_path / f"{fallback_build.parent.name}.html").read_text()
     assert "None" not in page  # a replicated group has no logical units to print
     assert "attention_heads replicated by the policy" in page
+    assert "<td>layers.0.attention … layers.2.attention (3 groups)</td>" in page
 
 
 def test_inspect_and_report_titles_name_the_expert_parallel_topology(tmp_path, capsys):

@@ -13,6 +13,7 @@ their estimated width fits, so no two overlap; the rest are said in the notes un
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -174,10 +175,7 @@ def span_text(ids: Sequence[int], width: int = 34) -> str:
 def _classes(ranks: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Hashable]
              ) -> list[list[Mapping[str, Any]]]:
     """The ranks grouped by `key`, each group in rank order, groups by their first rank."""
-    groups: dict[Hashable, list[Mapping[str, Any]]] = {}
-    for rank in sorted(ranks, key=lambda r: int(r["rank"])):
-        groups.setdefault(key(rank), []).append(rank)
-    return list(groups.values())
+    return _alike(sorted(ranks, key=lambda r: int(r["rank"])), key)
 
 
 def stage_colour(stage: int) -> str:
@@ -502,6 +500,25 @@ def _every_rank(facts: Mapping[str, Any], build: Build) -> list[dict[str, Any]]:
             for r in facts["ranks"]]
 
 
+def _alike(entries: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Hashable]
+           ) -> list[list[Mapping[str, Any]]]:
+    """Entries grouped by `key`, in the order of each group's first entry."""
+    groups: dict[Hashable, list[Mapping[str, Any]]] = {}
+    for entry in entries:
+        groups.setdefault(key(entry), []).append(entry)
+    return list(groups.values())
+
+
+def _group_names(names: Sequence[str]) -> str:
+    """One group's name, or the first and last of several in numeric order with their count:
+    `layers.0.attention … layers.79.attention (80 groups)`."""
+    if len(names) == 1:
+        return names[0]
+    ordered = sorted(names, key=lambda n: [int(p) if p.isdigit() else p
+                                           for p in re.split(r"(\d+)", n)])
+    return f"{ordered[0]} … {ordered[-1]} ({len(names)} groups)"
+
+
 def _stage_rows(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The stages table: consecutive stages holding as many tensors and bytes (and the same
     static roles) share one row."""
@@ -569,12 +586,23 @@ def render_report(build: Build, origins: Origins) -> str:
     """The report page of a build, as HTML text (deterministic for a given plan)."""
     facts = summary(build)
     topology = facts["topology"]
-    fallbacks = [{"group": f["group"], "role": f["role"], "units": f["units"],
-                  "stages": ", ".join(map(str, f["stages"])), "bytes": byte_text(f["bytes"]),
-                  "extra": byte_text(f["extra_bytes"]),
-                  "origin": origins.lines.get(f["group"], "?")} for f in facts["fallbacks"]]
-    kv = [{"group": k["group"], "replicas": k["kv_replicas"], "tensors": len(k["tensors"]),
-           "origin": origins.lines.get(k["group"], "?")} for k in facts["kv_replication"]]
+    fallbacks = []
+    for same in _alike(facts["fallbacks"], lambda f: (
+            f["role"], f["units"], f["bytes"], f["extra_bytes"],
+            origins.lines.get(f["group"], "?"))):
+        f, each = same[0], " each" if len(same) > 1 else ""
+        fallbacks.append({
+            "group": _group_names([g["group"] for g in same]), "role": f["role"],
+            "units": f["units"], "stages": span_text([s for g in same for s in g["stages"]]),
+            "bytes": byte_text(f["bytes"]) + each,
+            "extra": byte_text(f["extra_bytes"]) + each + (
+                f" (+{byte_text(f['extra_bytes'] * len(same))} in all)" if each else ""),
+            "origin": origins.lines.get(f["group"], "?")})
+    kv = [{"group": _group_names([k["group"] for k in same]), "replicas": same[0]["kv_replicas"],
+           "tensors": len(same[0]["tensors"]) * len(same),
+           "origin": origins.lines.get(same[0]["group"], "?")}
+          for same in _alike(facts["kv_replication"], lambda k: (
+              k["kv_replicas"], len(k["tensors"]), origins.lines.get(k["group"], "?")))]
     reduced = [{"group": r["group"], "tensors": ", ".join(r["tensors"]),
                 "origin": origins.lines.get(r["group"], "?")} for r in facts["tp_reduction"]]
     title = f"{facts['family']} at {topology_text(topology)}"
