@@ -52,7 +52,7 @@ def test_the_two_kv_head_llama_compiles_at_tp4_and_the_summary_says_kv_replicati
                  "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "KV replication: 3 group(s) repeat KV heads across ranks" in out
-    assert "  layers.0.attention: each KV head on 2 ranks (2 tensors)" in out
+    assert "  layers.{0..2}.attention (3 groups): each KV head on 2 ranks (2 tensors each)" in out
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     replicas = {t["target"]: t["kv_replicas"] for t in plan["tensors"]}
     assert replicas["model.layers.0.self_attn.k_proj.weight"] == 2

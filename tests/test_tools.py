@@ -519,8 +519,8 @@ def test_inspect_and_report_show_the_norms_all_reduced_over_the_tp_group(olmo2_b
     (at,) = [i for i, line in enumerate(lines) if line.startswith("TP reduction:")]
     assert lines[at].startswith("TP reduction: 4 norm(s) in 2 group(s) are split with a "
                                 "projection's output and all-reduced over the TP group")
-    listed = {n for line in lines[at + 1:at + 3] for n in line.split(": ", 1)[1].split(", ")}
-    assert listed == whole
+    assert lines[at + 1].startswith("  layers.{0..1}.attention (2 groups): ")
+    assert _expanded(lines[at + 1]) == whole
     status, out, _ = _run(["inspect", str(build), "--target", "model.layers.0.*",
                            "--format", "json"], capsys)
     rows = json.loads(out)["tensors"]
@@ -555,8 +555,15 @@ def test_the_compile_summary_names_the_norms_to_all_reduce(olmo2_build, tmp_path
     assert status == 0
     lines = out.splitlines()
     (at,) = [i for i, line in enumerate(lines) if line.startswith("TP reduction: 4 norm(s)")]
-    assert {n for line in lines[at + 1:at + 3] for n in line.split(": ", 1)[1].split(", ")} \
-        == whole
+    assert _expanded(lines[at + 1]) == whole
+
+
+def _expanded(line: str) -> set[str]:
+    """The tensors of one summary line whose groups differ only in their layer number
+    (`layers.{0..1}.attention (2 groups): model.layers.{}.x, ...`), one name per layer."""
+    first, last = map(int, re.search(r"\{(\d+)\.\.(\d+)\}", line).groups())
+    names = line.split(": ", 1)[1].split(", ")
+    return {n.replace("{}", str(layer)) for n in names for layer in range(first, last + 1)}
 
 
 @pytest.mark.parametrize(("option", "glob", "hint"), [
@@ -608,3 +615,23 @@ def test_inspect_finds_a_family_file_beside_the_build_by_its_name_and_sha256(tmp
     assert status == 0 and {r["origin"] for r in found["tensors"]} == {None}
     assert "no file of that name and sha256" in found["origin_note"]
 
+
+
+def test_summary_lines_collapse_groups_that_differ_only_in_their_layer():
+    from partc.inspect.text import fallback_lines
+
+    kv = [{"group": f"layers.{n}.attention", "kv_replicas": 2, "tensors": ["k", "v"]}
+          for n in (0, 1, 2, 3, 5, 7, 8)]
+    kv.append({"group": "layers.4.attention", "kv_replicas": 4, "tensors": ["k", "v"]})
+    kv.append({"group": "vision.attention", "kv_replicas": 2, "tensors": ["k"]})
+    lines = fallback_lines([], kv)
+    assert lines == [
+        "KV replication: 9 group(s) repeat KV heads across ranks",
+        "  layers.{0..3,5,7..8}.attention (7 groups): each KV head on 2 ranks (2 tensors each)",
+        "  layers.4.attention: each KV head on 4 ranks (2 tensors)",
+        "  vision.attention: each KV head on 2 ranks (1 tensor)",
+    ]
+    fallbacks = [{"group": f"layers.{n}.mlp", "role": "mlp", "bytes": 10, "extra_bytes": 20,
+                  "stages": [n // 2]} for n in range(4)]
+    assert fallback_lines(fallbacks, [])[1] == \
+        "  layers.{0..3}.mlp (4 groups) (mlp): 40 B on every rank of stage(s) 0,1, +80 B"

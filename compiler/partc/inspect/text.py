@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from partc.errors import plural
@@ -26,29 +27,76 @@ def _dtypes(by_dtype: Mapping[str, int]) -> str:
     return ", ".join(f"{d} {byte_text(n)}" for d, n in sorted(by_dtype.items())) or "-"
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+def _numbers_text(numbers: Sequence[int]) -> str:
+    """Sorted distinct numbers as runs: `0..31`, `0..3,5,7..9`."""
+    runs: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def _by_pattern(entries: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], object]
+                ) -> list[tuple[str, list[Mapping[str, Any]]]]:
+    """Entries whose group names differ only in their first number (the layer) and whose `key`
+    agrees, as one `layers.{0..31}.attention` line each, in the order of their first entry."""
+    found: dict[tuple[str, object], tuple[list[int], list[Mapping[str, Any]]]] = {}
+    for entry in entries:
+        name = entry["group"]
+        match = _NUMBER.search(name)
+        pattern = name if match is None else name[:match.start()] + "{}" + name[match.end():]
+        numbers, members = found.setdefault((pattern, key(entry)), ([], []))
+        numbers.extend([] if match is None else [int(match.group())])
+        members.append(entry)
+    out = []
+    for (pattern, _), (numbers, members) in found.items():
+        if len(members) == 1:
+            out.append((members[0]["group"], members))
+        else:
+            out.append((pattern.replace("{}", "{" + _numbers_text(numbers) + "}")
+                        + f" ({len(members)} groups)", members))
+    return out
+
+
 def fallback_lines(fallbacks: Sequence[Mapping[str, Any]],
                    kv: Sequence[Mapping[str, Any]],
                    reduced: Sequence[Mapping[str, Any]] = ()) -> list[str]:
     """One line per policy fallback (with its extra bytes), per KV-replicated group and per
-    group with norms all-reduced over the TP group."""
+    group with norms all-reduced over the TP group; groups that differ only in their layer
+    number share a line (`layers.{0..31}.attention (32 groups)`), with totals where they add."""
     out = []
     if fallbacks:
         extra = sum(f["extra_bytes"] for f in fallbacks)
         out.append(f"fallbacks: {len(fallbacks)} group(s) replicated by the policy instead of "
                    f"sharded, {byte_text(extra)} extra in all")
-        out += [f"  {f['group']} ({f['role']}): {byte_text(f['bytes'])} "
-                f"on every rank of stage(s) {','.join(map(str, f['stages']))}, "
-                f"+{byte_text(f['extra_bytes'])}" for f in fallbacks]
+        for name, members in _by_pattern(fallbacks, lambda f: f["role"]):
+            stages = sorted({s for f in members for s in f["stages"]})
+            out.append(f"  {name} ({members[0]['role']}): "
+                       f"{byte_text(sum(f['bytes'] for f in members))} "
+                       f"on every rank of stage(s) {','.join(map(str, stages))}, "
+                       f"+{byte_text(sum(f['extra_bytes'] for f in members))}")
     if kv:
         out.append(f"KV replication: {len(kv)} group(s) repeat KV heads across ranks")
-        out += [f"  {k['group']}: each KV head on {k['kv_replicas']} ranks "
-                f"({plural(len(k['tensors']), 'tensor')})" for k in kv]
+        for name, members in _by_pattern(kv, lambda k: (k["kv_replicas"], len(k["tensors"]))):
+            each = " each" if len(members) > 1 else ""
+            out.append(f"  {name}: each KV head on {members[0]['kv_replicas']} ranks "
+                       f"({plural(len(members[0]['tensors']), 'tensor')}{each})")
     if reduced:
         count = sum(len(r["tensors"]) for r in reduced)
         out.append(f"TP reduction: {count} norm(s) in {len(reduced)} group(s) are split with a "
                    "projection's output and all-reduced over the TP group (plan.json "
                    "`needs_tp_reduction`; `partc explain` says why)")
-        out += [f"  {r['group']}: " + ", ".join(r["tensors"]) for r in reduced]
+        for name, members in _by_pattern(
+                reduced, lambda r: tuple(_NUMBER.sub("{}", t, count=1) for t in r["tensors"])):
+            tensors = members[0]["tensors"]
+            if len(members) > 1:
+                tensors = [_NUMBER.sub("{}", t, count=1) for t in tensors]
+            out.append(f"  {name}: " + ", ".join(tensors))
     return out
 
 
