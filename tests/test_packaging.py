@@ -89,7 +89,7 @@ def test_the_wheel_ships_py_typed_the_license_and_the_package_data(wheel):
     requires = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
                       if line.startswith("Requires-Dist:") and "extra ==" not in line)
     assert [re.split(r"[<>=!~,; ]", r)[0] for r in requires] == [
-        "jinja2", "jsonschema", "ml_dtypes", "numpy", "pyyaml", "tqdm"]
+        "jinja2", "jsonschema", "ml_dtypes", "numpy", "pyyaml", "shtab", "tqdm"]
     assert "License-Expression: Apache-2.0" in metadata
 
 
