@@ -47,7 +47,10 @@ def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
     if layout.kv_replicas > 1:
         raise CheckpointError(
             f"`{target}` repeats KV heads over {layout.kv_replicas} ranks (KV replication); "
-            "DTensor has no placement for repeated shards", tensor=target)
+            "DTensor has no placement for repeated shards. load() without DTensors serves it "
+            "(each rank its KV head); for DTensors compile at a TP size the KV heads divide, or "
+            "with the group's `kv_replication: false` and --policy replicate-unsupported "
+            "(attention replicated; docs/kv_replication.md)", tensor=target)
     if placement.holds_whole:
         return DTensorSpec(target=target, shard_axis=None, global_shape=layout.global_shape)
     axis, ranges = layout.selection
