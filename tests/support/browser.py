@@ -1,8 +1,9 @@
 """A real browser for the page tests: headless Chromium driven by Playwright's Python package,
 started from the system's Chromium (never a downloaded one), offline.
 
-`PARTC_CHROMIUM` names another Chromium binary; without Playwright or a Chromium the browser
-tests are skipped with the reason (`pip install playwright`; Debian's package `chromium`).
+`PARTC_CHROMIUM` names another Chromium binary. Without Playwright (the `test` extra) or a
+Chromium (Debian's package `chromium`, which `.ci/run` installs) the browser tests fail, saying
+which is missing: they are the report's only check in a real browser.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ LAYOUT = """() => {
 
 @contextmanager
 def chromium() -> Iterator[Any]:
-    """A headless Chromium browser (skips the test when there is none to start)."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the playwright package")
+    """A headless Chromium browser (fails the test, saying what is missing, without one)."""
+    try:
+        from playwright import sync_api
+    except ImportError:
+        pytest.fail("the report's browser tests need the playwright package (the test extra)")
     if not CHROMIUM.is_file():
-        pytest.skip(f"needs a Chromium binary at {CHROMIUM} (set PARTC_CHROMIUM)")
+        pytest.fail(f"the report's browser tests need a Chromium binary at {CHROMIUM} "
+                    "(apt-get install chromium, or set PARTC_CHROMIUM)")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
