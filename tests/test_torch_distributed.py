@@ -30,25 +30,16 @@ from torch_executor.model import ShardingError
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed" / "executor_worker.py"
 TOLERANCE = 1e-4
-# name: (fixture, T, S, D, family) -- every run has 4 processes, so one launch serves them all
+# name: (fixture, T, S, D) -- every run has 4 processes, so one launch serves them all; each
+# is the built-in family of its fixture (llama at T=4 repeats its 2 KV heads, by default)
 RUNS = {
-    "llama-tp2-pp2": ("llama", 2, 2, 1, None),
-    "llama-tp4-kv-replicated": ("llama", 4, 1, 1, "kv"),
-    "llama_tied-tp1-pp4": ("llama_tied", 1, 4, 1, None),
-    "llama-tp2-dp2": ("llama", 2, 1, 2, None),
-    "qwen3_moe-tp2-pp2": ("qwen3_moe", 2, 2, 1, None),
-    "mixtral-tp2-pp2": ("mixtral", 2, 2, 1, None),
+    "llama-tp2-pp2": ("llama", 2, 2, 1),
+    "llama-tp4-kv-replicated": ("llama", 4, 1, 1),
+    "llama_tied-tp1-pp4": ("llama_tied", 1, 4, 1),
+    "llama-tp2-dp2": ("llama", 2, 1, 2),
+    "qwen3_moe-tp2-pp2": ("qwen3_moe", 2, 2, 1),
+    "mixtral-tp2-pp2": ("mixtral", 2, 2, 1),
 }
-
-
-def kv_replicated_llama(folder: Path) -> Path:
-    """The built-in llama family with `kv_replication: true` on its attention group."""
-    text = (ROOT / "architectures" / "llama.yaml").read_text()
-    marker = "units: num_key_value_heads          # the q heads of a KV head travel with it"
-    assert marker in text
-    family = folder / "llama_kv.yaml"
-    family.write_text(text.replace(marker, "units: num_key_value_heads\n    kv_replication: true"))
-    return family
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +47,8 @@ def served(tmp_path_factory):
     """Compile every run, serve them all in one torchrun launch; (plans, reports folder)."""
     folder = tmp_path_factory.mktemp("torch-serve")
     plans, runs = {}, []
-    for name, (fixture, tp, pp, dp, family) in RUNS.items():
-        source = kv_replicated_llama(folder) if family == "kv" else None
-        result = compile_family(source, hf(fixture) / "config.json", tensor_parallel_size=tp,
+    for name, (fixture, tp, pp, dp) in RUNS.items():
+        result = compile_family(None, hf(fixture) / "config.json", tensor_parallel_size=tp,
                                 pipeline_parallel_size=pp, checkpoint=hf(fixture),
                                 out=folder / name)
         plans[name] = result.plan
@@ -98,7 +88,7 @@ def reference(fixture: str) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_output_rank_reproduces_hf_logits(served, name):
     _, reports = served
-    fixture, tp, pp, dp, _ = RUNS[name]
+    fixture, tp, pp, dp = RUNS[name]
     want = reference(fixture)["logits"]
     outputs = [(r, a) for r, a in reports_of(reports, name) if r["stage"] == pp - 1]
     assert len(outputs) == tp * dp  # every TP rank of the last stage of every replica
@@ -112,7 +102,7 @@ def test_every_output_rank_reproduces_hf_logits(served, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_process_loaded_exactly_its_own_rank_and_ran_its_stage(served, name):
     plans, reports = served
-    fixture, tp, pp, dp, _ = RUNS[name]
+    fixture, tp, pp, dp = RUNS[name]
     plan = plans[name]
     topology = BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                              data_parallel_size=dp)

@@ -63,18 +63,26 @@ def test_verify_checks_t_4_and_8_of_a_real_gqa_model(capsys):
 
 
 def test_verify_lists_every_size_the_config_does_not_compile_at(capsys):
-    config = hf("llama") / "config.json"  # 2 KV heads: T = 1, 2 compile, 3..8 do not
+    config = hf("llama") / "config.json"  # 4 heads, 2 KV heads: T = 1, 2, and 4 repeating them
     status = main(["verify", "--config", str(config), "--pp", "1"])
     out = capsys.readouterr().out
     assert status == 0
-    # one line for the six sizes, which fail alike: the first one's error shown
-    assert ("skipped T=3, 4, 5, 6, 7, 8 x S=1: the config does not compile at T=3 x S=1: "
-            "architectures/llama.yaml:50:5: group `layers.0.attention` cannot be sharded "
-            "over tensor_parallel_size 3: it (role attention_heads) has 2 partition "
-            "units (num_key_value_heads) but tensor_parallel_size is 3") in out
+    # one line per reason: a T the KV heads do not divide (3, 5, 7), and a T the 4 query
+    # heads do not fill (6, 8); the first one's error shown
+    skipped = [line for line in out.splitlines() if line.startswith("skipped T=")]
+    assert [line.split(":", 1)[0] for line in skipped] == ["skipped T=3, 5, 7 x S=1",
+                                                           "skipped T=6, 8 x S=1"]
+    assert skipped[0].startswith(
+        "skipped T=3, 5, 7 x S=1: the config does not compile at T=3 x S=1: "
+        "architectures/llama.yaml:50:5: group `layers.0.attention` cannot be sharded over "
+        "tensor_parallel_size 3: it has 2 partition units (num_key_value_heads), fewer than 3 "
+        "ranks, so KV replication applies and ")
+    assert "not divisible by tensor_parallel_size 3" in skipped[0]
+    assert "not divisible by tensor_parallel_size 6" in skipped[1]
     assert out.splitlines()[-1] == (
-        "verified llama (llama) at T=1 x S=1, T=2 x S=1: every check holds; not checked: "
-        + ", ".join(f"T={tp} x S=1" for tp in range(3, 9)) + " (skipped, see above)")
+        "verified llama (llama) at T=1 x S=1, T=2 x S=1, T=4 x S=1: every check holds; not "
+        "checked: " + ", ".join(f"T={tp} x S=1" for tp in (3, 5, 6, 7, 8))
+        + " (skipped, see above)")
 
 
 def _errors(capsys, *argv: str) -> tuple[int, list[str]]:

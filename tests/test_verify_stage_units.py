@@ -146,7 +146,8 @@ def test_a_failed_check_names_the_line_declaring_its_group(tmp_path, capsys):
 
 
 def test_sizes_skipped_for_the_same_reason_are_one_line(capsys):
-    assert main(["verify", "--config", str(hf("llama") / "config.json")]) == 0
+    # olmo2's k_norm spans every KV head, so it cannot repeat them: 3..8 fail alike
+    assert main(["verify", "--config", str(hf("olmo2") / "config.json")]) == 0
     out = capsys.readouterr().out
     skipped = [line for line in out.splitlines() if line.startswith("skipped")]
     assert len(skipped) == 1, skipped
@@ -154,7 +155,7 @@ def test_sizes_skipped_for_the_same_reason_are_one_line(capsys):
                                  "at T=3 x S=1: ")
     assert skipped[0].endswith("(the same error at each of these T, at its own size)")
     # the JSON report keeps one entry per size, each with its own reason
-    assert main(["verify", "--config", str(hf("llama") / "config.json"), "--format",
+    assert main(["verify", "--config", str(hf("olmo2") / "config.json"), "--format",
                  "json"]) == 0
     entries = json.loads(capsys.readouterr().out)["skipped"]
     assert [e["tp"] for e in entries] == [3, 4, 5, 6, 7, 8]
@@ -170,6 +171,6 @@ def test_sizes_skipped_for_different_reasons_keep_their_own_lines():
         {"tp": 5, "pp": 1, "reason": "at T=5: group `b` has 3 units but size is 5"},
         {"tp": 7, "pp": 1, "reason": "at T=7: group `b` has 3 units but size is 7"},
         {"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)", "check": "pipeline"}])
-    assert [what for what, _ in lines] == ["T=3, 4 x S=1", "T=5 x S=1", "T=7 x S=1",
-                                           "the pipeline check"]
+    # T=5 and 7 fail alike though 6 lies between them (it fails otherwise, or compiles)
+    assert [what for what, _ in lines] == ["T=3, 4 x S=1", "T=5, 7 x S=1", "the pipeline check"]
     assert lines[0][1].startswith("at T=3: group `a`") and lines[1][1].startswith("at T=5")

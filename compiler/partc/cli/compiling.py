@@ -359,9 +359,10 @@ def _declared(checks: tuple[Check, ...], family: str | Path | None,
 
 
 def _skipped_lines(skipped: Sequence[dict[str, object]]) -> list[tuple[str, str]]:
-    """The topologies verify skipped, as (what, reason) lines: tensor-parallel sizes in a row
-    whose reasons are the same but for the size itself (every T above a group's unit count)
-    are one line, the first one's reason shown."""
+    """The topologies verify skipped, as (what, reason) lines: tensor-parallel sizes of one S
+    whose reasons are the same but for the size itself (every T above a group's unit count,
+    or every odd T under KV replication) are one line, at the first one's place, with the
+    first one's reason shown."""
     import re
 
     runs: list[tuple[list[int], int, str, str]] = []  # ([T...], S, reason, reason less its T)
@@ -370,10 +371,11 @@ def _skipped_lines(skipped: Sequence[dict[str, object]]) -> list[tuple[str, str]
         if entry.get("check") == "pipeline":
             runs.append(([], pp, reason, ""))
             continue
-        shape = re.sub(rf"(?<=T=){tp}\b|(?<=size ){tp}\b|(?<=is ){tp}\b", "#", reason)
-        if runs and runs[-1][0] and runs[-1][1:] == (pp, runs[-1][2], shape) \
-                and runs[-1][0][-1] == tp - 1:
-            runs[-1][0].append(tp)
+        shape = re.sub(rf"(?<=T=){tp}\b|(?<=size ){tp}\b|(?<=is ){tp}\b|(?<=than ){tp}\b",
+                       "#", reason)
+        same = [run for run in runs if run[0] and run[1] == pp and run[3] == shape]
+        if same:
+            same[0][0].append(tp)
         else:
             runs.append(([tp], pp, reason, shape))
     lines: list[tuple[str, str]] = []
