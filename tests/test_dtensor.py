@@ -15,8 +15,7 @@ from safetensors.numpy import load_file
 
 from partc.api import compile_family
 from partc.errors import CheckpointError
-from partc.parallel.realize import chunk_range
-from partc.parallel.specs import ShardingPolicy
+from partc.parallel.specs import ShardingPolicy, chunk_range
 from partc.runtime.dtensor import dtensor_specs
 
 from support import HF, import_build

@@ -22,7 +22,6 @@ from partc.parallel.formats import (
     expand_linear_format_parameter_groups,
 )
 from partc.parallel.layout import ParameterRole
-from partc.parallel.realize import group_sharding_problems, realize_group
 from partc.parallel.specs import (
     LinearWeightLayout,
     MemberSharding,
@@ -34,9 +33,11 @@ from partc.parallel.specs import (
     projection_parameter_group,
     segmented_projection_group,
 )
+from partc.plan.tensor_split import group_sharding_problems, realize_group
 from partc.plan.topology import Topology
+from partc.runtime._engine.reader import read_tensor
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
-from partc.runtime.reader import TensorSelection, read_tensor
 
 from support import QUANTIZED, ROOT, hf
 

@@ -38,7 +38,6 @@ from partc.parallel.placements import (
     placement_from_json,
     tensor_bytes,
 )
-from partc.parallel.realize import group_sharding_problems, realize_group
 from partc.parallel.specs import (
     LinearWeightLayout,
     MemberSharding,
@@ -58,6 +57,7 @@ from partc.parallel.specs import (
     segmented_projection_group,
     with_policy,
 )
+from partc.plan.tensor_split import group_sharding_problems, realize_group
 from partc.plan.topology import Topology
 
 from support import ROOT, hf, reassemble
@@ -820,8 +820,9 @@ def test_the_kv_replication_family_gives_each_rank_the_slices_vllm_gives_it():
 
 
 def test_the_kv_replicated_tiny_llama_at_tp_4_reproduces_the_reference_logits(tmp_path):
+    from partc.runtime._engine.reader import read_tensor
+    from partc.runtime._engine.selection import TensorSelection
     from partc.runtime.checkpoint import open_checkpoint
-    from partc.runtime.reader import TensorSelection, read_tensor
 
     from executor import RankShard, Selection, forward_tensor_parallel
 

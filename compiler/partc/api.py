@@ -36,13 +36,13 @@ from partc.library import (
     family_spec_is_file,
     read_family_source,
 )
-from partc.parallel.experts import placement_from_document
-from partc.parallel.realize import TensorSplit
+from partc.parallel.specs import TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
-from partc.plan.experts import model_expert_count
+from partc.plan.expert_placement import model_expert_count, placement_from_document
 from partc.plan.ir import Plan
-from partc.plan.realize import GroupSite, realize_plan
+from partc.plan.ranks import GroupSite
+from partc.plan.realize import realize_plan
 from partc.plan.topology import Topology
 
 if TYPE_CHECKING:

@@ -226,7 +226,7 @@ def run_check(args: argparse.Namespace) -> int:
             or args.group_mode or args.ep is not None or args.etp is not None
             or args.expert_placement or args.split != "balanced"
             or args.activation_dtype is not None):
-        from partc.parallel.realize import TensorSplit
+        from partc.parallel.specs import TensorSplit
         from partc.partition.boundary import PipelineActivationDtype
 
         named = bool(args.pp_layers) and isinstance(args.pp_layers[0], tuple)

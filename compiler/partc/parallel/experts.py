@@ -5,34 +5,22 @@ parts keep their TP split over T ranks, repeated N / T times; the experts are pl
 expert-parallel (EP) ranks, each expert further split over the X ranks of an expert-tensor-
 parallel (ETP) group. `ExpertPlacement` says which global experts each EP rank holds, in local
 slot order (balanced contiguous ranges by default, or an explicit placement file, possibly with
-redundant copies); `ExpertMap` is what a rank's router needs; `stacked_expert_layouts` realizes
-a stacked `[experts, ...]` group for one EP rank.
+redundant copies); `ExpertMap` is what a rank's router needs. Reading a placement file and
+realizing a stacked group for an EP rank are the plan's (`partc.plan.expert_placement`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from partc.errors import (
     ExpertParallelError,
-    LayoutError,
-    PartcErrors,
-    SourceLocation,
     plural,
 )
-from partc.parallel.layout import LocalTensorLayout
-from partc.parallel.placements import Indices, Range, TensorPlacement, _is_count
-from partc.parallel.specs import ParameterGroupSpec, balanced_contiguous_range
-
-Locate = Callable[[str], "SourceLocation | None"]
-"""Where a JSON pointer of a placement file is (None when unknown)."""
-
-
-def _no_location(pointer: str) -> SourceLocation | None:
-    return None
+from partc.parallel.placements import is_count
+from partc.parallel.specs import balanced_contiguous_range
 
 
 def stage_ranks(tensor_parallel_size: int, expert_parallel_size: int | None,
@@ -155,7 +143,7 @@ def placement_problems(experts: int, slots: Sequence[Sequence[object]]
         previous: int | None = None
         for slot, expert in enumerate(ids):
             pointer = f"/ranks/{ep}/{slot}"
-            if not _is_count(expert) or not 0 <= expert < experts:  # type: ignore[operator]
+            if not is_count(expert) or not 0 <= expert < experts:  # type: ignore[operator]
                 found.append((pointer, f"EP rank {ep} slot {slot} names expert "
                               f"{_spelled(expert)}; expert ids are integers 0..{experts - 1}"))
                 previous, bad_ids = None, True
@@ -186,32 +174,6 @@ def _spelled(value: object) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return repr(value)
-
-
-def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
-                            file: str, locate: Locate = _no_location) -> ExpertPlacement:
-    """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
-    list per EP rank. Raises LayoutError naming the file, the rank and the expert; a
-    PartcErrors of every one when the file breaks several rules."""
-    def fail(pointer: str, message: str) -> LayoutError:
-        return ExpertParallelError(f"expert placement {file}: {message}",
-                                   location=locate(pointer) or SourceLocation(file),
-                                   pointer=pointer, doc=PLACEMENT_DOC)
-    if not isinstance(data, Mapping) or set(data) != {"ranks"} or not isinstance(
-            data["ranks"], list) or not all(isinstance(r, list) for r in data["ranks"]):
-        raise fail("", "expected an object with one key `ranks`: a list of one list of "
-                       "global expert ids per EP rank, e.g. {\"ranks\": [[0, 1], [2, 3]]}")
-    ranks: list[list[Any]] = data["ranks"]
-    problems = placement_problems(experts, ranks)
-    if ranks and len(ranks) != expert_parallel_size:
-        problems.insert(0, ("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
-                                      f"expert_parallel_size is {expert_parallel_size}"))
-    if len(problems) == 1:
-        raise fail(*problems[0])
-    if problems:
-        raise PartcErrors([fail(*problem) for problem in problems])
-    return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
-                           explicit=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,44 +212,6 @@ class ExpertMap:
         """This rank's slot holding global `expert` (None: another EP rank holds it)."""
         return next((slot for ep, slot in self.owners[expert]
                      if ep == self.expert_parallel_rank), None)
-
-
-def expert_axis_problem(group: ParameterGroupSpec, axis: int) -> str | None:
-    """Why stacked group `group` cannot be split on its expert axis `axis` (None: it can)."""
-    counts = {m.shape[axis] if axis < len(m.shape) else None for m in group.members}
-    if None in counts:
-        short = next(m for m in group.members if axis >= len(m.shape))
-        return (f"member `{short.target}` has shape {list(short.shape)}, without the expert "
-                f"axis {axis}")
-    if len(counts) != 1:
-        return (f"its members disagree on the expert count along axis {axis}: "
-                + ", ".join(f"`{m.target}` {m.shape[axis]}" for m in group.members))
-    return None
-
-
-def stacked_expert_layouts(group: ParameterGroupSpec, axis: int, experts: Sequence[int]
-                           ) -> tuple[LocalTensorLayout, ...]:
-    """The layouts of stacked group `group` on an EP rank holding `experts` (ascending ids):
-    the rows of those experts along `axis`, every other axis whole."""
-    ranges: list[tuple[int, int]] = []
-    for expert in experts:
-        if ranges and ranges[-1][1] == expert:
-            ranges[-1] = (ranges[-1][0], expert + 1)
-        else:
-            ranges.append((expert, expert + 1))
-    layouts = []
-    for member in group.members:
-        placement: TensorPlacement
-        if len(ranges) == 1:
-            placement = Range(axis=axis, start=ranges[0][0], end=ranges[0][1])
-        else:
-            placement = Indices(axis=axis, ranges=tuple(ranges))
-        local = list(member.shape)
-        local[axis] = len(experts)
-        layouts.append(LocalTensorLayout(
-            target=member.target, logical_name=group.name, role=group.role, dtype=member.dtype,
-            global_shape=member.shape, local_shape=tuple(local), placement=placement))
-    return tuple(layouts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,6 +1,6 @@
 """Rank-local tensor layouts: parameter roles, `LocalTensorLayout`, `LocalModelLayout` and
 `ParallelModelInfo` (the `parallel` vocabulary's output half; realizing a group into them lives
-in `partc.parallel.realize`). The placements they hold, and the stored dtypes, are defined in
+in `partc.plan.tensor_split`). The placements they hold, and the stored dtypes, are defined in
 `partc.parallel.placements`.
 """
 
@@ -17,7 +17,7 @@ from partc.parallel.placements import (
     Selection,
     TensorPlacement,
     _invalid_tensor,
-    _is_count,
+    is_count,
     local_shape,
     tensor_bytes,
     unchecked_replace,
@@ -41,9 +41,10 @@ class ParameterRole(enum.Enum):
 
 
 
-def _invalid_group(message: str, *, group: str, target: str = "",
+def invalid_group(message: str, *, group: str, target: str = "",
                    location: SourceLocation | None = None, pointer: str = "",
                    doc: str | None = None) -> ParallelPlanError:
+    """The error of a group whose realization breaks a rule (INVALID_GROUP)."""
     return ParallelPlanError(ParallelPlanErrorKind.INVALID_GROUP, message, group=group,
                              target=target, tensor=target or None, location=location,
                              pointer=pointer, doc=doc)
@@ -105,7 +106,7 @@ class LocalTensorLayout:
                 0 <= self.logical_range[0] < self.logical_range[1] <= self.logical_units):
             raise _invalid_tensor(f"`{target}`: logical range {self.logical_range} does not fit "
                                   f"{self.logical_units} logical units", target=target)
-        if not _is_count(self.kv_replicas) or self.kv_replicas < 1:
+        if not is_count(self.kv_replicas) or self.kv_replicas < 1:
             raise _invalid_tensor(f"`{target}`: kv_replicas must be >= 1, found "
                                   f"{self.kv_replicas}", target=target)
 
@@ -241,25 +242,25 @@ class ParallelModelInfo:
     def __post_init__(self) -> None:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if tp < 1 or pp < 1:
-            raise _invalid_group(f"topology sizes must be positive, found tensor_parallel_size "
+            raise invalid_group(f"topology sizes must be positive, found tensor_parallel_size "
                                  f"{tp} and pipeline_parallel_size {pp}", group="")
         if not (0 <= self.tensor_parallel_rank < tp and 0 <= self.pipeline_stage < pp):
-            raise _invalid_group(f"tensor_parallel_rank {self.tensor_parallel_rank} / stage "
+            raise invalid_group(f"tensor_parallel_rank {self.tensor_parallel_rank} / stage "
                                  f"{self.pipeline_stage} outside a {tp} x {pp} topology", group="")
         if self.ranks_per_stage:
             self._check_expert_coordinates()
         elif self.rank != self.pipeline_stage * tp + self.tensor_parallel_rank:
-            raise _invalid_group(f"rank {self.rank} is not stage {self.pipeline_stage} * "
+            raise invalid_group(f"rank {self.rank} is not stage {self.pipeline_stage} * "
                                  f"{tp} + {self.tensor_parallel_rank}", group="")
         if not (0 <= self.pinned_parameter_bytes <= self.local_parameter_bytes
                 <= self.maximum_device_parameter_bytes) or self.owned_tensors < 0:
-            raise _invalid_group(
+            raise invalid_group(
                 f"rank {self.rank}: byte accounting must satisfy 0 <= pinned "
                 f"({self.pinned_parameter_bytes}) <= local ({self.local_parameter_bytes}) <= "
                 f"maximum ({self.maximum_device_parameter_bytes})", group="")
         if self.local_bytes_by_dtype and (
                 sum(n for _, n in self.local_bytes_by_dtype) != self.local_parameter_bytes):
-            raise _invalid_group(f"rank {self.rank}: bytes by dtype {self.local_bytes_by_dtype} "
+            raise invalid_group(f"rank {self.rank}: bytes by dtype {self.local_bytes_by_dtype} "
                                  f"do not add up to {self.local_parameter_bytes}", group="")
 
     def _check_expert_coordinates(self) -> None:
@@ -271,7 +272,7 @@ class ParallelModelInfo:
                 and self.expert_parallel_rank == local // x
                 and self.expert_tensor_parallel_rank == local % x
                 and 0 <= self.expert_parameter_bytes <= self.local_parameter_bytes):
-            raise _invalid_group(
+            raise invalid_group(
                 f"rank {self.rank}: inconsistent expert-parallel coordinates (N={n} ranks per "
                 f"stage = E {self.expert_parallel_size} x X {x}, T={t}, dense replica "
                 f"{self.dense_replica}, tensor-parallel rank {self.tensor_parallel_rank}, EP "

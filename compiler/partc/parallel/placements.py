@@ -43,7 +43,8 @@ def _invalid_tensor(message: str, *, group: str = "", target: str = "") -> Paral
                              target=target, tensor=target or None)
 
 
-def _is_count(value: object) -> bool:
+def is_count(value: object) -> bool:
+    """Whether `value` is an int and not a bool (a count or an index)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -105,7 +106,7 @@ def _malformed(kind: PlacementKind, spelled: object) -> ParallelPlanError:
 
 def _check_counts(kind: PlacementKind, spelled: dict[str, object], *names: str) -> None:
     """Raise unless every named field of a placement is a count (an int >= 0)."""
-    if not all(_is_count(spelled[n]) and spelled[n] >= 0 for n in names):  # type: ignore[operator]
+    if not all(is_count(spelled[n]) and spelled[n] >= 0 for n in names):  # type: ignore[operator]
         raise _malformed(kind, spelled)
 
 
@@ -307,7 +308,7 @@ class Indices:
         spelled = self.to_json()
         _check_counts(self.kind, spelled, "axis")
         ranges = self.ranges
-        if not (ranges and all(_is_count(b) for r in ranges for b in r)
+        if not (ranges and all(is_count(b) for r in ranges for b in r)
                 and all(0 <= a < b for a, b in ranges)
                 and all(before[1] < after[0]
                         for before, after in zip(ranges, ranges[1:], strict=False))):

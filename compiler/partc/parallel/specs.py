@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from partc.parallel.layout import ParameterRole, _invalid_group
-from partc.parallel.placements import DTYPE_BITS, _invalid_tensor, _is_count, tensor_bytes
+from partc.parallel.layout import ParameterRole, invalid_group
+from partc.parallel.placements import DTYPE_BITS, _invalid_tensor, is_count, tensor_bytes
 
 
 def balanced_contiguous_range(items: int, parts: int, index: int) -> tuple[int, int]:
@@ -25,6 +25,23 @@ def balanced_contiguous_range(items: int, parts: int, index: int) -> tuple[int, 
     base, extra = divmod(items, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+class TensorSplit(enum.Enum):
+    """How a split that does not divide evenly gives out its remainder."""
+
+    BALANCED = "balanced"
+    """The first `n mod T` ranks get one more (DESIGN.md §3; the default)."""
+    CHUNK = "chunk"
+    """torch.chunk's rule, which DTensor's `Shard` and transformers' tensor parallelism follow:
+    every rank gets `ceil(n / T)` in order, the last ones what is left (`chunk_range`)."""
+
+
+def chunk_range(items: int, parts: int, index: int) -> tuple[int, int]:
+    """The half-open range torch.chunk gives part `index` of `items` over `parts` (empty when
+    the chunks run out first: torch.chunk then returns fewer than `parts` chunks)."""
+    width = -(-items // parts)
+    return min(index * width, items), min((index + 1) * width, items)
 
 
 # ---------------------------------------------------------------- roles and rules
@@ -101,10 +118,10 @@ class MemberSharding:
     order (1: component-major; the head count: per head; the KV head count: per KV group)."""
 
     def __post_init__(self) -> None:
-        if not _is_count(self.granule) or self.granule < 1:
+        if not is_count(self.granule) or self.granule < 1:
             raise _invalid_tensor(f"a sharding granule must be a positive integer, found "
                                   f"{self.granule!r}")
-        if not _is_count(self.groups) or self.groups < 1:
+        if not is_count(self.groups) or self.groups < 1:
             raise _invalid_tensor(f"a sharding's interleaved groups must be a positive integer, "
                                   f"found {self.groups!r}")
         if self.groups > 1 and self.kind is not MemberShardingKind.PARTITIONED_SEGMENTS:
@@ -114,11 +131,11 @@ class MemberSharding:
             if self.axis is not None or self.segments or self.granule != 1:
                 raise _invalid_tensor("a replicated sharding takes no axis, segments or granule")
             return
-        if not _is_count(self.axis) or self.axis is None or self.axis < 0:
+        if not is_count(self.axis) or self.axis is None or self.axis < 0:
             raise _invalid_tensor(f"{self.kind.value} sharding needs an axis >= 0, found "
                                   f"{self.axis}")
         if self.kind in _SEGMENT_KINDS:
-            if not self.segments or any(not _is_count(s) or s <= 0 for s in self.segments):
+            if not self.segments or any(not is_count(s) or s <= 0 for s in self.segments):
                 raise _invalid_tensor(
                     f"{self.kind.value} sharding needs positive segment widths, found "
                     f"{list(self.segments)}")
@@ -209,7 +226,7 @@ class ParameterMemberSpec:
         target = self.target
         if not target:
             raise _invalid_tensor("a member needs a non-empty target name")
-        if any(not _is_count(d) or d < 0 for d in self.shape):
+        if any(not is_count(d) or d < 0 for d in self.shape):
             raise _invalid_tensor(f"`{target}` has shape {list(self.shape)}; every dimension "
                                   "must be a non-negative integer", target=target)
         if self.dtype not in DTYPE_BITS:
@@ -258,7 +275,7 @@ class ParameterMemberSpec:
         for width, heads in zip(widths, self.heads, strict=True):
             # an encoded companion (a block scale) may hold fractional heads; KV replication
             # checks its cuts when it happens
-            if not _is_count(heads) or heads < 1 or (width % heads and not self.encoding):
+            if not is_count(heads) or heads < 1 or (width % heads and not self.encoding):
                 raise _invalid_tensor(
                     f"`{self.target}`: {width} elements on axis {rule.axis} cannot hold {heads} "
                     "whole heads; the width must be a positive multiple of the head count",
@@ -299,28 +316,28 @@ class ParameterGroupSpec:
     def __post_init__(self) -> None:
         name = self.name
         if not name:
-            raise _invalid_group("a parameter group needs a non-empty name", group=name)
+            raise invalid_group("a parameter group needs a non-empty name", group=name)
         if not self.members:
-            raise _invalid_group(f"group `{name}` has no members; it needs at least one",
+            raise invalid_group(f"group `{name}` has no members; it needs at least one",
                                  group=name)
         seen: set[str] = set()
         for member in self.members:
             if member.target in seen:
-                raise _invalid_group(f"group `{name}` lists target `{member.target}` twice; "
+                raise invalid_group(f"group `{name}` lists target `{member.target}` twice; "
                                      "each tensor belongs to a group once", group=name,
                                      target=member.target)
             seen.add(member.target)
         partitioned = [m for m in self.members if m.sharding.is_partitioned]
         if partitioned and self.units is None:
-            raise _invalid_group(
+            raise invalid_group(
                 f"group `{name}` has partitioned member `{partitioned[0].target}` but declares "
                 "no partition units; add `units`", group=name, target=partitioned[0].target)
         if not partitioned and self.units is not None:
-            raise _invalid_group(
+            raise invalid_group(
                 f"group `{name}` declares {self.units} partition units but no member is "
                 "partitioned; drop `units` or partition a member", group=name)
-        if self.units is not None and (not _is_count(self.units) or self.units < 1):
-            raise _invalid_group(f"group `{name}` has {self.units} partition units; at least "
+        if self.units is not None and (not is_count(self.units) or self.units < 1):
+            raise invalid_group(f"group `{name}` has {self.units} partition units; at least "
                                  "1 is required", group=name)
         for member in partitioned:
             self._check_unit_widths(member)
@@ -329,7 +346,7 @@ class ParameterGroupSpec:
             if not partitioned or missing:
                 what = f"`{missing[0]}` declares no `heads`" if missing else "no member is " \
                     "partitioned"
-                raise _invalid_group(
+                raise invalid_group(
                     f"group `{name}` sets kv_replication but {what}; KV replication needs the "
                     "head count of every partitioned projection (`heads:` in YAML)",
                     group=name, target=missing[0] if missing else "")
@@ -531,24 +548,24 @@ def _interleaved(name: str, layout: FusedLayout, segments: tuple[int, ...],
     if layout is FusedLayout.COMPONENT_MAJOR:
         return segments, heads, 1
     if not heads:
-        raise _invalid_group(f"group `{name}`: a {layout.value} fused projection needs `heads:` "
+        raise invalid_group(f"group `{name}`: a {layout.value} fused projection needs `heads:` "
                              "(the head count of each segment) to know its row order",
                              group=name)
     if layout is FusedLayout.PER_HEAD:
         if len(set(heads)) != 1:
-            raise _invalid_group(
+            raise invalid_group(
                 f"group `{name}`: a per_head fused projection interleaves whole heads, so every "
                 f"segment has the same head count, found heads {list(heads)}", group=name)
         groups = heads[0]
         return tuple(s * groups for s in segments), (groups,) * len(segments), groups
     if len(heads) != len(segments):
-        raise _invalid_group(f"group `{name}`: {len(heads)} head counts {list(heads)} for "
+        raise invalid_group(f"group `{name}`: {len(heads)} head counts {list(heads)} for "
                              f"{len(segments)} segments; a grouped_per_kv fused projection "
                              "gives one per segment", group=name)
     groups = min(heads)
     for seg, count in zip(segments, heads, strict=True):
         if count % groups or seg % (count // groups):
-            raise _invalid_group(
+            raise invalid_group(
                 f"group `{name}`: grouped_per_kv segment of {seg} rows with {count} heads "
                 f"does not hold a whole number of heads in each of the {groups} KV groups "
                 f"(heads {list(heads)}, segments per group {list(segments)})", group=name)
@@ -575,11 +592,11 @@ def segmented_projection_group(
     must be positive and cover the fused width in order.
     """
     segments = tuple(segments)
-    if not segments or any(not _is_count(s) or s <= 0 for s in segments):
-        raise _invalid_group(f"group `{name}`: segments must be positive widths, found "
+    if not segments or any(not is_count(s) or s <= 0 for s in segments):
+        raise invalid_group(f"group `{name}`: segments must be positive widths, found "
                              f"{list(segments)}", group=name)
     if fused_heads and len(fused_heads) != len(segments) and layout is not FusedLayout.PER_HEAD:
-        raise _invalid_group(f"group `{name}`: {len(fused_heads)} head counts "
+        raise invalid_group(f"group `{name}`: {len(fused_heads)} head counts "
                              f"{list(fused_heads)} for {len(segments)} segments; give one per "
                              "segment", group=name)
     segments, heads, groups = _interleaved(name, layout, segments, tuple(fused_heads))
@@ -618,12 +635,12 @@ def aligned_partition_units(name: str, semantic_units: int, elements_per_unit: i
     `alignment` elements.
     """
     if semantic_units < 1 or elements_per_unit < 1 or alignment < 1:
-        raise _invalid_group(
+        raise invalid_group(
             f"group `{name}`: semantic units ({semantic_units}), elements per unit "
             f"({elements_per_unit}) and alignment ({alignment}) must all be positive", group=name)
     per_chunk = alignment // math.gcd(alignment, elements_per_unit)
     if semantic_units % per_chunk:
-        raise _invalid_group(
+        raise invalid_group(
             f"group `{name}`: {semantic_units} units of {elements_per_unit} elements cannot be cut "
             f"on {alignment}-element boundaries; a legal cut needs whole groups of {per_chunk} "
             f"units, which {semantic_units} is not a multiple of", group=name)

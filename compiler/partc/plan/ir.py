@@ -22,7 +22,7 @@ from partc.plan.ranks import GroupKind, PlannedGroup, RankPlan
 from partc.plan.topology import Topology
 
 if TYPE_CHECKING:
-    from partc.plan.experts import ExpertParallelPlan
+    from partc.plan.expert_placement import ExpertParallelPlan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,7 +136,7 @@ class Plan:
     @cached_property
     def _chunk_mismatches(self) -> dict[int, tuple[tuple[str, int, tuple[int, int],
                                                           tuple[int, int]], ...]]:
-        from partc.parallel.realize import chunk_range
+        from partc.parallel.specs import chunk_range
 
         tp = self.topology.tensor_parallel_size
         if tp == 1 or self.topology.expert_parallel_size is not None:

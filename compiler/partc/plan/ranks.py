@@ -4,10 +4,12 @@ structure), planned groups, rank plans and their byte accounting."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from partc.errors import SourceLocation
 from partc.parallel.experts import RankCoordinates
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
 from partc.partition.ownership import ParameterGroupOwner
@@ -15,6 +17,10 @@ from partc.partition.pipeline import ArchitecturePartition
 
 if TYPE_CHECKING:
     from partc.bind.binder import BoundArchitecture
+
+
+GroupSite = Callable[[str], "tuple[SourceLocation, str] | None"]
+"""Where a parameter group (by name) is declared: source location and JSON pointer, or None."""
 
 
 Accounting = tuple[int, int, tuple[tuple[str, int], ...]]

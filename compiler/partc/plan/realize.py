@@ -12,9 +12,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import LayoutError, SourceLocation
+from partc.errors import LayoutError
 from partc.parallel.layout import LocalTensorLayout
-from partc.parallel.realize import realize_group_template
 from partc.parallel.specs import ShardingPolicy
 from partc.partition.boundary import (
     BoundaryWireSchema,
@@ -24,18 +23,20 @@ from partc.partition.boundary import (
 from partc.partition.ownership import ExecutionUnit, GroupParallelMode
 from partc.partition.pipeline import realize_partition
 from partc.partition.stages import choose_stages, spell_layout
-from partc.plan.experts import expert_parallel_plan, expert_parallel_ranks, stacked_template
+from partc.plan.expert_placement import (
+    expert_parallel_plan,
+    expert_parallel_ranks,
+    stacked_template,
+)
 from partc.plan.ir import PipelineSummary, Plan
-from partc.plan.ranks import GroupKind, KindIndex, PlannedGroup, dense_ranks
+from partc.plan.ranks import GroupKind, GroupSite, KindIndex, PlannedGroup, dense_ranks
+from partc.plan.tensor_split import realize_group_template
 from partc.plan.topology import Topology
 
 if TYPE_CHECKING:
     from partc.bind.binder import BoundArchitecture
     from partc.partition.ownership import ArchitectureParameterDescription, ExecutionGraph
 
-
-GroupSite = Callable[[str], "tuple[SourceLocation, str] | None"]
-"""Where a parameter group (by name) is declared: source location and JSON pointer, or None."""
 
 
 _ACTIVATION_DTYPES = {"F32": PipelineActivationDtype.FLOAT32,

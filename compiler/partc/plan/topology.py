@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from partc.errors import ExpertParallelError, LayoutError
 from partc.parallel.experts import ExpertPlacement, stage_ranks
-from partc.parallel.realize import TensorSplit
-from partc.parallel.specs import ShardingPolicy
+from partc.parallel.specs import ShardingPolicy, TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
 from partc.partition.stages import StageLayout

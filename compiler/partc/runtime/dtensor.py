@@ -19,7 +19,7 @@ from typing import Any
 from partc.errors import CheckpointError
 from partc.parallel.layout import LocalTensorLayout
 from partc.parallel.placements import PlacementKind
-from partc.parallel.realize import chunk_range
+from partc.parallel.specs import chunk_range
 from partc.runtime.frameworks import import_torch, to_torch
 
 

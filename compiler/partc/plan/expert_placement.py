@@ -1,29 +1,103 @@
 """The expert-parallel part of a plan: its layout and placement, the model's expert count,
 the stacked expert groups' rows, and the ranks of an expert-parallel stage
-(docs/expert_parallel.md)."""
+(docs/expert_parallel.md); the placement file read, and the stacked groups realized for an EP
+rank."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from partc.errors import ExpertParallelError
+from partc.errors import ExpertParallelError, LayoutError, PartcErrors, SourceLocation, plural
 from partc.parallel.experts import (
+    PLACEMENT_DOC,
     ExpertGroup,
     ExpertPlacement,
     RankCoordinates,
-    expert_axis_problem,
-    stacked_expert_layouts,
+    placement_problems,
 )
 from partc.parallel.layout import LocalTensorLayout, ParallelModelInfo
+from partc.parallel.placements import Indices, Range, TensorPlacement
 from partc.parallel.specs import ParameterGroupSpec
 from partc.partition.pipeline import ArchitecturePartition
-from partc.plan.ranks import GroupKind, PlannedGroup, RankPlan, rank_accounting
+from partc.plan.ranks import GroupKind, GroupSite, PlannedGroup, RankPlan, rank_accounting
 from partc.plan.topology import Topology
 
 if TYPE_CHECKING:
     from partc.bind.binder import BoundArchitecture
-    from partc.plan.realize import GroupSite
+
+
+Locate = Callable[[str], "SourceLocation | None"]
+"""Where a JSON pointer of a placement file is (None when unknown)."""
+
+
+def _no_location(pointer: str) -> SourceLocation | None:
+    return None
+
+
+def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
+                            file: str, locate: Locate = _no_location) -> ExpertPlacement:
+    """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
+    list per EP rank. Raises LayoutError naming the file, the rank and the expert; a
+    PartcErrors of every one when the file breaks several rules."""
+    def fail(pointer: str, message: str) -> LayoutError:
+        return ExpertParallelError(f"expert placement {file}: {message}",
+                                   location=locate(pointer) or SourceLocation(file),
+                                   pointer=pointer, doc=PLACEMENT_DOC)
+    if not isinstance(data, Mapping) or set(data) != {"ranks"} or not isinstance(
+            data["ranks"], list) or not all(isinstance(r, list) for r in data["ranks"]):
+        raise fail("", "expected an object with one key `ranks`: a list of one list of "
+                       "global expert ids per EP rank, e.g. {\"ranks\": [[0, 1], [2, 3]]}")
+    ranks: list[list[Any]] = data["ranks"]
+    problems = placement_problems(experts, ranks)
+    if ranks and len(ranks) != expert_parallel_size:
+        problems.insert(0, ("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
+                                      f"expert_parallel_size is {expert_parallel_size}"))
+    if len(problems) == 1:
+        raise fail(*problems[0])
+    if problems:
+        raise PartcErrors([fail(*problem) for problem in problems])
+    return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
+                           explicit=True)
+
+
+def expert_axis_problem(group: ParameterGroupSpec, axis: int) -> str | None:
+    """Why stacked group `group` cannot be split on its expert axis `axis` (None: it can)."""
+    counts = {m.shape[axis] if axis < len(m.shape) else None for m in group.members}
+    if None in counts:
+        short = next(m for m in group.members if axis >= len(m.shape))
+        return (f"member `{short.target}` has shape {list(short.shape)}, without the expert "
+                f"axis {axis}")
+    if len(counts) != 1:
+        return (f"its members disagree on the expert count along axis {axis}: "
+                + ", ".join(f"`{m.target}` {m.shape[axis]}" for m in group.members))
+    return None
+
+
+def stacked_expert_layouts(group: ParameterGroupSpec, axis: int, experts: Sequence[int]
+                           ) -> tuple[LocalTensorLayout, ...]:
+    """The layouts of stacked group `group` on an EP rank holding `experts` (ascending ids):
+    the rows of those experts along `axis`, every other axis whole."""
+    ranges: list[tuple[int, int]] = []
+    for expert in experts:
+        if ranges and ranges[-1][1] == expert:
+            ranges[-1] = (ranges[-1][0], expert + 1)
+        else:
+            ranges.append((expert, expert + 1))
+    layouts = []
+    for member in group.members:
+        placement: TensorPlacement
+        if len(ranges) == 1:
+            placement = Range(axis=axis, start=ranges[0][0], end=ranges[0][1])
+        else:
+            placement = Indices(axis=axis, ranges=tuple(ranges))
+        local = list(member.shape)
+        local[axis] = len(experts)
+        layouts.append(LocalTensorLayout(
+            target=member.target, logical_name=group.name, role=group.role, dtype=member.dtype,
+            global_shape=member.shape, local_shape=tuple(local), placement=placement))
+    return tuple(layouts)
 
 
 EXPERT_LAYOUT = ("build rank = stage * N + r; tp = r mod T, dense replica = r div T, "

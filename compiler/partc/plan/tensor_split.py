@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import fields
 
 from partc.errors import SourceLocation
-from partc.parallel.layout import LocalTensorLayout, ParameterRole, _invalid_group
+from partc.parallel.layout import LocalTensorLayout, ParameterRole, invalid_group
 from partc.parallel.placements import (
     LOCAL,
     REPLICATED,
@@ -15,7 +14,7 @@ from partc.parallel.placements import (
     Range,
     Shard,
     TensorPlacement,
-    _is_count,
+    is_count,
     local_shape,
 )
 from partc.parallel.specs import (
@@ -23,25 +22,10 @@ from partc.parallel.specs import (
     ParameterGroupSpec,
     ParameterMemberSpec,
     ShardingPolicy,
+    TensorSplit,
     balanced_contiguous_range,
+    chunk_range,
 )
-
-
-class TensorSplit(enum.Enum):
-    """How a split that does not divide evenly gives out its remainder."""
-
-    BALANCED = "balanced"
-    """The first `n mod T` ranks get one more (DESIGN.md §3; the default)."""
-    CHUNK = "chunk"
-    """torch.chunk's rule, which DTensor's `Shard` and transformers' tensor parallelism follow:
-    every rank gets `ceil(n / T)` in order, the last ones what is left (`chunk_range`)."""
-
-
-def chunk_range(items: int, parts: int, index: int) -> tuple[int, int]:
-    """The half-open range torch.chunk gives part `index` of `items` over `parts` (empty when
-    the chunks run out first: torch.chunk then returns fewer than `parts` chunks)."""
-    width = -(-items // parts)
-    return min(index * width, items), min((index + 1) * width, items)
 
 
 def _split_range(items: int, parts: int, index: int, split: TensorSplit) -> tuple[int, int]:
@@ -286,8 +270,8 @@ def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
     `pointer` name where the group is declared; the errors raised carry them.
     """
     tp = tensor_parallel_size
-    if not _is_count(tp) or tp < 1:
-        raise _invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
+    if not is_count(tp) or tp < 1:
+        raise invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
                              group=group.name, location=location, pointer=pointer)
     effective = policy if policy_overrides_group else (group.policy or policy)
     key = (tp, effective, group.role, group.units, group.kv_replication,
@@ -320,7 +304,7 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
     problems, kv = _problems(group, tp, split)
     if problems and effective is ShardingPolicy.REQUIRE:
         targets = {t for t, _ in problems}
-        raise _invalid_group(
+        raise invalid_group(
             f"group `{group.name}` cannot be sharded over tensor_parallel_size {tp}: "
             + "; ".join(m for _, m in problems) + ". Use a tensor-parallel size the group "
             f"allows, or set `policy: replicate_unsupported` on group `{group.name}` (CLI: "
