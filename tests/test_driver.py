@@ -20,12 +20,6 @@ from partc.errors import (
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import MemberSharding, ParameterGroupSpec, ParameterMemberSpec
 from partc.partition.boundary import NoAuxiliaryBoundarySchema, PipelineActivationDtype
-from partc.partition.driver import (
-    LayeredPartitionDriver,
-    LayeredPartitionExecutor,
-    LayeredPartitionInput,
-    LayeredUnitExecution,
-)
 from partc.partition.ownership import (
     ArchitectureParameterDescription,
     ExecutionGraph,
@@ -36,7 +30,14 @@ from partc.partition.ownership import (
     StaticRole,
     StaticRoleSpec,
 )
-from partc.partition.pipeline import PartitionState, realize_pipeline
+from partc.partition.pipeline import PartitionState
+from partc.plan.pipeline_cut import realize_pipeline
+from partc.runtime.driver import (
+    LayeredPartitionDriver,
+    LayeredPartitionExecutor,
+    LayeredPartitionInput,
+    LayeredUnitExecution,
+)
 
 from support import compile_and_import, hf
 

@@ -41,10 +41,8 @@ from partc.partition.pipeline import (
     PartitionOwnership,
     PartitionParameterBinding,
     PartitionState,
-    pipeline_stage_ranges,
-    realize_partition,
-    realize_pipeline,
 )
+from partc.plan.pipeline_cut import pipeline_stage_ranges, realize_partition, realize_pipeline
 
 from support import FULLSIZE, compile_and_import, hf
 
@@ -307,12 +305,12 @@ def test_selection_by_semantic_role_static_role_and_partition():
     assert description.targets_for_static_role("output") == ("model.embed_tokens.weight",)
     assert description.targets_for_static_role("final_norm") == ("model.norm.weight",)
     first, last = realize_pipeline(description, 2)
-    assert [g.group.name for g in description.select_owned(first)] == [
+    assert [g.group.name for g in first.owned_groups(description)] == [
         "embedding", "layers.0", "layers.1"]
-    assert [g.group.name for g in description.select_owned(last)] == [
+    assert [g.group.name for g in last.owned_groups(description)] == [
         "embedding", "layers.2", "final_norm"]
-    assert description.select_static_roles(first) == ("embedding",)
-    assert description.select_static_roles(last) == ("embedding", "final_norm")
+    assert first.owned_static_roles(description) == ("embedding",)
+    assert last.owned_static_roles(description) == ("embedding", "final_norm")
 
 
 # ---------------------------------------------------------------- stage ranges
@@ -545,7 +543,7 @@ def test_tied_embeddings_load_on_both_ends_of_the_pipeline():
     assert "model.embed_tokens.weight" in first.parameter_targets
     assert "model.embed_tokens.weight" not in middle.parameter_targets
     assert "model.embed_tokens.weight" in last.parameter_targets
-    assert bound.description.select_static_roles(last) == ("embedding", "final_norm")
+    assert last.owned_static_roles(bound.description) == ("embedding", "final_norm")
 
 
 # ---------------------------------------------------------------- DeepSeek-V3 through the API

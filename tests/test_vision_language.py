@@ -129,7 +129,7 @@ def modules(tmp_path, name, layout, tp=1):
 
 
 def _named(layout):
-    from partc.partition.stages import parse_stage_layout
+    from partc.plan.stage_balance import parse_stage_layout
 
     return parse_stage_layout(layout)
 
@@ -491,7 +491,7 @@ def _brute_force(costs, stages, keep_whole=()):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_byte_balancing_finds_the_least_largest_stage(seed):
-    from partc.partition.pipeline import cost_balanced_stage_ranges
+    from partc.plan.pipeline_cut import cost_balanced_stage_ranges
 
     rng = np.random.default_rng(seed)
     costs = [int(c) for c in rng.integers(1, 1000, size=int(rng.integers(4, 11)))]

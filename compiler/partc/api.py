@@ -47,7 +47,7 @@ from partc.plan.topology import Topology
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
-    from partc.partition.stages import StageLayout
+    from partc.plan.stage_balance import StageLayout
     from partc.runtime.checkpoint import Checkpoint
     from partc.runtime.progress import ProgressCallback
 

@@ -68,7 +68,7 @@ class Parser(argparse.ArgumentParser):
 
 def _stage_units(text: str) -> Any:
     """Unit counts per stage (`3,5,4`), or a stage layout naming groups (`vision*3|decoder*2`)."""
-    from partc.partition.stages import is_named_layout, parse_stage_layout
+    from partc.plan.stage_balance import is_named_layout, parse_stage_layout
 
     if is_named_layout(text):
         try:

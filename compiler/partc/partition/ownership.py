@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from partc.errors import (
     ArchitectureParameterError,
@@ -23,15 +23,13 @@ from partc.errors import (
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import ParameterGroupSpec
 
-if TYPE_CHECKING:
-    from partc.partition.pipeline import ArchitecturePartition
-
 Range = tuple[int, int]
 """A half-open integer range (start, end)."""
 
 
-def _partition_error(kind: ArchitecturePartitionErrorKind, message: str
-                     ) -> ArchitecturePartitionError:
+def partition_error(kind: ArchitecturePartitionErrorKind, message: str
+                    ) -> ArchitecturePartitionError:
+    """An architecture-partition error of `kind`."""
     return ArchitecturePartitionError(kind, message)
 
 
@@ -551,22 +549,3 @@ class ArchitectureParameterDescription:
         """Targets of groups owned by static role `role` (alone or shared), sorted."""
         return tuple(sorted(t for g in self.groups if role in g.owner.static_roles
                             for t in g.group.targets))
-
-    def select_owned(self, partition: ArchitecturePartition) -> tuple[OwnedParameterGroupSpec, ...]:
-        """The groups `partition` holds, with their owners, in declaration order."""
-        units = partition.unit_ranges
-        roles = partition.ownership.static_roles
-        return tuple(g for g in self.groups if g.owner.is_local(units, roles))
-
-    def select_static_roles(self, partition: ArchitecturePartition) -> tuple[str, ...]:
-        """Static storage roles `partition` holds (a shared group's first role), sorted."""
-        return tuple(sorted({g.owner.static_roles[0] for g in self.select_owned(partition)
-                             if g.owner.static_roles}))
-
-
-# ---------------------------------------------------------------- one stage's partition
-
-
-# ---------------------------------------------------------------- pipeline realization
-
-

@@ -21,15 +21,15 @@ from partc.partition.boundary import (
     PipelineWireContract,
 )
 from partc.partition.ownership import ExecutionUnit, GroupParallelMode
-from partc.partition.pipeline import realize_partition
-from partc.partition.stages import choose_stages, spell_layout
 from partc.plan.expert_placement import (
     expert_parallel_plan,
     expert_parallel_ranks,
     stacked_template,
 )
 from partc.plan.ir import PipelineSummary, Plan
+from partc.plan.pipeline_cut import realize_partition
 from partc.plan.ranks import GroupKind, GroupSite, KindIndex, PlannedGroup, dense_ranks
+from partc.plan.stage_balance import choose_stages, spell_layout
 from partc.plan.tensor_split import realize_group_template
 from partc.plan.topology import Topology
 

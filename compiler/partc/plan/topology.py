@@ -12,7 +12,7 @@ from partc.parallel.experts import ExpertPlacement, stage_ranks
 from partc.parallel.specs import ShardingPolicy, TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
-from partc.partition.stages import StageLayout
+from partc.plan.stage_balance import StageLayout
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

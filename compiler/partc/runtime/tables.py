@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported where used: a plain load needs none of them (impor
         BoundaryWireSchema,
         PipelineWireContract,
     )
-    from partc.partition.driver import LayeredPartitionDriver
+    from partc.runtime.driver import LayeredPartitionDriver
     from partc.partition.pipeline import ArchitecturePartition, PartitionState
 
 
@@ -399,7 +399,7 @@ def architecture_boundary(table: RankTable) -> ArchitectureBoundary:
 def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None = None
                              ) -> LayeredPartitionDriver:
     """The stage's LayeredPartitionDriver, checking the executor's `storage` ranges if given."""
-    from partc.partition.driver import LayeredPartitionDriver
+    from partc.runtime.driver import LayeredPartitionDriver
 
     return LayeredPartitionDriver.for_partition(architecture_partition(table), storage)
 

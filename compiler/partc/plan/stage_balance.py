@@ -20,9 +20,9 @@ from partc.partition.ownership import (
     Range,
     StageSide,
     StaticRoleSpec,
-    _partition_error,
+    partition_error,
 )
-from partc.partition.pipeline import cost_balanced_stage_ranges, pipeline_stage_ranges
+from partc.plan.pipeline_cut import cost_balanced_stage_ranges, pipeline_stage_ranges
 
 StageLayout = tuple[tuple[tuple[str, int], ...], ...]
 """Per stage, its (execution group, unit count) runs in canonical order."""
@@ -31,7 +31,7 @@ _ITEM = re.compile(r"^(?P<group>[A-Za-z_][A-Za-z0-9_]*)(?:\*(?P<count>[0-9]+))?$
 
 
 def _layout_error(message: str) -> Exception:
-    return _partition_error(ArchitecturePartitionErrorKind.INVALID_STAGES, message)
+    return partition_error(ArchitecturePartitionErrorKind.INVALID_STAGES, message)
 
 
 def is_named_layout(text: str) -> bool:
