@@ -14,7 +14,8 @@ import pytest
 from partc import EmitError, PartcError
 from partc.api import compile_family
 from partc.emit.check import check_generated
-from partc.emit.render import lines_literal, python_literal, render_package
+from partc.emit.literal import lines_literal, python_literal
+from partc.emit.render import render_package
 
 from support import ROOT, hf
 
