@@ -99,7 +99,7 @@ if mode == "partc":
     loaders = importlib.import_module(spec["package"])
     sys.path.insert(0, spec["recipe_dir"])
     from transformers_tp import tp_model_from_partc
-    from partc.runtime.topology import BuildTopology
+    from partc.runtime.mesh import BuildTopology
 marks["imports"] = since_start()
 dist.init_process_group("gloo")
 if mode == "partc":

@@ -110,7 +110,7 @@ def test_a_reference_to_an_object_partc_lacks_fails_the_strict_build(tmp_path):
     docs = tmp_path / "docs"
     shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("__pycache__"))
     page = docs / "reference" / "torch.md"
-    page.write_text(page.read_text() + "\n::: partc.runtime.topology.build_device_meshes\n")
+    page.write_text(page.read_text() + "\n::: partc.runtime.mesh.build_device_meshes\n")
     config = (ROOT / "mkdocs.yml").read_text()
     config = config.replace("docs_dir: docs", f"docs_dir: {docs}")
     config = config.replace("paths: [compiler]", f"paths: [{ROOT / 'compiler'}]")
@@ -118,4 +118,4 @@ def test_a_reference_to_an_object_partc_lacks_fails_the_strict_build(tmp_path):
     (tmp_path / "mkdocs.yml").write_text(config)
     done = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0
-    assert "partc.runtime.topology.build_device_meshes" in done.stderr, done.stderr[-3000:]
+    assert "partc.runtime.mesh.build_device_meshes" in done.stderr, done.stderr[-3000:]

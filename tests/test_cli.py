@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from partc.cli.commands import docs_folder
 from partc.cli.diagnostics import CONTEXT_WIDTH
 from partc.cli.main import main
-from partc.commands import docs_folder
 
 from support import ROOT, hf
 from support.families import MINI, MINI_CONFIG, MINI_TOML

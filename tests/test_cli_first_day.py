@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from partc.cli.main import main
 from partc.cli.parser import build_parser
-from partc.inspect.build import byte_text
+from partc.inspect.plan_summary import byte_text
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "compiler" / "partc" / "examples" / "tiny-llama"

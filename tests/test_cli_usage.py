@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from partc.cli.commands import error_reference
 from partc.cli.main import main
-from partc.commands import error_reference
 
 from support import hf
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from partc import errors
+from partc.cli.commands import doc_reference, doc_sections, docs_folder, heading_anchor
 from partc.cli.main import main
-from partc.commands import doc_reference, doc_sections, docs_folder, heading_anchor
 
 from support import ROOT, hf
 

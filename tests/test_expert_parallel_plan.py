@@ -23,7 +23,7 @@ from partc.plan.ranks import KindIndex
 from partc.plan.realize import realize_plan
 from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
-from partc.runtime.topology import BuildTopology, RankCoordinates
+from partc.runtime.mesh import BuildTopology, RankCoordinates
 
 from support import FULLSIZE, compile_and_import, fullsize_checkpoint, hf
 

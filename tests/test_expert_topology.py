@@ -25,7 +25,7 @@ from partc.errors import CheckpointError, ExpertParallelError, PartcErrors
 from partc.parallel.experts import ExpertPlacement
 from partc.plan.realize import realize_plan
 from partc.plan.topology import Topology
-from partc.runtime.topology import BuildTopology, build_topology
+from partc.runtime.mesh import BuildTopology, build_topology
 
 from support import hf
 

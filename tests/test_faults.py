@@ -17,7 +17,7 @@ import pytest
 from regenerate_cases import case_errors, case_folders, expected_errors, toml_spelling
 
 from partc.api import compile_family, plan_family
-from partc.commands import docs_folder
+from partc.cli.commands import docs_folder
 from partc.errors import CheckpointError
 from partc.front.load import load_document
 from partc.plan.ir import canonical_json

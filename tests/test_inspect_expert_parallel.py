@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from partc.cli.main import main
-from partc.inspect.build import rank_role_bytes, read_build
+from partc.inspect.plan_summary import rank_role_bytes, read_build
 
 from support import compile_and_import, hf
 

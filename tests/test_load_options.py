@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from partc.errors import CheckpointError
-from partc.runtime.ranks import environment_integer
+from partc.runtime.rank_env import environment_integer
 
 from support import Recorder, compile_and_import, hf
 

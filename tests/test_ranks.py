@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from partc.errors import CheckpointError
-from partc.runtime.ranks import launch_position, rank_from_environment
+from partc.runtime.rank_env import launch_position, rank_from_environment
 
 from support import HF, compile_and_import
 

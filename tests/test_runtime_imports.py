@@ -28,7 +28,7 @@ found["runtime"] = sorted(m for m in HEAVY if m in sys.modules)
 PATHS = ("pathlib",)
 found["paths"] = sorted(m for m in PATHS if m in sys.modules)
 LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.partition.driver",
-        "partc.runtime.device", "partc.runtime.topology", "partc.parallel.experts", "difflib",
+        "partc.runtime.device", "partc.runtime.mesh", "partc.parallel.experts", "difflib",
         "partc.parallel.layout")
 found["late"] = sorted(m for m in LATE if m in sys.modules)
 sys.path.insert(0, build)
@@ -88,7 +88,7 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
                              compiled.info.local_parameter_bytes]
     assert found["late after boundary"] == ["partc.parallel.layout", "partc.partition.boundary"]
     assert found["late after topology"] == ["partc.parallel.experts", "partc.parallel.layout",
-                                            "partc.partition.boundary", "partc.runtime.topology"]
+                                            "partc.partition.boundary", "partc.runtime.mesh"]
 
 
 def test_the_header_hash_equals_hashlibs_sha256() -> None:

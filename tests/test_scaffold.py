@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from partc.api import compile_family
+from partc.cli.commands import error_reference
 from partc.cli.main import main
-from partc.commands import error_reference
 
 from support import HF, hf
 

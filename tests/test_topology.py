@@ -13,7 +13,7 @@ import pytest
 
 from partc.api import compile_family
 from partc.errors import CheckpointError
-from partc.runtime.topology import BuildTopology, RankCoordinates
+from partc.runtime.mesh import BuildTopology, RankCoordinates
 
 from support import HF
 

@@ -21,7 +21,7 @@ from partc.api import compile_family
 from partc.emit.render import package_name
 from partc.errors import ArchitectureBoundaryError
 from partc.parallel.specs import ShardingPolicy
-from partc.runtime.topology import BuildTopology
+from partc.runtime.mesh import BuildTopology
 
 from support import hf, import_build
 from torch_executor import TensorParallel, run_stage

@@ -20,7 +20,7 @@ import pytest
 from partc.api import check_family
 from partc.cli.main import main
 from partc.plan.topology import Topology
-from partc.verify.report import VerifyReport
+from partc.verify.results import VerifyReport
 from partc.verify.run import verify_family
 
 from support import ROOT, edited_family, hf

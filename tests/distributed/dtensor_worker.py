@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.numpy import load_file
 
 from partc.runtime.dtensor import to_dtensors
-from partc.runtime.topology import BuildTopology
+from partc.runtime.mesh import BuildTopology
 
 
 def _report(line: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from partc.runtime.topology import BuildTopology
+from partc.runtime.mesh import BuildTopology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for torch_executor
 

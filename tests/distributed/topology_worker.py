@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from partc.runtime.topology import BuildTopology
+from partc.runtime.mesh import BuildTopology
 
 
 def _report(line: str) -> None:

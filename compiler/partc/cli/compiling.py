@@ -1,5 +1,5 @@
 """The compiling commands of the command line: compile, check, demo, shard and verify, with
-their text and JSON reports (the seeing and authoring commands are `partc.commands`)."""
+their text and JSON reports (the seeing and authoring commands are `partc.cli.commands`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from partc.cli.parser import EXIT_ERRORS, EXIT_OK
 from partc.errors import PartcError
 
 if TYPE_CHECKING:
-    from partc.verify.report import Check
+    from partc.verify.results import Check
 
 
 def _progress_enabled(args: argparse.Namespace) -> bool | None:
@@ -35,7 +35,7 @@ def _policy(value: str | None):  # type: ignore[no-untyped-def]
 
 def _plan_facts(plan: Any) -> dict[str, Any]:
     """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
-    from partc.inspect.build import kv_replicated, pipeline_facts, plan_summary, tp_reduced
+    from partc.inspect.plan_summary import kv_replicated, pipeline_facts, plan_summary, tp_reduced
     from partc.parallel.placements import tensor_bytes
 
     body = plan.document[0]

@@ -42,7 +42,7 @@ def completion_script(shell: str) -> str:
     """The completion script of `partc` for `shell` (bash or zsh)."""
     import shtab
 
-    from partc.commands import doc_topics
+    from partc.cli.commands import doc_topics
     from partc.library import builtin_families
 
     parser = build_parser()

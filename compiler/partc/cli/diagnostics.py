@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from partc import commands
+from partc.cli import commands
 from partc.cli.parser import EXIT_ERRORS
 from partc.errors import PartcError, PartcErrors
 

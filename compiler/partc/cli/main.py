@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from partc import commands
+from partc.cli import commands
 from partc.cli.compiling import run_check, run_compile, run_demo, run_shard, run_verify
 from partc.cli.completion import run_completion
 from partc.cli.diagnostics import flatten_errors, report_errors

@@ -10,7 +10,8 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from partc import __version__, commands
+from partc import __version__
+from partc.cli import commands
 from partc.errors import PartcError
 
 EXIT_OK = 0

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation, plural
-from partc.inspect.build import Build, names_hint, placement_text, rank_placement
 from partc.inspect.origins import Origins
+from partc.inspect.plan_summary import Build, names_hint, placement_text, rank_placement
 
 
 def _suggest(name: str, names: list[str]) -> str:

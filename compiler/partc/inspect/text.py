@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from partc.errors import plural
-from partc.inspect.build import byte_text, topology_text
+from partc.inspect.plan_summary import byte_text, topology_text
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], *,

@@ -8,7 +8,7 @@ modules call through `_runtime.<name>`; each name is defined in one submodule.
 from typing import TYPE_CHECKING, Any
 
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module
-from partc.runtime.ranks import LaunchPosition, build_launch_position, launch_position
+from partc.runtime.rank_env import LaunchPosition, build_launch_position, launch_position
 from partc.runtime.tables import (
     RankTable,
     architecture_boundary,
@@ -24,7 +24,7 @@ from partc.runtime.tables import (
 )
 
 if TYPE_CHECKING:
-    from partc.runtime.topology import (
+    from partc.runtime.mesh import (
         BuildTopology,
         build_device_mesh,
         build_process_groups,
@@ -32,16 +32,16 @@ if TYPE_CHECKING:
     )
 
 _TOPOLOGY = ("BuildTopology", "build_device_mesh", "build_process_groups", "build_topology")
-"""Names of `partc.runtime.topology`, imported on first use: a process that only loads its
+"""Names of `partc.runtime.mesh`, imported on first use: a process that only loads its
 tensors never needs the rank arithmetic of process groups (import cost, issue 18)."""
 
 
 def __getattr__(name: str) -> Any:
     """The topology helpers, imported when first asked for."""
     if name in _TOPOLOGY:
-        from partc.runtime import topology
+        from partc.runtime import mesh
 
-        return getattr(topology, name)
+        return getattr(mesh, name)
     raise AttributeError(f"module 'partc.runtime' has no attribute {name!r}")
 
 __all__ = [

@@ -26,7 +26,7 @@ import numpy as np
 from partc.errors import CheckpointError
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.frameworks import import_torch
-from partc.runtime.ranks import environment_integer
+from partc.runtime.rank_env import environment_integer
 from partc.runtime.reader import TensorSelection, read_tensors
 
 DEFAULT_STAGING_BYTES = 64 << 20

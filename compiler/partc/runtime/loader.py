@@ -29,7 +29,7 @@ from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
 from partc.runtime.headers import _ML_DTYPES, BIT_DTYPES, DTYPES
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
-from partc.runtime.ranks import package_factors, rank_from_environment, rank_out_of_range
+from partc.runtime.rank_env import package_factors, rank_from_environment, rank_out_of_range
 from partc.runtime.reader import TensorSelection, count_option, read_tensors
 from partc.runtime.tables import (
     RankTable,

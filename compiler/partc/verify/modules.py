@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from partc.verify.report import Check
+from partc.verify.results import Check
 from partc.verify.session import Build, Session, largest_error, tolerance_of
 
 

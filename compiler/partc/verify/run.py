@@ -43,7 +43,6 @@ from partc.api import (
 from partc.errors import PartcError, PartcErrors, SourceLocation
 from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
-from partc.verify.pipeline import pipeline_checks, plan_cuts, unexercised_boundaries
 from partc.verify.reference import (
     VerifyError,
     build_reference,
@@ -51,8 +50,9 @@ from partc.verify.reference import (
     reference_config,
     require_libraries,
 )
-from partc.verify.report import Check, VerifyReport
+from partc.verify.results import Check, VerifyReport
 from partc.verify.session import Session, compile_build
+from partc.verify.stage_checks import pipeline_checks, plan_cuts, unexercised_boundaries
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy

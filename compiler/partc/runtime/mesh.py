@@ -21,7 +21,12 @@ from typing import Any
 from partc.errors import CheckpointError
 from partc.parallel.experts import stage_ranks
 from partc.runtime.frameworks import import_torch
-from partc.runtime.ranks import environment_integer, launch_position, not_a_multiple, world_factors
+from partc.runtime.rank_env import (
+    environment_integer,
+    launch_position,
+    not_a_multiple,
+    world_factors,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,8 @@ import jinja2
 
 from partc import __version__
 from partc.errors import plural
-from partc.inspect.build import (
+from partc.inspect.origins import Origins
+from partc.inspect.plan_summary import (
     FALLBACK_ROLE,
     Build,
     byte_text,
@@ -34,7 +35,6 @@ from partc.inspect.build import (
     unit_columns,
     wire_tensors,
 )
-from partc.inspect.origins import Origins
 from partc.inspect.text import id_ranges
 from partc.parallel.placements import tensor_bytes
 

@@ -83,7 +83,7 @@ def _inspect_origins(build: Any, args: argparse.Namespace) -> tuple[Any, str]:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
-    from partc.inspect.build import is_build, plan_faults, read_build, summary, tensor_rows
+    from partc.inspect.plan_summary import is_build, plan_faults, read_build, summary, tensor_rows
     from partc.inspect.text import inventory_lines, summary_lines, tensor_lines
     from partc.runtime.manifest import SHARD_MANIFEST
 
@@ -98,7 +98,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                         f"({files[0] if files else 'rank-NN-of-NN.safetensors'}), or the build "
                         "it was cut for", location=SourceLocation(str(path)))
     if not is_build(path):
-        from partc.inspect.checkpoint import inventory
+        from partc.inspect.inventory import inventory
 
         if args.rank is not None or args.group or args.target:
             raise LoadError(f"{path} is a checkpoint, not a build: --rank, --group and --target "
@@ -134,8 +134,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_explain(args: argparse.Namespace) -> int:
     """`partc explain BUILD TARGET`."""
-    from partc.inspect.build import plan_faults, read_build
     from partc.inspect.explain import explain
+    from partc.inspect.plan_summary import plan_faults, read_build
     from partc.inspect.text import explain_lines
 
     build = read_build(args.build)
@@ -197,8 +197,8 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """`partc report BUILD --out report.html`."""
-    from partc.inspect.build import plan_faults, read_build
-    from partc.inspect.report import render_report
+    from partc.inspect.html_report import render_report
+    from partc.inspect.plan_summary import plan_faults, read_build
 
     build = read_build(args.build)
     with plan_faults(build):
