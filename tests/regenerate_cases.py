@@ -10,6 +10,11 @@ case, create the folder with its input files and an empty expected.txt, run
 and review the diff. `python tests/regenerate_cases.py --toml-twin` rewrites
 `cases/llama_toml_twin/family.toml`, the TOML spelling of architectures/llama.yaml. Folders
 without expected.txt (golden families of other tests) are skipped.
+
+`python tests/regenerate_cases.py --golden [NAME ...]` rewrites the golden generated builds
+under tests/golden/ (plan.json, the build marker and the loader package of each build in
+GOLDEN_BUILDS, compiled from the tiny fixtures without a checkpoint), which
+tests/test_golden_packages.py compares fresh compiles with byte for byte.
 """
 
 from __future__ import annotations
@@ -23,6 +28,39 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ROOT / "tests" / "cases"
+GOLDEN = ROOT / "tests" / "golden"
+
+GOLDEN_BUILDS: dict[str, tuple[str, int, int, int | None]] = {
+    "llama_tp2_pp2": ("llama", 2, 2, None),
+    "llama_tp4": ("llama", 4, 1, None),  # KV heads repeated: `kv x2`
+    "mixtral_tp2_ep2": ("mixtral", 2, 1, 2),  # experts placed by EP: `expert E`
+    "phi3_tp2": ("phi3", 2, 1, None),  # fused qkv: `cat(narrow(...), ...)`
+    "qwen2_vl_tp2_pp2": ("qwen2_vl", 2, 2, None),  # vision tower and language model
+}
+"""Golden builds by folder name: (fixture under tests/fixtures/hf, TP, PP, EP or None)."""
+
+
+def compile_golden(name: str, out: Path) -> None:
+    """Compile golden build `name` into `out` (replaced whole), as `partc compile` would."""
+    from partc.api import compile_family
+
+    fixture, tp, pp, ep = GOLDEN_BUILDS[name]
+    compile_family(None, ROOT / "tests" / "fixtures" / "hf" / fixture / "config.json",
+                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                   expert_parallel_size=ep, out=out)
+
+
+def write_golden(names: list[str]) -> None:
+    """Rewrite the named golden builds (default: all); print what changed."""
+    for name in names or sorted(GOLDEN_BUILDS):
+        target = GOLDEN / name
+        before = {p.relative_to(target): p.read_bytes() for p in sorted(target.rglob("*"))
+                  if p.is_file()} if target.is_dir() else {}
+        compile_golden(name, target)
+        after = {p.relative_to(target): p.read_bytes() for p in sorted(target.rglob("*"))
+                 if p.is_file()}
+        if after != before:
+            print(f"updated golden {name}: {len(after)} file(s)")
 
 
 def case_folders() -> list[Path]:
@@ -144,6 +182,9 @@ def main(names: list[str]) -> int:
     """Rewrite expected.txt for the named cases (default: all); print what changed."""
     if names == ["--toml-twin"]:
         print(f"wrote {write_llama_twin().relative_to(ROOT)}")
+        return 0
+    if names[:1] == ["--golden"]:
+        write_golden(names[1:])
         return 0
     folders = [CASES / name for name in names] if names else case_folders()
     for folder in folders:

@@ -174,3 +174,25 @@ def test_render_package_checks_every_module_it_renders():
         if path.endswith(".py"):
             check_generated(text, path)
             compile(text, path, "exec")
+
+
+def test_formatted_literals_are_what_ruff_format_makes_of_them():
+    from partc.emit.literal import formatted_literal
+
+    values = [
+        "a'b", 'a"b', "a'b\"c\"", "back\\slash", "x" * 120, "new\nline", "ünïcødé ☃", "",
+        (), ("one",), ("x" * 95,), (1, 2, 3), tuple(range(40)), [("a", 1)] * 30,
+        {"k": {"nested": tuple("abcdefghijklmnopqrstuvwxyz"), "flat": 1}, "b": ("y" * 90,)},
+        {"graph": ({"unit_paths": tuple(f"model.layers.{i}" for i in range(12))},)},
+        (("F32", (64, 64), ("range", 0, 32, 64), 1),) * 5, None, True, -3, 1.5e-05,
+    ]
+    source = "".join(f"V{i} = {formatted_literal(v, f'V{i} = ')}\n"
+                     for i, v in enumerate(values))
+    for i, v in enumerate(values):
+        expected = tuple(v) if isinstance(v, list) else v
+        assert ast.literal_eval(source.split(f"V{i} = ", 1)[1].split("\nV", 1)[0]) == (
+            tuple(tuple(x) for x in expected) if isinstance(v, list) else expected)
+    proc = subprocess.run([sys.executable, "-m", "ruff", "format", "--line-length", "100",
+                           "--diff", "-"], input=source, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
