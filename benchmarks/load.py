@@ -538,14 +538,14 @@ def compile_builds(folder: Path, builds: Path, tps: list[int]) -> dict[int, dict
 def rank_runs(checkpoint: Any, selections: list[list[Any]]
               ) -> dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]:
     """Absolute (start, length) of every byte run of a rank's selections, per file."""
-    from partc.runtime.reader import TensorSelection
-    from partc.runtime.runs import _runs
+    from partc.runtime._engine.runs import byte_runs
+    from partc.runtime._engine.selection import TensorSelection
 
     runs: dict[str, list[tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
     for name, axis, ranges in selections:
         header, entry = checkpoint.tensor(name)
         sel = TensorSelection(axis=axis, ranges=tuple(tuple(r) for r in ranges))
-        src, _, length = _runs(entry, sel)
+        src, _, length = byte_runs(entry, sel)
         if len(src):
             runs.setdefault(str(header.path), []).append(
                 (src + header.data_start + entry.begin, length))
@@ -650,7 +650,7 @@ def main() -> None:
     files = checkpoint_files(folder)
     total = sum(f.stat().st_size for f in files)
     builds = compile_builds(folder, Path(scratch.name) / "builds", tps)
-    from partc.runtime.reader import default_workers
+    from partc.runtime._engine.workers import default_workers
 
     threads = args.workers or default_workers(1)  # a rank loading alone
     print(f"partc {partc.__version__} from {Path(partc.__file__).parent}")

@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 from partc.errors import CheckpointError
-from partc.runtime import gather, headers
-from partc.runtime import reader as checkpoint
+from partc.runtime import headers
+from partc.runtime._engine import gather, workers
+from partc.runtime._engine import reader as checkpoint
+from partc.runtime._engine.reader import CheckpointReader, read_tensor, read_tensors
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.headers import DTYPES, MAX_HEADER_SIZE, FileHeader, read_header
-from partc.runtime.reader import CheckpointReader, TensorSelection, read_tensor, read_tensors
 
 from support import FIXTURES, Recorder, bits
 
@@ -726,8 +728,8 @@ STRATEGIES = ["default", "threads", "syscalls"]
 def use_strategy(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
     """Force the engine's threaded path (tiny jobs) or its one-preadv-per-run path."""
     if strategy == "threads":
-        monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
-        monkeypatch.setattr(checkpoint, "_JOB_BYTES", 40)
+        monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
+        monkeypatch.setattr(checkpoint, "JOB_BYTES", 40)
     if strategy == "syscalls":
         monkeypatch.setattr(gather, "_GATHER_RUN", 0)
 
@@ -758,8 +760,8 @@ def test_a_batch_of_random_selections_reads_like_numpy_under_every_strategy(
 
 
 def test_large_destinations_are_writable_mappings_and_small_ones_plain_arrays() -> None:
-    big = checkpoint._empty((1024, 1024), np.dtype(np.float32))
-    small = checkpoint._empty((4,), np.dtype(np.float32))
+    big = checkpoint.empty_array((1024, 1024), np.dtype(np.float32))
+    small = checkpoint.empty_array((4,), np.dtype(np.float32))
     assert big.flags.writeable and big.flags.c_contiguous and big.shape == (1024, 1024)
     assert not big.flags.owndata, "backed by its own anonymous mapping"
     big[...] = 1.5
@@ -775,7 +777,7 @@ def test_a_file_truncated_while_gathering_columns_is_an_error_not_a_crash(
     name = "model.layers.2.mlp.down_proj.weight"
     header, e = ckpt.tensor(name)
     sel = TensorSelection(1, ((0, e.shape[1] // 2),))
-    assert checkpoint._gatherable(e, sel)
+    assert checkpoint.gatherable(e, sel)
     with CheckpointReader(ckpt) as reader:
         reader.read("lm_head.weight")  # opens and checks the file
         os.truncate(path, header.data_start + e.end - 1)
@@ -788,19 +790,19 @@ def test_a_selection_covering_whole_rows_is_read_with_preadv_not_gathered() -> N
     ckpt = open_checkpoint(LLAMA)
     _, e = ckpt.tensor("model.layers.0.mlp.down_proj.weight")
     cols = e.shape[1]
-    assert checkpoint._gatherable(e, TensorSelection(1, ((0, cols // 2),)))
-    assert not checkpoint._gatherable(e, TensorSelection(1, ((cols // 2, cols), (0, cols // 2))))
-    assert not checkpoint._gatherable(e, TensorSelection(0, ((0, 8),)))
-    assert not checkpoint._gatherable(e, TensorSelection())
+    assert checkpoint.gatherable(e, TensorSelection(1, ((0, cols // 2),)))
+    assert not checkpoint.gatherable(e, TensorSelection(1, ((cols // 2, cols), (0, cols // 2))))
+    assert not checkpoint.gatherable(e, TensorSelection(0, ((0, 8),)))
+    assert not checkpoint.gatherable(e, TensorSelection())
 
 
 def test_jobs_cut_long_runs_and_keep_file_order() -> None:
     ckpt = open_checkpoint(LLAMA_SHARDED)
-    plan = checkpoint._ReadPlan()
+    plan = checkpoint.ReadPlan()
     for name in reversed(ckpt.names):
         header, e = ckpt.tensor(name)
         array = np.empty(e.shape, DTYPES[e.dtype])
-        src, dst, length = checkpoint._runs(e, TensorSelection())
+        src, dst, length = checkpoint.byte_runs(e, TensorSelection())
         plan.add(ckpt.owners[name], header.data_start + e.begin, name, array, src, dst, length)
     jobs = plan.jobs(ckpt.files, 1000)
     assert sum(j.nbytes for j in jobs) == plan.nbytes
@@ -811,21 +813,21 @@ def test_jobs_cut_long_runs_and_keep_file_order() -> None:
 
 def test_default_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PARTC_READ_THREADS", "3")
-    assert checkpoint.default_workers() == 3
+    assert workers.default_workers() == 3
     monkeypatch.setenv("PARTC_READ_THREADS", " ")
-    assert 1 <= checkpoint.default_workers() <= 8, "blank: the default"
+    assert 1 <= workers.default_workers() <= 8, "blank: the default"
     monkeypatch.setenv("PARTC_READ_THREADS", "zero")
     with pytest.raises(CheckpointError, match="environment PARTC_READ_THREADS='zero' must be a "
                        "positive integer in ASCII digits"):
-        checkpoint.default_workers()
+        workers.default_workers()
 
 
 def test_one_run_answers_as_the_runs_do() -> None:
     # the zero-copy question "one byte run, and where?" agrees with the full run computation
     import itertools
 
+    from partc.runtime._engine.runs import one_run
     from partc.runtime.headers import TensorEntry
-    from partc.runtime.runs import one_run
 
     rng = np.random.default_rng(7)
     shapes = [(0,), (5,), (4, 6), (1, 6), (3, 1, 4), (2, 3, 0), (6, 4, 2)]
@@ -841,6 +843,6 @@ def test_one_run_answers_as_the_runs_do() -> None:
                            for p, q in itertools.combinations(pairs, 2)]
             selections.append(TensorSelection(axis=axis, ranges=((0, 0),)))
         for sel in selections:
-            src = checkpoint._runs(entry, sel)[0]
+            src = checkpoint.byte_runs(entry, sel)[0]
             want = (len(src), int(src[0])) if len(src) == 1 else (min(len(src), 2), 0)
             assert one_run(entry, sel) == want, (shape, sel)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from partc.runtime import gather, runs
-from partc.runtime import reader as checkpoint
+from partc.runtime._engine import gather, runs, workers
+from partc.runtime._engine.reader import CheckpointReader
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
-from partc.runtime.reader import CheckpointReader, TensorSelection
 
 from support import Recorder, assert_same_tensors, compile_and_import, hf
 
@@ -80,7 +80,7 @@ def test_a_cold_column_slice_reads_the_sectors_of_its_runs_and_nothing_else(
     rows, cols = entry.shape
     item = DTYPES[entry.dtype].itemsize
     sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
-    assert gather._gatherable(entry, sel)
+    assert gather.gatherable(entry, sel)
     recorder = Recorder()
     with CheckpointReader(ckpt, recorder=recorder, workers=1) as r:
         got = r.read_many([(name, sel)])[name]
@@ -131,10 +131,10 @@ def test_a_rank_reads_exactly_the_byte_runs_of_its_share_on_every_path(
             header, entry = ckpt.tensor(item.target)
             axis, ranges = item.selection
             sel = TensorSelection(axis=axis, ranges=ranges)
-            src, _, length = runs._runs(entry, sel)
+            src, _, length = runs.byte_runs(entry, sel)
             base = header.data_start + entry.begin
             item_bytes = DTYPES[entry.dtype].itemsize
-            if gather._gatherable(entry, sel):  # gathers record one run per row and range
+            if gather.gatherable(entry, sel):  # gathers record one run per row and range
                 outer = int(np.prod(entry.shape[:axis]))
                 inner = int(np.prod(entry.shape[axis + 1:])) * item_bytes
                 row = entry.shape[axis] * inner
@@ -173,7 +173,7 @@ def test_cold_loads_take_the_node_share_of_the_direct_threads_unless_told(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("PARTC_READ_THREADS", "PARTC_LOCAL_RANKS", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 2)
+    monkeypatch.setattr(workers, "usable_cores", lambda: 2)
     ckpt = open_checkpoint(LLAMA)
     assert CheckpointReader(ckpt)._cold_workers == gather.DIRECT_THREADS
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -204,7 +204,7 @@ def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
     for item in together.layout.tensors:
         header, entry = ckpt.tensor(item.target)
         axis, ranges = item.selection
-        if axis is not None and gather._gatherable(entry, TensorSelection(axis=axis,
+        if axis is not None and gather.gatherable(entry, TensorSelection(axis=axis,
                                                                           ranges=ranges)):
             base = header.data_start + entry.begin
             spans.append((base, base + entry.nbytes))

@@ -17,9 +17,9 @@ import torch
 
 from partc.errors import CheckpointError, PartcError
 from partc.runtime import device as device_module
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.device import StagingRing, resolve_device, stage_to_device
-from partc.runtime.reader import TensorSelection
 
 from support import HF, ROOT, checkpoint_tensors, compile_and_import
 
@@ -162,7 +162,7 @@ def test_a_gpu_load_stages_through_the_ring_and_equals_the_safetensors_slices(
     def no_host_arrays(*_args, **_kwargs):
         raise AssertionError("a staged load allocated a host array outside the ring")
 
-    monkeypatch.setattr("partc.runtime.reader._empty", no_host_arrays)
+    monkeypatch.setattr("partc.runtime._engine.reader.empty_array", no_host_arrays)
     state = package.load(model, rank=1, device="cuda:1", staging_bytes=ring)
     expected = _reference_slices(state, reference)
     assert list(state.tensors) == list(expected)
@@ -263,8 +263,8 @@ def test_the_core_loads_without_torch_and_names_the_extra_when_torch_is_asked_fo
 
 @pytest.mark.parametrize("shape", [(6, 5, 4), (3, 10), (17,), (2, 3, 4, 5)])
 def test_blocks_of_any_selection_fill_the_local_tensor_in_c_order(shape):
+    from partc.runtime._engine.selection import TensorSelection
     from partc.runtime.device import _pieces, _source_views
-    from partc.runtime.reader import TensorSelection
 
     whole = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     for axis in range(len(shape)):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from partc.runtime import gather
+from partc.runtime._engine import gather
 from partc.runtime.headers import read_header
 
 MIB = 1 << 20

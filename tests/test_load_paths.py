@@ -15,11 +15,13 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.errors import CheckpointError
-from partc.runtime import gather, runs
-from partc.runtime import reader as checkpoint
+from partc.runtime._engine import gather, runs, workers
+from partc.runtime._engine import reader as checkpoint
+from partc.runtime._engine.reader import CheckpointReader
+from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
-from partc.runtime.reader import CheckpointReader, TensorSelection, default_workers
 
 from support import Recorder, assert_same_tensors, compile_and_import, hf
 
@@ -162,10 +164,10 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
         with lock:
             calls.append((threading.current_thread().name, address, start, end))
 
-    monkeypatch.setattr(runs, "_populate", populate)
-    monkeypatch.setattr(gather, "_populate", populate)
-    monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
-    monkeypatch.setattr(checkpoint, "_JOB_BYTES", 4096)
+    monkeypatch.setattr(runs, "populate", populate)
+    monkeypatch.setattr(gather, "populate", populate)
+    monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
+    monkeypatch.setattr(checkpoint, "JOB_BYTES", 4096)
     monkeypatch.setattr(gather, "_GATHER_BLOCK", 4096)
     ckpt = open_checkpoint(LLAMA)
     requests = [(n, TensorSelection(axis=len(ckpt.tensor(n)[1].shape) - 1,
@@ -188,7 +190,7 @@ def test_reader_threads_share_the_cores_among_the_node_ranks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("PARTC_READ_THREADS", "PARTC_LOCAL_RANKS", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 8)
+    monkeypatch.setattr(workers, "usable_cores", lambda: 8)
     assert default_workers() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_workers() == 2
@@ -207,9 +209,9 @@ def test_a_load_under_torchrun_uses_its_share_of_the_cores(
     monkeypatch.delenv("PARTC_READ_THREADS", raising=False)
     monkeypatch.delenv("PARTC_LOCAL_RANKS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(checkpoint, "usable_cores", lambda: 8)
-    monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
-    monkeypatch.setattr(checkpoint, "_JOB_BYTES", 1024)
+    monkeypatch.setattr(workers, "usable_cores", lambda: 8)
+    monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
+    monkeypatch.setattr(checkpoint, "JOB_BYTES", 1024)
     threads: set[str] = set()
 
     class Threads(Recorder):

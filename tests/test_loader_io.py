@@ -15,12 +15,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from partc.errors import CheckpointError, PartcError
-from partc.runtime import gather
-from partc.runtime import reader as checkpoint
+from partc.runtime._engine import gather
+from partc.runtime._engine import reader as checkpoint
+from partc.runtime._engine.reader import CheckpointReader
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
 from partc.runtime.progress import progress_bar
-from partc.runtime.reader import CheckpointReader, TensorSelection
 
 from support import (
     QUANTIZED,
@@ -106,8 +107,8 @@ def test_a_loader_never_reads_a_byte_outside_the_elements_it_owns(
         llama_build: tuple[Any, Any], source: Path, strategy: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     if strategy == "threads":  # every job on a thread, long runs cut into 96-byte pieces
-        monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
-        monkeypatch.setattr(checkpoint, "_JOB_BYTES", 96)
+        monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
+        monkeypatch.setattr(checkpoint, "JOB_BYTES", 96)
     if strategy == "syscalls":  # no gathering from mappings: one preadv per run
         monkeypatch.setattr(gather, "_GATHER_RUN", 0)
     plan, package = llama_build
@@ -181,8 +182,8 @@ def test_the_column_join_of_the_tables_equals_the_line_by_line_join(
     built = [(package, rank.rank) for plan, package in (llama_build, phi3_build)
              for rank in plan.ranks]
     fast = [tables._join_tables(package.rank_module(r)._TABLE) for package, r in built]
-    assert all(tables._joined(package.rank_module(r)._TABLE, tables._lines(
-        package.rank_module(r)._TABLE.targets), tables._lines(
+    assert all(tables._joined(package.rank_module(r)._TABLE, tables.table_lines(
+        package.rank_module(r)._TABLE.targets), tables.table_lines(
         package.rank_module(r)._TABLE.groups)) is not None for package, r in built)
     monkeypatch.setattr(tables, "_joined", lambda *args: None)
     slow = [tables._join_tables(package.rank_module(r)._TABLE) for package, r in built]
@@ -378,7 +379,7 @@ def test_a_loader_reports_progress_for_every_byte_it_reads(
         llama_build: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     plan, package = llama_build
     seen: list[int] = []
-    monkeypatch.setattr(checkpoint, "_JOB_BYTES", 4096)
+    monkeypatch.setattr(checkpoint, "JOB_BYTES", 4096)
     with CheckpointReader(open_checkpoint(LLAMA)) as reader:
         requests = [(t.target, TensorSelection(*t.selection)) for t in plan.ranks[0].layout.tensors]
         reader.read_many(requests, progress=seen.append)
@@ -390,8 +391,8 @@ def test_a_read_error_on_a_worker_thread_is_raised_by_the_loader(
         llama_build: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _, package = llama_build
     shutil.copy(LLAMA / "model.safetensors", tmp_path / "model.safetensors")
-    monkeypatch.setattr(checkpoint, "_THREADED_BYTES", 0)
-    monkeypatch.setattr(checkpoint, "_JOB_BYTES", 1024)
+    monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
+    monkeypatch.setattr(checkpoint, "JOB_BYTES", 1024)
     monkeypatch.setattr(gather, "_GATHER_RUN", 0)
     real = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: 0 if offset > 200_000

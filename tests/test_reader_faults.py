@@ -26,10 +26,12 @@ from safetensors.numpy import load_file
 
 from partc.cli.main import main as cli_main
 from partc.errors import CheckpointError
-from partc.runtime import gather, headers
-from partc.runtime import reader as checkpoint
+from partc.runtime import headers
+from partc.runtime._engine import gather
+from partc.runtime._engine import reader as checkpoint
+from partc.runtime._engine.reader import CheckpointReader, read_tensor
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import MAX_INDEX_BYTES, open_checkpoint
-from partc.runtime.reader import CheckpointReader, TensorSelection, read_tensor
 
 from support import ROOT, compile_and_import, hf
 
@@ -64,7 +66,7 @@ from pathlib import Path
 ckpt, build, name, trials = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 sys.path.insert(0, build)
 package = importlib.import_module(name)
-from partc.runtime import gather
+from partc.runtime._engine import gather
 from partc.errors import PartcError
 
 path = ckpt / "model.safetensors"
@@ -212,7 +214,7 @@ def test_a_gather_from_a_file_cut_after_mapping_fails_cleanly(
     name = "model.layers.2.mlp.down_proj.weight"
     header, entry = ckpt.tensor(name)
     sel = TensorSelection(1, ((0, entry.shape[1] // 2),))
-    assert checkpoint._gatherable(entry, sel)
+    assert checkpoint.gatherable(entry, sel)
     real_mmap = checkpoint.mmap.mmap
 
     def map_then_cut(*args: Any, **kwargs: Any) -> Any:
@@ -245,7 +247,7 @@ def test_both_gather_strategies_read_the_same_bytes_as_safetensors(
     sel = TensorSelection(1, ((40, 64), (0, 8)))
     want = np.concatenate([full[name][:, 40:64], full[name][:, 0:8]], axis=1)
     ckpt = open_checkpoint(LLAMA)
-    assert checkpoint._gatherable(ckpt.tensor(name)[1], sel)
+    assert checkpoint.gatherable(ckpt.tensor(name)[1], sel)
     for vm in (True, False):
         monkeypatch.setattr(gather, "_USE_VM_COPY", vm)
         np.testing.assert_array_equal(read_tensor(ckpt, name, sel), want)
@@ -603,7 +605,7 @@ def test_gathers_record_exactly_the_selected_bytes_once(
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
         cols = ckpt.tensor(name)[1].shape[1]
         sel = TensorSelection(1, ((cols // 2, cols), (0, 3)))
-        assert checkpoint._gatherable(ckpt.tensor(name)[1], sel)
+        assert checkpoint.gatherable(ckpt.tensor(name)[1], sel)
         requests.append((name, sel))
     recorder = Recorder()
     with CheckpointReader(ckpt, recorder=recorder) as reader:
@@ -627,7 +629,7 @@ def test_running_out_of_memory_parsing_a_header_is_a_located_error(
     def exhausted(text: str, *args: Any) -> Any:
         raise MemoryError()
 
-    monkeypatch.setattr(headers._DECODER, "raw_decode", exhausted)
+    monkeypatch.setattr(headers.JSON_DECODER, "raw_decode", exhausted)
     monkeypatch.setattr(headers._PAIRS_DECODER, "raw_decode", exhausted)
     with pytest.raises(CheckpointError, match="ran out of memory parsing the header") as info:
         open_checkpoint(LLAMA)

@@ -27,7 +27,7 @@ HEAVY = ("ml_dtypes", "concurrent.futures", "hashlib", "_hashlib")
 found["runtime"] = sorted(m for m in HEAVY if m in sys.modules)
 PATHS = ("pathlib",)
 found["paths"] = sorted(m for m in PATHS if m in sys.modules)
-LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.partition.driver",
+LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.runtime.driver",
         "partc.runtime.device", "partc.runtime.mesh", "partc.parallel.experts", "difflib",
         "partc.parallel.layout")
 found["late"] = sorted(m for m in LATE if m in sys.modules)
@@ -49,7 +49,7 @@ found["f32 load"] = sorted(m for m in HEAVY if m in sys.modules)
 found["paths after load"] = sorted(m for m in PATHS if m in sys.modules)
 found["dtypes"] = sorted({str(a.dtype) for a in state.tensors.values()})
 from partc.runtime.checkpoint import open_checkpoint
-from partc.runtime.reader import read_tensor
+from partc.runtime._engine.reader import read_tensor
 array = read_tensor(open_checkpoint(bf16), "w")
 found["bf16"] = [str(array.dtype), "ml_dtypes" in sys.modules, array.view("u2").tolist()]
 print(json.dumps(found))

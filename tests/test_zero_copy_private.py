@@ -182,7 +182,7 @@ def test_private_column_slices_are_copied_in_process_with_exact_reads(
     """zero_copy="private" copies the pieces of a column slice out of the mapping with numpy
     (its views already risk SIGBUS); the default mode copies them through the kernel. Both
     equal the safetensors slices, and the reader hook sees the same exact byte runs."""
-    from partc.runtime import gather
+    from partc.runtime._engine import gather
 
     asked: list[str] = []
     lookup = gather._libc

@@ -29,6 +29,9 @@ from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.front.schema import plan_faults
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
+from partc.runtime._engine.reader import read_tensors
+from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.workers import count_option
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
 from partc.runtime.headers import DTYPES
@@ -43,7 +46,6 @@ from partc.runtime.loader import (
 )
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
 from partc.runtime.progress import progress_bar
-from partc.runtime.reader import TensorSelection, count_option, read_tensors
 
 if TYPE_CHECKING:
     from partc.runtime.progress import ProgressCallback

@@ -29,13 +29,13 @@ from partc.runtime.headers import (
     FileHeader,
     TensorEntry,
     TensorTable,
-    _fail,
-    _kind,
-    _load_object,
-    _unique,
+    abort,
     check_name,
+    json_kind,
+    load_json_object,
     paused_gc,
     read_header,
+    unique_object,
 )
 
 MAX_INDEX_BYTES = 64 * 1024 * 1024
@@ -69,7 +69,7 @@ class Checkpoint:
         if index is None:
             close = _suggest(name, self.names)
             hint = f"; did you mean {close!r}?" if close else ""
-            _fail(self.index_path or self.path, f"tensor {name!r} not in checkpoint{hint}", name)
+            abort(self.index_path or self.path, f"tensor {name!r} not in checkpoint{hint}", name)
         header = self.files[index]
         return header, header.tensors[name]
 
@@ -196,17 +196,17 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     p = spelled(path)
     st = stat_or_none(p, "checkpoint path")
     if st is None:
-        _fail(p, "no such checkpoint file or directory")
+        abort(p, "no such checkpoint file or directory")
     if stat.S_ISDIR(st.st_mode):
         index, single = join(p, "model.safetensors.index.json"), join(p, "model.safetensors")
         if present(single, "checkpoint file"):
             return _open_single(p, checked_member(p, single, "checkpoint file"))
         if present(index, "checkpoint index"):
             return _open_index(p, checked_member(p, index, "index"))
-        _fail(p, "checkpoint directory holds neither model.safetensors "
+        abort(p, "checkpoint directory holds neither model.safetensors "
                  "nor model.safetensors.index.json" + _shard_set_hint(p))
     if not stat.S_ISREG(st.st_mode):
-        _fail(p, "checkpoint path is not a regular file or folder (found "
+        abort(p, "checkpoint path is not a regular file or folder (found "
                  f"{file_kind(st.st_mode)}); expected a .safetensors file, an index or a folder")
     member = checked_member(parent(p), p, "checkpoint file")
     if os.path.basename(p).endswith(".index.json"):
@@ -271,40 +271,41 @@ def _open_index(origin: str, index: str) -> Checkpoint:
     fd, st = open_regular(index, "checkpoint index")
     try:
         if st.st_size > MAX_INDEX_BYTES:
-            _fail(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
+            abort(index, f"index of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit "
                          "(partc.runtime.checkpoint.MAX_INDEX_BYTES); refusing to read it")
         raw = read_exactly(fd, index, 0, st.st_size, "index")
     except MemoryError:
-        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+        abort(index, f"ran out of memory reading the index ({st.st_size} bytes)")
     finally:
         os.close(fd)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        _fail(index, f"index is not valid UTF-8: {exc.reason} at byte {exc.start}")
+        abort(index, f"index is not valid UTF-8: {exc.reason} at byte {exc.start}")
     except MemoryError:
-        _fail(index, f"ran out of memory reading the index ({st.st_size} bytes)")
+        abort(index, f"ran out of memory reading the index ({st.st_size} bytes)")
     del raw
-    top = _load_object(index, text, "index")
+    top = load_json_object(index, text, "index")
     if "metadata" in top and not isinstance(top["metadata"], tuple):
-        _fail(index, f"index metadata must be an object (found {_kind(top['metadata'])})")
+        abort(index, f"index metadata must be an object (found {json_kind(top['metadata'])})")
     if not isinstance(top.get("weight_map"), tuple):
-        _fail(index, f"index must have a weight_map object (found {_kind(top.get('weight_map'))})")
-    weight_map = _unique(index, top["weight_map"], "the weight_map")
+        abort(index, "index must have a weight_map object (found "
+                     f"{json_kind(top.get('weight_map'))})")
+    weight_map = unique_object(index, top["weight_map"], "the weight_map")
     for name, shard in weight_map.items():
         check_name(index, name, "tensor name")
         if type(shard) is not str:
-            _fail(index, f"weight_map[{name!r}] must be a shard file name (found {_kind(shard)})",
-                  name)
+            abort(index, f"weight_map[{name!r}] must be a shard file name (found "
+                         f"{json_kind(shard)})", name)
         if (shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard
                 or os.path.isabs(shard)):
-            _fail(index, f"shard filename {shard!r} for tensor {name!r} is not a plain file name "
+            abort(index, f"shard filename {shard!r} for tensor {name!r} is not a plain file name "
                          "inside the checkpoint directory", name)
     folder = parent(index)
     shards = sorted(set(weight_map.values()))
     for shard in shards:
         if not present(join(folder, shard), "shard file"):
-            _fail(index, f"missing shard file {shard} named by the index")
+            abort(index, f"missing shard file {shard} named by the index")
     files = tuple(read_header(checked_member(folder, join(folder, shard), "shard file"))
                   for shard in shards)
     owners: dict[str, int] = {}
@@ -312,17 +313,17 @@ def _open_index(origin: str, index: str) -> Checkpoint:
         for name in header.tensors:
             first = owners.setdefault(name, i)
             if first != i:
-                _fail(header.path, f"tensor {name!r} is in two shards: {shards[first]} and "
+                abort(header.path, f"tensor {name!r} is in two shards: {shards[first]} and "
                                    f"{shards[i]}; expected exactly one", name)
     for name, shard in weight_map.items():
         found = owners.get(name)
         if found is None or shards[found] != shard:
             where = f"it is in {shards[found]}" if found is not None else "no shard holds it"
-            _fail(index, f"tensor {name!r} mapped to {shard} by the index is not in that shard's "
+            abort(index, f"tensor {name!r} mapped to {shard} by the index is not in that shard's "
                          f"header ({where})", name)
     for name, i in owners.items():
         if name not in weight_map:
-            _fail(files[i].path, f"tensor {name!r} in shard {shards[i]} is not in the index's "
+            abort(files[i].path, f"tensor {name!r} in shard {shards[i]} is not in the index's "
                                  "weight_map", name)
     return Checkpoint(path=origin, index_path=index, files=files, names=tuple(sorted(owners)),
                       owners=MappingProxyType(owners))

@@ -24,10 +24,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from partc.errors import CheckpointError
+from partc.runtime._engine.reader import read_tensors
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.frameworks import import_torch
 from partc.runtime.rank_env import environment_integer
-from partc.runtime.reader import TensorSelection, read_tensors
 
 DEFAULT_STAGING_BYTES = 64 << 20
 """Default size of the host staging ring (two buffers of 32 MiB)."""

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+from partc.runtime._engine.reader import read_tensors
+from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import Checkpoint
-from partc.runtime.reader import TensorSelection, default_workers, read_tensors
-from partc.runtime.tables import _lines
+from partc.runtime.tables import table_lines
 
 if TYPE_CHECKING:
     from partc.parallel.layout import LocalModelLayout
@@ -106,7 +108,7 @@ def compiled_digests(rank: int, targets: str | tuple[str, ...],
     DIGESTS table, in TARGETS order), by target; None for a build without them."""
     if digests is None:
         return None
-    names, found = _lines(targets), _lines(digests)
+    names, found = table_lines(targets), table_lines(digests)
     if len(names) != len(found):
         raise CheckpointError(f"the generated tables of rank {rank} list {len(found)} DIGESTS "
                               f"for {len(names)} TARGETS; regenerate the build")

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from partc.errors import CheckpointError
-from partc.runtime.headers import _ML_DTYPES
+from partc.runtime.headers import ML_DTYPES
 
 
 class _FloatDtypes:
@@ -23,8 +23,8 @@ class _FloatDtypes:
         return dtype.kind == "f" or (dtype.kind == "V" and dtype.name in _ML_FLOAT_NAMES)
 
 
-_ML_FLOAT_NAMES = frozenset(name for name, _ in _ML_DTYPES.values())
-_FLOAT_DTYPES = _FloatDtypes()
+_ML_FLOAT_NAMES = frozenset(name for name, _ in ML_DTYPES.values())
+FLOAT_DTYPES = _FloatDtypes()
 """Floating dtypes a `dtype=` conversion applies to (bf16 and fp8 are numpy kind 'V')."""
 
 
@@ -33,9 +33,9 @@ _TORCH_VIEWS = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
 """ml_dtypes dtype name -> torch dtype name, for types torch.from_numpy does not know."""
 
 
-def _float_dtype(dtype: Any) -> np.dtype[Any]:
+def float_dtype(dtype: Any) -> np.dtype[Any]:
     """`dtype` as a numpy floating dtype (ml_dtypes' bf16/fp8 included), or CheckpointError."""
-    if isinstance(dtype, str) and dtype in {name for name, _ in _ML_DTYPES.values()}:
+    if isinstance(dtype, str) and dtype in {name for name, _ in ML_DTYPES.values()}:
         import ml_dtypes  # registers its names with numpy
 
         dtype = getattr(ml_dtypes, dtype, dtype)
@@ -44,7 +44,7 @@ def _float_dtype(dtype: Any) -> np.dtype[Any]:
     except TypeError:
         raise CheckpointError(f"dtype must be a numpy floating dtype such as np.float32 or "
                               f"'bfloat16', found {dtype!r}") from None
-    if found.kind != "f" and found not in _FLOAT_DTYPES:
+    if found.kind != "f" and found not in FLOAT_DTYPES:
         raise CheckpointError(f"dtype must be a floating dtype, found {found}; integer and "
                               "packed tensors are never converted")
     return found
@@ -72,7 +72,7 @@ def to_torch(tensors: dict[str, np.ndarray], bits: Mapping[str, str] | None = No
     for name, array in tensors.items():
         stored = None if bits is None else bits.get(name)
         special = (_TORCH_VIEWS.get(array.dtype.name) if stored is None
-                   else _TORCH_VIEWS[_ML_DTYPES[stored][0]])
+                   else _TORCH_VIEWS[ML_DTYPES[stored][0]])
         if special is None:
             out[name] = torch.from_numpy(array)
             continue

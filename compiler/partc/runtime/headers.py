@@ -1,7 +1,7 @@
 """Safetensors headers, validated: tensor tables, offsets tiling the data region, metadata.
 
-No payload byte is read here (`partc.runtime.reader` reads); `partc.runtime.checkpoint` opens
-one file or an index of shards, `partc.runtime.manifest` a pre-sharded folder.
+No payload byte is read here (`partc.runtime._engine.reader` reads); `partc.runtime.checkpoint`
+opens one file or an index of shards, `partc.runtime.manifest` a pre-sharded folder.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _NUMPY_DTYPES: dict[str, str] = {
     "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
     "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
 }
-_ML_DTYPES: dict[str, tuple[str, int]] = {
+ML_DTYPES: dict[str, tuple[str, int]] = {
     "BF16": ("bfloat16", 2), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
     "F8_E8M0": ("float8_e8m0fnu", 1),
 }
@@ -53,23 +53,23 @@ class _DtypeTable(Mapping[str, "np.dtype[Any]"]):
     def __init__(self) -> None:
         self._found: dict[str, np.dtype[Any]] = {k: np.dtype(v) for k, v in
                                                  _NUMPY_DTYPES.items()}
-        self._names = sorted({*_NUMPY_DTYPES, *_ML_DTYPES})
+        self._names = sorted({*_NUMPY_DTYPES, *ML_DTYPES})
 
     def __getitem__(self, name: str) -> np.dtype[Any]:
         found = self._found.get(name)
         if found is None:
-            if name not in _ML_DTYPES:
+            if name not in ML_DTYPES:
                 raise KeyError(name)
             import ml_dtypes
 
-            kind = getattr(ml_dtypes, _ML_DTYPES[name][0], None)
+            kind = getattr(ml_dtypes, ML_DTYPES[name][0], None)
             if kind is None:  # an older ml_dtypes without this type
                 raise KeyError(name)
             found = self._found[name] = np.dtype(kind)
         return found
 
     def __contains__(self, name: object) -> bool:
-        return name in _NUMPY_DTYPES or name in _ML_DTYPES
+        return name in _NUMPY_DTYPES or name in ML_DTYPES
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -85,18 +85,18 @@ on first use)."""
 BIT_DTYPES: Mapping[str, np.dtype[Any]] = {
     **{name: np.dtype(code) for name, code in _NUMPY_DTYPES.items()},
     **{name: np.dtype(f"<u{size}" if size > 1 else "u1") for name, (_, size) in
-       _ML_DTYPES.items()}}
+       ML_DTYPES.items()}}
 """Safetensors dtype string -> numpy dtype holding its bits: DTYPES' own, and an unsigned
 integer of the same size for the dtypes numpy lacks. A torch load reads bf16 and fp8 tensors as
 these and views them as torch's dtype (`frameworks.to_torch`), never importing ml_dtypes."""
 
-_ITEMSIZE: dict[str, int] = {**{name: np.dtype(code).itemsize
-                                for name, code in _NUMPY_DTYPES.items()},
-                             **{name: size for name, (_, size) in _ML_DTYPES.items()}}
+ITEMSIZE: dict[str, int] = {**{name: np.dtype(code).itemsize
+                               for name, code in _NUMPY_DTYPES.items()},
+                            **{name: size for name, (_, size) in ML_DTYPES.items()}}
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
-def _fail(path: str | os.PathLike[str], message: str, tensor: str | None = None) -> NoReturn:
+def abort(path: str | os.PathLike[str], message: str, tensor: str | None = None) -> NoReturn:
     """Raise a CheckpointError located at `path`."""
     raise CheckpointError(message, location=SourceLocation(str(path)), tensor=tensor)
 
@@ -108,25 +108,25 @@ def check_name(path: str, name: str, what: str) -> None:
     itself accepts any string; no checkpoint transformers writes has one."""
     if not name.isprintable():
         bad = next(c for c in name if not c.isprintable())
-        _fail(path, f"{what} {name!r} holds the non-printable character {bad!r} (U+{ord(bad):04X});"
+        abort(path, f"{what} {name!r} holds the non-printable character {bad!r} (U+{ord(bad):04X});"
                     " expected printable text, as every name transformers writes is")
 
 
-def _kind(value: object) -> str:
+def json_kind(value: object) -> str:
     """The JSON kind of a value parsed with objects as tuples of pairs."""
     kinds = {tuple: "object", list: "array", bool: "boolean", type(None): "null", int: "integer",
              float: "number", str: "string"}
     return kinds.get(type(value), type(value).__name__)
 
 
-def _unique(path: str, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[str, Any]:
+def unique_object(path: str, pairs: tuple[tuple[str, Any], ...], where: str) -> dict[str, Any]:
     """Turn a parsed JSON object into a dict, refusing duplicate keys."""
     table = dict(pairs)
     if len(table) != len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                _fail(path, f"duplicate key {key!r} in {where}; expected every key once")
+                abort(path, f"duplicate key {key!r} in {where}; expected every key once")
             seen.add(key)
     return table
 
@@ -140,14 +140,14 @@ def _refuse_constant(name: str) -> NoReturn:
     raise _NotJson(f"{name} is not a JSON value")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 """Plain strict decoder (the fast header path)."""
 _PAIRS_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, object_pairs_hook=tuple)
 """Strict decoder keeping every member of an object, duplicates included (careful paths)."""
 
 
-def _load_object(path: str, text: str, what: str, *, padding: bool = False
-                 ) -> dict[str, Any]:
+def load_json_object(path: str, text: str, what: str, *, padding: bool = False
+                     ) -> dict[str, Any]:
     """Parse JSON text that must be an object; nested objects become tuples of pairs.
 
     With `padding`, the text must start with '{' and may only be followed by spaces (a
@@ -158,23 +158,23 @@ def _load_object(path: str, text: str, what: str, *, padding: bool = False
             doc, end = _PAIRS_DECODER.raw_decode(text)
             _check_padding(path, text, end, what)
         elif padding and text.lstrip(" \t\r\n").startswith("{"):
-            _fail(path, f"{what} must start with '{{' (found {text[:8]!r}); expected no "
+            abort(path, f"{what} must start with '{{' (found {text[:8]!r}); expected no "
                         "leading whitespace")
         else:  # not an object at all: say what it is
             doc = _PAIRS_DECODER.decode(text)
     except _NotJson as exc:
-        _fail(path, f"{what} is not valid JSON: {exc}")
+        abort(path, f"{what} is not valid JSON: {exc}")
     except json.JSONDecodeError as exc:
-        _fail(path, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+        abort(path, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     except RecursionError:
-        _fail(path, f"{what} is not valid JSON: nested too deeply")
+        abort(path, f"{what} is not valid JSON: nested too deeply")
     except MemoryError:
-        _fail(path, f"ran out of memory parsing the {what} ({len(text)} characters)")
+        abort(path, f"ran out of memory parsing the {what} ({len(text)} characters)")
     except ValueError:  # a number too long for int(): json lets Python's ValueError out
-        _fail(path, f"{what} holds a number too long to read (more than 4300 digits)")
+        abort(path, f"{what} holds a number too long to read (more than 4300 digits)")
     if not isinstance(doc, tuple):
-        _fail(path, f"{what} is not a JSON object (found {_kind(doc)})")
-    return _unique(path, doc, f"the {what}")
+        abort(path, f"{what} is not a JSON object (found {json_kind(doc)})")
+    return unique_object(path, doc, f"the {what}")
 
 
 def _check_padding(path: str, text: str, end: int, what: str) -> None:
@@ -182,7 +182,7 @@ def _check_padding(path: str, text: str, end: int, what: str) -> None:
     rest = text[end:]
     if rest.strip(" "):
         at = len(text[:end].encode("utf-8")) + len(rest) - len(rest.lstrip(" "))
-        _fail(path, f"{what} has {len(rest.strip(' ').encode('utf-8'))} bytes after its JSON "
+        abort(path, f"{what} has {len(rest.strip(' ').encode('utf-8'))} bytes after its JSON "
                     f"object, the first {rest.lstrip(' ')[:8]!r} at header byte {at}; expected "
                     "padding with spaces (0x20) only (a wrong header length?)")
 
@@ -243,26 +243,26 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
         no_readahead(fd)  # a cold rank would otherwise fetch megabytes of others' tensors
         size = st.st_size
         if size < 8:
-            _fail(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
+            abort(p, f"truncated file: {size} bytes, expected at least 8 for the header length")
         first = read_exactly(fd, p, 0, 8, "header length")
         n = int.from_bytes(first, "little")
         if n > MAX_HEADER_SIZE and _text_like(first):
             kind = "JSON" if first.lstrip(b" \t\r\n")[:1] in (b"{", b"[") else "text"
-            _fail(p, f"not a safetensors file: it begins with {first!r}, which looks like "
+            abort(p, f"not a safetensors file: it begins with {first!r}, which looks like "
                      f"{kind}, where a safetensors file begins with the 8-byte little-endian "
                      f"length of its JSON header (these bytes read as {n}); expected a "
                      ".safetensors file, its folder or its model.safetensors.index.json")
         if n > MAX_HEADER_SIZE:
-            _fail(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
+            abort(p, f"header length {n} exceeds the {MAX_HEADER_SIZE}-byte limit; refusing it")
         if n > size - 8:
-            _fail(p, f"header length {n} beyond the file of size {size}")
+            abort(p, f"header length {n} beyond the file of size {size}")
         raw = read_exactly(fd, p, 8, n, "header")
     finally:
         os.close(fd)
     try:
         return _parse_header(p, raw, size, FileStamp.of(st))
     except MemoryError:
-        _fail(p, f"ran out of memory parsing the header ({n} bytes)")
+        abort(p, f"ran out of memory parsing the header ({n} bytes)")
 
 
 def _text_like(data: bytes) -> bool:
@@ -294,7 +294,7 @@ def _parse_header(p: str, raw: bytes, size: int, stamp: FileStamp | None = None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        _fail(p, f"header is not valid UTF-8: {exc.reason} at header byte {exc.start}")
+        abort(p, f"header is not valid UTF-8: {exc.reason} at header byte {exc.start}")
     with paused_gc():  # ~1M short-lived containers: collecting them mid-parse doubles the time
         metadata, tensors = _parse_tables(p, text, size - 8 - n)
     return FileHeader(path=p, header_size=n, data_start=8 + n, file_size=size,
@@ -385,7 +385,7 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
     if "\\" in text or not text.startswith("{"):
         return None
     try:
-        table, end = _DECODER.raw_decode(text)
+        table, end = JSON_DECODER.raw_decode(text)
     except (ValueError, RecursionError):
         return None
     if type(table) is not dict or text[end:].strip(" "):
@@ -421,7 +421,7 @@ def _fast_columns(text: str, data_size: int) -> _Columns | None:
 
 def _careful_columns(p: str, text: str, data_size: int) -> _Columns:
     """Validate any header entry by entry, raising the precise CheckpointError of a fault."""
-    table = _load_object(p, text, "header", padding=True)
+    table = load_json_object(p, text, "header", padding=True)
     metadata = _parse_metadata(p, table.pop("__metadata__", ()))
     names = sorted(table)
     dtypes: list[Any] = []
@@ -442,7 +442,7 @@ def _bulk_valid(dtypes: list[Any], shapes: list[list[Any]], offsets: list[list[A
     Returns the offsets flattened ([begin, end, begin, end, ...]), or None on any fault.
     """
     try:
-        itemsizes = list(map(_ITEMSIZE.get, dtypes))
+        itemsizes = list(map(ITEMSIZE.get, dtypes))
     except TypeError:  # an unhashable dtype
         return None
     if None in itemsizes:
@@ -470,24 +470,24 @@ def _check_coverage(p: str, names: list[str], begins: list[int], ends: list[int]
     b, e = b[order], e[order]
     if len(order) and b[0] != 0:
         i = int(order[0])
-        _fail(p, f"gap at the start of the data region: the first tensor {names[i]!r} begins at "
+        abort(p, f"gap at the start of the data region: the first tensor {names[i]!r} begins at "
                  f"data byte {begins[i]}; expected 0", names[i])
     overlap = np.flatnonzero(b[1:] < e[:-1])
     if len(overlap):
         i, j = int(order[overlap[0]]), int(order[overlap[0] + 1])
-        _fail(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) "
+        abort(p, f"tensor byte ranges overlap: {names[i]!r} spans [{begins[i]}, {ends[i]}) "
                  f"and {names[j]!r} spans [{begins[j]}, {ends[j]}); expected disjoint ranges",
               tensor=names[j])
     bad = np.flatnonzero(b[1:] != e[:-1])
     if len(bad):
         i, j = int(order[bad[0]]), int(order[bad[0] + 1])
-        _fail(p, f"gap in the data region: {names[j]!r} begins at data byte {begins[j]} but "
+        abort(p, f"gap in the data region: {names[j]!r} begins at data byte {begins[j]} but "
                  f"{names[i]!r} ends at {ends[i]} ({begins[j] - ends[i]} unused bytes); expected "
                  "each tensor to begin where the previous one ends", names[j])
     covered = int(e[-1]) if len(order) else 0
     if covered != data_size:
         last = f" (the last, {names[int(order[-1])]!r}, ends there)" if len(order) else ""
-        _fail(p, f"file not fully covered: the data region holds {data_size} bytes but the "
+        abort(p, f"file not fully covered: the data region holds {data_size} bytes but the "
                  f"tensors cover {covered}{last}: {data_size - covered} trailing "
                  f"byte{'s' if data_size - covered != 1 else ''} (a wrong "
                  "header length, or bytes appended?); expected the tensors to cover it exactly")
@@ -496,53 +496,53 @@ def _check_coverage(p: str, names: list[str], begins: list[int], ends: list[int]
 def _parse_metadata(p: str, value: object) -> tuple[tuple[str, str], ...]:
     """Validate `__metadata__`: an object of string values."""
     if not isinstance(value, tuple):
-        _fail(p, f"__metadata__ must be an object of strings (found {_kind(value)})")
-    meta = _unique(p, value, "__metadata__")
+        abort(p, f"__metadata__ must be an object of strings (found {json_kind(value)})")
+    meta = unique_object(p, value, "__metadata__")
     for key, item in meta.items():
         if type(item) is not str:
-            _fail(p, f"__metadata__[{key!r}] must be a string (found {_kind(item)})")
+            abort(p, f"__metadata__[{key!r}] must be a string (found {json_kind(item)})")
     return tuple(meta.items())
 
 
 def _parse_entry(p: str, name: str, value: object, data_size: int) -> TensorEntry:
     """Validate one tensor entry of the header against the data region of `data_size` bytes."""
     if type(value) is not tuple:
-        _fail(p, f"tensor entry must be an object (found {_kind(value)})", name)
-    fields = _unique(p, value, f"the entry of tensor {name!r}")
+        abort(p, f"tensor entry must be an object (found {json_kind(value)})", name)
+    fields = unique_object(p, value, f"the entry of tensor {name!r}")
     if fields.keys() != _ENTRY_FIELDS:
         missing = sorted(_ENTRY_FIELDS - fields.keys())
         extra = sorted(fields.keys() - _ENTRY_FIELDS)
-        _fail(p, f"tensor entry must have exactly dtype, shape, data_offsets "
+        abort(p, f"tensor entry must have exactly dtype, shape, data_offsets "
                  f"(missing {missing}, unexpected {extra})", name)
     dtype = fields["dtype"]
-    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
     if itemsize is None:
-        _fail(p, f"unknown dtype {repr(dtype)[:80]}; expected one of {', '.join(DTYPES)}", name)
+        abort(p, f"unknown dtype {repr(dtype)[:80]}; expected one of {', '.join(DTYPES)}", name)
     shape = fields["shape"]
     if type(shape) is list and (len(shape) > 64 or any(  # u64 dims: bounds every product
             type(d) is int and not -2**64 < d < 2**64 for d in shape)):
         widest = max((abs(d).bit_length() for d in shape if type(d) is int), default=0)
         found = (f"{len(shape)} dimensions" if len(shape) > 64
                  else f"a dimension of {widest} bits")
-        _fail(p, f"shape must have at most 64 dimensions, each below 2**64 (found {found})",
+        abort(p, f"shape must have at most 64 dimensions, each below 2**64 (found {found})",
               name)
     if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
-        _fail(p, f"shape must be a list of non-negative integers (found {repr(shape)[:80]})", name)
+        abort(p, f"shape must be a list of non-negative integers (found {repr(shape)[:80]})", name)
     offsets = fields["data_offsets"]
     if type(offsets) is list and any(type(o) is int and not -2**64 < o < 2**64 for o in offsets):
-        _fail(p, "data_offsets must be below 2**64 (u64 byte offsets)", name)
+        abort(p, "data_offsets must be below 2**64 (u64 byte offsets)", name)
     if (type(offsets) is not list or len(offsets) != 2
             or type(offsets[0]) is not int or type(offsets[1]) is not int):
-        _fail(p, f"data_offsets must be [begin, end] integers (found {repr(offsets)[:80]})", name)
+        abort(p, f"data_offsets must be [begin, end] integers (found {repr(offsets)[:80]})", name)
     begin, end = offsets
     if not 0 <= begin <= end:
-        _fail(p, f"data_offsets must satisfy 0 <= begin <= end (found [{begin}, {end}])", name)
+        abort(p, f"data_offsets must satisfy 0 <= begin <= end (found [{begin}, {end}])", name)
     expected = math.prod(shape) * itemsize
     if end - begin != expected:
-        _fail(p, f"dtype/shape byte-size mismatch: {dtype} {repr(shape)[:80]} needs {expected} "
+        abort(p, f"dtype/shape byte-size mismatch: {dtype} {repr(shape)[:80]} needs {expected} "
                  f"bytes, data_offsets [{begin}, {end}] span {end - begin}", name)
     if end > data_size:
-        _fail(p, f"data offsets beyond the file (truncated file?): tensor ends at data byte {end}, "
+        abort(p, f"data offsets beyond the file (truncated file?): tensor ends at data byte {end}, "
                  f"the data region holds {data_size} bytes", name)
     return TensorEntry(name, dtype, tuple(shape), begin, end)
 

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+from partc.runtime._engine.reader import read_tensors
+from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.workers import count_option
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import (
     VERIFY_MODES,
@@ -25,12 +28,11 @@ from partc.runtime.digests import (
     verify_digests,
 )
 from partc.runtime.files import path_text, sha256, spelled
-from partc.runtime.frameworks import _FLOAT_DTYPES, _float_dtype, to_torch
-from partc.runtime.headers import _ML_DTYPES, BIT_DTYPES, DTYPES
+from partc.runtime.frameworks import FLOAT_DTYPES, float_dtype, to_torch
+from partc.runtime.headers import BIT_DTYPES, DTYPES, ML_DTYPES
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.progress import progress_bar
 from partc.runtime.rank_env import package_factors, rank_from_environment, rank_out_of_range
-from partc.runtime.reader import TensorSelection, count_option, read_tensors
 from partc.runtime.tables import (
     RankTable,
     local_model_layout,
@@ -495,7 +497,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             dtypes. Refused (CheckpointError) when the rank holds a quantized linear weight
             (block FP8 with its scales, MLX affine, MXFP4): partc does not dequantize.
         reader: An object with a `record(path, offset, length)` method
-            (`partc.runtime.reader.ReadRecorder`), told of every byte run read.
+            (`partc.runtime._engine.selection.ReadRecorder`), told of every byte run read.
         framework: "numpy" (the default) returns numpy arrays; "torch" returns torch tensors
             sharing the numpy memory (docs/torch.md).
         workers: The most reader threads (None: sized from the machine and `local_ranks`).
@@ -552,7 +554,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                               "which torch tensors cannot be; load with zero_copy='private' "
                               "(writable copy-on-write views), framework='numpy', or without "
                               "zero_copy")
-    target_dtype = None if dtype is None else _float_dtype(dtype)
+    target_dtype = None if dtype is None else float_dtype(dtype)
     if target_dtype is not None:
         encoded = quantized_tensor(table)
         if encoded is not None:
@@ -597,7 +599,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         _verify_payloads(recorded, opened, tensors, workers)
     if target_dtype is not None:
         for name, array in tensors.items():  # one tensor at a time: the original is freed
-            if array.dtype in _FLOAT_DTYPES and array.dtype != target_dtype:
+            if array.dtype in FLOAT_DTYPES and array.dtype != target_dtype:
                 tensors[name] = array.astype(target_dtype)
     if framework == "torch":
         tensors = to_torch(tensors, _stored_bits(opened, tensors) if as_bits else None)
@@ -655,7 +657,7 @@ def _stored_bits(opened: Checkpoint, tensors: Mapping[str, np.ndarray[Any, Any]]
     for name, array in tensors.items():
         if array.dtype.kind == "u":
             found = opened.signature(name)
-            if found is not None and found[1] in _ML_DTYPES:
+            if found is not None and found[1] in ML_DTYPES:
                 out[name] = found[1]
     return out
 
@@ -689,8 +691,8 @@ def _check_options(checkpoint: object, *, reader: object, workers: object,
                                                                          bytes) else ""))
     if reader is not None and not callable(getattr(reader, "record", None)):
         raise CheckpointError("reader must be None or an object with a record(path, offset, "
-                              "length) method (partc.runtime.reader.ReadRecorder), found "
-                              f"{reader!r:.80}")
+                              "length) method (partc.runtime._engine.selection.ReadRecorder), "
+                              f"found {reader!r:.80}")
     count_option("workers", workers)
     count_option("local_ranks", local_ranks)
     if not isinstance(verify_fingerprint, bool):

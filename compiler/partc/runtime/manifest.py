@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from partc.runtime.checkpoint import MAX_INDEX_BYTES
 from partc.runtime.files import join, open_regular, parent, read_exactly, spelled, stat_or_none
-from partc.runtime.headers import _DECODER, _fail
+from partc.runtime.headers import JSON_DECODER, abort
 
 SHARD_MANIFEST = "partc-shards.json"
 """Name of the manifest `partc shard` writes next to the per-rank files."""
@@ -51,7 +51,7 @@ class ShardManifest:
     def rank_file(self, rank: int) -> str:
         """The file holding `rank`'s tensors (a `str`, next to the manifest)."""
         if not 0 <= rank < len(self.files):
-            _fail(self.path, f"rank {rank} is outside the pre-sharded ranks "
+            abort(self.path, f"rank {rank} is outside the pre-sharded ranks "
                              f"0..{len(self.files) - 1}")
         return join(parent(self.path), self.files[rank])
 
@@ -65,7 +65,7 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     fd, st = open_regular(path, "shard manifest")
     try:
         if st.st_size > MAX_INDEX_BYTES:
-            _fail(path, f"shard manifest of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte "
+            abort(path, f"shard manifest of {st.st_size} bytes exceeds the {MAX_INDEX_BYTES}-byte "
                         "limit; refusing to read it")
         raw = read_exactly(fd, path, 0, st.st_size, "shard manifest")
     finally:
@@ -73,18 +73,18 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        _fail(path, f"cannot read the shard manifest: {exc}")
+        abort(path, f"cannot read the shard manifest: {exc}")
     try:
-        doc = _DECODER.decode(text)
+        doc = JSON_DECODER.decode(text)
     except (ValueError, RecursionError, MemoryError) as exc:
-        _fail(path, f"shard manifest is not valid JSON: {exc}")
+        abort(path, f"shard manifest is not valid JSON: {exc}")
     if not isinstance(doc, dict) or doc.get("format") != SHARD_FORMAT or doc.get("version") != 1:
-        _fail(path, f"not a partc shard manifest: expected format {SHARD_FORMAT!r} version 1")
+        abort(path, f"not a partc shard manifest: expected format {SHARD_FORMAT!r} version 1")
     ranks, plan_hash = doc.get("ranks"), doc.get("plan_hash")
     fingerprint = doc.get("source_fingerprint")
     if not isinstance(plan_hash, str) or not isinstance(ranks, list) or not (
             fingerprint is None or isinstance(fingerprint, str)):
-        _fail(path, "shard manifest needs a plan_hash string and a ranks list")
+        abort(path, "shard manifest needs a plan_hash string and a ranks list")
     files, tensors, digests = [], [], []
     for position, item in enumerate(ranks):
         file = item.get("file") if isinstance(item, dict) else None
@@ -92,11 +92,11 @@ def read_shard_manifest(folder: str | os.PathLike[str]) -> ShardManifest | None:
         if (not isinstance(item, dict) or item.get("rank") != position
                 or not isinstance(file, str) or not isinstance(names, list)
                 or not all(isinstance(n, str) for n in names)):
-            _fail(path, f"shard manifest entry {position} must be {{rank: {position}, file, "
+            abort(path, f"shard manifest entry {position} must be {{rank: {position}, file, "
                         "tensors}")
         if (file in ("", ".", "..") or "/" in file or "\\" in file or "\0" in file
                 or os.path.isabs(file)):
-            _fail(path, f"rank file {file!r} is not a plain file name inside the folder")
+            abort(path, f"rank file {file!r} is not a plain file name inside the folder")
         files.append(file)
         tensors.append(tuple(names))
         digests.append(_rank_digests(path, position, item.get("digests")))
@@ -111,6 +111,6 @@ def _rank_digests(path: str, rank: int, value: object) -> RankDigests | None:
     if not isinstance(value, dict) or not all(
             isinstance(k, str) and isinstance(v, str) and _HEX.fullmatch(v)
             for k, v in value.items()):
-        _fail(path, f"the shard manifest's digests of rank {rank} must map tensor names to 64 "
+        abort(path, f"the shard manifest's digests of rank {rank} must map tensor names to 64 "
                     "lowercase hex digits")
     return tuple(value.items())

@@ -126,7 +126,7 @@ TensorRow = tuple[str, int, str, tuple[int, ...], tuple[Any, ...], int]
 """(target, index of its group, dtype, global shape, compact placement, KV replicas)."""
 
 
-def _lines(value: str | tuple[str, ...]) -> list[str]:
+def table_lines(value: str | tuple[str, ...]) -> list[str]:
     """The items of a GROUPS or TARGETS table: lines of a text, or a tuple's strings."""
     if isinstance(value, str):
         return value.split("\n")[:-1]
@@ -148,7 +148,7 @@ def _join_tables(table: RankTable
                  ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int]]:
     """Rows from KINDS, OWNERS, GROUPS and TARGETS, and the rows needing a TP reduction;
     CheckpointError if they do not fit."""
-    targets, lines = _lines(table.targets), _lines(table.groups)
+    targets, lines = table_lines(table.targets), table_lines(table.groups)
     joined = _joined(table, targets, lines)
     if joined is not None:
         return joined

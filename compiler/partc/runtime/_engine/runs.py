@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.runtime.headers import _ITEMSIZE, FileHeader, TensorEntry, _fail
-from partc.runtime.memory import _populate
+from partc.runtime._engine.memory import populate
+from partc.runtime.headers import ITEMSIZE, FileHeader, TensorEntry, abort
 
 if TYPE_CHECKING:
-    from partc.runtime.reader import ReadRecorder, TensorSelection
+    from partc.runtime._engine.selection import ReadRecorder, TensorSelection
 
-_Ints = np.ndarray[Any, np.dtype[np.int64]]
-_IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
+Ints = np.ndarray[Any, np.dtype[np.int64]]
+IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 """Most buffers one vectored call takes."""
 
 def _is_int(value: object) -> bool:
@@ -25,28 +25,28 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _check_selection(header: FileHeader, entry: TensorEntry, sel: TensorSelection) -> None:
+def check_selection(header: FileHeader, entry: TensorEntry, sel: TensorSelection) -> None:
     """Refuse a selection that does not fit the tensor's shape."""
     shape = entry.shape
     if sel.axis is None:
         if sel.ranges:
-            _fail(header.path, f"selection of {entry.name!r} has ranges but no axis", entry.name)
+            abort(header.path, f"selection of {entry.name!r} has ranges but no axis", entry.name)
         return
     if not _is_int(sel.axis) or not 0 <= sel.axis < len(shape):
-        _fail(header.path, f"selection axis {sel.axis!r} out of range for shape {list(shape)}",
+        abort(header.path, f"selection axis {sel.axis!r} out of range for shape {list(shape)}",
               entry.name)
     dim = shape[sel.axis]
     for r in sel.ranges:
         if (not isinstance(r, tuple | list) or len(r) != 2 or not _is_int(r[0])
                 or not _is_int(r[1]) or not 0 <= r[0] <= r[1] <= dim):
-            _fail(header.path, f"selection range {r!r} of {entry.name!r} must satisfy "
+            abort(header.path, f"selection range {r!r} of {entry.name!r} must satisfy "
                                f"0 <= start <= end <= {dim} (axis {sel.axis} of {list(shape)})",
                   entry.name)
 
 
-def _runs(entry: TensorEntry, sel: TensorSelection) -> tuple[_Ints, _Ints, _Ints]:
+def byte_runs(entry: TensorEntry, sel: TensorSelection) -> tuple[Ints, Ints, Ints]:
     """Merged byte runs (file offset rel. to the tensor, destination offset, length), file order."""
-    item = _ITEMSIZE[entry.dtype]
+    item = ITEMSIZE[entry.dtype]
     if sel.axis is None:
         n = 1 if entry.nbytes else 0
         return np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, entry.nbytes, np.int64)
@@ -76,16 +76,16 @@ def _runs(entry: TensorEntry, sel: TensorSelection) -> tuple[_Ints, _Ints, _Ints
 
 def one_run(entry: TensorEntry, sel: TensorSelection) -> tuple[int, int]:
     """(0, 0) when the selection has no byte, (1, start) when it is one byte run starting at
-    `start` (relative to the tensor), (2, 0) when it is several: `_runs` without its arrays,
+    `start` (relative to the tensor), (2, 0) when it is several: `byte_runs` without its arrays,
     for the questions a zero-copy view asks of every tensor (whole tensors and row slices are
-    answered without numpy; rarer shapes fall back to `_runs`)."""
+    answered without numpy; rarer shapes fall back to `byte_runs`)."""
     if sel.axis is None:
         return (1, 0) if entry.nbytes else (0, 0)
     kept = [r for r in sel.ranges if r[1] > r[0]]
     if len(kept) == 1:
         k, shape = sel.axis, entry.shape
         outer = math.prod(shape[:k])
-        inner = math.prod(shape[k + 1:]) * _ITEMSIZE[entry.dtype]
+        inner = math.prod(shape[k + 1:]) * ITEMSIZE[entry.dtype]
         start, end = kept[0]
         if outer == 0 or inner == 0:
             return 0, 0
@@ -94,17 +94,17 @@ def one_run(entry: TensorEntry, sel: TensorSelection) -> tuple[int, int]:
         return (1, 0) if start == 0 and end == shape[k] else (2, 0)
     if not kept:
         return 0, 0
-    src = _runs(entry, sel)[0]
+    src = byte_runs(entry, sel)[0]
     return (len(src), int(src[0])) if len(src) == 1 else (min(len(src), 2), 0)
 
 
-_JOB_BYTES = 16 << 20
+JOB_BYTES = 16 << 20
 """Bytes of one unit of work handed to a reader thread (long runs are cut to this size)."""
-_THREADED_BYTES = 16 << 20
+THREADED_BYTES = 16 << 20
 """Reads smaller than this run in the calling thread."""
 
 
-class _Job:
+class Job:
     """A slice of one file's sorted runs: what one reader thread reads in one go.
 
     A plain slotted class: a load only builds and reads these records, and creating a dataclass
@@ -115,25 +115,25 @@ class _Job:
                  "src", "views")
 
     def __init__(self, *, file: int, path: str, names: list[str], views: list[memoryview],
-                 addresses: list[int], src: _Ints, dst: _Ints, length: _Ints, owner: _Ints,
+                 addresses: list[int], src: Ints, dst: Ints, length: Ints, owner: Ints,
                  nbytes: int) -> None:
         self.file, self.path, self.names, self.views = file, path, names, views
         self.addresses, self.nbytes, self.fd = addresses, nbytes, -1
         self.src, self.dst, self.length, self.owner = src, dst, length, owner
 
 
-class _ReadPlan:
+class ReadPlan:
     """Every run of a batch of reads, gathered per file, then cut into sorted jobs."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.views: list[memoryview] = []
         self.addresses: list[int] = []
-        self.parts: dict[int, list[tuple[_Ints, _Ints, _Ints, _Ints]]] = {}
+        self.parts: dict[int, list[tuple[Ints, Ints, Ints, Ints]]] = {}
         self.nbytes = 0
 
-    def add(self, file: int, base: int, name: str, array: np.ndarray[Any, Any], src: _Ints,
-            dst: _Ints, length: _Ints) -> None:
+    def add(self, file: int, base: int, name: str, array: np.ndarray[Any, Any], src: Ints,
+            dst: Ints, length: Ints) -> None:
         """Add the runs of one tensor (offsets relative to `base`) destined for `array`."""
         owner = np.full(len(src), len(self.names), dtype=np.int64)
         self.names.append(name)
@@ -142,7 +142,7 @@ class _ReadPlan:
         self.parts.setdefault(file, []).append((src + base, dst, length, owner))
         self.nbytes += int(length.sum())
 
-    def jobs(self, files: tuple[FileHeader, ...], limit: int) -> list[_Job]:
+    def jobs(self, files: tuple[FileHeader, ...], limit: int) -> list[Job]:
         """The runs of each file in offset order, long runs cut, grouped into ~`limit` jobs."""
         jobs = []
         for file in sorted(self.parts):
@@ -157,16 +157,16 @@ class _ReadPlan:
             bucket = (ends - length) // limit
             cuts = [0, *(np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist(), len(src)]
             for i, j in zip(cuts, cuts[1:], strict=False):
-                jobs.append(_Job(file=file, path=files[file].path, names=self.names,
-                                 views=self.views, addresses=self.addresses, src=src[i:j],
-                                 dst=dst[i:j], length=length[i:j], owner=owner[i:j],
-                                 nbytes=int(ends[j - 1] - ends[i] + length[i])))
+                jobs.append(Job(file=file, path=files[file].path, names=self.names,
+                                views=self.views, addresses=self.addresses, src=src[i:j],
+                                dst=dst[i:j], length=length[i:j], owner=owner[i:j],
+                                nbytes=int(ends[j - 1] - ends[i] + length[i])))
         return jobs
 
 
 
-def _cut(src: _Ints, dst: _Ints, length: _Ints, owner: _Ints, limit: int
-         ) -> tuple[_Ints, _Ints, _Ints, _Ints]:
+def _cut(src: Ints, dst: Ints, length: Ints, owner: Ints, limit: int
+         ) -> tuple[Ints, Ints, Ints, Ints]:
     """Split runs longer than `limit` bytes into consecutive pieces of at most `limit`."""
     pieces = (length + limit - 1) // limit
     index = np.repeat(np.arange(len(src)), pieces)
@@ -176,11 +176,11 @@ def _cut(src: _Ints, dst: _Ints, length: _Ints, owner: _Ints, limit: int
 
 
 
-def _populate_job(job: _Job) -> None:
+def populate_job(job: Job) -> None:
     """Fault in every destination range of a job (per array: from its first to its last byte)."""
     if len(job.owner) == 1:
         d = int(job.dst[0])
-        _populate(job.addresses[int(job.owner[0])], d, d + int(job.length[0]))
+        populate(job.addresses[int(job.owner[0])], d, d + int(job.length[0]))
         return
     owners = job.owner
     if bool(np.all(owners[1:] >= owners[:-1])):
@@ -191,7 +191,7 @@ def _populate_job(job: _Job) -> None:
         groups = [(int(o), job.dst[owners == o], job.length[owners == o])
                   for o in np.unique(owners).tolist()]
     for owner, dst, length in groups:
-        _populate(job.addresses[owner], int(dst.min()), int((dst + length).max()))
+        populate(job.addresses[owner], int(dst.min()), int((dst + length).max()))
 
 
 
@@ -204,11 +204,11 @@ def fill(fd: int, path: str, name: str, bufs: list[memoryview], offset: int,
             try:
                 got = os.preadv(fd, bufs, offset)
             except OSError as exc:
-                _fail(path, f"cannot read tensor data: {exc.strerror or exc}", name)
+                abort(path, f"cannot read tensor data: {exc.strerror or exc}", name)
             if recorder is not None and got > 0:
                 recorder.record(path, offset, got)
         if got <= 0:
-            _fail(path, f"file changed since its header was read (truncated file?): read "
+            abort(path, f"file changed since its header was read (truncated file?): read "
                         f"returned no data at offset {offset}, expected "
                         f"{sum(map(len, bufs))} more bytes", name)
         offset += got

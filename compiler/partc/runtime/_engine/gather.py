@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.runtime.headers import _ITEMSIZE, FileHeader, TensorEntry, _fail
-from partc.runtime.memory import _populate
-from partc.runtime.runs import _IOV_MAX, fill
+from partc.runtime._engine.memory import populate
+from partc.runtime._engine.runs import IOV_MAX, fill
+from partc.runtime.headers import ITEMSIZE, FileHeader, TensorEntry, abort
 
 if TYPE_CHECKING:
-    from partc.runtime.reader import ReadRecorder, TensorSelection
+    from partc.runtime._engine.selection import ReadRecorder, TensorSelection
 
 _GATHER_RUN = 32 << 10
 """Selections whose runs average at most this many bytes are gathered."""
@@ -58,7 +58,7 @@ _LIBC: dict[str, Callable[..., int] | None] = {}
 """libc functions once looked up (None: unavailable or refused)."""
 
 
-class _Gather:
+class Gather:
     """A block of rows of a finely cut tensor, its pieces copied by `run_gather`.
 
     A plain slotted class: a load only builds and reads these records, and creating a dataclass
@@ -90,7 +90,7 @@ class _Gather:
         return self.base + first * self.row_bytes, self.base + last * self.row_bytes
 
 
-def _gatherable(entry: TensorEntry, sel: TensorSelection) -> bool:
+def gatherable(entry: TensorEntry, sel: TensorSelection) -> bool:
     """Whether a selection is cut into so many short runs that gathering beats preadv.
 
     A short run costs a syscall (a few microseconds) for a few KiB; one process_vm_writev
@@ -98,7 +98,7 @@ def _gatherable(entry: TensorEntry, sel: TensorSelection) -> bool:
     """
     if sel.axis is None or sel.axis == 0:
         return False
-    k, shape, item = sel.axis, entry.shape, _ITEMSIZE[entry.dtype]
+    k, shape, item = sel.axis, entry.shape, ITEMSIZE[entry.dtype]
     outer = math.prod(shape[:k])
     inner = math.prod(shape[k + 1:]) * item
     ranges = [(a, b) for a, b in sel.ranges if b > a]
@@ -107,10 +107,10 @@ def _gatherable(entry: TensorEntry, sel: TensorSelection) -> bool:
             and local_row / len(ranges) <= _GATHER_RUN)
 
 
-def _gathers(file: int, header: FileHeader, entry: TensorEntry, sel: TensorSelection,
-             array: np.ndarray[Any, Any]) -> list[_Gather]:
-    """Gather jobs of a `_gatherable` selection: blocks of about `_GATHER_BLOCK` file bytes."""
-    k, shape, item = sel.axis or 0, entry.shape, _ITEMSIZE[entry.dtype]
+def column_gathers(file: int, header: FileHeader, entry: TensorEntry, sel: TensorSelection,
+                   array: np.ndarray[Any, Any]) -> list[Gather]:
+    """Gather jobs of a `gatherable` selection: blocks of about `_GATHER_BLOCK` file bytes."""
+    k, shape, item = sel.axis or 0, entry.shape, ITEMSIZE[entry.dtype]
     outer = math.prod(shape[:k])
     inner = math.prod(shape[k + 1:]) * item
     ranges = [(a, b) for a, b in sel.ranges if b > a]
@@ -123,9 +123,9 @@ def _gathers(file: int, header: FileHeader, entry: TensorEntry, sel: TensorSelec
     out = array.reshape(-1).view(np.uint8).reshape(outer, local_row)
     step = max(1, _GATHER_BLOCK // row_bytes)
     base = header.data_start + entry.begin
-    return [_Gather(file=file, path=header.path, name=entry.name, out=out, base=base,
-                    row_bytes=row_bytes, rows=(r, min(outer, r + step)), pieces=tuple(pieces),
-                    nbytes=(min(outer, r + step) - r) * local_row)
+    return [Gather(file=file, path=header.path, name=entry.name, out=out, base=base,
+                   row_bytes=row_bytes, rows=(r, min(outer, r + step)), pieces=tuple(pieces),
+                   nbytes=(min(outer, r + step) - r) * local_row)
             for r in range(0, outer, step)]
 
 
@@ -154,10 +154,10 @@ class GatherFile:
             self.mapping = mmap.mmap(fd, header.file_size, flags=mmap.MAP_SHARED,
                                      prot=mmap.PROT_READ)
         except ValueError:  # Python's mmap checks the size first: the file shrank
-            _fail(header.path, f"file changed since its header was read: it is shorter than "
+            abort(header.path, f"file changed since its header was read: it is shorter than "
                                f"{header.file_size} bytes (truncated file?)", name)
         except OSError as exc:
-            _fail(header.path, f"cannot map tensor data: {exc.strerror or exc}", name)
+            abort(header.path, f"cannot map tensor data: {exc.strerror or exc}", name)
         if hasattr(mmap, "MADV_RANDOM"):
             self.mapping.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not its neighbours
         view = np.frombuffer(self.mapping, dtype=np.uint8)  # for its address only: never read
@@ -218,7 +218,7 @@ class GatherFile:
             self.direct_fd = -1
 
 
-def plan_gathers(jobs: list[_Gather], sources: dict[int, GatherFile], *,
+def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
                  alone: bool = True) -> bool:
     """Attach each job to its file's `GatherFile`, in the calling thread before any read;
     whether any job's rows are cold (fewer than `_COLD_FRACTION` of their pages cached).
@@ -243,7 +243,7 @@ def plan_gathers(jobs: list[_Gather], sources: dict[int, GatherFile], *,
     return cold
 
 
-def run_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
+def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
     """Copy the selected columns of a block of rows: O_DIRECT when cold, the kernel's copy
     from the mapping when warm, preadv per piece otherwise. Never a SIGBUS."""
     if job.direct and _direct_gather(job, recorder):
@@ -263,7 +263,7 @@ def run_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
         _record_pieces(job, recorder)
 
 
-def _prefetch(job: _Gather) -> None:
+def _prefetch(job: Gather) -> None:
     """Ask storage for the job's whole rows now, in large reads (advice only)."""
     start, end = job.span()
     if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED"):
@@ -273,7 +273,7 @@ def _prefetch(job: _Gather) -> None:
             pass
 
 
-def _record_pieces(job: _Gather, recorder: ReadRecorder) -> None:
+def _record_pieces(job: Gather, recorder: ReadRecorder) -> None:
     """Tell `recorder` of every piece of `job`."""
     path = job.path
     first, last = job.rows
@@ -283,7 +283,7 @@ def _record_pieces(job: _Gather, recorder: ReadRecorder) -> None:
             recorder.record(path, at + src, width)
 
 
-def _vm_gather(job: _Gather, copy: Callable[..., int]) -> bool:
+def _vm_gather(job: Gather, copy: Callable[..., int]) -> bool:
     """`run_gather` by process_vm_writev from the file's mapping; False when the call is
     refused (the caller falls back to preadv).
 
@@ -307,13 +307,13 @@ def _vm_gather(job: _Gather, copy: Callable[..., int]) -> bool:
     sizes = pieces[:, 1].astype(np.int64)
     out = job.out[first:last]
     address = int(out.ctypes.data)
-    _populate(address, 0, out.nbytes)
+    populate(address, 0, out.nbytes)
     target = np.empty((1, 2), dtype=np.uint64)
     done, pid = 0, os.getpid()
     try:
-        for i in range(0, len(pieces), _IOV_MAX):
-            chunk = pieces[i:i + _IOV_MAX]
-            want = int(sizes[i:i + _IOV_MAX].sum())
+        for i in range(0, len(pieces), IOV_MAX):
+            chunk = pieces[i:i + IOV_MAX]
+            want = int(sizes[i:i + IOV_MAX].sum())
             target[0] = (address + done, want)
             got = copy(pid, chunk.ctypes.data, len(chunk), target.ctypes.data, 1, 0)
             if got < 0:
@@ -323,7 +323,7 @@ def _vm_gather(job: _Gather, copy: Callable[..., int]) -> bool:
                     return False
             if got != want:
                 at = _position_of(chunk, max(got, 0), source.address)
-                _fail(job.path, f"file changed since its header was read: tensor data at "
+                abort(job.path, f"file changed since its header was read: tensor data at "
                                 f"byte {at} could not be read (truncated file?)", job.name)
             done += want
     finally:
@@ -331,7 +331,7 @@ def _vm_gather(job: _Gather, copy: Callable[..., int]) -> bool:
     return True
 
 
-def _numpy_gather(job: _Gather) -> None:
+def _numpy_gather(job: Gather) -> None:
     """`run_gather` by numpy from the file's mapping, in this thread (the zero-copy modes: a
     truncated file raises SIGBUS here, as it does at a view's first touch)."""
     source = job.source
@@ -339,7 +339,7 @@ def _numpy_gather(job: _Gather) -> None:
     first, last = job.rows
     start, end = job.span()
     out = job.out[first:last]
-    _populate(int(out.ctypes.data), 0, out.nbytes)
+    populate(int(out.ctypes.data), 0, out.nbytes)
     rows = np.frombuffer(source.mapping, dtype=np.uint8, count=end - start, offset=start)
     rows = rows.reshape(last - first, job.row_bytes)
     try:
@@ -350,13 +350,13 @@ def _numpy_gather(job: _Gather) -> None:
         source.release(start, end, last=last == job.out.shape[0])
 
 
-def _populate_rows(job: _Gather) -> None:
+def _populate_rows(job: Gather) -> None:
     """Fault in the destination rows of `job` (in the reader thread running it)."""
     first, last = job.rows
-    _populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
+    populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
 
 
-def _row_pieces(job: _Gather) -> Iterator[tuple[int, memoryview]]:
+def _row_pieces(job: Gather) -> Iterator[tuple[int, memoryview]]:
     """(absolute file offset, destination bytes) of every piece of `job`, row by row."""
     first, last = job.rows
     for row in range(first, last):
@@ -366,7 +366,7 @@ def _row_pieces(job: _Gather) -> Iterator[tuple[int, memoryview]]:
             yield at + src, line[dst:dst + width]
 
 
-def _pread_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
+def _pread_gather(job: Gather, recorder: ReadRecorder | None) -> None:
     """`run_gather` with one preadv per piece, straight into the destination."""
     preadv, fd, path, name = os.preadv, job.fd, job.path, job.name
     _populate_rows(job)
@@ -378,10 +378,10 @@ def _pread_gather(job: _Gather, recorder: ReadRecorder | None) -> None:
             if got != len(buf):
                 fill(fd, path, name, [buf[max(got, 0):]], offset + max(got, 0), recorder)
     except OSError as exc:
-        _fail(job.path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
+        abort(job.path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
 
 
-def _direct_gather(job: _Gather, recorder: ReadRecorder | None) -> bool:
+def _direct_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
     """`run_gather` with one O_DIRECT read per piece: its sectors only, into a bounce buffer,
     then copied; False when the file system refuses the first read (the caller then goes
     through the page cache)."""
@@ -403,10 +403,10 @@ def _direct_gather(job: _Gather, recorder: ReadRecorder | None) -> bool:
             except OSError as exc:
                 if exc.errno == errno.EINVAL and first_read:
                     return False  # this file system wants other alignment: use the cache
-                _fail(path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
+                abort(path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
             first_read = False
             if got < need:
-                _fail(path, f"file changed since its header was read (truncated file?): "
+                abort(path, f"file changed since its header was read (truncated file?): "
                             f"tensor data at byte {aligned + max(got, 0)} could not be "
                             "read", job.name)
             buf[:] = staged[lo - aligned:need]

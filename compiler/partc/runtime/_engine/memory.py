@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 
 _MAPPED_ARRAY_BYTES = 1 << 20
-"""Arrays at least this large get their own anonymous mapping (see `_empty`)."""
+"""Arrays at least this large get their own anonymous mapping (see `empty_array`)."""
 
 
-def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+def empty_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
     """A new writable array; a large one gets its own private anonymous mapping, not faulted in.
 
     Every destination page is first touched by the load itself, so the reader thread that fills
-    a job faults its pages in first, in one call (`_populate`), instead of one trap per 4 KiB
+    a job faults its pages in first, in one call (`populate`), instead of one trap per 4 KiB
     page (measured ~10% of a load) or all of them serially here before any read starts
     (MAP_POPULATE: measured 54-59% of a load). numpy's own large arrays ask for transparent huge
     pages, which measured ~1.6x slower to fault in here than 4 KiB pages.
@@ -56,7 +56,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return _MADVISE[0]
 
 
-def _populate(address: int, start: int, end: int) -> None:
+def populate(address: int, start: int, end: int) -> None:
     """Fault in the destination bytes [start, end) of the array at `address`, in this thread.
 
     Best effort: where the call is missing or refused, the copy faults the pages in itself.

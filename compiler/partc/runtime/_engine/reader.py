@@ -1,7 +1,7 @@
 """Read safetensors checkpoints: only the byte runs of the requested slices, straight into
 preallocated arrays. Opened checkpoints come from `partc.runtime.checkpoint`; the runs and the
-jobs that read them from `partc.runtime.runs`; column slices are gathered by
-`partc.runtime.gather`.
+jobs that read them from `partc.runtime._engine.runs`; column slices are gathered by
+`partc.runtime._engine.gather`.
 """
 
 from __future__ import annotations
@@ -9,157 +9,47 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from partc.errors import CheckpointError
-from partc.parallel.placements import local_shape
-from partc.runtime.checkpoint import MAX_INDEX_BYTES, Checkpoint, open_checkpoint
-from partc.runtime.files import FileStamp, no_readahead
-from partc.runtime.gather import (
+from partc.runtime._engine.gather import (
     DIRECT_THREADS,
+    Gather,
     GatherFile,
-    _Gather,
-    _gatherable,
-    _gathers,
+    column_gathers,
+    gatherable,
     plan_gathers,
     run_gather,
 )
-from partc.runtime.headers import (
-    _ITEMSIZE,
-    BIT_DTYPES,
-    DTYPES,
-    MAX_HEADER_SIZE,
-    FileHeader,
-    TensorEntry,
-    TensorTable,
-    _fail,
-    paused_gc,
-    read_header,
-)
-from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST, ShardManifest, read_shard_manifest
-from partc.runtime.memory import _empty
-from partc.runtime.runs import (
-    _IOV_MAX,
-    _JOB_BYTES,
-    _THREADED_BYTES,
-    _check_selection,
-    _Ints,
-    _Job,
-    _populate_job,
-    _ReadPlan,
-    _runs,
+from partc.runtime._engine.memory import empty_array
+from partc.runtime._engine.runs import (
+    IOV_MAX,
+    JOB_BYTES,
+    THREADED_BYTES,
+    Ints,
+    Job,
+    ReadPlan,
+    byte_runs,
+    check_selection,
     fill,
     one_run,
+    populate_job,
 )
-
-__all__ = [
-    "BIT_DTYPES", "DTYPES", "MAX_HEADER_SIZE", "MAX_INDEX_BYTES", "SHARD_FORMAT", "SHARD_MANIFEST",
-    "WHOLE",
-    "Checkpoint", "CheckpointReader", "FileHeader", "ReadRecorder", "ShardManifest", "TensorEntry",
-    "TensorSelection", "TensorTable", "default_workers", "node_ranks", "open_checkpoint",
-    "paused_gc", "read_header", "read_shard_manifest", "read_tensor", "read_tensors",
-    "usable_cores",
-]
-
-class ReadRecorder(Protocol):
-    """Instrumentation told of every byte run actually read from a file.
-
-    A large read calls it from several reader threads, in no particular order.
-    """
-
-    def record(self, path: str, offset: int, length: int) -> None:
-        """Note that `length` bytes were read from `path` at absolute `offset`."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSelection:
-    """The part of a tensor a rank owns: global slices along `axis`, concatenated in order."""
-
-    axis: int | None = None
-    """Axis the ranges cut, or None for the whole tensor."""
-    ranges: tuple[tuple[int, int], ...] = ()
-    """Half-open global ranges [start, end) along `axis`, concatenated in this order."""
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of the selected part of a tensor of global `shape` (assumes valid ranges)."""
-        return local_shape(shape, (self.axis, self.ranges))
-
-
-WHOLE = TensorSelection()
-"""The selection of an entire tensor."""
-
-
-def environment_count(name: str) -> int | None:
-    """Environment variable `name` as a positive integer; None when unset or blank.
-
-    Any other value is a CheckpointError naming the variable and its value: only ASCII digits
-    are read (`str.isdigit` accepts '²', which `int` refuses; `int` accepts '1_0' and
-    other scripts' digits, which no launcher writes).
-    """
-    raw = os.environ.get(name)
-    text = (raw or "").strip()
-    if not text:
-        return None
-    if not (text.isascii() and text.isdigit()) or int(text) == 0:
-        raise CheckpointError(f"environment {name}={raw!r} must be a positive integer in ASCII "
-                              "digits (e.g. 4); unset it for the default")
-    return int(text)
-
-
-def count_option(name: str, value: object) -> int | None:
-    """Option `name`'s `value`: None or a positive integer (a bool is not one); a
-    CheckpointError naming the option and the value otherwise."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < 1):
-        raise CheckpointError(f"{name} must be a positive integer, found {value!r}")
-    return value
-
-
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask where known)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def node_ranks(local_ranks: int | None = None) -> int:
-    """Ranks loading on this node at once: `local_ranks`, else `PARTC_LOCAL_RANKS`, else
-    torchrun's `LOCAL_WORLD_SIZE`, else 1."""
-    if local_ranks is not None:
-        return max(1, int(local_ranks))
-    return environment_count("PARTC_LOCAL_RANKS") or environment_count("LOCAL_WORLD_SIZE") or 1
-
-
-def default_workers(local_ranks: int | None = None) -> int:
-    """Reader threads of one rank: `PARTC_READ_THREADS`, else the node's cores shared among its
-    loading ranks (`node_ranks`), at least 1 and at most 8.
-
-    Reads from the page cache are memory copies: more threads than cores on a node only make
-    the ranks take turns (measured: 2T threads on 2 cores made the slowest of T ranks 2x-4x
-    slower than one rank alone).
-    """
-    forced = environment_count("PARTC_READ_THREADS")
-    if forced is not None:
-        return forced
-    return _shared_cores(node_ranks(local_ranks))
-
-
-def _shared_cores(ranks: int) -> int:
-    """A rank's share of the node's cores among `ranks` loading ranks, 1 to 8."""
-    return max(1, min(8, usable_cores() // ranks))
-
+from partc.runtime._engine.selection import WHOLE, ReadRecorder, TensorSelection
+from partc.runtime._engine.workers import environment_count, node_ranks, shared_cores
+from partc.runtime.checkpoint import Checkpoint
+from partc.runtime.files import FileStamp, no_readahead
+from partc.runtime.headers import DTYPES, ITEMSIZE, FileHeader, TensorEntry, abort
 
 _SPAN_LIMIT = 8 << 20
 """Most bytes one coalesced span (`max_gap`) reads."""
 
 
-def _job_start(job: _Job | _Gather) -> tuple[int, int]:
+def _job_start(job: Job | Gather) -> tuple[int, int]:
     """Sort key of a job: its file, then its first byte."""
-    if isinstance(job, _Gather):
+    if isinstance(job, Gather):
         return job.file, job.span()[0]
     return job.file, int(job.src[0])
 
@@ -183,7 +73,7 @@ class CheckpointReader:
         """Ranks loading on this node at once (see `node_ranks`)."""
         forced = None if workers is not None else environment_count("PARTC_READ_THREADS")
         self.workers = (max(1, workers) if workers is not None else forced if forced is not None
-                        else _shared_cores(ranks))
+                        else shared_cores(ranks))
         """Threads `read_many` may use for a large read."""
         self._cold_workers = self.workers if workers is not None or forced is not None else max(
             self.workers, DIRECT_THREADS // ranks)
@@ -223,13 +113,13 @@ class CheckpointReader:
             try:
                 fd = os.open(header.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
-                _fail(header.path, f"cannot open checkpoint file: {exc.strerror or exc}")
+                abort(header.path, f"cannot open checkpoint file: {exc.strerror or exc}")
             self._fds[header.path] = fd  # closed by close() even when a check below fails
             no_readahead(fd)
             try:
                 st = os.fstat(fd)
             except OSError as exc:
-                _fail(header.path, f"cannot examine checkpoint file: {exc.strerror or exc}")
+                abort(header.path, f"cannot examine checkpoint file: {exc.strerror or exc}")
             _check_stamp(header, st, "since its header was read")
         return fd
 
@@ -248,12 +138,12 @@ class CheckpointReader:
                 now = os.stat(header.path)
                 st = os.fstat(fd)
             except FileNotFoundError:
-                _fail(header.path, "checkpoint file disappeared while being read (deleted or "
+                abort(header.path, "checkpoint file disappeared while being read (deleted or "
                                    "renamed); expected it to stay in place until the load ends")
             except OSError as exc:
-                _fail(header.path, f"cannot examine checkpoint file: {exc.strerror or exc}")
+                abort(header.path, f"cannot examine checkpoint file: {exc.strerror or exc}")
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                _fail(header.path, "checkpoint file was replaced while being read: the path now "
+                abort(header.path, "checkpoint file was replaced while being read: the path now "
                                    "names another file; expected it unchanged until the load ends")
             _check_stamp(header, st, "while being read")
 
@@ -262,9 +152,9 @@ class CheckpointReader:
         if self.max_gap <= 0:
             return self.read_many([(name, selection)])[name]
         header, entry = self.checkpoint.tensor(name)
-        _check_selection(header, entry, selection)
-        out = _empty(selection.local_shape(entry.shape), self.dtypes[entry.dtype])
-        src, dst, length = _runs(entry, selection)
+        check_selection(header, entry, selection)
+        out = empty_array(selection.local_shape(entry.shape), self.dtypes[entry.dtype])
+        src, dst, length = byte_runs(entry, selection)
         if len(src):
             fd, base = self._fd(header), header.data_start + entry.begin
             flat = out.reshape(-1).view(np.uint8)
@@ -294,8 +184,8 @@ class CheckpointReader:
             return {todo[i][0]: got[i] for i in range(len(todo))}
         assert found is not None
         out: dict[str, np.ndarray[Any, Any]] = {}
-        plan = _ReadPlan()
-        gathers: list[_Gather] = []
+        plan = ReadPlan()
+        gathers: list[Gather] = []
         files = self.checkpoint.files
         # A rank's tensors come in a few structures (the same dtype, shape and selection in
         # every layer): each is checked and worked out once (`_shape`), keyed by the header's
@@ -327,16 +217,16 @@ class CheckpointReader:
                 out[name] = ndarray(local, dtype, buffer, begin + offset, strides)
                 continue
             header = files[file]
-            array = _empty(local, dtype)
+            array = empty_array(local, dtype)
             out[name] = array
             if gather:
-                gathers.extend(_gathers(file, header, header.tensors[name], selection, array))
+                gathers.extend(column_gathers(file, header, header.tensors[name], selection, array))
                 continue
             assert runs is not None
             src, dst, length = runs
             if len(src):
                 plan.add(file, begin, name, array, src, dst, length)
-        jobs: list[_Job | _Gather] = [*plan.jobs(files, _JOB_BYTES), *gathers]
+        jobs: list[Job | Gather] = [*plan.jobs(files, JOB_BYTES), *gathers]
         for job in jobs:
             job.fd = self._fd(files[job.file])
         jobs.sort(key=_job_start)
@@ -350,7 +240,7 @@ class CheckpointReader:
         try:
             cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
             workers = self._cold_workers if cold else self.workers
-            if len(jobs) < 2 or workers < 2 or nbytes < _THREADED_BYTES:
+            if len(jobs) < 2 or workers < 2 or nbytes < THREADED_BYTES:
                 for job in jobs:
                     self._run_job(job)
                     if progress is not None:
@@ -371,7 +261,7 @@ class CheckpointReader:
         for name, _ in todo:
             header, _ = self.checkpoint.tensor(name)
             if name in seen:
-                _fail(header.path, f"tensor {name!r} requested twice", name)
+                abort(header.path, f"tensor {name!r} requested twice", name)
             seen.add(name)
         raise AssertionError("_refuse_names called on requests with no fault")
 
@@ -382,14 +272,14 @@ class CheckpointReader:
         tensor's first byte, its strides (None: contiguous), local shape, dtype, False, None),
         else (0, 0, None, local shape, dtype, whether it is gathered, its byte runs unless
         gathered)."""
-        _check_selection(header, entry, sel)
+        check_selection(header, entry, sel)
         local, dtype = sel.local_shape(entry.shape), self.dtypes[entry.dtype]
         if self.zero_copy:
             view = _view_of(entry, sel, private=self.zero_copy == "private")
             if view is not None:
                 return (view[0], view[1], view[2], local, dtype, False, None)
-        gather = self.mapped and _gatherable(entry, sel)
-        return (0, 0, None, local, dtype, gather, None if gather else _runs(entry, sel))
+        gather = self.mapped and gatherable(entry, sel)
+        return (0, 0, None, local, dtype, gather, None if gather else byte_runs(entry, sel))
 
     def _map(self, header: FileHeader, name: str) -> memoryview:
         """The mapping of `header`'s file the views of `zero_copy` are made from (mapped on
@@ -405,14 +295,14 @@ class CheckpointReader:
             mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_COPY if private
                                 else mmap.ACCESS_READ)
         except ValueError:  # Python's mmap checks the size first: the file shrank
-            _fail(header.path, f"file changed since its header was read: it is shorter "
+            abort(header.path, f"file changed since its header was read: it is shorter "
                                f"than {header.file_size} bytes (truncated file?)", name)
         except OSError as exc:
-            _fail(header.path, f"cannot map checkpoint file: {exc.strerror or exc}", name)
+            abort(header.path, f"cannot map checkpoint file: {exc.strerror or exc}", name)
         self._maps[header.path] = mapping
         return memoryview(mapping)
 
-    def _run_threaded(self, jobs: list[_Job | _Gather], progress: Callable[[int], None] | None,
+    def _run_threaded(self, jobs: list[Job | Gather], progress: Callable[[int], None] | None,
                       workers: int) -> None:
         """Run jobs on `workers` threads taking them in order; the first error is re-raised.
 
@@ -457,20 +347,20 @@ class CheckpointReader:
             for thread in threads:
                 thread.join()
 
-    def _run_job(self, job: _Job | _Gather) -> None:
+    def _run_job(self, job: Job | Gather) -> None:
         """Read one job's runs (sorted by file offset); one preadv per file-contiguous batch."""
-        if isinstance(job, _Gather):
+        if isinstance(job, Gather):
             run_gather(job, self.recorder)
             return
         path, names, views = job.path, job.names, job.views
-        _populate_job(job)
+        populate_job(job)
         src, dst, length, owner = (a.tolist() for a in (job.src, job.dst, job.length, job.owner))
         fd, recorder, preadv = job.fd, self.recorder, os.preadv
         i, count = 0, len(src)
         try:
             while i < count:
                 j, end = i + 1, src[i] + length[i]
-                while j < count and j - i < _IOV_MAX and src[j] == end:
+                while j < count and j - i < IOV_MAX and src[j] == end:
                     end, j = end + length[j], j + 1
                 if j == i + 1:  # hot path of column slices: one run straight into its array
                     d, n = dst[i], length[i]
@@ -485,10 +375,10 @@ class CheckpointReader:
                     fill(fd, path, names[owner[i]], bufs, src[i], self.recorder)
                 i = j
         except OSError as exc:
-            _fail(path, f"cannot read tensor data: {exc.strerror or exc}", names[owner[i]])
+            abort(path, f"cannot read tensor data: {exc.strerror or exc}", names[owner[i]])
 
     def _read_coalesced(self, fd: int, path: str, name: str, flat: np.ndarray[Any, Any],
-                        base: int, src: _Ints, dst: _Ints, length: _Ints) -> None:
+                        base: int, src: Ints, dst: Ints, length: Ints) -> None:
         """Read runs with gaps of at most `max_gap` bytes as one span each, then gather."""
         last = src + length - 1
         window = src // _SPAN_LIMIT
@@ -517,7 +407,7 @@ class CheckpointReader:
 
 
 _Shape = tuple[int, int, "tuple[int, ...] | None", tuple[int, ...], "np.dtype[Any]", bool,
-               "tuple[_Ints, _Ints, _Ints] | None"]
+               "tuple[Ints, Ints, Ints] | None"]
 """How `read_many` returns one structure of tensor (see `CheckpointReader._shape`)."""
 
 
@@ -542,7 +432,7 @@ def _view_of(entry: TensorEntry, sel: TensorSelection, *, private: bool
     kept = [r for r in sel.ranges if r[1] > r[0]]
     if private or runs == 0 or len(kept) != 1 or sel.axis is None:
         return None  # several runs: copied (a column slice too, when private)
-    strides, step = [], _ITEMSIZE[entry.dtype]
+    strides, step = [], ITEMSIZE[entry.dtype]
     for dim in reversed(entry.shape):
         strides.append(step)
         step *= dim
@@ -554,13 +444,13 @@ def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
     """Refuse a file whose stat no longer matches the one taken when its header was read."""
     stamp, now = header.stamp, FileStamp.of(st)
     if stamp is not None and (stamp.device, stamp.inode) != (now.device, now.inode):
-        _fail(header.path, f"checkpoint file was replaced {when}: the path names another file "
+        abort(header.path, f"checkpoint file was replaced {when}: the path names another file "
                            f"(inode {now.inode}, expected {stamp.inode})")
     if now.size != header.file_size:
-        _fail(header.path, f"file changed {when}: size {now.size}, expected "
+        abort(header.path, f"file changed {when}: size {now.size}, expected "
                            f"{header.file_size} (truncated file?)")
     if stamp is not None and now.mtime_ns != stamp.mtime_ns:
-        _fail(header.path, f"file changed {when}: it was modified (mtime {now.mtime_ns} ns, "
+        abort(header.path, f"file changed {when}: it was modified (mtime {now.mtime_ns} ns, "
                            f"expected {stamp.mtime_ns} ns)")
 
 
