@@ -339,7 +339,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     """Compile a family for a model config and topology; write the build to `out` if given.
 
     `stage_units` is one unit count per stage, or per stage its (execution group, units)
-    runs (`partition.stages`); `group_modes` overrides the family's per-group `parallel:`.
+    runs (`plan.stage_balance`); `group_modes` overrides the family's per-group `parallel:`.
     `expert_parallel_size` (E) turns expert parallelism on: a stage has E x
     `expert_tensor_parallel_size` ranks, the experts placed balanced or by the placement file
     `expert_placement` (docs/expert_parallel.md).

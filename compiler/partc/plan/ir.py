@@ -50,7 +50,7 @@ class PipelineSummary:
     balance: str
     """`bytes`, `weight`, `units` or `explicit`."""
     layout: str
-    """The stage layout in Megatron's notation (`partition.stages`)."""
+    """The stage layout in Megatron's notation (`plan.stage_balance`)."""
     stage_bytes: tuple[int, ...]
     """Parameter bytes of each stage on its largest tensor-parallel rank."""
     group_modes: tuple[tuple[str, GroupParallelMode], ...]

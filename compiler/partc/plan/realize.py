@@ -1,8 +1,8 @@
 """Stage 5: realize a bound architecture for a topology (TP x PP) as a frozen, canonical plan IR.
 
 Global rank g = stage * T + tensor_parallel_rank (TP innermost). Every parameter group is
-realized once for T (`parallel.realize_group`); each pipeline stage keeps the groups its
-partition owns (`partition.realize_partition`).
+realized once for T (`plan.tensor_split`); each pipeline stage keeps the groups its
+partition owns (`plan.pipeline_cut`).
 """
 
 from __future__ import annotations
