@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from partc.errors import CheckpointError
@@ -128,3 +129,46 @@ def test_a_checkpoint_that_is_no_path_is_refused(package: Any, checkpoint: objec
 def test_a_path_like_checkpoint_is_accepted(package: Any) -> None:
     assert package.load(Path(LLAMA), rank=0).tensors.keys() == package.load(
         str(LLAMA), rank=0).tensors.keys()
+
+
+def test_load_options_turn_the_keywords_strings_into_enums():
+    from partc.runtime import Framework, LoadOptions, Verify, ZeroCopy
+
+    assert LoadOptions.from_keywords() == LoadOptions()
+    options = LoadOptions.from_keywords(framework="torch", verify="digest", zero_copy="private",
+                                        dtype="float32", workers=2)
+    assert (options.framework, options.verify, options.zero_copy) == (
+        Framework.TORCH, Verify.DIGEST, ZeroCopy.PRIVATE)
+    assert options.dtype == np.dtype(np.float32) and options.workers == 2
+    assert LoadOptions.from_keywords(zero_copy=True).zero_copy is ZeroCopy.SHARED
+    assert LoadOptions.from_keywords(device="cpu").framework is Framework.TORCH
+    assert LoadOptions().host_numpy and not LoadOptions.from_keywords(device="cpu").host_numpy
+
+
+def test_load_options_are_frozen_keyword_only_and_checked_when_built():
+    import dataclasses
+
+    from partc.runtime import Framework, LoadOptions, ZeroCopy
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LoadOptions().workers = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        LoadOptions(True)  # type: ignore[misc]
+    with pytest.raises(CheckpointError, match=r"^framework must be a Framework, found 'torch'$"):
+        LoadOptions(framework="torch")  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match=r"^workers must be a positive integer, found 0$"):
+        LoadOptions(workers=0)
+    with pytest.raises(CheckpointError, match=r"zero_copy=True returns read-only views"):
+        LoadOptions(framework=Framework.TORCH, zero_copy=ZeroCopy.SHARED)
+
+
+def test_load_options_have_a_field_for_every_keyword_option_of_load_rank():
+    import dataclasses
+    import inspect
+
+    from partc.runtime import LoadOptions, load_rank
+
+    keywords = [p.name for p in inspect.signature(load_rank).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert keywords == [f.name for f in dataclasses.fields(LoadOptions)]
+    assert keywords == list(inspect.signature(LoadOptions.from_keywords).parameters)

@@ -29,9 +29,7 @@ from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.front.schema import plan_faults
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
-from partc.runtime._engine.reader import read_tensors
-from partc.runtime._engine.selection import TensorSelection
-from partc.runtime._engine.workers import count_option
+from partc.runtime import TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
 from partc.runtime.headers import DTYPES
@@ -45,6 +43,7 @@ from partc.runtime.loader import (
     unknown_names,
 )
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
+from partc.runtime.options import count_option
 from partc.runtime.progress import progress_bar
 
 if TYPE_CHECKING:

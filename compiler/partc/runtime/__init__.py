@@ -7,7 +7,10 @@ modules call through `_runtime.<name>`; each name is defined in one submodule.
 
 from typing import TYPE_CHECKING, Any
 
+from partc.runtime._engine.reader import read_tensors
+from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module
+from partc.runtime.options import Framework, LoadOptions, Verify, ZeroCopy
 from partc.runtime.rank_env import LaunchPosition, build_launch_position, launch_position
 from partc.runtime.tables import (
     RankTable,
@@ -46,8 +49,13 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BuildTopology",
+    "Framework",
     "LaunchPosition",
+    "LoadOptions",
     "RankTable",
+    "TensorSelection",
+    "Verify",
+    "ZeroCopy",
     "architecture_boundary",
     "architecture_partition",
     "boundary_schema",
@@ -64,6 +72,7 @@ __all__ = [
     "package_rank_module",
     "parallel_model_info",
     "partition_state",
+    "read_tensors",
     "receive_boundary",
     "send_boundary",
 ]

@@ -28,6 +28,7 @@ from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.frameworks import import_torch
+from partc.runtime.options import Framework, LoadOptions, ZeroCopy
 from partc.runtime.rank_env import environment_integer
 
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -89,28 +90,23 @@ def resolve_device(device: Any) -> Any:
     return torch.device("cuda", index)
 
 
-def load_target(framework: str | None, device: Any, *, verify: str | None,
-                zero_copy: bool | str, reader: Any, staging_bytes: int | None
-                ) -> tuple[str, Any | None]:
-    """`load`'s framework, and the CUDA device to stage to (None: read on the host), checked
-    against the load's other options."""
-    framework = ("torch" if device is not None else "numpy") if framework is None else framework
-    if framework not in ("numpy", "torch"):
-        raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
-    if device is not None and framework != "torch":
-        raise CheckpointError(f"device={device!r} places torch tensors, but framework is "
-                              f"{framework!r}; pass framework='torch' or leave it out")
-    target = resolve_device(device) if framework == "torch" else None
+def load_target(options: LoadOptions) -> Any | None:
+    """The CUDA device a load stages to (None: it reads on the host), checked against the
+    load's other options."""
+    target = resolve_device(options.device) if options.framework is Framework.TORCH else None
     staged = target if target is not None and target.type != "cpu" else None
-    if staged is not None and (zero_copy or reader is not None):
-        option = f"zero_copy={zero_copy!r}" if zero_copy else "reader="
+    zero_copy = options.zero_copy is not ZeroCopy.OFF
+    if staged is not None and (zero_copy or options.reader is not None):
+        option = f"zero_copy={options.zero_copy.value!r}" if zero_copy else "reader="
         raise CheckpointError(f"a load to {staged} reads through the file mapping into host "
                               f"staging buffers, which {option} cannot follow; load to "
                               "device='cpu' for it")
-    if staging_bytes is not None and staged is None:
+    if options.staging_bytes is not None and staged is None:
         raise CheckpointError("staging_bytes sizes the host ring of a load to a CUDA device; "
                               "this load is not one")
-    return framework, staged
+    if options.framework is Framework.TORCH:
+        options.check_torch_views()
+    return staged
 
 
 class Transfer(Protocol):

@@ -24,11 +24,9 @@ from partc.runtime.tables import table_lines
 if TYPE_CHECKING:
     from partc.parallel.layout import LocalModelLayout
 
-__all__ = ["BATCH_BYTES", "VERIFY_MODES", "byte_batches", "compiled_digests", "plan_digests",
-           "tensor_digest", "tensor_digests", "verify_digests", "check_digests"]
+__all__ = ["BATCH_BYTES", "byte_batches", "compiled_digests", "plan_digests", "tensor_digest",
+           "tensor_digests", "verify_digests", "check_digests"]
 
-VERIFY_MODES = (None, "digest")
-"""Values of a loader's `verify=` option."""
 BATCH_BYTES = 256 << 20
 """Slices are read (for digests, and by `partc shard`) in batches of about this many bytes."""
 _Item = TypeVar("_Item")

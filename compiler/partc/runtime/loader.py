@@ -19,18 +19,17 @@ import numpy as np
 from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
 from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
-from partc.runtime._engine.workers import count_option
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import (
-    VERIFY_MODES,
     check_digests,
     compiled_digests,
     verify_digests,
 )
 from partc.runtime.files import path_text, sha256, spelled
-from partc.runtime.frameworks import FLOAT_DTYPES, float_dtype, to_torch
+from partc.runtime.frameworks import FLOAT_DTYPES, to_torch
 from partc.runtime.headers import BIT_DTYPES, DTYPES, ML_DTYPES
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
+from partc.runtime.options import Framework, LoadOptions, Verify
 from partc.runtime.progress import progress_bar
 from partc.runtime.rank_env import package_factors, rank_from_environment, rank_out_of_range
 from partc.runtime.tables import (
@@ -536,25 +535,23 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     """
     if unknown:
         raise _unknown_option(sorted(unknown))
-    _check_options(checkpoint, reader=reader, workers=workers, local_ranks=local_ranks,
-                   verify_fingerprint=verify_fingerprint, progress=progress)
-    if not isinstance(zero_copy, bool) and zero_copy != "private":
-        raise CheckpointError(f"zero_copy must be False, True or 'private', found {zero_copy!r}")
-    if device is None and framework in (None, "numpy") and staging_bytes is None:
-        framework, staged = "numpy", None  # a host numpy load: nothing of the device path
-    else:  # imported only here: its torch and CUDA machinery costs every import otherwise
-        from partc.runtime.device import load_target
+    _check_checkpoint(checkpoint)
+    options = LoadOptions.from_keywords(
+        verify_fingerprint=verify_fingerprint, dtype=dtype, reader=reader, framework=framework,
+        workers=workers, progress=progress, verify=verify, zero_copy=zero_copy,
+        local_ranks=local_ranks, device=device, staging_bytes=staging_bytes)
+    return _load(table, checkpoint, options)
 
-        framework, staged = load_target(framework, device, verify=verify, zero_copy=zero_copy,
-                                        reader=reader, staging_bytes=staging_bytes)
-    if verify not in VERIFY_MODES:
-        raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
-    if zero_copy is True and framework == "torch":
-        raise CheckpointError("zero_copy=True returns read-only views of the checkpoint file, "
-                              "which torch tensors cannot be; load with zero_copy='private' "
-                              "(writable copy-on-write views), framework='numpy', or without "
-                              "zero_copy")
-    target_dtype = None if dtype is None else float_dtype(dtype)
+
+def _load(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
+          options: LoadOptions) -> RankState:
+    """`load_rank` once its options are checked."""
+    staged = None
+    if not options.host_numpy:  # imported only here: its torch and CUDA machinery costs
+        from partc.runtime.device import load_target  # every import otherwise
+
+        staged = load_target(options)
+    target_dtype, digest = options.dtype, options.verify is Verify.DIGEST
     if target_dtype is not None:
         encoded = quantized_tensor(table)
         if encoded is not None:
@@ -566,14 +563,14 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
                 tensor=encoded[0])
     selections = tensor_selections(table)
     manifest = None if isinstance(checkpoint, Checkpoint) else read_shard_manifest(checkpoint)
-    recorded = None if verify != "digest" else _recorded_digests(table, manifest, checkpoint)
+    recorded = _recorded_digests(table, manifest, checkpoint) if digest else None
     if manifest is not None:
         opened = _open_presharded(table, manifest, local_model_layout(table))
         requests = [(target, TensorSelection()) for target, _, _ in selections]
     else:
         opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
             checkpoint)
-        errors = check_header(table, opened, verify_fingerprint=verify_fingerprint)
+        errors = check_header(table, opened, verify_fingerprint=options.verify_fingerprint)
         if errors:
             raise errors[0] if len(errors) == 1 else PartcErrors(errors)
         requests = _requests(selections)
@@ -581,27 +578,30 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     if staged is not None:
         from partc.runtime.device import convert_on_device, stage_to_device
 
-        found: dict[str, str] | None = {} if verify == "digest" else None
-        with progress_bar(total, f"rank {table.rank}", progress) as update:
-            on_device = stage_to_device(opened, requests, staged, staging_bytes=staging_bytes,
-                                        progress=update, digests=found)[0]
+        found: dict[str, str] | None = {} if digest else None
+        with progress_bar(total, f"rank {table.rank}", options.progress) as update:
+            on_device = stage_to_device(opened, requests, staged,
+                                        staging_bytes=options.staging_bytes, progress=update,
+                                        digests=found)[0]
         if recorded is not None and found is not None:
-            _verify_payloads(recorded, opened, on_device, workers, found=found)
+            _verify_payloads(recorded, opened, on_device, options.workers, found=found)
         return RankState(tensors=convert_on_device(on_device, target_dtype), table=table)
     # a torch load without dtype= reads bf16/fp8 as their bits and views them as torch's
     # dtype: it never imports ml_dtypes (6-10 ms a process)
-    as_bits = framework == "torch" and target_dtype is None
-    with progress_bar(total, f"rank {table.rank}", progress) as update:
-        tensors = read_tensors(opened, requests, reader=reader, workers=workers,
-                               progress=update, zero_copy=zero_copy, local_ranks=local_ranks,
+    torch = options.framework is Framework.TORCH
+    as_bits = torch and target_dtype is None
+    with progress_bar(total, f"rank {table.rank}", options.progress) as update:
+        tensors = read_tensors(opened, requests, reader=options.reader, workers=options.workers,
+                               progress=update, zero_copy=options.zero_copy.value,
+                               local_ranks=options.local_ranks,
                                dtypes=BIT_DTYPES if as_bits else DTYPES)
     if recorded is not None:
-        _verify_payloads(recorded, opened, tensors, workers)
+        _verify_payloads(recorded, opened, tensors, options.workers)
     if target_dtype is not None:
         for name, array in tensors.items():  # one tensor at a time: the original is freed
             if array.dtype in FLOAT_DTYPES and array.dtype != target_dtype:
                 tensors[name] = array.astype(target_dtype)
-    if framework == "torch":
+    if torch:
         tensors = to_torch(tensors, _stored_bits(opened, tensors) if as_bits else None)
     return RankState(tensors=tensors, table=table)
 
@@ -679,28 +679,15 @@ def _unknown_option(names: list[str]) -> CheckpointError:
                            f"{', '.join(spelled)}; its options are rank, {', '.join(options)}")
 
 
-def _check_options(checkpoint: object, *, reader: object, workers: object,
-                   local_ranks: object, verify_fingerprint: object, progress: object) -> None:
-    """Refuse, before anything is opened, a checkpoint that is no path and options of the
-    wrong kind, naming the option, the value found and what it must be."""
+def _check_checkpoint(checkpoint: object) -> None:
+    """Refuse, before anything is opened, a checkpoint that is no path, naming the value found
+    and what it must be."""
     if not isinstance(checkpoint, Checkpoint) and not isinstance(path_text(checkpoint), str):
         raise CheckpointError(
             "checkpoint must be a folder or file path (a str or an os.PathLike giving one) or "
             f"an opened Checkpoint, found {type(checkpoint).__name__} {checkpoint!r:.80}"
             + ("; decode a bytes path with os.fsdecode()" if isinstance(path_text(checkpoint),
                                                                          bytes) else ""))
-    if reader is not None and not callable(getattr(reader, "record", None)):
-        raise CheckpointError("reader must be None or an object with a record(path, offset, "
-                              "length) method (partc.runtime._engine.selection.ReadRecorder), "
-                              f"found {reader!r:.80}")
-    count_option("workers", workers)
-    count_option("local_ranks", local_ranks)
-    if not isinstance(verify_fingerprint, bool):
-        raise CheckpointError(f"verify_fingerprint must be True or False, found "
-                              f"{verify_fingerprint!r:.80}")
-    if progress is not None and not isinstance(progress, bool):
-        raise CheckpointError(f"progress must be None (a bar on a terminal only), True or False, "
-                              f"found {progress!r:.80}")
 
 
 def _recorded_digests(table: RankTable, manifest: ShardManifest | None,

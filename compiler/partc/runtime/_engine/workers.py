@@ -25,15 +25,6 @@ def environment_count(name: str) -> int | None:
     return int(text)
 
 
-def count_option(name: str, value: object) -> int | None:
-    """Option `name`'s `value`: None or a positive integer (a bool is not one); a
-    CheckpointError naming the option and the value otherwise."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < 1):
-        raise CheckpointError(f"{name} must be a positive integer, found {value!r}")
-    return value
-
-
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity mask where known)."""
     if hasattr(os, "sched_getaffinity"):
