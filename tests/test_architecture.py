@@ -349,15 +349,8 @@ def test_the_lazy_public_face_imports_only_for_type_checking():
     assert not {i for i in _eager_imports(_modules()["partc"]) if i.startswith("partc")}
 
 
-# Temporary, named exception: `partc shard` reads through the runtime's private engine
-# (runtime/_engine/, helper G's move); remove it once the runtime offers shard a public reader.
-KNOWN_PRIVATE_IMPORTS = {"partc.shard: import partc.runtime._engine.reader",
-                         "partc.shard: import partc.runtime._engine.selection",
-                         "partc.shard: import partc.runtime._engine.workers"}
-
-
 def test_no_private_name_or_module_is_imported_across_folders():
-    wrong = set(private_imports_across_folders(_modules())) - KNOWN_PRIVATE_IMPORTS
+    wrong = private_imports_across_folders(_modules())
     assert not wrong, sorted(wrong)
 
 

@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # imported where used: a plain load needs none of them (impor
         BoundaryWireSchema,
         PipelineWireContract,
     )
-    from partc.runtime.driver import LayeredPartitionDriver
     from partc.partition.pipeline import ArchitecturePartition, PartitionState
+    from partc.runtime.driver import LayeredPartitionDriver
 
 
 @dataclass(frozen=True, kw_only=True)
