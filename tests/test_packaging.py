@@ -85,6 +85,12 @@ def test_the_wheel_ships_py_typed_the_license_and_the_package_data(wheel):
     # the guides ship (errors point to them); the API reference pages are the site's only
     assert "partc/docs/torch.md" in names
     assert not [n for n in names if n.startswith("partc/docs/reference/")]
+    # every module of the source tree ships: a subpackage missing from pyproject's list would
+    # install a partc that fails at its first import of it
+    source = ROOT / "compiler" / "partc"
+    modules = {f"partc/{p.relative_to(source).as_posix()}" for p in source.rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert modules - set(names) == set()
     metadata = zipfile.ZipFile(wheel).read("partc-0.1.0.dist-info/METADATA").decode()
     requires = sorted(line.split(":", 1)[1].strip() for line in metadata.splitlines()
                       if line.startswith("Requires-Dist:") and "extra ==" not in line)
