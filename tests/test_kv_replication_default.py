@@ -104,3 +104,15 @@ def test_kv_replicated_ranks_loaded_from_the_checkpoint_reproduce_hf_logits(
     result = forward_pipeline(config, [[_rank(s) for s in states]], [layers], ids)
     error = np.max(np.abs(result.logits - logits)) / np.max(np.abs(logits))
     assert error < 1e-4
+
+
+def test_a_group_that_cannot_repeat_its_kv_heads_is_not_told_to_try(tmp_path: Path,
+                                                                     capsys) -> None:
+    # olmo2's k_norm sums its statistic over every KV head: repeating them would count each
+    # twice at T=4, so the refusal says why instead of suggesting kv_replication
+    assert main(["compile", "--config", str(hf("olmo2") / "config.json"), "--tp", "4",
+                 "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "repeating KV heads cannot help here: `model.layers.0.self_attn.k_norm.weight` " \
+        "needs a tensor-parallel reduction of its statistic" in err
+    assert "set `kv_replication: true`" not in err

@@ -216,9 +216,13 @@ def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSpl
                                    f"{tp} ranks, so KV replication applies and {kv[0][1]}"))
         problems.extend(kv[1:])
         return problems, False
-    hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV heads,"
-            " see `partc docs kv_replication`)"
-            ) if group.role is ParameterRole.ATTENTION_HEADS else ""
+    hint = ""
+    if group.role is ParameterRole.ATTENTION_HEADS:
+        split = [m for m in group.members if m.sharding.is_partitioned]
+        kv = _kv_problems(group, tp) if split and all(m.heads for m in split) else []
+        hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV "
+                "heads, see `partc docs kv_replication`)") if not kv else (
+                f" (repeating KV heads cannot help here: {kv[0][1]})")
     problems.append(("", f"it (role {group.role.value}) has {units} partition units{label} but "
                          f"tensor_parallel_size is {tp}: every rank needs at least one unit; use a "
                          f"tensor_parallel_size of at most {units}{hint}"))
