@@ -93,9 +93,9 @@ def test_environment_integers_read_only_ascii_digits() -> None:
     ({"local_ranks": 0}, "local_ranks must be a positive integer, found 0"),
     ({"local_ranks": "4"}, "local_ranks must be a positive integer, found '4'"),
     ({"reader": 5}, "reader must be None or an object with a record(path, offset, length) "
-                    "method (partc.runtime._engine.selection.ReadRecorder), found 5"),
+                    "method (partc.runtime.ReadRecorder), found 5"),
     ({"reader": print}, "reader must be None or an object with a record(path, offset, "
-                        "length) method (partc.runtime._engine.selection.ReadRecorder), found "
+                        "length) method (partc.runtime.ReadRecorder), found "
                         "<built-in function print>"),
     ({"verify_fingerprint": "no"}, "verify_fingerprint must be True or False, found 'no'"),
     ({"verify_fingerprint": None}, "verify_fingerprint must be True or False, found None"),

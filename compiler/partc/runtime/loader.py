@@ -496,7 +496,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             dtypes. Refused (CheckpointError) when the rank holds a quantized linear weight
             (block FP8 with its scales, MLX affine, MXFP4): partc does not dequantize.
         reader: An object with a `record(path, offset, length)` method
-            (`partc.runtime._engine.selection.ReadRecorder`), told of every byte run read.
+            (`partc.runtime.ReadRecorder`), told of every byte run read.
         framework: "numpy" (the default) returns numpy arrays; "torch" returns torch tensors
             sharing the numpy memory (docs/torch.md).
         workers: The most reader threads (None: sized from the machine and `local_ranks`).

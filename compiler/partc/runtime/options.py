@@ -81,7 +81,7 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.reader is not None and not callable(getattr(self.reader, "record", None)):
             raise CheckpointError("reader must be None or an object with a record(path, offset, "
-                                  "length) method (partc.runtime._engine.selection.ReadRecorder),"
+                                  "length) method (partc.runtime.ReadRecorder),"
                                   f" found {self.reader!r:.80}")
         count_option("workers", self.workers)
         count_option("local_ranks", self.local_ranks)
