@@ -13,13 +13,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from partc.api import bind, checkpoint_errors, plan_family
+from partc.bind.linear_formats import (
+    expand_linear_format_parameter_group,
+    expand_linear_format_parameter_groups,
+)
 from partc.errors import ParallelPlanError, PartcError, SemanticError
 from partc.parallel.formats import (
     GGUF_BLOCK_TYPES,
     LinearFormat,
     LinearFormatKind,
-    expand_linear_format_parameter_group,
-    expand_linear_format_parameter_groups,
 )
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import (

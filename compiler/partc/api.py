@@ -19,7 +19,7 @@ from partc.errors import (
 )
 from partc.family.build import build_family
 from partc.family.declaration import FamilyDecl
-from partc.front.extend import MAX_EXTENDS_DEPTH, merge_documents
+from partc.front.extend import FamilySources, extended_document
 from partc.front.load import (
     MAX_CONFIG_BYTES,
     RawDocument,
@@ -63,6 +63,11 @@ def _raise_all(errors: Sequence[PartcError]) -> None:
         raise PartcErrors(list(errors))
 
 
+_FAMILY_SOURCES = FamilySources(
+    read=lambda spec, builtin: read_family_source(spec, builtin=builtin),
+    is_file=family_spec_is_file, builtin_names=builtin_families, builtin_prefix=BUILTIN_PREFIX)
+"""Where `extends:` reads base families: the family library."""
+
 def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl, str]:
     """Load, schema-check and build a family; returns it with the sha256 of its text.
 
@@ -80,52 +85,11 @@ def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl,
 def family_document(label: str, text: str) -> tuple[RawDocument, str]:
     """The loaded family document (written over the families it `extends`) and its sha256:
     of the text alone, or, for an extending family, of its text and every base's."""
-    document, texts = _extended(load_document(label, text=text), (label,))
+    document, texts = extended_document(load_document(label, text=text), _FAMILY_SOURCES)
     digest = hashlib.sha256(text.encode())
     for base_text in texts:  # an extending family is identified by every file it reads
         digest.update(b"\0" + base_text.encode())
     return document, digest.hexdigest()
-
-
-def _extended(document: RawDocument, chain: tuple[str, ...]) -> tuple[RawDocument, list[str]]:
-    """`document` written over the family it `extends` (recursively), and the base texts."""
-    data = document.data
-    if not isinstance(data, dict) or "extends" not in data:
-        if isinstance(data, dict) and "remove" in data:
-            raise LoadError("`remove` drops parameter groups of a base family, so it needs "
-                            "`extends`", location=document.locate("/remove"),
-                        pointer="/remove")
-        return document, []
-    spec = data["extends"]
-    if not isinstance(spec, str) or not spec:
-        raise LoadError(f"`extends` names a built-in family or a family file, found {spec!r}",
-                        location=document.locate("/extends"),
-                        pointer="/extends")
-    if len(chain) > MAX_EXTENDS_DEPTH:
-        raise LoadError(f"`extends` chains more than {MAX_EXTENDS_DEPTH} families: "
-                        f"{' -> '.join(chain)}", location=document.locate("/extends"),
-                        pointer="/extends")
-    is_file = family_spec_is_file(spec)
-    if is_file and not Path(spec).is_absolute() and not document.file.startswith(
-            BUILTIN_PREFIX):
-        spec = str(Path(document.file).parent / spec)
-    try:
-        base_label, base_text = read_family_source(spec, builtin=not is_file)
-    except LoadError as error:  # an unknown built-in, a missing file: said at the `extends`
-        if error.location is not None and error.location.line:
-            raise  # located inside the base file already
-        import difflib
-
-        close = difflib.get_close_matches(spec, sorted(builtin_families()), n=1)
-        hint = f"; did you mean `{close[0]}`?" if close and not is_file else ""
-        raise LoadError(f"`extends: {spec}`: {error.message}{hint}",
-                        location=document.locate("/extends"), pointer="/extends") from None
-    if base_label in chain:
-        raise LoadError(f"`extends` makes a cycle: {' -> '.join((*chain, base_label))}",
-                        location=document.locate("/extends"),
-                        pointer="/extends")
-    base, texts = _extended(load_document(base_label, text=base_text), (*chain, base_label))
-    return merge_documents(base, document), [base_text, *texts]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from partc.bind.cache import GroupTemplate, StructureKey, renamed_group
 from partc.bind.consistency import BoundProjection, check_projections
+from partc.bind.linear_formats import linear_format_expansion, target_facts
 from partc.bind.values import Binder, Value, default_dtype, read_config_values, recorded
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind
@@ -22,7 +23,7 @@ from partc.family.expr import Expression
 from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
 from partc.parallel.experts import ExpertGroup
-from partc.parallel.formats import LinearFormat, linear_format_expansion, target_facts
+from partc.parallel.formats import LinearFormat
 from partc.parallel.placements import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
     MemberSharding,

@@ -20,7 +20,7 @@ names it writes:
   (the output module's weights are the ones `linear: false` strips);
 - `format_facts`: all that expanding under the linear format reads of the member targets
   (which `applies_to`/`except` patterns each matches, whether each is a `.weight`), from
-  `parallel.formats.target_facts`.
+  `bind.linear_formats.target_facts`.
 
 **Why a renamed copy is sound.** Every rule a group or member checks in `__post_init__`
 (`parallel.specs`) reads the fields the key fixes and none of the names, save three: a group
@@ -54,8 +54,8 @@ from typing import TYPE_CHECKING, Any
 from partc.parallel.placements import unchecked_replace
 
 if TYPE_CHECKING:
+    from partc.bind.linear_formats import MemberSource
     from partc.family.expr import Expression
-    from partc.parallel.formats import MemberSource
     from partc.parallel.specs import ParameterGroupSpec
 
 Value = Any

@@ -221,7 +221,7 @@ def config_beside(checkpoint: Path) -> Path:
 
 def run_init(args: argparse.Namespace) -> int:
     """`partc init --checkpoint DIR [--config FILE] [--out FILE]`."""
-    from partc.scaffold import scaffold
+    from partc.scaffold.family_text import scaffold
 
     checkpoint = Path(args.checkpoint)
     config = Path(args.config) if args.config else config_beside(checkpoint)
@@ -253,7 +253,7 @@ def run_families(args: argparse.Namespace) -> int:
         files = builtin_families()
         if name not in files:
             raise LoadError(f"no built-in family {name!r}; known: {', '.join(sorted(files))}")
-        from partc.scaffold import SCHEMA_COMMENT
+        from partc.scaffold.family_text import SCHEMA_COMMENT
 
         text = root.joinpath(files[name]).read_text(encoding="utf-8")
         if text.startswith(SCHEMA_COMMENT):  # the built-in's line is relative to the library

@@ -11,18 +11,43 @@ The rule (also in the schema's description of `extends`):
 
 The merged document keeps every node's source position, so an error about something the base
 declared points into the base file, and one about the child's into the child file.
+
+`extended_document` resolves the chain: it reads each base through `FamilySources` (the family
+library's readers, given by the caller, since the library lies above this stage), checks the
+depth, cycles and the `extends:` value, and merges from the deepest base up.
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
-from partc.front.load import RawDocument
+from partc.front.load import RawDocument, load_document
 from partc.front.positions import join_pointer
 
 MAX_EXTENDS_DEPTH = 8
 """Longest chain of `extends:` accepted (a family extending a family extending ...)."""
+
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FamilySources:
+    """How `extends:` reads a base family: the family library's functions."""
+
+    read: Callable[[str, bool], tuple[str, str]]
+    """(spec, whether it names a built-in family) -> (display name, text); raises LoadError."""
+    is_file: Callable[[str], bool]
+    """Whether a spec names a family file rather than a built-in family."""
+    builtin_names: Callable[[], Iterable[str]]
+    """The built-in families' model types (for a "did you mean" hint)."""
+    builtin_prefix: str
+    """How built-in family files are named (a relative file is resolved against a family file's
+    folder, never a built-in's)."""
+
 
 _MERGED_BY_NAME = ("config", "derived")
 _CHILD_ONLY = ("extends", "remove")
@@ -124,3 +149,46 @@ def merge_documents(base: RawDocument, child: RawDocument) -> RawDocument:
     merged.locations[""] = child.locate("")
     return RawDocument(file=child.file, format=child.format, data=merged.data,
                        locations=merged.locations, notes=merged.notes, verbatim=merged.verbatim)
+
+
+def extended_document(document: RawDocument, sources: FamilySources,
+                      chain: tuple[str, ...] | None = None) -> tuple[RawDocument, list[str]]:
+    """`document` written over the family it `extends` (recursively), and the base texts,
+    nearest base first; `chain`: the labels read so far (default: the document's own)."""
+    chain = (document.file,) if chain is None else chain
+    data = document.data
+    if not isinstance(data, dict) or "extends" not in data:
+        if isinstance(data, dict) and "remove" in data:
+            raise LoadError("`remove` drops parameter groups of a base family, so it needs "
+                            "`extends`", location=document.locate("/remove"),
+                            pointer="/remove")
+        return document, []
+    spec = data["extends"]
+    if not isinstance(spec, str) or not spec:
+        raise LoadError(f"`extends` names a built-in family or a family file, found {spec!r}",
+                        location=document.locate("/extends"),
+                        pointer="/extends")
+    if len(chain) > MAX_EXTENDS_DEPTH:
+        raise LoadError(f"`extends` chains more than {MAX_EXTENDS_DEPTH} families: "
+                        f"{' -> '.join(chain)}", location=document.locate("/extends"),
+                        pointer="/extends")
+    is_file = sources.is_file(spec)
+    if is_file and not Path(spec).is_absolute() and not document.file.startswith(
+            sources.builtin_prefix):
+        spec = str(Path(document.file).parent / spec)
+    try:
+        base_label, base_text = sources.read(spec, not is_file)
+    except LoadError as error:  # an unknown built-in, a missing file: said at the `extends`
+        if error.location is not None and error.location.line:
+            raise  # located inside the base file already
+        close = difflib.get_close_matches(spec, sorted(sources.builtin_names()), n=1)
+        hint = f"; did you mean `{close[0]}`?" if close and not is_file else ""
+        raise LoadError(f"`extends: {spec}`: {error.message}{hint}",
+                        location=document.locate("/extends"), pointer="/extends") from None
+    if base_label in chain:
+        raise LoadError(f"`extends` makes a cycle: {' -> '.join((*chain, base_label))}",
+                        location=document.locate("/extends"),
+                        pointer="/extends")
+    base, texts = extended_document(load_document(base_label, text=base_text), sources,
+                                    (*chain, base_label))
+    return merge_documents(base, document), [base_text, *texts]

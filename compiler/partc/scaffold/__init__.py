@@ -1,0 +1,2 @@
+"""`partc init`: a family scaffold guessed from a checkpoint header and its config.json:
+`survey` reads them, `family_text` writes the family."""
