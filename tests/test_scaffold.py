@@ -21,6 +21,7 @@ from safetensors.numpy import load_file, save_file
 from partc.api import compile_family
 from partc.cli.commands import error_reference
 from partc.cli.main import main
+from partc.scaffold.survey import survey_checkpoint
 
 from support import HF, hf
 
@@ -735,3 +736,37 @@ def test_every_literal_dimension_of_a_scaffold_is_on_a_marked_line(
     assert [line for line in _literal_lines(text) if CHECK not in line] == []
     assert len(marked) == len(report["undecided"])  # type: ignore[arg-type]
     assert f"{len(marked)} line(s) marked" in stdout
+
+
+@pytest.mark.parametrize("fixture", SCAFFOLDED)
+def test_the_survey_holds_every_header_tensor_once_with_the_dtype_and_shape_safetensors_reads(
+        fixture: str) -> None:
+    """The survey the family is written from (layer repetitions, the decoder's, encoders' and
+    projector's modules outside the layers, tensors of no module) partitions the header."""
+    survey = survey_checkpoint(hf(fixture), hf(fixture) / "config.json")
+    held: list[tuple[str, str, list[int]]] = [
+        (f"{prefix}.{n}.{rest}", *signature) for prefix, layers in survey.layers.items()
+        for n, tensors in layers.items() for rest, signature in tensors.items()]
+    outside = [survey.decoder_modules, *(e.modules for e in survey.encoders),
+               *([survey.projector[1]] if survey.projector else [])]
+    held += [(f"{module}.{param}", *signature) for modules in outside
+             for module, params in modules.items() for param, signature in params.items()]
+    held += [(tensor, *signature) for tensor, signature in survey.loose.items()]
+    with safe_open(hf(fixture) / "model.safetensors", "np") as opened:
+        header = {name: opened.get_slice(name) for name in opened.keys()}
+        expected = sorted((name, piece.get_dtype(), list(piece.get_shape()))
+                          for name, piece in header.items())
+    assert sorted(held) == expected
+
+
+@pytest.mark.parametrize("fixture", sorted(VISION_LANGUAGE))
+def test_the_survey_tells_the_decoder_from_the_vision_tower_and_counts_its_layers(
+        fixture: str) -> None:
+    survey = survey_checkpoint(hf(fixture), hf(fixture) / "config.json")
+    config = json.loads((hf(fixture) / "config.json").read_text())
+    vision, group, count = VISION_LANGUAGE[fixture]
+    assert survey.prefix + "." == DECODER[fixture]
+    assert len(survey.by_layer) == config["text_config"]["num_hidden_layers"]
+    assert [(e.prefix + ".", e.group, e.section, len(e.by_layer)) for e in survey.encoders] == [
+        (vision, group, "vision_config", config["vision_config"][count])]
+
