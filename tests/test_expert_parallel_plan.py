@@ -19,11 +19,12 @@ import pytest
 from partc.api import bind, check_family, checkpoint_errors, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError, LayoutError, SchemaError, SemanticError
+from partc.parallel.shape import RankCoordinates
 from partc.plan.ranks import KindIndex
 from partc.plan.realize import realize_plan
 from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
-from partc.runtime.mesh import BuildTopology, RankCoordinates
+from partc.runtime.mesh import BuildTopology
 
 from support import FULLSIZE, compile_and_import, fullsize_checkpoint, hf
 

@@ -13,7 +13,8 @@ import pytest
 
 from partc.api import compile_family
 from partc.errors import CheckpointError
-from partc.runtime.mesh import BuildTopology, RankCoordinates
+from partc.parallel.shape import RankCoordinates
+from partc.runtime.mesh import BuildTopology
 
 from support import HF
 

@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
-from partc.front.load import MAX_PLAN_BYTES, read_bytes
-from partc.front.schema import plan_faults
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
+from partc.plan.plan_file import PlanFile, read_plan
 from partc.runtime import TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
@@ -102,18 +101,16 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     instead hears of the bytes written per rank file (step `write <file>`, unit `B`).
     """
     count_option("workers", workers)
-    plan_path = Path(build) / "plan.json"
-    plan = _read_plan(plan_path)
-    with plan_faults(plan_path, plan):  # a hand-edited plan: located, not a KeyError
-        ranks = _rank_slices(Path(build), plan)
-        opened = open_checkpoint(Path(checkpoint))
-        errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
+    plan = _read_plan(Path(build) / "plan.json")
+    ranks = _rank_slices(Path(build), plan)
+    opened = open_checkpoint(Path(checkpoint))
+    errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
     if errors:
         raise errors[0] if len(errors) == 1 else PartcErrors(errors)
     inputs = [("checkpoint", checkpoint), ("build", build)]
     check_output(out, kind="shard", inputs=inputs, force=force)
     world = len(ranks)
-    plan_hash = plan["plan_hash"]
+    plan_hash = plan.plan_hash
     names = [rank_file_name(r, world) for r in range(world)]
     total = sum(s.nbytes for slices in ranks for s in slices)
     files: dict[str, str | Callable[[BinaryIO], None]] = {}
@@ -127,8 +124,8 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
                                   digests[rank])
         manifest = {
             "format": SHARD_FORMAT, "version": 1, "plan_hash": plan_hash,
-            "family": plan.get("family"), "model_type": plan.get("model_type"),
-            "topology": plan.get("topology"), "source_fingerprint": header_fingerprint(opened),
+            "family": plan.family, "model_type": plan.model_type,
+            "topology": dict(plan.topology_json), "source_fingerprint": header_fingerprint(opened),
             "ranks": [{"rank": r, "file": names[r], "bytes": sum(s.nbytes for s in ranks[r]),
                        "tensors": [s.target for s in ranks[r]], "digests": digests[r]}
                       for r in range(world)],
@@ -156,36 +153,21 @@ def _file_bytes(report: ProgressCallback, name: str, slices: list[_Slice]
     return update
 
 
-def _read_plan(path: Path) -> dict[str, Any]:
-    """The build's plan.json, with the fields sharding needs."""
-    where = SourceLocation(str(path))
+def _read_plan(path: Path) -> PlanFile:
+    """The build's plan.json, read back typed."""
     if not os.path.lexists(path):
         raise LoadError(f"no plan.json in {path.parent}; expected a folder written by "
-                        "`partc compile`", location=where)
-    try:  # a regular file only, checked before it is opened: a FIFO would block the read
-        plan = json.loads(read_bytes(path, "the build's plan.json", MAX_PLAN_BYTES).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise LoadError(f"cannot read the build's plan.json: {exc}", location=where) from None
-    topology = plan.get("topology") if isinstance(plan, dict) else None
-    if (not isinstance(plan, dict) or not isinstance(plan.get("plan_hash"), str)
-            or not isinstance(plan.get("tensors"), list) or not isinstance(topology, dict)
-            or not isinstance(topology.get("tensor_parallel_size"), int)
-            or not isinstance(topology.get("pipeline_parallel_size"), int)):
-        raise LoadError("plan.json is not a partc plan (needs plan_hash, topology and tensors)",
-                        location=where)
-    return plan
+                        "`partc compile`", location=SourceLocation(str(path)))
+    return read_plan(path, label="the build's plan.json")
 
 
-def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
+def _rank_slices(build: Path, plan: PlanFile) -> list[list[_Slice]]:
     """Each rank's tensors and selections, from the build's generated rank modules.
 
     Slices are sorted widest item first, then by name, so every tensor of a rank file is
     aligned, as the safetensors library lays files out.
     """
-    topology = plan["topology"]
-    per_stage = (topology["tensor_parallel_size"] if "expert_parallel_size" not in topology
-                 else topology["expert_parallel_size"] * topology["expert_tensor_parallel_size"])
-    world = per_stage * topology["pipeline_parallel_size"]  # N = E x X under --ep
+    world = plan.shape.build_world_size  # N x S: N = E x X under --ep
     packages = [p for p in sorted(build.iterdir()) if (p / "__init__.py").is_file()]
     if len(packages) != 1:
         raise LoadError(f"expected one generated package in {build}, found "
@@ -194,15 +176,15 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
     for rank in range(world):
         path = packages[0] / f"{rank_module_name(rank, world)}.py"
         spec = importlib.util.spec_from_file_location(
-            f"_partc_shard_{plan['plan_hash'][:16]}_{rank}", path)
+            f"_partc_shard_{plan.plan_hash[:16]}_{rank}", path)
         if spec is None or spec.loader is None or not path.is_file():
             raise LoadError(f"the build has no module for rank {rank} ({path.name})",
                             location=SourceLocation(str(path)))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        if module.PLAN_HASH != plan["plan_hash"]:
+        if module.PLAN_HASH != plan.plan_hash:
             raise LoadError(f"{path.name} was generated for plan {module.PLAN_HASH[:16]}, "
-                            f"plan.json is {plan['plan_hash'][:16]}",
+                            f"plan.json is {plan.plan_hash[:16]}",
                             location=SourceLocation(str(path)))
         recorded = compiled_digests(rank, module.TARGETS, getattr(module, "DIGESTS", None))
         slices = [_Slice(target=item.target, dtype=item.dtype, local_shape=item.local_shape,
@@ -214,7 +196,7 @@ def _rank_slices(build: Path, plan: dict[str, Any]) -> list[list[_Slice]]:
     return ranks
 
 
-def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerprint: bool
+def _check_header(plan: PlanFile, checkpoint: Checkpoint, verify_fingerprint: bool
                   ) -> list[CheckpointError]:
     """Every mismatch between the plan's global tensor table and the checkpoint header: the
     tensors missing or of another dtype or shape (the first error also naming the tensors the
@@ -222,9 +204,8 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
     as `load()` explains it (its advice, `--no-verify-fingerprint`, can only help when every
     tensor matches), else, for a plan compiled without a checkpoint, the tensors no rank
     loads."""
-    signatures = {item["target"]: (item["dtype"], tuple(item["shape"]))
-                  for item in plan["tensors"]}
-    omit = plan.get("omit", [])
+    signatures = {item.target: (item.dtype, item.shape) for item in plan.tensors}
+    omit = list(plan.omit)
     extra = unknown_names(checkpoint, signatures, omit)
     rename = renamed_prefix([t for t in signatures if t not in checkpoint], checkpoint,
                             signatures)
@@ -232,7 +213,7 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
         held = {rename.held(t) for t in rename.targets}
         extra = [n for n in extra if n not in held]
     note = (f"; the checkpoint also {unknown_clause(checkpoint, extra)}" if extra else ""
-            ) + recompile_hint(plan.get("checkpoint_fingerprint"), checkpoint.path)
+            ) + recompile_hint(plan.checkpoint_fingerprint, checkpoint.path)
     errors: list[CheckpointError] = []
     renamed_said, noted = False, False
     for target, (dtype, shape) in signatures.items():
@@ -256,11 +237,10 @@ def _check_header(plan: dict[str, Any], checkpoint: Checkpoint, verify_fingerpri
         noted = True
     if errors or not verify_fingerprint:
         return errors
-    expected = plan.get("checkpoint_fingerprint")
-    digest = plan.get("checkpoint_header_digest")
-    if isinstance(expected, str):
+    expected = plan.checkpoint_fingerprint
+    if expected is not None:
         mismatch = checkpoint.fingerprint_error(
-            expected, digest if isinstance(digest, str) else None,
+            expected, plan.checkpoint_header_digest,
             override="--no-verify-fingerprint",
             explain=lambda: plan_difference(checkpoint, signatures, omit, matched=""))
         return [] if mismatch is None else [mismatch]

@@ -132,7 +132,7 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
     """What `partc explain` says of `target`: a tensor's or group's explanation
     (`explain_one`), or for a glob matching no exact name, every tensor it matches (else every
     group), in the plan's order, as `{"pattern": glob, "matches": [...]}`."""
-    tensors = [t["target"] for t in build.plan["tensors"]]
+    tensors = [t.target for t in build.file.tensors]
     groups = [g["name"] for g in build.plan["groups"]]
     if target in tensors or target in groups or not GLOB_CHARACTERS & set(target):
         return explain_one(build, target, origins)

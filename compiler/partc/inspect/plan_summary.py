@@ -7,7 +7,6 @@ stable output, so that a build can be inspected without the family or the config
 from __future__ import annotations
 
 import fnmatch
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import LoadError, SourceLocation
-from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.parallel.placements import tensor_bytes
+from partc.plan.plan_file import PlanFile, read_plan
 
 if TYPE_CHECKING:
     from partc.inspect.origins import FamilyLines
@@ -24,22 +23,30 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Build:
-    """A plan document and where it was read from."""
+    """A build's plan, read back typed (`file`), and its document for the parts walked as JSON."""
 
-    path: Path
-    """The plan.json file."""
-    plan: dict[str, Any]
-    """The parsed plan document."""
+    file: PlanFile
+    """The plan.json read back."""
+
+    @property
+    def path(self) -> Path:
+        """The plan.json file."""
+        return self.file.path
+
+    @property
+    def plan(self) -> Mapping[str, Any]:
+        """The parsed plan document (read-only)."""
+        return self.file.document
 
     @property
     def tensor_parallel_size(self) -> int:
         """T."""
-        return int(self.plan["topology"]["tensor_parallel_size"])
+        return self.file.shape.tensor_parallel_size
 
     @property
     def pipeline_parallel_size(self) -> int:
         """S."""
-        return int(self.plan["topology"]["pipeline_parallel_size"])
+        return self.file.shape.pipeline_parallel_size
 
     def groups(self) -> dict[str, dict[str, Any]]:
         """Every parameter group's JSON entry by name."""
@@ -57,19 +64,7 @@ def read_build(path: str | Path) -> Build:
     where = Path(path)
     file = where / "plan.json" if where.is_dir() else where
     hint = "expected a folder written by `partc compile` (it holds plan.json)"
-    try:  # a regular file only, checked before it is opened: a FIFO would block the read
-        plan = json.loads(read_bytes(file, f"a plan from {file}", MAX_PLAN_BYTES).decode())
-    except LoadError as exc:
-        raise LoadError(f"{exc.message}; {hint}", location=SourceLocation(str(file))) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LoadError(f"cannot read a plan from {file}: {exc}; {hint}",
-                        location=SourceLocation(str(file))) from None
-    needed = ("topology", "groups", "ranks", "tensors", "boundary", "family", "plan_hash")
-    missing = [key for key in needed if not isinstance(plan, dict) or key not in plan]
-    if missing:
-        raise LoadError(f"{file} is not a partc plan: it lacks {', '.join(missing)}",
-                        location=SourceLocation(str(file)))
-    return Build(path=file, plan=plan)
+    return Build(file=read_plan(file, hint=hint))
 
 
 def topology_text(topology: Mapping[str, Any]) -> str:
@@ -316,13 +311,13 @@ def plan_summary(plan: Mapping[str, Any], group_bytes: Callable[[str], int]
 
 def summary(build: Build) -> dict[str, Any]:
     """The whole build in numbers: topology, stages, ranks, fallbacks, KV replication."""
-    plan = build.plan
+    plan, file = build.plan, build.file
     return {
-        "path": str(build.path.parent), "family": plan["family"],
-        "model_type": plan.get("model_type"), "plan_hash": plan["plan_hash"],
+        "path": str(file.path.parent), "family": file.family,
+        "model_type": file.model_type, "plan_hash": file.plan_hash,
         "sources": plan.get("sources", []),
-        "global_bytes": sum(tensor_bytes(t["dtype"], t["shape"]) for t in plan["tensors"]),
-        "tensors": len(plan["tensors"]), "groups": len(plan["groups"]),
+        "global_bytes": file.tensor_bytes_total(),
+        "tensors": len(file.tensors), "groups": len(plan["groups"]),
     } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
         "kv_replication": kv_replicated(plan["tensors"]),
         "tp_reduction": tp_reduced(plan["tensors"]), "boundary": plan["boundary"],
@@ -403,21 +398,24 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
                 origins: FamilyLines | None = None) -> list[dict[str, Any]]:
     """The tensors selected by rank, group glob and target glob, one row per (tensor, rank),
     each with the family line of its own entry (`origins`)."""
-    wanted_ranks = [r for r in build.plan["ranks"] if rank is None or r["rank"] == rank]
-    if rank is not None and not wanted_ranks:
+    world = build.file.shape.build_world_size
+    if rank is not None and not 0 <= rank < world:
         raise LoadError(f"--rank {rank} is not a rank of this build: it has ranks 0 to "
-                        f"{len(build.plan['ranks']) - 1}")
+                        f"{world - 1}")
+    wanted_ranks = [r for r in build.plan["ranks"] if rank is None or r["rank"] == rank]
     tensors = build.plan["tensors"]
+    names = {"group": [t.group for t in build.file.tensors],
+             "target": [t.target for t in build.file.tensors]}
     for option, glob, key, other in (("--group", group, "group", "target"),
                                      ("--target", target, "target", "group")):
-        if glob is None or any(fnmatch.fnmatchcase(t[key], glob) for t in tensors):
+        if glob is None or any(fnmatch.fnmatchcase(n, glob) for n in names[key]):
             continue
         kind = "group" if key == "group" else "checkpoint tensor"
-        if any(fnmatch.fnmatchcase(t[other], glob) for t in tensors):
+        if any(fnmatch.fnmatchcase(n, glob) for n in names[other]):
             hint = (f"it matches {'checkpoint tensor names' if other == 'target' else 'groups'}"
                     f": use --{other}")
         else:
-            hint = names_hint(sorted({t[key] for t in tensors}), glob)
+            hint = names_hint(sorted(set(names[key])), glob)
         raise LoadError(f"{option} {glob!r} matches no {kind} of this build; {hint}",
                         location=SourceLocation(str(build.path)))
     rows = []

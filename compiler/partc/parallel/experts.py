@@ -23,14 +23,6 @@ from partc.parallel.placements import is_count
 from partc.parallel.specs import balanced_contiguous_range
 
 
-def stage_ranks(tensor_parallel_size: int, expert_parallel_size: int | None,
-                expert_tensor_parallel_size: int) -> int:
-    """N, the ranks of one pipeline stage: E * X under expert parallelism, else T."""
-    if expert_parallel_size is None:
-        return tensor_parallel_size
-    return expert_parallel_size * expert_tensor_parallel_size
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankCoordinates:
     """Where one stage-local rank r of an expert-parallel stage sits (docs/expert_parallel.md).

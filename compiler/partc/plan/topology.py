@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partc.errors import ExpertParallelError, LayoutError
-from partc.parallel.experts import ExpertPlacement, stage_ranks
+from partc.parallel.experts import ExpertPlacement
+from partc.parallel.shape import ParallelShape
 from partc.parallel.specs import ShardingPolicy, TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
@@ -56,15 +57,22 @@ class Topology:
         _check_expert_topology(self)
 
     @property
+    def shape(self) -> ParallelShape:
+        """The sizes T, S, E, X of one replica, and their rank arithmetic."""
+        return ParallelShape(tensor_parallel_size=self.tensor_parallel_size,
+                             pipeline_parallel_size=self.pipeline_parallel_size,
+                             expert_parallel_size=self.expert_parallel_size,
+                             expert_tensor_parallel_size=self.expert_tensor_parallel_size)
+
+    @property
     def ranks_per_stage(self) -> int:
         """N: E * X under expert parallelism, else T."""
-        return stage_ranks(self.tensor_parallel_size, self.expert_parallel_size,
-                           self.expert_tensor_parallel_size)
+        return self.shape.ranks_per_stage
 
     @property
     def world_size(self) -> int:
         """N * S (T * S without expert parallelism)."""
-        return self.ranks_per_stage * self.pipeline_parallel_size
+        return self.shape.build_world_size
 
     def to_json(self) -> dict[str, object]:
         """JSON form (the expert-parallel keys only under expert parallelism)."""

@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import CheckpointError
-from partc.parallel.experts import stage_ranks
+from partc.errors import CheckpointError, LayoutError
+from partc.parallel.shape import ParallelShape, RankCoordinates
 from partc.runtime.frameworks import import_torch
 from partc.runtime.rank_env import (
     environment_integer,
@@ -27,24 +27,6 @@ from partc.runtime.rank_env import (
     not_a_multiple,
     world_factors,
 )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankCoordinates:
-    """One process's place in the job."""
-
-    data_parallel_rank: int
-    """Which replica of the build (d)."""
-    pipeline_stage: int
-    """Which pipeline stage (p)."""
-    tensor_parallel_rank: int
-    """Which rank of the stage's tensor-parallel group (t)."""
-    dense_replica: int = 0
-    """Which copy of the stage's dense parts (expert-parallel builds; r div T)."""
-    expert_parallel_rank: int = 0
-    """The EP rank, which selects the experts held (expert-parallel builds; r div X)."""
-    expert_tensor_parallel_rank: int = 0
-    """The rank within the ETP group splitting each expert (expert-parallel builds; r mod X)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,17 +77,27 @@ class BuildTopology:
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise CheckpointError(f"expert_parallel_size must be a positive integer, found "
                                   f"{ep!r}")
-        if self.ranks_per_stage % self.tensor_parallel_size:
+        n = ep * self.expert_tensor_parallel_size
+        if n % self.tensor_parallel_size:
             raise CheckpointError(
-                f"N = E {ep} x X {self.expert_tensor_parallel_size} = {self.ranks_per_stage} "
-                f"rank{'' if self.ranks_per_stage == 1 else 's'} per stage is not a multiple of "
+                f"N = E {ep} x X {self.expert_tensor_parallel_size} = {n} "
+                f"rank{'' if n == 1 else 's'} per stage is not a multiple of "
                 f"T={self.tensor_parallel_size}")
+
+    @property
+    def shape(self) -> ParallelShape:
+        """The sizes D, S, T, E, X and their rank arithmetic (checked here as CheckpointErrors
+        first, so the shape is always valid)."""
+        return ParallelShape(tensor_parallel_size=self.tensor_parallel_size,
+                             pipeline_parallel_size=self.pipeline_parallel_size,
+                             expert_parallel_size=self.expert_parallel_size,
+                             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+                             data_parallel_size=self.data_parallel_size)
 
     @property
     def ranks_per_stage(self) -> int:
         """N: E·X for an expert-parallel build, else T."""
-        return stage_ranks(self.tensor_parallel_size, self.expert_parallel_size,
-                           self.expert_tensor_parallel_size)
+        return self.shape.ranks_per_stage
 
     @property
     def factors(self) -> str:
@@ -117,12 +109,12 @@ class BuildTopology:
     @property
     def build_world_size(self) -> int:
         """Ranks of one replica (N·S; T·S without expert parallelism)."""
-        return self.ranks_per_stage * self.pipeline_parallel_size
+        return self.shape.build_world_size
 
     @property
     def world_size(self) -> int:
         """Processes in the job (D·T·S)."""
-        return self.build_world_size * self.data_parallel_size
+        return self.shape.world_size
 
     def _check(self, global_rank: int) -> None:
         if isinstance(global_rank, bool) or not isinstance(global_rank, int) or not (
@@ -134,37 +126,26 @@ class BuildTopology:
     def coordinates(self, global_rank: int) -> RankCoordinates:
         """(d, p, t) of a global rank."""
         self._check(global_rank)
-        replica, build_rank = divmod(global_rank, self.build_world_size)
-        stage, local = divmod(build_rank, self.ranks_per_stage)
-        if self.expert_parallel_size is None:
-            return RankCoordinates(data_parallel_rank=replica, pipeline_stage=stage,
-                                   tensor_parallel_rank=local)
-        x = self.expert_tensor_parallel_size
-        return RankCoordinates(data_parallel_rank=replica, pipeline_stage=stage,
-                               tensor_parallel_rank=local % self.tensor_parallel_size,
-                               dense_replica=local // self.tensor_parallel_size,
-                               expert_parallel_rank=local // x,
-                               expert_tensor_parallel_rank=local % x)
+        return self.shape.coordinates(global_rank)
 
     def global_rank(self, coordinates: RankCoordinates) -> int:
         """The global rank at (d, p, t) (and the dense replica of an expert-parallel build,
         whose EP and ETP ranks must agree with it)."""
-        d, p, t = (coordinates.data_parallel_rank, coordinates.pipeline_stage,
-                   coordinates.tensor_parallel_rank)
-        replicas = self.ranks_per_stage // self.tensor_parallel_size
-        if not (0 <= d < self.data_parallel_size and 0 <= p < self.pipeline_parallel_size
-                and 0 <= t < self.tensor_parallel_size
-                and 0 <= coordinates.dense_replica < replicas):
+        shape = self.shape
+        replicas = shape.dense_replicas
+        c = coordinates
+        if not (0 <= c.data_parallel_rank < self.data_parallel_size
+                and 0 <= c.pipeline_stage < self.pipeline_parallel_size
+                and 0 <= c.tensor_parallel_rank < self.tensor_parallel_size
+                and 0 <= c.dense_replica < replicas):
             raise CheckpointError(f"coordinates {coordinates} are outside D="
                                   f"{self.data_parallel_size} x S={self.pipeline_parallel_size} "
                                   f"x T={self.tensor_parallel_size}"
                                   + (f" x {replicas} dense replicas" if replicas > 1 else ""))
-        rank = (d * self.build_world_size + p * self.ranks_per_stage
-                + coordinates.dense_replica * self.tensor_parallel_size + t)
-        if self.coordinates(rank) != coordinates:
-            raise CheckpointError(f"coordinates {coordinates} are inconsistent: rank {rank} "
-                                  f"is {self.coordinates(rank)}")
-        return rank
+        try:
+            return shape.rank(coordinates)
+        except LayoutError as exc:  # EP/ETP ranks that disagree with the dense replica
+            raise CheckpointError(exc.message) from None
 
     def build_rank(self, global_rank: int) -> int:
         """The rank within the build: which generated rank module the process loads."""
@@ -324,9 +305,11 @@ def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,
     """A build's BuildTopology; D defaults to the launcher's (WORLD_SIZE / the build's ranks,
     else 1). The build has N x S ranks: N = T, or E x X under expert parallelism."""
     if data_parallel_size is None:
-        per_stage = (tensor_parallel_size if expert_parallel_size is None
-                     else expert_parallel_size * expert_tensor_parallel_size)
-        build = per_stage * pipeline_parallel_size
+        build = BuildTopology(tensor_parallel_size=tensor_parallel_size,
+                              pipeline_parallel_size=pipeline_parallel_size,
+                              expert_parallel_size=expert_parallel_size,
+                              expert_tensor_parallel_size=expert_tensor_parallel_size
+                              ).build_world_size
         data_parallel_size = 1
         factors = world_factors(tensor_parallel_size, pipeline_parallel_size,
                                 expert_parallel_size, expert_tensor_parallel_size)

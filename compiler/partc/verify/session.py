@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from partc.api import compile_family
+from partc.plan.plan_file import PlanFile, read_plan
 from partc.verify.reference import (
     load_model,
     model_inputs,
@@ -35,14 +35,29 @@ ABSOLUTE_TOLERANCE = 1e-5
 """Tolerance added to the relative one."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Build:
-    """A compiled build: its topology, plan.json and every rank's loaded state."""
+    """A compiled build: its plan.json read back typed, and every rank's loaded state."""
 
-    tp: int
-    pp: int
-    plan: dict[str, Any]
-    states: list[Any]
+    file: PlanFile
+    """The build's plan.json."""
+    states: tuple[Any, ...]
+    """Each rank's loaded state, by rank."""
+
+    @property
+    def tp(self) -> int:
+        """T."""
+        return self.file.shape.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        """S."""
+        return self.file.shape.pipeline_parallel_size
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The plan document (a shallow copy; for the parts walked as JSON)."""
+        return dict(self.file.document)
 
 
 @contextmanager
@@ -67,10 +82,11 @@ def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int
     compile_family(family, reference / "config.json", tensor_parallel_size=tp,
                    pipeline_parallel_size=pp, stage_units=stage_units, policy=policy,
                    checkpoint=reference, out=out)
-    plan = json.loads((out / "plan.json").read_text())
+    plan = read_plan(out / "plan.json")
     with _imported(out) as package:
-        states = [package.load(reference, rank=r) for r in range(tp * pp)]
-    return Build(tp=tp, pp=pp, plan=plan, states=states)
+        states = tuple(package.load(reference, rank=r)
+                       for r in range(plan.shape.build_world_size))
+    return Build(file=plan, states=states)
 
 
 class Session:

@@ -3,42 +3,42 @@ carries its declared boundary's shapes, and the stages' tensors give the full lo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from partc.verify.results import Check
 from partc.verify.session import Build, Session, first_tensor, largest_error, tolerance_of
 
+if TYPE_CHECKING:
+    from partc.plan.plan_file import PlanFile
 
-def _unit_stages(plan: dict[str, Any]) -> dict[str, int]:
+
+def _unit_stages(plan: PlanFile) -> dict[str, int]:
     """Unit path -> the pipeline stage executing it, from plan.json."""
-    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    paths = {g.group: g.unit_paths for g in plan.graph}
     stages = {}
-    for rank in plan["ranks"]:
-        partition = rank["partition"]
-        for owned in partition["groups"]:
-            start, end = owned["unit_range"]
-            for unit in range(start, end):
-                stages[paths[owned["group"]][unit]] = partition["stage"]
+    for rank in plan.ranks:
+        for owned in rank.units:
+            for unit in range(owned.start, owned.end):
+                stages[paths[owned.group][unit]] = rank.pipeline_stage
     return stages
 
 
-def _role_stages(plan: dict[str, Any], units: dict[str, int]) -> dict[str, int]:
+def _role_stages(plan: PlanFile, units: dict[str, int]) -> dict[str, int]:
     """Static role -> the stage its declared placement puts it on: `first` stage 0, `last` the
     last stage, `{with: group, unit: first|last}` the stage of that unit of the group (from
     plan.json's `static_roles` and unit ranges, not from the ranks' own role lists)."""
-    last = plan["topology"]["pipeline_parallel_size"] - 1
-    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    last = plan.shape.pipeline_parallel_size - 1
+    paths = {g.group: g.unit_paths for g in plan.graph}
     stages = {}
-    for role in plan["static_roles"]:
-        place = role["stage"]
-        if isinstance(place, dict):
-            group = paths[place["with"]]
-            stages[role["role"]] = units[group[0 if place["unit"] == "first" else -1]]
+    for role in plan.static_roles:
+        if role.with_group is not None:
+            group = paths[role.with_group]
+            stages[role.role] = units[group[0 if role.unit == "first" else -1]]
         else:
-            stages[role["role"]] = 0 if place == "first" else last
+            stages[role.role] = 0 if role.stage == "first" else last
     return stages
 
 
@@ -59,19 +59,19 @@ def _in_memory(session: Session, path: str) -> str:
 class _Placement:
     """Where each in-memory parameter runs in a pipeline build, from plan.json."""
 
-    def __init__(self, session: Session, plan: dict[str, Any]) -> None:
+    def __init__(self, session: Session, plan: PlanFile) -> None:
         disk = _unit_stages(plan)
         self.session = session
         self.units = {_in_memory(session, path): stage for path, stage in disk.items()}
         self.roles = _role_stages(plan, disk)
-        self.owners = _owners(plan)
+        self.owners = _owners(plan.document)
         self.ran = {module: i for i, module in enumerate(session.captured)}
-        self.last = plan["topology"]["pipeline_parallel_size"] - 1
+        self.last = plan.shape.pipeline_parallel_size - 1
         self.unit_runs = sorted((i, self.units[unit]) for m, i in self.ran.items()
                                 for unit in [self.unit_of(m)] if unit is not None)
         """(position in the full model's run, stage) of every module run inside a unit."""
-        self.group_starts = max((disk[g["unit_paths"][0]] for g in plan["graph"]
-                                 if g["unit_paths"] and g["unit_paths"][0] in disk), default=0)
+        self.group_starts = max((disk[g.unit_paths[0]] for g in plan.graph
+                                 if g.unit_paths and g.unit_paths[0] in disk), default=0)
         """The last stage a graph group begins on."""
 
     def unit_of(self, name: str) -> str | None:
@@ -126,7 +126,7 @@ class _Placement:
         return out
 
 
-def _owners(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+def _owners(plan: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     """On-disk tensor -> the static roles owning it (none for a tensor a unit owns)."""
     roles = {g["name"]: tuple(g["owner"].get("roles", ())) for g in plan["groups"]}
     return {t["target"]: roles.get(t["group"], ()) for t in plan["tensors"]}
@@ -135,7 +135,7 @@ def _owners(plan: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 def pipeline_checks(session: Session, build: Build) -> list[Check]:
     """Each stage owns what it executes; the stages' tensors give the full logits."""
     stages = build.pp
-    placement = _Placement(session, build.plan)
+    placement = _Placement(session, build.file)
     executing: dict[str, dict[int, str]] = {}
     for name in sorted(session.sources):
         for target, stage in placement.stages(name).items():
@@ -179,16 +179,15 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
 # ---------------------------------------------------------------- boundary checks
 
 
-def _unit_ends(plan: dict[str, Any]) -> dict[int, tuple[str, str]]:
+def _unit_ends(plan: PlanFile) -> dict[int, tuple[str, str]]:
     """Stage -> the on-disk paths of its first and last unit (canonical order)."""
-    paths = {g["group"]: g["unit_paths"] for g in plan["graph"]}
+    paths = {g.group: g.unit_paths for g in plan.graph}
     ends = {}
-    for rank in plan["ranks"]:
-        partition = rank["partition"]
-        owned = partition["groups"]
-        if rank["tensor_parallel_rank"] == 0 and owned:
-            ends[partition["stage"]] = (paths[owned[0]["group"]][owned[0]["unit_range"][0]],
-                                       paths[owned[-1]["group"]][owned[-1]["unit_range"][1] - 1])
+    for rank in plan.ranks:
+        owned = rank.units
+        if rank.tensor_parallel_rank == 0 and owned:
+            ends[rank.pipeline_stage] = (paths[owned[0].group][owned[0].start],
+                                         paths[owned[-1].group][owned[-1].end - 1])
     return ends
 
 
@@ -327,7 +326,7 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
     tensor against the model input or the next stage's first-unit argument of the same name
     (one of neither is not checked)."""
     stages, plan = build.pp, build.plan
-    ends = _unit_ends(plan)
+    ends = _unit_ends(build.file)
     cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
              _in_memory(session, ends[c["after_stage"] + 1][0])) for c in plan_cuts(plan)]
     outputs, inputs = _unit_traffic(session, _modules_run(session, [c[1] for c in cuts]),
