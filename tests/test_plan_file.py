@@ -187,3 +187,18 @@ def test_coordinates_outside_the_shape_or_inconsistent_with_it_are_refused() -> 
         shape.rank(RankCoordinates(data_parallel_rank=0, pipeline_stage=1,
                                    tensor_parallel_rank=1, dense_replica=0,
                                    expert_parallel_rank=1, expert_tensor_parallel_rank=1))
+
+
+def test_an_expert_parallel_rank_recording_other_expert_coordinates_is_one_located_error(
+        tmp_path: Path) -> None:
+    out = tmp_path / "b"
+    compile_family(None, hf("qwen3_moe") / "config.json", tensor_parallel_size=2,
+                   expert_parallel_size=2, expert_tensor_parallel_size=2, out=out)
+    path = _corrupted(out / "plan.json", tmp_path,
+                      lambda p: p["ranks"][1]["info"].__setitem__("expert_parallel_rank", 1))
+    with pytest.raises(LoadError) as caught:
+        read_plan(path)
+    assert caught.value.pointer == "/ranks/1/info"
+    assert caught.value.message.startswith(
+        "the plan disagrees with itself: rank 1 records dense replica 0, EP rank 1, ETP rank "
+        "1; the topology gives 0, 0 and 1")

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 
@@ -37,6 +37,8 @@ from partc.inspect.plan_summary import (
 )
 from partc.inspect.text import id_ranges
 from partc.parallel.placements import tensor_bytes
+from partc.parallel.shape import ParallelShape
+from partc.plan.plan_file import PlanRank
 
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7",
                  "#000000")
@@ -178,36 +180,42 @@ def _classes(ranks: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any
     return _alike(sorted(ranks, key=lambda r: int(r["rank"])), key)
 
 
+def _rank_classes(ranks: Sequence[PlanRank], key: Callable[[PlanRank], Hashable]
+                  ) -> list[list[PlanRank]]:
+    """The plan's ranks grouped by `key`, each group in rank order, groups by their first."""
+    return _alike(sorted(ranks, key=lambda r: r.rank), key)
+
+
 def stage_colour(stage: int) -> str:
     """The fill of a pipeline stage."""
     return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
 
 
-def _coordinates(plan: Mapping[str, Any], rank: Mapping[str, Any]) -> str:
+def _coordinates(shape: ParallelShape, rank: int) -> str:
     """`stage 1, tp 0`, with `, ep 1` (and `, etp 0` when experts are split) under expert
     parallelism."""
-    text = f"stage {rank['pipeline_stage']}, tp {rank['tensor_parallel_rank']}"
-    experts = plan.get("expert_parallel")
-    if experts is not None:
-        text += f", ep {rank['info']['expert_parallel_rank']}"
-        if int(experts["expert_tensor_parallel_size"]) > 1:
-            text += f", etp {rank['info']['expert_tensor_parallel_rank']}"
+    at = shape.coordinates(rank)
+    text = f"stage {at.pipeline_stage}, tp {at.tensor_parallel_rank}"
+    if shape.expert_parallel_size is not None:
+        text += f", ep {at.expert_parallel_rank}"
+        if shape.expert_tensor_parallel_size > 1:
+            text += f", etp {at.expert_tensor_parallel_rank}"
     return text
 
 
-def _coordinate_spans(plan: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> str:
+def _coordinate_spans(shape: ParallelShape, ranks: Sequence[PlanRank]) -> str:
     """The TP (and EP, ETP) coordinates a set of ranks covers: `tp 0–7`, or
     `tp 0–3 ×16 replicas · ep 0–31 · etp 0–1`."""
-    text = f"tp {span_text([r['tensor_parallel_rank'] for r in ranks], 12)}"
-    experts = plan.get("expert_parallel")
-    if experts is None:
+    at = [shape.coordinates(r.rank) for r in ranks]
+    text = f"tp {span_text([c.tensor_parallel_rank for c in at], 12)}"
+    if shape.expert_parallel_size is None:
         return text
-    replicas = {r["info"].get("dense_replica") for r in ranks}
+    replicas = {c.dense_replica for c in at}
     if len(replicas) > 1:
         text += f" ×{len(replicas)} replicas"
-    text += f" · ep {span_text([r['info']['expert_parallel_rank'] for r in ranks], 12)}"
-    if int(experts["expert_tensor_parallel_size"]) > 1:
-        text += f" · etp {span_text([r['info']['expert_tensor_parallel_rank'] for r in ranks], 8)}"
+    text += f" · ep {span_text([c.expert_parallel_rank for c in at], 12)}"
+    if shape.expert_tensor_parallel_size > 1:
+        text += f" · etp {span_text([c.expert_tensor_parallel_rank for c in at], 8)}"
     return text
 
 
@@ -281,12 +289,12 @@ def _ownership(build: Build) -> dict[str, Any]:
             head.append(Label(round(lefts[i] + widths[i] / 2, 2), 34, text, "tick", "middle"))
     head = [label for label in head if label.text]
 
-    def owning(rank: Mapping[str, Any]) -> tuple[int, tuple[int, ...]]:
-        return int(rank["pipeline_stage"]), tuple(
-            i for i, o in enumerate(owners) if rank["rank"] in o)
+    def owning(rank: PlanRank) -> tuple[int, tuple[int, ...]]:
+        return rank.pipeline_stage, tuple(i for i, o in enumerate(owners) if rank.rank in o)
 
-    classes = _classes(plan["ranks"], owning)
-    spans = {_coordinate_spans(plan, ranks) for ranks in classes}
+    shape = build.file.shape
+    classes = _rank_classes(build.file.ranks, owning)
+    spans = {_coordinate_spans(shape, ranks) for ranks in classes}
     single = len(classes) > 12 and len(spans) == 1  # many stages: one line a row
     if single:
         head.append(Label(4, 34, fit(f"each row: {spans.pop()}", LABEL_WIDTH - 10), "tick"))
@@ -294,8 +302,8 @@ def _ownership(build: Build) -> dict[str, Any]:
     height, pitch = (14.0, 18.0) if single else (26.0, 30.0)
     rows = []
     for j, ranks in enumerate(classes):
-        ids = [int(r["rank"]) for r in ranks]
-        stage = int(ranks[0]["pipeline_stage"])
+        ids = [r.rank for r in ranks]
+        stage = ranks[0].pipeline_stage
         y = top + j * pitch
         owned = owning(ranks[0])[1]
         cells = tuple(
@@ -310,7 +318,7 @@ def _ownership(build: Build) -> dict[str, Any]:
         labels = (_row_labels(y, height, f"ranks {span_text(ids, 26)} ×{len(ids)} · stage "
                                          f"{stage}", None) if single else
                   _row_labels(y, height, f"ranks {span_text(ids)} ×{len(ids)}",
-                              f"stage {stage} · {_coordinate_spans(plan, ranks)}"))
+                              f"stage {stage} · {_coordinate_spans(shape, ranks)}"))
         rows.append(Row(y, id_ranges(ids), len(ids), str(stage), labels, cells))
     note = "; ".join(
         [f"{name}: units 0–{len(groups[name]) - 1}" for name in hidden]
@@ -318,7 +326,7 @@ def _ownership(build: Build) -> dict[str, Any]:
            for c in statics])
     return {"head": head, "rows": rows, "width": round(right + 10, 2),
             "height": top + len(rows) * pitch + 6, "columns": len(columns),
-            "ranks": len(plan["ranks"]), "note": note}
+            "ranks": shape.build_world_size, "note": note}
 
 
 # ---------------------------------------------------------------- bytes by role
@@ -354,10 +362,10 @@ def _bars(build: Build) -> dict[str, Any]:
     height, pitch, top = 18.0, 24.0, 6.0
     bar_width = PAGE_WIDTH - LABEL_WIDTH - 110
     rows = []
-    for j, members in enumerate(_classes(plan["ranks"], lambda r: tuple(
-            sorted(per_rank[int(r["rank"])].items())))):
-        ids = [int(r["rank"]) for r in members]
-        stages = [int(r["pipeline_stage"]) for r in members]
+    for j, members in enumerate(_rank_classes(build.file.ranks, lambda r: tuple(
+            sorted(per_rank[r.rank].items())))):
+        ids = [r.rank for r in members]
+        stages = [r.pipeline_stage for r in members]
         stage = ("stage " if len(set(stages)) == 1 else "stages ") + span_text(stages, 12)
         roles = per_rank[ids[0]]
         y = top + j * pitch
@@ -487,9 +495,8 @@ def _expert_cards(facts: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _every_rank(facts: Mapping[str, Any], build: Build) -> list[dict[str, Any]]:
     """Every rank, one row each: coordinates, units, bytes and (under expert parallelism) the
     experts it holds."""
-    ranks = {r["rank"]: r for r in build.plan["ranks"]}
     experts = facts.get("expert_parallel") is not None
-    return [{"rank": r["rank"], "coordinates": _coordinates(build.plan, ranks[r["rank"]]),
+    return [{"rank": r["rank"], "coordinates": _coordinates(build.file.shape, int(r["rank"])),
              "units": r["units"], "bytes": byte_text(r["bytes"]),
              "ep": r.get("expert_parallel_rank"), "etp": r.get("expert_tensor_parallel_rank"),
              "count": plural(len(r.get("experts", ())), "expert"),
@@ -500,10 +507,14 @@ def _every_rank(facts: Mapping[str, Any], build: Build) -> list[dict[str, Any]]:
             for r in facts["ranks"]]
 
 
-def _alike(entries: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], Hashable]
-           ) -> list[list[Mapping[str, Any]]]:
+_Entry = TypeVar("_Entry")
+"""A row `_alike` groups: a plan rank, or a JSON row."""
+
+
+def _alike(entries: Sequence[_Entry], key: Callable[[_Entry], Hashable]
+           ) -> list[list[_Entry]]:
     """Entries grouped by `key`, in the order of each group's first entry."""
-    groups: dict[Hashable, list[Mapping[str, Any]]] = {}
+    groups: dict[Hashable, list[_Entry]] = {}
     for entry in entries:
         groups.setdefault(key(entry), []).append(entry)
     return list(groups.values())

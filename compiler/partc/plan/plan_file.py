@@ -78,6 +78,8 @@ class RankInfo:
     """Its largest device footprint."""
     local_bytes_by_dtype: tuple[tuple[str, int], ...]
     """Local bytes per dtype, sorted by dtype."""
+    dense_replica: int | None = None
+    """Which copy of its stage's dense parts (expert-parallel builds only)."""
     expert_parallel_rank: int | None = None
     """Its EP rank (expert-parallel builds only)."""
     expert_tensor_parallel_rank: int | None = None
@@ -242,6 +244,7 @@ def _rank(entry: Mapping[str, Any]) -> PlanRank:
         start, end = _ints(owned["unit_range"])
         units.append(UnitRange(group=_str(owned["group"]), start=start, end=end))
     ep, etp = info.get("expert_parallel_rank"), info.get("expert_tensor_parallel_rank")
+    replica = info.get("dense_replica")
     return PlanRank(
         rank=_int(entry["rank"]), pipeline_stage=_int(entry["pipeline_stage"]),
         tensor_parallel_rank=_int(entry["tensor_parallel_rank"]),
@@ -252,6 +255,7 @@ def _rank(entry: Mapping[str, Any]) -> PlanRank:
                       maximum_device_parameter_bytes=_int(info["maximum_device_parameter_bytes"]),
                       local_bytes_by_dtype=tuple(sorted((_str(d), _int(n))
                                                         for d, n in by_dtype.items())),
+                      dense_replica=None if replica is None else _int(replica),
                       expert_parallel_rank=None if ep is None else _int(ep),
                       expert_tensor_parallel_rank=None if etp is None else _int(etp)),
         units=tuple(units),
@@ -308,7 +312,8 @@ def _list(value: object) -> Sequence[Any]:
 
 
 def _check_ranks(file: Path, shape: ParallelShape, ranks: tuple[PlanRank, ...]) -> None:
-    """The plan's ranks are the topology's, in order, each at its coordinates."""
+    """The plan's ranks are the topology's, in order, each at its coordinates (and, under
+    expert parallelism, its recorded dense replica, EP and ETP rank)."""
     def fault(message: str, pointer: str) -> LoadError:
         return LoadError(f"the plan disagrees with itself: {message}; it was edited, or not "
                          "written by partc: compile the build again",
@@ -325,3 +330,14 @@ def _check_ranks(file: Path, shape: ParallelShape, ranks: tuple[PlanRank, ...]) 
                         f"{found[2]}; the topology puts rank {index} on stage "
                         f"{at.pipeline_stage}, tp rank {at.tensor_parallel_rank}",
                         f"/ranks/{index}")
+        if shape.expert_parallel_size is None:
+            continue
+        info = rank.info
+        recorded = (info.dense_replica, info.expert_parallel_rank,
+                    info.expert_tensor_parallel_rank)
+        if recorded != (at.dense_replica, at.expert_parallel_rank,
+                        at.expert_tensor_parallel_rank):
+            raise fault(f"rank {index} records dense replica {recorded[0]}, EP rank "
+                        f"{recorded[1]}, ETP rank {recorded[2]}; the topology gives "
+                        f"{at.dense_replica}, {at.expert_parallel_rank} and "
+                        f"{at.expert_tensor_parallel_rank}", f"/ranks/{index}/info")
