@@ -21,7 +21,9 @@ from safetensors.numpy import load_file, save_file
 from partc.api import compile_family
 from partc.cli.commands import error_reference
 from partc.cli.main import main
+from partc.scaffold.family_text import scaffold
 from partc.scaffold.survey import survey_checkpoint
+from partc.scaffold.yaml_writer import Comments, Flow, FlowList, Quoted, write_yaml
 
 from support import HF, hf
 
@@ -770,3 +772,35 @@ def test_the_survey_tells_the_decoder_from_the_vision_tower_and_counts_its_layer
     assert [(e.prefix + ".", e.group, e.section, len(e.by_layer)) for e in survey.encoders] == [
         (vision, group, "vision_config", config["vision_config"][count])]
 
+
+
+@pytest.mark.parametrize("checkpoint", [*(hf(f) for f in SCAFFOLDED), *(
+    HF.parent / "quantized" / q for q in ("llama_mlx4", "qwen3_fp8", "deepseek_v3_fp8",
+                                          "gpt_oss_mxfp4"))], ids=lambda p: p.name)
+def test_the_scaffold_text_parses_to_its_document_and_its_marks_are_comments(
+        checkpoint: Path) -> None:
+    """The text is the document written by PyYAML, each CHECK a comment on its own line: the
+    parsed text is the document, and stays it with every comment taken out."""
+    written = scaffold(checkpoint, checkpoint / "config.json")
+    assert yaml.safe_load(written.text) == written.document
+    uncommented = "\n".join(line.split("  # partc init: CHECK")[0] for line in
+                            written.text.splitlines() if not line.lstrip().startswith("#"))
+    assert yaml.safe_load(uncommented) == written.document
+    assert written.document["family"] == json.loads(
+        (checkpoint / "config.json").read_text())["model_type"]
+
+
+def test_a_comment_is_placed_on_the_line_of_its_node_at_its_indentation() -> None:
+    owner = Flow(static="output")
+    group: dict[str, object] = {"name": Quoted("layers.{unit}.x"), "owner": owner,
+                                "params": {"weight": FlowList([4, "hidden_size"])}}
+    document = {"family": "f", "parameters": [group], "boundary": {"auxiliary": FlowList()}}
+    comments = Comments()
+    comments.mark(group["params"], "weight", "# partc init: CHECK: 4")  # type: ignore[arg-type]
+    comments.note(group, "owner", "# owner guessed")
+    comments.note(document["boundary"], "auxiliary", "# before", before=True)
+    assert write_yaml(document, comments, ["# head"]) == (
+        '# head\nfamily: f\n\nparameters:\n\n  - name: "layers.{unit}.x"\n'
+        "    owner: {static: output}\n    # owner guessed\n    params:\n"
+        "      weight: [4, hidden_size]  # partc init: CHECK: 4\n\nboundary:\n  # before\n"
+        "  auxiliary: []\n")

@@ -1,2 +1,2 @@
 """`partc init`: a family scaffold guessed from a checkpoint header and its config.json:
-`survey` reads them, `family_text` writes the family."""
+`survey` reads them, `family_text` builds the family, `yaml_writer` writes it."""

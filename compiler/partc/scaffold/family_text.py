@@ -28,15 +28,16 @@ marked CHECK (what crosses a cut inside a vision tower is not in the header). A 
 module (LLaVA-NeXT's root-level `image_newline`) is a `members:` group placed with the projector
 when there is one, else with the last stage, marked.
 
-The text is written line by line (`_Writer`): a line the scaffold could not decide carries a
-`# partc init: CHECK: why` comment, counted in `Scaffold.undecided`.
+The family is built as data (`Scaffold.document`; `_Writer` also keeps its comments: a
+decision the scaffold could not make is a `# partc init: CHECK: why` comment on the line of the
+node it concerns, counted in `Scaffold.undecided`) and written by PyYAML
+(`partc.scaffold.yaml_writer`), which places the comments.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from partc.scaffold.survey import (
     _positional,
     survey_checkpoint,
 )
+from partc.scaffold.yaml_writer import Comments, Container, Flow, FlowList, Quoted, write_yaml
 
 CHECK = "# partc init: CHECK"
 """The comment on every line the scaffold could not decide."""
@@ -106,6 +108,8 @@ class Scaffold:
     """What the scaffold could not decide, one entry per CHECK comment."""
     notes: tuple[str, ...] = ()
     """What the user should know before running `partc check` (said on the console too)."""
+    document: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The family as data: what `text` holds, without its comments."""
 
 
 
@@ -121,12 +125,16 @@ def _evaluate(expression: str, values: Mapping[str, int]) -> int | None:
 
 
 class _Writer:
+    """The family being built: the config values its shapes are matched against, its
+    comments, and what it used and marked."""
+
     def __init__(self, values: dict[str, int], default_dtype: str | None,
                  layers: Sequence[int], dimensions: tuple[str, ...]) -> None:
         self.values = values
         self.default_dtype = default_dtype
         self.all_layers = set(layers)
-        self.lines: list[str] = []
+        self.comments = Comments()
+        """The document's comments (`CHECK` marks, notes), by the node they belong to."""
         self.undecided: list[str] = []
         self.used: set[str] = set()
         self.conditional = 0
@@ -184,76 +192,93 @@ class _Writer:
         """A shape entry where a guess is not marked (a line marked already)."""
         return self.resolve(expected, actual)[0]
 
-    def params(self, entries: Mapping[str, tuple[list[str], str, list[str]]], indent: str,
-               what: str) -> None:
-        """The `params:` of module `what`: one line per param (one line for a single one),
-        a line with a dimension the scaffold guessed or could not explain marked with why."""
-        items = []
-        for name, (shape, dtype, whys) in sorted(entries.items()):
-            text = "[" + ", ".join(shape) + "]"
-            if dtype != self.default_dtype:
-                text = f"{{shape: {text}, dtype: {dtype}}}"
-            items.append((f"{name}: {text}", [f"{name} {w}" for w in whys]))
+    def params(self, group: dict[str, Any],
+               entries: Mapping[str, tuple[list[str], str, list[str]]], what: str) -> None:
+        """The `params:` of module `what` into `group`: a flow mapping for a single param,
+        else one line per param; a line with a dimension the scaffold guessed or could not
+        explain marked with why."""
+        items: dict[str, Any] = {}
+        whys: dict[str, list[str]] = {}
+        for name, (shape, dtype, why) in sorted(entries.items()):
+            dims = FlowList(_entry(text) for text in shape)
+            items[name] = dims if dtype == self.default_dtype else Flow(shape=dims, dtype=dtype)
+            whys[name] = [f"{name} {w}" for w in why]
         if len(items) == 1:
-            self.shape_line(f"{indent}params: {{{items[0][0]}}}", what, items[0][1])
+            group["params"] = Flow(items)
+            self.shape_mark(group, "params", what, next(iter(whys.values())))
         else:
-            self.lines.append(f"{indent}params:")
-            for item, whys in items:
-                self.shape_line(f"{indent}  {item}", what, whys)
+            group["params"] = items
+            for name in items:
+                self.shape_mark(items, name, what, whys[name])
 
-    def shape_line(self, line: str, what: str, whys: Sequence[str]) -> None:
-        """A line declaring a shape, marked when some of its dimensions are guesses."""
+    def shape_mark(self, container: Container, key: str | int, what: str,
+                   whys: Sequence[str]) -> None:
+        """Mark the line of a shape when some of its dimensions are guesses."""
         if whys:
-            self.check(line, f"`{what}`: {'; '.join(whys)}: write each as an expression "
-                       "over config fields, or the shape holds for this checkpoint's config "
-                       "only")
-        else:
-            self.lines.append(line)
+            self.check(container, key, f"`{what}`: {'; '.join(whys)}: write each as an "
+                       "expression over config fields, or the shape holds for this "
+                       "checkpoint's config only")
 
-    def loose(self, name: str, tensor: str, signature: tuple[str, list[int]], owner: str,
-              why: str) -> None:
-        """The group `name` of a tensor of no module (a root-level `image_newline`): one
-        `members:` entry, replicated, owned by `owner`, a guess marked with `why`."""
+    def loose(self, groups: list[dict[str, Any]], name: str, tensor: str,
+              signature: tuple[str, list[int]], owner: Flow, why: str) -> None:
+        """The group `name` of a tensor of no module (a root-level `image_newline`), appended
+        to `groups`: one `members:` entry, replicated, owned by `owner`, a guess marked with
+        `why`."""
         dtype, shape = signature
         names, prefer = self.vocabulary(tensor)
         resolved = [self.resolve(None, n, names=names, prefer=prefer) for n in shape]
-        entry = f"{{target: {json.dumps(tensor)}, shape: [" + ", ".join(
-            text for text, _ in resolved) + "]" + (
-            f", dtype: {dtype}" if dtype != self.default_dtype else "") + "}"
-        self.lines += ["", f"  - name: {json.dumps(name)}", "    role: replicated",
-                       f"    owner: {owner}"]
-        self.check("    # owner guessed", why)
-        self.lines.append("    members:")
-        self.shape_line(f"      - {entry}", tensor, [f"axis {i}: {w}" for i, (_, w) in
+        entry = Flow(target=Quoted(tensor), shape=FlowList(_entry(t) for t, _ in resolved))
+        if dtype != self.default_dtype:
+            entry["dtype"] = dtype
+        group: dict[str, Any] = {"name": Quoted(name), "role": "replicated", "owner": owner,
+                                 "members": [entry]}
+        groups.append(group)
+        self.note(group, "owner", "# owner guessed", why)
+        self.shape_mark(group["members"], 0, tensor, [f"axis {i}: {w}" for i, (_, w) in
                                                       enumerate(resolved) if w is not None])
 
-    def check(self, line: str, why: str) -> None:
-        self.lines.append(f"{line}  {CHECK}: {why}")
+    def check(self, container: Container, key: str | int, why: str) -> None:
+        """Mark the line of `container[key]` CHECK, saying why."""
+        self.comments.mark(container, key, f"{CHECK}: {why}")
         self.undecided.append(why)
 
-    def scope(self, module: str, entry: _Module, differs: Sequence[int] = ()) -> None:
-        """The `when:` and `for:` lines of a layer group: the layers and experts it covers
+    def note(self, container: Container, key: str | int, text: str,
+             why: str | None = None) -> None:
+        """A comment line after the line of `container[key]`, marked CHECK when `why`."""
+        if why is not None:
+            text += f"  {CHECK}: {why}"
+            self.undecided.append(why)
+        self.comments.note(container, key, text)
+
+    def scope(self, group: dict[str, Any], module: str, entry: _Module,
+              differs: Sequence[int] = ()) -> None:
+        """The `when:` and `for:` of a layer group: the layers and experts it covers
         (`differs`: more layers where a module of the group has other params)."""
         if entry.layers != self.all_layers:
             self.conditional += 1
-            self.check(f'    when: "{_condition(entry.layers, self.all_layers)}"',
-                       f"`{module}` is only in {_layers(entry.layers)} of layers "
+            group["when"] = Quoted(_condition(entry.layers, self.all_layers))
+            self.check(group, "when", f"`{module}` is only in {_layers(entry.layers)} of layers "
                        f"{_spelled(self.all_layers)}: the condition follows this checkpoint; "
                        "write it over config fields")
         if entry.experts is not None:
             count = next((n for n in _EXPERT_COUNTS if self.values.get(n) == entry.experts),
                          None)
+            group["for"] = Flow(expert=entry.experts if count is None else count)
             if count is None:
-                self.check(f"    for: {{expert: {entry.experts}}}", "the number of experts is "
-                           "no config field the scaffold knows: write it as one")
+                self.check(group, "for", "the number of experts is no config field the "
+                           "scaffold knows: write it as one")
             else:
                 self.used.add(count)
-                self.lines.append(f"    for: {{expert: {count}}}")
         if entry.differs or differs:
-            self.check(f"    # {_layers({*entry.differs, *differs})} hold(s) `{module}` with other "
-                       "params, shapes or expert counts", "this group fits the first layers "
-                       "only: split it by layer, `partc check` fails until then")
+            self.note(group, list(group)[-1], f"# {_layers({*entry.differs, *differs})} "
+                      f"hold(s) `{module}` with other params, shapes or expert counts",
+                      "this group fits the first layers only: split it by layer, `partc "
+                      "check` fails until then")
 
+
+def _entry(text: str) -> int | str:
+    """A shape entry as written: a literal as a number, an expression as text."""
+    return int(text) if text.isdigit() else text
 
 
 def _spelled_names(names: Sequence[str]) -> str:
@@ -316,20 +341,18 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     chain = [e.group for e in encoders] + (["projector"] if projector is not None else [])
     description = (f"{model_type} decoder" if not encoders else
                    f"{model_type} model, execution groups {', '.join([*chain, 'decoder'])}")
-    w.lines += [f"# Family scaffold written by `partc init` from {checkpoint.name} "
-                f"({s.tensor_count} tensors). Lines marked `{CHECK}` need a decision.", "",
-                f"family: {family}",
-                f"description: {description} (scaffold; describe it here)",
-                f"model_types: [{model_type}]", ""]
-    body: list[str] = []
-    w.lines, saved = body, w.lines
+    header = [f"# Family scaffold written by `partc init` from {checkpoint.name} "
+              f"({s.tensor_count} tensors). Lines marked `{CHECK}` need a decision.", ""]
+    document: dict[str, Any] = {"family": family,
+                                "description": f"{description} (scaffold; describe it here)",
+                                "model_types": FlowList([model_type])}
     table = _layer_table(by_layer)
-    _layer_groups(w, prefix, table)
-    w.lines = saved
+    body: list[dict[str, Any]] = []
+    _layer_groups(w, body, prefix, table)
     tables = [table]
     static = _static_groups(w, decoder_modules, roles, {} if projector else loose)
-    front: list[str] = []  # the encoders' and the projector's groups and their graph entries
-    graph: list[str] = []
+    front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
+    graph: list[dict[str, Any]] = []  # and their graph entries
     for number, encoder in enumerate(encoders):
         tables.append(_encoder_groups(w, encoder, front, graph, family,
                                       chain[number - 1] if number else None,
@@ -342,50 +365,55 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     prefixed = {n for e in encoders for n in e.names}
     # a field read from a guess is declared (and marked) also when no shape uses it
     used = sorted((w.used - prefixed) | {"num_hidden_layers"} | set(marked))
-    w.lines.append("config:")
+    fields: dict[str, Any] = {}
+    document["config"] = fields
     for key in used:
-        line = f"  {key}: {_config_field(key, sources.get(key, key))}"
+        fields[key] = _config_field(key, sources.get(key, key))
         if key in marked:
-            w.check(line, marked[key])
-        else:
-            w.lines.append(line)
+            w.check(fields, key, marked[key])
     if values.get("num_hidden_layers") != count:
-        w.check(f"  # the checkpoint has {count} layers", "num_hidden_layers differs from the "
-                "header's layer count")
+        w.note(fields, used[-1], f"# the checkpoint has {count} layers", "num_hidden_layers "
+               "differs from the header's layer count")
     for section, names in _sections(encoders).items():
         written = sorted(names & w.used)
+        for key in written:
+            fields[key] = _config_field(key, sources[key])
         if written:
-            w.lines.append(f"  # {', '.join(e.group for e in encoders if e.section == section)}"
-                           f" ({section})")
-            w.lines += [f"  {key}: {_config_field(key, sources[key])}" for key in written]
+            w.comments.note(fields, written[0], "# " + ", ".join(
+                e.group for e in encoders if e.section == section) + f" ({section})",
+                before=True)
     if encoders:
-        w.lines += ["", "dimensions:"]
-        w.lines += [f"  {e.group}_tokens: the rows of what crosses a cut inside `{e.group}` "
-                    "(its units' output; written by partc init, see its boundary)"
-                    for e in encoders]
+        dims = {f"{e.group}_tokens": f"the rows of what crosses a cut inside `{e.group}` (its "
+                "units' output; written by partc init, see its boundary)" for e in encoders}
         if projector is not None:
-            w.lines.append("  image_tokens: the image-token positions of the request (the "
-                           "projector's output rows)")
-    decoder = (f'  - {{group: decoder, units: num_hidden_layers, path: "{prefix}.{{unit}}", '
-               "state: true" + (f", after: [{chain[-1]}]}}" if chain else "}"))
-    w.lines += ["", "graph:", *graph, decoder, "", "static:"]
+            dims["image_tokens"] = ("the image-token positions of the request (the "
+                                    "projector's output rows)")
+        document["dimensions"] = dims
+    decoder = Flow(group="decoder", units="num_hidden_layers", path=Quoted(f"{prefix}.{{unit}}"),
+                   state=True)
+    if chain:
+        decoder["after"] = FlowList([chain[-1]])
+    document["graph"] = [*graph, decoder]
+    statics: dict[str, Any] = {}
     for e in encoders:  # the roles its modules outside the layers have (_encoder_statics)
         before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules}
         for role, unit, holds in (("embeddings", "first", True), ("tail", "last", False)):
             if holds in before:
-                w.lines.append(f"  {e.group}_{role}: {{stage: {{with: {e.group}, unit: {unit}}}}}")
-    w.lines += ["  embedding: {stage: {with: decoder, unit: first}}" if encoders else
-                "  embedding: {stage: first}", "  final_norm: {stage: last}",
-                "  output: {stage: last}", "", "parameters:"]
-    w.lines += front + static[0] + body + static[1]
-    w.lines += ["", "boundary:", f"  identity: {family}.hidden"]
-    if "hidden_size" in values:
-        w.lines.append("  primary: {role: hidden, shape: [batch, sequence, hidden_size], "
-                       "dtype: activation}")
-    else:
-        w.check("  primary: {role: hidden, shape: [batch, sequence, HIDDEN], dtype: activation}",
-                "the config has no hidden_size: write the hidden dimension (a config field)")
-    w.lines += ["  auxiliary: []", ""]
+                statics[f"{e.group}_{role}"] = Flow(stage=Flow({"with": e.group, "unit": unit}))
+    statics["embedding"] = Flow(stage=Flow({"with": "decoder", "unit": "first"})) \
+        if encoders else Flow(stage="first")
+    statics["final_norm"] = Flow(stage="last")
+    statics["output"] = Flow(stage="last")
+    document["static"] = statics
+    document["parameters"] = [*front, *static[0], *body, *static[1]]
+    boundary: dict[str, Any] = {"identity": f"{family}.hidden", "primary": Flow(
+        role="hidden", shape=FlowList(["batch", "sequence", "hidden_size" if "hidden_size" in
+                                       values else "HIDDEN"]), dtype="activation"),
+                                "auxiliary": FlowList()}
+    document["boundary"] = boundary
+    if "hidden_size" not in values:
+        w.check(boundary, "primary", "the config has no hidden_size: write the hidden "
+                "dimension (a config field)")
     notes = []
     if w.conditional:
         notes.append(f"the layers hold different tensors: {w.conditional} group(s) apply to "
@@ -402,9 +430,10 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     from importlib import resources
 
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
-    text = SCHEMA_COMMENT + schema.resolve().as_uri() + "\n" + "\n".join(w.lines)
-    return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes))
-
+    text = write_yaml(document, w.comments,
+                      [SCHEMA_COMMENT + schema.resolve().as_uri(), *header])
+    return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes),
+                    document=document)
 
 
 def _sections(encoders: Sequence[_Encoder]) -> dict[str, set[str]]:
@@ -425,8 +454,9 @@ def _before_layers(relative: str) -> bool:
 
 
 
-def _encoder_groups(w: _Writer, e: _Encoder, front: list[str], graph: list[str], family: str,
-                    after: str | None, feature: object) -> dict[str, _Module]:
+def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
+                    graph: list[dict[str, Any]], family: str, after: str | None,
+                    feature: object) -> dict[str, _Module]:
     """An encoder's parameter groups (appended to `front`: its modules before the layers,
     its layers, its other modules) and its graph entry (to `graph`); its table of modules.
     `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
@@ -455,74 +485,83 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[str], graph: list[str],
             ("gate_proj", {"gate_proj": ("column", inter, width),
                            "up_proj": ("column", inter, width),
                            "down_proj": ("row", width, inter)}))
-    saved, w.lines = w.lines, []
     head, tail = _encoder_statics(w, e)
-    _layer_groups(w, e.prefix, table, _Kinds(e.group, e.group, attention, heads or "", mlps,
-                                             inter, encoder=True))
-    front += head + w.lines + tail
-    w.lines = graph
-    w.lines.append(f"  - group: {e.group}")
+    layers: list[dict[str, Any]] = []
+    _layer_groups(w, layers, e.prefix, table, _Kinds(e.group, e.group, attention, heads or "",
+                                                     mlps, inter, encoder=True))
+    front += head + layers + tail
+    entry: dict[str, Any] = {"group": e.group}
+    graph.append(entry)
     count = next((e.stem + k for k in _ENCODER_COUNTS if e.stem + k in w.values), None)
     if count is not None and w.values[count] == len(e.by_layer) and feature is not None \
             and e.section == "vision_config":
         w.used.add(count)
-        w.check(f"    units: {count}", f"the config's vision_feature_layer ({feature}) says "
+        entry["units"] = count
+        w.check(entry, "units", f"the config's vision_feature_layer ({feature}) says "
                 "the projector reads an earlier layer's output: the layers after it never "
                 "reach the logits (architectures/llava.yaml's vision_used, vision_unused)")
     elif count is not None and w.values[count] == len(e.by_layer):
         w.used.add(count)
-        w.lines.append(f"    units: {count}")
+        entry["units"] = count
     else:
-        w.check(f"    units: {len(e.by_layer)}", f"`{e.prefix}` has {len(e.by_layer)} layers "
+        entry["units"] = len(e.by_layer)
+        w.check(entry, "units", f"`{e.prefix}` has {len(e.by_layer)} layers "
                 + (f"and {e.section} no layer count ({', '.join(_ENCODER_COUNTS)}) equal to "
                    "it" if e.section else "and the config no section for it (vision_config)")
                 + ": write the count as a config field")
-    w.lines.append(f'    path: "{e.prefix}.{{unit}}"')
+    entry["path"] = Quoted(f"{e.prefix}.{{unit}}")
     if after is not None:
-        w.lines.append(f"    after: [{after}]")
+        entry["after"] = FlowList([after])
     out_width = w.dim(None, norm) if norm is not None else (width or "hidden_size")
-    w.lines += ["    boundary:", f"      identity: {family}.{e.group}"]
-    w.check(f"      primary: {{role: hidden, shape: [{e.group}_tokens, {out_width}], dtype: "
-            "activation}", f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
-            f"`{e.group}_tokens` takes the leading axes of its layers' output (CLIP's [images, "
-            "positions, width]); write the shape, and the tensors the next stage needs "
-            "besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
-    w.lines += ["      # the text embedding runs with the first decoder unit, on a later "
-                "stage: its token ids cross this cut", "      auxiliary:",
-                "        - {role: input_ids, shape: [batch, sequence], dtype: int32}"]
-    w.lines = saved
+    entry["boundary"] = _placeholder_boundary(
+        w, f"{family}.{e.group}", "hidden", FlowList([f"{e.group}_tokens", _entry(out_width)]),
+        f"what crosses a cut inside `{e.group}` is not in the checkpoint: `{e.group}_tokens` "
+        "takes the leading axes of its layers' output (CLIP's [images, positions, width]); "
+        "write the shape, and the tensors the next stage needs besides "
+        "(architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
     return table
 
 
+def _placeholder_boundary(w: _Writer, identity: str, role: str, shape: FlowList, why: str
+                          ) -> dict[str, Any]:
+    """An encoder's or the projector's boundary: its primary a placeholder marked `why`, the
+    token ids beside it (the text embedding runs with the first decoder unit, later)."""
+    boundary: dict[str, Any] = {
+        "identity": identity, "primary": Flow(role=role, shape=shape, dtype="activation"),
+        "auxiliary": [Flow(role="input_ids", shape=FlowList(["batch", "sequence"]),
+                           dtype="int32")]}
+    w.check(boundary, "primary", why)
+    w.comments.note(boundary, "auxiliary", "# the text embedding runs with the first decoder "
+                    "unit, on a later stage: its token ids cross this cut", before=True)
+    return boundary
 
-def _encoder_statics(w: _Writer, e: _Encoder) -> tuple[list[str], list[str]]:
+
+def _encoder_statics(w: _Writer, e: _Encoder
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The groups of an encoder's modules outside its layers: those run before them with its
     first unit (`<group>_embeddings`), the others with its last (`<group>_tail`), marked."""
-    head: list[str] = []
-    tail: list[str] = []
+    head: list[dict[str, Any]] = []
+    tail: list[dict[str, Any]] = []
     for module in sorted(e.modules):
         before = _before_layers(module[len(e.root) + 1:])
         role = f"{e.group}_embeddings" if before else f"{e.group}_tail"
-        saved, w.lines = w.lines, []
-        w.lines += ["", f"  - name: {json.dumps(module)}", "    role: replicated",
-                    f"    owner: {{static: {role}}}", f"    module: {module}",
-                    "    sharding: replicated"]
+        group: dict[str, Any] = {"name": Quoted(module), "role": "replicated",
+                                 "owner": Flow(static=role), "module": module,
+                                 "sharding": "replicated"}
         if not before:
-            w.check("    # owner guessed", f"`{module}` is under `{e.root}` but not run before "
-                    f"its layers: loaded with the last `{e.group}` unit; whether it reaches the "
-                    "logits the scaffold cannot know (LLaVA's post_layernorm does not; "
-                    "Qwen2-VL's merger does, an execution group after the tower in "
-                    "architectures/qwen2_vl.yaml)")
-        w.params(_signature_params(w, module, e.modules[module], None, None), "    ",
-                 module)
-        (head if before else tail).extend(w.lines)
-        w.lines = saved
+            w.note(group, "owner", "# owner guessed", f"`{module}` is under `{e.root}` but not "
+                   f"run before its layers: loaded with the last `{e.group}` unit; whether it "
+                   "reaches the logits the scaffold cannot know (LLaVA's post_layernorm does "
+                   "not; Qwen2-VL's merger does, an execution group after the tower in "
+                   "architectures/qwen2_vl.yaml)")
+        w.params(group, _signature_params(w, module, e.modules[module], None, None), module)
+        (head if before else tail).append(group)
     return head, tail
 
 
-
 def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]]],
-                      encoder: _Encoder, front: list[str], graph: list[str], family: str,
+                      encoder: _Encoder, front: list[dict[str, Any]],
+                      graph: list[dict[str, Any]], family: str,
                       loose: Mapping[str, tuple[str, list[int]]]) -> None:
     """The projector's groups (replicated, marked) and its graph entry after the last
     encoder: its dimensions are matched against the decoder's config, then the encoder's
@@ -531,47 +570,47 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
     root, modules = projector
     w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
                                     if encoder.stem + k in w.values))
-    saved, w.lines = w.lines, front
     for module in sorted(modules):
         relative = module[len(root) + 1:]
         label = "projector" + (f".{relative}" if relative else "")
-        w.lines += ["", f"  - name: {json.dumps(label)}", "    role: replicated",
-                    "    owner: {unit: projector}", f"    module: {module}",
-                    "    sharding: replicated"]
+        group: dict[str, Any] = {"name": Quoted(label), "role": "replicated",
+                                 "owner": Flow(unit="projector"), "module": module,
+                                 "sharding": "replicated"}
+        front.append(group)
         if not _is_norm(module.rsplit(".", 1)[-1]):
-            w.check("    # replicated on every rank", f"`{module}` is the projector's: "
-                    "replicated; a two-linear MLP splits as one feed_forward_intermediate "
-                    "group, the first column, the second row (architectures/llava.yaml)")
-        w.params(_signature_params(w, module, modules[module], None, None), "    ", module)
+            w.note(group, "sharding", "# replicated on every rank", f"`{module}` is the "
+                   "projector's: replicated; a two-linear MLP splits as one "
+                   "feed_forward_intermediate group, the first column, the second row "
+                   "(architectures/llava.yaml)")
+        w.params(group, _signature_params(w, module, modules[module], None, None), module)
     for tensor in sorted(loose):
-        w.loose(f"projector.{tensor}", tensor, loose[tensor], "{unit: projector}",
+        w.loose(front, f"projector.{tensor}", tensor, loose[tensor], Flow(unit="projector"),
                 f"`{tensor}` is a tensor of no module, outside the layers: owned with the "
                 "projector, whose output LLaVA-NeXT's `image_newline` is appended to (HF's "
                 "pack_image_features); whether this one is, the header does not say")
-    w.lines = graph
-    w.lines += ["  - group: projector", "    units: 1", f"    path: {root}",
-                f"    after: [{encoder.group}]", "    boundary:",
-                f"      identity: {family}.projector"]
     hidden = "hidden_size" if "hidden_size" in w.values else "HIDDEN"
-    w.check(f"      primary: {{role: image_features, shape: [image_tokens, {hidden}], dtype: "
-            "activation}", "what the projector hands the decoder is not in the checkpoint: "
-            "`image_tokens` rows of the decoder's width is LLaVA's; write the shape, and the "
-            "tensors the decoder needs besides (architectures/llava.yaml's image_mask)")
-    w.lines += ["      # the text embedding runs with the first decoder unit, on a later "
-                "stage: its token ids cross this cut", "      auxiliary:",
-                "        - {role: input_ids, shape: [batch, sequence], dtype: int32}"]
-    w.lines = saved
+    graph.append({"group": "projector", "units": 1, "path": root,
+                  "after": FlowList([encoder.group]), "boundary": _placeholder_boundary(
+                      w, f"{family}.projector", "image_features",
+                      FlowList(["image_tokens", hidden]),
+                      "what the projector hands the decoder is not in the checkpoint: "
+                      "`image_tokens` rows of the decoder's width is LLaVA's; write the shape, "
+                      "and the tensors the decoder needs besides (architectures/llava.yaml's "
+                      "image_mask)")})
 
 
-
-def _config_field(key: str, source: str) -> str:
+def _config_field(key: str, source: str) -> str | Flow:
     """The declaration of config field `key`, read from `source` (a dotted path)."""
     default = {"num_key_value_heads": "num_attention_heads",
                "head_dim": "hidden_size // num_attention_heads"}.get(key)
-    parts = ["type: int"] + ([f"from: {source}"] if source != key else []) + (
-        [f"default: {default}"] if default else [])
-    return "int" if parts == ["type: int"] else "{" + ", ".join(parts) + "}"
-
+    if source == key and not default:
+        return "int"
+    declared = Flow(type="int")
+    if source != key:
+        declared["from"] = source
+    if default:
+        declared["default"] = default
+    return declared
 
 
 def _signature_params(w: _Writer, module: str, params: Mapping[str, tuple[str, list[int]]],
@@ -624,8 +663,10 @@ def _block_groups(table: Mapping[str, _Module], block: str,
 
 
 
-def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
-                  kinds: _Kinds = _DECODER) -> None:
+def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
+                  table: Mapping[str, _Module], kinds: _Kinds = _DECODER) -> None:
+    """The groups of a repetition's layers (appended to `groups`): its attention and MLP
+    blocks split by heads and intermediate units, every other module replicated."""
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
     attention = next((spec for spec in kinds.attention
@@ -649,34 +690,36 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
                                        prefer=_intermediate_names(w, block, first))
         if units in w.values:
             w.used.add(units)
-        w.lines += ["", f'  - name: "{kinds.label}.{{unit}}.{name}"', f"    role: {role}",
-                    f"    owner: {{unit: {kinds.group}}}"]
-        w.scope(block, first, [n for p in spec_table for n in table[f"{block}.{p}"].differs])
+        group: dict[str, Any] = {"name": Quoted(f"{kinds.label}.{{unit}}.{name}"), "role": role,
+                                 "owner": Flow(unit=kinds.group)}
+        groups.append(group)
+        w.scope(group, block, first,
+                [n for p in spec_table for n in table[f"{block}.{p}"].differs])
+        group["units"] = _entry(units)
         if kinds.encoder and units not in w.values:
-            w.check(f"    units: {units}", f"the intermediate size of `{block}` ({units}) is "
+            w.check(group, "units", f"the intermediate size of `{block}` ({units}) is "
                     "no field of the encoder's config section: write it as an expression "
                     "(Qwen2-VL's is embed_dim * mlp_ratio)")
-            w.lines.append("    projections:")
         elif guessed is not None:
-            w.check(f"    units: {units}", f"the intermediate size of `{block}`: {guessed}: "
+            w.check(group, "units", f"the intermediate size of `{block}`: {guessed}: "
                     "write it as a config field")
-            w.lines.append("    projections:")
-        else:
-            w.lines += [f"    units: {units}", "    projections:"]
+        projections: list[dict[str, Any]] = []
+        group["projections"] = projections
         for proj, spec in spec_table.items():
             module = f"{block}.{proj}"
             done.add(module)
-            w.lines.append(f'      - module: "{unit}.{module}"')
-            w.lines.append(f"        sharding: {spec[0]}")
+            projection: dict[str, Any] = {"module": Quoted(f"{unit}.{module}"),
+                                          "sharding": spec[0]}
+            projections.append(projection)
             if len(spec) == 4:
-                w.lines.append(f"        heads: {spec[1]}")
+                projection["heads"] = spec[1]
                 w.used.add(str(spec[1]))
                 rows_of, cols_of = spec[-2], spec[-1]
             else:  # the intermediate dimension is the group's units
                 rows_of = units if spec[0] == "column" else spec[1]
                 cols_of = units if spec[0] == "row" else spec[2]
-            w.params(_signature_params(w, module, table[module].params, rows_of, cols_of),
-                     "        ", module)
+            w.params(projection, _signature_params(w, module, table[module].params, rows_of,
+                                                   cols_of), module)
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
@@ -691,37 +734,39 @@ def _layer_groups(w: _Writer, prefix: str, table: Mapping[str, _Module],
         params = _signature_params(w, module, entry.params, size_rows, size_cols,
                                    axes=sized, prefer=prefer)
         safe = module.replace("self_attn.", "attention.")
-        w.lines += ["", f'  - name: "{kinds.label}.{{unit}}.{safe}"', "    role: replicated",
-                    f"    owner: {{unit: {kinds.group}}}"]
-        w.scope(module, entry)
-        w.lines += [f'    module: "{unit}.{module}"', "    sharding: replicated"]
+        group = {"name": Quoted(f"{kinds.label}.{{unit}}.{safe}"), "role": "replicated",
+                 "owner": Flow(unit=kinds.group)}
+        groups.append(group)
+        w.scope(group, module, entry)
+        group["module"] = Quoted(f"{unit}.{module}")
+        group["sharding"] = "replicated"
+        why = None
         if spans is not None and sized:
-            w.check("    # replicated on every rank", f"`{module}` normalises the whole "
-                    f"`{spans}` output ({sized[0]}), which the attention group splits: declare "
-                    "it in that group, split with the projection and `reduction: "
-                    "tensor_parallel` (architectures/olmo2.yaml), or verify fails at T >= 2")
+            why = (f"`{module}` normalises the whole `{spans}` output ({sized[0]}), which the "
+                   "attention group splits: declare it in that group, split with the "
+                   "projection and `reduction: tensor_parallel` (architectures/olmo2.yaml), "
+                   "or verify fails at T >= 2")
         elif _PACKED & set(entry.params):
-            w.check("    # replicated on every rank", f"`{module}` holds packed quantized "
-                    f"weights ({', '.join(sorted(_PACKED & set(entry.params)))}): replicated; "
-                    "shard it with the family's linear format (docs/linear_formats.md)")
+            why = (f"`{module}` holds packed quantized weights "
+                   f"({', '.join(sorted(_PACKED & set(entry.params)))}): replicated; shard it "
+                   "with the family's linear format (docs/linear_formats.md)")
         elif kinds.encoder and leaf == "qkv":
-            w.check("    # replicated on every rank", f"`{module}` looks like a fused "
-                    "[q | k | v] projection: replicated; split it by heads with `fused:` and "
-                    "its output projection (architectures/qwen2_vl.yaml)")
+            why = (f"`{module}` looks like a fused [q | k | v] projection: replicated; split "
+                   "it by heads with `fused:` and its output projection "
+                   "(architectures/qwen2_vl.yaml)")
         elif kinds.encoder and leaf in _ENCODER_PROJECTIONS:
-            w.check("    # replicated on every rank", f"`{module}` is a known projection, but "
-                    "its block's others are not all there as separate dense modules, or the "
-                    "encoder's config section has no head count: replicated; shard the block "
-                    "by hand")
+            why = (f"`{module}` is a known projection, but its block's others are not all "
+                   "there as separate dense modules, or the encoder's config section has no "
+                   "head count: replicated; shard the block by hand")
         elif leaf in _ATTENTION or leaf in _MLP:
-            w.check("    # replicated on every rank", f"`{module}` is a known projection, but "
-                    "its block's others are not all there as separate dense modules (fused, "
-                    "such as qkv_proj?): replicated; shard the block by hand")
+            why = (f"`{module}` is a known projection, but its block's others are not all "
+                   "there as separate dense modules (fused, such as qkv_proj?): replicated; "
+                   "shard the block by hand")
         elif not _is_norm(leaf):
-            w.check("    # replicated on every rank", f"`{module}` is not a known projection: "
-                    "replicated; shard it if it is large")
-        w.params(params, "    ", module)
-
+            why = f"`{module}` is not a known projection: replicated; shard it if it is large"
+        if why is not None:
+            w.note(group, "sharding", "# replicated on every rank", why)
+        w.params(group, params, module)
 
 
 def _sized_like(w: _Writer, table: Mapping[str, _Module], module: str, leaf: str,
@@ -776,59 +821,52 @@ def _beside_embedding(leaf: str) -> bool:
 
 
 def _static_groups(w: _Writer, modules: dict[str, dict[str, Any]], roles: Mapping[str, str],
-                   loose: Mapping[str, tuple[str, list[int]]]) -> tuple[list[str], list[str]]:
+                   loose: Mapping[str, tuple[str, list[int]]]
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The groups of the decoder's modules outside its layers (the first stage's, the last
     stage's), and of the tensors of no module (`loose`: the last stage's, marked)."""
-    head: list[str] = []
-    tail: list[str] = []
+    head: list[dict[str, Any]] = []
+    tail: list[dict[str, Any]] = []
     tied = "output" not in roles.values()
     for module in sorted(modules):
         params = modules[module]
         role = roles.get(module)
-        saved, w.lines = w.lines, []
         if role == "embedding":
-            w.lines += ["", "  - name: embedding", "    role: vocabulary"]
-            w.lines.append("    owner: {any_of: [embedding, output]}" if tied else
-                           "    owner: {static: embedding}")
+            group: dict[str, Any] = {"name": "embedding", "role": "vocabulary", "owner": Flow(
+                any_of=FlowList(["embedding", "output"])) if tied else Flow(static="embedding")}
             if tied:
-                w.lines.append("    # the checkpoint has no lm_head: the head is tied to the "
-                               "embedding, which the last stage loads too")
-            w.lines += [f"    module: {module}", "    sharding: {balanced: 0}"]
-            w.params(_signature_params(w, module, params, "vocab_size", "hidden_size"), "    ",
+                w.note(group, "owner", "# the checkpoint has no lm_head: the head is tied to "
+                       "the embedding, which the last stage loads too")
+            group.update(module=module, sharding=Flow(balanced=0))
+            w.params(group, _signature_params(w, module, params, "vocab_size", "hidden_size"),
                      module)
-            head += w.lines
+            head.append(group)
         elif role == "output":
-            w.lines += ["", f"  - name: {module}", "    role: vocabulary",
-                        "    owner: {static: output}", f"    module: {module}",
-                        "    sharding: {balanced: 0}"]
-            w.params(_signature_params(w, module, params, "vocab_size", "hidden_size"), "    ",
+            group = {"name": module, "role": "vocabulary", "owner": Flow(static="output"),
+                     "module": module, "sharding": Flow(balanced=0)}
+            w.params(group, _signature_params(w, module, params, "vocab_size", "hidden_size"),
                      module)
-            tail += w.lines
+            tail.append(group)
         elif role is None and _beside_embedding(module.rsplit(".", 1)[-1]):
-            w.lines += ["", f"  - name: {json.dumps(module)}", "    role: replicated",
-                        "    owner: {static: embedding}", f"    module: {module}",
-                        "    sharding: replicated"]
-            w.params(_signature_params(w, module, params, None, None, prefer=("hidden_size",)),
-                     "    ", module)
-            head += w.lines
+            group = {"name": Quoted(module), "role": "replicated",
+                     "owner": Flow(static="embedding"), "module": module,
+                     "sharding": "replicated"}
+            w.params(group, _signature_params(w, module, params, None, None,
+                                              prefer=("hidden_size",)), module)
+            head.append(group)
         else:
             norm = role == "final_norm"
-            w.lines += ["", f"  - name: {'final_norm' if norm else json.dumps(module)}",
-                        "    role: replicated",
-                        "    owner: {static: final_norm}" if norm else
-                        "    owner: {static: output}", f"    module: {module}",
-                        "    sharding: replicated"]
+            group = {"name": "final_norm" if norm else Quoted(module), "role": "replicated",
+                     "owner": Flow(static="final_norm" if norm else "output"),
+                     "module": module, "sharding": "replicated"}
             if not norm:
-                w.check("    # owner guessed", f"`{module}` is outside the layers and not a "
-                        "known name: owned by the last stage")
-            w.params(_signature_params(w, module, params, None, None, prefer=(
-                "hidden_size",) if norm else ()), "    ", module)
-            tail += w.lines
-        w.lines = saved
-    saved, w.lines = w.lines, tail
+                w.note(group, "owner", "# owner guessed", f"`{module}` is outside the layers "
+                       "and not a known name: owned by the last stage")
+            w.params(group, _signature_params(w, module, params, None, None, prefer=(
+                "hidden_size",) if norm else ()), module)
+            tail.append(group)
     for tensor in sorted(loose):
-        w.loose(tensor, tensor, loose[tensor], "{static: output}", f"`{tensor}` is a tensor "
-                "of no module, outside the layers, and not a known name: owned by the last "
-                "stage")
-    w.lines = saved
+        w.loose(tail, tensor, tensor, loose[tensor], Flow(static="output"), f"`{tensor}` is a "
+                "tensor of no module, outside the layers, and not a known name: owned by the "
+                "last stage")
     return head, tail
