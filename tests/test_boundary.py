@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -11,23 +13,32 @@ from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKin
 from partc.partition.boundary import (
     ArchitectureBoundary,
     ArchitectureBoundaryValue,
-    BoundaryTensorDimension,
+    BatchDimension,
+    BoundaryTensorDimensionKind,
     BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
+    FixedDimension,
     NoAuxiliaryBoundary,
     NoAuxiliaryBoundarySchema,
     PipelineActivationDtype,
     PipelineWireContract,
+    RequestDimension,
+    SequenceDimension,
     architecture_boundary,
+    boundary_dimension,
     validate_boundary_tensor_count,
 )
 
 from support import compile_and_import, hf
 
 BK = ArchitectureBoundaryErrorKind
-B, S = BoundaryTensorDimension.batch(), BoundaryTensorDimension.sequence()
-F = BoundaryTensorDimension.fixed
+B, S = BatchDimension(), SequenceDimension()
+
+
+def F(size):
+    return FixedDimension(size=size)
+
 ACT, U32, I32 = (BoundaryTensorDtype.ACTIVATION, BoundaryTensorDtype.UINT32,
                  BoundaryTensorDtype.INT32)
 BF16 = PipelineActivationDtype.BFLOAT16
@@ -61,12 +72,12 @@ def payload(batch=2, sequence=5, dtype=ml_dtypes.bfloat16):
 
 
 SCHEMA_MISTAKES = [
-    (lambda: BoundaryTensorDimension.fixed(0), "a fixed boundary dimension must be positive, "
-                                                "found 0"),
-    (lambda: BoundaryTensorDimension.fixed(-3), "a fixed boundary dimension must be positive, "
-                                                 "found -3"),
-    (lambda: BoundaryTensorDimension(kind=B.kind, size=4), "a batch dimension takes no size, "
-                                                           "found 4"),
+    (lambda: F(0), "a fixed boundary dimension must be positive, found 0"),
+    (lambda: F(-3), "a fixed boundary dimension must be positive, found -3"),
+    (lambda: RequestDimension(name="batch"), "a per-request boundary dimension needs a name "
+                                             "other than batch and sequence, found 'batch'"),
+    (lambda: RequestDimension(name=""), "a per-request boundary dimension needs a name other "
+                                        "than batch and sequence, found ''"),
     (lambda: spec("", [B]), "a boundary tensor needs a non-empty role"),
     (lambda: spec("hidden", []), "boundary tensor `hidden` needs a non-empty shape"),
     (lambda: BoundaryWireSchema(identity=" ", primary=spec("hidden", [B])),
@@ -95,6 +106,18 @@ def test_every_schema_mistake_is_refused_with_its_message(build, message):
     assert caught.value.kind is BK.INVALID_SCHEMA
     assert caught.value.message == message
     assert caught.value.stage == "family"
+
+
+def test_a_boundary_dimension_is_one_class_per_kind_holding_only_its_own_field():
+    dims = [B, S, F(8), RequestDimension(name="patches")]
+    assert [d.kind for d in dims] == list(BoundaryTensorDimensionKind)
+    assert [[f.name for f in dataclasses.fields(d)] for d in dims] == [[], [], ["size"], ["name"]]
+    assert [d.spell() for d in dims] == ["batch", "sequence", 8, "patches"]
+    assert [boundary_dimension(d.spell()) for d in dims] == dims
+    with pytest.raises(TypeError):
+        BatchDimension(size=4)  # type: ignore[call-arg]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        F(8).size = 9  # type: ignore[misc]
 
 
 def test_schema_json_round_trips():

@@ -18,7 +18,7 @@ from partc.errors import (
     LayeredPartitionErrorKind,
 )
 from partc.parallel.layout import ParameterRole
-from partc.parallel.specs import MemberSharding, ParameterGroupSpec, ParameterMemberSpec
+from partc.parallel.specs import ParameterGroupSpec, ParameterMemberSpec, ReplicatedSharding
 from partc.partition.boundary import NoAuxiliaryBoundarySchema, PipelineActivationDtype
 from partc.partition.ownership import (
     ArchitectureParameterDescription,
@@ -49,7 +49,7 @@ WIRE = NoAuxiliaryBoundarySchema(hidden_size=HIDDEN, identity="toy.hidden").boun
 
 def _group(name, *targets):
     return ParameterGroupSpec(name=name, role=ParameterRole.REPLICATED, members=tuple(
-        ParameterMemberSpec(target=t, shape=(1,), sharding=MemberSharding.replicated())
+        ParameterMemberSpec(target=t, shape=(1,), sharding=ReplicatedSharding())
         for t in targets))
 
 

@@ -25,12 +25,15 @@ from partc.parallel.formats import (
 )
 from partc.parallel.layout import ParameterRole
 from partc.parallel.specs import (
+    BalancedSharding,
+    EqualSharding,
     LinearWeightLayout,
-    MemberSharding,
     ParameterGroupSpec,
     ParameterMemberSpec,
+    PartitionedSharding,
     Projection,
     ProjectionSharding,
+    ReplicatedSharding,
     partitioned_projection_group,
     projection_parameter_group,
     segmented_projection_group,
@@ -219,12 +222,12 @@ def test_mxfp4_stores_stacked_in_out_experts_output_major_as_blocks_and_scales()
     experts = ParameterGroupSpec(name="experts", role=ParameterRole.EXPERT_INTERMEDIATE, units=96,
                                  members=(
         ParameterMemberSpec(target="gate_up_proj", shape=(4, 64, 192), dtype="BF16",
-                            sharding=MemberSharding.partitioned(2),
+                            sharding=PartitionedSharding(axis=2),
                             linear=LinearWeightLayout.IN_OUT),
         ParameterMemberSpec(target="gate_up_proj_bias", shape=(4, 192), dtype="BF16",
-                            sharding=MemberSharding.partitioned(1)),
+                            sharding=PartitionedSharding(axis=1)),
         ParameterMemberSpec(target="down_proj", shape=(4, 96, 64), dtype="BF16",
-                            sharding=MemberSharding.partitioned(1),
+                            sharding=PartitionedSharding(axis=1),
                             linear=LinearWeightLayout.IN_OUT)))
     expanded = expand_linear_format_parameter_group(experts, MXFP4)
     assert summary(expanded) == [
@@ -260,7 +263,7 @@ def test_equal_shards_of_a_packed_axis_must_be_whole_blocks():
     g = projection_parameter_group("down", ParameterRole.ROW_PROJECTION, "down",
                                    ProjectionSharding.ROW, {"weight": [64, 64]})
     expanded = expand_linear_format_parameter_group(g, gguf("Q8_0"))
-    assert expanded.members[0].sharding == MemberSharding.equal(1, granule=34)
+    assert expanded.members[0].sharding == EqualSharding(axis=1, granule=34)
     assert group_sharding_problems(expanded, 2) == []
     assert group_sharding_problems(expanded, 4) == [
         "`down.weight`: axis 1 has 68 elements, not divisible into 4 equal shards of whole "
@@ -269,24 +272,24 @@ def test_equal_shards_of_a_packed_axis_must_be_whole_blocks():
 
 @pytest.mark.parametrize(("fmt", "member", "message"), [
     (gguf("Q8_0"), ParameterMemberSpec(target="w.weight", shape=(8, 48),
-                                       sharding=MemberSharding.replicated(),
+                                       sharding=ReplicatedSharding(),
                                        linear=LinearWeightLayout.OUT_IN),
      "group `g`: `w.weight` has 48 input features, not a multiple of the 32-element blocks of "
      "gguf Q8_0; leave it dense with `except:`"),
-    (MXFP4, ParameterMemberSpec(target="w", shape=(4, 48, 8), sharding=MemberSharding.replicated(),
+    (MXFP4, ParameterMemberSpec(target="w", shape=(4, 48, 8), sharding=ReplicatedSharding(),
                                 linear=LinearWeightLayout.IN_OUT),
      "group `g`: `w` has 48 input features, not a multiple of the 32-element blocks of mxfp4"),
     (MLX4, ParameterMemberSpec(target="w.weight", shape=(4, 64, 8),
-                               sharding=MemberSharding.replicated(),
+                               sharding=ReplicatedSharding(),
                                linear=LinearWeightLayout.IN_OUT),
      "group `g`: `w.weight` is stored [..., in, out] but mlx_affine 4-bit, group 32 encodes "
      "[..., out, in] weights only; leave it dense with `except:`"),
     (MLX4, ParameterMemberSpec(target="w.kernel", shape=(8, 64),
-                               sharding=MemberSharding.replicated()),
+                               sharding=ReplicatedSharding()),
      "group `g`: mlx_affine 4-bit, group 32 stores `scales`/`biases` next to a `<module>.weight`, "
      "but `w.kernel` is not named `.weight`"),
     (FP8, ParameterMemberSpec(target="w.weight", shape=(32, 64),
-                              sharding=MemberSharding.equal(0, granule=16),
+                              sharding=EqualSharding(axis=0, granule=16),
                               linear=LinearWeightLayout.OUT_IN),
      "group `g`: `w.weight` is already equal(axis 0, granule 16); a linear format applies to a "
      "dense declaration only"),
@@ -302,15 +305,15 @@ def test_a_weight_the_format_cannot_store_is_rejected_with_the_fix(fmt, member, 
 def test_linear_weights_are_those_the_declaration_marks_refined_by_applies_to_and_except():
     group = ParameterGroupSpec(name="g", role=ParameterRole.REPLICATED, members=(
         ParameterMemberSpec(target="model.embed_tokens.weight", shape=(131, 64),
-                            sharding=MemberSharding.balanced(0)),
+                            sharding=BalancedSharding(axis=0)),
         ParameterMemberSpec(target="model.layers.0.self_attn.q_proj.weight", shape=(64, 64),
-                            sharding=MemberSharding.replicated(),
+                            sharding=ReplicatedSharding(),
                             linear=LinearWeightLayout.OUT_IN),
         ParameterMemberSpec(target="model.layers.0.mlp.gate.weight", shape=(8, 64),
-                            sharding=MemberSharding.replicated(),
+                            sharding=ReplicatedSharding(),
                             linear=LinearWeightLayout.OUT_IN),
         ParameterMemberSpec(target="model.norm.weight", shape=(64,),
-                            sharding=MemberSharding.replicated())))
+                            sharding=ReplicatedSharding())))
     encoded = [[m.target for m in group.members if fmt.encodes(m)] for fmt in (
         FP8,
         LinearFormat(kind=LinearFormatKind.BLOCK_FP8, excluded=("model.layers.*.mlp.gate",)),

@@ -344,13 +344,13 @@ def test_the_layout_vocabulary_reads_the_same_in_toml(tmp_path, family, tp):
 
 def test_only_partitioned_segments_interleave_groups():
     from partc.errors import ParallelPlanError
-    from partc.parallel.specs import MemberSharding, MemberShardingKind
+    from partc.parallel.specs import EqualSharding, PartitionedSegmentsSharding
 
-    with pytest.raises(ParallelPlanError, match="equal sharding takes no interleaved groups"):
-        MemberSharding(kind=MemberShardingKind.EQUAL, axis=0, groups=2)
+    with pytest.raises(TypeError, match="groups"):
+        EqualSharding(axis=0, groups=2)  # type: ignore[call-arg]
     with pytest.raises(ParallelPlanError, match="in each of 4 interleaved groups"):
-        MemberSharding.partitioned_segments(0, [16, 16, 18], groups=4)
-    assert MemberSharding.partitioned_segments(0, [64, 64], groups=4).describe() == (
+        PartitionedSegmentsSharding(axis=0, segments=(16, 16, 18), groups=4)
+    assert PartitionedSegmentsSharding(axis=0, segments=(64, 64), groups=4).describe() == (
         "partitioned_segments(axis 0, segments [64, 64], 4 interleaved groups)")
 
 

@@ -39,16 +39,24 @@ from partc.parallel.placements import (
     tensor_bytes,
 )
 from partc.parallel.specs import (
+    SHARDING_CLASSES,
+    BalancedSharding,
+    EqualSharding,
     LinearWeightLayout,
     MemberSharding,
     MemberShardingKind,
     ParameterGroupSpec,
     ParameterMemberSpec,
+    PartitionedSegmentsSharding,
+    PartitionedSharding,
     Projection,
     ProjectionSharding,
+    ReplicatedSharding,
+    SegmentedSharding,
     ShardingPolicy,
     aligned_partition_units,
     balanced_contiguous_range,
+    member_sharding,
     module_parameter_group,
     partitioned_module_parameter_group,
     partitioned_projection_group,
@@ -69,7 +77,7 @@ ROLE = ParameterRole.ATTENTION_HEADS
 def member(target: str, shape: tuple[int, ...], sharding: MemberSharding | None = None,
            **kw: object) -> ParameterMemberSpec:
     return ParameterMemberSpec(target=target, shape=shape,
-                               sharding=sharding or MemberSharding.replicated(), **kw)
+                               sharding=sharding or ReplicatedSharding(), **kw)
 
 
 def group(*members: ParameterMemberSpec, units: int | None = None, **kw: object
@@ -102,20 +110,22 @@ def test_balanced_contiguous_range_gives_the_first_parts_one_extra_item():
 
 
 @pytest.mark.parametrize(("build", "message"), [
-    (lambda: MemberSharding(kind=MemberShardingKind.REPLICATED, axis=0),
-     "a replicated sharding takes no axis, segments or granule"),
-    (lambda: MemberSharding(kind=MemberShardingKind.EQUAL),
-     "equal sharding needs an axis >= 0, found None"),
-    (lambda: MemberSharding.balanced(-1), "balanced sharding needs an axis >= 0, found -1"),
-    (lambda: MemberSharding.partitioned_segments(0, []),
+    (lambda: member_sharding(MemberShardingKind.REPLICATED, axis=0),
+     "replicated sharding takes no axis"),
+    (lambda: member_sharding(MemberShardingKind.EQUAL), "equal sharding needs axis"),
+    (lambda: member_sharding(MemberShardingKind.SEGMENTED, axis=0),
+     "segmented sharding needs segments"),
+    (lambda: EqualSharding(axis=None), "equal sharding needs an axis >= 0, found None"),
+    (lambda: BalancedSharding(axis=-1), "balanced sharding needs an axis >= 0, found -1"),
+    (lambda: PartitionedSegmentsSharding(axis=0, segments=()),
      "partitioned_segments sharding needs positive segment widths, found []"),
-    (lambda: MemberSharding.segmented(0, [4, 0]),
+    (lambda: SegmentedSharding(axis=0, segments=(4, 0)),
      "segmented sharding needs positive segment widths, found [4, 0]"),
-    (lambda: MemberSharding(kind=MemberShardingKind.PARTITIONED, axis=0, segments=(2, 2)),
+    (lambda: member_sharding(MemberShardingKind.PARTITIONED, axis=0, segments=(2, 2)),
      "partitioned sharding takes no segments"),
-    (lambda: MemberSharding.equal(0, granule=0),
+    (lambda: EqualSharding(axis=0, granule=0),
      "a sharding granule must be a positive integer, found 0"),
-    (lambda: MemberSharding.partitioned_segments(0, [32, 24], granule=16),
+    (lambda: PartitionedSegmentsSharding(axis=0, segments=(32, 24), granule=16),
      "partitioned_segments sharding: segments [32, 24] do not all fall on 16-element granule "
      "boundaries"),
 ])
@@ -126,12 +136,29 @@ def test_a_malformed_member_sharding_is_rejected_with_its_rule(build, message):
 
 
 def test_member_sharding_describes_itself_for_messages():
-    assert MemberSharding.replicated().describe() == "replicated"
-    assert MemberSharding.equal(1).describe() == "equal(axis 1)"
-    assert (MemberSharding.partitioned_segments(0, [8, 4, 4], granule=4).describe()
+    assert ReplicatedSharding().describe() == "replicated"
+    assert EqualSharding(axis=1).describe() == "equal(axis 1)"
+    assert (PartitionedSegmentsSharding(axis=0, segments=(8, 4, 4), granule=4).describe()
             == "partitioned_segments(axis 0, segments [8, 4, 4], granule 4)")
-    assert MemberSharding.partitioned(0).is_partitioned
-    assert not MemberSharding.segmented(0, [2, 2]).is_partitioned
+    assert PartitionedSharding(axis=0).is_partitioned
+    assert not SegmentedSharding(axis=0, segments=(2, 2)).is_partitioned
+
+
+def test_member_sharding_is_one_class_per_kind_holding_only_its_own_fields():
+    assert sorted(k.value for k in SHARDING_CLASSES) == sorted(k.value for k in MemberShardingKind)
+    assert all(cls.kind is kind for kind, cls in SHARDING_CLASSES.items())
+    fields = {kind.value: [f.name for f in dataclasses.fields(cls)]
+              for kind, cls in SHARDING_CLASSES.items()}
+    assert fields == {"replicated": [], "equal": ["axis", "granule"],
+                      "balanced": ["axis", "granule"], "partitioned": ["axis", "granule"],
+                      "partitioned_segments": ["axis", "segments", "granule", "groups"],
+                      "segmented": ["axis", "segments", "granule"]}
+    with pytest.raises(TypeError):
+        ReplicatedSharding(axis=0)  # type: ignore[call-arg]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EqualSharding(axis=0).axis = 1  # type: ignore[misc]
+    assert member_sharding(MemberShardingKind.SEGMENTED, axis=1, segments=[2, 2]) == \
+        SegmentedSharding(axis=1, segments=(2, 2))
 
 
 # ---------------------------------------------------------------- ParameterMemberSpec
@@ -145,21 +172,21 @@ def test_member_sharding_describes_itself_for_messages():
     (lambda: member("w", (4,), linear=LinearWeightLayout.OUT_IN),
      "`w` is marked as a linear weight but has shape [4]; a linear weight has at least 2 "
      "dimensions"),
-    (lambda: member("w", (4,), MemberSharding.equal(1)),
+    (lambda: member("w", (4,), EqualSharding(axis=1)),
      "`w` is equal(axis 1) but has only 1 dimension(s) (shape [4])"),
-    (lambda: member("w", (12, 4), MemberSharding.partitioned_segments(0, [4, 4])),
+    (lambda: member("w", (12, 4), PartitionedSegmentsSharding(axis=0, segments=(4, 4))),
      "`w`: segments [4, 4] sum to 8 but axis 0 has 12 elements; segments must be contiguous, "
      "ordered and cover the fused width"),
-    (lambda: member("w", (24, 4), MemberSharding.partitioned(0, granule=16)),
+    (lambda: member("w", (24, 4), PartitionedSharding(axis=0, granule=16)),
      "`w` is partitioned(axis 0, granule 16) but axis 0 has 24 elements, not a whole number of "
      "16-element blocks; a partitioned axis must be block-aligned"),
     (lambda: member("w", (4,), heads=(2,)),
      "`w` declares heads [2] but is replicated; `heads` only applies to partitioned members"),
-    (lambda: member("w", (4, 4), MemberSharding.equal(0), heads=(2,)),
+    (lambda: member("w", (4, 4), EqualSharding(axis=0), heads=(2,)),
      "`w` declares heads [2] but is equal(axis 0); `heads` only applies to partitioned members"),
-    (lambda: member("w", (8, 4), MemberSharding.partitioned_segments(0, [4, 4]), heads=(2,)),
+    (lambda: member("w", (8, 4), PartitionedSegmentsSharding(axis=0, segments=(4, 4)), heads=(2,)),
      "`w` declares 1 head count(s) [2] for 2 segment(s); give one count per segment"),
-    (lambda: member("w", (12, 4), MemberSharding.partitioned(0), heads=(5,)),
+    (lambda: member("w", (12, 4), PartitionedSharding(axis=0), heads=(5,)),
      "`w`: 12 elements on axis 0 cannot hold 5 whole heads; the width must be a positive "
      "multiple of the head count"),
 ])
@@ -170,7 +197,7 @@ def test_a_malformed_member_is_rejected_naming_its_target_and_numbers(build, mes
 
 
 def test_an_encoded_companion_may_hold_fractional_heads():
-    scale = member("s", (6, 2), MemberSharding.partitioned(0), heads=(4,),
+    scale = member("s", (6, 2), PartitionedSharding(axis=0), heads=(4,),
                    encoding="block_fp8.scale")
     assert scale.widths == (6,)
     assert member("w", (3, 8), dtype="U32").nbytes == 96
@@ -181,7 +208,7 @@ def test_an_encoded_companion_may_hold_fractional_heads():
 
 
 def test_group_invariants_name_members_targets_and_units():
-    col = member("q", (8, 4), MemberSharding.partitioned(0))
+    col = member("q", (8, 4), PartitionedSharding(axis=0))
     with raises("a parameter group needs a non-empty name"):
         ParameterGroupSpec(name="", role=ROLE, members=(col,), units=2)
     with raises("group `g` has no members; it needs at least one"):
@@ -203,25 +230,25 @@ def test_group_invariants_name_members_targets_and_units():
 def test_a_unit_count_that_does_not_divide_a_partitioned_width_is_rejected():
     with raises("group `g`: axis 0 of `q` has 8 elements, which cannot be cut into the group's 3 "
                 "partition units (heads); use a unit count dividing 8") as info:
-        group(member("q", (8, 4), MemberSharding.partitioned(0)), units=3, units_label="heads")
+        group(member("q", (8, 4), PartitionedSharding(axis=0)), units=3, units_label="heads")
     assert info.value.kind is ParallelPlanErrorKind.INVALID_TENSOR
     with raises("group `g`: a segment of `qkv` has 4 elements, which cannot be cut into the "
                 "group's 8 partition units"):
-        group(member("qkv", (12, 4), MemberSharding.partitioned_segments(0, [8, 4])), units=8)
+        group(member("qkv", (12, 4), PartitionedSegmentsSharding(axis=0, segments=(8, 4))), units=8)
     with raises("group `g`: axis 0 of `w` has 32 elements, which cannot be cut into the group's "
                 "4 partition units of 16-element blocks; use a unit count dividing 2"):
-        group(member("w", (32, 4), MemberSharding.partitioned(0, granule=16)), units=4)
+        group(member("w", (32, 4), PartitionedSharding(axis=0, granule=16)), units=4)
 
 
 def test_head_counts_must_be_whole_multiples_of_the_units():
     with raises("group `g`: `q` has 2 heads, not a multiple of the group's 4 partition units, so "
                 "a unit boundary would cut a head"):
-        group(member("q", (8, 4), MemberSharding.partitioned(0), heads=(2,)), units=4)
+        group(member("q", (8, 4), PartitionedSharding(axis=0), heads=(2,)), units=4)
 
 
 def test_kv_replication_needs_the_head_count_of_every_partitioned_member():
-    q = member("q", (8, 4), MemberSharding.partitioned(0), heads=(4,))
-    k = member("k", (4, 4), MemberSharding.partitioned(0))
+    q = member("q", (8, 4), PartitionedSharding(axis=0), heads=(4,))
+    k = member("k", (4, 4), PartitionedSharding(axis=0))
     with raises("group `g` sets kv_replication but `k` declares no `heads`; KV replication needs "
                 "the head count of every partitioned projection (`heads:` in YAML)") as info:
         group(q, k, units=2, kv_replication=True)
@@ -235,16 +262,16 @@ def test_kv_replication_needs_the_head_count_of_every_partitioned_member():
 
 def test_module_parameter_group_applies_one_rule_to_every_parameter():
     g = module_parameter_group("emb", ParameterRole.VOCABULARY, "model.embed_tokens",
-                               {"weight": [131, 64]}, MemberSharding.balanced(0), dtype="BF16")
+                               {"weight": [131, 64]}, BalancedSharding(axis=0), dtype="BF16")
     assert g.targets == ("model.embed_tokens.weight",)
-    assert g.members[0].sharding == MemberSharding.balanced(0)
+    assert g.members[0].sharding == BalancedSharding(axis=0)
     assert (g.units, g.members[0].dtype, g.members[0].linear) == (None, "BF16", None)
 
 
 def test_partitioned_module_parameter_group_shares_one_partition():
     g = partitioned_module_parameter_group("sinks", ROLE, "attn", {"sinks": [4], "w": [4, 2]},
                                            0, 2, units_label="kv")
-    assert [m.sharding for m in g.members] == [MemberSharding.partitioned(0)] * 2
+    assert [m.sharding for m in g.members] == [PartitionedSharding(axis=0)] * 2
     assert (g.units, g.units_label) == (2, "kv")
 
 
@@ -252,14 +279,14 @@ def test_projection_parameter_group_splits_columns_and_rows_and_marks_the_weight
     col = projection_parameter_group("c", ParameterRole.COLUMN_PROJECTION, "m",
                                      ProjectionSharding.COLUMN,
                                      {"weight": [8, 4], "bias": [8], "scalar": []})
-    assert [m.sharding for m in col.members] == [MemberSharding.equal(0), MemberSharding.equal(0),
-                                                 MemberSharding.replicated()]
+    assert [m.sharding for m in col.members] == [EqualSharding(axis=0), EqualSharding(axis=0),
+                                                 ReplicatedSharding()]
     assert col.members[0].linear is LinearWeightLayout.OUT_IN and col.members[1].linear is None
     row = projection_parameter_group("r", ParameterRole.ROW_PROJECTION, "m",
                                      ProjectionSharding.ROW, {"weight": [4, 8], "bias": [4]},
                                      linear=False)
-    assert [m.sharding for m in row.members] == [MemberSharding.equal(1),
-                                                 MemberSharding.replicated()]
+    assert [m.sharding for m in row.members] == [EqualSharding(axis=1),
+                                                 ReplicatedSharding()]
     assert row.members[0].linear is None
 
 
@@ -292,10 +319,11 @@ def test_segmented_projection_group_maps_one_partition_into_every_segment():
         output_module="o_proj", output_params={"weight": [64, 64], "bias": [64]}, units=2,
         units_label="num_key_value_heads", fused_heads=[4, 2, 2], output_heads=4)
     rules = {m.target: m.sharding for m in g.members}
-    assert rules["qkv_proj.weight"] == MemberSharding.partitioned_segments(0, [64, 32, 32])
-    assert rules["qkv_proj.weight_scale_inv"] == MemberSharding.partitioned_segments(0, [4, 2, 2])
-    assert rules["o_proj.weight"] == MemberSharding.partitioned(1)
-    assert rules["o_proj.bias"] == MemberSharding.replicated()
+    assert rules["qkv_proj.weight"] == PartitionedSegmentsSharding(axis=0, segments=(64, 32, 32))
+    assert rules["qkv_proj.weight_scale_inv"] == PartitionedSegmentsSharding(axis=0,
+                                                                             segments=(4, 2, 2))
+    assert rules["o_proj.weight"] == PartitionedSharding(axis=1)
+    assert rules["o_proj.bias"] == ReplicatedSharding()
     assert (g.units, g.units_label) == (2, "num_key_value_heads")
     ranks = realize_group(g, 2)
     assert ranks[1][0].placement.ranges == ((32, 64), (80, 96), (112, 128))
@@ -337,8 +365,8 @@ def test_aligned_partition_units_groups_whole_semantic_units_on_alignment_bounda
 
 
 def test_equal_shards_balanced_ranges_and_tp_one_locals():
-    g = group(member("e", (8, 4), MemberSharding.equal(0)),
-              member("b", (10, 4), MemberSharding.balanced(0)), member("n", (4,)))
+    g = group(member("e", (8, 4), EqualSharding(axis=0)),
+              member("b", (10, 4), BalancedSharding(axis=0)), member("n", (4,)))
     ranks = realize_group(g, 4)
     assert [r[0].placement for r in ranks] == [
         Shard(axis=0, index=i, parts=4) for i in range(4)]
@@ -350,14 +378,14 @@ def test_equal_shards_balanced_ranges_and_tp_one_locals():
 
 
 def test_balanced_ranges_with_a_granule_stay_on_block_boundaries_and_clip_the_last():
-    g = group(member("w", (131, 64), MemberSharding.balanced(0, granule=16)))
+    g = group(member("w", (131, 64), BalancedSharding(axis=0, granule=16)))
     assert [r[0].selection for r in realize_group(g, 4)] == [
         (0, ((0, 48),)), (0, ((48, 80),)), (0, ((80, 112),)), (0, ((112, 131),))]
 
 
 def test_partitioned_members_take_the_balanced_unit_range_on_their_axis():
-    g = group(member("q", (12, 8), MemberSharding.partitioned(0)),
-              member("o", (8, 12), MemberSharding.partitioned(1)), units=3, units_label="heads")
+    g = group(member("q", (12, 8), PartitionedSharding(axis=0)),
+              member("o", (8, 12), PartitionedSharding(axis=1)), units=3, units_label="heads")
     ranks = realize_group(g, 2)
     assert [(r[0].selection, r[1].selection) for r in ranks] == [
         ((0, ((0, 8),)), (1, ((0, 8),))), ((0, ((8, 12),)), (1, ((8, 12),)))]
@@ -366,28 +394,29 @@ def test_partitioned_members_take_the_balanced_unit_range_on_their_axis():
 
 
 def test_segmented_members_split_each_segment_on_its_own():
-    g = group(member("gu", (16, 4), MemberSharding.segmented(0, [8, 8])))
+    g = group(member("gu", (16, 4), SegmentedSharding(axis=0, segments=(8, 8))))
     assert [r[0].selection for r in realize_group(g, 2)] == [(0, ((0, 4), (8, 12))),
                                                              (0, ((4, 8), (12, 16)))]
 
 
 def test_indices_of_adjacent_segments_are_stored_compactly():
-    g = group(member("w", (8, 4), MemberSharding.partitioned_segments(0, [4, 4])), units=1)
+    g = group(member("w", (8, 4), PartitionedSegmentsSharding(axis=0, segments=(4, 4))), units=1)
     assert realize_group(g, 1)[0][0].placement == LOCAL
-    g2 = group(member("w", (8, 4), MemberSharding.partitioned_segments(0, [4, 2, 2])), units=2)
+    g2 = group(member("w", (8, 4), PartitionedSegmentsSharding(axis=0, segments=(4, 2, 2))),
+               units=2)
     assert realize_group(g2, 2)[0][0].placement.ranges == ((0, 2), (4, 5), (6, 7))
 
 
 @pytest.mark.parametrize(("members", "units", "tp", "problem"), [
-    ((member("e", (6, 4), MemberSharding.equal(0)),), None, 4,
+    ((member("e", (6, 4), EqualSharding(axis=0)),), None, 4,
      "`e`: axis 0 has 6 elements, not divisible into 4 equal shards of whole elements"),
-    ((member("e", (64, 4), MemberSharding.equal(0, granule=32)),), None, 4,
+    ((member("e", (64, 4), EqualSharding(axis=0, granule=32)),), None, 4,
      "`e`: axis 0 has 64 elements, not divisible into 4 equal shards of whole 32-element blocks"),
-    ((member("b", (3, 4), MemberSharding.balanced(0)),), None, 4,
+    ((member("b", (3, 4), BalancedSharding(axis=0)),), None, 4,
      "`b`: axis 0 has 3 elements, fewer than tensor_parallel_size 4 (balanced ranges)"),
-    ((member("s", (12, 4), MemberSharding.segmented(0, [6, 6])),), None, 4,
+    ((member("s", (12, 4), SegmentedSharding(axis=0, segments=(6, 6))),), None, 4,
      "`s`: segments [6, 6] are not each divisible into 4 shards of whole elements"),
-    ((member("q", (8, 4), MemberSharding.partitioned(0)),), 2, 4,
+    ((member("q", (8, 4), PartitionedSharding(axis=0)),), 2, 4,
      "it (role attention_heads) has 2 partition units (kv) but tensor_parallel_size is 4: every "
      "rank needs at least one unit; use a tensor_parallel_size of at most 2 (or set "
      "`kv_replication: true` with `heads:` on its projections to repeat KV heads, see "
@@ -406,7 +435,7 @@ def test_an_illegal_shard_is_rejected_under_require_with_the_numbers_and_the_fix
 
 
 def test_replicate_unsupported_replicates_the_whole_group_and_records_the_fallback():
-    g = group(member("q", (8, 4), MemberSharding.partitioned(0)),
+    g = group(member("q", (8, 4), PartitionedSharding(axis=0)),
               member("n", (4,)), units=2)
     ranks = realize_group(g, 4, ShardingPolicy.REPLICATE_UNSUPPORTED)
     assert all(t.placement == REPLICATED and t.fell_back_to_replication
@@ -417,7 +446,7 @@ def test_replicate_unsupported_replicates_the_whole_group_and_records_the_fallba
 
 
 def test_a_group_policy_wins_over_the_topology_policy():
-    g = with_policy(group(member("q", (8, 4), MemberSharding.partitioned(0)), units=2),
+    g = with_policy(group(member("q", (8, 4), PartitionedSharding(axis=0)), units=2),
                     ShardingPolicy.REPLICATE_UNSUPPORTED)
     assert realize_group(g, 4, ShardingPolicy.REQUIRE)[0][0].fell_back_to_replication
     strict = with_policy(g, ShardingPolicy.REQUIRE)
@@ -434,13 +463,13 @@ def gqa(heads: int, kv_heads: int, head_dim: int, hidden: int = 8, *, granule: i
         fused: bool = False) -> ParameterGroupSpec:
     """A GQA attention group partitioned by KV heads, with heads hints and KV replication."""
     q, kv = heads * head_dim, kv_heads * head_dim
-    out = member("o", (hidden, q), MemberSharding.partitioned(1, granule=granule),
+    out = member("o", (hidden, q), PartitionedSharding(axis=1, granule=granule),
                  heads=(heads,))
     if fused:
-        members = (member("qkv", (q + 2 * kv, hidden), MemberSharding.partitioned_segments(
-            0, [q, kv, kv], granule=granule), heads=(heads, kv_heads, kv_heads)), out)
+        members = (member("qkv", (q + 2 * kv, hidden), PartitionedSegmentsSharding(axis=
+            0, segments=(q, kv, kv), granule=granule), heads=(heads, kv_heads, kv_heads)), out)
     else:
-        members = tuple(member(n, (w, hidden), MemberSharding.partitioned(0, granule=granule),
+        members = tuple(member(n, (w, hidden), PartitionedSharding(axis=0, granule=granule),
                                heads=(h,))
                         for n, w, h in (("q", q, heads), ("k", kv, kv_heads),
                                         ("v", kv, kv_heads))) + (out,)
@@ -700,23 +729,23 @@ def random_groups(draw):
         shape = [draw(st.integers(1, 5)) for _ in range(ndim)]
         segments: list[int] = []
         if kind is MemberShardingKind.REPLICATED:
-            rule = MemberSharding.replicated()
+            rule = ReplicatedSharding()
             granule = 1
         elif kind is MemberShardingKind.EQUAL:
             shape[axis] = draw(st.integers(1, 48))
-            rule = MemberSharding.equal(axis, granule=granule)
+            rule = EqualSharding(axis=axis, granule=granule)
         elif kind is MemberShardingKind.BALANCED:
             shape[axis] = draw(st.integers(1, 48))
-            rule = MemberSharding.balanced(axis, granule=granule)
+            rule = BalancedSharding(axis=axis, granule=granule)
         elif kind is MemberShardingKind.PARTITIONED:
             shape[axis] = units * granule * draw(st.integers(1, 4))
-            rule = MemberSharding.partitioned(axis, granule=granule)
+            rule = PartitionedSharding(axis=axis, granule=granule)
         else:
             per_unit = units if kind is MemberShardingKind.PARTITIONED_SEGMENTS else 1
             segments = [per_unit * granule * draw(st.integers(1, 4))
                         for _ in range(draw(st.integers(1, 4)))]
             shape[axis] = sum(segments)
-            rule = MemberSharding(kind=kind, axis=axis, segments=tuple(segments), granule=granule)
+            rule = SHARDING_CLASSES[kind](axis=axis, segments=tuple(segments), granule=granule)
         members.append(member(f"m{i}", tuple(shape), rule))
     partitioned = any(m.sharding.is_partitioned for m in members)
     return group(*members, units=units if partitioned else None)
@@ -745,13 +774,13 @@ def _check_realization(g: ParameterGroupSpec, tp: int) -> None:
         full, whole, count = _reassemble_and_count(spec, layouts)
         assert (count >= 1).all(), spec.target  # every element is loaded by some rank
         np.testing.assert_array_equal(whole, full)  # ... from its own place
-        if spec.sharding.kind is MemberShardingKind.REPLICATED or tp == 1:
+        if isinstance(spec.sharding, ReplicatedSharding) or tp == 1:
             assert (count == tp).all()
         elif any(t.kv_replicas > 1 for t in layouts):
             assert count.max() == max(t.kv_replicas for t in layouts)
         else:
             assert (count == 1).all(), spec.target  # owned by exactly one rank
-        granule = spec.sharding.granule
+        granule = 1 if isinstance(spec.sharding, ReplicatedSharding) else spec.sharding.granule
         for item in layouts:
             axis, ranges = item.selection
             if axis is not None:

@@ -19,7 +19,7 @@ from partc.errors import (
     ArchitecturePartitionErrorKind,
 )
 from partc.parallel.layout import ParameterRole
-from partc.parallel.specs import MemberSharding, ParameterGroupSpec, ParameterMemberSpec
+from partc.parallel.specs import ParameterGroupSpec, ParameterMemberSpec, ReplicatedSharding
 from partc.partition.ownership import (
     OWNER_KINDS,
     ArchitectureParameterDescription,
@@ -54,7 +54,7 @@ FIRST, LAST = StageSide.FIRST, StageSide.LAST
 def group(name: str, targets: list[str] | tuple[str, ...], role=ParameterRole.REPLICATED):
     """A parameter group of replicated 1-element tensors."""
     return ParameterGroupSpec(name=name, role=role, members=tuple(
-        ParameterMemberSpec(target=t, shape=(1,), sharding=MemberSharding.replicated())
+        ParameterMemberSpec(target=t, shape=(1,), sharding=ReplicatedSharding())
         for t in targets))
 
 

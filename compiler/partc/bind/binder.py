@@ -26,21 +26,27 @@ from partc.parallel.experts import ExpertGroup
 from partc.parallel.formats import LinearFormat
 from partc.parallel.placements import DTYPE_BITS, TORCH_DTYPE_NAMES
 from partc.parallel.specs import (
+    EqualSharding,
     MemberSharding,
-    MemberShardingKind,
     ParameterGroupSpec,
     ParameterMemberSpec,
+    PartitionedSharding,
     Projection,
     ProjectionSharding,
+    ReplicatedSharding,
     ShardingPolicy,
+    member_sharding,
     partitioned_projection_group,
     segmented_projection_group,
 )
 from partc.partition.boundary import (
+    UNSIZED_DIMENSIONS,
     BoundaryTensorDimension,
     BoundaryTensorDimensionKind,
     BoundaryTensorSpec,
     BoundaryWireSchema,
+    FixedDimension,
+    RequestDimension,
 )
 from partc.partition.ownership import (
     ArchitectureParameterDescription,
@@ -137,8 +143,8 @@ def _shape(binder: Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple[
 
 def _member_sharding(binder: Binder, decl: ShardingDecl, env: Mapping[str, Value],
                      pointer: str) -> MemberSharding:
-    return MemberSharding(kind=decl.kind, axis=decl.axis,
-                          segments=_segments(binder, decl.segments, env, pointer))
+    return member_sharding(decl.kind, axis=decl.axis,
+                           segments=_segments(binder, decl.segments, env, pointer))
 
 
 def _params(binder: Binder, module: ModuleDecl, env: Mapping[str, Value],
@@ -232,7 +238,7 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
     axes = {m.target: m.sharding.axis for m in group.members
-            if m.sharding.is_partitioned and m.sharding.axis is not None}
+            if not isinstance(m.sharding, ReplicatedSharding) and m.sharding.is_partitioned}
     check_projections(binder.family, decl, [BoundProjection(
         module=mod, decl=m, shapes={k: v[0] for k, v in params.items()},
         heads=_heads(binder, m, env), split_axes={k: axes[f"{mod}.{k}"] for k in params
@@ -258,10 +264,10 @@ def _check_unit_multiples(binder: Binder, group: ParameterGroupSpec, units: int,
         return  # a group that states heads shrinks its units to whole heads on purpose
     for member in group.members:
         rule = member.sharding
-        if not rule.is_partitioned or rule.segments or rule.granule > 1 \
-                or not member.target.endswith(".weight"):
+        if isinstance(rule, ReplicatedSharding) or not rule.is_partitioned or rule.segments \
+                or rule.granule > 1 or not member.target.endswith(".weight"):
             continue  # block-quantized weights and their scales: the format's own checks
-        width = member.shape[rule.axis] if rule.axis is not None else 0
+        width = member.shape[rule.axis]
         if not width or width % units == 0:
             continue
         module, _, param = member.target.rpartition(".")
@@ -387,9 +393,8 @@ def _heads(binder: Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value
 
 def _unpartition(member: ParameterMemberSpec) -> ParameterMemberSpec:
     """A projection member without a shared partition: Partitioned becomes Equal."""
-    if member.sharding.kind is MemberShardingKind.PARTITIONED:
-        assert member.sharding.axis is not None
-        return replace(member, sharding=MemberSharding.equal(member.sharding.axis), heads=())
+    if isinstance(member.sharding, PartitionedSharding):
+        return replace(member, sharding=EqualSharding(axis=member.sharding.axis), heads=())
     return member
 
 
@@ -598,15 +603,14 @@ def _boundary(binder: Binder, values: Mapping[str, Value],
               identity: str | None = None) -> BoundaryWireSchema:
     specs = []
     for tensor in binder.family.boundary if tensors is None else tensors:
-        dims = []
+        dims: list[BoundaryTensorDimension] = []
         for dim in tensor.shape:
             if isinstance(dim, BoundaryTensorDimensionKind):
-                dims.append(BoundaryTensorDimension(kind=dim))
+                dims.append(UNSIZED_DIMENSIONS[dim]())
             elif isinstance(dim, str):
-                dims.append(BoundaryTensorDimension.request(dim))
+                dims.append(RequestDimension(name=dim))
             else:
-                dims.append(BoundaryTensorDimension(
-                    kind=BoundaryTensorDimensionKind.FIXED,
+                dims.append(FixedDimension(
                     size=binder.integer(dim, values, tensor.pointer, "a boundary dimension",
                                         minimum=1)))
         specs.append(BoundaryTensorSpec(role=tensor.role, shape=tuple(dims),

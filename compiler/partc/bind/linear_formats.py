@@ -25,9 +25,12 @@ from partc.parallel.formats import (
 from partc.parallel.specs import (
     LinearWeightLayout,
     MemberSharding,
-    MemberShardingKind,
     ParameterGroupSpec,
     ParameterMemberSpec,
+    PartitionedSegmentsSharding,
+    PartitionedSharding,
+    ReplicatedSharding,
+    SegmentedSharding,
     reduced_partition_units,
 )
 
@@ -131,7 +134,7 @@ def _stored_sharding(fmt: LinearFormat, group: str, member: ParameterMemberSpec,
                      part: _Part) -> MemberSharding:
     """`member`'s sharding carried onto the stored tensor `part`."""
     rule = member.sharding
-    if rule.axis is None:
+    if isinstance(rule, ReplicatedSharding):
         return rule
     if rule.granule != 1:
         raise _misaligned(group, member.target, (
@@ -140,7 +143,7 @@ def _stored_sharding(fmt: LinearFormat, group: str, member: ParameterMemberSpec,
     index = next(i for i, axis in enumerate(part.axes) if axis.source == rule.axis)
     axis = part.axes[index]
     n = member.shape[rule.axis]
-    if rule.kind is MemberShardingKind.PARTITIONED and n % axis.atom:
+    if isinstance(rule, PartitionedSharding) and n % axis.atom:
         raise _misaligned(group, member.target, (
             f"group `{group}`: `{member.target}` is {rule.describe()} but {fmt.describe()} "
             f"stores axis {rule.axis} in blocks of {axis.atom} elements and {n} is not a "
@@ -157,7 +160,12 @@ def _stored_sharding(fmt: LinearFormat, group: str, member: ParameterMemberSpec,
                 "not"))
         segments = tuple(s // axis.atom * axis.per_atom if axis.atom != axis.per_atom else s
                          for s in segments)
-    return MemberSharding(kind=rule.kind, axis=index, segments=segments, granule=axis.granule)
+    match rule:
+        case PartitionedSegmentsSharding():  # the stored tensor keeps no interleaving (groups 1)
+            return replace(rule, axis=index, segments=segments, granule=axis.granule, groups=1)
+        case SegmentedSharding():
+            return replace(rule, axis=index, segments=segments, granule=axis.granule)
+    return replace(rule, axis=index, granule=axis.granule)
 
 
 def expand_linear_format_parameter_group(group: ParameterGroupSpec,

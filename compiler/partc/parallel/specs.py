@@ -11,7 +11,8 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 from partc.parallel.layout import ParameterRole, invalid_group
 from partc.parallel.placements import DTYPE_BITS, _invalid_tensor, is_count, tensor_bytes
@@ -97,107 +98,188 @@ class MemberShardingKind(enum.Enum):
     SEGMENTED = "segmented"
 
 
-_SEGMENT_KINDS = (MemberShardingKind.PARTITIONED_SEGMENTS, MemberShardingKind.SEGMENTED)
-_PARTITIONED_KINDS = (MemberShardingKind.PARTITIONED, MemberShardingKind.PARTITIONED_SEGMENTS)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicatedSharding:
+    """Every rank holds the whole tensor."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.REPLICATED
+    is_partitioned: ClassVar[bool] = False
+    """Whether this rule consumes the group's logical partition."""
+
+    def describe(self) -> str:
+        """A short spelling for messages."""
+        return "replicated"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MemberSharding:
-    """The rank-local selection rule of one physical tensor."""
+class EqualSharding:
+    """Equal contiguous shards along `axis`; the size must divide."""
 
-    kind: MemberShardingKind
-    """Which rule."""
-    axis: int | None = None
-    """The split axis (None for Replicated)."""
-    segments: tuple[int, ...] = ()
-    """Fused segment widths along the axis (segment kinds only)."""
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.EQUAL
+    is_partitioned: ClassVar[bool] = False
+    segments: ClassVar[tuple[int, ...]] = ()
+    groups: ClassVar[int] = 1
+    axis: int
+    """The split axis."""
     granule: int = 1
     """Cuts fall only on multiples of this many elements (a packed or block-quantized axis)."""
+
+    def __post_init__(self) -> None:
+        _check_split(self)
+
+    def describe(self) -> str:
+        """A short spelling for messages, e.g. `equal(axis 0)`."""
+        return _describe(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BalancedSharding:
+    """Balanced, possibly uneven, contiguous ranges along `axis`."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.BALANCED
+    is_partitioned: ClassVar[bool] = False
+    segments: ClassVar[tuple[int, ...]] = ()
+    groups: ClassVar[int] = 1
+    axis: int
+    """The split axis."""
+    granule: int = 1
+    """Cuts fall only on multiples of this many elements."""
+
+    def __post_init__(self) -> None:
+        _check_split(self)
+
+    def describe(self) -> str:
+        """A short spelling for messages, e.g. `balanced(axis 0)`."""
+        return _describe(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionedSharding:
+    """The group's logical partition mapped onto `axis`."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.PARTITIONED
+    is_partitioned: ClassVar[bool] = True
+    segments: ClassVar[tuple[int, ...]] = ()
+    groups: ClassVar[int] = 1
+    axis: int
+    """The split axis."""
+    granule: int = 1
+    """Cuts fall only on multiples of this many elements."""
+
+    def __post_init__(self) -> None:
+        _check_split(self)
+
+    def describe(self) -> str:
+        """A short spelling for messages, e.g. `partitioned(axis 0)`."""
+        return _describe(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionedSegmentsSharding:
+    """The group's logical range mapped into each fused segment along `axis`.
+
+    With `groups > 1` the segments are interleaved: the axis holds `groups` blocks, each with
+    `segment / groups` elements of every segment in order.
+    """
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.PARTITIONED_SEGMENTS
+    is_partitioned: ClassVar[bool] = True
+    axis: int
+    """The split axis."""
+    segments: tuple[int, ...]
+    """Fused segment widths along the axis."""
+    granule: int = 1
+    """Cuts fall only on multiples of this many elements."""
     groups: int = 1
     """The axis interleaves this many equal blocks, each holding `1/groups` of every segment in
     order (1: component-major; the head count: per head; the KV head count: per KV group)."""
 
     def __post_init__(self) -> None:
-        if not is_count(self.granule) or self.granule < 1:
-            raise _invalid_tensor(f"a sharding granule must be a positive integer, found "
-                                  f"{self.granule!r}")
-        if not is_count(self.groups) or self.groups < 1:
-            raise _invalid_tensor(f"a sharding's interleaved groups must be a positive integer, "
-                                  f"found {self.groups!r}")
-        if self.groups > 1 and self.kind is not MemberShardingKind.PARTITIONED_SEGMENTS:
-            raise _invalid_tensor(f"{self.kind.value} sharding takes no interleaved groups "
-                                  f"(found {self.groups}); only partitioned_segments does")
-        if self.kind is MemberShardingKind.REPLICATED:
-            if self.axis is not None or self.segments or self.granule != 1:
-                raise _invalid_tensor("a replicated sharding takes no axis, segments or granule")
-            return
-        if not is_count(self.axis) or self.axis is None or self.axis < 0:
-            raise _invalid_tensor(f"{self.kind.value} sharding needs an axis >= 0, found "
-                                  f"{self.axis}")
-        if self.kind in _SEGMENT_KINDS:
-            if not self.segments or any(not is_count(s) or s <= 0 for s in self.segments):
-                raise _invalid_tensor(
-                    f"{self.kind.value} sharding needs positive segment widths, found "
-                    f"{list(self.segments)}")
-            if any(s % (self.granule * self.groups) for s in self.segments):
-                raise _invalid_tensor(
-                    f"{self.kind.value} sharding: segments {list(self.segments)} do not all fall "
-                    f"on {self.granule}-element granule boundaries"
-                    + (f" in each of {self.groups} interleaved groups" if self.groups > 1
-                       else ""))
-        elif self.segments:
-            raise _invalid_tensor(f"{self.kind.value} sharding takes no segments")
-
-    @classmethod
-    def replicated(cls) -> MemberSharding:
-        """Every rank holds the whole tensor."""
-        return cls(kind=MemberShardingKind.REPLICATED)
-
-    @classmethod
-    def equal(cls, axis: int, *, granule: int = 1) -> MemberSharding:
-        """Equal contiguous shards along `axis`; the size must divide."""
-        return cls(kind=MemberShardingKind.EQUAL, axis=axis, granule=granule)
-
-    @classmethod
-    def balanced(cls, axis: int, *, granule: int = 1) -> MemberSharding:
-        """Balanced, possibly uneven, contiguous ranges along `axis`."""
-        return cls(kind=MemberShardingKind.BALANCED, axis=axis, granule=granule)
-
-    @classmethod
-    def partitioned(cls, axis: int, *, granule: int = 1) -> MemberSharding:
-        """The group's logical partition mapped onto `axis`."""
-        return cls(kind=MemberShardingKind.PARTITIONED, axis=axis, granule=granule)
-
-    @classmethod
-    def partitioned_segments(cls, axis: int, segments: Iterable[int], *,
-                             granule: int = 1, groups: int = 1) -> MemberSharding:
-        """The group's logical range mapped into each fused segment along `axis`.
-
-        With `groups > 1` the segments are interleaved: the axis holds `groups` blocks, each
-        with `segment / groups` elements of every segment in order.
-        """
-        return cls(kind=MemberShardingKind.PARTITIONED_SEGMENTS, axis=axis,
-                   segments=tuple(segments), granule=granule, groups=groups)
-
-    @classmethod
-    def segmented(cls, axis: int, segments: Iterable[int], *, granule: int = 1) -> MemberSharding:
-        """Each fused segment along `axis` split over the ranks on its own."""
-        return cls(kind=MemberShardingKind.SEGMENTED, axis=axis, segments=tuple(segments),
-                   granule=granule)
-
-    @property
-    def is_partitioned(self) -> bool:
-        """Whether this rule consumes the group's logical partition."""
-        return self.kind in _PARTITIONED_KINDS
+        _check_split(self)
 
     def describe(self) -> str:
-        """A short spelling for messages, e.g. `partitioned(axis 0)`."""
-        if self.kind is MemberShardingKind.REPLICATED:
-            return "replicated"
-        extra = f", segments {list(self.segments)}" if self.segments else ""
-        extra += f", granule {self.granule}" if self.granule > 1 else ""
-        extra += f", {self.groups} interleaved groups" if self.groups > 1 else ""
-        return f"{self.kind.value}(axis {self.axis}{extra})"
+        """A short spelling for messages, e.g. `partitioned_segments(axis 0, segments [4, 4])`."""
+        return _describe(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentedSharding:
+    """Each fused segment along `axis` split over the ranks on its own."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.SEGMENTED
+    is_partitioned: ClassVar[bool] = False
+    groups: ClassVar[int] = 1
+    axis: int
+    """The split axis."""
+    segments: tuple[int, ...]
+    """Fused segment widths along the axis."""
+    granule: int = 1
+    """Cuts fall only on multiples of this many elements."""
+
+    def __post_init__(self) -> None:
+        _check_split(self)
+
+    def describe(self) -> str:
+        """A short spelling for messages, e.g. `segmented(axis 0, segments [8, 8])`."""
+        return _describe(self)
+
+
+SplitSharding = (EqualSharding | BalancedSharding | PartitionedSharding
+                 | PartitionedSegmentsSharding | SegmentedSharding)
+"""A rule that splits an axis."""
+MemberSharding = ReplicatedSharding | SplitSharding
+"""The rank-local selection rule of one physical tensor: one class per kind."""
+
+SHARDING_CLASSES: Mapping[MemberShardingKind, type[MemberSharding]] = {
+    cls.kind: cls for cls in (ReplicatedSharding, EqualSharding, BalancedSharding,
+                              PartitionedSharding, PartitionedSegmentsSharding, SegmentedSharding)}
+"""The rule class of each kind (how a declaration's `{kind: ...}` is read)."""
+
+
+def member_sharding(kind: MemberShardingKind, *, axis: int | None = None,
+                    segments: Iterable[int] = ()) -> MemberSharding:
+    """The rule of `kind` on `axis` (none when replicated) over fused `segments` (segment kinds)."""
+    cls = SHARDING_CLASSES[kind]
+    given: dict[str, Any] = {} if axis is None else {"axis": axis}
+    if segments := tuple(segments):
+        given["segments"] = segments
+    names = {f.name for f in fields(cls)}
+    extra = [n for n in given if n not in names]
+    if extra:
+        raise _invalid_tensor(f"{kind.value} sharding takes no {' or '.join(extra)}")
+    missing = [n for n in ("axis", "segments") if n in names and n not in given]
+    if missing:
+        raise _invalid_tensor(f"{kind.value} sharding needs {' and '.join(missing)}")
+    return cls(**given)
+
+
+def _check_split(rule: SplitSharding) -> None:
+    """Refuse a non-positive granule or group count, a negative axis, bad segment widths."""
+    kind = rule.kind.value
+    if not is_count(rule.granule) or rule.granule < 1:
+        raise _invalid_tensor(f"a sharding granule must be a positive integer, found "
+                              f"{rule.granule!r}")
+    if not is_count(rule.groups) or rule.groups < 1:
+        raise _invalid_tensor(f"a sharding's interleaved groups must be a positive integer, "
+                              f"found {rule.groups!r}")
+    if not is_count(rule.axis) or rule.axis < 0:
+        raise _invalid_tensor(f"{kind} sharding needs an axis >= 0, found {rule.axis}")
+    if isinstance(rule, PartitionedSegmentsSharding | SegmentedSharding):
+        if not rule.segments or any(not is_count(s) or s <= 0 for s in rule.segments):
+            raise _invalid_tensor(f"{kind} sharding needs positive segment widths, found "
+                                  f"{list(rule.segments)}")
+        if any(s % (rule.granule * rule.groups) for s in rule.segments):
+            raise _invalid_tensor(
+                f"{kind} sharding: segments {list(rule.segments)} do not all fall on "
+                f"{rule.granule}-element granule boundaries"
+                + (f" in each of {rule.groups} interleaved groups" if rule.groups > 1 else ""))
+
+
+def _describe(rule: SplitSharding) -> str:
+    extra = f", segments {list(rule.segments)}" if rule.segments else ""
+    extra += f", granule {rule.granule}" if rule.granule > 1 else ""
+    extra += f", {rule.groups} interleaved groups" if rule.groups > 1 else ""
+    return f"{rule.kind.value}(axis {rule.axis}{extra})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,7 +319,7 @@ class ParameterMemberSpec:
                                   f"{list(self.shape)}; a linear weight has at least 2 dimensions",
                                   target=target)
         rule = self.sharding
-        if rule.axis is None:
+        if isinstance(rule, ReplicatedSharding):
             if self.heads:
                 raise _invalid_tensor(f"`{target}` declares heads {list(self.heads)} but is "
                                       "replicated; `heads` only applies to partitioned members",
@@ -260,7 +342,7 @@ class ParameterMemberSpec:
                 "block-aligned", target=target)
         self._check_heads(rule)
 
-    def _check_heads(self, rule: MemberSharding) -> None:
+    def _check_heads(self, rule: SplitSharding) -> None:
         if not self.heads:
             return
         if not rule.is_partitioned:
@@ -284,9 +366,10 @@ class ParameterMemberSpec:
     @property
     def widths(self) -> tuple[int, ...]:
         """Segment widths of the split axis (the whole axis when unsegmented; () if replicated)."""
-        if self.sharding.axis is None:
+        rule = self.sharding
+        if isinstance(rule, ReplicatedSharding):
             return ()
-        return self.sharding.segments or (self.shape[self.sharding.axis],)
+        return rule.segments or (self.shape[rule.axis],)
 
     @property
     def nbytes(self) -> int:
@@ -354,6 +437,7 @@ class ParameterGroupSpec:
     def _check_unit_widths(self, member: ParameterMemberSpec) -> None:
         units = self.units or 1
         rule = member.sharding
+        assert not isinstance(rule, ReplicatedSharding)  # a partitioned member
         label = f" ({self.units_label})" if self.units_label else ""
         for width in member.widths:
             if width % (units * rule.granule):
@@ -417,7 +501,8 @@ def _params_members(module: str, params: Mapping[str, Sequence[int]], dtype: str
             dtype=dtype, linear=orientation if linear and param == "weight"
             and len(shape) >= 2 else None,
             heads=(heads,) * len(sharding.segments or (1,))
-            if heads is not None and sharding.is_partitioned else (),
+            if heads is not None and not isinstance(sharding, ReplicatedSharding)
+            and sharding.is_partitioned else (),
             tp_reduction=tp_reduction and sharding.is_partitioned))
     return tuple(members)
 
@@ -437,7 +522,7 @@ def partitioned_module_parameter_group(name: str, role: ParameterRole, module: s
     """Every parameter of `module` partitioned on `axis`, sharing one logical partition."""
     return ParameterGroupSpec(name=name, role=role, units=units, units_label=units_label,
                               members=_params_members(module, params, dtype,
-                                                      MemberSharding.partitioned(axis)))
+                                                      PartitionedSharding(axis=axis)))
 
 
 def _projection_rule(sharding: ProjectionSharding, partitioned: bool,
@@ -449,11 +534,11 @@ def _projection_rule(sharding: ProjectionSharding, partitioned: bool,
     def rule(shape: tuple[int, ...]) -> MemberSharding:
         if sharding is ProjectionSharding.COLUMN and len(shape) >= 1:
             axis = len(shape) - 1 if transposed and len(shape) >= 2 else 0
-            return MemberSharding.partitioned(axis) if partitioned else MemberSharding.equal(axis)
+            return PartitionedSharding(axis=axis) if partitioned else EqualSharding(axis=axis)
         if sharding is ProjectionSharding.ROW and len(shape) >= 2:
             axis = len(shape) - 2 if transposed else 1
-            return MemberSharding.partitioned(axis) if partitioned else MemberSharding.equal(axis)
-        return MemberSharding.replicated()
+            return PartitionedSharding(axis=axis) if partitioned else EqualSharding(axis=axis)
+        return ReplicatedSharding()
     return rule
 
 
@@ -473,9 +558,10 @@ def reduced_partition_units(units: int, members: Iterable[ParameterMemberSpec]) 
     """`units` reduced by gcd with every partitioned width (in granules) and head count."""
     result = units
     for member in members:
-        if member.sharding.is_partitioned:
+        rule = member.sharding
+        if not isinstance(rule, ReplicatedSharding) and rule.is_partitioned:
             for width in member.widths:
-                result = math.gcd(result, width // member.sharding.granule)
+                result = math.gcd(result, width // rule.granule)
             for heads in member.heads:
                 result = math.gcd(result, heads)
     return result
@@ -606,14 +692,14 @@ def segmented_projection_group(
         target = f"{fused_module}.{param}"
         if not shape:
             members.append(ParameterMemberSpec(target=target, shape=shape, dtype=dtype,
-                                               sharding=MemberSharding.replicated()))
+                                               sharding=ReplicatedSharding()))
             continue
         axis = (len(shape) - 1 if orientation is LinearWeightLayout.IN_OUT and len(shape) >= 2
                 else 0)
         members.append(ParameterMemberSpec(
             target=target, shape=shape, dtype=dtype,
-            sharding=MemberSharding.partitioned_segments(
-                axis, segments if param in ("weight", "bias")
+            sharding=PartitionedSegmentsSharding(
+                axis=axis, segments=segments if param in ("weight", "bias")
                 else _companion_segments(name, target, segments, shape[axis]), groups=groups),
             linear=orientation if linear and param == "weight" and len(shape) >= 2
             else None, heads=heads))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKind
 
@@ -84,63 +84,78 @@ _BUILTIN_DIMENSIONS = frozenset({"batch", "sequence"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BoundaryTensorDimension:
-    """One dimension of a boundary tensor: batch, sequence, a fixed size or a per-request name."""
+class BatchDimension:
+    """The invocation batch size."""
 
-    kind: BoundaryTensorDimensionKind
-    """Which kind."""
-    size: int | None = None
-    """The size (Fixed only, > 0)."""
-    name: str | None = None
-    """The per-request dimension's name (Request only)."""
+    kind: ClassVar[BoundaryTensorDimensionKind] = BoundaryTensorDimensionKind.BATCH
+
+    def spell(self) -> str:
+        """`batch`."""
+        return self.kind.value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceDimension:
+    """The invocation sequence length."""
+
+    kind: ClassVar[BoundaryTensorDimensionKind] = BoundaryTensorDimensionKind.SEQUENCE
+
+    def spell(self) -> str:
+        """`sequence`."""
+        return self.kind.value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FixedDimension:
+    """A positive architecture-defined extent."""
+
+    kind: ClassVar[BoundaryTensorDimensionKind] = BoundaryTensorDimensionKind.FIXED
+    size: int
+    """The size (> 0)."""
 
     def __post_init__(self) -> None:
-        fixed = self.kind is BoundaryTensorDimensionKind.FIXED
-        if fixed and (not isinstance(self.size, int) or self.size <= 0):
+        if not isinstance(self.size, int) or self.size <= 0:
             raise _schema_error(f"a fixed boundary dimension must be positive, found {self.size}")
-        if not fixed and self.size is not None:
-            raise _schema_error(f"a {self.kind.value} dimension takes no size, found {self.size}")
-        request = self.kind is BoundaryTensorDimensionKind.REQUEST
-        if request and (not self.name or self.name in _BUILTIN_DIMENSIONS):
+
+    def spell(self) -> int:
+        """The size."""
+        return self.size
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestDimension:
+    """A per-request extent called `name`, read from the payload's tensors."""
+
+    kind: ClassVar[BoundaryTensorDimensionKind] = BoundaryTensorDimensionKind.REQUEST
+    name: str
+    """The per-request dimension's name (not batch or sequence)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name in _BUILTIN_DIMENSIONS:
             raise _schema_error(f"a per-request boundary dimension needs a name other than batch "
                                 f"and sequence, found {self.name!r}")
-        if not request and self.name is not None:
-            raise _schema_error(f"a {self.kind.value} dimension takes no name, found {self.name}")
 
-    @classmethod
-    def request(cls, name: str) -> BoundaryTensorDimension:
-        """A per-request extent called `name`."""
-        return cls(kind=BoundaryTensorDimensionKind.REQUEST, name=name)
+    def spell(self) -> str:
+        """The name."""
+        return self.name
 
-    @classmethod
-    def batch(cls) -> BoundaryTensorDimension:
-        """The invocation batch size."""
-        return cls(kind=BoundaryTensorDimensionKind.BATCH)
 
-    @classmethod
-    def sequence(cls) -> BoundaryTensorDimension:
-        """The invocation sequence length."""
-        return cls(kind=BoundaryTensorDimensionKind.SEQUENCE)
+BoundaryTensorDimension = BatchDimension | SequenceDimension | FixedDimension | RequestDimension
+"""One dimension of a boundary tensor: batch, sequence, a fixed size or a per-request name."""
 
-    @classmethod
-    def fixed(cls, size: int) -> BoundaryTensorDimension:
-        """A positive architecture-defined extent."""
-        return cls(kind=BoundaryTensorDimensionKind.FIXED, size=size)
+UNSIZED_DIMENSIONS: Mapping[BoundaryTensorDimensionKind,
+                            type[BatchDimension] | type[SequenceDimension]] = {
+    BatchDimension.kind: BatchDimension, SequenceDimension.kind: SequenceDimension}
+"""The dimension classes a bare kind names (`batch`, `sequence` in JSON and declarations)."""
 
-    @classmethod
-    def from_json(cls, data: str | int) -> BoundaryTensorDimension:
-        """The dimension spelled `batch`, `sequence`, as a size or as a per-request name."""
-        if isinstance(data, int):
-            return cls.fixed(data)
-        if data not in _BUILTIN_DIMENSIONS:
-            return cls.request(data)
-        return cls(kind=BoundaryTensorDimensionKind(data))
 
-    def spell(self) -> str | int:
-        """`batch`, `sequence`, the fixed size or the per-request name."""
-        if self.name is not None:
-            return self.name
-        return self.size if self.size is not None else self.kind.value
+def boundary_dimension(data: str | int) -> BoundaryTensorDimension:
+    """The dimension spelled `batch`, `sequence`, as a size or as a per-request name."""
+    if isinstance(data, int):
+        return FixedDimension(size=data)
+    if data in _BUILTIN_DIMENSIONS:
+        return UNSIZED_DIMENSIONS[BoundaryTensorDimensionKind(data)]()
+    return RequestDimension(name=data)
 
 
 def _spell_shape(shape: Iterable[BoundaryTensorDimension]) -> str:
@@ -168,36 +183,32 @@ class BoundaryTensorSpec:
     @classmethod
     def primary_activation(cls, hidden_size: int, role: str = "hidden") -> BoundaryTensorSpec:
         """The standard [batch, sequence, hidden_size] activation."""
-        return cls(role=role, shape=(BoundaryTensorDimension.batch(),
-                                     BoundaryTensorDimension.sequence(),
-                                     BoundaryTensorDimension.fixed(hidden_size)),
+        return cls(role=role, shape=(BatchDimension(), SequenceDimension(),
+                                     FixedDimension(size=hidden_size)),
                    dtype=BoundaryTensorDtype.ACTIVATION)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BoundaryTensorSpec:
         """The spec from its JSON form."""
         return cls(role=data["role"],
-                   shape=tuple(BoundaryTensorDimension.from_json(d) for d in data["shape"]),
+                   shape=tuple(boundary_dimension(d) for d in data["shape"]),
                    dtype=BoundaryTensorDtype(data["dtype"]))
 
     @property
     def has_sequence(self) -> bool:
         """Whether a dimension is the sequence."""
-        return any(d.kind is BoundaryTensorDimensionKind.SEQUENCE for d in self.shape)
+        return any(isinstance(d, SequenceDimension) for d in self.shape)
 
     @property
     def request_dimensions(self) -> tuple[str, ...]:
         """Names of its per-request dimensions, in axis order."""
-        return tuple(d.name for d in self.shape if d.name is not None)
+        return tuple(d.name for d in self.shape if isinstance(d, RequestDimension))
 
     def resolve(self, batch: int, sequence: int, activation_dtype: PipelineActivationDtype,
                 dimensions: Mapping[str, int] | None = None) -> ResolvedBoundaryTensorSpec:
         """The concrete spec for one invocation's batch, sequence and per-request sizes."""
-        sizes = {BoundaryTensorDimensionKind.BATCH: batch,
-                 BoundaryTensorDimensionKind.SEQUENCE: sequence}
         named = dimensions or {}
-        shape = tuple(d.size if d.size is not None else named[d.name] if d.name is not None
-                      else sizes[d.kind] for d in self.shape)
+        shape = tuple(_size(d, batch, sequence, named) for d in self.shape)
         name = self.dtype.element_dtype(activation_dtype)
         return ResolvedBoundaryTensorSpec(role=self.role, shape=shape, dtype=self.dtype,
                                           numpy_dtype=numpy_dtype(name))
@@ -206,6 +217,20 @@ class BoundaryTensorSpec:
         """JSON form."""
         return {"role": self.role, "shape": [d.spell() for d in self.shape],
                 "dtype": self.dtype.value}
+
+
+def _size(dim: BoundaryTensorDimension, batch: int, sequence: int,
+          named: Mapping[str, int]) -> int:
+    """The concrete extent of `dim` for one invocation."""
+    match dim:
+        case BatchDimension():
+            return batch
+        case SequenceDimension():
+            return sequence
+        case FixedDimension():
+            return dim.size
+        case RequestDimension():
+            return named[dim.name]
 
 
 def _check_roles(identity: str, roles: Sequence[str]) -> None:
@@ -572,21 +597,20 @@ class ArchitectureBoundary:
             if len(shape) != len(spec.shape):
                 continue
             for axis, (dim, size) in enumerate(zip(spec.shape, shape, strict=True)):
-                declared = (dim.kind is BoundaryTensorDimensionKind.BATCH
-                            or dim.kind is BoundaryTensorDimensionKind.SEQUENCE
-                            or dim.name is not None)
-                if declared and size < 1:  # a resolved shape never has an empty axis
+                # a resolved shape never has an empty batch, sequence or per-request axis
+                if not isinstance(dim, FixedDimension) and size < 1:
                     raise self._error(
                         ArchitectureBoundaryErrorKind.WRONG_SHAPE,
                         f"boundary tensor `{value.role}` of `{self.identity}` has shape "
                         f"{list(shape)}: axis {axis} (`{dim.spell()}`) is empty; batch, "
                         "sequence and per-request dimensions are at least 1", value.role)
-                if dim.kind is BoundaryTensorDimensionKind.BATCH and batch is None:
-                    batch = size
-                if dim.kind is BoundaryTensorDimensionKind.SEQUENCE and sequence is None:
-                    sequence = size
-                if dim.name is not None and dim.name not in named:
-                    named[dim.name] = size
+                match dim:
+                    case BatchDimension() if batch is None:
+                        batch = size
+                    case SequenceDimension() if sequence is None:
+                        sequence = size
+                    case RequestDimension() if dim.name not in named:
+                        named[dim.name] = size
         for name in self.schema.request_dimensions:
             named.setdefault(name, 1)
         return self.resolve(batch or 1, sequence or 1, named)

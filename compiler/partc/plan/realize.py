@@ -209,11 +209,11 @@ def _replicate_groups(description: ArchitectureParameterDescription, groups: set
                       ) -> ArchitectureParameterDescription:
     """The description with every parameter group owned by a unit of `groups`, or by a static
     role placed with one of them, whole on every tensor-parallel rank."""
-    from partc.parallel.specs import MemberSharding, MemberShardingKind
+    from partc.parallel.specs import ReplicatedSharding
     from partc.partition.ownership import OwnedParameterGroupSpec
 
     roles = {r.name for r in description.static_roles if r.group in groups}
-    whole = MemberSharding(kind=MemberShardingKind.REPLICATED, axis=None, segments=())
+    whole = ReplicatedSharding()
     owned = []
     for item in description.groups:
         owner = item.owner

@@ -18,9 +18,13 @@ from partc.parallel.placements import (
     local_shape,
 )
 from partc.parallel.specs import (
-    MemberShardingKind,
+    BalancedSharding,
+    EqualSharding,
     ParameterGroupSpec,
     ParameterMemberSpec,
+    PartitionedSharding,
+    ReplicatedSharding,
+    SegmentedSharding,
     ShardingPolicy,
     TensorSplit,
     balanced_contiguous_range,
@@ -75,21 +79,22 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
                    kv: bool, split: TensorSplit = TensorSplit.BALANCED) -> TensorPlacement:
     """The placement of `member` on tensor-parallel rank `rank` (legality already checked)."""
     rule = member.sharding
-    kind = rule.kind
-    if tp == 1 or kind is MemberShardingKind.REPLICATED:
-        return LOCAL if tp == 1 else REPLICATED
-    assert rule.axis is not None
-    dim = member.shape[rule.axis]
-    if kind is MemberShardingKind.EQUAL:
-        return Shard(axis=rule.axis, index=rank, parts=tp)
-    if kind is MemberShardingKind.BALANCED:
-        start, end = _split_range(-(-dim // rule.granule), tp, rank, split)
-        return Range(axis=rule.axis, start=start * rule.granule,
-                     end=min(end * rule.granule, dim))
+    if tp == 1:
+        return LOCAL
+    match rule:
+        case ReplicatedSharding():
+            return REPLICATED
+        case EqualSharding():
+            return Shard(axis=rule.axis, index=rank, parts=tp)
+        case BalancedSharding():
+            dim = member.shape[rule.axis]
+            start, end = _split_range(-(-dim // rule.granule), tp, rank, split)
+            return Range(axis=rule.axis, start=start * rule.granule,
+                         end=min(end * rule.granule, dim))
     ranges: list[tuple[int, int]] = []
     offset = 0
     for i, width in enumerate(member.widths):
-        if kind is MemberShardingKind.SEGMENTED:
+        if isinstance(rule, SegmentedSharding):
             a, b = rank * width // tp, (rank + 1) * width // tp
         elif kv:
             a, b = _head_range(width, member.heads[i], tp, rank)
@@ -101,7 +106,7 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
         else:
             ranges.extend(_interleaved_rows(member.widths, rule.groups, i, offset, a, b))
         offset += width
-    if kind is MemberShardingKind.PARTITIONED:
+    if isinstance(rule, PartitionedSharding):
         return Range(axis=rule.axis, start=ranges[0][0], end=ranges[0][1])
     return Indices(axis=rule.axis, ranges=_merge_ranges(sorted(ranges)))
 
@@ -140,9 +145,10 @@ def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     counts = False
     for member in group.members:
-        if not member.sharding.is_partitioned:
+        rule = member.sharding
+        if isinstance(rule, ReplicatedSharding) or not rule.is_partitioned:
             continue
-        target, granule = member.target, member.sharding.granule
+        target, granule = member.target, rule.granule
         whole = f"whole {granule}-element blocks" if granule > 1 else "whole elements"
         for width, heads in zip(member.widths, member.heads, strict=True):
             if heads % tp == 0:
@@ -181,21 +187,21 @@ def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSpl
         return problems, False
     for member in group.members:
         rule, target = member.sharding, member.target
-        if rule.axis is None:
+        if isinstance(rule, ReplicatedSharding):
             continue
         dim, g = member.shape[rule.axis], rule.granule
         unit = f"{g}-element blocks" if g > 1 else "elements"
-        if rule.kind is MemberShardingKind.EQUAL and dim % (tp * g):
+        if isinstance(rule, EqualSharding) and dim % (tp * g):
             problems.append((target, f"`{target}`: axis {rule.axis} has {dim} elements, not "
                                      f"divisible into {tp} equal shards of whole {unit}"))
-        elif rule.kind is MemberShardingKind.BALANCED and -(-dim // g) < tp:
+        elif isinstance(rule, BalancedSharding) and -(-dim // g) < tp:
             problems.append((target, f"`{target}`: axis {rule.axis} has {-(-dim // g)} {unit}, "
                                      f"fewer than tensor_parallel_size {tp} (balanced ranges)"))
-        elif rule.kind is MemberShardingKind.BALANCED and split is TensorSplit.CHUNK and \
+        elif isinstance(rule, BalancedSharding) and split is TensorSplit.CHUNK and \
                 _empty_chunks(-(-dim // g), tp):
             problems.append((target, _chunk_problem(f"`{target}`: axis {rule.axis} has "
                                                     f"{-(-dim // g)} {unit}", -(-dim // g), tp)))
-        elif rule.kind is MemberShardingKind.SEGMENTED and any(
+        elif isinstance(rule, SegmentedSharding) and any(
                 segment % (tp * g) for segment in rule.segments):
             problems.append((target, f"`{target}`: segments {list(rule.segments)} are not each "
                                      f"divisible into {tp} shards of whole {unit}"))
@@ -218,8 +224,9 @@ def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSpl
         return problems, False
     hint = ""
     if group.role is ParameterRole.ATTENTION_HEADS:
-        split = [m for m in group.members if m.sharding.is_partitioned]
-        kv = _kv_problems(group, tp) if split and all(m.heads for m in split) else []
+        split_members = [m for m in group.members if m.sharding.is_partitioned]
+        kv = (_kv_problems(group, tp) if split_members and all(m.heads for m in split_members)
+              else [])
         hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV "
                 "heads, see `partc docs kv_replication`)") if not kv else (
                 f" (repeating KV heads cannot help here: {kv[0][1]})")

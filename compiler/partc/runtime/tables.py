@@ -406,17 +406,6 @@ def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None
 
 def boundary_schema(table: RankTable) -> BoundaryWireSchema:
     """The pipeline boundary wire schema."""
-    from partc.partition.boundary import (
-        BoundaryTensorDimension,
-        BoundaryTensorDtype,
-        BoundaryTensorSpec,
-        BoundaryWireSchema,
-    )
+    from partc.partition.boundary import BoundaryWireSchema
 
-    def spec(data: Mapping[str, Any]) -> BoundaryTensorSpec:
-        dims = tuple(BoundaryTensorDimension.from_json(d) for d in data["shape"])
-        return BoundaryTensorSpec(role=data["role"], shape=dims,
-                                  dtype=BoundaryTensorDtype(data["dtype"]))
-    b = table.boundary
-    return BoundaryWireSchema(identity=b["identity"], primary=spec(b["primary"]),
-                              auxiliary=tuple(spec(a) for a in b["auxiliary"]))
+    return BoundaryWireSchema.from_json(table.boundary)
