@@ -49,8 +49,8 @@ class ParallelShape:
     """D: replicas of the build in a job."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size",
-                     "expert_tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "expert_tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, found {value!r}")
@@ -61,9 +61,10 @@ class ParallelShape:
             return
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise LayoutError(f"expert_parallel_size must be a positive integer, found {ep!r}")
-        if self.ranks_per_stage % self.tensor_parallel_size:
-            raise LayoutError(f"N = E {ep} x X {self.expert_tensor_parallel_size} = "
-                              f"{self.ranks_per_stage} ranks per stage is not a multiple of "
+        n = self.ranks_per_stage
+        if n % self.tensor_parallel_size:
+            raise LayoutError(f"N = E {ep} x X {self.expert_tensor_parallel_size} = {n} "
+                              f"rank{'' if n == 1 else 's'} per stage is not a multiple of "
                               f"T={self.tensor_parallel_size}")
 
     @property

@@ -64,30 +64,14 @@ class BuildTopology:
     """X: ranks splitting each expert; a stage has N = E·X ranks."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "expert_tensor_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CheckpointError(f"{name} must be a positive integer, found {value!r}")
-        ep = self.expert_parallel_size
-        if ep is None:
-            if self.expert_tensor_parallel_size != 1:
-                raise CheckpointError("expert_tensor_parallel_size needs expert_parallel_size")
-            return
-        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            raise CheckpointError(f"expert_parallel_size must be a positive integer, found "
-                                  f"{ep!r}")
-        n = ep * self.expert_tensor_parallel_size
-        if n % self.tensor_parallel_size:
-            raise CheckpointError(
-                f"N = E {ep} x X {self.expert_tensor_parallel_size} = {n} "
-                f"rank{'' if n == 1 else 's'} per stage is not a multiple of "
-                f"T={self.tensor_parallel_size}")
+        try:  # the rule lives in ParallelShape; a launch reports it as a CheckpointError
+            self.shape  # noqa: B018 - built to be checked
+        except LayoutError as exc:
+            raise CheckpointError(exc.message) from None
 
     @property
     def shape(self) -> ParallelShape:
-        """The sizes D, S, T, E, X and their rank arithmetic (checked here as CheckpointErrors
-        first, so the shape is always valid)."""
+        """The sizes D, S, T, E, X and their rank arithmetic."""
         return ParallelShape(tensor_parallel_size=self.tensor_parallel_size,
                              pipeline_parallel_size=self.pipeline_parallel_size,
                              expert_parallel_size=self.expert_parallel_size,
