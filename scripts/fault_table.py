@@ -777,6 +777,28 @@ def _limits() -> list[str]:
             "## Faults", ""]
 
 
+def _stages() -> list[str]:
+    """The error classes, one per stage, as `partc.errors.STAGES` lists them."""
+    from partc.errors import STAGES
+
+    summaries = {stage: " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+                 for stage, cls in STAGES.items()}
+    rows = [f"| `{stage}` | `{cls.__name__}` | {_cell(summaries[stage])} |"
+            for stage, cls in STAGES.items()]
+    return ["## Errors by stage", "",
+            "Every error is a `PartcError` of one class per stage; the stage is a constant of the "
+            "class (the `stage` field of `--format json`), and every other class derives from "
+            "the class of its stage (`ParallelPlanError` and `ArchitecturePartitionError` are "
+            "`LayoutError`s, `ExpressionError` a `SemanticError`). A faulty launch under torchrun "
+            "(RANK, WORLD_SIZE, LOCAL_RANK, a device, mesh or process group) is a `LaunchError`; "
+            "it derives from `CheckpointError`, which such faults raised before, so "
+            "`except CheckpointError` still catches them and `except LaunchError` catches them "
+            "alone. A boundary payload refused while a model runs is a `BoundaryPayloadError` "
+            "(an `ExecutorError`, no longer an `ArchitectureBoundaryError`, which is kept for "
+            "malformed boundary schemas).", "",
+            "| stage | class | what it reports |", "|---|---|---|", *rows, ""]
+
+
 def render(outcomes: list[Outcome]) -> str:
     """The markdown table of docs/faults.md."""
     lines = [
@@ -797,6 +819,7 @@ def render(outcomes: list[Outcome]) -> str:
         "its Hugging Face cache repository, and a file that changes while it is read is "
         "reported, never read as garbage (`tests/test_reader_faults.py`).",
         "",
+        *_stages(),
         *_limits(),
         f"{sum(passed(o) for o in outcomes)} of {len(outcomes)} faults handled: a PartcError "
         "with a located message, no traceback, the previous build intact.",

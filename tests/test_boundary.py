@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 import partc.plan.topology
-from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKind
+from partc.errors import (
+    ArchitectureBoundaryError,
+    ArchitectureBoundaryErrorKind,
+    BoundaryPayloadError,
+)
 from partc.partition.boundary import (
     ArchitectureBoundary,
     ArchitectureBoundaryValue,
@@ -219,7 +223,7 @@ def test_decode_tensors_counts_first_then_tags_untagged_wire_tensors_in_schema_o
     tensors = payload()
     decoded = boundary.decode_tensors(list(tensors.values()))
     assert decoded["positions"] is tensors["positions"]
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode_tensors(list(tensors.values())[:3])
     assert caught.value.kind is BK.WRONG_COUNT
 
@@ -227,19 +231,19 @@ def test_decode_tensors_counts_first_then_tags_untagged_wire_tensors_in_schema_o
 def test_a_payload_with_one_tensor_too_few_is_refused_before_decoding():
     boundary = residual_boundary()
     values = boundary.encode_values(payload())
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode(values[:3])
     assert caught.value.kind is BK.WRONG_COUNT
     assert caught.value.message == (
         "boundary `toy.residual` carries 4 tensor(s) (hidden, residual, positions, expert_counts) "
         "but 3 were received")
     assert caught.value.boundary == "toy.residual"
-    assert caught.value.stage == "runtime"
+    assert caught.value.stage == "executor"
 
 
 def test_validate_boundary_tensor_count_accepts_only_the_exact_count():
     validate_boundary_tensor_count(RESIDUAL_SCHEMA, [1, 2, 3, 4])
-    with pytest.raises(ArchitectureBoundaryError, match="but 5 were received"):
+    with pytest.raises(BoundaryPayloadError, match="but 5 were received"):
         validate_boundary_tensor_count(RESIDUAL_SCHEMA, [1, 2, 3, 4, 5])
 
 
@@ -247,7 +251,7 @@ def test_a_payload_with_swapped_roles_is_refused_as_out_of_order():
     boundary = residual_boundary()
     values = list(boundary.encode_values(payload()))
     values[1], values[2] = values[2], values[1]
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode(values)
     assert caught.value.kind is BK.WRONG_ROLE
     assert caught.value.role == "positions"
@@ -261,7 +265,7 @@ def test_a_payload_with_a_foreign_role_is_refused():
     boundary = residual_boundary()
     values = list(boundary.encode_values(payload()))
     values[3] = ArchitectureBoundaryValue(role="router_logits", tensor=values[3].tensor)
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode(values)
     assert caught.value.kind is BK.WRONG_ROLE
     assert caught.value.message.startswith("boundary `toy.residual` expects `expert_counts` at "
@@ -273,7 +277,7 @@ def test_a_payload_with_a_swapped_dtype_is_refused_naming_the_activation_dtype()
     boundary = residual_boundary()
     tensors = payload()
     tensors["residual"] = tensors["residual"].astype(np.float32)
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.kind is BK.WRONG_DTYPE
     assert caught.value.role == "residual"
@@ -287,7 +291,7 @@ def test_integer_tensors_must_have_their_declared_integer_dtype():
     values = list(boundary.encode_values(payload()))
     values[2] = ArchitectureBoundaryValue(role="positions",
                                           tensor=values[2].tensor.astype(np.int64))
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode(values)
     assert caught.value.message == ("boundary tensor `positions` of `toy.residual` has dtype "
                                     "int64; expected int32 (declared)")
@@ -297,7 +301,7 @@ def test_a_payload_with_a_wrong_sequence_length_is_refused_with_both_shapes():
     boundary = residual_boundary()
     tensors = payload()
     tensors["residual"] = payload(sequence=6)["residual"]
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.kind is BK.WRONG_SHAPE
     assert caught.value.message == (
@@ -313,7 +317,7 @@ def test_a_tensor_of_another_rank_is_refused_by_its_axis_count_not_a_guessed_sha
     boundary = residual_boundary()
     tensors = payload()
     tensors["hidden"] = np.zeros(shape, dtype=ml_dtypes.bfloat16)
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.kind is BK.WRONG_SHAPE
     assert caught.value.message == (
@@ -323,7 +327,7 @@ def test_a_tensor_of_another_rank_is_refused_by_its_axis_count_not_a_guessed_sha
 
 def test_decode_tensors_refuses_one_tensor_for_the_list_of_received_ones():
     boundary = residual_boundary()
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode_tensors(payload()["hidden"])  # (2, 5, 8): not "2 were received"
     assert caught.value.kind is BK.WRONG_COUNT
     assert caught.value.message.startswith(
@@ -335,7 +339,7 @@ def test_a_wrong_fixed_dimension_is_refused():
     boundary = residual_boundary()
     tensors = payload()
     tensors["hidden"] = np.zeros((2, 5, 9), dtype=ml_dtypes.bfloat16)
-    with pytest.raises(ArchitectureBoundaryError, match=r"`hidden` of `toy.residual` has shape "
+    with pytest.raises(BoundaryPayloadError, match=r"`hidden` of `toy.residual` has shape "
                                                         r"\[2, 5, 9\]; expected \[2, 5, 8\]"):
         boundary.encode_values(tensors)
 
@@ -347,7 +351,7 @@ def test_per_tensor_sequence_lengths_are_checked_against_an_explicit_resolution(
     resolved = boundary.resolve_each(2, {"hidden": 5, "residual": 9, "positions": 5})
     values = boundary.encode_values(tensors, resolved=resolved)
     assert boundary.decode(values, resolved=resolved)["residual"].shape == (2, 9, 8)
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode(values)
     assert caught.value.kind is BK.WRONG_SHAPE
 
@@ -382,7 +386,7 @@ def test_a_resolution_of_another_boundary_is_refused():
      BK.WRONG_ROLE, "a boundary value needs a non-empty role"),
 ])
 def test_every_encode_mistake_is_refused_with_its_message(call, kind, message):
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         call(residual_boundary(), payload())
     assert caught.value.kind is kind
     assert caught.value.message == message
@@ -397,7 +401,7 @@ def test_no_auxiliary_boundary_carries_the_hidden_state_alone():
     values = boundary.encode_hidden(hidden)
     assert [v.role for v in values] == ["hidden"]
     assert boundary.decode_hidden(values) is hidden
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.decode_hidden((*values, ArchitectureBoundaryValue(role="extra", tensor=hidden)))
     assert caught.value.message == ("boundary `llama.hidden` carries 1 tensor(s) (hidden) but 2 "
                                     "were received")
@@ -500,7 +504,7 @@ def test_the_generated_stage_refuses_a_damaged_payload(residual_build, damage, k
     values = first.boundary().encode(np.zeros((2, 4, 64), dtype=np.float16),
                                      residual=np.zeros((2, 4, 64), dtype=np.float16),
                                      positions=np.zeros((2, 4), dtype=np.int32))
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         last.boundary().decode(damage(values))
     assert caught.value.kind is kind
     assert caught.value.message == message
@@ -543,7 +547,7 @@ def test_a_torch_tensor_of_the_wrong_dtype_or_shape_is_refused_by_name():
     boundary = residual_boundary()
     tensors = _torch_payload()
     tensors["residual"] = tensors["residual"].to(torch.float32)
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.kind is BK.WRONG_DTYPE
     assert caught.value.message == (
@@ -551,13 +555,13 @@ def test_a_torch_tensor_of_the_wrong_dtype_or_shape_is_refused_by_name():
         "(the pipeline activation dtype bfloat16)")
     tensors = _torch_payload()
     tensors["positions"] = tensors["positions"].to(torch.int64)
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.message == ("boundary tensor `positions` of `toy.residual` has dtype "
                                     "torch.int64; expected int32 (declared)")
     tensors = _torch_payload()
     tensors["hidden"] = tensors["hidden"][:, :4]
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         boundary.encode_values(tensors)
     assert caught.value.kind is BK.WRONG_SHAPE
 
@@ -574,7 +578,7 @@ def test_a_torch_meta_tensor_is_refused_as_having_no_data_on_encode_and_decode()
     ordered = [tensors[role] for role in boundary.schema.roles]
     refusals = []
     for call in (lambda: boundary.encode_values(tensors), lambda: boundary.decode_tensors(ordered)):
-        with pytest.raises(ArchitectureBoundaryError) as caught:
+        with pytest.raises(BoundaryPayloadError) as caught:
             call()
         refusals.append((caught.value.kind, caught.value.message))
     message = ("boundary tensor `residual` of `toy.residual` is a torch meta tensor (a shape and "

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
-from partc.errors import CheckpointError
+from partc.errors import CheckpointError, LaunchError
 from partc.runtime import headers
 from partc.runtime._engine import gather, workers
 from partc.runtime._engine import reader as checkpoint
@@ -817,7 +817,7 @@ def test_default_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("PARTC_READ_THREADS", " ")
     assert 1 <= workers.default_workers() <= 8, "blank: the default"
     monkeypatch.setenv("PARTC_READ_THREADS", "zero")
-    with pytest.raises(CheckpointError, match="environment PARTC_READ_THREADS='zero' must be a "
+    with pytest.raises(LaunchError, match="environment PARTC_READ_THREADS='zero' must be a "
                        "positive integer in ASCII digits"):
         workers.default_workers()
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from partc.errors import CheckpointError, PartcError
+from partc.errors import CheckpointError, LaunchError, PartcError
 from partc.runtime import device as device_module
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
@@ -111,11 +111,11 @@ def test_default_device_with_a_gpu_is_cuda_local_rank(fake_gpu, monkeypatch):
     assert resolve_device("cuda") == torch.device("cuda", 1)
     assert resolve_device("cuda:0") == torch.device("cuda", 0)  # an explicit index wins
     monkeypatch.setenv("LOCAL_RANK", "2")
-    with pytest.raises(CheckpointError, match=r"LOCAL_RANK=2 names CUDA device 2, but torch "
+    with pytest.raises(LaunchError, match=r"LOCAL_RANK=2 names CUDA device 2, but torch "
                                               r"sees 2 CUDA device\(s\)"):
         resolve_device(None)
     monkeypatch.setenv("LOCAL_RANK", "one")
-    with pytest.raises(CheckpointError, match=r"LOCAL_RANK='one' is not an integer"):
+    with pytest.raises(LaunchError, match=r"LOCAL_RANK='one' is not an integer"):
         resolve_device(None)
 
 
@@ -133,18 +133,18 @@ def test_bad_devices_are_refused_by_name(device, message, monkeypatch):
 
 
 def test_a_missing_cuda_index_and_contradictory_options_are_refused(fake_gpu, tmp_path):
-    with pytest.raises(CheckpointError, match=r"device 'cuda:5' asked for, but torch sees 2 "
+    with pytest.raises(LaunchError, match=r"device 'cuda:5' asked for, but torch sees 2 "
                                               r"CUDA device\(s\) \(cuda:0..cuda:1\)"):
         resolve_device("cuda:5")
     _, package = compile_and_import(None, LLAMA / "config.json", tmp_path / "b", tp=2)
     with pytest.raises(CheckpointError, match=r"device='cpu' places torch tensors, but "
                                               r"framework is 'numpy'"):
         package.load(LLAMA, rank=0, device="cpu", framework="numpy")
-    with pytest.raises(CheckpointError, match=r"zero_copy=True cannot follow"):
+    with pytest.raises(LaunchError, match=r"zero_copy=True cannot follow"):
         package.load(LLAMA, rank=0, device="cuda:0", zero_copy=True)
-    with pytest.raises(CheckpointError, match=r"zero_copy='private' cannot follow"):
+    with pytest.raises(LaunchError, match=r"zero_copy='private' cannot follow"):
         package.load(LLAMA, rank=0, device="cuda:0", zero_copy="private")
-    with pytest.raises(CheckpointError, match=r"staging_bytes sizes the host ring of a load to "
+    with pytest.raises(LaunchError, match=r"staging_bytes sizes the host ring of a load to "
                                               r"a CUDA device"):
         package.load(LLAMA, rank=0, device="cpu", staging_bytes=1 << 20)
 
@@ -208,7 +208,7 @@ def test_the_ring_waits_for_a_buffer_before_refilling_it():
 def test_staging_bytes_must_be_a_positive_integer(tmp_path):
     from partc.runtime.checkpoint import open_checkpoint
 
-    with pytest.raises(CheckpointError, match=r"staging_bytes must be an integer of at least 2"):
+    with pytest.raises(LaunchError, match=r"staging_bytes must be an integer of at least 2"):
         stage_to_device(open_checkpoint(LLAMA), [], "cuda:0", staging_bytes=1,
                         transfer=FakeTransfer())
 

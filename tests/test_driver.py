@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from partc.errors import (
-    ArchitectureBoundaryError,
     ArchitectureBoundaryErrorKind,
     ArchitecturePartitionError,
     ArchitecturePartitionErrorKind,
+    BoundaryPayloadError,
     LayeredPartitionBeginError,
     LayeredPartitionError,
     LayeredPartitionErrorKind,
@@ -295,7 +295,7 @@ def test_an_outgoing_boundary_in_the_wrong_dtype_is_refused_by_the_wire_contract
         def finish(self, hidden, *, project_output):
             return {"hidden": hidden}
 
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         LayeredPartitionDriver.for_partition(first).run(Careless(),
                                                         tokens=np.zeros((1, 1), np.int32))
     assert caught.value.kind is ArchitectureBoundaryErrorKind.WRONG_DTYPE
@@ -354,7 +354,7 @@ def test_an_incoming_payload_that_breaks_the_wire_contract_is_refused_before_run
     float32_wire = NoAuxiliaryBoundarySchema(hidden_size=HIDDEN, identity="toy.hidden").boundary(
         PipelineActivationDtype.FLOAT32)
     bad = float32_wire.encode_hidden(np.zeros((1, 2, HIDDEN), np.float32))
-    with pytest.raises(ArchitectureBoundaryError) as caught:
+    with pytest.raises(BoundaryPayloadError) as caught:
         LayeredPartitionDriver.for_partition(last).run(executor, boundary=bad)
     assert caught.value.message == ("boundary tensor `hidden` of `toy.hidden` has dtype float32; "
                                     "expected bfloat16 (the pipeline activation dtype bfloat16)")

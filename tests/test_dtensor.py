@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.api import compile_family
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 from partc.parallel.specs import ShardingPolicy, chunk_range
 from partc.runtime.dtensor import dtensor_specs
 
@@ -52,7 +52,7 @@ def test_an_uneven_vocabulary_split_is_refused_with_both_ranges(tmp_path):
                    policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
     package = import_build(tmp_path / "b")
     layout = package.load(LLAMA, rank=7).layout
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(LaunchError) as caught:
         dtensor_specs(layout, 8, 7)
     message = str(caught.value)
     assert "model.embed_tokens.weight" in message or "lm_head.weight" in message
@@ -118,7 +118,7 @@ def test_repeated_kv_heads_are_refused(tmp_path):
     # the built-in Llama repeats its 2 KV heads over 4 ranks (kv_replication: true)
     compile_family("llama", LLAMA / "config.json", tensor_parallel_size=4, out=tmp_path / "b")
     layout = import_build(tmp_path / "b").load(LLAMA, rank=0).layout
-    with pytest.raises(CheckpointError, match=r"repeats KV heads over 2 ranks"):
+    with pytest.raises(LaunchError, match=r"repeats KV heads over 2 ranks"):
         dtensor_specs(layout, 4, 0)
 
 

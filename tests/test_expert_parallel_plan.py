@@ -18,7 +18,7 @@ import pytest
 
 from partc.api import bind, check_family, checkpoint_errors, compile_family
 from partc.cli.main import main
-from partc.errors import CheckpointError, LayoutError, SchemaError, SemanticError
+from partc.errors import CheckpointError, LaunchError, LayoutError, SchemaError, SemanticError
 from partc.parallel.shape import RankCoordinates
 from partc.plan.ranks import KindIndex
 from partc.plan.realize import realize_plan
@@ -315,9 +315,9 @@ def test_build_topology_of_an_expert_parallel_build_gives_the_ep_etp_and_tp_grou
     for dimension, size in (("tp", 2), ("pp", 2), ("dp", 2), ("ep", 2), ("etp", 2)):
         assert sorted(r for group in groups[dimension] for r in group) == list(range(16))
         assert {len(g) for g in groups[dimension]} == {size}
-    with pytest.raises(CheckpointError, match="not a multiple of T=4"):
+    with pytest.raises(LaunchError, match="not a multiple of T=4"):
         BuildTopology(tensor_parallel_size=4, pipeline_parallel_size=1, expert_parallel_size=2)
-    with pytest.raises(CheckpointError, match="no expert parallelism"):
+    with pytest.raises(LaunchError, match="no expert parallelism"):
         BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=1).expert_parallel_group(0)
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from partc.api import bind, compile_family
 from partc.cli.main import main
-from partc.errors import CheckpointError, ExpertParallelError, PartcErrors
+from partc.errors import ExpertParallelError, LaunchError, PartcErrors
 from partc.parallel.experts import ExpertPlacement
 from partc.plan.realize import realize_plan
 from partc.plan.topology import Topology
@@ -175,7 +175,7 @@ def test_a_world_size_no_multiple_of_the_build_names_the_builds_real_factors(
 def test_build_topology_names_the_factors_it_multiplies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "9")
-    with pytest.raises(CheckpointError, match=r"this build's 6 ranks "
+    with pytest.raises(LaunchError, match=r"this build's 6 ranks "
                        r"\(pp 1 x ep 3 x etp 2\);"):
         build_topology(2, 1, expert_parallel_size=3, expert_tensor_parallel_size=2)
 
@@ -234,14 +234,14 @@ def test_a_rank_outside_an_expert_parallel_job_names_the_factors_of_its_ranks() 
                              data_parallel_size=2, expert_parallel_size=2,
                              expert_tensor_parallel_size=2)
     assert topology.world_size == 2 * 2 * 2 * 2  # T divides N = E x X: not a factor
-    with pytest.raises(CheckpointError, match=r"^rank 16 is outside this job's ranks 0\.\.15 "
+    with pytest.raises(LaunchError, match=r"^rank 16 is outside this job's ranks 0\.\.15 "
                                               r"\(dp 2 x pp 2 x ep 2 x etp 2\)$"):
         topology.coordinates(16)
 
 
 def test_one_rank_per_stage_and_a_placement_of_one_expert_are_spelled_in_the_singular(
         ) -> None:
-    with pytest.raises(CheckpointError, match=r"= 1 rank per stage is not a multiple of T=2"):
+    with pytest.raises(LaunchError, match=r"= 1 rank per stage is not a multiple of T=2"):
         BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=1, expert_parallel_size=1)
     bound, _, _ = bind(None, MIXTRAL, None)
     one = ExpertPlacement(experts=1, slots=((0,),), explicit=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 from partc.runtime.rank_env import launch_position, rank_from_environment
 
 from support import HF, compile_and_import
@@ -46,7 +46,7 @@ def test_a_world_size_that_is_no_multiple_of_the_build_is_refused(monkeypatch, r
                                                                  message):
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("WORLD_SIZE", world)
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(LaunchError) as caught:
         launch_position(4)
     assert message in str(caught.value)
 
@@ -54,7 +54,7 @@ def test_a_world_size_that_is_no_multiple_of_the_build_is_refused(monkeypatch, r
 def test_a_rank_beyond_the_build_without_world_size_names_the_builds_ranks(monkeypatch):
     monkeypatch.setenv("RANK", "5")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(LaunchError) as caught:
         launch_position(4)
     assert str(caught.value) == ("RANK=5 is outside this build's ranks 0..3 (WORLD_SIZE is not "
                                  "set: one replica)")
@@ -67,7 +67,7 @@ def test_a_malformed_local_rank_is_refused_on_a_machine_without_a_gpu(monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU machine
     monkeypatch.setenv("LOCAL_RANK", "x")
-    with pytest.raises(CheckpointError, match=r"environment LOCAL_RANK='x' is not an integer"):
+    with pytest.raises(LaunchError, match=r"environment LOCAL_RANK='x' is not an integer"):
         resolve_device(None)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert resolve_device(None) == torch.device("cpu")
@@ -75,7 +75,7 @@ def test_a_malformed_local_rank_is_refused_on_a_machine_without_a_gpu(monkeypatc
 
 def test_without_rank_the_message_says_how_to_give_one(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(CheckpointError, match="pass rank= or run under torchrun"):
+    with pytest.raises(LaunchError, match="pass rank= or run under torchrun"):
         launch_position(4)
 
 

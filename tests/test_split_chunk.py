@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from partc.api import compile_family
 from partc.cli.main import main
-from partc.errors import CheckpointError, PartcError
+from partc.errors import LaunchError, PartcError
 from partc.parallel.specs import ShardingPolicy
 from partc.runtime.dtensor import dtensor_specs
 
@@ -93,7 +93,7 @@ def test_a_balanced_t8_build_is_still_refused_by_to_dtensors(tmp_path):
     compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
                    policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
     layout = import_build(tmp_path / "b").load(LLAMA, rank=7).layout
-    with pytest.raises(CheckpointError, match=r"would hold 119:131 there; compile with "
+    with pytest.raises(LaunchError, match=r"would hold 119:131 there; compile with "
                                               r"`--split chunk`"):
         dtensor_specs(layout, 8, 7)
 
@@ -144,7 +144,7 @@ def test_head_aligned_units_keep_the_refusal_at_to_dtensors_time(tmp_path):
     layout = result.plan.ranks[1].layout
     q = layout["model.layers.0.self_attn.q_proj.weight"]
     assert q.logical_range == (2, 4) and q.selection == (0, ((16, 32),))
-    with pytest.raises(CheckpointError, match=r"self_attn\.[qkv]_proj\.weight`: partc split "
+    with pytest.raises(LaunchError, match=r"self_attn\.[qkv]_proj\.weight`: partc split "
                                               r"axis 0 of 56 so that TP rank 1 holds 16:32, but "
                                               r"DTensor's Shard\(0\) \(torch.chunk\) would "
                                               r"hold 14:28"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from partc.api import compile_family
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 from partc.parallel.shape import RankCoordinates
 from partc.runtime.mesh import BuildTopology
 
@@ -53,9 +53,9 @@ def test_groups_and_peers_of_a_two_by_three_by_two_job():
 
 def test_a_rank_outside_the_job_is_refused_by_name():
     topology = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=2)
-    with pytest.raises(CheckpointError, match=r"rank 4 is outside this job's ranks 0..3"):
+    with pytest.raises(LaunchError, match=r"rank 4 is outside this job's ranks 0..3"):
         topology.coordinates(4)
-    with pytest.raises(CheckpointError, match="tensor_parallel_size must be a positive"):
+    with pytest.raises(LaunchError, match="tensor_parallel_size must be a positive"):
         BuildTopology(tensor_parallel_size=0, pipeline_parallel_size=1)
 
 

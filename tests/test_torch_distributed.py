@@ -19,7 +19,7 @@ import torch
 
 from partc.api import compile_family
 from partc.emit.render import package_name
-from partc.errors import ArchitectureBoundaryError
+from partc.errors import BoundaryPayloadError
 from partc.parallel.specs import ShardingPolicy
 from partc.runtime.mesh import BuildTopology
 
@@ -173,6 +173,6 @@ def test_a_received_boundary_of_the_wrong_dtype_is_refused_by_the_rank_module(tw
     boundary = two_stage_llama.rank_module(2).boundary()
     wire = boundary.resolve(1, 8)
     wrong = [torch.zeros(spec.shape, dtype=torch.float64) for spec in wire.tensors]
-    with pytest.raises(ArchitectureBoundaryError, match="has dtype torch.float64; expected "
+    with pytest.raises(BoundaryPayloadError, match="has dtype torch.float64; expected "
                                                         "float32"):
         boundary.decode_tensors(wrong)

@@ -19,7 +19,7 @@ import pytest
 
 from partc.api import check_family, compile_family
 from partc.cli.main import main
-from partc.errors import ArchitectureBoundaryError
+from partc.errors import ArchitectureBoundaryError, BoundaryPayloadError
 from partc.plan.topology import Topology
 
 from support import (
@@ -197,7 +197,7 @@ def test_a_decoder_cut_carries_batch_sequence_hidden_and_the_mrope_positions(tmp
     assert [v.tensor.shape for v in payload] == [(1, 16, 64), (3, 1, 16)]
     np.testing.assert_array_equal(ranks[2].receive_boundary().decode(payload)["hidden"], hidden)
     # the decoder cut does not demand the vision roles
-    with pytest.raises(ArchitectureBoundaryError, match="has no tensor role `image_grid_thw`"):
+    with pytest.raises(BoundaryPayloadError, match="has no tensor role `image_grid_thw`"):
         send.encode(hidden, position_ids=positions, image_grid_thw=np.zeros((1, 3), np.int32))
 
 
@@ -221,9 +221,9 @@ def test_missing_roles_dimensions_and_wrong_dtypes_are_refused(tmp_path):
     ids = ref["input_ids"].astype(np.int32)
     grid = ref["image_grid_thw"].astype(np.int32)
     hidden = ref["vision_layer_outputs"][0]
-    with pytest.raises(ArchitectureBoundaryError, match="needs tensor `image_mask`"):
+    with pytest.raises(BoundaryPayloadError, match="needs tensor `image_mask`"):
         send.encode(hidden, image_grid_thw=grid, input_ids=ids)
-    with pytest.raises(ArchitectureBoundaryError,
+    with pytest.raises(BoundaryPayloadError,
                        match=r"tensor `image_mask` of `qwen2_vl.vision` has dtype int32; "
                              r"expected bool \(declared\)"):
         send.encode(hidden, image_grid_thw=grid, input_ids=ids, image_mask=ids)
@@ -231,7 +231,7 @@ def test_missing_roles_dimensions_and_wrong_dtypes_are_refused(tmp_path):
                        match=r"per-request dimensions are patches, images: unknown dimension\(s\)"
                              r" `frames`; no size for `images`"):
         send.resolve(1, 16, {"patches": 24, "frames": 2})
-    with pytest.raises(ArchitectureBoundaryError,
+    with pytest.raises(BoundaryPayloadError,
                        match=r"`hidden` .* has shape \[23, 32\]; expected \[24, 32\] \(declared "
                              r"\[patches, 32\]\)"):
         send.encode_values({"hidden": hidden[:23], "image_grid_thw": grid, "input_ids": ids,

@@ -16,6 +16,7 @@ from partc.errors import (
     PartcError,
     PartcErrors,
     SourceLocation,
+    raise_if_any,
 )
 from partc.family.build import build_family
 from partc.family.declaration import FamilyDecl
@@ -56,13 +57,6 @@ StageUnits = Sequence[int] | Sequence[Sequence[tuple[str, int]]] | None
 stage its (execution group, units) runs (`vision*3|decoder*2`); None: balanced."""
 
 
-def _raise_all(errors: Sequence[PartcError]) -> None:
-    if len(errors) == 1:
-        raise errors[0]
-    if errors:
-        raise PartcErrors(list(errors))
-
-
 _FAMILY_SOURCES = FamilySources(
     read=lambda spec, builtin: read_family_source(spec, builtin=builtin),
     is_file=family_spec_is_file, builtin_names=builtin_families, builtin_prefix=BUILTIN_PREFIX)
@@ -75,9 +69,9 @@ def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl,
     """
     label, text = read_family_source(spec, builtin=builtin)
     document, digest = family_document(label, text)
-    _raise_all(validate_document(document))
+    raise_if_any(validate_document(document))
     family, errors = build_family(document)
-    _raise_all(errors)
+    raise_if_any(errors)
     assert family is not None
     return family, digest
 
@@ -220,7 +214,7 @@ def plan_family(family: str | Path | None, config: str | Path, topology: Topolog
         omitted = bound.omitted(opened.names)
         from partc.runtime.loader import header_fingerprint
 
-        _raise_all(checkpoint_errors(bound, opened, _locator(decl, bound)))
+        raise_if_any(checkpoint_errors(bound, opened, _locator(decl, bound)))
         fingerprint, digest = header_fingerprint(opened), opened.header_digest()
     return realize_plan(bound, topology, sources=sources, checkpoint_fingerprint=fingerprint,
                         checkpoint_header_digest=digest,
@@ -253,7 +247,7 @@ def checkpoint_errors(bound: BoundArchitecture, checkpoint: Checkpoint,
             errors.append(ArchitectureParameterError(
                 error.kind, message, group=group, tensor=error.tensor,
                 location=None if site is None else site[0],
-                pointer=None if site is None else site[1]))
+                pointer="" if site is None else site[1]))
         else:  # an ownership gap is about the checkpoint: name its file
             errors.append(error.located(_tensor_file(checkpoint, error)))
     for owned in bound.description.groups:

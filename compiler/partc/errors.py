@@ -1,11 +1,16 @@
-"""Every error partc reports: one root class, one subclass per stage, each carrying its location."""
+"""Every error partc reports: one root class, one class per stage, each carrying its location.
+
+A stage is a class constant: `STAGES` maps each stage to the one class that introduces it, and
+every other class takes the stage of the stage class it derives from.
+"""
 
 from __future__ import annotations
 
 import enum
 import errno
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import ClassVar, Self
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -48,8 +53,9 @@ class PartcError(Exception):
     """Root of every error partc raises on bad input, shown as `file:line:col: msg [at ptr]`
     (`file (tensor NAME): msg` when it is about a tensor its message does not quote)."""
 
-    stage = "partc"
-    doc_topic: str | None = None
+    stage: ClassVar[str] = "partc"
+    """The pipeline stage that found the error (a `STAGES` key), fixed per class."""
+    doc_topic: ClassVar[str | None] = None
     """The guide that explains the rule errors of this class enforce, as `page` or
     `page#section` (a heading's anchor); None when no guide does. The guides ship in the wheel
     (`partc.docs`); `partc docs TOPIC` prints where."""
@@ -132,14 +138,14 @@ class PartcError(Exception):
 class LoadError(PartcError):
     """A family file (YAML or TOML) or a config.json that cannot be read or parsed."""
 
-    stage = "load"
+    stage: ClassVar[str] = "load"
 
 
 class MachineError(PartcError):
     """The machine refused a read or write partc needed (a full disk, no permission, an I/O
     error): not the input's fault and not a bug in partc."""
 
-    stage = "machine"
+    stage: ClassVar[str] = "machine"
 
 
 MACHINE_ERRNOS = frozenset(getattr(errno, name) for name in (
@@ -152,40 +158,43 @@ limits), not that partc asked for something wrong: a MachineError, exit status 7
 class SchemaError(PartcError):
     """A document that violates the JSON Schema of the authoring format."""
 
-    stage = "schema"
+    stage: ClassVar[str] = "schema"
     doc_topic = "authoring"
 
-    def __init__(self, message: str, *, schema_path: str = "", **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, schema_path: str = "",
+                 location: SourceLocation | None = None, pointer: str = "",
+                 tensor: str | None = None, doc: str | None = None) -> None:
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.schema_path = schema_path
         """JSON pointer into the schema of the keyword that failed."""
 
 
-class ExpressionError(PartcError):
+class SemanticError(PartcError):
+    """A schema-valid family that is inconsistent, or that cannot bind to a model config."""
+
+    stage: ClassVar[str] = "family"
+    doc_topic = "authoring"
+
+
+class ExpressionError(SemanticError):
     """An expression of the safe language that does not parse or cannot be evaluated."""
 
-    stage = "family"
     doc_topic = "authoring#2-header-config-fields-graph"
 
-    def __init__(self, message: str, *, expression: str = "", offset: int = 0, **kwargs: object):
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, message: str, *, expression: str = "", offset: int = 0,
+                 location: SourceLocation | None = None, pointer: str = "",
+                 tensor: str | None = None, doc: str | None = None) -> None:
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.expression = expression
         """The expression text."""
         self.offset = offset
         """0-based character offset of the problem inside the expression text."""
 
 
-class SemanticError(PartcError):
-    """A schema-valid family that is inconsistent, or that cannot bind to a model config."""
-
-    stage = "family"
-    doc_topic = "authoring"
-
-
 class LayoutError(PartcError):
     """A bound family that cannot be realized for the requested topology."""
 
-    stage = "plan"
+    stage: ClassVar[str] = "plan"
     doc_topic = "policy"
 
 
@@ -198,15 +207,42 @@ class ExpertParallelError(LayoutError):
 class EmitError(PartcError):
     """Generated code that fails its own checks, or an output folder that cannot be written."""
 
-    stage = "emit"
+    stage: ClassVar[str] = "emit"
     doc_topic = "output"
 
 
 class CheckpointError(PartcError):
     """A safetensors checkpoint that is malformed or does not match the plan."""
 
-    stage = "runtime"
+    stage: ClassVar[str] = "runtime"
     doc_topic = "faults"
+
+
+class LaunchError(CheckpointError):
+    """A process launched wrongly for the build it loads: RANK, WORLD_SIZE or LOCAL_RANK, the
+    rank or device asked for, the device mesh, the process group, a runtime call's arguments.
+
+    It derives from CheckpointError, which these faults raised before they had a class of their
+    own, so that `except CheckpointError` still catches them; `except LaunchError` catches
+    them alone.
+    """
+
+    stage: ClassVar[str] = "launch"
+    doc_topic = "torch"
+
+
+class ExecutorError(PartcError):
+    """A pipeline executor, or the payload it sends between stages, that disagrees with the
+    rank's partition while the model runs."""
+
+    stage: ClassVar[str] = "executor"
+    doc_topic = "boundaries#what-each-ranks-partition-checks"
+
+
+class VerifyError(PartcError):
+    """`partc verify` could not run: a missing library, or a config transformers refuses."""
+
+    stage: ClassVar[str] = "verify"
 
 
 class ParallelPlanErrorKind(enum.Enum):
@@ -226,9 +262,12 @@ class ParallelPlanError(LayoutError):
         *,
         group: str = "",
         target: str = "",
-        **kwargs: object,
+        location: SourceLocation | None = None,
+        pointer: str = "",
+        tensor: str | None = None,
+        doc: str | None = None,
     ) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.kind = kind
         """InvalidGroup or InvalidTensor."""
         self.group = group
@@ -237,13 +276,13 @@ class ParallelPlanError(LayoutError):
         """Checkpoint target concerned ('' when the whole group is at fault)."""
 
 
-def best_error(errors: list[PartcError]) -> PartcError:
+def best_error(errors: Sequence[PartcError]) -> PartcError:
     """The error the API raises when several were found: the earliest in file order.
 
     Ranking: errors with a location before those without, then by (file, line, column, pointer).
     """
     located = [e for e in errors if e.location is not None and e.location.line > 0]
-    pool = located or errors
+    pool = located or list(errors)
     return sorted(pool, key=PartcError.sort_key)[0]
 
 
@@ -251,7 +290,8 @@ class PartcErrors(PartcError):
     """Several errors found in one pass; `errors` holds them sorted, `str` shows the best one.
 
     Several CheckpointErrors make a `CheckpointErrors`, which is a CheckpointError too, so that
-    `except CheckpointError` catches a checkpoint with one problem or many.
+    `except CheckpointError` catches a checkpoint with one problem or many. The stage and kind
+    of the whole are its best error's (`to_json`); the command line reports each error.
     """
 
     def __new__(cls, errors: list[PartcError]) -> PartcErrors:
@@ -267,14 +307,46 @@ class PartcErrors(PartcError):
                          tensor=best.tensor, doc=best.doc)
         self.errors = ordered
         """Every error found, sorted by location."""
-        self.stage = best.stage
+        self.best = best
+        """The error `str` would put first under the API's ranking (see `best_error`)."""
 
     def __str__(self) -> str:
         return "\n".join(str(e) for e in self.errors)
 
+    def to_json(self) -> dict[str, object]:
+        """The best error's machine-readable form (the command line reports every error)."""
+        return self.best.to_json()
+
 
 class CheckpointErrors(PartcErrors, CheckpointError):
     """Several CheckpointErrors found in one pass (see PartcErrors)."""
+
+    stage: ClassVar[str] = CheckpointError.stage
+
+
+def raise_if_any(errors: Sequence[PartcError]) -> None:
+    """Raise what a pass found: nothing when `errors` is empty, the error itself when there is
+    one, else a PartcErrors of them all (sorted by location, the best one first in `str`)."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise PartcErrors(list(errors))
+
+
+STAGES: dict[str, type[PartcError]] = {
+    "load": LoadError,
+    "machine": MachineError,
+    "schema": SchemaError,
+    "family": SemanticError,
+    "plan": LayoutError,
+    "emit": EmitError,
+    "runtime": CheckpointError,
+    "launch": LaunchError,
+    "executor": ExecutorError,
+    "verify": VerifyError,
+}
+"""Each stage and the one class that introduces it, in pipeline order; every other error class
+derives from one of them and has its stage (the `--format json` output's `stage` field)."""
 
 
 # ---------------------------------------------------------------- vocabulary errors
@@ -294,15 +366,15 @@ class ArchitectureParameterErrorKind(enum.Enum):
     INVALID_OWNER = "invalid_owner"
 
 
-class ArchitectureParameterError(PartcError):
+class ArchitectureParameterError(SemanticError):
     """An ownership declaration that does not own every checkpoint target exactly once."""
 
-    stage = "family"
     doc_topic = "authoring#3-parameter-groups"
 
     def __init__(self, kind: ArchitectureParameterErrorKind, message: str, *, group: str = "",
-                 **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+                 location: SourceLocation | None = None, pointer: str = "",
+                 tensor: str | None = None, doc: str | None = None) -> None:
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.kind = kind
         """Which rule was broken."""
         self.group = group
@@ -325,17 +397,18 @@ class ArchitecturePartitionErrorKind(enum.Enum):
     MISSING_BOUNDARY = "missing_boundary"
 
 
-class ArchitecturePartitionError(PartcError):
+class ArchitecturePartitionError(LayoutError):
     """A pipeline partition that is not realizable or not self-consistent."""
 
-    stage = "plan"
     doc_topic = "boundaries#what-each-ranks-partition-checks"
 
-    def __init__(self, kind: ArchitecturePartitionErrorKind, message: str, **kwargs: object):
-        if kind in (ArchitecturePartitionErrorKind.INVALID_STAGES,
-                    ArchitecturePartitionErrorKind.UNKNOWN_GROUP):  # the stage layout asked for
-            kwargs.setdefault("doc", "boundaries#units-and-stages")
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, kind: ArchitecturePartitionErrorKind, message: str, *,
+                 location: SourceLocation | None = None, pointer: str = "",
+                 tensor: str | None = None, doc: str | None = None) -> None:
+        if doc is None and kind in (ArchitecturePartitionErrorKind.INVALID_STAGES,
+                                    ArchitecturePartitionErrorKind.UNKNOWN_GROUP):
+            doc = "boundaries#units-and-stages"  # the stage layout asked for
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.kind = kind
         """Which rule was broken."""
 
@@ -353,26 +426,21 @@ class LayeredPartitionErrorKind(enum.Enum):
     INVALID_OUTPUT = "invalid_output"
 
 
-class LayeredPartitionError(PartcError):
+class LayeredPartitionError(ExecutorError):
     """A rank's unit storage, state or inputs that disagree with its canonical partition."""
 
-    stage = "runtime"
-    doc_topic = "boundaries#what-each-ranks-partition-checks"
-
     def __init__(self, kind: LayeredPartitionErrorKind, message: str, *, group: str = "",
-                 **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+                 location: SourceLocation | None = None, pointer: str = "",
+                 tensor: str | None = None, doc: str | None = None) -> None:
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.kind = kind
         """Which rule was broken."""
         self.group = group
         """The execution group concerned ('' when none is)."""
 
 
-class LayeredPartitionBeginError(PartcError):
+class LayeredPartitionBeginError(ExecutorError):
     """The executor failed to begin the partition or to enter its first group."""
-
-    stage = "runtime"
-    doc_topic = "boundaries#what-each-ranks-partition-checks"
 
     def __init__(self, message: str, *, phase: str, group: str, cause: BaseException) -> None:
         super().__init__(message)
@@ -396,25 +464,45 @@ class ArchitectureBoundaryErrorKind(enum.Enum):
     NO_DATA = "no_data"
 
 
-_PAYLOAD_KINDS = frozenset(ArchitectureBoundaryErrorKind) - {
+PAYLOAD_KINDS = frozenset(ArchitectureBoundaryErrorKind) - {
     ArchitectureBoundaryErrorKind.INVALID_SCHEMA, ArchitectureBoundaryErrorKind.INVALID_GEOMETRY}
-"""Boundary problems found at run time (in a payload) rather than in a family's schema."""
+"""Boundary problems found at run time in a payload (a BoundaryPayloadError) rather than in a
+family's schema (an ArchitectureBoundaryError)."""
 
 
-class ArchitectureBoundaryError(PartcError):
-    """A boundary schema that is malformed, or a payload that does not match it."""
+class ArchitectureBoundaryError(SemanticError):
+    """A boundary schema that is malformed (INVALID_SCHEMA, INVALID_GEOMETRY)."""
 
-    stage = "family"
     doc_topic = "boundaries#the-boundary"
 
     def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, *, boundary: str = "",
-                 role: str | None = None, **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+                 role: str | None = None, location: SourceLocation | None = None,
+                 pointer: str = "", tensor: str | None = None, doc: str | None = None) -> None:
+        if kind in PAYLOAD_KINDS:
+            raise ValueError(f"{kind} is a payload problem: a BoundaryPayloadError")
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
         self.kind = kind
         """Which rule was broken."""
         self.boundary = boundary
         """Identity of the boundary schema concerned ('' when it has none yet)."""
         self.role = role
         """The boundary tensor role concerned, when the problem is about one."""
-        if kind in _PAYLOAD_KINDS:
-            self.stage = "runtime"
+
+
+class BoundaryPayloadError(ExecutorError):
+    """A payload sent between pipeline stages that does not match its boundary schema."""
+
+    doc_topic = "boundaries#the-boundary"
+
+    def __init__(self, kind: ArchitectureBoundaryErrorKind, message: str, *, boundary: str = "",
+                 role: str | None = None, location: SourceLocation | None = None,
+                 pointer: str = "", tensor: str | None = None, doc: str | None = None) -> None:
+        if kind not in PAYLOAD_KINDS:
+            raise ValueError(f"{kind} is a schema problem: an ArchitectureBoundaryError")
+        super().__init__(message, location=location, pointer=pointer, tensor=tensor, doc=doc)
+        self.kind = kind
+        """Which rule was broken."""
+        self.boundary = boundary
+        """Identity of the boundary schema concerned."""
+        self.role = role
+        """The boundary tensor role concerned, when the problem is about one."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from partc.emit.render import rank_module_name
-from partc.errors import CheckpointError, LoadError, PartcError, PartcErrors, SourceLocation
+from partc.errors import CheckpointError, LoadError, PartcError, SourceLocation, raise_if_any
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
 from partc.plan.plan_file import PlanFile, read_plan
@@ -105,8 +105,7 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     ranks = _rank_slices(Path(build), plan)
     opened = open_checkpoint(Path(checkpoint))
     errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
-    if errors:
-        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    raise_if_any(errors)
     inputs = [("checkpoint", checkpoint), ("build", build)]
     check_output(out, kind="shard", inputs=inputs, force=force)
     world = len(ranks)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from partc.bind.cache import BindCache
 from partc.bind.meanings import config_errors, read_fields
-from partc.errors import ExpressionError, PartcError, PartcErrors, SemanticError
+from partc.errors import ExpressionError, PartcError, SemanticError, raise_if_any
 from partc.family.declaration import ConfigType
 from partc.family.expr import Expression, Template
 from partc.family.expr_values import format_value
@@ -157,8 +157,7 @@ def read_config_values(family: FamilyDecl, config: RawDocument,
                 pending.append(field)
         except SemanticError as error:
             errors.append(error)
-    if errors:
-        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    raise_if_any(errors)
     while pending:
         progressed = False
         for field in list(pending):  # in declaration order, each seeing the values before it

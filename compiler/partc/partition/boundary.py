@@ -16,7 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from partc.errors import ArchitectureBoundaryError, ArchitectureBoundaryErrorKind
+from partc.errors import (
+    ArchitectureBoundaryError,
+    ArchitectureBoundaryErrorKind,
+    BoundaryPayloadError,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -477,8 +481,8 @@ class ArchitectureBoundaryValue:
 
     def __post_init__(self) -> None:
         if not self.role or not self.role.strip():
-            raise ArchitectureBoundaryError(ArchitectureBoundaryErrorKind.WRONG_ROLE,
-                                            "a boundary value needs a non-empty role")
+            raise BoundaryPayloadError(ArchitectureBoundaryErrorKind.WRONG_ROLE,
+                                       "a boundary value needs a non-empty role")
 
     def __repr__(self) -> str:
         shape = list(getattr(self.tensor, "shape", ()))
@@ -489,7 +493,7 @@ class ArchitectureBoundaryValue:
 def validate_boundary_tensor_count(schema: BoundaryWireSchema, tensors: Sized) -> None:
     """Refuse a payload whose tensor count differs from the schema's, before any decoding."""
     if len(tensors) != len(schema.tensors):
-        raise ArchitectureBoundaryError(
+        raise BoundaryPayloadError(
             ArchitectureBoundaryErrorKind.WRONG_COUNT,
             f"boundary `{schema.identity}` carries {len(schema.tensors)} tensor(s) "
             f"({', '.join(schema.roles)}) but {len(tensors)} were received",
@@ -653,8 +657,8 @@ class ArchitectureBoundary:
                                   "stage's computed values on the CPU or a device", spec.role)
 
     def _error(self, kind: ArchitectureBoundaryErrorKind, message: str,
-               role: str | None) -> ArchitectureBoundaryError:
-        return ArchitectureBoundaryError(kind, message, boundary=self.identity, role=role)
+               role: str | None) -> BoundaryPayloadError:
+        return BoundaryPayloadError(kind, message, boundary=self.identity, role=role)
 
 
 def _positive(value: object) -> bool:
@@ -676,7 +680,7 @@ def _same_dtype(found: Any, expected: np.dtype[Any]) -> bool:
 def _shape_of(value: ArchitectureBoundaryValue, identity: str) -> tuple[int, ...]:
     shape = getattr(value.tensor, "shape", None)
     if shape is None or not hasattr(value.tensor, "dtype"):
-        raise ArchitectureBoundaryError(
+        raise BoundaryPayloadError(
             ArchitectureBoundaryErrorKind.WRONG_SHAPE,
             f"boundary tensor `{value.role}` of `{identity}` must be an array with a shape and a "
             f"dtype, found {type(value.tensor).__name__}", boundary=identity, role=value.role)

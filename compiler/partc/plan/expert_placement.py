@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from partc.errors import ExpertParallelError, LayoutError, PartcErrors, SourceLocation, plural
+from partc.errors import ExpertParallelError, LayoutError, SourceLocation, plural, raise_if_any
 from partc.parallel.experts import (
     PLACEMENT_DOC,
     ExpertGroup,
@@ -54,10 +54,7 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
     if ranks and len(ranks) != expert_parallel_size:
         problems.insert(0, ("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
                                       f"expert_parallel_size is {expert_parallel_size}"))
-    if len(problems) == 1:
-        raise fail(*problems[0])
-    if problems:
-        raise PartcErrors([fail(*problem) for problem in problems])
+    raise_if_any([fail(*problem) for problem in problems])
     return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
                            explicit=True)
 

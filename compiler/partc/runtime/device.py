@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import Checkpoint
@@ -49,7 +49,7 @@ _DEVICE_RULE = "device must be None, 'cpu', 'cuda' or 'cuda:N' (a torch.device i
 
 
 def resolve_device(device: Any) -> Any:
-    """The torch.device a load goes to, or a CheckpointError saying why `device` is unusable.
+    """The torch.device a load goes to, or a LaunchError saying why `device` is unusable.
 
     None: `cuda:LOCAL_RANK` (LOCAL_RANK unset: 0) when torch sees a CUDA device, else the CPU.
     'cuda' without an index means `cuda:LOCAL_RANK` too.
@@ -61,32 +61,32 @@ def resolve_device(device: Any) -> Any:
             return torch.device("cpu")
         device = "cuda"
     if isinstance(device, bool) or not isinstance(device, str | torch.device):
-        raise CheckpointError(f"{_DEVICE_RULE}, found {device!r}")
+        raise LaunchError(f"{_DEVICE_RULE}, found {device!r}")
     try:
         found = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise CheckpointError(f"{_DEVICE_RULE}, found {device!r}") from None
+        raise LaunchError(f"{_DEVICE_RULE}, found {device!r}") from None
     if found.type == "cpu":
         return torch.device("cpu")
     if found.type != "cuda":
-        raise CheckpointError(f"partc loads to the CPU or a CUDA device; device {str(found)!r} is "
-                              f"of type {found.type!r}")
+        raise LaunchError(f"partc loads to the CPU or a CUDA device; device {str(found)!r} is "
+                          f"of type {found.type!r}")
     if not torch.cuda.is_available():
-        raise CheckpointError(f"device {str(found)!r} asked for, but torch {torch.__version__} "
-                              "sees no CUDA device (torch.cuda.is_available() is False); load "
-                              "with device='cpu'")
+        raise LaunchError(f"device {str(found)!r} asked for, but torch {torch.__version__} "
+                          "sees no CUDA device (torch.cuda.is_available() is False); load "
+                          "with device='cpu'")
     count = torch.cuda.device_count()
     index = found.index
     if index is None:
         local = local_rank_from_environment()
         index = 0 if local is None else local
         if index >= count:
-            raise CheckpointError(f"LOCAL_RANK={index} names CUDA device {index}, but torch "
-                                  f"sees {count} CUDA device(s); pass device='cuda:N', or run "
-                                  f"at most {count} processes per node")
+            raise LaunchError(f"LOCAL_RANK={index} names CUDA device {index}, but torch "
+                              f"sees {count} CUDA device(s); pass device='cuda:N', or run "
+                              f"at most {count} processes per node")
     elif index >= count:
-        raise CheckpointError(f"device 'cuda:{index}' asked for, but torch sees {count} CUDA "
-                              f"device(s) (cuda:0..cuda:{count - 1})")
+        raise LaunchError(f"device 'cuda:{index}' asked for, but torch sees {count} CUDA "
+                          f"device(s) (cuda:0..cuda:{count - 1})")
     return torch.device("cuda", index)
 
 
@@ -98,12 +98,12 @@ def load_target(options: LoadOptions) -> Any | None:
     zero_copy = options.zero_copy is not ZeroCopy.OFF
     if staged is not None and (zero_copy or options.reader is not None):
         option = f"zero_copy={options.zero_copy.value!r}" if zero_copy else "reader="
-        raise CheckpointError(f"a load to {staged} reads through the file mapping into host "
-                              f"staging buffers, which {option} cannot follow; load to "
-                              "device='cpu' for it")
+        raise LaunchError(f"a load to {staged} reads through the file mapping into host "
+                          f"staging buffers, which {option} cannot follow; load to "
+                          "device='cpu' for it")
     if options.staging_bytes is not None and staged is None:
-        raise CheckpointError("staging_bytes sizes the host ring of a load to a CUDA device; "
-                              "this load is not one")
+        raise LaunchError("staging_bytes sizes the host ring of a load to a CUDA device; "
+                          "this load is not one")
     if options.framework is Framework.TORCH:
         options.check_torch_views()
     return staged
@@ -288,8 +288,8 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
     torch = import_torch("a device load")
     total = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
     if isinstance(total, bool) or not isinstance(total, int) or total < _SLOTS:
-        raise CheckpointError(f"staging_bytes must be an integer of at least {_SLOTS}, found "
-                              f"{staging_bytes!r}")
+        raise LaunchError(f"staging_bytes must be an integer of at least {_SLOTS}, found "
+                          f"{staging_bytes!r}")
     transfer = transfer_for(device) if transfer is None else transfer
     names = [name for name, _ in requests]
     wholes = read_tensors(checkpoint, [(name, TensorSelection()) for name in names],
@@ -336,8 +336,8 @@ def torch_dtype(torch: Any, dtype: np.dtype[Any], name: str = "") -> Any:
     """The torch dtype of a numpy (or ml_dtypes) dtype of the same name."""
     found = getattr(torch, dtype.name, None)
     if not isinstance(found, torch.dtype):
-        raise CheckpointError(f"torch {torch.__version__} has no dtype {dtype.name}"
-                              + (f" for tensor `{name}`" if name else ""), tensor=name or None)
+        raise LaunchError(f"torch {torch.__version__} has no dtype {dtype.name}"
+                          + (f" for tensor `{name}`" if name else ""), tensor=name or None)
     return found
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+from partc.errors import CheckpointError, PartcError, SourceLocation, raise_if_any
 from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime._engine.workers import default_workers
@@ -136,7 +136,5 @@ def check_digests(names: Sequence[str], found: Mapping[str, str], expected: Mapp
                 f"tensor `{name}` does not match its digest in {source}: expected sha256 "
                 f"{expected[name]}, found {found[name]} (the payload bytes differ)",
                 location=SourceLocation(str(files[name])), tensor=name))
-    if errors:
-        raise errors[0] if len(errors) == 1 else PartcErrors(sorted(
-            errors, key=lambda e: e.tensor or ""))
+    raise_if_any(sorted(errors, key=lambda e: e.tensor or ""))
 

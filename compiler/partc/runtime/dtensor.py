@@ -6,7 +6,7 @@ ranks one extra element instead, and its fused-segment (`Indices`) placements an
 heads have no DTensor spelling at all (`partc compile --split chunk` makes uneven splits follow
 torch.chunk where they can). A tensor is converted only when its partc placement is
 exactly what DTensor would hold on that rank; otherwise `dtensor_placement` raises a
-CheckpointError naming the tensor, partc's range and DTensor's, so a DTensor is never silently
+LaunchError naming the tensor, partc's range and DTensor's, so a DTensor is never silently
 wrong. torch is imported only when DTensors are built.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 from partc.parallel.layout import LocalTensorLayout
 from partc.parallel.placements import PlacementKind
 from partc.parallel.specs import chunk_range
@@ -37,15 +37,15 @@ class DTensorSpec:
 
 def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
                       tensor_parallel_rank: int) -> DTensorSpec:
-    """The DTensor form of one layout on one TP rank, or a CheckpointError saying why not."""
+    """The DTensor form of one layout on one TP rank, or a LaunchError saying why not."""
     target, placement = layout.target, layout.placement
     if placement.kind in (PlacementKind.LOCAL, PlacementKind.RANK) and tensor_parallel_size > 1:
-        raise CheckpointError(
+        raise LaunchError(
             f"`{target}` is held whole by one rank of its tensor-parallel group only "
             f"({placement.kind.value}); DTensor's Replicate() would claim all "
             f"{tensor_parallel_size} hold it", tensor=target)
     if layout.kv_replicas > 1:
-        raise CheckpointError(
+        raise LaunchError(
             f"`{target}` repeats KV heads over {layout.kv_replicas} ranks (KV replication); "
             "DTensor has no placement for repeated shards. load() without DTensors serves it "
             "(each rank its KV head); for DTensors compile at a TP size the KV heads divide, or "
@@ -55,7 +55,7 @@ def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
         return DTensorSpec(target=target, shard_axis=None, global_shape=layout.global_shape)
     axis, ranges = layout.selection
     if placement.kind is PlacementKind.INDICES or axis is None or len(ranges) != 1:
-        raise CheckpointError(
+        raise LaunchError(
             f"`{target}` holds rows {_spell(ranges)} of axis {axis} (fused segments); DTensor's "
             "Shard holds one contiguous range per rank", tensor=target)
     expected = chunk_range(layout.global_shape[axis], tensor_parallel_size, tensor_parallel_rank)
@@ -65,11 +65,11 @@ def dtensor_placement(layout: LocalTensorLayout, tensor_parallel_size: int,
 
 
 def _chunk_error(layout: LocalTensorLayout, tensor_parallel_rank: int, held: Any,
-                 chunk: Any) -> CheckpointError:
+                 chunk: Any) -> LaunchError:
     """The refusal of a tensor TP rank `tensor_parallel_rank` holds as `held`, not `chunk`."""
     target, (axis, _) = layout.target, layout.selection
     assert axis is not None  # a split tensor
-    return CheckpointError(
+    return LaunchError(
         f"`{target}`: partc split axis {axis} of {layout.global_shape[axis]} so that TP rank "
         f"{tensor_parallel_rank} holds {_spell((tuple(held),))}, but DTensor's Shard({axis}) "
         f"(torch.chunk) would hold {_spell((tuple(chunk),))} there; compile with `--split "
@@ -101,14 +101,14 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not (hasattr(state, "info") and hasattr(state, "layout") and hasattr(state, "tensors")):
-        raise CheckpointError(f"to_dtensors takes the RankState load() returned (its layout "
-                              f"says how each tensor is split), found {type(state).__name__}")
+        raise LaunchError(f"to_dtensors takes the RankState load() returned (its layout "
+                          f"says how each tensor is split), found {type(state).__name__}")
     if not isinstance(mesh, DeviceMesh):
-        raise CheckpointError(f"to_dtensors takes a torch DeviceMesh (the package's "
-                              f"device_mesh()), found {type(mesh).__name__}")
+        raise LaunchError(f"to_dtensors takes a torch DeviceMesh (the package's "
+                          f"device_mesh()), found {type(mesh).__name__}")
     info = state.info
     if info.ranks_per_stage or info.expert_parallel_size > 1:
-        raise CheckpointError(
+        raise LaunchError(
             f"to_dtensors: rank {info.rank} is of an expert-parallel build, whose experts are "
             "held by their EP ranks only (DTensor has no placement for a tensor some ranks of "
             "the mesh lack); use its tensors with the package's process_groups()")
@@ -123,7 +123,7 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
     read_only = sorted(target for target, a in arrays.items()
                        if not isinstance(a, torch.Tensor) and not a.flags.writeable)
     if read_only:
-        raise CheckpointError(
+        raise LaunchError(
             f"to_dtensors: `{read_only[0]}` is a read-only view of the checkpoint file "
             "(zero_copy=True), which a torch tensor cannot be; load with zero_copy='private' "
             "(writable copy-on-write views) or without zero_copy", tensor=read_only[0])
@@ -159,13 +159,13 @@ def _tp_mesh(mesh: Any, info: Any) -> Any:
     elif mesh.ndim == 1 and not names:  # an unnamed 1-D mesh is taken as the TP group
         tp_mesh = mesh
     else:
-        raise CheckpointError(
+        raise LaunchError(
             "to_dtensors needs an unnamed 1-D tensor-parallel mesh or a mesh with a `tp` "
             f"dimension; this mesh has {mesh.ndim} dimensions named {names or 'nothing'}")
     size, rank = info.tensor_parallel_size, info.tensor_parallel_rank
     if tp_mesh.size() != size:
-        raise CheckpointError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
-                              f"has tensor-parallel size {size}")
+        raise LaunchError(f"the mesh's tp dimension has {tp_mesh.size()} ranks; this build "
+                          f"has tensor-parallel size {size}")
     # Every process holds the whole mesh: each TP group of it must be T consecutive global
     # ranks from a multiple of T, as the build's are (g = (dp*S + stage)*T + tp), so that a
     # mesh of other groups is refused by every process, not only where its own group differs.
@@ -173,20 +173,20 @@ def _tp_mesh(mesh: Any, info: Any) -> Any:
     axis = names.index("tp") if "tp" in names else whole.ndim - 1
     for group in whole.movedim(axis, -1).reshape(-1, whole.shape[axis]).tolist():
         if group != list(range(group[0], group[0] + size)) or group[0] % size:
-            raise CheckpointError(
+            raise LaunchError(
                 f"to_dtensors: the mesh's tp dimension groups global ranks {group}; a build's "
                 f"TP group is {size} consecutive ranks from a multiple of {size} (global rank "
                 "= (dp*S + stage)*T + tp): use the package's device_mesh()")
     if mesh.get_coordinate() is None:
-        raise CheckpointError("to_dtensors: this process is not one of the mesh's ranks")
+        raise LaunchError("to_dtensors: this process is not one of the mesh's ranks")
     mine = tp_mesh.get_local_rank()
     if mine != rank:
-        raise CheckpointError(
+        raise LaunchError(
             f"to_dtensors: the state is TP rank {rank} of the build (global rank {info.rank}), "
             f"but this process is TP rank {mine} of the mesh; load this process's own rank "
             "(the default: torchrun's RANK) or pass the mesh this rank belongs to")
     if "pp" in names and mesh.get_local_rank("pp") != info.pipeline_stage:
-        raise CheckpointError(
+        raise LaunchError(
             f"to_dtensors: the state is of pipeline stage {info.pipeline_stage}, but this "
             f"process is on stage {mesh.get_local_rank('pp')} of the mesh")
     return tp_mesh

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.errors import CheckpointError, PartcError, PartcErrors, SourceLocation
+from partc.errors import (
+    CheckpointError,
+    LaunchError,
+    PartcError,
+    SourceLocation,
+    raise_if_any,
+)
 from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -570,9 +576,7 @@ def _load(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     else:
         opened = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(
             checkpoint)
-        errors = check_header(table, opened, verify_fingerprint=options.verify_fingerprint)
-        if errors:
-            raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+        raise_if_any(check_header(table, opened, verify_fingerprint=options.verify_fingerprint))
         requests = _requests(selections)
     total = sum(nbytes for _, _, nbytes in selections)
     if staged is not None:
@@ -756,8 +760,7 @@ def _open_presharded(table: RankTable, manifest: ShardManifest, layout: LocalMod
                 f"tensor `{target}` is {entry.dtype} {list(entry.shape)} in the rank file; the "
                 f"plan expects {dtype} {list(shape)}", location=SourceLocation(str(header.path)),
                 tensor=target))
-    if errors:
-        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    raise_if_any(errors)
     return opened
 
 
@@ -796,7 +799,7 @@ def package_rank_module(package: str, modules: tuple[str, ...], rank: int | None
     if rank is None:
         rank = rank_from_environment(world_size, package_factors(package))
     if isinstance(rank, bool) or not isinstance(rank, int):
-        raise CheckpointError(f"rank must be an integer, found {rank!r}")
+        raise LaunchError(f"rank must be an integer, found {rank!r}")
     if not 0 <= rank < world_size:
         raise rank_out_of_range(rank, world_size)
     return importlib.import_module("." + modules[rank], package)

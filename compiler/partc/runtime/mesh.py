@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import CheckpointError, LayoutError
+from partc.errors import LaunchError, LayoutError
 from partc.parallel.shape import ParallelShape, RankCoordinates
 from partc.runtime.frameworks import import_torch
 from partc.runtime.rank_env import (
@@ -64,10 +64,10 @@ class BuildTopology:
     """X: ranks splitting each expert; a stage has N = E·X ranks."""
 
     def __post_init__(self) -> None:
-        try:  # the rule lives in ParallelShape; a launch reports it as a CheckpointError
+        try:  # the rule lives in ParallelShape; a launch reports it as a LaunchError
             self.shape  # noqa: B018 - built to be checked
         except LayoutError as exc:
-            raise CheckpointError(exc.message) from None
+            raise LaunchError(exc.message) from None
 
     @property
     def shape(self) -> ParallelShape:
@@ -103,9 +103,9 @@ class BuildTopology:
     def _check(self, global_rank: int) -> None:
         if isinstance(global_rank, bool) or not isinstance(global_rank, int) or not (
                 0 <= global_rank < self.world_size):
-            raise CheckpointError(f"rank {global_rank!r} is outside this job's ranks "
-                                  f"0..{self.world_size - 1} (dp {self.data_parallel_size} x "
-                                  f"{self.factors})")
+            raise LaunchError(f"rank {global_rank!r} is outside this job's ranks "
+                              f"0..{self.world_size - 1} (dp {self.data_parallel_size} x "
+                              f"{self.factors})")
 
     def coordinates(self, global_rank: int) -> RankCoordinates:
         """(d, p, t) of a global rank."""
@@ -122,14 +122,14 @@ class BuildTopology:
                 and 0 <= c.pipeline_stage < self.pipeline_parallel_size
                 and 0 <= c.tensor_parallel_rank < self.tensor_parallel_size
                 and 0 <= c.dense_replica < replicas):
-            raise CheckpointError(f"coordinates {coordinates} are outside D="
-                                  f"{self.data_parallel_size} x S={self.pipeline_parallel_size} "
-                                  f"x T={self.tensor_parallel_size}"
-                                  + (f" x {replicas} dense replicas" if replicas > 1 else ""))
+            raise LaunchError(f"coordinates {coordinates} are outside D="
+                              f"{self.data_parallel_size} x S={self.pipeline_parallel_size} "
+                              f"x T={self.tensor_parallel_size}"
+                              + (f" x {replicas} dense replicas" if replicas > 1 else ""))
         try:
             return shape.rank(coordinates)
         except LayoutError as exc:  # EP/ETP ranks that disagree with the dense replica
-            raise CheckpointError(exc.message) from None
+            raise LaunchError(exc.message) from None
 
     def build_rank(self, global_rank: int) -> int:
         """The rank within the build: which generated rank module the process loads."""
@@ -166,8 +166,8 @@ class BuildTopology:
 
     def _expert_build(self) -> None:
         if self.expert_parallel_size is None:
-            raise CheckpointError("this build has no expert parallelism (compiled without --ep), "
-                                  "so it has no EP or ETP groups")
+            raise LaunchError("this build has no expert parallelism (compiled without --ep), "
+                              "so it has no EP or ETP groups")
 
     def data_parallel_group(self, global_rank: int) -> tuple[int, ...]:
         """The global ranks holding this rank's build rank in every replica."""
@@ -207,7 +207,7 @@ class BuildTopology:
         fix = (f"; data_parallel_size={world // replica} fits this world (the default: D is "
                "WORLD_SIZE over a replica's ranks)" if world % replica == 0 else
                f", and {world} is no multiple of a replica's {replica} ranks")
-        raise CheckpointError(
+        raise LaunchError(
             f"the torch world has {world} processes; this topology needs {self.world_size} "
             f"(D={self.data_parallel_size} x S={self.pipeline_parallel_size} x "
             f"{self.ranks_per_stage} ranks a stage){fix}")
@@ -223,8 +223,8 @@ class BuildTopology:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise CheckpointError("torch.distributed is not initialised; call "
-                                  "init_process_group first (torchrun sets its environment)")
+            raise LaunchError("torch.distributed is not initialised; call "
+                              "init_process_group first (torchrun sets its environment)")
         self._check_world(dist.get_world_size())
         me = dist.get_rank() if global_rank is None else global_rank
         mine: dict[str, Any] = {}
@@ -269,17 +269,17 @@ def _check_device_type(torch: Any, device_type: Any) -> None:
     except (RuntimeError, TypeError, ValueError):
         device = None
     if device is None:
-        raise CheckpointError(f"device_mesh(): {device_type!r} is not a torch device type; "
-                              "expected 'cpu' or 'cuda'")
+        raise LaunchError(f"device_mesh(): {device_type!r} is not a torch device type; "
+                          "expected 'cpu' or 'cuda'")
     if device.index is not None:
-        raise CheckpointError(f"device_mesh(): {device_type!r} names one device; a mesh takes a "
-                              f"device type, {device.type!r} (each rank uses its own device)")
+        raise LaunchError(f"device_mesh(): {device_type!r} names one device; a mesh takes a "
+                          f"device type, {device.type!r} (each rank uses its own device)")
     if device.type != "cpu":
         backend = getattr(torch, device.type, None)
         available = getattr(backend, "is_available", None)
         if available is None or not available():
-            raise CheckpointError(f"device_mesh({device_type!r}): torch sees no {device.type} "
-                                  "device here; use 'cpu'")
+            raise LaunchError(f"device_mesh({device_type!r}): torch sees no {device.type} "
+                              "device here; use 'cpu'")
 
 
 def build_topology(tensor_parallel_size: int, pipeline_parallel_size: int,

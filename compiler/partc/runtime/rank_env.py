@@ -6,7 +6,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,7 +36,7 @@ class LaunchPosition:
                 == self.build_world_size * self.data_parallel_size
                 and self.global_rank == self.data_parallel_rank * self.build_world_size
                 + self.rank and 0 <= self.data_parallel_rank < self.data_parallel_size):
-            raise CheckpointError(f"inconsistent launch position {self}")
+            raise LaunchError(f"inconsistent launch position {self}")
 
 
 def environment_integer(name: str, raw: str) -> int:
@@ -48,10 +48,10 @@ def environment_integer(name: str, raw: str) -> int:
     text = raw.strip()
     digits = text[1:] if text.startswith("-") else text
     if not (digits.isascii() and digits.isdigit()):
-        raise CheckpointError(f"environment {name}={raw!r} is not an integer in ASCII digits "
-                              "(e.g. 3)")
+        raise LaunchError(f"environment {name}={raw!r} is not an integer in ASCII digits "
+                          "(e.g. 3)")
     if text.startswith("-"):
-        raise CheckpointError(f"environment {name}={raw!r} must not be negative")
+        raise LaunchError(f"environment {name}={raw!r} must not be negative")
     return int(text)
 
 
@@ -77,22 +77,22 @@ def launch_position(build_world_size: int, factors: str | None = None) -> Launch
     """
     raw = os.environ.get("RANK")
     if raw is None:
-        raise CheckpointError("no rank given and RANK is not set; pass rank= or run under "
-                              "torchrun")
+        raise LaunchError("no rank given and RANK is not set; pass rank= or run under "
+                          "torchrun")
     global_rank = environment_integer("RANK", raw)
     world_raw = os.environ.get("WORLD_SIZE")
     world = build_world_size if world_raw is None else environment_integer("WORLD_SIZE", world_raw)
     if world == 0:
-        raise CheckpointError(f"environment WORLD_SIZE={world_raw!r} must be a positive count of "
-                              "processes (at least this build's "
-                              f"{build_world_size}); unset it for one replica")
+        raise LaunchError(f"environment WORLD_SIZE={world_raw!r} must be a positive count of "
+                          "processes (at least this build's "
+                          f"{build_world_size}); unset it for one replica")
     if world % build_world_size:
         raise not_a_multiple(world, build_world_size, factors)
     if global_rank >= world:
-        raise CheckpointError(f"RANK={global_rank} is outside WORLD_SIZE={world}" if world_raw
-                              is not None else f"RANK={global_rank} is outside this build's "
-                              f"ranks 0..{build_world_size - 1} (WORLD_SIZE is not set: one "
-                              "replica)")
+        raise LaunchError(f"RANK={global_rank} is outside WORLD_SIZE={world}" if world_raw
+                          is not None else f"RANK={global_rank} is outside this build's "
+                          f"ranks 0..{build_world_size - 1} (WORLD_SIZE is not set: one "
+                          "replica)")
     return LaunchPosition(global_rank=global_rank, world_size=world,
                           rank=global_rank % build_world_size,
                           build_world_size=build_world_size,
@@ -112,10 +112,10 @@ def build_launch_position(tensor_parallel_size: int, pipeline_parallel_size: int
         expert_tensor_parallel_size))
 
 
-def not_a_multiple(world: int, build_world_size: int, factors: str | None) -> CheckpointError:
+def not_a_multiple(world: int, build_world_size: int, factors: str | None) -> LaunchError:
     """The error for a WORLD_SIZE that is no multiple of the build's ranks (`factors` of them)."""
     named = "" if factors is None else f" ({factors})"
-    return CheckpointError(
+    return LaunchError(
         f"WORLD_SIZE={world} is not a multiple of this build's {build_world_size} "
         f"rank{'' if build_world_size == 1 else 's'}{named}; run {build_world_size} x D "
         "processes for D data-parallel replicas")
@@ -139,6 +139,6 @@ def package_factors(package: str) -> str | None:
                          etp if isinstance(etp, int) else 1)
 
 
-def rank_out_of_range(rank: int, world_size: int) -> CheckpointError:
+def rank_out_of_range(rank: int, world_size: int) -> LaunchError:
     """The error for a rank outside the build."""
-    return CheckpointError(f"rank {rank} is outside this build's ranks 0..{world_size - 1}")
+    return LaunchError(f"rank {rank} is outside this build's ranks 0..{world_size - 1}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from partc.errors import PartcError, SourceLocation
+from partc.errors import SourceLocation, VerifyError
 from partc.front.load import MAX_CONFIG_BYTES, RawDocument, decode_text, parse_json, read_bytes
 
 INSTALL_HINT = "pip install 'partc[verify]'"
@@ -34,12 +34,6 @@ IMAGE_AFTER = 3
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
 """The transformers auto classes a reference model is built with, the first that maps the
 config's class: text-only causal LMs, then vision-language models."""
-
-
-class VerifyError(PartcError):
-    """`partc verify` could not run: a missing library, or a config transformers refuses."""
-
-    stage = "verify"
 
 
 def require_libraries() -> tuple[Any, Any]:

@@ -40,11 +40,10 @@ from partc.api import (
     stage_topology,
     topology_errors,
 )
-from partc.errors import PartcError, PartcErrors, SourceLocation
+from partc.errors import PartcError, PartcErrors, SourceLocation, VerifyError, raise_if_any
 from partc.plan.topology import Topology
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.reference import (
-    VerifyError,
     build_reference,
     load_config,
     reference_config,
@@ -286,8 +285,7 @@ def checked_config(family: str | Path | None, config: Path,
                         "check": "pipeline"})
     elif not compiles(1, stages, pipeline_parallel_size is not None or bool(stage_units)):
         stages = 1
-    if errors:
-        raise errors[0] if len(errors) == 1 else PartcErrors(errors)
+    raise_if_any(errors)
     return CheckedConfig(data=data, family=bound.family, model_type=bound.model_type,
                          tensor_parallel_sizes=sizes, pipeline_parallel_size=stages,
                          stage_units=stage_units if stages > 1 else None,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 
-from partc.errors import CheckpointError
+from partc.errors import LaunchError
 
 
 def environment_count(name: str) -> int | None:
     """Environment variable `name` as a positive integer; None when unset or blank.
 
-    Any other value is a CheckpointError naming the variable and its value: only ASCII digits
+    Any other value is a LaunchError naming the variable and its value: only ASCII digits
     are read (`str.isdigit` accepts '²', which `int` refuses; `int` accepts '1_0' and
     other scripts' digits, which no launcher writes).
     """
@@ -20,8 +20,8 @@ def environment_count(name: str) -> int | None:
     if not text:
         return None
     if not (text.isascii() and text.isdigit()) or int(text) == 0:
-        raise CheckpointError(f"environment {name}={raw!r} must be a positive integer in ASCII "
-                              "digits (e.g. 4); unset it for the default")
+        raise LaunchError(f"environment {name}={raw!r} must be a positive integer in ASCII "
+                          "digits (e.g. 4); unset it for the default")
     return int(text)
 
 
