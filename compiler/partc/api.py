@@ -62,6 +62,7 @@ _FAMILY_SOURCES = FamilySources(
     is_file=family_spec_is_file, builtin_names=builtin_families, builtin_prefix=BUILTIN_PREFIX)
 """Where `extends:` reads base families: the family library."""
 
+
 def load_family(spec: str | Path, *, builtin: bool = False) -> tuple[FamilyDecl, str]:
     """Load, schema-check and build a family; returns it with the sha256 of its text.
 
