@@ -19,7 +19,7 @@ import pytest
 from regenerate_cases import GOLDEN, GOLDEN_BUILDS, compile_golden
 from safetensors import safe_open
 
-from support import ROOT, hf
+from support import ROOT, hf, import_build
 
 REGENERATE = "python tests/regenerate_cases.py --golden"
 
@@ -83,12 +83,12 @@ def test_golden_and_freshly_compiled_packages_pass_ruff_format_check(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_BUILDS))
 def test_each_reads_line_says_what_load_returns_by_the_safetensors_library(
-        name, tmp_path, monkeypatch):
+        name, tmp_path):
     fixture = hf(GOLDEN_BUILDS[name][0])
     checkpoint = fixture / "model.safetensors"
     compile_golden(name, tmp_path / name)  # the golden build's bytes (test above)
-    monkeypatch.syspath_prepend(str(tmp_path / name))
-    package = importlib.import_module(_package(tmp_path / name).name)
+    # fresh: another test of this process may have imported a package of the same name
+    package = import_build(tmp_path / name)
     modules = sorted(_package(tmp_path / name).glob("rank_*.py"))
     reads_by_rank = {}
     for rank, module in enumerate(modules):
@@ -96,6 +96,7 @@ def test_each_reads_line_says_what_load_returns_by_the_safetensors_library(
         assert reads, f"{module.name} has no READS table"
         state = package.load(str(fixture), rank=rank)
         rank_module = importlib.import_module(f"{package.__name__}.{module.stem}")
+        assert Path(rank_module.__file__) == module  # this build's module, not a stale one
         targets = rank_module.TARGETS
         targets = targets.splitlines() if isinstance(targets, str) else list(targets)
         assert [m["target"] for m in reads] == targets, module.name  # in TARGETS order
