@@ -219,12 +219,13 @@ class CheckpointError(PartcError):
 
 
 class LaunchError(CheckpointError):
-    """A process launched wrongly for the build it loads: RANK, WORLD_SIZE or LOCAL_RANK, the
-    rank or device asked for, the device mesh, the process group, a runtime call's arguments.
+    """A process launched wrongly for the build it loads: RANK, WORLD_SIZE, LOCAL_RANK or a
+    reader-count variable, the rank or device asked for, a device mesh or process group that
+    is not the build's, DTensors asked of a state that cannot be them.
 
     It derives from CheckpointError, which these faults raised before they had a class of their
     own, so that `except CheckpointError` still catches them; `except LaunchError` catches
-    them alone.
+    them alone. The other keywords of `load()` are refused as CheckpointErrors.
     """
 
     stage: ClassVar[str] = "launch"
