@@ -29,7 +29,7 @@ PATHS = ("pathlib",)
 found["paths"] = sorted(m for m in PATHS if m in sys.modules)
 LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.runtime.driver",
         "partc.runtime.device", "partc.runtime.mesh", "partc.parallel.experts", "difflib",
-        "partc.parallel.layout")
+        "partc.parallel.layout", "partc.parallel.shape")
 found["late"] = sorted(m for m in LATE if m in sys.modules)
 sys.path.insert(0, build)
 import importlib
@@ -87,7 +87,7 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
     assert found["info"] == [compiled.info.owned_tensors, compiled.info.local_parameter_bytes,
                              compiled.info.local_parameter_bytes]
     assert found["late after boundary"] == ["partc.parallel.layout", "partc.partition.boundary"]
-    assert found["late after topology"] == ["partc.parallel.experts", "partc.parallel.layout",
+    assert found["late after topology"] == ["partc.parallel.layout", "partc.parallel.shape",
                                             "partc.partition.boundary", "partc.runtime.mesh"]
 
 
