@@ -108,10 +108,11 @@ elif mode == "header":
                   tensors=len(checkpoint.names))
 elif mode == "profile":
     import cProfile, pstats
-    from partc.api import compile_family
-    cProfile.run("compile_family(spec['family'], spec['config'], tensor_parallel_size="
-                 "spec['tp'], pipeline_parallel_size=spec['pp'], checkpoint=spec['checkpoint'])",
-                 spec["out"])
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.topology import Topology
+    cProfile.run("compile_family(spec['family'], spec['config'], Topology(tensor_parallel_size="
+                 "spec['tp'], pipeline_parallel_size=spec['pp']), "
+                 "CompileOptions(checkpoint=spec['checkpoint']))", spec["out"])
     pstats.Stats(spec["out"]).sort_stats("cumulative").print_stats(30)
     pstats.Stats(spec["out"]).sort_stats("tottime").print_stats(20)
 print(json.dumps(result))

@@ -500,16 +500,18 @@ def evict(files: list[Path]) -> None:
 def compile_builds(folder: Path, builds: Path, tps: list[int]) -> dict[int, dict[str, Any]]:
     import compileall
 
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
     from partc.emit.render import package_name, rank_module_name
+    from partc.plan.topology import Topology
     from partc.runtime.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(folder)
     out = {}
     for tp in tps:
         build = builds / f"tp{tp}"
-        result = compile_family("llama", folder / "config.json", tensor_parallel_size=tp,
-                                pipeline_parallel_size=1, checkpoint=folder, out=build)
+        result = compile_family("llama", folder / "config.json",
+                                Topology(tensor_parallel_size=tp, pipeline_parallel_size=1),
+                                CompileOptions(checkpoint=folder, out=build))
         # byte-compiled once, as pip compiled partc's own modules: a serving process imports
         # compiled code (where PYTHONDONTWRITEBYTECODE is set, or the build is read-only,
         # nothing else would write it, and compiling the rank module from source measured

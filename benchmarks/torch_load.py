@@ -298,11 +298,13 @@ def main() -> None:
     files = checkpoint_files(folder)
     total = sum(f.stat().st_size for f in files)
 
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
     from partc.emit.render import package_name
+    from partc.plan.topology import Topology
 
-    result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
-                            pipeline_parallel_size=1, checkpoint=folder, out=root / "build")
+    result = compile_family("llama", folder / "config.json",
+                            Topology(tensor_parallel_size=args.tp, pipeline_parallel_size=1),
+                            CompileOptions(checkpoint=folder, out=root / "build"))
     # the generated package byte-compiled once, as transformers' modules were when installed:
     # a serving process imports compiled code (where PYTHONDONTWRITEBYTECODE is set, or the
     # build is read-only, nothing else would write it; compiling the rank module from source

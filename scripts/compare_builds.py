@@ -29,17 +29,23 @@ _COMPILE = r"""
 import hashlib, json, sys, tempfile
 from pathlib import Path
 from partc.errors import PartcError
-try:
-    from partc.api import compile_family
-except ImportError:
-    raise
+import inspect
+from partc.api import compile_family
+if "topology" in inspect.signature(compile_family).parameters:  # compile_family(F, C, T, options)
+    from partc.api import CompileOptions
+    from partc.plan.topology import Topology
+    def build(config, tp, pp, out):
+        compile_family(None, config, Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                       CompileOptions(out=out))
+else:  # the keyword interface before it
+    def build(config, tp, pp, out):
+        compile_family(None, config, tensor_parallel_size=tp, pipeline_parallel_size=pp, out=out)
 digests = {}
 for fixture, tp, pp in json.loads(sys.argv[1]):
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "build"
         try:
-            compile_family(None, Path(fixture) / "config.json", tensor_parallel_size=tp,
-                           pipeline_parallel_size=pp, out=out)
+            build(Path(fixture) / "config.json", tp, pp, out)
         except PartcError as exc:
             digests[f"{fixture} {tp}x{pp}"] = {"error": str(exc).replace(scratch, "<out>")}
             continue

@@ -218,12 +218,13 @@ def _load_with_good_build(scratch: Path, args: list[str]) -> Any:
 
 
 def _fingerprinted_build(scratch: Path) -> list[str]:
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
 
     shutil.copy(FIXTURE / "config.json", scratch / "config.json")
     copy_checkpoint(scratch, "ckpt")
     _extra_tensor(copy_checkpoint(scratch, "other"))
-    compile_family("llama", "config.json", checkpoint="ckpt", out="fingerprinted")
+    compile_family("llama", "config.json", None,
+                   CompileOptions(checkpoint="ckpt", out="fingerprinted"))
     return ["compile", "llama", "--config", "config.json", "--checkpoint", "other", "--out",
             "fingerprinted"]
 
@@ -655,12 +656,13 @@ _GOOD_BUILD: dict[str, Any] = {}
 def _good_build(work: Path) -> tuple[Path, Any]:
     """A clean TP=2 build of the tiny Llama, compiled once, and its imported package."""
     if "package" not in _GOOD_BUILD:
-        from partc.api import compile_family
+        from partc.api import CompileOptions, compile_family
         from partc.emit.render import package_name
+        from partc.plan.topology import Topology
 
         out = work / "good-build"
-        result = compile_family("llama", FIXTURE / "config.json", tensor_parallel_size=2,
-                                out=out)
+        result = compile_family("llama", FIXTURE / "config.json", Topology(tensor_parallel_size=2),
+                                CompileOptions(out=out))
         _GOOD_BUILD["package"] = _fresh_import(out, package_name(result.plan))
         _GOOD_BUILD["out"] = out
     return _GOOD_BUILD["out"], _GOOD_BUILD["package"]
@@ -680,9 +682,9 @@ def run_fault(fault: Fault, work: Path) -> Outcome:
         if args[0] == "compile":
             build = scratch / args[args.index("--out") + 1]
             if build.name == "build" and not build.exists() and build.parent.is_dir():
-                from partc.api import compile_family
+                from partc.api import CompileOptions, compile_family
 
-                compile_family("llama", FIXTURE / "config.json", out=build)
+                compile_family("llama", FIXTURE / "config.json", None, CompileOptions(out=build))
             before = _tree(build) if build.is_dir() else None
         status, out, err = _run_cli([*args, "--format", "json"])
         kind, message = _scrub(scratch, *_first_error(out))

@@ -42,12 +42,13 @@ GOLDEN_BUILDS: dict[str, tuple[str, int, int, int | None]] = {
 
 def compile_golden(name: str, out: Path) -> None:
     """Compile golden build `name` into `out` (replaced whole), as `partc compile` would."""
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.topology import Topology
 
     fixture, tp, pp, ep = GOLDEN_BUILDS[name]
     compile_family(None, ROOT / "tests" / "fixtures" / "hf" / fixture / "config.json",
-                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                   expert_parallel_size=ep, out=out)
+                   Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            expert_parallel_size=ep), CompileOptions(out=out))
 
 
 def write_golden(names: list[str]) -> None:

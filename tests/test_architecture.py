@@ -229,11 +229,13 @@ def test_the_runtime_needs_nothing_of_the_compiler():
 def test_a_generated_module_loads_with_the_compiler_libraries_blocked(tmp_path):
     """Import a build's rank module and load a checkpoint with jinja2, yaml, jsonschema and
     safetensors made unimportable (sys.modules[name] = None), in a fresh interpreter."""
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.topology import Topology
 
     fixture = ROOT / "tests" / "fixtures" / "hf" / "llama"
-    compile_family(None, fixture / "config.json", tensor_parallel_size=2,
-                   pipeline_parallel_size=1, out=tmp_path / "build")
+    compile_family(None, fixture / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=1),
+                   CompileOptions(out=tmp_path / "build"))
     script = (
         "import sys\n"
         f"for name in {COMPILER_ONLY!r}: sys.modules[name] = None\n"

@@ -14,6 +14,7 @@ import pytest
 
 from partc.api import bind, check_family, compile_family
 from partc.errors import PartcError
+from partc.plan.topology import Topology
 
 from support import ROOT, hf
 
@@ -58,7 +59,7 @@ def test_the_same_split_with_heads_stated_keeps_whole_heads_at_three_ranks(tmp_p
         .replace('o_proj", sharding: row,', 'o_proj", sharding: row, heads: 4,'))
     assert check_family(fixed, hf("llama") / "config.json") == []
     with pytest.raises(PartcError) as info:
-        compile_family(fixed, hf("llama") / "config.json", tensor_parallel_size=3)
+        compile_family(fixed, hf("llama") / "config.json", Topology(tensor_parallel_size=3))
     assert "2 partition units" in info.value.message and "3" in info.value.message
 
 

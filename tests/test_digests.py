@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError, LoadError, PartcErrors
 from partc.front.schema import load_schema
+from partc.plan.topology import Topology
 from partc.runtime.manifest import SHARD_MANIFEST, read_shard_manifest
 from partc.shard import shard_checkpoint
 
@@ -59,8 +60,8 @@ def flip_byte_of(file: Path, tensor: str) -> None:
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A TP=2 build of the tiny Llama (no digests) and a `partc shard` folder of it."""
     root = tmp_path_factory.mktemp("digests")
-    plan = compile_family("llama", LLAMA / "config.json", tensor_parallel_size=2,
-                          out=root / "build").plan
+    plan = compile_family("llama", LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                          CompileOptions(out=root / "build")).plan
     shard_checkpoint(root / "build", LLAMA, root / "shards")
     return root, plan
 
@@ -116,8 +117,9 @@ def test_compile_with_digests_records_the_oracle_digests_in_the_plan(tmp_path: P
     assert main(["compile", "llama", "--config", str(LLAMA / "config.json"), "--tp", "2",
                  "--pp", "2", "--checkpoint", str(LLAMA), "--digests", "--out", str(out)]) == 0
     document = json.loads((out / "plan.json").read_text())
-    plan = compile_family("llama", LLAMA / "config.json", tensor_parallel_size=2,
-                          pipeline_parallel_size=2, checkpoint=LLAMA).plan
+    plan = compile_family("llama", LLAMA / "config.json",
+                          Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                          CompileOptions(checkpoint=LLAMA)).plan
     assert document["digests"] == oracle_digests(LLAMA, plan)
     jsonschema.Draft202012Validator(load_schema("plan.schema.json")).validate(document)
     assert document["plan_hash"] != plan.plan_hash  # the digests are part of the hash
@@ -126,8 +128,8 @@ def test_compile_with_digests_records_the_oracle_digests_in_the_plan(tmp_path: P
 
 
 def test_a_plan_without_digests_has_no_digest_key_and_no_digest_table(tmp_path: Path) -> None:
-    result = compile_family("llama", LLAMA / "config.json", tensor_parallel_size=2,
-                            checkpoint=LLAMA, out=tmp_path / "build")
+    result = compile_family("llama", LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                            CompileOptions(checkpoint=LLAMA, out=tmp_path / "build"))
     document = json.loads((tmp_path / "build" / "plan.json").read_text())
     assert "digests" not in document and result.plan.payload_digests is None
     assert (tmp_path / "build" / "plan.json").read_text() == result.plan.document[1]
@@ -216,7 +218,7 @@ def manifest_before(folder: Path) -> list[dict[str, str]]:
 
 def test_digests_need_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(LoadError, match="digests need a checkpoint to read"):
-        compile_family("llama", LLAMA / "config.json", digests=True)
+        compile_family("llama", LLAMA / "config.json", None, CompileOptions(digests=True))
     with pytest.raises(SystemExit) as exited:  # on the command line, a usage error
         main(["compile", "llama", "--config", str(LLAMA / "config.json"), "--digests",
               "--out", str(tmp_path / "b")])

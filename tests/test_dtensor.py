@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.errors import LaunchError
 from partc.parallel.specs import ShardingPolicy, chunk_range
+from partc.plan.topology import Topology
 from partc.runtime.dtensor import dtensor_specs
 
 from support import HF, import_build
@@ -37,7 +38,8 @@ def test_chunk_range_is_torch_chunk():
 
 
 def test_every_tensor_of_an_even_llama_split_maps_to_shard_or_replicate(tmp_path):
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     package = import_build(tmp_path / "b")
     for rank in range(2):
         specs = dtensor_specs(package.load(LLAMA, rank=rank).layout, 2, rank)
@@ -48,8 +50,8 @@ def test_every_tensor_of_an_even_llama_split_maps_to_shard_or_replicate(tmp_path
 
 def test_an_uneven_vocabulary_split_is_refused_with_both_ranges(tmp_path):
     # vocab 131 over 8: partc gives rank 7 rows 115:131, torch.chunk 119:131
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
-                   policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=8),
+                   CompileOptions(policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b"))
     package = import_build(tmp_path / "b")
     layout = package.load(LLAMA, rank=7).layout
     with pytest.raises(LaunchError) as caught:
@@ -61,8 +63,9 @@ def test_an_uneven_vocabulary_split_is_refused_with_both_ranges(tmp_path):
 
 
 def test_the_plan_lists_every_tensor_some_tp_rank_holds_otherwise_than_torch_chunk(tmp_path):
-    plan = compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
-                          policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b").plan
+    plan = compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=8),
+                          CompileOptions(policy=ShardingPolicy.REPLICATE_UNSUPPORTED,
+                                         out=tmp_path / "b")).plan
     expected = {}  # every rank's own range against torch.chunk's (chunk_range is torch.chunk)
     for rank in sorted(plan.ranks, key=lambda r: r.tensor_parallel_rank):
         for layout in rank.layout.tensors:
@@ -81,8 +84,9 @@ def test_the_plan_lists_every_tensor_some_tp_rank_holds_otherwise_than_torch_chu
 def test_an_uneven_split_is_refused_on_a_rank_whose_own_range_is_torch_chunks(tmp_path):
     """Without the stage's list, TP ranks 0-2 (rows 0:51, as torch.chunk's) built DTensors
     and went on into collectives the refusing ranks 3-7 never joined."""
-    result = compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
-                            policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
+    result = compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=8),
+                            CompileOptions(policy=ShardingPolicy.REPLICATE_UNSUPPORTED,
+                                           out=tmp_path / "b"))
     from partc.emit.render import package_name
 
     got = _attempts(tmp_path / "b", LLAMA, package_name(result.plan), 0, 8, ["own-rank"])
@@ -95,8 +99,9 @@ def test_an_uneven_split_is_refused_on_a_rank_whose_own_range_is_torch_chunks(tm
 def test_a_mesh_whose_tp_groups_are_not_the_builds_is_refused_by_every_process(tmp_path):
     # a (tp, pp) mesh: TP groups [0, 2] and [1, 3] instead of the build's [0, 1] and [2, 3];
     # processes 0 and 3 sit at their own TP rank and stage in it and were accepted
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, pipeline_parallel_size=2,
-                   out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     for rank in range(4):
         got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp2", rank, 4, ["swapped-mesh"])
         assert got["swapped-mesh"].startswith(
@@ -105,7 +110,8 @@ def test_a_mesh_whose_tp_groups_are_not_the_builds_is_refused_by_every_process(t
 
 
 def test_to_dtensors_names_what_it_takes_when_given_something_else(tmp_path):
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp1", 0, 2,
                     ["tensors-dict", "no-mesh"])
     assert got["tensors-dict"] == ("refused: to_dtensors takes the RankState load() returned "
@@ -116,7 +122,8 @@ def test_to_dtensors_names_what_it_takes_when_given_something_else(tmp_path):
 
 def test_repeated_kv_heads_are_refused(tmp_path):
     # the built-in Llama repeats its 2 KV heads over 4 ranks (kv_replication: true)
-    compile_family("llama", LLAMA / "config.json", tensor_parallel_size=4, out=tmp_path / "b")
+    compile_family("llama", LLAMA / "config.json", Topology(tensor_parallel_size=4),
+                   CompileOptions(out=tmp_path / "b"))
     layout = import_build(tmp_path / "b").load(LLAMA, rank=0).layout
     with pytest.raises(LaunchError, match=r"repeats KV heads over 2 ranks"):
         dtensor_specs(layout, 4, 0)
@@ -124,8 +131,9 @@ def test_repeated_kv_heads_are_refused(tmp_path):
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 2), (2, 1)])
 def test_under_torchrun_full_tensor_of_every_dtensor_is_the_checkpoint_tensor(tmp_path, tp, pp):
-    result = compile_family(None, LLAMA / "config.json", tensor_parallel_size=tp,
-                            pipeline_parallel_size=pp, out=tmp_path / "b")
+    result = compile_family(None, LLAMA / "config.json",
+                            Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                            CompileOptions(out=tmp_path / "b"))
     package = f"partc_llama_tp{tp}_pp{pp}"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     reports_dir = tmp_path / "reports"
@@ -150,7 +158,8 @@ def test_under_torchrun_full_tensor_of_every_dtensor_is_the_checkpoint_tensor(tm
 def test_to_dtensors_equals_from_local_tensor_by_tensor(tmp_path, mode):
     # one spec per kind of tensor (placement, global shape, dtype) is shared by the DTensors
     # DTensor's constructor makes; where it refuses, every tensor comes from from_local
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run(
         [sys.executable, str(WORKER.parent / "dtensor_fast_worker.py"), str(tmp_path / "b"),
@@ -181,7 +190,8 @@ def _attempts(build: Path, checkpoint: Path, package: str, rank: int, world: int
 
 def test_a_dtensor_of_another_rank_dimension_or_world_is_refused_never_built(tmp_path):
     # a T=2 build in a 4-process job (D=2), as global rank 1 (replica 0, TP rank 1)
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp1", 1, 4,
                     ["own-rank", "dp-dimension", "other-rank", "read-only", "wrong-world",
                      "device=gpu", "device=cuda", "device=cuda:0"])
@@ -202,8 +212,9 @@ def test_a_dtensor_of_another_rank_dimension_or_world_is_refused_never_built(tmp
 
 
 def test_a_state_of_another_pipeline_stage_is_refused(tmp_path):
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, pipeline_parallel_size=2,
-                   out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     got = _attempts(tmp_path / "b", LLAMA, "partc_llama_tp2_pp2", 0, 4,
                     ["own-rank", "other-stage"])
     assert got["own-rank"] == "accepted"
@@ -213,8 +224,9 @@ def test_a_state_of_another_pipeline_stage_is_refused(tmp_path):
 
 def test_an_expert_parallel_build_is_refused_not_replicated(tmp_path):
     mixtral = HF / "mixtral"
-    result = compile_family(None, mixtral / "config.json", tensor_parallel_size=2,
-                            expert_parallel_size=2, out=tmp_path / "b")
+    result = compile_family(None, mixtral / "config.json",
+                            Topology(tensor_parallel_size=2, expert_parallel_size=2),
+                            CompileOptions(out=tmp_path / "b"))
     from partc.emit.render import package_name
 
     got = _attempts(tmp_path / "b", mixtral, package_name(result.plan), 0, 2,

@@ -64,13 +64,14 @@ def test_a_checkpoint_with_several_problems_is_still_a_checkpoint_error(tmp_path
     # two tensors missing: the header check reports both
     from safetensors.numpy import load_file, save_file
 
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
     from partc.errors import CheckpointError, CheckpointErrors, LayoutError, PartcErrors
+    from partc.plan.topology import Topology
 
     from support import hf, import_build
 
-    compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
-                   checkpoint=hf("llama"), out=tmp_path / "b")
+    compile_family(None, hf("llama") / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(checkpoint=hf("llama"), out=tmp_path / "b"))
     tensors = load_file(str(hf("llama") / "model.safetensors"))
     del tensors["model.layers.0.self_attn.q_proj.weight"]
     del tensors["model.layers.1.mlp.up_proj.weight"]

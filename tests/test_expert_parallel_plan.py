@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from partc.api import bind, check_family, checkpoint_errors, compile_family
+from partc.api import CompileOptions, bind, check_family, checkpoint_errors, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError, LaunchError, LayoutError, SchemaError, SemanticError
 from partc.parallel.shape import RankCoordinates
@@ -43,8 +43,9 @@ def schema() -> jsonschema.Draft202012Validator:
 
 
 def test_the_plan_records_the_layout_the_placement_and_each_ranks_coordinates() -> None:
-    plan = compile_family(None, QWEN, tensor_parallel_size=2, pipeline_parallel_size=2,
-                          expert_parallel_size=2, expert_tensor_parallel_size=2).plan
+    plan = compile_family(None, QWEN,
+                          Topology(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                   expert_parallel_size=2, expert_tensor_parallel_size=2)).plan
     body = plan.to_json()
     schema().validate(body)
     assert body["topology"]["expert_parallel_size"] == 2
@@ -77,7 +78,7 @@ def test_the_plan_records_the_layout_the_placement_and_each_ranks_coordinates() 
 
 
 def test_without_ep_a_plan_has_no_expert_keys_and_experts_split_over_the_tp_ranks() -> None:
-    plan = compile_family(None, QWEN, tensor_parallel_size=2).plan
+    plan = compile_family(None, QWEN, Topology(tensor_parallel_size=2)).plan
     body = plan.to_json()
     assert "expert_parallel" not in body
     assert set(body["topology"]) == {"tensor_parallel_size", "pipeline_parallel_size",
@@ -92,8 +93,8 @@ def test_without_ep_a_plan_has_no_expert_keys_and_experts_split_over_the_tp_rank
 def test_stacked_experts_are_read_as_the_rows_of_each_ranks_experts(tmp_path: Path) -> None:
     placement_dir = tmp_path
     (placement_dir / "p.json").write_text(json.dumps({"ranks": [[0, 3], [1, 2, 3]]}))
-    plan = compile_family(None, GPT_OSS, expert_parallel_size=2,
-                          expert_placement=placement_dir / "p.json").plan
+    plan = compile_family(None, GPT_OSS, Topology(expert_parallel_size=2),
+                          CompileOptions(expert_placement=placement_dir / "p.json")).plan
     schema().validate(plan.to_json())
     first, second = (r.layout for r in plan.ranks)
     name = "model.layers.0.mlp.experts.gate_up_proj"
@@ -173,15 +174,16 @@ def test_a_module_without_expert_parallelism_refuses_an_expert_map(tmp_path: Pat
 def test_bad_expert_topologies_are_refused_with_the_rule_and_the_values(
         options: dict[str, int], message: str) -> None:
     with pytest.raises(LayoutError, match=message):
-        compile_family(None, QWEN, **options)
+        compile_family(None, QWEN, Topology(**options))
 
 
 def test_ep_on_a_family_without_experts_and_etp_on_stacked_experts_are_refused() -> None:
     with pytest.raises(LayoutError, match="declares no routed experts"):
-        compile_family(None, hf("llama") / "config.json", expert_parallel_size=2)
+        compile_family(None, hf("llama") / "config.json", Topology(expert_parallel_size=2))
     with pytest.raises(LayoutError, match=r"stacked expert group `layers.0.experts` cannot be "
                                           r"split over expert_tensor_parallel_size 2") as caught:
-        compile_family(None, GPT_OSS, expert_parallel_size=2, expert_tensor_parallel_size=2)
+        compile_family(None, GPT_OSS,
+                       Topology(expert_parallel_size=2, expert_tensor_parallel_size=2))
     assert caught.value.location is not None
     assert caught.value.location.file.endswith("gpt_oss.yaml")
 
@@ -203,8 +205,8 @@ def test_a_bad_placement_file_is_a_located_error_naming_the_rank_and_the_expert(
     path = tmp_path / "placement.json"
     path.write_text(json.dumps(document, indent=1))
     with pytest.raises(LayoutError, match=message) as caught:
-        compile_family(None, QWEN, expert_parallel_size=2, expert_placement=path,
-                       out=tmp_path / "build")
+        compile_family(None, QWEN, Topology(expert_parallel_size=2),
+                       CompileOptions(expert_placement=path, out=tmp_path / "build"))
     error = caught.value
     assert str(path) in error.message and error.pointer == pointer
     assert error.location is not None and error.location.file == str(path)
@@ -218,8 +220,8 @@ def test_the_guides_example_placement_compiles_with_redundant_copies(tmp_path: P
     (example,) = re.findall(r"```json\n(.*?)```", section, flags=re.S)
     path = tmp_path / "placement.json"
     path.write_text(example)
-    compile_family(None, QWEN, expert_parallel_size=3, expert_placement=path,
-                   out=tmp_path / "build")
+    compile_family(None, QWEN, Topology(expert_parallel_size=3),
+                   CompileOptions(expert_placement=path, out=tmp_path / "build"))
     recorded = json.loads((tmp_path / "build" / "plan.json").read_text())["expert_parallel"]
     document = json.loads(example)
     assert recorded["slots"] == document["ranks"] and recorded["explicit_placement"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from partc.api import bind, compile_family
+from partc.api import CompileOptions, bind, compile_family
 from partc.cli.main import main
 from partc.errors import ExpertParallelError, LaunchError, PartcErrors
 from partc.parallel.experts import ExpertPlacement
@@ -80,8 +80,9 @@ def _holdings(plan: dict[str, Any]) -> dict[int, tuple[int, tuple[int, ...], Any
 ])
 def test_the_ep_group_holds_different_experts_and_the_etp_group_the_same_under_torchrun(
         tmp_path: Path, config: Path, tp: int, ep: int, etp: int, dp: int) -> None:
-    compile_family(None, config, tensor_parallel_size=tp, expert_parallel_size=ep,
-                   expert_tensor_parallel_size=etp, out=tmp_path / "b")
+    compile_family(None, config,
+                   Topology(tensor_parallel_size=tp, expert_parallel_size=ep,
+                            expert_tensor_parallel_size=etp), CompileOptions(out=tmp_path / "b"))
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     package = next(p.name for p in (tmp_path / "b").iterdir() if p.is_dir())
     reports = tmp_path / "reports"
@@ -147,7 +148,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("rank", ["1", None])
 def test_a_world_size_no_multiple_of_the_build_names_the_builds_real_factors(
         tmp_path: Path, options: dict[str, int], factors: str, rank: str | None) -> None:
-    compile_family(None, MIXTRAL, out=tmp_path / "b", **options)
+    compile_family(None, MIXTRAL, Topology(**options), CompileOptions(out=tmp_path / "b"))
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     topology = plan["topology"]
     per_stage = (topology["tensor_parallel_size"] if topology.get("expert_parallel_size") is None
@@ -189,8 +190,8 @@ def test_a_placement_file_with_two_mistakes_reports_both_with_file_line_expected
     bad_id = next(i for i, line in enumerate(lines, 1) if "9" in line)
     unordered = next(i for i, line in enumerate(lines, 1) if "6, 5" in line)
     with pytest.raises(PartcErrors) as caught:
-        compile_family(None, QWEN, expert_parallel_size=2, expert_placement=path,
-                       out=tmp_path / "build")
+        compile_family(None, QWEN, Topology(expert_parallel_size=2),
+                       CompileOptions(expert_placement=path, out=tmp_path / "build"))
     errors = caught.value.errors
     found = [(e.location.line if e.location else None, e.pointer) for e in errors]
     assert found == [(bad_id, "/ranks/0/2"), (unordered, "/ranks/1/2")]
@@ -213,7 +214,8 @@ def test_a_placement_with_a_wrong_rank_count_and_a_missing_expert_reports_both(
     path = tmp_path / "placement.json"
     path.write_text('{"ranks": [\n  [0, 1, 2, 3, 4, 5, 6]\n]}\n')
     with pytest.raises(PartcErrors) as caught:
-        compile_family(None, QWEN, expert_parallel_size=2, expert_placement=path)
+        compile_family(None, QWEN, Topology(expert_parallel_size=2),
+                       CompileOptions(expert_placement=path))
     messages = [e.message for e in caught.value.errors]
     assert len(messages) == 2
     assert any("it lists 1 EP rank but expert_parallel_size is 2" in m for m in messages)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from partc.api import bind, check_family, checkpoint_errors, compile_family
+from partc.api import CompileOptions, bind, check_family, checkpoint_errors, compile_family
 from partc.cli.main import main
 from partc.errors import ParallelPlanError
 from partc.library import builtin_families
@@ -158,7 +158,7 @@ def test_every_fixture_shards_legally_under_require_except_the_listed_fallbacks(
             if (name, tp) in NEEDS_REPLICATION_FALLBACK:
                 with pytest.raises(ParallelPlanError, match="cannot be sharded"):
                     compile_family(None, fixture_folder(name) / "config.json",
-                                   tensor_parallel_size=tp)
+                                   Topology(tensor_parallel_size=tp))
             else:  # the builds compile under Require
                 plan, states = builds(name, tp, 1)
                 assert plan.topology.policy is ShardingPolicy.REQUIRE
@@ -398,8 +398,9 @@ def test_deepseek_mtp_layer_is_its_own_execution_group_on_the_last_stage(tmp_pat
     config = hf("deepseek_v3") / "config.json"
     assert check_family(None, config, path, topology=Topology(
         tensor_parallel_size=2, pipeline_parallel_size=2)) == []
-    result = compile_family(None, config, tensor_parallel_size=2, pipeline_parallel_size=2,
-                            checkpoint=path, out=tmp_path / "build")
+    result = compile_family(None, config,
+                            Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                            CompileOptions(checkpoint=path, out=tmp_path / "build"))
     plan = result.plan
     assert [g.name for g in plan.graph] == ["decoder", "mtp"]
     assert {g.name: g.unit_paths for g in plan.graph}["mtp"] == ("model.layers.3",)
@@ -575,7 +576,7 @@ def test_hf_plan_comparison_catches_a_projection_split_on_the_wrong_axis(tmp_pat
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(text.replace(down, down.replace("row", "column")).replace(
         "weight: [hidden_size, intermediate_size]", "weight: [intermediate_size, hidden_size]"))
-    plan = compile_family(wrong, hf("llama") / "config.json", tensor_parallel_size=2).plan
+    plan = compile_family(wrong, hf("llama") / "config.json", Topology(tensor_parallel_size=2)).plan
     assert set(compare_with_hf_plan("llama", plan)) == {"model.layers.*.mlp.down_proj"}
 
 

@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from partc.api import bind, check_family, compile_family
+from partc.api import CompileOptions, bind, check_family, compile_family
 from partc.errors import PartcError
 from partc.family.expr import parse
 from partc.plan.topology import Topology
@@ -96,8 +96,8 @@ def test_omitted_buffers_are_loaded_by_no_rank_and_recorded_in_the_plan(tmp_path
 
 
 def test_a_plan_without_omitted_tensors_has_no_omitted_key(tmp_path):
-    compile_family(LLAMA, hf("llama") / "config.json", checkpoint=hf("llama"),
-                   out=tmp_path / "build")
+    compile_family(LLAMA, hf("llama") / "config.json", None,
+                   CompileOptions(checkpoint=hf("llama"), out=tmp_path / "build"))
     assert "omitted" not in json.loads((tmp_path / "build" / "plan.json").read_text())
 
 
@@ -198,7 +198,8 @@ parameters:
     assert (values["kv_heads"], values["q_per_kv"]) == (2, 2)
     mlp = next(g.group for g in bound.description.groups if g.group.name == "layers.0.mlp")
     assert mlp.units == 64  # 128 // 2
-    plan = compile_family(family, hf("llama") / "config.json", out=tmp_path / "build").plan
+    plan = compile_family(family, hf("llama") / "config.json", None,
+                          CompileOptions(out=tmp_path / "build")).plan
     assert json.loads((tmp_path / "build" / "plan.json").read_text())["config"]["q_per_kv"] == 2
     assert plan.plan_hash
 
@@ -337,8 +338,8 @@ parameters:
 def test_stablelm_records_its_rotary_dim_derived_from_the_float_factor(tmp_path):
     config = json.loads((hf("stablelm") / "config.json").read_text())
     assert config["rope_parameters"]["partial_rotary_factor"] == 0.25
-    compile_family(None, hf("stablelm") / "config.json", checkpoint=hf("stablelm"),
-                   out=tmp_path / "build")
+    compile_family(None, hf("stablelm") / "config.json", None,
+                   CompileOptions(checkpoint=hf("stablelm"), out=tmp_path / "build"))
     recorded = json.loads((tmp_path / "build" / "plan.json").read_text())["config"]
     assert (recorded["partial_rotary_factor"], recorded["rotary_dim"]) == (0.25, 4)  # 16 // 4
 
@@ -356,7 +357,8 @@ def test_phi_floors_its_float_rotary_factor_as_hf_truncates(tmp_path):
 def test_inspect_finds_the_base_file_line_of_an_inherited_group(tmp_path):
     from partc.inspect.origins import group_origins
 
-    compile_family(None, hf("granite") / "config.json", out=tmp_path / "build")
+    compile_family(None, hf("granite") / "config.json", None,
+                   CompileOptions(out=tmp_path / "build"))
     plan = json.loads((tmp_path / "build" / "plan.json").read_text())
     origins = group_origins(plan)
     assert origins.lines["layers.1.attention"] == "architectures/llama.yaml:50"

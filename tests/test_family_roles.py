@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from partc.api import check_family
+from partc.api import CompileOptions, check_family
+from partc.plan.topology import Topology
 
 from support import ROOT, hf
 
@@ -182,8 +183,8 @@ def test_a_group_s_default_bias_follows_a_projection_kept_whole(tmp_path):
     family.write_text(text)
     checkpoint = hf("llava")
     assert check_family(family, checkpoint / "config.json", checkpoint) == []
-    result = compile_family(family, checkpoint / "config.json", tensor_parallel_size=2,
-                            checkpoint=checkpoint)
+    result = compile_family(family, checkpoint / "config.json", Topology(tensor_parallel_size=2),
+                            CompileOptions(checkpoint=checkpoint))
     with safe_open(str(checkpoint / "model.safetensors"), "np") as f:
         biases = [n for n in f.keys() if ".mlp.fc1.bias" in n and "vision" in n]
         shapes = {n: f.get_slice(n).get_shape() for n in biases}

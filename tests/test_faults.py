@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from regenerate_cases import case_errors, case_folders, expected_errors, toml_spelling
 
-from partc.api import compile_family, plan_family
+from partc.api import CompileOptions, compile_family, plan_family
 from partc.cli.commands import docs_folder
 from partc.errors import CheckpointError
 from partc.front.load import load_document
@@ -176,8 +176,8 @@ def test_a_fingerprinted_build_refuses_a_different_header_unless_told_otherwise(
     os.chdir(tmp_path)
     try:
         fault_table._fingerprinted_build(tmp_path)
-        plan = compile_family("llama", "config.json", checkpoint="ckpt",
-                              tensor_parallel_size=2, out="fingerprinted").plan
+        plan = compile_family("llama", "config.json", Topology(tensor_parallel_size=2),
+                              CompileOptions(checkpoint="ckpt", out="fingerprinted")).plan
         package = import_build(tmp_path / "fingerprinted", plan)
         with pytest.raises(CheckpointError) as caught:
             package.load("other", rank=1)
@@ -206,8 +206,8 @@ def test_another_models_checkpoint_is_refused_by_its_tensors_not_by_the_fingerpr
     from partc.cli.main import main
     from partc.errors import PartcErrors
 
-    plan = compile_family("llama", CONFIG, checkpoint=hf("llama"), tensor_parallel_size=2,
-                          out=tmp_path / "build").plan
+    plan = compile_family("llama", CONFIG, Topology(tensor_parallel_size=2),
+                          CompileOptions(checkpoint=hf("llama"), out=tmp_path / "build")).plan
     assert plan.checkpoint_fingerprint is not None
     package = import_build(tmp_path / "build", plan)
     with safe_open(str(hf(other) / "model.safetensors"), "numpy") as handle:
@@ -256,8 +256,9 @@ def test_a_build_compiled_without_a_checkpoint_refuses_one_of_other_tensor_names
     checkpoint = (_with_extra_tensor(hf("llama"), tmp_path / "extra",
                                      "model.layers.0.self_attn.q_norm.weight")
                   if other == "extra" else hf(other))
-    plan = compile_family("llama", CONFIG, tensor_parallel_size=2, pipeline_parallel_size=2,
-                          out=tmp_path / "build").plan
+    plan = compile_family("llama", CONFIG,
+                          Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                          CompileOptions(out=tmp_path / "build")).plan
     assert plan.checkpoint_fingerprint is None
     package = import_build(tmp_path / "build", plan)
     with safe_open(str(checkpoint / "model.safetensors"), "numpy") as handle:
@@ -296,8 +297,8 @@ def test_the_familys_omit_globs_are_left_out_of_the_names_check(tmp_path):
     """GPT-2's `omit` globs (attention buffers older checkpoints hold): a checkpoint with such
     a tensor loads under a build compiled without it, and the plan records the globs."""
     checkpoint = _with_extra_tensor(hf("gpt2"), tmp_path / "buffers", "transformer.h.0.attn.bias")
-    plan = compile_family("gpt2", hf("gpt2") / "config.json", tensor_parallel_size=2,
-                          out=tmp_path / "build").plan
+    plan = compile_family("gpt2", hf("gpt2") / "config.json", Topology(tensor_parallel_size=2),
+                          CompileOptions(out=tmp_path / "build")).plan
     assert plan.omit and json.loads((tmp_path / "build" / "plan.json").read_text())["omit"]
     package = import_build(tmp_path / "build", plan)
     full = checkpoint_tensors(hf("gpt2"))
@@ -317,8 +318,10 @@ def _tree(folder: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def two_builds(tmp_path_factory) -> tuple[dict[str, bytes], dict[str, bytes]]:
     base = tmp_path_factory.mktemp("builds")
-    compile_family("llama", CONFIG, tensor_parallel_size=2, out=base / "old")
-    compile_family("llama", CONFIG, pipeline_parallel_size=3, out=base / "new")
+    compile_family("llama", CONFIG, Topology(tensor_parallel_size=2),
+                   CompileOptions(out=base / "old"))
+    compile_family("llama", CONFIG, Topology(pipeline_parallel_size=3),
+                   CompileOptions(out=base / "new"))
     return _tree(base / "old"), _tree(base / "new")
 
 
@@ -339,8 +342,9 @@ elif target == "remove":  # the removal of the old build, after the swap
     output._remove_written = dying(output._remove_written)
 else:
     setattr(os, target, dying(getattr(os, target)))
-from partc.api import compile_family
-compile_family("llama", {config!r}, pipeline_parallel_size=3, out={out!r})
+from partc.api import CompileOptions, compile_family
+from partc.plan.topology import Topology
+compile_family("llama", {config!r}, Topology(pipeline_parallel_size=3), CompileOptions(out={out!r}))
 """
 
 
@@ -351,7 +355,7 @@ def test_a_compile_killed_at_each_step_of_the_write_leaves_a_whole_build(
         tmp_path, two_builds, target, when, expect):
     old, new = two_builds
     out = tmp_path / "build"
-    compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
+    compile_family("llama", CONFIG, Topology(tensor_parallel_size=2), CompileOptions(out=out))
     script = KILL_AT.format(target=target, when=when, config=str(CONFIG), out=str(out))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()
@@ -361,10 +365,11 @@ def test_a_compile_killed_at_each_step_of_the_write_leaves_a_whole_build(
 
 
 LOOP = """
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
+from partc.plan.topology import Topology
 while True:
     for options in ({{"tensor_parallel_size": 2}}, {{"pipeline_parallel_size": 3}}):
-        compile_family("llama", {config!r}, out={out!r}, **options)
+        compile_family("llama", {config!r}, Topology(**options), CompileOptions(out={out!r}))
 """
 
 
@@ -372,7 +377,7 @@ def test_compiles_killed_at_random_moments_always_leave_the_old_or_the_new_build
         tmp_path, two_builds):
     old, new = two_builds
     out = tmp_path / "build"
-    compile_family("llama", CONFIG, tensor_parallel_size=2, out=out)
+    compile_family("llama", CONFIG, Topology(tensor_parallel_size=2), CompileOptions(out=out))
     chance = random.Random(7)
     seen = set()
     for _ in range(int(os.environ.get("PARTC_KILL_ROUNDS", "3"))):

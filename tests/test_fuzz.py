@@ -33,10 +33,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from regenerate_cases import toml_spelling
 
-from partc.api import bind, check_family, checkpoint_errors, compile_family
+from partc.api import CompileOptions, bind, check_family, checkpoint_errors, compile_family
 from partc.cli.main import main as cli_main
 from partc.errors import PartcError
 from partc.output import MARKER
+from partc.plan.topology import Topology
 from partc.runtime.checkpoint import open_checkpoint
 
 from support import ROOT, import_build
@@ -233,12 +234,13 @@ def compile_keeping_the_previous_build(family: Path, config: Path, tp: int, pp: 
     leaves the previous build byte for byte and no staging folder behind."""
     out = workdir() / "build"
     if not out.exists():
-        compile_family(mini_family(), workdir() / "config.json", out=out)
+        compile_family(mini_family(), workdir() / "config.json", None, CompileOptions(out=out))
     before = _tree(out)
     result: list[Any] = []
     with mock.patch.object(os, "fsync", lambda fd: None):  # durability is test_faults' job
         outcome = outcome_of(lambda: result.append(compile_family(
-            family, config, tensor_parallel_size=tp, pipeline_parallel_size=pp, out=out)) or None)
+            family, config, Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+            CompileOptions(out=out))) or None)
     after = _tree(out)
     if outcome == "ok":
         marker = json.loads(after.pop(MARKER))
@@ -338,7 +340,8 @@ def llama_checkpoint() -> tuple[dict[str, Any], bytes, Any]:
         _HEADER["header"] = json.loads(raw[8:8 + size])
         _HEADER["data"] = raw[8 + size:]
         out = workdir() / "llama-build"
-        result = compile_family("llama", LLAMA / "config.json", tensor_parallel_size=2, out=out)
+        result = compile_family("llama", LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                                CompileOptions(out=out))
         _HEADER["package"] = import_build(out, result.plan)
     return _HEADER["header"], _HEADER["data"], _HEADER["package"]
 

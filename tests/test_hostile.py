@@ -14,9 +14,10 @@ import pytest
 from regenerate_cases import toml_spelling
 from safetensors.numpy import save_file
 
-from partc.api import check_family, compile_family
+from partc.api import CompileOptions, check_family, compile_family
 from partc.emit.check import check_generated
 from partc.errors import EmitError
+from partc.plan.topology import Topology
 
 from support import ROOT, import_build
 
@@ -110,8 +111,9 @@ def write_inputs(folder, spelling: str, printable: bool = True) -> tuple:
 def hostile_build(request, tmp_path):
     family, config, checkpoint, tensors = write_inputs(tmp_path, request.param)
     assert check_family(family, config, checkpoint) == []
-    result = compile_family(family, config, tensor_parallel_size=2, pipeline_parallel_size=2,
-                            checkpoint=checkpoint, out=tmp_path / "build")
+    result = compile_family(family, config,
+                            Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                            CompileOptions(checkpoint=checkpoint, out=tmp_path / "build"))
     return result, checkpoint, tensors
 
 
@@ -145,8 +147,9 @@ def test_names_no_checkpoint_may_carry_still_appear_only_as_literals(tmp_path, s
     checkpoint partc reads may carry) are still written only as escaped literals."""
     family, config, _, _ = write_inputs(tmp_path, spelling, printable=False)
     assert check_family(family, config) == []
-    result = compile_family(family, config, tensor_parallel_size=2, pipeline_parallel_size=2,
-                            out=tmp_path / "build")
+    result = compile_family(family, config,
+                            Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                            CompileOptions(out=tmp_path / "build"))
     targets = hostile_targets(printable=False)
     assert any(not t.isprintable() for t in targets)
     _only_literals(result.files, targets)

@@ -14,12 +14,13 @@ import sys
 
 import pytest
 
-from partc.api import check_family, compile_family
+from partc.api import CompileOptions, check_family, compile_family
 from partc.bind.binder import MAX_UNITS
 from partc.cli.main import main
 from partc.errors import LoadError
 from partc.front.load import MAX_CONFIG_BYTES, MAX_DOCUMENT_BYTES, load_document, load_json
 from partc.library import family_spec_is_file, read_family_source
+from partc.plan.topology import Topology
 
 from support import HF
 
@@ -119,7 +120,8 @@ def test_a_fifo_given_as_an_output_file_or_a_build_s_plan_is_refused_without_blo
     """Each command in a fresh process with a time limit, so that one that blocks in open()
     fails the test instead of hanging it."""
     monkeypatch.chdir(tmp_path)
-    compile_family("llama", HF / "llama" / "config.json", tensor_parallel_size=2, out="b")
+    compile_family("llama", HF / "llama" / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out="b"))
     os.mkfifo("out.html")
     os.mkfifo("out.yaml")
     os.mkdir("fb")
@@ -155,7 +157,8 @@ def test_a_refused_write_of_an_output_file_names_the_file_asked_for(tmp_path, mo
     import tempfile
 
     monkeypatch.chdir(tmp_path)
-    compile_family("llama", HF / "llama" / "config.json", tensor_parallel_size=2, out="b")
+    compile_family("llama", HF / "llama" / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out="b"))
 
     def refuse(*_, dir=".", **__):
         raise OSError(errno.EROFS, "Read-only file system", os.path.join(dir, ".r.html.x1y2z3"))
@@ -278,8 +281,8 @@ def test_the_largest_unit_count_compiles(tmp_path):
     config = json.loads((HF / "llama" / "config.json").read_text())
     config["num_hidden_layers"] = MAX_UNITS
     (tmp_path / "config.json").write_text(json.dumps(config))
-    result = compile_family(None, tmp_path / "config.json", tensor_parallel_size=2,
-                            pipeline_parallel_size=2)
+    result = compile_family(None, tmp_path / "config.json",
+                            Topology(tensor_parallel_size=2, pipeline_parallel_size=2))
     assert [g.unit_range for r in result.plan.ranks for g in r.partition.groups] == [
         (0, MAX_UNITS // 2)] * 2 + [(MAX_UNITS // 2, MAX_UNITS)] * 2
     config["num_hidden_layers"] = MAX_UNITS + 1

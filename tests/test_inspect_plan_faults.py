@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
+from partc.plan.topology import Topology
 
 from support import hf
 
@@ -19,7 +20,8 @@ from support import hf
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("faults") / "b"
-    compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2, out=out)
+    compile_family(None, hf("llama") / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=out))
     return out
 
 

@@ -17,6 +17,7 @@ import yaml
 from partc.api import compile_family
 from partc.cli.main import main
 from partc.errors import ParallelPlanError
+from partc.plan.topology import Topology
 
 from executor import RankShard, Selection, forward_pipeline
 from support import FULLSIZE, ROOT, compile_and_load, edited_family, hf
@@ -63,7 +64,7 @@ def test_full_size_llama_3_8b_compiles_at_tp16_with_each_of_its_8_kv_heads_on_2_
         tmp_path: Path) -> None:
     config = FULLSIZE / "Llama-3.1-8B" / "config.json"
     assert json.loads(config.read_text())["num_key_value_heads"] == 8
-    plan = compile_family(None, config, tensor_parallel_size=16).plan
+    plan = compile_family(None, config, Topology(tensor_parallel_size=16)).plan
     k = [rank.layout["model.layers.0.self_attn.k_proj.weight"] for rank in plan.ranks]
     q = [rank.layout["model.layers.0.self_attn.q_proj.weight"] for rank in plan.ranks]
     assert {x.kv_replicas for x in k} == {2}
@@ -76,7 +77,7 @@ def test_a_family_turns_it_off_with_kv_replication_false(tmp_path: Path) -> None
     family = edited_family(tmp_path, "llama", "kv_replication: true", "kv_replication: false")
     with pytest.raises(ParallelPlanError, match="has 2 partition units .* but "
                                                 "tensor_parallel_size is 4"):
-        compile_family(family, hf("llama") / "config.json", tensor_parallel_size=4)
+        compile_family(family, hf("llama") / "config.json", Topology(tensor_parallel_size=4))
 
 
 def _rank(state) -> RankShard:  # type: ignore[no-untyped-def]

@@ -334,9 +334,9 @@ def test_the_layout_vocabulary_reads_the_same_in_toml(tmp_path, family, tp):
     toml = tmp_path / f"{family}.toml"
     toml.write_text(toml_spelling(data))
     config = hf(family) / "config.json"
-    from_toml = compile_family(toml, config, tensor_parallel_size=tp).plan
+    from_toml = compile_family(toml, config, Topology(tensor_parallel_size=tp)).plan
     from_yaml = compile_family(ARCHITECTURES / f"{family}.yaml", config,
-                               tensor_parallel_size=tp).plan
+                               Topology(tensor_parallel_size=tp)).plan
     tensors = json.loads(from_yaml.document[1])["tensors"]
     # the YAML plan's placements are the ones the tests above check against HF's slices
     assert json.loads(from_toml.document[1])["tensors"] == tensors

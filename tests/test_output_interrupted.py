@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 
 from partc import output
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import MachineError
 from partc.output import MARKER, sweep_abandoned, write_atomically
+from partc.plan.topology import Topology
 
 from support import hf
 
@@ -98,7 +99,7 @@ def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("my notes")
-    compile_family("llama", CONFIG, tensor_parallel_size=2, out="prev")
+    compile_family("llama", CONFIG, Topology(tensor_parallel_size=2), CompileOptions(out="prev"))
     return tmp_path
 
 
@@ -112,8 +113,9 @@ def test_a_kill_at_any_step_of_removing_the_old_build_is_cleaned_up_by_the_next_
     for steps in range(200):
         with killed_after(steps, order) as done:
             try:
-                compile_family("llama", CONFIG, tensor_parallel_size=2, pipeline_parallel_size=2,
-                               out="prev")
+                compile_family("llama", CONFIG,
+                               Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                               CompileOptions(out="prev"))
             except Killed:
                 pass
             else:
@@ -134,7 +136,8 @@ def test_a_kill_at_any_step_of_removing_the_old_build_is_cleaned_up_by_the_next_
         # The process that left it is gone (here: deemed gone); the next compile removes it.
         with monkeypatch.context() as dead:
             dead.setattr(output, "_alive", lambda pid: False)
-            compile_family("llama", CONFIG, tensor_parallel_size=2, out="prev")
+            compile_family("llama", CONFIG, Topology(tensor_parallel_size=2),
+                           CompileOptions(out="prev"))
         assert _scratch(scene) == [], steps
         assert sorted(p.name for p in scene.iterdir()) == ["notes", "prev"]
         assert (scene / "prev" / "partc_llama_tp2_pp1").is_dir()
@@ -222,8 +225,8 @@ def test_a_folder_named_like_an_abandoned_scratch_folder_is_never_touched_unless
     link = scene / (output._scratch_prefix(scene / "prev", "old") + "link1234")
     link.symlink_to(scene / "prev")  # a link named like a backup: never followed
     monkeypatch.setattr(output, "_alive", lambda pid: False)
-    compile_family("llama", CONFIG, pipeline_parallel_size=2, out="prev")
-    compile_family("llama", CONFIG, out="prev")
+    compile_family("llama", CONFIG, Topology(pipeline_parallel_size=2), CompileOptions(out="prev"))
+    compile_family("llama", CONFIG, None, CompileOptions(out="prev"))
     after = sorted((str(p.relative_to(look_alike)), p.is_dir(), p.is_symlink())
                    for p in look_alike.rglob("*"))
     assert after == before
@@ -319,7 +322,7 @@ def test_a_write_that_fails_removes_the_parents_it_created_and_only_those(
     monkeypatch.setattr(output, "_write_file", full)
     with pytest.raises(MachineError, match="cannot write the build to runs/a/b/build: No space "
                                            "left on device"):
-        compile_family("llama", CONFIG, out="runs/a/b/build")
+        compile_family("llama", CONFIG, None, CompileOptions(out="runs/a/b/build"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["notes.txt"]
 

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from partc import __version__, output
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import EmitError
 from partc.output import MARKER, sweep_abandoned
+from partc.plan.topology import Topology
 
 from support import ROOT, hf, import_build
 
@@ -64,7 +65,8 @@ def scene(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (notes / "a.txt").write_text("my notes")
     (notes / "sub" / "b.txt").write_text("more notes")
     monkeypatch.chdir(tmp_path)
-    compile_family("llama", "ck/config.json", tensor_parallel_size=2, out="prev")
+    compile_family("llama", "ck/config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out="prev"))
     assert main(["shard", "prev", "--checkpoint", "ck", "--out", "shards"]) == 0
     return tmp_path
 
@@ -241,7 +243,7 @@ def test_the_root_folder_is_refused_before_anything_is_written(
     monkeypatch.setattr(shutil, "rmtree", forbidden)
     monkeypatch.setattr(output.tempfile, "mkdtemp", forbidden)
     with pytest.raises(EmitError, match="refusing to use the root folder / as the output folder"):
-        compile_family("llama", LLAMA / "config.json", out=Path("/"))
+        compile_family("llama", LLAMA / "config.json", None, CompileOptions(out=Path("/")))
     with pytest.raises(EmitError, match="refusing to use the root folder /"):
         output.write_atomically(Path("/"), {"plan.json": "{}"}, kind="build")
 
@@ -266,7 +268,7 @@ def test_every_build_and_shard_set_carries_a_canonical_marker_of_what_partc_wrot
 
 
 def test_a_previous_build_is_replaced_whole_even_after_python_imported_it(scene: Path) -> None:
-    plan = compile_family("llama", "ck/config.json", tensor_parallel_size=2).plan
+    plan = compile_family("llama", "ck/config.json", Topology(tensor_parallel_size=2)).plan
     import_build(scene / "prev", plan).load("ck", rank=0)
     # what an import writes when bytecode is cached (this suite may run with it off)
     assert compileall.compile_dir(scene / "prev", quiet=1)
@@ -373,8 +375,10 @@ def dying(a, b):
         os.kill(os.getpid(), signal.SIGKILL)
     real(a, b)
 os.rename = dying
-from partc.api import compile_family
-compile_family("llama", "ck/config.json", pipeline_parallel_size=3, out="prev")
+from partc.api import CompileOptions, compile_family
+from partc.plan.topology import Topology
+compile_family("llama", "ck/config.json", Topology(pipeline_parallel_size=3),
+               CompileOptions(out="prev"))
 """
 
 

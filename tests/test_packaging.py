@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.emit.render import package_name
+from partc.plan.topology import Topology
 
 from support import ROOT, checkpoint_tensors, hf
 
@@ -123,8 +124,8 @@ def test_a_rank_module_loads_in_a_venv_holding_only_numpy_ml_dtypes_and_the_whee
         done = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-    result = compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
-                            out=tmp_path / "build")
+    result = compile_family(None, hf("llama") / "config.json", Topology(tensor_parallel_size=2),
+                            CompileOptions(out=tmp_path / "build"))
     done = subprocess.run([str(python), "-c", RANK_SCRIPT, str(tmp_path / "build"),
                            package_name(result.plan), str(hf("llama"))],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)

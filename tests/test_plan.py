@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from partc import LayoutError, LoadError, ParallelPlanError
-from partc.api import compile_family, plan_family
+from partc.api import CompileOptions, compile_family, plan_family
 from partc.errors import ArchitecturePartitionError
 from partc.front.schema import load_schema
 from partc.parallel.placements import PlacementKind
@@ -114,8 +114,8 @@ def test_sharded_checkpoint_loads_identically_to_the_single_file(tmp_path):
 
 def test_more_pipeline_stages_than_layers_is_refused_with_a_clear_error(tmp_path):
     with pytest.raises(ArchitecturePartitionError) as caught:
-        compile_family("llama", hf("llama") / "config.json", pipeline_parallel_size=4,
-                       out=tmp_path / "build")
+        compile_family("llama", hf("llama") / "config.json", Topology(pipeline_parallel_size=4),
+                       CompileOptions(out=tmp_path / "build"))
     assert "pipeline_parallel_size 4 exceeds the 3 execution units" in str(caught.value)
     assert "--pp 3 or fewer" in str(caught.value)
     assert not (tmp_path / "build").exists()
@@ -123,7 +123,7 @@ def test_more_pipeline_stages_than_layers_is_refused_with_a_clear_error(tmp_path
 
 def test_three_ranks_over_two_kv_heads_fail_under_require_naming_group_units_and_fix(tmp_path):
     with pytest.raises(ParallelPlanError) as caught:  # KV replication needs 3 | 4 q heads
-        compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=3)
+        compile_family("llama", hf("llama") / "config.json", Topology(tensor_parallel_size=3))
     message = str(caught.value)
     assert "group `layers.0.attention`" in message
     assert "2 partition units (num_key_value_heads), fewer than 3 ranks" in message
@@ -139,15 +139,15 @@ def test_three_ranks_over_two_kv_heads_fail_under_require_naming_group_units_and
 def test_the_policy_may_be_given_by_name_as_the_command_line_spells_it(tmp_path, spelled):
     import partc
 
-    by_name = compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4,
-                             policy=spelled).plan
-    by_enum = compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4,
-                             policy=partc.ShardingPolicy.REPLICATE_UNSUPPORTED).plan
+    by_name = compile_family("llama", hf("llama") / "config.json", Topology(tensor_parallel_size=4),
+                             CompileOptions(policy=spelled)).plan
+    by_enum = compile_family("llama", hf("llama") / "config.json", Topology(tensor_parallel_size=4),
+                             CompileOptions(policy=partc.ShardingPolicy.REPLICATE_UNSUPPORTED)).plan
     assert by_name.document[1] == by_enum.document[1]
     with pytest.raises(LoadError, match=r"policy must be one of require, replicate-unsupported "
                                         r"\(or a partc.ShardingPolicy\), found 'replicate'"):
-        compile_family("llama", hf("llama") / "config.json", tensor_parallel_size=4,
-                       policy="replicate")
+        compile_family("llama", hf("llama") / "config.json", Topology(tensor_parallel_size=4),
+                       CompileOptions(policy="replicate"))
 
 
 def test_replicate_unsupported_replicates_attention_and_records_the_fallback(tmp_path):
@@ -168,8 +168,8 @@ def test_replicate_unsupported_replicates_attention_and_records_the_fallback(tmp
 
 
 def test_plan_json_validates_against_the_plan_schema(builds, tmp_path):
-    result = compile_family("llama", hf("llama_tied") / "config.json", tensor_parallel_size=2,
-                            pipeline_parallel_size=2)
+    result = compile_family("llama", hf("llama_tied") / "config.json",
+                            Topology(tensor_parallel_size=2, pipeline_parallel_size=2))
     document = json.loads(result.files["plan.json"])
     jsonschema.Draft202012Validator(load_schema("plan.schema.json")).validate(document)
     assert document["plan_hash"] == result.plan.to_json()["plan_hash"]
@@ -232,10 +232,10 @@ def test_a_build_does_not_depend_on_what_the_process_compiled_before():
     """Group kinds are shared within one plan only: the same compile gives the same files
     before and after other compiles in the same process."""
     config = QUANTIZED / "deepseek_v3_fp8" / "config.json"
-    first = compile_family("deepseek_v3", config, tensor_parallel_size=2).files
+    first = compile_family("deepseek_v3", config, Topology(tensor_parallel_size=2)).files
     for name in ("qwen3_moe", "mixtral", "llama"):
-        compile_family(None, HF / name / "config.json", tensor_parallel_size=2)
-    assert compile_family("deepseek_v3", config, tensor_parallel_size=2).files == first
+        compile_family(None, HF / name / "config.json", Topology(tensor_parallel_size=2))
+    assert compile_family("deepseek_v3", config, Topology(tensor_parallel_size=2)).files == first
 
 
 def test_an_unshardable_group_is_reported_at_its_declaration_as_created():

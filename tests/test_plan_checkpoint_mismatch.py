@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError, PartcErrors
+from partc.plan.topology import Topology
 
 from support import FULLSIZE, checkpoint_tensors, compile_and_import, fullsize_checkpoint, hf
 
@@ -133,7 +134,8 @@ def test_partc_shard_of_a_config_only_build_says_to_compile_with_checkpoint(
     tensors[EXTRA] = np.ones(16, np.float32)
     folder = _write(tmp_path / "extra", tensors)
     build = tmp_path / "build"
-    compile_family("llama", LLAMA / "config.json", tensor_parallel_size=2, out=build)
+    compile_family("llama", LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=build))
     code = main(["shard", str(build), "--checkpoint", str(folder), "--out",
                  str(tmp_path / "shards")])
     err = capsys.readouterr().err

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.errors import LayoutError, LoadError
 from partc.parallel.shape import ParallelShape, RankCoordinates
 from partc.plan.plan_file import read_plan
+from partc.plan.topology import Topology
 
 from support import hf
 
@@ -26,8 +27,8 @@ from support import hf
 ], ids=["llama-t2s2", "llava-s2", "qwen3_moe-ep2-etp2"])
 def test_a_written_plan_reads_back_equal_to_the_plan_field_by_field(
         tmp_path: Path, model: str, options: dict[str, int]) -> None:
-    result = compile_family(None, hf(model) / "config.json", out=tmp_path / "b",
-                            checkpoint=hf(model), **options)  # type: ignore[arg-type]
+    result = compile_family(None, hf(model) / "config.json", Topology(**options),
+                            CompileOptions(out=tmp_path / "b", checkpoint=hf(model)))
     plan = result.plan
     read = read_plan(tmp_path / "b" / "plan.json")
     assert read.path == tmp_path / "b" / "plan.json"
@@ -80,8 +81,9 @@ def test_a_written_plan_reads_back_equal_to_the_plan_field_by_field(
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("plan") / "b"
-    compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
-                   pipeline_parallel_size=2, out=out)
+    compile_family(None, hf("llama") / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(out=out))
     return out / "plan.json"
 
 
@@ -192,8 +194,9 @@ def test_coordinates_outside_the_shape_or_inconsistent_with_it_are_refused() -> 
 def test_an_expert_parallel_rank_recording_other_expert_coordinates_is_one_located_error(
         tmp_path: Path) -> None:
     out = tmp_path / "b"
-    compile_family(None, hf("qwen3_moe") / "config.json", tensor_parallel_size=2,
-                   expert_parallel_size=2, expert_tensor_parallel_size=2, out=out)
+    compile_family(None, hf("qwen3_moe") / "config.json",
+                   Topology(tensor_parallel_size=2, expert_parallel_size=2,
+                            expert_tensor_parallel_size=2), CompileOptions(out=out))
     path = _corrupted(out / "plan.json", tmp_path,
                       lambda p: p["ranks"][1]["info"].__setitem__("expert_parallel_rank", 1))
     with pytest.raises(LoadError) as caught:

@@ -18,9 +18,10 @@ import yaml
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.commands import error_reference
 from partc.cli.main import main
+from partc.plan.topology import Topology
 from partc.scaffold.family_text import scaffold
 from partc.scaffold.survey import survey_checkpoint
 from partc.scaffold.yaml_writer import Comments, Flow, FlowList, Quoted, write_yaml
@@ -110,8 +111,9 @@ def test_gpt2_layers_config_names_and_embeddings_are_recognised_and_staged_as_hf
     assert "  hidden_size: {type: int, from: n_embd}" in text
     assert "  num_hidden_layers: {type: int, from: n_layer}" in text
     assert "ln_1` is not a known projection" not in text  # GPT-2's norms are norms
-    result = compile_family(str(family), hf("gpt2") / "config.json", tensor_parallel_size=1,
-                            pipeline_parallel_size=2, checkpoint=hf("gpt2"))
+    result = compile_family(str(family), hf("gpt2") / "config.json",
+                            Topology(tensor_parallel_size=1, pipeline_parallel_size=2),
+                            CompileOptions(checkpoint=hf("gpt2")))
     first, last = ({t.target for t in rank.layout.tensors} for rank in result.plan.ranks)
     # GPT2Model.forward: wte(input_ids) + wpe(positions) before the blocks, ln_f after them;
     # the tied head (no lm_head tensor) reads wte on the last stage too

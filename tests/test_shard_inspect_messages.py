@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError
 from partc.inspect.origins import group_origins
+from partc.plan.topology import Topology
 
 from support import checkpoint_tensors, fixture_folder, hf, import_build
 
@@ -35,8 +36,8 @@ SHARD_ADVICE = "; recompile against this checkpoint or pass --no-verify-fingerpr
 def llama_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 3-layer Llama at TP=2, compiled against its checkpoint (so it has a fingerprint)."""
     out = tmp_path_factory.mktemp("messages") / "build"
-    plan = compile_family("llama", LLAMA / "config.json", checkpoint=LLAMA,
-                          tensor_parallel_size=2, out=out).plan
+    plan = compile_family("llama", LLAMA / "config.json", Topology(tensor_parallel_size=2),
+                          CompileOptions(checkpoint=LLAMA, out=out)).plan
     assert plan.checkpoint_fingerprint is not None
     return out
 
@@ -138,8 +139,8 @@ def test_shard_says_a_difference_only_among_omitted_tensors_is_there(
     buffer = "transformer.h.0.attn.bias"
     compiled = _edited(tmp_path / "compiled", hf("gpt2"),
                        put={buffer: np.ones((1, 1, 4, 4), np.float32)})
-    compile_family("gpt2", compiled / "config.json", checkpoint=compiled,
-                   tensor_parallel_size=2, out=tmp_path / "build")
+    compile_family("gpt2", compiled / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(checkpoint=compiled, out=tmp_path / "build"))
     other = _edited(tmp_path / "other", hf("gpt2"), put={buffer: np.ones((1, 1, 8, 8), np.float32)})
     out = tmp_path / "out"
     status, _, err = _shard(tmp_path / "build", other, out, capsys)
@@ -215,7 +216,7 @@ def test_a_member_and_the_companions_a_linear_format_adds_to_it_get_the_members_
     """gpt-oss's experts are a `members:` group; MXFP4 stores `down_proj` as `down_proj_blocks`
     and `down_proj_scales`, while `down_proj_bias` is a member of its own."""
     folder = fixture_folder("gpt_oss_mxfp4")
-    compile_family(None, folder / "config.json", out=tmp_path / "build")
+    compile_family(None, folder / "config.json", None, CompileOptions(out=tmp_path / "build"))
     plan = json.loads((tmp_path / "build" / "plan.json").read_text())
     lines = group_origins(plan).lines
     group = "layers.0.experts"

@@ -15,10 +15,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import LaunchError, PartcError
 from partc.parallel.specs import ShardingPolicy
+from partc.plan.topology import Topology
 from partc.runtime.dtensor import dtensor_specs
 
 from support import HF, ROOT, edited_family, import_build
@@ -30,9 +31,9 @@ VOCABULARY = ("model.embed_tokens.weight", "lm_head.weight")
 
 def _chunk(tmp_path: Path, tp: int, config: Path = LLAMA / "config.json", name: str = "b",
            family: Path | None = None, **options):
-    return compile_family(family, config, tensor_parallel_size=tp, split="chunk",
-                          policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / name,
-                          **options)
+    return compile_family(family, config, Topology(tensor_parallel_size=tp),
+                          CompileOptions(split="chunk", policy=ShardingPolicy.REPLICATE_UNSUPPORTED,
+                                         out=tmp_path / name, **options))
 
 
 def _config(tmp_path: Path, **changes) -> Path:
@@ -56,20 +57,22 @@ def test_vocabulary_ranges_at_t8_are_torch_chunks_and_recorded_in_the_plan(tmp_p
             assert axis == 0 and len(ranges) == 1
             assert list(range(*ranges[0])) == pieces[rank.tensor_parallel_rank].tolist()
     # the same build without --split keeps partc's balanced ranges (rank 7: 115:131)
-    balanced = compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
-                              policy=ShardingPolicy.REPLICATE_UNSUPPORTED)
+    balanced = compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=8),
+                              CompileOptions(policy=ShardingPolicy.REPLICATE_UNSUPPORTED))
     assert balanced.plan.ranks[7].layout["lm_head.weight"].selection == (0, ((115, 131),))
     assert "split" not in balanced.plan.to_json()["topology"]
 
 
 def test_default_and_explicit_balanced_builds_are_byte_identical(tmp_path):
-    default = compile_family(None, LLAMA / "config.json", tensor_parallel_size=2,
-                             pipeline_parallel_size=2)
-    explicit = compile_family(None, LLAMA / "config.json", tensor_parallel_size=2,
-                              pipeline_parallel_size=2, split="balanced")
+    default = compile_family(None, LLAMA / "config.json",
+                             Topology(tensor_parallel_size=2, pipeline_parallel_size=2))
+    explicit = compile_family(None, LLAMA / "config.json",
+                              Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                              CompileOptions(split="balanced"))
     assert default.files == explicit.files
-    chunk = compile_family(None, LLAMA / "config.json", tensor_parallel_size=2,
-                           pipeline_parallel_size=2, split="chunk")
+    chunk = compile_family(None, LLAMA / "config.json",
+                           Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                           CompileOptions(split="chunk"))
     # 131 over 2 is the same under both rules, but the plan records the rule: a new hash
     assert chunk.plan.plan_hash != default.plan.plan_hash
     assert [r.layout for r in chunk.plan.ranks] == [r.layout for r in default.plan.ranks]
@@ -90,8 +93,8 @@ def test_every_rank_of_a_t8_chunk_build_is_dtensor_and_rebuilds_the_checkpoint(t
 
 
 def test_a_balanced_t8_build_is_still_refused_by_to_dtensors(tmp_path):
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=8,
-                   policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json", Topology(tensor_parallel_size=8),
+                   CompileOptions(policy=ShardingPolicy.REPLICATE_UNSUPPORTED, out=tmp_path / "b"))
     layout = import_build(tmp_path / "b").load(LLAMA, rank=7).layout
     with pytest.raises(LaunchError, match=r"would hold 119:131 there; compile with "
                                               r"`--split chunk`"):
@@ -104,14 +107,15 @@ def test_a_rank_torch_chunk_leaves_empty_is_a_located_compile_error(tmp_path):
     config = _config(tmp_path, num_attention_heads=16, num_key_value_heads=16, head_dim=4)
     assert len(torch.arange(131).chunk(16)) == 15
     with pytest.raises(PartcError) as caught:
-        compile_family(None, config, tensor_parallel_size=16, split="chunk")
+        compile_family(None, config, Topology(tensor_parallel_size=16),
+                       CompileOptions(split="chunk"))
     message = str(caught.value)
     assert "torch.chunk cuts 131 into 15 chunks of at most 9 over 16 ranks, leaving TP rank 15 " \
         "empty" in message
     assert caught.value.location is not None and caught.value.location.line > 0
     assert "llama.yaml" in caught.value.location.file
     # balanced ranges give every rank a part: the same compile succeeds without --split chunk
-    compile_family(None, config, tensor_parallel_size=16)
+    compile_family(None, config, Topology(tensor_parallel_size=16))
 
 
 def test_check_takes_split_chunk_and_refuses_what_its_compile_refuses(tmp_path, capsys):
@@ -132,7 +136,8 @@ def test_partition_units_torch_chunk_leaves_empty_are_refused(tmp_path):
     with pytest.raises(PartcError, match=r"it has 130 partition units.*torch.chunk cuts 130 into "
                                          r"15 chunks of at most 9 over 16 ranks, leaving TP rank "
                                          r"15 empty"):
-        compile_family(None, config, tensor_parallel_size=16, split="chunk")
+        compile_family(None, config, Topology(tensor_parallel_size=16),
+                       CompileOptions(split="chunk"))
 
 
 def test_head_aligned_units_keep_the_refusal_at_to_dtensors_time(tmp_path):
@@ -172,7 +177,7 @@ def test_cli_split_chunk_and_a_bad_split_value(tmp_path, capsys):
     assert caught.value.code == 2
     assert "invalid choice: 'even'" in capsys.readouterr().err
     with pytest.raises(PartcError, match=r"split must be one of balanced, chunk, found 'even'"):
-        compile_family(None, LLAMA / "config.json", split="even")
+        compile_family(None, LLAMA / "config.json", None, CompileOptions(split="even"))
 
 
 def _vocab_130_checkpoint(tmp_path: Path) -> Path:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.errors import LaunchError
 from partc.parallel.shape import RankCoordinates
+from partc.plan.topology import Topology
 from partc.runtime.mesh import BuildTopology
 
 from support import HF
@@ -62,8 +63,9 @@ def test_a_rank_outside_the_job_is_refused_by_name():
 @pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 1), (2, 1, 2)])
 def test_torchrun_creates_the_same_groups_and_mesh_and_the_stage_peers_exchange(tmp_path, tp, pp,
                                                                               dp):
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=tp,
-                   pipeline_parallel_size=pp, out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json",
+                   Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                   CompileOptions(out=tmp_path / "b"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     reports_dir = tmp_path / "reports"
     reports_dir.mkdir()
@@ -127,8 +129,9 @@ print(json.dumps(out))
 ])
 def test_a_generated_package_exposes_its_topology_and_launch_position(tmp_path, environment,
                                                                       expected):
-    compile_family(None, LLAMA / "config.json", tensor_parallel_size=2, pipeline_parallel_size=2,
-                   out=tmp_path / "b")
+    compile_family(None, LLAMA / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, "-c", _PACKAGE_FACE, str(tmp_path / "b"),
                            "partc_llama_tp2_pp2"], capture_output=True, text=True, timeout=60,

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.emit.render import package_name
 from partc.errors import BoundaryPayloadError
 from partc.parallel.specs import ShardingPolicy
+from partc.plan.topology import Topology
 from partc.runtime.mesh import BuildTopology
 
 from support import hf, import_build
@@ -48,9 +49,9 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("torch-serve")
     plans, runs = {}, []
     for name, (fixture, tp, pp, dp) in RUNS.items():
-        result = compile_family(None, hf(fixture) / "config.json", tensor_parallel_size=tp,
-                                pipeline_parallel_size=pp, checkpoint=hf(fixture),
-                                out=folder / name)
+        result = compile_family(None, hf(fixture) / "config.json",
+                                Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                                CompileOptions(checkpoint=hf(fixture), out=folder / name))
         plans[name] = result.plan
         runs.append({"name": name, "build": str(folder / name),
                      "package": package_name(result.plan), "checkpoint": str(hf(fixture)),
@@ -153,8 +154,9 @@ def test_the_kv_replicated_build_repeats_kv_heads(served):
 @pytest.fixture(scope="module")
 def two_stage_llama(tmp_path_factory):
     out = tmp_path_factory.mktemp("refusals") / "b"
-    compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
-                   pipeline_parallel_size=2, policy=ShardingPolicy.REQUIRE, out=out)
+    compile_family(None, hf("llama") / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(policy=ShardingPolicy.REQUIRE, out=out))
     return import_build(out)
 
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.emit.render import package_name
+from partc.plan.topology import Topology
 
 from support import hf
 
@@ -38,8 +39,8 @@ def recipe_block() -> str:
 def served(tmp_path_factory, request):
     name = request.param  # llama_tied: one embedding tensor, the lm_head tied to it
     folder = tmp_path_factory.mktemp("recipe")
-    result = compile_family(None, hf(name) / "config.json", tensor_parallel_size=2,
-                            checkpoint=hf(name), out=folder / "build")
+    result = compile_family(None, hf(name) / "config.json", Topology(tensor_parallel_size=2),
+                            CompileOptions(checkpoint=hf(name), out=folder / "build"))
     recipe = folder / "transformers_tp.py"
     recipe.write_text(recipe_block())
     reports = folder / "reports"
@@ -116,8 +117,9 @@ def test_the_recipe_refuses_a_pipeline_build_by_its_stage_count_before_building(
     # a PP=2 build loads half the layers a rank: the recipe says so, not "slots not loaded"
     import importlib.util
 
-    result = compile_family(None, hf("llama") / "config.json", tensor_parallel_size=2,
-                            pipeline_parallel_size=2, out=tmp_path / "build")
+    result = compile_family(None, hf("llama") / "config.json",
+                            Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                            CompileOptions(out=tmp_path / "build"))
     (tmp_path / "transformers_tp.py").write_text(recipe_block())
     spec = importlib.util.spec_from_file_location("recipe_under_test",
                                                   tmp_path / "transformers_tp.py")
@@ -137,8 +139,8 @@ def test_the_recipe_refuses_a_pipeline_build_by_its_stage_count_before_building(
 def test_the_recipe_refuses_a_model_whose_slots_are_not_the_checkpoint_tensors(tmp_path):
     # transformers stacks qwen3_moe's experts in memory (mlp.experts.gate_up_proj): the recipe
     # names the slots partc does not load instead of failing somewhere inside the fill
-    result = compile_family(None, hf("qwen3_moe") / "config.json", tensor_parallel_size=2,
-                            checkpoint=hf("qwen3_moe"), out=tmp_path / "build")
+    result = compile_family(None, hf("qwen3_moe") / "config.json", Topology(tensor_parallel_size=2),
+                            CompileOptions(checkpoint=hf("qwen3_moe"), out=tmp_path / "build"))
     recipe = tmp_path / "transformers_tp.py"
     recipe.write_text(recipe_block())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}

@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from partc.api import check_family, compile_family
+from partc.api import CompileOptions, check_family, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError
+from partc.plan.topology import Topology
 from partc.verify.run import verify_family
 
 from support import ROOT, hf, import_build
@@ -98,7 +99,8 @@ def test_verify_checks_the_pipeline_cut_compile_makes_at_the_asked_tensor_parall
     compiled = {}
     for tp in (1, 2):
         out = tmp_path / f"tp{tp}"
-        compile_family(None, config, tensor_parallel_size=tp, pipeline_parallel_size=2, out=out)
+        compile_family(None, config, Topology(tensor_parallel_size=tp, pipeline_parallel_size=2),
+                       CompileOptions(out=out))
         compiled[tp] = json.loads((out / "plan.json").read_text())
     # the case: byte balance per rank cuts elsewhere at T=2 than at T=1
     assert _stage_units(compiled[1]) != _stage_units(compiled[2])
@@ -143,7 +145,8 @@ def test_a_build_with_the_default_prefix_loaded_from_the_released_layout_names_t
         tmp_path, capsys):
     released, tensors = _released_llava(tmp_path / "released")
     build = tmp_path / "default"
-    compile_family(None, released / "config.json", out=build)  # no checkpoint: default prefix
+    # no checkpoint: default prefix
+    compile_family(None, released / "config.json", None, CompileOptions(out=build))
     plan = json.loads((build / "plan.json").read_text())
     tower = sorted(t["target"] for t in plan["tensors"] if t["target"].startswith("vision_tower."))
     assert tower and all(
@@ -171,7 +174,8 @@ def test_a_build_with_the_default_prefix_loaded_from_the_released_layout_names_t
 
     # the advice holds: compiled with the checkpoint, the build reads the released names
     fixed = tmp_path / "fixed"
-    compile_family(None, released / "config.json", checkpoint=released, out=fixed)
+    compile_family(None, released / "config.json", None,
+                   CompileOptions(checkpoint=released, out=fixed))
     state = import_build(fixed).load(released, rank=0)
     assert sorted(state.tensors) == sorted(tensors)
     for name, value in tensors.items():

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partc.api import check_family, compile_family
+from partc.api import CompileOptions, check_family, compile_family
 from partc.cli.main import main
 from partc.errors import ArchitectureBoundaryError, BoundaryPayloadError
 from partc.plan.topology import Topology
@@ -121,9 +121,10 @@ def reference(name):
 
 def modules(tmp_path, name, layout, tp=1):
     out = tmp_path / "build"
-    result = compile_family(None, HF / name / "config.json", tensor_parallel_size=tp,
-                            pipeline_parallel_size=layout.count("|") + 1,
-                            stage_units=_named(layout), out=out)
+    result = compile_family(None, HF / name / "config.json",
+                            Topology(tensor_parallel_size=tp,
+                                     pipeline_parallel_size=layout.count("|") + 1),
+                            CompileOptions(stage_units=_named(layout), out=out))
     package = import_build(out, result.plan)
     return result.plan, [package.rank_module(r) for r in range(result.plan.topology.world_size)]
 
@@ -281,8 +282,8 @@ def test_a_tied_embedding_loads_on_the_first_decoder_stage_and_the_last(tmp_path
     config["tie_word_embeddings"] = True
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    plan = compile_family(None, path, pipeline_parallel_size=3,
-                          stage_units=_named("vision*2,projector|decoder|decoder")).plan
+    plan = compile_family(None, path, Topology(pipeline_parallel_size=3),
+                          CompileOptions(stage_units=_named("vision*2,projector|decoder|decoder"))).plan
     embedding = next(g for g in plan.groups if g.name == "embedding")
     assert embedding.stages == (1, 2)
     assert [r.partition.ownership.static_roles for r in plan.ranks] == [
@@ -296,7 +297,7 @@ def test_a_static_role_nothing_is_owned_by_is_never_claimed(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "mini", "hidden_size": 8, "num_layers": 2,
                                   "vocab_size": 16}))
-    plan = compile_family(family, config, pipeline_parallel_size=2).plan
+    plan = compile_family(family, config, Topology(pipeline_parallel_size=2)).plan
     assert [r.partition.ownership.static_roles for r in plan.ranks] == [("embedding",), ()]
 
 
@@ -396,12 +397,14 @@ def llava_7b(tmp_path_factory):
 
 def test_llava_7b_byte_balancing_is_more_even_than_unit_balancing(llava_7b):
     config, weights = llava_7b / "config.json", llava_7b / "model.safetensors"
-    by_bytes = compile_family(None, config, pipeline_parallel_size=2, checkpoint=weights).plan
+    by_bytes = compile_family(None, config, Topology(pipeline_parallel_size=2),
+                              CompileOptions(checkpoint=weights)).plan
     total = sum(g.units for g in by_bytes.graph)
     assert [(g.name, g.units) for g in by_bytes.graph] == [
         ("vision", 23), ("projector", 1), ("decoder", 32)]
-    by_units = compile_family(None, config, pipeline_parallel_size=2, checkpoint=weights,
-                              stage_units=[total // 2, total - total // 2]).plan
+    by_units = compile_family(None, config, Topology(pipeline_parallel_size=2),
+                              CompileOptions(checkpoint=weights,
+                                             stage_units=[total // 2, total - total // 2])).plan
     assert by_bytes.pipeline.balance == "bytes" and by_units.pipeline.balance == "explicit"
     payload = sum(2 * int(np.prod(s)) for s in llava_7b_inventory().values())
     for plan in (by_bytes, by_units):
@@ -427,9 +430,9 @@ def test_a_named_pp_layers_error_is_broken_down_per_group(capsys):
 
 def test_the_printed_layout_is_accepted_back_by_pp_layers(tmp_path, capsys):
     folder = HF / "qwen2_vl"
-    plan = compile_family(None, folder / "config.json", pipeline_parallel_size=3).plan
-    again = compile_family(None, folder / "config.json", pipeline_parallel_size=3,
-                           stage_units=_named(plan.pipeline.layout)).plan
+    plan = compile_family(None, folder / "config.json", Topology(pipeline_parallel_size=3)).plan
+    again = compile_family(None, folder / "config.json", Topology(pipeline_parallel_size=3),
+                           CompileOptions(stage_units=_named(plan.pipeline.layout))).plan
     assert [r.partition.canonical_range for r in again.ranks] == [
         r.partition.canonical_range for r in plan.ranks]
     assert main(["check", "qwen2_vl", "--config", str(folder / "config.json"), "--pp", "3"]) == 0
@@ -459,7 +462,8 @@ def test_a_group_kept_on_one_stage_is_never_cut(tmp_path):
                                    "    path: \"{vision_root}.blocks.{unit}\"\n"
                                    "    parallel: one_stage\n"))
     config = HF / "qwen2_vl" / "config.json"
-    plan = compile_family(family, config, tensor_parallel_size=2, pipeline_parallel_size=3).plan
+    plan = compile_family(family, config,
+                          Topology(tensor_parallel_size=2, pipeline_parallel_size=3)).plan
     holders = {r.pipeline_stage for r in plan.ranks if "vision" in r.partition.unit_ranges}
     assert len(holders) == 1
     assert check_family(family, config, topology=Topology(
@@ -513,7 +517,7 @@ def test_declared_group_weights_balance_instead_of_bytes(tmp_path):
     family.write_text(text.replace("    path: \"{vision_root}.blocks.{unit}\"\n",
                                    "    path: \"{vision_root}.blocks.{unit}\"\n    weight: 5\n"))
     plan = compile_family(family, HF / "qwen2_vl" / "config.json",
-                          pipeline_parallel_size=2).plan
+                          Topology(pipeline_parallel_size=2)).plan
     # units weigh vision 5, 5, 5 | merger 1 | decoder 1, 1: the best split is 5+5 | 5+1+1+1
     assert plan.pipeline.balance == "weight"
     assert [r.partition.canonical_range for r in plan.ranks] == [(0, 2), (2, 6)]
@@ -522,7 +526,8 @@ def test_declared_group_weights_balance_instead_of_bytes(tmp_path):
 
 
 def test_a_single_group_family_keeps_unit_balancing_and_no_pipeline_record():
-    plan = compile_family(None, HF / "llama" / "config.json", pipeline_parallel_size=2).plan
+    plan = compile_family(None, HF / "llama" / "config.json",
+                          Topology(pipeline_parallel_size=2)).plan
     assert plan.pipeline is None and plan.cuts == ()
     assert "pipeline" not in plan.document[0] and "cuts" not in plan.document[0]
     assert [r.partition.canonical_range for r in plan.ranks] == [(0, 2), (2, 3)]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "CompileOptions": "partc.api",
     "CompileResult": "partc.api",
     "check_family": "partc.api",
     "compile_family": "partc.api",
@@ -45,6 +46,7 @@ __all__ = [
     "ArchitecturePartitionError",
     "BoundaryPayloadError",
     "CheckpointError",
+    "CompileOptions",
     "CompileResult",
     "EmitError",
     "ExecutorError",
@@ -69,7 +71,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from partc.api import CompileResult, check_family, compile_family
+    from partc.api import CompileOptions, CompileResult, check_family, compile_family
     from partc.errors import (
         ArchitectureBoundaryError,
         ArchitectureParameterError,

@@ -282,69 +282,104 @@ def _tensor_file(checkpoint: Checkpoint, error: PartcError) -> SourceLocation:
                               else checkpoint.path))
 
 
-def compile_family(family: str | Path | None, config: str | Path, *,
-                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                   stage_units: StageUnits = None,
-                   group_modes: Sequence[tuple[str, GroupParallelMode]] | None = None,
-                   policy: ShardingPolicy | str | None = None,
-                   activation_dtype: str | None = None,
-                   checkpoint: str | Path | None = None,
-                   out: str | Path | None = None, force: bool = False,
-                   digests: bool = False, split: str = "balanced",
-                   progress: ProgressCallback | None = None,
-                   expert_parallel_size: int | None = None,
-                   expert_tensor_parallel_size: int = 1,
-                   expert_placement: str | Path | None = None) -> CompileResult:
-    """Compile a family for a model config and topology; write the build to `out` if given.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileOptions:
+    """How `compile_family` realizes and writes a build: everything but the topology's sizes.
 
-    `stage_units` is one unit count per stage, or per stage its (execution group, units)
-    runs (`plan.stage_balance`); `group_modes` overrides the family's per-group `parallel:`.
-    `expert_parallel_size` (E) turns expert parallelism on: a stage has E x
-    `expert_tensor_parallel_size` ranks, the experts placed balanced or by the placement file
-    `expert_placement` (docs/expert_parallel.md).
-    `digests` (needs `checkpoint`) records the sha256 of every rank-local tensor in the plan,
-    for `load(..., verify="digest")`; `force` is `partc.output.write_atomically`'s. `split`
-    is how uneven splits give out the remainder: "balanced" (the first n mod T ranks get one
-    more) or "chunk" (torch.chunk's rule, which DTensor's Shard follows; docs/torch.md). Raises a
-    PartcError (PartcErrors when several were found) and writes nothing on failure.
-    `progress` hears of each step: `bind groups`, `realize groups`, `render modules`, `write
-    files` (`partc.runtime.progress.ProgressCallback`); it never changes what is written.
+    Built values are checked: `policy`, `activation_dtype` and `split` are held as their enums
+    (a name is accepted and converted), and `digests` needs a `checkpoint`.
+    """
+
+    out: str | Path | None = None
+    """Where to write the build (None: render only, `CompileResult.files`)."""
+    force: bool = False
+    """Replace a non-build `out` (`partc.output.write_atomically`'s `force`)."""
+    checkpoint: str | Path | None = None
+    """A checkpoint to check against and fingerprint (and digest, with `digests`)."""
+    digests: bool = False
+    """Record the sha256 of every rank-local tensor, for `load(..., verify="digest")`."""
+    stage_units: StageUnits = None
+    """One unit count per stage, or per stage its (execution group, units) runs
+    (`plan.stage_balance`); None: the topology's (balanced unless it gives them)."""
+    group_modes: Sequence[tuple[str, GroupParallelMode]] | None = None
+    """Parallel mode per execution group, overriding the family's `parallel:` (None: the
+    topology's)."""
+    policy: ShardingPolicy | str | None = None
+    """Sharding policy override, or its name (`replicate-unsupported`); None: the topology's."""
+    activation_dtype: PipelineActivationDtype | str | None = None
+    """Dtype on the pipeline wire, or its name; None: the topology's (the model's own)."""
+    split: TensorSplit | str | None = None
+    """How uneven splits give out the remainder: "balanced" (the first n mod T ranks get one
+    more) or "chunk" (torch.chunk's rule, which DTensor's Shard follows; docs/torch.md); None:
+    the topology's."""
+    expert_placement: str | Path | None = None
+    """A placement file for an expert-parallel topology (docs/expert_parallel.md)."""
+    progress: ProgressCallback | None = None
+    """Hears of each step: `bind groups`, `realize groups`, `render modules`, `write files`
+    (`partc.runtime.progress.ProgressCallback`); it never changes what is written."""
+
+    def __post_init__(self) -> None:
+        from partc.parallel.specs import ShardingPolicy
+
+        dtype, policy, split = self.activation_dtype, self.policy, self.split
+        try:
+            dtype = None if dtype is None else PipelineActivationDtype(dtype)
+        except ValueError:
+            raise LoadError(f"activation dtype must be one of "
+                            f"{', '.join(d.value for d in PipelineActivationDtype)}, found "
+                            f"{dtype!r}") from None
+        if isinstance(policy, str) and not isinstance(policy, ShardingPolicy):
+            try:  # "replicate-unsupported", as the CLI spells it, or its value
+                policy = ShardingPolicy(policy.replace("-", "_"))
+            except ValueError:
+                raise LoadError(f"policy must be one of "
+                                f"{', '.join(p.value.replace('_', '-') for p in ShardingPolicy)} "
+                                f"(or a partc.ShardingPolicy), found {policy!r}") from None
+        elif policy is not None and not isinstance(policy, ShardingPolicy):
+            raise LoadError(f"policy must be a partc.ShardingPolicy or its name, found {policy!r}")
+        try:
+            split = None if split is None else TensorSplit(split)
+        except ValueError:
+            raise LoadError(f"split must be one of {', '.join(s.value for s in TensorSplit)}, "
+                            f"found {split!r}") from None
+        object.__setattr__(self, "activation_dtype", dtype)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "split", split)
+        if self.digests and self.checkpoint is None:
+            raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "
+                            "--digests")
+
+    def realized(self, topology: Topology) -> Topology:
+        """`topology` with the options that shape its realization (those given) applied."""
+        given: dict[str, object] = {
+            "policy": self.policy, "activation_dtype": self.activation_dtype,
+            "split": self.split,
+            "group_modes": None if self.group_modes is None else tuple(self.group_modes)}
+        if self.stage_units:
+            given["stage_units"], given["stage_layout"] = stage_topology(self.stage_units)
+        return replace(topology, **{k: v for k, v in given.items()  # type: ignore[arg-type]
+                                    if v is not None})
+
+
+def compile_family(family: str | Path | None, config: str | Path,
+                   topology: Topology | None = None,
+                   options: CompileOptions | None = None) -> CompileResult:
+    """Compile a family for a model config and `topology` (default 1 x 1); write the build to
+    `options.out` if given.
+
+    `options` (`CompileOptions`) holds the rest: output, checkpoint and digests, and the stage
+    units, group modes, policy, activation dtype and split, which override the topology's when
+    given. Expert parallelism is the topology's: a stage has E x X ranks, the experts placed
+    balanced or by the placement file `options.expert_placement` (docs/expert_parallel.md).
+    Raises a PartcError (PartcErrors when several were found) and writes nothing on failure.
     """
     from partc.emit.render import render_package
     from partc.output import check_output, write_atomically
-    from partc.parallel.specs import ShardingPolicy
 
-    try:  # None: the model's own dtype (plan.model_activation_dtype)
-        dtype = None if activation_dtype is None else PipelineActivationDtype(activation_dtype)
-    except ValueError:
-        raise LoadError(f"activation dtype must be one of "
-                        f"{', '.join(d.value for d in PipelineActivationDtype)}, found "
-                        f"{activation_dtype!r}") from None
-    if isinstance(policy, str):  # "replicate-unsupported", as the CLI spells it, or its value
-        try:
-            policy = ShardingPolicy(policy.replace("-", "_"))
-        except ValueError:
-            raise LoadError(f"policy must be one of "
-                            f"{', '.join(p.value.replace('_', '-') for p in ShardingPolicy)} "
-                            f"(or a partc.ShardingPolicy), found {policy!r}") from None
-    elif policy is not None and not isinstance(policy, ShardingPolicy):
-        raise LoadError(f"policy must be a partc.ShardingPolicy or its name, found {policy!r}")
-    try:
-        tensor_split = TensorSplit(split)
-    except ValueError:
-        raise LoadError(f"split must be one of {', '.join(s.value for s in TensorSplit)}, found "
-                        f"{split!r}") from None
-    counts, layout = stage_topology(stage_units)
-    topology = Topology(tensor_parallel_size=tensor_parallel_size,
-                        pipeline_parallel_size=pipeline_parallel_size,
-                        stage_units=counts, stage_layout=layout,
-                        group_modes=tuple(group_modes or ()), policy=policy,
-                        activation_dtype=dtype, split=tensor_split,
-                        expert_parallel_size=expert_parallel_size,
-                        expert_tensor_parallel_size=expert_tensor_parallel_size)
-    if digests and checkpoint is None:
-        raise LoadError("digests need a checkpoint to read: pass --checkpoint DIR with "
-                        "--digests")
+    options = CompileOptions() if options is None else options
+    topology = options.realized(Topology() if topology is None else topology)
+    checkpoint, out, progress = options.checkpoint, options.out, options.progress
+    expert_placement, digests = options.expert_placement, options.digests
     plan = plan_family(family, config, topology, checkpoint=checkpoint, progress=progress,
                        expert_placement=expert_placement)
     inputs = ([("checkpoint", checkpoint)] if checkpoint else []) + [("config file", config)]
@@ -353,7 +388,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     if family is not None and Path(family).is_file():
         inputs.append(("family file", family))
     if out is not None:
-        check_output(out, kind="build", inputs=inputs, force=force)
+        check_output(out, kind="build", inputs=inputs, force=options.force)
     if digests:
         from partc.runtime.checkpoint import open_checkpoint
         from partc.runtime.digests import plan_digests
@@ -367,7 +402,7 @@ def compile_family(family: str | Path | None, config: str | Path, *,
     written = None
     if out is not None:
         write_atomically(Path(out), _counted(files, _step(progress, "write files")),
-                         kind="build", inputs=inputs, force=force)
+                         kind="build", inputs=inputs, force=options.force)
         written = Path(out)
     return CompileResult(plan=plan, files=files, out=written)
 

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.emit.render import package_name
 from partc.parallel.specs import ShardingPolicy
+from partc.plan.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -118,8 +119,11 @@ def import_build(out: Path, plan: Any = None) -> Any:
 def compile_and_import(family: str | Path | None, config: Path, out: Path, *, tp: int = 1,
                        pp: int = 1, **options: Any) -> tuple[Any, Any]:
     """Compile into `out` and import the generated package; returns (plan, package)."""
-    result = compile_family(family, config, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                            out=out, **options)
+    sizes = {k: options.pop(k) for k in ("expert_parallel_size", "expert_tensor_parallel_size")
+             if k in options}
+    result = compile_family(family, config,
+                            Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp, **sizes),
+                            CompileOptions(out=out, **options))
     return result.plan, import_build(out, result.plan)
 
 

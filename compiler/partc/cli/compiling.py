@@ -100,19 +100,20 @@ def _builtin_hint(args: argparse.Namespace, errors: Sequence[PartcError]) -> lis
 
 def run_compile(args: argparse.Namespace) -> int:
     """`partc compile`: write the build; report its ranks and per-stage facts."""
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.topology import Topology
     from partc.runtime.progress import terminal_progress
 
     with terminal_progress(_progress_enabled(args)) as report:
         result = compile_family(
-            args.family, args.config, tensor_parallel_size=args.tp,
-            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
-            group_modes=args.group_mode,
-            policy=_policy(args.policy), activation_dtype=args.activation_dtype,
-            checkpoint=args.checkpoint, out=args.out, force=args.force, digests=args.digests,
-            split=args.split, progress=report,
-            expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or 1,
-            expert_placement=args.expert_placement)
+            args.family, args.config,
+            Topology(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                     expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or 1),
+            CompileOptions(stage_units=args.pp_layers, group_modes=args.group_mode,
+                           policy=_policy(args.policy), activation_dtype=args.activation_dtype,
+                           checkpoint=args.checkpoint, out=args.out, force=args.force,
+                           digests=args.digests, split=args.split, progress=report,
+                           expert_placement=args.expert_placement))
     plan = result.plan
     facts = _plan_facts(plan)
     if args.format == "json":
@@ -263,14 +264,16 @@ def run_demo(args: argparse.Namespace) -> int:
     import importlib
     import sys as _sys
 
-    from partc.api import compile_family
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.topology import Topology
 
     example = resources.files("partc.examples").joinpath("tiny-llama")
     with resources.as_file(example) as folder, tempfile.TemporaryDirectory() as scratch:
         out = Path(args.out) if args.out else Path(scratch) / "build"
-        result = compile_family("llama", folder / "config.json", tensor_parallel_size=args.tp,
-                                pipeline_parallel_size=args.pp, out=out,
-                                force=bool(args.out) and args.force)
+        result = compile_family("llama", folder / "config.json",
+                                Topology(tensor_parallel_size=args.tp,
+                                         pipeline_parallel_size=args.pp),
+                                CompileOptions(out=out, force=bool(args.out) and args.force))
         plan = result.plan
         layers = dict(plan.config_values)["num_hidden_layers"]
         where = (f"build in {out}" if args.out else

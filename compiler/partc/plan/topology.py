@@ -20,9 +20,9 @@ from partc.plan.stage_balance import StageLayout
 class Topology:
     """A parallel topology and the options that shape its realization."""
 
-    tensor_parallel_size: int
+    tensor_parallel_size: int = 1
     """T: ranks per stage."""
-    pipeline_parallel_size: int
+    pipeline_parallel_size: int = 1
     """S: pipeline stages."""
     stage_units: tuple[int, ...] | None = None
     """Explicit units per stage (None: balanced)."""

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.api import compile_family
+from partc.api import CompileOptions, compile_family
 from partc.plan.plan_file import PlanFile, read_plan
+from partc.plan.topology import Topology
 from partc.verify.reference import (
     load_model,
     model_inputs,
@@ -79,9 +80,10 @@ def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int
                   policy: ShardingPolicy | None, stage_units: StageUnits = None) -> Build:
     """Compile the family for the reference checkpoint at T x S (`stage_units`: the stages'
     units, as `compile_family` takes them; None: balanced) and load every rank."""
-    compile_family(family, reference / "config.json", tensor_parallel_size=tp,
-                   pipeline_parallel_size=pp, stage_units=stage_units, policy=policy,
-                   checkpoint=reference, out=out)
+    compile_family(family, reference / "config.json",
+                   Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                   CompileOptions(stage_units=stage_units, policy=policy, checkpoint=reference,
+                                  out=out))
     plan = read_plan(out / "plan.json")
     with _imported(out) as package:
         states = tuple(package.load(reference, rank=r)
