@@ -112,11 +112,10 @@ class ReplicatedSharding:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EqualSharding:
-    """Equal contiguous shards along `axis`; the size must divide."""
+class _AxisSharding:
+    """What the contiguous-range variants share: an axis and a granule, no segments."""
 
-    kind: ClassVar[MemberShardingKind] = MemberShardingKind.EQUAL
-    is_partitioned: ClassVar[bool] = False
+    kind: ClassVar[MemberShardingKind]
     segments: ClassVar[tuple[int, ...]] = ()
     groups: ClassVar[int] = 1
     axis: int
@@ -133,45 +132,27 @@ class EqualSharding:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BalancedSharding:
+class EqualSharding(_AxisSharding):
+    """Equal contiguous shards along `axis`; the size must divide."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.EQUAL
+    is_partitioned: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BalancedSharding(_AxisSharding):
     """Balanced, possibly uneven, contiguous ranges along `axis`."""
 
     kind: ClassVar[MemberShardingKind] = MemberShardingKind.BALANCED
     is_partitioned: ClassVar[bool] = False
-    segments: ClassVar[tuple[int, ...]] = ()
-    groups: ClassVar[int] = 1
-    axis: int
-    """The split axis."""
-    granule: int = 1
-    """Cuts fall only on multiples of this many elements."""
-
-    def __post_init__(self) -> None:
-        _check_split(self)
-
-    def describe(self) -> str:
-        """A short spelling for messages, e.g. `balanced(axis 0)`."""
-        return _describe(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PartitionedSharding:
+class PartitionedSharding(_AxisSharding):
     """The group's logical partition mapped onto `axis`."""
 
     kind: ClassVar[MemberShardingKind] = MemberShardingKind.PARTITIONED
     is_partitioned: ClassVar[bool] = True
-    segments: ClassVar[tuple[int, ...]] = ()
-    groups: ClassVar[int] = 1
-    axis: int
-    """The split axis."""
-    granule: int = 1
-    """Cuts fall only on multiples of this many elements."""
-
-    def __post_init__(self) -> None:
-        _check_split(self)
-
-    def describe(self) -> str:
-        """A short spelling for messages, e.g. `partitioned(axis 0)`."""
-        return _describe(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,7 +234,7 @@ def member_sharding(kind: MemberShardingKind, *, axis: int | None = None,
     return cls(**given)
 
 
-def _check_split(rule: SplitSharding) -> None:
+def _check_split(rule: _AxisSharding | PartitionedSegmentsSharding | SegmentedSharding) -> None:
     """Refuse a non-positive granule or group count, a negative axis, bad segment widths."""
     kind = rule.kind.value
     if not is_count(rule.granule) or rule.granule < 1:
@@ -275,7 +256,7 @@ def _check_split(rule: SplitSharding) -> None:
                 + (f" in each of {rule.groups} interleaved groups" if rule.groups > 1 else ""))
 
 
-def _describe(rule: SplitSharding) -> str:
+def _describe(rule: _AxisSharding | PartitionedSegmentsSharding | SegmentedSharding) -> str:
     extra = f", segments {list(rule.segments)}" if rule.segments else ""
     extra += f", granule {rule.granule}" if rule.granule > 1 else ""
     extra += f", {rule.groups} interleaved groups" if rule.groups > 1 else ""
