@@ -35,7 +35,7 @@ from partc.inspect.plan_summary import (
     unit_columns,
     wire_tensors,
 )
-from partc.inspect.text import id_ranges
+from partc.inspect.text import id_ranges, id_runs
 from partc.parallel.placements import tensor_bytes
 from partc.parallel.shape import ParallelShape
 from partc.plan.plan_file import PlanRank
@@ -145,20 +145,10 @@ def fit(text: str, width: float, size: float = FONT) -> str:
     return ""
 
 
-def _runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    runs: list[list[int]] = []
-    for i in sorted(set(ids)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return [(a, b) for a, b in runs]
-
-
 def span_text(ids: Sequence[int], width: int = 34) -> str:
     """Ids as people read them, in at most about `width` characters: `8–15`, `0–3, 8–11`, a
     regular pattern as `5, 69, …, 453 (step 64)`, else the first runs, `…` and the last."""
-    runs = _runs(ids)
+    runs = id_runs(sorted(set(ids)))
     parts = [f"{a}–{b}" if b > a else str(a) for a, b in runs]
     text = ", ".join(parts)
     if len(text) <= width or len(parts) < 3:

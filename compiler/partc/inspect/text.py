@@ -30,15 +30,20 @@ def _dtypes(by_dtype: Mapping[str, int]) -> str:
 _NUMBER = re.compile(r"\d+")
 
 
+def id_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Ids, in the order given, as (first, last) runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [(a, b) for a, b in runs]
+
+
 def _numbers_text(numbers: Sequence[int]) -> str:
     """Sorted distinct numbers as runs: `0..31`, `0..3,5,7..9`."""
-    runs: list[list[int]] = []
-    for n in sorted(set(numbers)):
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+    return ",".join(str(a) if a == b else f"{a}..{b}" for a, b in id_runs(sorted(set(numbers))))
 
 
 def _by_pattern(entries: Sequence[Mapping[str, Any]], key: Callable[[Mapping[str, Any]], object]
@@ -225,13 +230,7 @@ def cut_lines(cuts: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def id_ranges(ids: Sequence[int]) -> str:
     """Expert ids as runs: `0-3,8,10-11`."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in id_runs(ids))
 
 
 def tensor_lines(rows: Sequence[Mapping[str, Any]], note: str) -> list[str]:
