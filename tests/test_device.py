@@ -35,6 +35,7 @@ class FakeTransfer:
         self.destination_sizes: list[int] = []
         self.copies: list[int] = []
         self.waits = 0
+        self.lanes = 0
         self.staging_buffers: list[torch.Tensor] = []
 
     def staging(self, nbytes):
@@ -47,10 +48,15 @@ class FakeTransfer:
         self.destination_sizes.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def copy(self, destination, source):
+    def lane(self):
+        self.lanes += 1
+        return self.lanes
+
+    def copy(self, destination, source, lane):
         # the source must be a slice of a ring buffer: staging never allocates anything else
         assert any(source.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
                    for b in self.staging_buffers)
+        assert 1 <= lane <= self.lanes
         destination.copy_(source)
         self.copies.append(source.numel())
         return len(self.copies)
@@ -169,13 +175,15 @@ def test_a_gpu_load_stages_through_the_ring_and_equals_the_safetensors_slices(
     for name, tensor in state.tensors.items():
         assert tensor.dtype == torch.float32 and tuple(tensor.shape) == expected[name].shape
         np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
-    # host memory: at most two staging buffers of ring/2 bytes, together never more than the
-    # shard (never a second full copy), allocated once and reused
+    # host memory: two staging buffers per reader thread, ring/(2 x threads) bytes each,
+    # together never more than the ring or the shard (never a second full copy), allocated
+    # once and reused
     total = sum(layout.local_bytes for layout in state.layout.tensors)
-    assert len(fake_gpu.staging_sizes) <= 2
-    assert all(size == min(ring, total) // 2 for size in fake_gpu.staging_sizes)
-    assert sum(fake_gpu.staging_sizes) <= total
-    assert max(fake_gpu.copies) <= ring // 2
+    threads = fake_gpu.lanes
+    assert 1 <= threads <= 8 and len(fake_gpu.staging_sizes) <= 2 * threads
+    assert all(size == min(ring, total) // (2 * threads) for size in fake_gpu.staging_sizes)
+    assert sum(fake_gpu.staging_sizes) <= min(ring, total)
+    assert max(fake_gpu.copies) <= ring // (2 * threads)
     assert sum(fake_gpu.copies) == total == sum(fake_gpu.destination_sizes)
     if ring < 1024:
         assert len(fake_gpu.copies) > len(state.tensors)  # tensors were cut into blocks
@@ -194,7 +202,7 @@ def test_a_gpu_load_converts_dtype_on_the_device(fake_gpu, tmp_path):
 
 def test_the_ring_waits_for_a_buffer_before_refilling_it():
     fake = FakeTransfer()
-    ring = StagingRing(fake, 64)
+    ring = StagingRing(fake, 64, lane=fake.lane())
     destination = torch.empty(96, dtype=torch.uint8)
     for block in range(3):
         index, buffer = ring.acquire(32)
@@ -329,3 +337,53 @@ def test_a_gpu_load_verifies_digests_on_the_staging_blocks(fake_gpu, tmp_path, r
     errors = caught.value.errors if isinstance(caught.value, PartcErrors) else [caught.value]
     assert [e.tensor for e in errors] == [target]
     assert "does not match its digest in the build's plan" in errors[0].message
+
+
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_reader_threads_each_fill_their_own_buffers_and_lane(tmp_path, workers):
+    # several reader threads stage at once: each takes blocks in turn, fills its own two
+    # buffers and copies on its own lane; the result is the safetensors slices whatever the
+    # interleaving, and the ring's total stays what was asked for
+    plan, package = compile_and_import(None, PHI3 / "config.json", tmp_path / "b", tp=2)
+    reference = checkpoint_tensors(PHI3)
+    fake = FakeTransfer()
+    ckpt = open_checkpoint(PHI3)
+    table = package.load(PHI3, rank=1)  # the host load: its layout names the selections
+    requests = [(t.target, TensorSelection(axis=t.selection[0], ranges=t.selection[1]))
+                for t in table.layout.tensors]
+    found: dict[str, str] = {}
+    tensors, stats = stage_to_device(ckpt, requests, "cuda:0", staging_bytes=4096,
+                                     transfer=fake, workers=workers, digests=found)
+    expected = _reference_slices(table, reference)
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
+    assert stats.lanes == fake.lanes == workers
+    assert stats.buffers == len(fake.staging_sizes) <= 2 * workers
+    assert set(fake.staging_sizes) == {4096 // (2 * workers)}
+    assert stats.staged_bytes == sum(fake.copies) == sum(t.local_bytes
+                                                         for t in table.layout.tensors)
+    import hashlib
+
+    assert found == {name: hashlib.sha256(np.ascontiguousarray(want).tobytes()).hexdigest()
+                     for name, want in expected.items()}
+
+
+def test_a_failing_copy_in_one_thread_stops_the_load_with_its_error(tmp_path):
+    # a copy that fails in one reader thread: the load raises that error (the other threads
+    # stop at their next block), it does not hang or return a partial state
+    _, package = compile_and_import(None, PHI3 / "config.json", tmp_path / "b", tp=2)
+    table = package.load(PHI3, rank=0)
+    requests = [(t.target, TensorSelection(axis=t.selection[0], ranges=t.selection[1]))
+                for t in table.layout.tensors]
+
+    class Failing(FakeTransfer):
+        def copy(self, destination, source, lane):
+            if len(self.copies) == 5:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().copy(destination, source, lane)
+
+    failing = Failing()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        stage_to_device(open_checkpoint(PHI3), requests, "cuda:0", staging_bytes=1024,
+                        transfer=failing, workers=4)
+    assert len(failing.copies) < len(requests)

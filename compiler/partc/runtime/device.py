@@ -6,17 +6,20 @@ fills the result's own memory). A GPU load never reads the shard into host memor
 selected element goes from the checkpoint's file mapping into one of a few reused host buffers
 (pinned, so the copy to the device is asynchronous), and from there into the device tensor, so
 the host holds the ring, never a second copy of the shard, and faults no fresh pages per tensor.
-While one buffer's copy is in flight the next is filled.
+Several reader threads fill buffers at once (one core copies out of the page cache at a fraction
+of the host-to-device rate), each with two buffers of its own and its own copy stream: while one
+buffer's copy is in flight the thread fills the other.
 
-The device side is one small `Transfer` object (allocate a staging buffer, a device buffer, copy,
-wait), so the whole staging path also runs against a stand-in device in tests. torch is imported
-only inside these functions.
+The device side is one small `Transfer` object (allocate a staging buffer, a device buffer, a
+copy lane; copy, wait), so the whole staging path also runs against a stand-in device in tests.
+torch is imported only inside these functions.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,15 +29,16 @@ import numpy as np
 from partc.errors import LaunchError
 from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.frameworks import import_torch
 from partc.runtime.options import Framework, LoadOptions, ZeroCopy
 from partc.runtime.rank_env import environment_integer
 
 DEFAULT_STAGING_BYTES = 64 << 20
-"""Default size of the host staging ring (two buffers of 32 MiB)."""
+"""Default size of the host staging ring: two buffers for each reader thread, 64 MiB in all."""
 _SLOTS = 2
-"""Buffers in the ring: one filled on the host while the other's copy is in flight."""
+"""Buffers of each reader thread: one filled on the host while the other's copy is in flight."""
 _BYTE_VIEWS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 """Item size -> unsigned integer dtype: every copy moves raw bytes, whatever the dtype."""
 
@@ -110,7 +114,8 @@ def load_target(options: LoadOptions) -> Any | None:
 
 
 class Transfer(Protocol):
-    """The device side of a staged load: buffers and copies (CUDA, or a stand-in in tests)."""
+    """The device side of a staged load: buffers, copy lanes and copies (CUDA, or a stand-in
+    in tests)."""
 
     def staging(self, nbytes: int) -> Any:
         """A new host uint8 torch tensor of `nbytes` to stage copies through."""
@@ -118,8 +123,14 @@ class Transfer(Protocol):
     def destination(self, nbytes: int) -> Any:
         """A new uint8 torch tensor of `nbytes` on the device."""
 
-    def copy(self, destination: Any, source: Any) -> Any:
-        """Start copying `source` (host) into `destination` (device); a handle to wait on."""
+    def lane(self) -> Any:
+        """A new copy lane (a CUDA stream) that starts after all work queued so far on the
+        device's current stream: one per reader thread, so their copies never wait on each
+        other's."""
+
+    def copy(self, destination: Any, source: Any, lane: Any) -> Any:
+        """Start copying `source` (host) into `destination` (device) on `lane`; a handle to
+        wait on."""
 
     def wait(self, handle: Any) -> None:
         """Block until the copy `handle` names has finished reading its source."""
@@ -127,7 +138,7 @@ class Transfer(Protocol):
 
 @dataclass(slots=True)
 class _CudaTransfer:
-    """Pinned host buffers and asynchronous host-to-device copies on the current stream."""
+    """Pinned host buffers and asynchronous host-to-device copies, one stream per lane."""
 
     torch: Any
     """The torch module."""
@@ -139,15 +150,24 @@ class _CudaTransfer:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
 
     def destination(self, nbytes: int) -> Any:
-        """Uninitialised device bytes."""
+        """Uninitialised device bytes (allocated on the device's current stream)."""
         return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
 
-    def copy(self, destination: Any, source: Any) -> Any:
-        """A non-blocking copy on the device's current stream, and an event recorded after it."""
-        with self.torch.cuda.device(self.device):
+    def lane(self) -> Any:
+        """A new stream ordered after the current stream's queued work: the destinations were
+        allocated on that stream, whose earlier kernels may still use their memory."""
+        cuda = self.torch.cuda
+        stream = cuda.Stream(device=self.device)
+        stream.wait_stream(cuda.current_stream(self.device))
+        return stream
+
+    def copy(self, destination: Any, source: Any, lane: Any) -> Any:
+        """A non-blocking copy on `lane`, and an event recorded after it."""
+        cuda = self.torch.cuda
+        with cuda.device(self.device), cuda.stream(lane):
             destination.copy_(source, non_blocking=True)
-            event = self.torch.cuda.Event()
-            event.record()
+            event = cuda.Event()
+            event.record(lane)
         return event
 
     def wait(self, handle: Any) -> None:
@@ -172,18 +192,30 @@ class StagingStats:
     """Host-to-device copies issued."""
     staged_bytes: int = 0
     """Bytes that went through the ring."""
+    lanes: int = 0
+    """Reader threads that filled buffers, each with its own buffers and copy lane."""
+
+    def add(self, other: StagingStats) -> None:
+        """Count `other`'s buffers and copies in this one's."""
+        self.buffers += other.buffers
+        self.buffer_bytes.extend(other.buffer_bytes)
+        self.copies += other.copies
+        self.staged_bytes += other.staged_bytes
 
 
 class StagingRing:
     """A few reused host buffers, each filled while the previous one's copy is in flight."""
 
-    def __init__(self, transfer: Transfer, total_bytes: int, slots: int = _SLOTS) -> None:
+    def __init__(self, transfer: Transfer, total_bytes: int, slots: int = _SLOTS,
+                 lane: Any = None) -> None:
         self.transfer = transfer
         """The device side."""
         self.slot_bytes = max(1, total_bytes // slots)
         """Bytes of one buffer."""
         self.stats = StagingStats()
         """What was allocated and moved."""
+        self.lane = lane
+        """The copy lane this ring's copies go on."""
         self._slots = slots
         self._buffers: list[Any] = []
         self._pending: list[Any] = []
@@ -205,7 +237,8 @@ class StagingRing:
 
     def submit(self, index: int, destination: Any, nbytes: int) -> None:
         """Copy the first `nbytes` of buffer `index` into `destination` (a device byte range)."""
-        self._pending[index] = self.transfer.copy(destination, self._buffers[index][:nbytes])
+        self._pending[index] = self.transfer.copy(destination, self._buffers[index][:nbytes],
+                                                  self.lane)
         self.stats.copies += 1
         self.stats.staged_bytes += nbytes
 
@@ -271,19 +304,67 @@ def _fill(out: np.ndarray[Any, Any], views: list[np.ndarray[Any, Any]], axis: in
         np.concatenate(views, axis=axis, out=out)
 
 
+@dataclass(slots=True)
+class _Job:
+    """Blocks of one local tensor that one reader thread stages in order: all of the tensor's
+    blocks when its digest is taken (sha256 is updated in C order), else one block."""
+
+    name: str
+    """The tensor's name."""
+    flat: Any
+    """Its device bytes."""
+    itemsize: int
+    """Bytes of one element."""
+    blocks: list[tuple[int, Piece]]
+    """(bytes, piece) of each block, in the tensor's C order."""
+    hashed: bool
+    """Whether its sha256 is taken as its blocks pass."""
+
+
+def _stage_jobs(jobs: Sequence[_Job], ring: StagingRing, next_job: Callable[[], int | None],
+                progress: Callable[[int], None] | None, digests: dict[str, str] | None
+                ) -> None:
+    """One reader thread: take the next job until none is left, filling this thread's ring."""
+    while (index := next_job()) is not None:
+        job = jobs[index]
+        hasher = None
+        if job.hashed:
+            import hashlib  # OpenSSL's sha256, as partc.runtime.digests: only when verifying
+
+            hasher = hashlib.sha256()
+        for nbytes, (first, part, part_axis) in job.blocks:
+            block = list(part[0].shape)
+            block[part_axis] = sum(p.shape[part_axis] for p in part)
+            slot, buffer = ring.acquire(nbytes)
+            _fill(buffer.view(part[0].dtype).reshape(block), part, part_axis)
+            if hasher is not None:
+                hasher.update(buffer[:nbytes].data)
+            start = first * job.itemsize
+            ring.submit(slot, job.flat[start:start + nbytes], nbytes)
+            if progress is not None:
+                progress(nbytes)
+        if hasher is not None and digests is not None:
+            digests[job.name] = hasher.hexdigest()
+
+
 def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, TensorSelection]],
                     device: Any, *, staging_bytes: int | None = None,
                     progress: Callable[[int], None] | None = None,
-                    transfer: Transfer | None = None, digests: dict[str, str] | None = None
+                    transfer: Transfer | None = None, digests: dict[str, str] | None = None,
+                    workers: int | None = None, local_ranks: int | None = None
                     ) -> tuple[dict[str, Any], StagingStats]:
     """Each request's selection as a torch tensor on `device`, staged through a host ring.
 
     Sources are read-only views of the mapped checkpoint files (nothing is read whole); each
     block is copied into a ring buffer and from there to its byte range of the device tensor.
-    Returns the tensors in request order and what the ring allocated and moved. With
-    `digests`, each tensor's sha256 is taken on the host as its blocks pass through the ring
-    (they come in the local tensor's C order, so the digest is that of its bytes) and stored
-    there by name: `verify="digest"` checks a device load without reading anything back.
+    Several reader threads (`workers`, by default the node's cores shared among its loading
+    ranks, see `default_workers`) take blocks in file order, each filling its own two buffers
+    of the ring and copying on its own lane, so the host-side copies out of the page cache run
+    on several cores while earlier blocks cross to the device. Returns the tensors in request
+    order and what the ring allocated and moved. With `digests`, each tensor's sha256 is taken
+    on the host as its blocks pass through the ring (one thread takes all of a tensor's blocks,
+    in the local tensor's C order, so the digest is that of its bytes) and stored there by
+    name: `verify="digest"` checks a device load without reading anything back.
     """
     torch = import_torch("a device load")
     total = DEFAULT_STAGING_BYTES if staging_bytes is None else staging_bytes
@@ -296,40 +377,73 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
                           zero_copy=True)
     shard = sum(math.prod(selection.local_shape(tuple(wholes[name].shape)))
                 * wholes[name].itemsize for name, selection in requests)
-    ring = StagingRing(transfer, min(total, max(_SLOTS, shard)))  # the ring never exceeds the shard
+    ring_bytes = min(total, max(_SLOTS, shard))  # the ring never exceeds the shard
+    threads = default_workers(local_ranks) if workers is None else max(1, workers)
+    threads = max(1, min(threads, ring_bytes // _SLOTS))  # every buffer at least one byte
+    slot_bytes = max(1, ring_bytes // (_SLOTS * threads))
     order = sorted(range(len(requests)), key=lambda i: (
         checkpoint.owners[names[i]], checkpoint.tensor(names[i])[1].begin))
     out: dict[str, Any] = {}
-    for i in order:
+    jobs: list[_Job] = []
+    for i in order:  # every destination allocated first, on the current stream, in file order
         name, selection = requests[i]
         whole = wholes.pop(name)
         shape = selection.local_shape(tuple(whole.shape))
         itemsize = whole.itemsize
         flat = transfer.destination(math.prod(shape) * itemsize)
         views, axis = _source_views(whole, selection)
-        hasher = None
-        if digests is not None:
-            import hashlib  # OpenSSL's sha256, as partc.runtime.digests: only when verifying
-
-            hasher = hashlib.sha256()
-        for first, part, part_axis in _pieces(views, axis, 0, ring.slot_bytes):
-            block = list(part[0].shape)
-            block[part_axis] = sum(p.shape[part_axis] for p in part)
-            nbytes = math.prod(block) * itemsize
-            if nbytes == 0:
-                continue
-            index, buffer = ring.acquire(nbytes)
-            _fill(buffer.view(part[0].dtype).reshape(block), part, part_axis)
-            if hasher is not None:
-                hasher.update(buffer[:nbytes].data)
-            ring.submit(index, flat[first * itemsize:first * itemsize + nbytes], nbytes)
-            if progress is not None:
-                progress(nbytes)
+        blocks = []
+        for first, part, part_axis in _pieces(views, axis, 0, slot_bytes):
+            extent = list(part[0].shape)
+            extent[part_axis] = sum(p.shape[part_axis] for p in part)
+            nbytes = math.prod(extent) * itemsize
+            if nbytes:
+                blocks.append((nbytes, (first, part, part_axis)))
         out[name] = flat.view(torch_dtype(torch, whole.dtype, name)).view(shape)
-        if digests is not None and hasher is not None:
-            digests[name] = hasher.hexdigest()
-    ring.drain()
-    return {name: out[name] for name in names}, ring.stats
+        if digests is not None:
+            jobs.append(_Job(name, flat, itemsize, blocks, hashed=True))
+        else:
+            jobs.extend(_Job(name, flat, itemsize, [b], hashed=False) for b in blocks)
+    threads = max(1, min(threads, len(jobs)))
+    rings = [StagingRing(transfer, slot_bytes * _SLOTS, lane=transfer.lane())
+             for _ in range(threads)]
+    taken = iter(range(len(jobs)))
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+
+    def next_job() -> int | None:
+        with lock:
+            return None if failed else next(taken, None)
+
+    def counted(nbytes: int) -> None:
+        with lock:
+            assert progress is not None
+            progress(nbytes)
+
+    def run(ring: StagingRing) -> None:
+        try:
+            _stage_jobs(jobs, ring, next_job, counted if progress is not None else None,
+                        digests)
+        except BaseException as error:  # the others stop at their next job; re-raised below
+            with lock:
+                failed.append(error)
+
+    if threads == 1:
+        run(rings[0])
+    else:
+        pool = [threading.Thread(target=run, args=(ring,), name=f"partc-stage-{n}",
+                                 daemon=True) for n, ring in enumerate(rings)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join()
+    stats = StagingStats(lanes=threads)
+    for ring in rings:
+        ring.drain()
+        stats.add(ring.stats)
+    if failed:
+        raise failed[0]
+    return {name: out[name] for name in names}, stats
 
 
 def torch_dtype(torch: Any, dtype: np.dtype[Any], name: str = "") -> Any:

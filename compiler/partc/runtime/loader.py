@@ -528,8 +528,9 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             'cpu', 'cuda', 'cuda:N' or a torch.device. None with framework="torch" means
             `cuda:LOCAL_RANK` when torch sees a GPU, else the CPU.
         staging_bytes: The size of the host ring a GPU load stages through (None: 64 MiB,
-            pinned); a GPU load never holds the shard in host memory, and `verify="digest"`
-            hashes the blocks as they pass through the ring.
+            pinned, two buffers for each reader thread, `workers`); a GPU load never holds
+            the shard in host memory, and `verify="digest"` hashes the blocks as they pass
+            through the ring.
         **unknown: Refused: any other keyword is an unknown option.
 
     Returns:
@@ -586,7 +587,8 @@ def _load(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         with progress_bar(total, f"rank {table.rank}", options.progress) as update:
             on_device = stage_to_device(opened, requests, staged,
                                         staging_bytes=options.staging_bytes, progress=update,
-                                        digests=found)[0]
+                                        digests=found, workers=options.workers,
+                                        local_ranks=options.local_ranks)[0]
         if recorded is not None and found is not None:
             _verify_payloads(recorded, opened, on_device, options.workers, found=found)
         return RankState(tensors=convert_on_device(on_device, target_dtype), table=table)

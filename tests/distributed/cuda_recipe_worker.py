@@ -1,0 +1,61 @@
+"""Run under torchrun with CUDA: the transformers TP recipe of docs/transformers_tp.md on a CUDA
+mesh, every rank on cuda:0 (gloo carries CUDA tensors through the host; NCCL needs one GPU per
+rank).
+
+argv: the recipe module (written to a file by the test), the build folder, the generated package,
+the checkpoint, the model dtype. Writes `rank-<g>.npz` (logits, as float32) and `rank-<g>.json`
+(the devices and dtypes of the parameters) to PARTC_TEST_REPORTS."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def main() -> None:
+    recipe_file, build, package_name, checkpoint, dtype = sys.argv[1:6]
+    spec = importlib.util.spec_from_file_location("transformers_tp_recipe", recipe_file)
+    assert spec is not None and spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:gloo")
+    try:
+        sys.path.insert(0, build)
+        loaders = importlib.import_module(package_name)
+        mesh = loaders.device_mesh("cuda")["tp"]
+        model = recipe.tp_model_from_partc(loaders, checkpoint, mesh,
+                                           attn_implementation="eager",
+                                           dtype=getattr(torch, dtype))
+        with np.load(Path(checkpoint) / "reference.npz") as npz:
+            input_ids = torch.from_numpy(npz["input_ids"].astype(np.int64)).to("cuda:0")
+        with torch.no_grad():
+            logits = model(input_ids).logits
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        devices, dtypes = set(), set()
+        for _, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            devices.add(str(local.device))
+            dtypes.add(str(local.dtype))
+        me = dist.get_rank()
+        reports = Path(os.environ["PARTC_TEST_REPORTS"])
+        np.savez(reports / f"rank-{me}.npz", logits=logits.float().cpu().numpy())
+        (reports / f"rank-{me}.json").write_text(json.dumps(
+            {"rank": me, "devices": sorted(devices), "dtypes": sorted(dtypes)}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
