@@ -178,7 +178,7 @@ def _torchrun(worker: Path, *args: str, reports: Path, nproc: int = 2) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
          "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(worker), *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=150,
         env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check of partc, in one run on a machine with an NVIDIA GPU and no network:
 # installs partc and the compiler's missing dependencies from wheels carried in .whl/ (made by
-# benchmarks/gpu/wheels.sh on a machine with pip access), runs the gpu-marked tests, then the
-# load benchmark (benchmarks/gpu/bench.py). Everything it finds goes to $OUT (default
+# benchmarks/gpu/wheels.sh on a machine with pip access), runs the load benchmark
+# (benchmarks/gpu/bench.py), then the gpu-marked tests. Everything it finds goes to $OUT (default
 # benchmarks/gpu/out): pytest.txt, results.json, table.md, nvidia-smi.txt.
 #   usage: benchmarks/gpu/run.sh [all|tests|bench|quick]
 set -uo pipefail
@@ -21,15 +21,15 @@ python3 -c "import partc, torch, transformers, safetensors; print('partc', partc
 'torch', torch.__version__, 'transformers', transformers.__version__, 'safetensors', \
 safetensors.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
 status=0
-if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout 300 python3 -m pytest -p no:cacheprovider -o addopts="" -m gpu -q -rA \
-    tests/test_gpu.py 2>&1 | tee "$OUT/pytest.txt" | tail -40
-  status=${PIPESTATUS[0]}
-fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = quick ]; then
   extra=()
   [ "$what" = quick ] && extra=(--quick)
   python3 benchmarks/gpu/bench.py --out "$OUT" --dir /tmp/partc-gpu-bench \
     --budget "${BUDGET:-300}" "${extra[@]}" 2>&1 | tee "$OUT/bench.txt" | tail -30
+fi
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -o addopts="" -m gpu -q -rA \
+    tests/test_gpu.py 2>&1 | tee "$OUT/pytest.txt" | tail -40
+  status=${PIPESTATUS[0]}
 fi
 exit "$status"
