@@ -387,3 +387,33 @@ def test_a_failing_copy_in_one_thread_stops_the_load_with_its_error(tmp_path):
         stage_to_device(open_checkpoint(PHI3), requests, "cuda:0", staging_bytes=1024,
                         transfer=failing, workers=4)
     assert len(failing.copies) < len(requests)
+
+
+def test_one_run_blocks_are_read_with_pread_and_a_short_read_names_the_tensor(tmp_path,
+                                                                                monkeypatch):
+    # whole tensors and row ranges are read into the ring with pread (no mapping touched); a
+    # file that ends early meanwhile is a CheckpointError naming the tensor, never SIGBUS
+    _, package = compile_and_import(None, LLAMA / "config.json", tmp_path / "b", tp=2)
+    table = package.load(LLAMA, rank=0)
+    requests = [(t.target, TensorSelection(axis=t.selection[0], ranges=t.selection[1]))
+                for t in table.layout.tensors]
+    reads = []
+    real = os.preadv
+
+    def counting(fd, buffers, offset):
+        reads.append(sum(len(b) for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(device_module.os, "preadv", counting)
+    tensors, stats = stage_to_device(open_checkpoint(LLAMA), requests, "cuda:0",
+                                     transfer=FakeTransfer(), workers=2)
+    expected = _reference_slices(table, checkpoint_tensors(LLAMA))
+    for name, tensor in tensors.items():
+        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
+    one_run = sum(t.local_bytes for t in table.layout.tensors if t.selection[0] in (None, 0))
+    assert 0 < sum(reads) == one_run < stats.staged_bytes  # column slices were gathered
+    monkeypatch.setattr(device_module.os, "preadv", lambda fd, buffers, offset: 0)
+    with pytest.raises(CheckpointError, match=r"model.safetensors ended at byte \d+ while "
+                       r"reading `[^`]+`, which needs \d+ bytes more") as caught:
+        stage_to_device(open_checkpoint(LLAMA), requests, "cuda:0", transfer=FakeTransfer())
+    assert caught.value.tensor in dict(requests)

@@ -1,7 +1,8 @@
-"""Run under torchrun with CUDA: every rank on cuda:0 (gloo carries CUDA tensors through the
-host; NCCL needs one GPU per rank). Loads this process's rank of a build onto the GPU, turns its
-tensors into DTensors on the package's own CUDA DeviceMesh and checks that full_tensor() of
-each equals the checkpoint tensor."""
+"""Run under torchrun with CUDA: every rank on cuda:0 (argv: build, checkpoint, package, the
+process group backend: NCCL for one rank, gloo carrying CUDA tensors through the host for
+several, since NCCL needs one GPU per rank). Loads this process's rank of a build onto the
+GPU, turns its tensors into DTensors on the package's own CUDA DeviceMesh and checks that
+full_tensor() of each equals the checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from partc.runtime.dtensor import to_dtensors
 
 
 def main() -> None:
-    build, checkpoint, package = sys.argv[1:4]
+    build, checkpoint, package, backend = sys.argv[1:5]
     torch.cuda.set_device(0)  # before the mesh: DeviceMesh would pick cuda:LOCAL_RANK
-    dist.init_process_group("cpu:gloo,cuda:gloo")
+    dist.init_process_group(backend)
     try:
         sys.path.insert(0, build)
         loaders = __import__(package)

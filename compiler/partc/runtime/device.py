@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from partc.errors import LaunchError
+from partc.errors import CheckpointError, LaunchError
 from partc.runtime._engine.reader import read_tensors
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime._engine.workers import default_workers
@@ -304,6 +304,26 @@ def _fill(out: np.ndarray[Any, Any], views: list[np.ndarray[Any, Any]], axis: in
         np.concatenate(views, axis=axis, out=out)
 
 
+def _one_run(part: list[np.ndarray[Any, Any]]) -> bool:
+    """Whether a block's source is one byte run of its file (one C-contiguous view)."""
+    return len(part) == 1 and bool(part[0].flags.c_contiguous)
+
+
+def _read_run(fd: int, path: str, offset: int, out: np.ndarray[Any, Any], name: str) -> None:
+    """Fill `out` (a ring buffer's bytes) from `offset` of the open file: the kernel copies out
+    of the page cache with no page fault of a mapping, and a file cut short meanwhile is an
+    error naming the tensor, never SIGBUS."""
+    view = out.data.cast("B")
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count <= 0:
+            raise CheckpointError(f"{path} ended at byte {offset + done} while reading "
+                                  f"`{name}`, which needs {len(view) - done} bytes more there: "
+                                  "was the file changed during the load?", tensor=name)
+        done += count
+
+
 @dataclass(slots=True)
 class _Job:
     """Blocks of one local tensor that one reader thread stages in order: all of the tensor's
@@ -319,12 +339,20 @@ class _Job:
     """(bytes, piece) of each block, in the tensor's C order."""
     hashed: bool
     """Whether its sha256 is taken as its blocks pass."""
+    file: int
+    """Index of the checkpoint file holding the tensor."""
+    origin: tuple[int, int]
+    """(address of the whole tensor's mapped view, its byte offset in the file): a one-run
+    block's file offset is its view's address less the first, plus the second."""
 
 
 def _stage_jobs(jobs: Sequence[_Job], ring: StagingRing, next_job: Callable[[], int | None],
-                progress: Callable[[int], None] | None, digests: dict[str, str] | None
-                ) -> None:
-    """One reader thread: take the next job until none is left, filling this thread's ring."""
+                progress: Callable[[int], None] | None, digests: dict[str, str] | None,
+                files: Sequence[tuple[int, str]]) -> None:
+    """One reader thread: take the next job until none is left, filling this thread's ring
+    (`files`: each checkpoint file's descriptor and path). A block that is one byte run of its
+    file is read into the buffer (pread); one of strided rows or several runs is copied out of
+    the mapping."""
     while (index := next_job()) is not None:
         job = jobs[index]
         hasher = None
@@ -336,7 +364,12 @@ def _stage_jobs(jobs: Sequence[_Job], ring: StagingRing, next_job: Callable[[], 
             block = list(part[0].shape)
             block[part_axis] = sum(p.shape[part_axis] for p in part)
             slot, buffer = ring.acquire(nbytes)
-            _fill(buffer.view(part[0].dtype).reshape(block), part, part_axis)
+            if _one_run(part):
+                fd, path = files[job.file]
+                offset = job.origin[1] + part[0].ctypes.data - job.origin[0]
+                _read_run(fd, path, offset, buffer[:nbytes], job.name)
+            else:
+                _fill(buffer.view(part[0].dtype).reshape(block), part, part_axis)
             if hasher is not None:
                 hasher.update(buffer[:nbytes].data)
             start = first * job.itemsize
@@ -355,8 +388,10 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
                     ) -> tuple[dict[str, Any], StagingStats]:
     """Each request's selection as a torch tensor on `device`, staged through a host ring.
 
-    Sources are read-only views of the mapped checkpoint files (nothing is read whole); each
-    block is copied into a ring buffer and from there to its byte range of the device tensor.
+    Each block of a local tensor goes into a ring buffer and from there to its byte range of
+    the device tensor: a block that is one byte run of its file (whole tensors, row ranges) is
+    read into the buffer with pread, a block of strided rows (column slices) or of several
+    runs (fused segments) is gathered from read-only views of the mapped file.
     Several reader threads (`workers`, by default the node's cores shared among its loading
     ranks, see `default_workers`) take blocks in file order, each filling its own two buffers
     of the ring and copying on its own lane, so the host-side copies out of the page cache run
@@ -400,13 +435,18 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
             if nbytes:
                 blocks.append((nbytes, (first, part, part_axis)))
         out[name] = flat.view(torch_dtype(torch, whole.dtype, name)).view(shape)
+        header, entry = checkpoint.tensor(name)
+        file = checkpoint.owners[name]
+        origin = (whole.ctypes.data, header.data_start + entry.begin)
         if digests is not None:
-            jobs.append(_Job(name, flat, itemsize, blocks, hashed=True))
+            jobs.append(_Job(name, flat, itemsize, blocks, True, file, origin))
         else:
-            jobs.extend(_Job(name, flat, itemsize, [b], hashed=False) for b in blocks)
+            jobs.extend(_Job(name, flat, itemsize, [b], False, file, origin) for b in blocks)
     threads = max(1, min(threads, len(jobs)))
     rings = [StagingRing(transfer, slot_bytes * _SLOTS, lane=transfer.lane())
              for _ in range(threads)]
+    files = [(os.open(header.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), header.path)
+             for header in checkpoint.files]
     taken = iter(range(len(jobs)))
     lock = threading.Lock()
     failed: list[BaseException] = []
@@ -423,24 +463,28 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
     def run(ring: StagingRing) -> None:
         try:
             _stage_jobs(jobs, ring, next_job, counted if progress is not None else None,
-                        digests)
+                        digests, files)
         except BaseException as error:  # the others stop at their next job; re-raised below
             with lock:
                 failed.append(error)
 
-    if threads == 1:
-        run(rings[0])
-    else:
-        pool = [threading.Thread(target=run, args=(ring,), name=f"partc-stage-{n}",
-                                 daemon=True) for n, ring in enumerate(rings)]
-        for thread in pool:
-            thread.start()
-        for thread in pool:
-            thread.join()
-    stats = StagingStats(lanes=threads)
-    for ring in rings:
-        ring.drain()
-        stats.add(ring.stats)
+    try:
+        if threads == 1:
+            run(rings[0])
+        else:
+            pool = [threading.Thread(target=run, args=(ring,), name=f"partc-stage-{n}",
+                                     daemon=True) for n, ring in enumerate(rings)]
+            for thread in pool:
+                thread.start()
+            for thread in pool:
+                thread.join()
+        stats = StagingStats(lanes=threads)
+        for ring in rings:
+            ring.drain()
+            stats.add(ring.stats)
+    finally:
+        for fd, _ in files:
+            os.close(fd)
     if failed:
         raise failed[0]
     return {name: out[name] for name in names}, stats
