@@ -168,8 +168,8 @@ def test_a_module_without_expert_parallelism_refuses_an_expert_map(tmp_path: Pat
      r"of tensor_parallel_size 4"),
     ({"expert_parallel_size": 9},
      r"expert_parallel_size 9 exceeds the model's 8 experts"),
-    ({"expert_tensor_parallel_size": 2}, r"--etp and --expert-placement need expert "
-                                         r"parallelism: give --ep"),
+    ({"expert_tensor_parallel_size": 2}, r"expert_tensor_parallel_size 2 \(--etp\) needs expert "
+                                         r"parallelism: give expert_parallel_size \(--ep\)"),
 ])
 def test_bad_expert_topologies_are_refused_with_the_rule_and_the_values(
         options: dict[str, int], message: str) -> None:
@@ -317,7 +317,7 @@ def test_build_topology_of_an_expert_parallel_build_gives_the_ep_etp_and_tp_grou
     for dimension, size in (("tp", 2), ("pp", 2), ("dp", 2), ("ep", 2), ("etp", 2)):
         assert sorted(r for group in groups[dimension] for r in group) == list(range(16))
         assert {len(g) for g in groups[dimension]} == {size}
-    with pytest.raises(LaunchError, match="not a multiple of T=4"):
+    with pytest.raises(LaunchError, match="not a multiple of tensor_parallel_size 4"):
         BuildTopology(tensor_parallel_size=4, pipeline_parallel_size=1, expert_parallel_size=2)
     with pytest.raises(LaunchError, match="no expert parallelism"):
         BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=1).expert_parallel_group(0)
