@@ -155,6 +155,7 @@ def test_the_shape_s_coordinates_are_the_row_major_enumeration_of_its_dimensions
     for rank, (dp, stage, replica, tp) in enumerate(dense):
         ep, etp = experts[rank % n] if e is not None else (0, 0)
         want = RankCoordinates(data_parallel_rank=dp, pipeline_stage=stage,
+                               stage_rank=replica * t + tp,
                                tensor_parallel_rank=tp, dense_replica=replica,
                                expert_parallel_rank=ep, expert_tensor_parallel_rank=etp)
         assert shape.coordinates(rank) == want
@@ -189,7 +190,7 @@ def test_coordinates_outside_the_shape_or_inconsistent_with_it_are_refused() -> 
     with pytest.raises(LayoutError, match="rank 8 is outside the ranks 0..7 of "):
         shape.coordinates(8)
     with pytest.raises(LayoutError, match="are inconsistent: rank 5 is"):
-        shape.rank(RankCoordinates(data_parallel_rank=0, pipeline_stage=1,
+        shape.rank(RankCoordinates(data_parallel_rank=0, pipeline_stage=1, stage_rank=1,
                                    tensor_parallel_rank=1, dense_replica=0,
                                    expert_parallel_rank=1, expert_tensor_parallel_rank=1))
 

@@ -33,7 +33,7 @@ def test_coordinates_follow_g_equals_d_ts_plus_p_t_plus_t_and_round_trip():
         assert topology.global_rank(c) == g
         assert topology.build_rank(g) == g % 6
     assert topology.coordinates(9) == RankCoordinates(data_parallel_rank=1, pipeline_stage=1,
-                                                      tensor_parallel_rank=1)
+                                                      stage_rank=1, tensor_parallel_rank=1)
 
 
 BAD_SHAPES = [
@@ -70,8 +70,10 @@ def test_the_plan_and_the_launch_word_a_rank_or_coordinates_outside_the_shape_al
              "expert_parallel_size": 2, "expert_tensor_parallel_size": 2}
     shape = Topology(**sizes).shape  # type: ignore[arg-type]
     launch = BuildTopology(**sizes)  # type: ignore[arg-type]
-    outside = RankCoordinates(data_parallel_rank=0, pipeline_stage=2, tensor_parallel_rank=0)
-    mixed = RankCoordinates(data_parallel_rank=0, pipeline_stage=1, tensor_parallel_rank=1,
+    outside = RankCoordinates(data_parallel_rank=0, pipeline_stage=2, stage_rank=0,
+                              tensor_parallel_rank=0)
+    mixed = RankCoordinates(data_parallel_rank=0, pipeline_stage=1, stage_rank=1,
+                            tensor_parallel_rank=1,
                             dense_replica=0, expert_parallel_rank=1,
                             expert_tensor_parallel_rank=1)
     for call_plan, call_launch, message in [

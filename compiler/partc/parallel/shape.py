@@ -74,14 +74,18 @@ def shape_problem(*, tensor_parallel_size: object, pipeline_parallel_size: objec
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankCoordinates:
-    """One process's place in the job."""
+    """One rank's place in the job: its replica, stage and rank within the stage, and what that
+    stage-local rank is in each group of the stage (the one coordinates type of plan, runtime,
+    shard and inspect; a plan's ranks are those of replica 0)."""
 
     data_parallel_rank: int
     """Which replica of the build (d)."""
     pipeline_stage: int
     """Which pipeline stage (p)."""
+    stage_rank: int
+    """r: the rank within its stage (0 <= r < N; t without expert parallelism)."""
     tensor_parallel_rank: int
-    """Which rank of the stage's tensor-parallel group (t)."""
+    """Which rank of the stage's tensor-parallel group (t = r mod T)."""
     dense_replica: int = 0
     """Which copy of the stage's dense parts (expert-parallel builds; r div T)."""
     expert_parallel_rank: int = 0
@@ -154,9 +158,10 @@ class ParallelShape:
         stage, local = divmod(build_rank, self.ranks_per_stage)
         if self.expert_parallel_size is None:
             return RankCoordinates(data_parallel_rank=replica, pipeline_stage=stage,
-                                   tensor_parallel_rank=local)
+                                   stage_rank=local, tensor_parallel_rank=local)
         x = self.expert_tensor_parallel_size
         return RankCoordinates(data_parallel_rank=replica, pipeline_stage=stage,
+                               stage_rank=local,
                                tensor_parallel_rank=local % self.tensor_parallel_size,
                                dense_replica=local // self.tensor_parallel_size,
                                expert_parallel_rank=local // x,
@@ -184,11 +189,12 @@ class ParallelShape:
         return None
 
     def coordinates_problem(self, coordinates: RankCoordinates) -> str | None:
-        """The message for coordinates outside these sizes, or whose EP and ETP ranks disagree
-        with their dense replica and TP rank (None: they name one rank)."""
+        """The message for coordinates outside these sizes, or whose stage rank, EP and ETP
+        ranks disagree with their dense replica and TP rank (None: they name one rank)."""
         c = coordinates
         if not (0 <= c.data_parallel_rank < self.data_parallel_size
                 and 0 <= c.pipeline_stage < self.pipeline_parallel_size
+                and 0 <= c.stage_rank < self.ranks_per_stage
                 and 0 <= c.tensor_parallel_rank < self.tensor_parallel_size
                 and 0 <= c.dense_replica < self.dense_replicas):
             return (f"coordinates {c} are outside {self.factors}"

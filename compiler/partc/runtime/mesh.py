@@ -135,7 +135,7 @@ class BuildTopology:
         """The global ranks of this rank's stage-local position on every stage, in order."""
         c = self.coordinates(global_rank)
         n = self.ranks_per_stage
-        base = c.data_parallel_rank * self.build_world_size + global_rank % n
+        base = c.data_parallel_rank * self.build_world_size + c.stage_rank
         return tuple(base + p * n for p in range(self.pipeline_parallel_size))
 
     def expert_parallel_group(self, global_rank: int) -> tuple[int, ...]:
