@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, SourceLocation, raise_if_any
 from partc.output import check_output, write_atomically
+from partc.parallel.shape import size_problem
 from partc.plan.ir import canonical_json
 from partc.plan.plan_file import PlanFile, read_plan
 from partc.runtime import TensorSelection, read_tensors
@@ -42,7 +43,6 @@ from partc.runtime.loader import (
     unknown_names,
 )
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
-from partc.runtime.options import count_option
 from partc.runtime.progress import progress_bar
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     `progress` draws one byte bar over the whole set (None: on a terminal only); `report`
     instead hears of the bytes written per rank file (step `write <file>`, unit `B`).
     """
-    count_option("workers", workers)
+    if workers is not None and (problem := size_problem("workers", workers)) is not None:
+        raise CheckpointError(problem)
     plan = _read_plan(Path(build) / "plan.json")
     ranks = _rank_slices(Path(build), plan)
     opened = open_checkpoint(Path(checkpoint))
