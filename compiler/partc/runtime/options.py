@@ -8,7 +8,6 @@ from enum import Enum
 from typing import Any
 
 from partc.errors import LOAD_OPTIONS_DOC, LaunchError
-from partc.parallel.shape import size_problem
 
 
 class Framework(Enum):
@@ -49,10 +48,14 @@ def option_error(message: str) -> LaunchError:
 def count_option(name: str, value: object) -> int | None:
     """Option `name`'s `value`: None or a positive integer (a bool is not one); a LaunchError
     naming the option and the value otherwise."""
-    problem = None if value is None else size_problem(name, value)
+    if value is None:
+        return None
+    from partc.parallel.shape import size_problem  # the one wording; imported when a count is given
+
+    problem = size_problem(name, value)
     if problem is not None:
         raise option_error(problem)
-    assert value is None or isinstance(value, int)
+    assert isinstance(value, int)
     return value
 
 
