@@ -29,7 +29,7 @@ from partc.output import check_output, write_atomically
 from partc.parallel.shape import size_problem
 from partc.plan.ir import canonical_json
 from partc.plan.plan_file import PlanFile, read_plan
-from partc.runtime import TensorSelection, read_tensors
+from partc.runtime import ReadOptions, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
 from partc.runtime.headers import DTYPES
@@ -279,7 +279,7 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
         update(0)  # the file is begun, even when it holds no bytes
     for batch in byte_batches(slices, lambda s: s.nbytes):
         arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
-                              workers=workers)
+                              ReadOptions(workers=workers))
         for s in batch:
             array = arrays.pop(s.target)
             if array.shape != s.local_shape:

@@ -24,7 +24,7 @@ from partc.errors import (
     raise_if_any,
 )
 from partc.runtime._engine.reader import read_tensors
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import (
     check_digests,
@@ -33,7 +33,7 @@ from partc.runtime.digests import (
 )
 from partc.runtime.files import path_text, sha256, spelled
 from partc.runtime.frameworks import FLOAT_DTYPES, to_torch
-from partc.runtime.headers import BIT_DTYPES, DTYPES, ML_DTYPES
+from partc.runtime.headers import ML_DTYPES
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
 from partc.runtime.options import Framework, LoadOptions, Verify, option_error
 from partc.runtime.progress import progress_bar
@@ -598,10 +598,9 @@ def _load(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     torch = options.framework is Framework.TORCH
     as_bits = torch and target_dtype is None
     with progress_bar(total, f"rank {table.rank}", options.progress) as update:
-        tensors = read_tensors(opened, requests, reader=options.reader, workers=options.workers,
-                               progress=update, zero_copy=options.zero_copy.value,
-                               local_ranks=options.local_ranks,
-                               dtypes=BIT_DTYPES if as_bits else DTYPES)
+        tensors = read_tensors(opened, requests, ReadOptions(
+            recorder=options.reader, workers=options.workers, local_ranks=options.local_ranks,
+            zero_copy=options.zero_copy, bits=as_bits, progress=update))
     if recorded is not None:
         _verify_payloads(recorded, opened, tensors, options.workers)
     if target_dtype is not None:
