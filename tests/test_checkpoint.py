@@ -24,7 +24,7 @@ from partc.runtime import headers
 from partc.runtime._engine import gather, workers
 from partc.runtime._engine import reader as checkpoint
 from partc.runtime._engine.reader import CheckpointReader, read_tensor, read_tensors
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.headers import DTYPES, MAX_HEADER_SIZE, FileHeader, read_header
 
@@ -228,7 +228,7 @@ def test_an_instrumented_reader_sees_exactly_the_bytes_of_the_selected_elements(
         header, e = ckpt.tensor(name)
         for sel in selections(e.shape):
             rec = Recorder()
-            out = read_tensor(ckpt, name, sel, reader=rec)
+            out = read_tensor(ckpt, name, sel, ReadOptions(recorder=rec))
             lo, hi = header.data_start + e.begin, header.data_start + e.end
             assert all(p == str(header.path) and lo <= o and o + n <= hi for p, o, n in rec.runs)
             assert sum(n for _, _, n in rec.runs) == out.nbytes
@@ -241,13 +241,15 @@ def test_a_column_slice_reads_one_run_per_row_and_a_row_slice_reads_one_run() ->
     name = "model.layers.0.mlp.down_proj.weight"  # [64, 128] f32
     rows, cols = ckpt.tensor(name)[1].shape
     col = Recorder()
-    read_tensor(ckpt, name, TensorSelection(1, ((0, cols // 2),)), reader=col)
+    read_tensor(ckpt, name, TensorSelection(1, ((0, cols // 2),)), ReadOptions(recorder=col))
     assert len(col.runs) == rows and {n for _, _, n in col.runs} == {cols // 2 * 4}
     row = Recorder()
-    read_tensor(ckpt, name, TensorSelection(0, ((0, 8), (8, 16), (16, rows))), reader=row)
+    read_tensor(ckpt, name, TensorSelection(0, ((0, 8), (8, 16), (16, rows))),
+                ReadOptions(recorder=row))
     assert len(row.runs) == 1 and row.runs[0][2] == rows * cols * 4
     both = Recorder()
-    read_tensor(ckpt, name, TensorSelection(1, ((cols // 2, cols), (0, cols // 2))), reader=both)
+    read_tensor(ckpt, name, TensorSelection(1, ((cols // 2, cols), (0, cols // 2))),
+                ReadOptions(recorder=both))
     assert len(both.runs) == 1, "file-contiguous pieces are read by one preadv"
 
 
@@ -256,7 +258,7 @@ def test_read_tensors_reads_in_file_and_offset_order_and_returns_request_order()
     names = list(reversed(ckpt.names))
     requests = [(n, TensorSelection(0, ((0, 1),))) for n in names]
     rec = Recorder()
-    got = read_tensors(ckpt, requests, reader=rec)
+    got = read_tensors(ckpt, requests, ReadOptions(recorder=rec))
     assert list(got) == names
     paths = [str(h.path) for h in ckpt.files]
     keys = [(paths.index(p), o) for p, o, _ in rec.runs]
@@ -278,7 +280,7 @@ def test_a_reader_with_max_gap_reads_one_span_and_still_returns_the_selection() 
     header, e = ckpt.tensor(name)
     for sel in selections(e.shape):
         rec = Recorder()
-        with CheckpointReader(ckpt, recorder=rec, max_gap=1 << 20) as reader:
+        with CheckpointReader(ckpt, ReadOptions(recorder=rec, max_gap=1 << 20)) as reader:
             assert_same(reader.read(name, sel), read_tensor(ckpt, name, sel))
         assert len(rec.runs) <= 2
         lo, hi = header.data_start + e.begin, header.data_start + e.end
@@ -290,12 +292,12 @@ def test_coalesced_spans_never_cross_the_span_limit(monkeypatch: pytest.MonkeyPa
                                                     limit: int) -> None:
     monkeypatch.setattr(checkpoint, "_SPAN_LIMIT", limit)
     ckpt = open_checkpoint(FP8)
-    with CheckpointReader(ckpt, max_gap=1 << 20) as reader:
+    with CheckpointReader(ckpt, ReadOptions(max_gap=1 << 20)) as reader:
         for name in ckpt.names:
             for sel in selections(ckpt.tensor(name)[1].shape):
                 assert_same(reader.read(name, sel), read_tensor(ckpt, name, sel))
     rec = Recorder()
-    with CheckpointReader(ckpt, recorder=rec, max_gap=1 << 20) as reader:
+    with CheckpointReader(ckpt, ReadOptions(recorder=rec, max_gap=1 << 20)) as reader:
         reader.read("model.embed_tokens.weight", TensorSelection(1, ((0, 8),)))
     assert all(n <= limit or n == 16 for _, _, n in rec.runs)
 
@@ -607,10 +609,10 @@ def test_random_selections_of_random_tensors_equal_numpy_slicing(
         save_file({"pad": np.arange(3, dtype=np.uint8), "t": full}, path)
         ckpt = open_checkpoint(path)
         rec = Recorder()
-        got = read_tensor(ckpt, "t", sel, reader=rec)
+        got = read_tensor(ckpt, "t", sel, ReadOptions(recorder=rec))
         assert_same(got, expected(full, sel))
         assert {o + k for _, o, n in rec.runs for k in range(n)} == owned_bytes(ckpt, "t", sel)
-        with CheckpointReader(ckpt, max_gap=max_gap) as reader:
+        with CheckpointReader(ckpt, ReadOptions(max_gap=max_gap)) as reader:
             assert_same(reader.read("t", sel), expected(full, sel))
 
 
@@ -749,7 +751,7 @@ def test_a_batch_of_random_selections_reads_like_numpy_under_every_strategy(
         ckpt = open_checkpoint(path)
         rec = Recorder()
         requests = [(f"t{i}", sel) for i, (_, sel) in reversed(list(enumerate(cases)))]
-        got = read_tensors(ckpt, requests, reader=rec, workers=3)
+        got = read_tensors(ckpt, requests, ReadOptions(recorder=rec, workers=3))
         assert list(got) == [name for name, _ in requests]
         for name, sel in requests:
             assert_same(got[name], expected(tensors[name], sel))
@@ -846,3 +848,31 @@ def test_one_run_answers_as_the_runs_do() -> None:
             src = checkpoint.byte_runs(entry, sel)[0]
             want = (len(src), int(src[0])) if len(src) == 1 else (min(len(src), 2), 0)
             assert one_run(entry, sel) == want, (shape, sel)
+
+
+def test_a_read_stated_once_as_read_options_reads_what_the_safetensors_library_reads(
+        tmp_path: Path) -> None:
+    import dataclasses
+
+    from partc.runtime.options import ZeroCopy
+
+    rng = np.random.default_rng(7)
+    tensors = {"w": rng.standard_normal((6, 4)).astype(ml_dtypes.bfloat16),
+               "b": rng.standard_normal((6,)).astype(np.float32)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    want = load_file(str(tmp_path / "m.safetensors"))
+    ckpt = open_checkpoint(tmp_path / "m.safetensors")
+    rec = Recorder()
+    options = ReadOptions(recorder=rec, zero_copy=ZeroCopy.SHARED, bits=True, workers=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.workers = 2  # type: ignore[misc]
+    got = read_tensors(ckpt, [("w", TensorSelection(0, ((2, 5),))), ("b", TensorSelection())],
+                       options)
+    assert got["w"].dtype == np.uint16 and not got["w"].flags.writeable, "bits, a shared view"
+    assert np.array_equal(got["w"], want["w"][2:5].view(np.uint16))
+    assert np.array_equal(got["b"], want["b"])
+    assert rec.runs == [], "one-run selections are views: no byte is read, none recorded"
+    copied = read_tensors(ckpt, [("w", TensorSelection())])
+    assert copied["w"].dtype == ml_dtypes.bfloat16 and copied["w"].flags.writeable
+    assert np.array_equal(read_tensors(ckpt, [("w", TensorSelection())], zero_copy=True)["w"],
+                          want["w"]), "the device path's spelling until it passes options"

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from partc.runtime._engine import gather, runs, workers
 from partc.runtime._engine.reader import CheckpointReader
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
 
@@ -82,7 +82,7 @@ def test_a_cold_column_slice_reads_the_sectors_of_its_runs_and_nothing_else(
     sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
     assert gather.gatherable(entry, sel)
     recorder = Recorder()
-    with CheckpointReader(ckpt, recorder=recorder, workers=1) as r:
+    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, workers=1)) as r:
         got = r.read_many([(name, sel)])[name]
     base = header.data_start + entry.begin
     width = (cols // 2 - cols // 4) * item
@@ -178,7 +178,7 @@ def test_cold_loads_take_the_node_share_of_the_direct_threads_unless_told(
     assert CheckpointReader(ckpt)._cold_workers == gather.DIRECT_THREADS
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert CheckpointReader(ckpt)._cold_workers == gather.DIRECT_THREADS // 4
-    assert CheckpointReader(ckpt, workers=1)._cold_workers == 1, "workers= is honoured"
+    assert CheckpointReader(ckpt, ReadOptions(workers=1))._cold_workers == 1, "workers= is honoured"
     monkeypatch.setenv("PARTC_READ_THREADS", "3")
     assert CheckpointReader(ckpt)._cold_workers == 3, "PARTC_READ_THREADS is honoured"
 

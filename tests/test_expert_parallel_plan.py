@@ -168,8 +168,8 @@ def test_a_module_without_expert_parallelism_refuses_an_expert_map(tmp_path: Pat
      r"of tensor_parallel_size 4"),
     ({"expert_parallel_size": 9},
      r"expert_parallel_size 9 exceeds the model's 8 experts"),
-    ({"expert_tensor_parallel_size": 2}, r"--etp and --expert-placement need expert "
-                                         r"parallelism: give --ep"),
+    ({"expert_tensor_parallel_size": 2}, r"expert_tensor_parallel_size 2 \(--etp\) needs expert "
+                                         r"parallelism: give expert_parallel_size \(--ep\)"),
 ])
 def test_bad_expert_topologies_are_refused_with_the_rule_and_the_values(
         options: dict[str, int], message: str) -> None:
@@ -303,7 +303,8 @@ def test_build_topology_of_an_expert_parallel_build_gives_the_ep_etp_and_tp_grou
     assert (topology.ranks_per_stage, topology.build_world_size, topology.world_size) == (
         4, 8, 16)
     assert topology.coordinates(14) == RankCoordinates(
-        data_parallel_rank=1, pipeline_stage=1, tensor_parallel_rank=0, dense_replica=1,
+        data_parallel_rank=1, pipeline_stage=1, stage_rank=2, tensor_parallel_rank=0,
+        dense_replica=1,
         expert_parallel_rank=1, expert_tensor_parallel_rank=0)
     for g in range(16):
         assert topology.global_rank(topology.coordinates(g)) == g
@@ -317,7 +318,7 @@ def test_build_topology_of_an_expert_parallel_build_gives_the_ep_etp_and_tp_grou
     for dimension, size in (("tp", 2), ("pp", 2), ("dp", 2), ("ep", 2), ("etp", 2)):
         assert sorted(r for group in groups[dimension] for r in group) == list(range(16))
         assert {len(g) for g in groups[dimension]} == {size}
-    with pytest.raises(LaunchError, match="not a multiple of T=4"):
+    with pytest.raises(LaunchError, match="not a multiple of tensor_parallel_size 4"):
         BuildTopology(tensor_parallel_size=4, pipeline_parallel_size=1, expert_parallel_size=2)
     with pytest.raises(LaunchError, match="no expert parallelism"):
         BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=1).expert_parallel_group(0)
@@ -365,3 +366,15 @@ def test_full_size_deepseek_v3_fp8_with_mtp_plans_at_ep64_pp2_and_ep8_t8(
     experts = plan.expert_parallel
     assert experts is not None and experts.placement.experts == 256
     assert experts.per_expert_groups == 256 * 59  # 58 MoE layers and the MTP layer
+
+
+def test_a_planned_rank_and_a_launched_rank_have_the_same_coordinates() -> None:
+    bound, _, _ = bind(None, MIXTRAL, None)
+    plan = realize_plan(bound, Topology(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                        expert_parallel_size=2, expert_tensor_parallel_size=2))
+    launch = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=2,
+                           expert_parallel_size=2, expert_tensor_parallel_size=2)
+    assert [rank.coordinates for rank in plan.ranks] == [
+        launch.coordinates(g) for g in range(launch.world_size)]
+    assert [rank.coordinates.stage_rank for rank in plan.ranks if rank.coordinates] == [
+        0, 1, 2, 3, 0, 1, 2, 3]

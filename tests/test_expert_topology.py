@@ -236,14 +236,15 @@ def test_a_rank_outside_an_expert_parallel_job_names_the_factors_of_its_ranks() 
                              data_parallel_size=2, expert_parallel_size=2,
                              expert_tensor_parallel_size=2)
     assert topology.world_size == 2 * 2 * 2 * 2  # T divides N = E x X: not a factor
-    with pytest.raises(LaunchError, match=r"^rank 16 is outside this job's ranks 0\.\.15 "
-                                              r"\(dp 2 x pp 2 x ep 2 x etp 2\)$"):
+    with pytest.raises(LaunchError, match=r"^rank 16 is outside the ranks 0\.\.15 of "
+                                              r"D=2 x S=2 x T=2 x E=2 x X=2$"):
         topology.coordinates(16)
 
 
 def test_one_rank_per_stage_and_a_placement_of_one_expert_are_spelled_in_the_singular(
         ) -> None:
-    with pytest.raises(LaunchError, match=r"= 1 rank per stage is not a multiple of T=2"):
+    with pytest.raises(LaunchError, match=r"= 1 rank, not a multiple of "
+                                          r"tensor_parallel_size 2"):
         BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=1, expert_parallel_size=1)
     bound, _, _ = bind(None, MIXTRAL, None)
     one = ExpertPlacement(experts=1, slots=((0,),), explicit=True)

@@ -118,3 +118,34 @@ def test_toml_unknown_names_in_inline_tables_point_at_the_element(tmp_path, monk
 
 def test_the_toml_spelling_of_the_mini_family_checks_clean(tmp_path, monkeypatch):
     assert check(tmp_path, monkeypatch, MINI_TOML, "family.toml") == []
+
+
+def test_a_declared_sharding_is_one_frozen_class_per_kind() -> None:
+    import dataclasses
+
+    from partc.api import load_family
+    from partc.family.declaration import (
+        AXIS_SHARDING_DECLS,
+        SEGMENTS_SHARDING_DECLS,
+        BalancedShardingDecl,
+        PartitionedShardingDecl,
+        ReplicatedShardingDecl,
+    )
+    from partc.parallel.specs import MemberShardingKind
+
+    assert set(AXIS_SHARDING_DECLS) | set(SEGMENTS_SHARDING_DECLS) | {
+        MemberShardingKind.REPLICATED} == set(MemberShardingKind)
+    bloom, _ = load_family("bloom", builtin=True)
+    by_name = {g.name.text: g for g in bloom.groups}
+    embeddings = by_name["embedding"].module_sharding
+    assert embeddings == BalancedShardingDecl(axis=0) and not embeddings.partitions
+    assert by_name["embedding_norm"].module_sharding == ReplicatedShardingDecl()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        embeddings.axis = 1  # type: ignore[misc, union-attr]
+    gpt_oss, _ = load_family("gpt_oss", builtin=True)
+    experts = next(g for g in gpt_oss.groups if g.name.text == "layers.{unit}.experts")
+    rules = [m.sharding for m in experts.members]
+    assert rules[:3] == [PartitionedShardingDecl(axis=2), PartitionedShardingDecl(axis=1),
+                         PartitionedShardingDecl(axis=1)]
+    assert all(rule is not None and rule.partitions for rule in rules[:3])
+    assert not hasattr(ReplicatedShardingDecl(), "axis"), "a replicated rule has no axis"

@@ -1,6 +1,7 @@
 """A generated loader's options and the environment it reads: a value of the wrong kind is one
-CheckpointError naming the option or variable, the value found and what is expected, raised
-before any payload byte is read; never a raw Python exception."""
+LaunchError (the serving call or process set up wrongly, a CheckpointError too for old callers)
+naming the option or variable, the value found and what is expected, raised before any payload
+byte is read; never a raw Python exception."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from partc.errors import CheckpointError
+from partc.errors import CheckpointError, LaunchError
 from partc.runtime.rank_env import environment_integer
 
 from support import Recorder, compile_and_import, hf
@@ -105,9 +106,10 @@ def test_environment_integers_read_only_ascii_digits() -> None:
 def test_an_option_of_the_wrong_kind_is_refused_naming_it_and_the_value(
         package: Any, options: dict[str, Any], message: str) -> None:
     recorder = Recorder()
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(LaunchError) as caught:
         package.load(LLAMA, rank=0, **{"reader": recorder, **options})
     assert str(caught.value) == message
+    assert (caught.value.stage, caught.value.doc) == ("launch", "using#the-build-folder-and-load")
     assert recorder.runs == [], "refused before any payload read"
 
 
@@ -118,7 +120,7 @@ def test_an_option_of_the_wrong_kind_is_refused_naming_it_and_the_value(
 ])
 def test_a_checkpoint_that_is_no_path_is_refused(package: Any, checkpoint: object,
                                                  found: str) -> None:
-    with pytest.raises(CheckpointError) as caught:
+    with pytest.raises(LaunchError) as caught:
         package.load(checkpoint, rank=0)
     text = str(caught.value)
     assert text.startswith("checkpoint must be a folder or file path (a str or an os.PathLike "
@@ -154,11 +156,11 @@ def test_load_options_are_frozen_keyword_only_and_checked_when_built():
         LoadOptions().workers = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         LoadOptions(True)  # type: ignore[misc]
-    with pytest.raises(CheckpointError, match=r"^framework must be a Framework, found 'torch'$"):
+    with pytest.raises(LaunchError, match=r"^framework must be a Framework, found 'torch'$"):
         LoadOptions(framework="torch")  # type: ignore[arg-type]
-    with pytest.raises(CheckpointError, match=r"^workers must be a positive integer, found 0$"):
+    with pytest.raises(LaunchError, match=r"^workers must be a positive integer, found 0$"):
         LoadOptions(workers=0)
-    with pytest.raises(CheckpointError, match=r"zero_copy=True returns read-only views"):
+    with pytest.raises(LaunchError, match=r"zero_copy=True returns read-only views"):
         LoadOptions(framework=Framework.TORCH, zero_copy=ZeroCopy.SHARED)
 
 
@@ -172,3 +174,14 @@ def test_load_options_have_a_field_for_every_keyword_option_of_load_rank():
                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert keywords == [f.name for f in dataclasses.fields(LoadOptions)]
     assert keywords == list(inspect.signature(LoadOptions.from_keywords).parameters)
+
+
+@pytest.mark.parametrize("options", [{"framework": "jax"}, {"verify": "sha1"},
+                                     {"zero_copy": "yes"}, {"dtype": "int8"},
+                                     {"dtype": object()}, {"workres": 2}])
+def test_a_wrong_load_call_is_a_launch_error_that_except_checkpoint_error_still_catches(
+        package: Any, options: dict[str, Any]) -> None:
+    with pytest.raises(LaunchError) as caught:
+        package.load(LLAMA, rank=0, **options)
+    assert isinstance(caught.value, CheckpointError), "the documented promise to old callers"
+    assert caught.value.to_json()["stage"] == "launch"

@@ -18,10 +18,11 @@ from partc.errors import CheckpointError
 from partc.runtime._engine import gather, runs, workers
 from partc.runtime._engine import reader as checkpoint
 from partc.runtime._engine.reader import CheckpointReader
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
+from partc.runtime.options import ZeroCopy
 
 from support import Recorder, assert_same_tensors, compile_and_import, hf
 
@@ -106,7 +107,7 @@ def test_zero_copy_views_outlive_the_reader_and_leave_the_file_unchanged(
     ckpt = open_checkpoint(path)
     name = "model.embed_tokens.weight"
     rows = ckpt.tensor(name)[1].shape[0]
-    with CheckpointReader(ckpt, zero_copy=True) as r:
+    with CheckpointReader(ckpt, ReadOptions(zero_copy=ZeroCopy.SHARED)) as r:
         got = r.read_many([(name, TensorSelection(axis=0, ranges=((1, rows - 1),)))])[name]
     want = load_file(str(path))[name][1:rows - 1]
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
@@ -141,7 +142,7 @@ def test_column_runs_are_read_exactly_with_readahead_off(
     item = DTYPES[entry.dtype].itemsize
     sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
     recorder = Recorder()
-    with CheckpointReader(ckpt, recorder=recorder) as r:
+    with CheckpointReader(ckpt, ReadOptions(recorder=recorder)) as r:
         got = r.read_many([(name, sel)])[name]
     base = header.data_start + entry.begin
     want = {(str(header.path), base + (row * cols + cols // 4) * item, (cols // 2 - cols // 4)
@@ -173,7 +174,7 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
     requests = [(n, TensorSelection(axis=len(ckpt.tensor(n)[1].shape) - 1,
                                     ranges=((0, ckpt.tensor(n)[1].shape[-1] // 2),)))
                 for n in ckpt.names if ckpt.tensor(n)[1].shape]
-    with CheckpointReader(ckpt, workers=3) as r:
+    with CheckpointReader(ckpt, ReadOptions(workers=3)) as r:
         got = r.read_many(requests)
     assert calls and {name for name, *_ in calls} <= {f"partc-read-{i}" for i in range(3)}
     covered = {id(a): np.zeros(a.nbytes, bool) for a in got.values()}

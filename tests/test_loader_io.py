@@ -18,7 +18,7 @@ from partc.errors import CheckpointError, PartcError
 from partc.runtime._engine import gather
 from partc.runtime._engine import reader as checkpoint
 from partc.runtime._engine.reader import CheckpointReader
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
 from partc.runtime.progress import progress_bar
@@ -380,9 +380,9 @@ def test_a_loader_reports_progress_for_every_byte_it_reads(
     plan, package = llama_build
     seen: list[int] = []
     monkeypatch.setattr(checkpoint, "JOB_BYTES", 4096)
-    with CheckpointReader(open_checkpoint(LLAMA)) as reader:
+    with CheckpointReader(open_checkpoint(LLAMA), ReadOptions(progress=seen.append)) as reader:
         requests = [(t.target, TensorSelection(*t.selection)) for t in plan.ranks[0].layout.tensors]
-        reader.read_many(requests, progress=seen.append)
+        reader.read_many(requests)
     assert sum(seen) == plan.ranks[0].info.local_parameter_bytes
     assert len(seen) > 1
 

@@ -327,7 +327,7 @@ def test_explicit_split_is_taken_as_given():
 
 
 STAGE_MISTAKES = [
-    ((3, 0, None), "pipeline_parallel_size must be >= 1, found 0"),
+    ((3, 0, None), "pipeline_parallel_size must be a positive integer, found 0"),
     ((3, 4, None), "pipeline_parallel_size 4 exceeds the 3 execution units of the model; every "
                    "stage needs at least one unit (use --pp 3 or fewer)"),
     ((12, 2, [3, 5, 4]), "3 explicit stage sizes [3, 5, 4] given for pipeline_parallel_size 2; "
@@ -387,7 +387,7 @@ PARTITION_MISTAKES = [
     (AK.INVALID_STAGES, dict(stage=2),
      "stage 2 is outside pipeline stages 0..1"),
     (AK.INVALID_STAGES, dict(stages=0, stage=0),
-     "pipeline_parallel_size must be >= 1, found 0"),
+     "pipeline_parallel_size must be a positive integer, found 0"),
     (AK.INVALID_OWNERSHIP, dict(ownership=PartitionOwnership(owns_input=True, owns_output=True,
                                                             static_roles=())),
      "stage 1 of 2 must own the input iff it is the first stage and the output iff it is the "

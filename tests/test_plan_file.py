@@ -155,6 +155,7 @@ def test_the_shape_s_coordinates_are_the_row_major_enumeration_of_its_dimensions
     for rank, (dp, stage, replica, tp) in enumerate(dense):
         ep, etp = experts[rank % n] if e is not None else (0, 0)
         want = RankCoordinates(data_parallel_rank=dp, pipeline_stage=stage,
+                               stage_rank=replica * t + tp,
                                tensor_parallel_rank=tp, dense_replica=replica,
                                expert_parallel_rank=ep, expert_tensor_parallel_rank=etp)
         assert shape.coordinates(rank) == want
@@ -169,9 +170,12 @@ def test_the_shape_s_coordinates_are_the_row_major_enumeration_of_its_dimensions
     ({"tensor_parallel_size": 0, "pipeline_parallel_size": 1},
      "tensor_parallel_size must be a positive integer, found 0"),
     ({"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "expert_tensor_parallel_size": 2},
-     "expert_tensor_parallel_size needs expert_parallel_size"),
+     "expert_tensor_parallel_size 2 (--etp) needs expert parallelism: give "
+     "expert_parallel_size (--ep)"),
     ({"tensor_parallel_size": 4, "pipeline_parallel_size": 1, "expert_parallel_size": 3},
-     "N = E 3 x X 1 = 3 ranks per stage is not a multiple of T=4"),
+     "a stage has N = expert_parallel_size 3 x expert_tensor_parallel_size 1 = 3 ranks, "
+     "not a multiple of tensor_parallel_size 4: the dense parts (split over T ranks) are "
+     "repeated N / T times; choose T dividing 3"),
 ])
 def test_an_impossible_shape_is_refused_with_the_rule_and_the_values(
         sizes: dict[str, int], message: str) -> None:
@@ -183,10 +187,10 @@ def test_an_impossible_shape_is_refused_with_the_rule_and_the_values(
 def test_coordinates_outside_the_shape_or_inconsistent_with_it_are_refused() -> None:
     shape = ParallelShape(tensor_parallel_size=2, pipeline_parallel_size=2,
                           expert_parallel_size=2, expert_tensor_parallel_size=2)
-    with pytest.raises(LayoutError, match="rank 8 is outside 0..7"):
+    with pytest.raises(LayoutError, match="rank 8 is outside the ranks 0..7 of "):
         shape.coordinates(8)
     with pytest.raises(LayoutError, match="are inconsistent: rank 5 is"):
-        shape.rank(RankCoordinates(data_parallel_rank=0, pipeline_stage=1,
+        shape.rank(RankCoordinates(data_parallel_rank=0, pipeline_stage=1, stage_rank=1,
                                    tensor_parallel_rank=1, dense_replica=0,
                                    expert_parallel_rank=1, expert_tensor_parallel_rank=1))
 

@@ -30,7 +30,7 @@ from partc.runtime import headers
 from partc.runtime._engine import gather
 from partc.runtime._engine import reader as checkpoint
 from partc.runtime._engine.reader import CheckpointReader, read_tensor
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import MAX_INDEX_BYTES, open_checkpoint
 
 from support import ROOT, compile_and_import, hf
@@ -161,8 +161,8 @@ def read_all_with(path: Path, action: Any) -> None:
     for name in ckpt.names:
         shape = ckpt.tensor(name)[1].shape
         requests.append((name, TensorSelection(len(shape) - 1, ((0, shape[-1] // 2),))))
-    with CheckpointReader(ckpt) as reader:
-        reader.read_many(requests, progress=progress)
+    with CheckpointReader(ckpt, ReadOptions(progress=progress)) as reader:
+        reader.read_many(requests)
 
 
 def test_a_file_replaced_while_being_read_is_named(tmp_path: Path) -> None:
@@ -608,7 +608,7 @@ def test_gathers_record_exactly_the_selected_bytes_once(
         assert checkpoint.gatherable(ckpt.tensor(name)[1], sel)
         requests.append((name, sel))
     recorder = Recorder()
-    with CheckpointReader(ckpt, recorder=recorder) as reader:
+    with CheckpointReader(ckpt, ReadOptions(recorder=recorder)) as reader:
         got = reader.read_many(requests)
     want: set[int] = set()
     for name, sel in requests:

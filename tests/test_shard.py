@@ -258,10 +258,10 @@ def test_shard_streams_one_batch_of_one_rank_at_a_time(
     batches: list[list[str]] = []
     real = shard.read_tensors
 
-    def spy(checkpoint: Any, requests: Any, **kwargs: Any) -> Any:
+    def spy(checkpoint: Any, requests: Any, *args: Any) -> Any:
         requests = list(requests)
         batches.append([name for name, _ in requests])
-        return real(checkpoint, requests, **kwargs)
+        return real(checkpoint, requests, *args)
 
     monkeypatch.setattr(shard, "read_tensors", spy)
     shard_checkpoint(root / "build", LLAMA, tmp_path / "out")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from partc.api import CompileOptions, compile_family
-from partc.errors import LaunchError
+from partc.errors import ExpertParallelError, LaunchError, LayoutError
 from partc.parallel.shape import RankCoordinates
 from partc.plan.topology import Topology
 from partc.runtime.mesh import BuildTopology
@@ -33,7 +33,62 @@ def test_coordinates_follow_g_equals_d_ts_plus_p_t_plus_t_and_round_trip():
         assert topology.global_rank(c) == g
         assert topology.build_rank(g) == g % 6
     assert topology.coordinates(9) == RankCoordinates(data_parallel_rank=1, pipeline_stage=1,
-                                                      tensor_parallel_rank=1)
+                                                      stage_rank=1, tensor_parallel_rank=1)
+
+
+BAD_SHAPES = [
+    ({"tensor_parallel_size": 0, "pipeline_parallel_size": 1},
+     "tensor_parallel_size must be a positive integer, found 0"),
+    ({"tensor_parallel_size": 1, "pipeline_parallel_size": -2},
+     "pipeline_parallel_size must be a positive integer, found -2"),
+    ({"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel_size": 0},
+     "expert_parallel_size must be a positive integer, found 0"),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "expert_tensor_parallel_size": 2},
+     "expert_tensor_parallel_size 2 (--etp) needs expert parallelism: give "
+     "expert_parallel_size (--ep)"),
+    ({"tensor_parallel_size": 4, "pipeline_parallel_size": 1, "expert_parallel_size": 3},
+     "a stage has N = expert_parallel_size 3 x expert_tensor_parallel_size 1 = 3 ranks, not a "
+     "multiple of tensor_parallel_size 4: the dense parts (split over T ranks) are repeated "
+     "N / T times; choose T dividing 3"),
+]
+
+
+@pytest.mark.parametrize(("sizes", "message"), BAD_SHAPES)
+def test_the_plan_and_the_launch_refuse_a_bad_shape_in_the_same_words(
+        sizes: dict[str, int], message: str) -> None:
+    with pytest.raises(LayoutError) as planned:
+        Topology(**sizes)  # type: ignore[arg-type]
+    with pytest.raises(LaunchError) as launched:
+        BuildTopology(**sizes)  # type: ignore[arg-type]
+    assert planned.value.message == launched.value.message == message
+    if "expert" in message:
+        assert isinstance(planned.value, ExpertParallelError), "its guide is expert_parallel"
+
+
+def test_the_plan_and_the_launch_word_a_rank_or_coordinates_outside_the_shape_alike() -> None:
+    sizes = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+             "expert_parallel_size": 2, "expert_tensor_parallel_size": 2}
+    shape = Topology(**sizes).shape  # type: ignore[arg-type]
+    launch = BuildTopology(**sizes)  # type: ignore[arg-type]
+    outside = RankCoordinates(data_parallel_rank=0, pipeline_stage=2, stage_rank=0,
+                              tensor_parallel_rank=0)
+    mixed = RankCoordinates(data_parallel_rank=0, pipeline_stage=1, stage_rank=1,
+                            tensor_parallel_rank=1,
+                            dense_replica=0, expert_parallel_rank=1,
+                            expert_tensor_parallel_rank=1)
+    for call_plan, call_launch, message in [
+            (lambda: shape.coordinates(8), lambda: launch.coordinates(8),
+             "rank 8 is outside the ranks 0..7 of D=1 x S=2 x T=2 x E=2 x X=2"),
+            (lambda: shape.rank(outside), lambda: launch.global_rank(outside),
+             f"coordinates {outside} are outside D=1 x S=2 x T=2 x E=2 x X=2 "
+             "(2 dense replicas)"),
+            (lambda: shape.rank(mixed), lambda: launch.global_rank(mixed),
+             f"coordinates {mixed} are inconsistent: rank 5 is {shape.coordinates(5)}")]:
+        with pytest.raises(LayoutError) as planned:
+            call_plan()
+        with pytest.raises(LaunchError) as launched:
+            call_launch()
+        assert planned.value.message == launched.value.message == message
 
 
 def test_groups_and_peers_of_a_two_by_three_by_two_job():
@@ -54,7 +109,8 @@ def test_groups_and_peers_of_a_two_by_three_by_two_job():
 
 def test_a_rank_outside_the_job_is_refused_by_name():
     topology = BuildTopology(tensor_parallel_size=2, pipeline_parallel_size=2)
-    with pytest.raises(LaunchError, match=r"rank 4 is outside this job's ranks 0..3"):
+    with pytest.raises(LaunchError,
+                       match=r"^rank 4 is outside the ranks 0\.\.3 of D=1 x S=2 x T=2$"):
         topology.coordinates(4)
     with pytest.raises(LaunchError, match="tensor_parallel_size must be a positive"):
         BuildTopology(tensor_parallel_size=0, pipeline_parallel_size=1)

@@ -219,17 +219,23 @@ class CheckpointError(PartcError):
 
 
 class LaunchError(CheckpointError):
-    """A process launched wrongly for the build it loads: RANK, WORLD_SIZE, LOCAL_RANK or a
-    reader-count variable, the rank or device asked for, a device mesh or process group that
-    is not the build's, DTensors asked of a state that cannot be them.
+    """A serving process set up wrongly for the build it loads: RANK, WORLD_SIZE, LOCAL_RANK or
+    a reader-count variable, a `load()` call that asks wrongly (a keyword option of the wrong
+    type or value, or one `load()` does not have, the checkpoint argument no path, the rank or
+    device asked for), a device mesh or process group that is not the build's, DTensors asked
+    of a state that cannot be them.
 
     It derives from CheckpointError, which these faults raised before they had a class of their
     own, so that `except CheckpointError` still catches them; `except LaunchError` catches
-    them alone. The other keywords of `load()` are refused as CheckpointErrors.
+    them alone, and a CheckpointError that is not one is about the checkpoint read.
     """
 
     stage: ClassVar[str] = "launch"
     doc_topic = "torch"
+
+
+LOAD_OPTIONS_DOC = "using#the-build-folder-and-load"
+"""The guide of `load()` and its options, which a refusal of one of its arguments points to."""
 
 
 class ExecutorError(PartcError):

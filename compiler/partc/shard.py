@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, SourceLocation, raise_if_any
 from partc.output import check_output, write_atomically
+from partc.parallel.shape import size_problem
 from partc.plan.ir import canonical_json
 from partc.plan.plan_file import PlanFile, read_plan
-from partc.runtime import TensorSelection, read_tensors
+from partc.runtime import ReadOptions, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
 from partc.runtime.headers import DTYPES
@@ -42,7 +43,6 @@ from partc.runtime.loader import (
     unknown_names,
 )
 from partc.runtime.manifest import SHARD_FORMAT, SHARD_MANIFEST
-from partc.runtime.options import count_option
 from partc.runtime.progress import progress_bar
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     `progress` draws one byte bar over the whole set (None: on a terminal only); `report`
     instead hears of the bytes written per rank file (step `write <file>`, unit `B`).
     """
-    count_option("workers", workers)
+    if workers is not None and (problem := size_problem("workers", workers)) is not None:
+        raise CheckpointError(problem)
     plan = _read_plan(Path(build) / "plan.json")
     ranks = _rank_slices(Path(build), plan)
     opened = open_checkpoint(Path(checkpoint))
@@ -278,7 +279,7 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
         update(0)  # the file is begun, even when it holds no bytes
     for batch in byte_batches(slices, lambda s: s.nbytes):
         arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
-                              workers=workers)
+                              ReadOptions(workers=workers))
         for s in batch:
             array = arrays.pop(s.target)
             if array.shape != s.local_shape:

@@ -18,7 +18,7 @@ from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.linear_formats import linear_format_expansion, target_facts
 from partc.bind.values import Binder, Value, default_dtype, read_config_values, recorded
 from partc.errors import PartcError, SemanticError
-from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind
+from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind, ReplicatedShardingDecl
 from partc.family.expr import Expression
 from partc.family.expr_values import format_value
 from partc.front.positions import join_pointer
@@ -141,8 +141,15 @@ def _shape(binder: Binder, param: ParamDecl, env: Mapping[str, Value]) -> tuple[
                                 minimum=0) for i, d in enumerate(param.shape))
 
 
+def _declared_segments(decl: ShardingDecl) -> tuple[Expression, ...]:
+    """The segment widths a rule declares (none unless it is a segments kind)."""
+    return () if isinstance(decl, ReplicatedShardingDecl) else decl.segments
+
+
 def _member_sharding(binder: Binder, decl: ShardingDecl, env: Mapping[str, Value],
                      pointer: str) -> MemberSharding:
+    if isinstance(decl, ReplicatedShardingDecl):
+        return member_sharding(decl.kind)
     return member_sharding(decl.kind, axis=decl.axis,
                            segments=_segments(binder, decl.segments, env, pointer))
 
@@ -336,12 +343,13 @@ def _values(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: st
             assert param.sharding is not None
             layout.append(param)
             values.append((_shape(binder, param, env),
-                           _segments(binder, param.sharding.segments, env, param.pointer),
+                           _segments(binder, _declared_segments(param.sharding), env,
+                                     param.pointer),
                            _dtype(binder, param, env, dtype), _heads(binder, param, env)))
     elif decl.form is GroupForm.MODULE:
         assert decl.module is not None and decl.module_sharding is not None
         params = _params(binder, decl.module, env, dtype)
-        values += [_segments(binder, decl.module_sharding.segments, env, decl.pointer),
+        values += [_segments(binder, _declared_segments(decl.module_sharding), env, decl.pointer),
                    tuple(params.items())]
         layout.append(tuple(params))
     else:

@@ -272,7 +272,7 @@ def _expert_view(plan: Plan, rank: RankPlan, owners: tuple[str, str] | None
         "expert_parallel_size": experts.expert_parallel_size,
         "expert_tensor_parallel_size": experts.expert_tensor_parallel_size,
         "ranks_per_stage": experts.ranks_per_stage,
-        "local_rank": c.local_rank, "dense_replica": c.dense_replica,
+        "local_rank": c.stage_rank, "dense_replica": c.dense_replica,
         "expert_parallel_rank": c.expert_parallel_rank,
         "expert_tensor_parallel_rank": c.expert_tensor_parallel_rank,
         "local_experts": placement.slots[c.expert_parallel_rank]}

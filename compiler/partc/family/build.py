@@ -9,6 +9,8 @@ from typing import Any
 from partc.errors import ExpressionError, PartcError, SemanticError
 from partc.family.checks import iter_semantic_errors
 from partc.family.declaration import (
+    AXIS_SHARDING_DECLS,
+    SEGMENTS_SHARDING_DECLS,
     BoundaryTensorDecl,
     ConfigFieldDecl,
     ConfigType,
@@ -23,6 +25,7 @@ from partc.family.declaration import (
     OwnerKind,
     ParamDecl,
     PrefixDecl,
+    ReplicatedShardingDecl,
     ShardingDecl,
 )
 from partc.family.expr import Expression, Template, constant, parse, parse_template
@@ -94,9 +97,11 @@ class _Builder:
             return None
 
 
-def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | None:
+def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl:
+    """A member rule as declared: `replicated` (or none), `{kind: AXIS}`, or
+    `{kind: {axis: AXIS, segments: [...]}}` (the schema has checked which kind takes which)."""
     if value in (None, "replicated"):
-        return ShardingDecl(kind=MemberShardingKind.REPLICATED, axis=None, segments=())
+        return ReplicatedShardingDecl()
     (kind, arg), = value.items()
     if isinstance(arg, dict):
         segments = []
@@ -105,9 +110,9 @@ def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl | Non
                 join_pointer(pointer, kind), "segments"), i))
             if parsed is not None:
                 segments.append(parsed)
-        return ShardingDecl(kind=MemberShardingKind(kind), axis=int(arg["axis"]),
-                            segments=tuple(segments))
-    return ShardingDecl(kind=MemberShardingKind(kind), axis=int(arg), segments=())
+        return SEGMENTS_SHARDING_DECLS[MemberShardingKind(kind)](axis=int(arg["axis"]),
+                                                                 segments=tuple(segments))
+    return AXIS_SHARDING_DECLS[MemberShardingKind(kind)](axis=int(arg))
 
 
 def _params(builder: _Builder, params: dict[str, Any], pointer: str) -> tuple[ParamDecl, ...]:

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, is_dataclass
 from dataclasses import fields as dataclass_fields
+from typing import TypeGuard
 
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import (
@@ -24,13 +25,15 @@ from partc.family.declaration import (
     ModuleDecl,
     OwnerKind,
     ParamDecl,
+    ReplicatedShardingDecl,
     ShardingDecl,
+    SplitShardingDecl,
 )
 from partc.family.expr import Expression, Template
 from partc.family.expr_parse import Node, parse_tree
 from partc.front.positions import join_pointer
 from partc.parallel.layout import ParameterRole
-from partc.parallel.specs import LinearWeightLayout, MemberShardingKind, ProjectionSharding
+from partc.parallel.specs import LinearWeightLayout, ProjectionSharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +476,7 @@ def _param_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
             yield from known.names(dim, scope, param.dimension_pointer(index), "a shape")
         for heads in param.heads:
             yield from known.names(heads, scope, param.pointer, "`heads`")
-        for seg in param.sharding.segments if param.sharding else ():
+        for seg in param.sharding.segments if _split(param.sharding) else ():
             yield from known.names(seg, scope, param.pointer, "a segment width")
 
 
@@ -604,9 +607,9 @@ def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcEr
                 "cut a head", member.pointer)
 
 
-def _split(rule: ShardingDecl | None) -> bool:
+def _split(rule: ShardingDecl | None) -> TypeGuard[SplitShardingDecl]:
     """Whether a member rule splits its tensor (None: not stated, replicated)."""
-    return rule is not None and rule.kind is not MemberShardingKind.REPLICATED
+    return rule is not None and not isinstance(rule, ReplicatedShardingDecl)
 
 
 def _replicated_splits_nothing(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
@@ -651,8 +654,7 @@ def _vocabulary_splits_rows(known: _Known, group: GroupDecl) -> Iterator[PartcEr
                       "its module's parameters", max((len(q.shape) for q in group.module.params),
                                                      default=0)))
     for rule, pointer, what, ndim in rules:  # an axis past the shape is the binder's error
-        if _split(rule) and rule is not None and rule.axis not in (None, 0) and \
-                rule.axis < ndim:
+        if _split(rule) and rule.axis != 0 and rule.axis < ndim:
             yield known.error(
                 f"this `vocabulary` group splits {what} on axis {rule.axis}; expected axis 0, "
                 "the vocabulary rows of an embedding or head (another axis splits the hidden "
@@ -691,7 +693,7 @@ def _split_axes(module: ModuleDecl | None, param: ParamDecl,
             return {0} if module.sharding is ProjectionSharding.COLUMN else set()
         out_axis, in_axis = module.orientation.axes(ndim)
         return {out_axis if module.sharding is ProjectionSharding.COLUMN else in_axis}
-    return {rule.axis} if _split(rule) and rule is not None and rule.axis is not None else set()
+    return {rule.axis} if _split(rule) else set()
 
 
 def _units_axes_split(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
@@ -756,12 +758,9 @@ def _biases_follow_weights(known: _Known, group: GroupDecl) -> Iterator[PartcErr
             continue
         out_axis = fits[0] if len(fits) == 1 else (
             1 if weight.layout is LinearWeightLayout.IN_OUT else 0)
-        by_output = _split(weight.sharding) and weight.sharding is not None and \
-            weight.sharding.axis == out_axis
         rule, want = bias.sharding, weight.sharding
-        if by_output:
-            assert want is not None
-            same = (_split(rule) and rule is not None and rule.axis == 0
+        if _split(want) and want.axis == out_axis:
+            same = (_split(rule) and rule.axis == 0
                     and rule.kind is want.kind
                     and [e.text for e in rule.segments] == [e.text for e in want.segments])
             if not same:
@@ -780,7 +779,7 @@ def _biases_follow_weights(known: _Known, group: GroupDecl) -> Iterator[PartcErr
 
 def _rule_text(rule: ShardingDecl | None) -> str:
     """A member rule as written, for messages."""
-    if not _split(rule) or rule is None:
+    if not _split(rule):
         return "replicated"
     return f"{{{rule.kind.value}: {rule.axis}}}"
 

@@ -8,8 +8,9 @@ so a typo is reported with its file and line before any config.json is read.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from partc.errors import PartcError
 from partc.family.expr import Expression, Template
@@ -72,9 +73,6 @@ class GroupForm(enum.Enum):
     """Column- or row-parallel projections (modules with parameters)."""
     FUSED = "fused"
     """A fused column projection of segments and its row-parallel output module."""
-
-
-_PARTITIONED_KINDS = (MemberShardingKind.PARTITIONED, MemberShardingKind.PARTITIONED_SEGMENTS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,20 +167,88 @@ class OwnerDecl:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ShardingDecl:
-    """A symbolic member sharding rule."""
+class ReplicatedShardingDecl:
+    """A declared `replicated` member rule: every rank holds the whole tensor."""
 
-    kind: MemberShardingKind
-    """The rule."""
-    axis: int | None
-    """The axis."""
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.REPLICATED
+    partitions: ClassVar[bool] = False
+    """Whether the rule partitions its axis over the group's units."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AxisShardingDecl:
+    """What the declared `{equal|balanced|partitioned: AXIS}` rules share: an axis alone."""
+
+    kind: ClassVar[MemberShardingKind]
+    partitions: ClassVar[bool] = False
+    segments: ClassVar[tuple[Expression, ...]] = ()
+    axis: int
+    """The split axis."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EqualShardingDecl(AxisShardingDecl):
+    """A declared `{equal: AXIS}`: equal contiguous shards."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.EQUAL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BalancedShardingDecl(AxisShardingDecl):
+    """A declared `{balanced: AXIS}`: balanced, possibly uneven, contiguous ranges."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.BALANCED
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionedShardingDecl(AxisShardingDecl):
+    """A declared `{partitioned: AXIS}`: the group's logical partition mapped onto the axis."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.PARTITIONED
+    partitions: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentsShardingDecl:
+    """What the declared `{partitioned_segments|segmented: {axis, segments}}` rules share."""
+
+    kind: ClassVar[MemberShardingKind]
+    partitions: ClassVar[bool] = False
+    axis: int
+    """The split axis."""
     segments: tuple[Expression, ...]
-    """Segment widths (segment kinds)."""
+    """Fused segment widths along the axis (expressions over config names)."""
 
-    @property
-    def partitions(self) -> bool:
-        """Whether the rule partitions its axis over the group's units."""
-        return self.kind in _PARTITIONED_KINDS
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionedSegmentsShardingDecl(SegmentsShardingDecl):
+    """A declared `partitioned_segments`: the group's logical range mapped into each segment."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.PARTITIONED_SEGMENTS
+    partitions: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentedShardingDecl(SegmentsShardingDecl):
+    """A declared `segmented`: each segment split over the ranks on its own."""
+
+    kind: ClassVar[MemberShardingKind] = MemberShardingKind.SEGMENTED
+
+
+SplitShardingDecl = (EqualShardingDecl | BalancedShardingDecl | PartitionedShardingDecl
+                     | PartitionedSegmentsShardingDecl | SegmentedShardingDecl)
+"""A declared rule that splits an axis."""
+ShardingDecl = ReplicatedShardingDecl | SplitShardingDecl
+"""A symbolic member sharding rule: one class per kind (as `MemberSharding` once bound)."""
+
+AXIS_SHARDING_DECLS: Mapping[MemberShardingKind, type[
+        EqualShardingDecl | BalancedShardingDecl | PartitionedShardingDecl]] = {
+    cls.kind: cls for cls in (EqualShardingDecl, BalancedShardingDecl, PartitionedShardingDecl)}
+"""The declaration class of each kind written `{kind: AXIS}`."""
+SEGMENTS_SHARDING_DECLS: Mapping[MemberShardingKind, type[
+        PartitionedSegmentsShardingDecl | SegmentedShardingDecl]] = {
+    cls.kind: cls for cls in (PartitionedSegmentsShardingDecl, SegmentedShardingDecl)}
+"""The declaration class of each kind written `{kind: {axis: AXIS, segments: [...]}}`."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,35 +24,6 @@ from partc.parallel.specs import balanced_contiguous_range
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RankCoordinates:
-    """Where one stage-local rank r of an expert-parallel stage sits (docs/expert_parallel.md).
-
-    tp = r mod T, dense replica = r div T, ep = r div X, etp = r mod X.
-    """
-
-    local_rank: int
-    """r: the rank within its stage (0 <= r < N)."""
-    tensor_parallel_rank: int
-    """r mod T: the rank in the dense TP group."""
-    dense_replica: int
-    """r div T: which copy of the dense parts (attention data-parallel)."""
-    expert_parallel_rank: int
-    """r div X: the EP rank, which selects the experts held."""
-    expert_tensor_parallel_rank: int
-    """r mod X: the rank within the ETP group that splits each expert."""
-
-    @classmethod
-    def of(cls, local_rank: int, tensor_parallel_size: int,
-           expert_tensor_parallel_size: int) -> RankCoordinates:
-        """The coordinates of stage-local rank `local_rank`."""
-        return cls(local_rank=local_rank,
-                   tensor_parallel_rank=local_rank % tensor_parallel_size,
-                   dense_replica=local_rank // tensor_parallel_size,
-                   expert_parallel_rank=local_rank // expert_tensor_parallel_size,
-                   expert_tensor_parallel_rank=local_rank % expert_tensor_parallel_size)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ExpertPlacement:
     """The global experts each expert-parallel rank holds, in local slot order.
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.errors import ArchitecturePartitionErrorKind
+from partc.parallel.shape import size_problem
 from partc.partition.boundary import ArchitectureBoundary, PipelineWireContract
 from partc.partition.ownership import (
     ArchitectureParameterDescription,
@@ -136,9 +137,8 @@ class ArchitecturePartition:
 
     def __post_init__(self) -> None:
         kinds = ArchitecturePartitionErrorKind
-        if self.stages < 1:
-            raise partition_error(kinds.INVALID_STAGES,
-                                   f"pipeline_parallel_size must be >= 1, found {self.stages}")
+        if (problem := size_problem("pipeline_parallel_size", self.stages)) is not None:
+            raise partition_error(kinds.INVALID_STAGES, problem)
         if not 0 <= self.stage < self.stages:
             raise partition_error(kinds.INVALID_STAGES, f"stage {self.stage} is outside "
                                    f"pipeline stages 0..{self.stages - 1}")

@@ -14,11 +14,11 @@ from partc.parallel.experts import (
     PLACEMENT_DOC,
     ExpertGroup,
     ExpertPlacement,
-    RankCoordinates,
     placement_problems,
 )
 from partc.parallel.layout import LocalTensorLayout, ParallelModelInfo
 from partc.parallel.placements import Indices, Range, TensorPlacement
+from partc.parallel.shape import ParallelShape
 from partc.parallel.specs import ParameterGroupSpec
 from partc.partition.pipeline import ArchitecturePartition
 from partc.plan.ranks import GroupKind, GroupSite, PlannedGroup, RankPlan, rank_accounting
@@ -130,10 +130,14 @@ class ExpertParallelPlan:
         """N = E * X."""
         return self.expert_parallel_size * self.expert_tensor_parallel_size
 
-    def coordinates(self, local_rank: int) -> RankCoordinates:
-        """The coordinates of stage-local rank `local_rank`."""
-        return RankCoordinates.of(local_rank, self.tensor_parallel_size,
-                                  self.expert_tensor_parallel_size)
+    def shape(self, pipeline_parallel_size: int) -> ParallelShape:
+        """The sizes of a build of these stages over `pipeline_parallel_size` stages, whose
+        `coordinates` place each rank (its stage-local coordinates are the same on every
+        stage)."""
+        return ParallelShape(tensor_parallel_size=self.tensor_parallel_size,
+                             pipeline_parallel_size=pipeline_parallel_size,
+                             expert_parallel_size=self.expert_parallel_size,
+                             expert_tensor_parallel_size=self.expert_tensor_parallel_size)
 
     def to_json(self) -> dict[str, object]:
         """JSON form (the plan's `expert_parallel`)."""
@@ -223,7 +227,8 @@ def stacked_template(group: ParameterGroupSpec, role: ExpertGroup, plan: ExpertP
     template = realized.get(key)
     if template is None:
         per_ep = [stacked_expert_layouts(group, role.axis, ids) for ids in plan.placement.slots]
-        template = realized[key] = tuple(per_ep[plan.coordinates(r).expert_parallel_rank]
+        stage = plan.shape(1)
+        template = realized[key] = tuple(per_ep[stage.coordinates(r).expert_parallel_rank]
                                          for r in range(plan.ranks_per_stage))
     return template
 
@@ -243,16 +248,17 @@ def expert_parallel_ranks(bound: BoundArchitecture, plan: ExpertParallelPlan,
         rank_groups.append([tuple(
             g for g in groups if (role := roles.get(g.name)) is None or role.expert is None
             or role.expert in mine) for mine in held])
-    coordinates = [plan.coordinates(r) for r in range(n)]
+    shape = plan.shape(pp)
+    coordinates = [[shape.coordinates(rank) for rank in shape.stage_ranks(s)] for s in range(pp)]
     accounting = [[rank_accounting(rank_groups[s][c.expert_parallel_rank], kinds,
-                                    c.tensor_parallel_rank, c) for c in coordinates]
+                                    c.tensor_parallel_rank, c) for c in coordinates[s]]
                   for s in range(pp)]
     maximum = max(a[1] for stage in accounting for a in stage)
     ranks = []
     for stage, partition in enumerate(partitions):
-        for c in coordinates:
-            owned_tensors, local, pinned, by_dtype, expert_bytes = accounting[stage][c.local_rank]
-            rank = stage * n + c.local_rank
+        for c in coordinates[stage]:
+            owned_tensors, local, pinned, by_dtype, expert_bytes = accounting[stage][c.stage_rank]
+            rank = shape.rank(c)
             info = ParallelModelInfo(
                 model_type=bound.model_type, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 rank=rank, tensor_parallel_rank=c.tensor_parallel_rank, pipeline_stage=stage,

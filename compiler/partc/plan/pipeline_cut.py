@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from partc.errors import ArchitecturePartitionErrorKind
+from partc.parallel.shape import size_problem
 from partc.parallel.specs import balanced_contiguous_range
 from partc.partition.boundary import PipelineWireContract
 from partc.partition.ownership import (
@@ -32,9 +33,8 @@ def pipeline_stage_ranges(total_units: int, stages: int,
     Balanced by default (DESIGN §3); `explicit` gives each stage's unit count.
     """
     kinds = ArchitecturePartitionErrorKind
-    if stages < 1:
-        raise partition_error(kinds.INVALID_STAGES,
-                               f"pipeline_parallel_size must be >= 1, found {stages}")
+    if (problem := size_problem("pipeline_parallel_size", stages)) is not None:
+        raise partition_error(kinds.INVALID_STAGES, problem)
     if explicit is not None:
         counts = list(explicit)
         if len(counts) != stages:

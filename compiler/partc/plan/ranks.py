@@ -10,8 +10,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from partc.errors import SourceLocation
-from partc.parallel.experts import RankCoordinates
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
+from partc.parallel.shape import RankCoordinates
 from partc.partition.ownership import ParameterGroupOwner
 from partc.partition.pipeline import ArchitecturePartition
 
@@ -76,7 +76,7 @@ class GroupKind:
             return tensor_parallel_rank
         if self.index is KindIndex.EXPERT_TENSOR:
             return coordinates.expert_tensor_parallel_rank
-        return coordinates.local_rank
+        return coordinates.stage_rank
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,8 +119,8 @@ class RankPlan:
     kinds: tuple[GroupKind, ...] = field(repr=False)
     """The plan's group kinds (`PlannedGroup.kind` indexes it)."""
     coordinates: RankCoordinates | None = None
-    """Under expert parallelism: the rank's stage-local, dense-replica, EP and ETP coordinates
-    (its `groups` are then the stage's dense groups and its own experts)."""
+    """Under expert parallelism: the rank's coordinates (stage rank, dense replica, EP and ETP
+    ranks among them; its `groups` are then the stage's dense groups and its own experts)."""
 
     @cached_property
     def layout(self) -> LocalModelLayout:

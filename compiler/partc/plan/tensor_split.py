@@ -14,9 +14,9 @@ from partc.parallel.placements import (
     Range,
     Shard,
     TensorPlacement,
-    is_count,
     local_shape,
 )
+from partc.parallel.shape import size_problem
 from partc.parallel.specs import (
     BalancedSharding,
     EqualSharding,
@@ -281,9 +281,8 @@ def realize_group_template(group: ParameterGroupSpec, tensor_parallel_size: int,
     `pointer` name where the group is declared; the errors raised carry them.
     """
     tp = tensor_parallel_size
-    if not is_count(tp) or tp < 1:
-        raise invalid_group(f"tensor_parallel_size must be a positive integer, found {tp!r}",
-                             group=group.name, location=location, pointer=pointer)
+    if (problem := size_problem("tensor_parallel_size", tp)) is not None:
+        raise invalid_group(problem, group=group.name, location=location, pointer=pointer)
     effective = policy if policy_overrides_group else (group.policy or policy)
     key = (tp, effective, group.role, group.units, group.kv_replication,
            tuple(_member_structure(m) for m in group.members), split)

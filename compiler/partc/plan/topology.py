@@ -1,13 +1,14 @@
 """The topology a plan is realized for: T x S (E x X per stage under expert parallelism).
 
-Built values are checked: positive sizes, and E, X and the placement agreeing with T.
+Built values are checked: the sizes by `ParallelShape` (the one home of their rules, which the
+runtime's `BuildTopology` shares), the placement against E.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from partc.errors import ExpertParallelError, LayoutError
+from partc.errors import ExpertParallelError
 from partc.parallel.experts import ExpertPlacement
 from partc.parallel.shape import ParallelShape
 from partc.parallel.specs import ShardingPolicy, TensorSplit
@@ -48,13 +49,8 @@ class Topology:
     """An explicit placement (a placement file); None: balanced contiguous ranges."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise LayoutError(f"tensor_parallel_size must be >= 1, found "
-                              f"{self.tensor_parallel_size}")
-        if self.pipeline_parallel_size < 1:
-            raise LayoutError(f"pipeline_parallel_size must be >= 1, found "
-                              f"{self.pipeline_parallel_size}")
-        _check_expert_topology(self)
+        self.shape  # noqa: B018 - built to be checked: the sizes' rules are ParallelShape's
+        _check_expert_placement(self)
 
     @property
     def shape(self) -> ParallelShape:
@@ -95,25 +91,15 @@ class Topology:
         return spelled
 
 
-def _check_expert_topology(topology: Topology) -> None:
-    """E, X and the placement agree with each other and with T (docs/expert_parallel.md)."""
-    ep, etp, t = (topology.expert_parallel_size, topology.expert_tensor_parallel_size,
-                  topology.tensor_parallel_size)
-    if ep is None:
-        if etp != 1 or topology.expert_placement is not None:
-            raise ExpertParallelError("--etp and --expert-placement need expert parallelism: give "
-                                      "--ep (the expert-parallel size)")
+def _check_expert_placement(topology: Topology) -> None:
+    """An explicit placement comes with expert parallelism, for its E ranks
+    (docs/expert_parallel.md)."""
+    placement, ep = topology.expert_placement, topology.expert_parallel_size
+    if placement is None:
         return
-    if ep < 1 or etp < 1:
-        raise ExpertParallelError(
-            f"expert_parallel_size and expert_tensor_parallel_size must be >= 1, "
-            f"found {ep} and {etp}")
-    if (ep * etp) % t:
-        raise ExpertParallelError(
-            f"a stage has N = expert_parallel_size {ep} x expert_tensor_parallel_size {etp} = "
-            f"{ep * etp} ranks, not a multiple of tensor_parallel_size {t}: the dense parts "
-            f"(split over T ranks) are repeated N / T times; choose T dividing {ep * etp}")
-    placement = topology.expert_placement
-    if placement is not None and placement.expert_parallel_size != ep:
+    if ep is None:
+        raise ExpertParallelError("--expert-placement needs expert parallelism: give "
+                                  "expert_parallel_size (--ep)")
+    if placement.expert_parallel_size != ep:
         raise ExpertParallelError(f"the expert placement lists {placement.expert_parallel_size} EP "
                                   f"ranks but expert_parallel_size is {ep}")

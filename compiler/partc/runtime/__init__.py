@@ -8,7 +8,7 @@ modules call through `_runtime.<name>`; each name is defined in one submodule.
 from typing import TYPE_CHECKING, Any
 
 from partc.runtime._engine.reader import read_tensors
-from partc.runtime._engine.selection import ReadRecorder, TensorSelection
+from partc.runtime._engine.selection import ReadOptions, ReadRecorder, TensorSelection
 from partc.runtime.loader import load_package_rank, load_rank, package_rank_module
 from partc.runtime.options import Framework, LoadOptions, Verify, ZeroCopy
 from partc.runtime.rank_env import LaunchPosition, build_launch_position, launch_position
@@ -53,6 +53,7 @@ __all__ = [
     "LaunchPosition",
     "LoadOptions",
     "RankTable",
+    "ReadOptions",
     "ReadRecorder",
     "TensorSelection",
     "Verify",

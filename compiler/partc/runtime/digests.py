@@ -16,7 +16,7 @@ import numpy as np
 
 from partc.errors import CheckpointError, PartcError, SourceLocation, raise_if_any
 from partc.runtime._engine.reader import read_tensors
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.tables import table_lines
@@ -89,7 +89,7 @@ def plan_digests(layouts: Sequence[LocalModelLayout], checkpoint: Checkpoint,
                         if (t.target, t.selection) not in known}.values())
         for batch in byte_batches(missing, lambda layout: layout.local_bytes):
             arrays = read_tensors(checkpoint, [(t.target, TensorSelection(*t.selection))
-                                               for t in batch], workers=workers)
+                                               for t in batch], ReadOptions(workers=workers))
             for item, digest in zip(batch, tensor_digests(arrays, workers).values(),
                                     strict=True):
                 known[(item.target, item.selection)] = digest

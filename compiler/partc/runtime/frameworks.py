@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from partc.errors import CheckpointError
+from partc.errors import LOAD_OPTIONS_DOC, CheckpointError, LaunchError
 from partc.runtime.headers import ML_DTYPES
 
 
@@ -34,7 +34,8 @@ _TORCH_VIEWS = {"bfloat16": "bfloat16", "float8_e4m3fn": "float8_e4m3fn",
 
 
 def float_dtype(dtype: Any) -> np.dtype[Any]:
-    """`dtype` as a numpy floating dtype (ml_dtypes' bf16/fp8 included), or CheckpointError."""
+    """`dtype` as a numpy floating dtype (ml_dtypes' bf16/fp8 included), or a LaunchError (the
+    `dtype=` of `load()`)."""
     if isinstance(dtype, str) and dtype in {name for name, _ in ML_DTYPES.values()}:
         import ml_dtypes  # registers its names with numpy
 
@@ -42,11 +43,11 @@ def float_dtype(dtype: Any) -> np.dtype[Any]:
     try:
         found: np.dtype[Any] = np.dtype(dtype)
     except TypeError:
-        raise CheckpointError(f"dtype must be a numpy floating dtype such as np.float32 or "
-                              f"'bfloat16', found {dtype!r}") from None
+        raise LaunchError(f"dtype must be a numpy floating dtype such as np.float32 or "
+                          f"'bfloat16', found {dtype!r}", doc=LOAD_OPTIONS_DOC) from None
     if found.kind != "f" and found not in FLOAT_DTYPES:
-        raise CheckpointError(f"dtype must be a floating dtype, found {found}; integer and "
-                              "packed tensors are never converted")
+        raise LaunchError(f"dtype must be a floating dtype, found {found}; integer and "
+                          "packed tensors are never converted", doc=LOAD_OPTIONS_DOC)
     return found
 
 

@@ -24,7 +24,7 @@ from partc.errors import (
     raise_if_any,
 )
 from partc.runtime._engine.reader import read_tensors
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import (
     check_digests,
@@ -33,9 +33,9 @@ from partc.runtime.digests import (
 )
 from partc.runtime.files import path_text, sha256, spelled
 from partc.runtime.frameworks import FLOAT_DTYPES, to_torch
-from partc.runtime.headers import BIT_DTYPES, DTYPES, ML_DTYPES
+from partc.runtime.headers import ML_DTYPES
 from partc.runtime.manifest import ShardManifest, read_shard_manifest
-from partc.runtime.options import Framework, LoadOptions, Verify
+from partc.runtime.options import Framework, LoadOptions, Verify, option_error
 from partc.runtime.progress import progress_bar
 from partc.runtime.rank_env import package_factors, rank_from_environment, rank_out_of_range
 from partc.runtime.tables import (
@@ -537,8 +537,11 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
         The rank's RankState: its tensors by target name, its layout and its info.
 
     Raises:
-        CheckpointError: The checkpoint does not match the plan, cannot be read, or an option
-            has a wrong value (several problems: PartcErrors).
+        LaunchError: An argument of this call is wrong (a keyword option of the wrong type or
+            value, or one it does not have; the checkpoint no path; the rank or device), or
+            the launcher's environment is (a CheckpointError too, for callers that catch that).
+        CheckpointError: The checkpoint does not match the plan or cannot be read (several
+            problems: PartcErrors).
     """
     if unknown:
         raise _unknown_option(sorted(unknown))
@@ -597,10 +600,9 @@ def _load(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     torch = options.framework is Framework.TORCH
     as_bits = torch and target_dtype is None
     with progress_bar(total, f"rank {table.rank}", options.progress) as update:
-        tensors = read_tensors(opened, requests, reader=options.reader, workers=options.workers,
-                               progress=update, zero_copy=options.zero_copy.value,
-                               local_ranks=options.local_ranks,
-                               dtypes=BIT_DTYPES if as_bits else DTYPES)
+        tensors = read_tensors(opened, requests, ReadOptions(
+            recorder=options.reader, workers=options.workers, local_ranks=options.local_ranks,
+            zero_copy=options.zero_copy, bits=as_bits, progress=update))
     if recorded is not None:
         _verify_payloads(recorded, opened, tensors, options.workers)
     if target_dtype is not None:
@@ -668,7 +670,7 @@ def _stored_bits(opened: Checkpoint, tensors: Mapping[str, np.ndarray[Any, Any]]
     return out
 
 
-def _unknown_option(names: list[str]) -> CheckpointError:
+def _unknown_option(names: list[str]) -> LaunchError:
     """The refusal of keyword options `load` does not have, each with the option it resembles
     (a misspelt option would otherwise be a TypeError naming `load_rank`). The options are read
     from `load_rank`'s signature, so the list cannot drift from it."""
@@ -681,15 +683,15 @@ def _unknown_option(names: list[str]) -> CheckpointError:
     for name in names:
         close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
         spelled.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return CheckpointError(f"load() has no option{'s' if len(names) > 1 else ''} "
-                           f"{', '.join(spelled)}; its options are rank, {', '.join(options)}")
+    return option_error(f"load() has no option{'s' if len(names) > 1 else ''} "
+                        f"{', '.join(spelled)}; its options are rank, {', '.join(options)}")
 
 
 def _check_checkpoint(checkpoint: object) -> None:
     """Refuse, before anything is opened, a checkpoint that is no path, naming the value found
     and what it must be."""
     if not isinstance(checkpoint, Checkpoint) and not isinstance(path_text(checkpoint), str):
-        raise CheckpointError(
+        raise option_error(
             "checkpoint must be a folder or file path (a str or an os.PathLike giving one) or "
             f"an opened Checkpoint, found {type(checkpoint).__name__} {checkpoint!r:.80}"
             + ("; decode a bytes path with os.fsdecode()" if isinstance(path_text(checkpoint),

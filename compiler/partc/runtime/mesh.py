@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from partc.errors import LaunchError, LayoutError
-from partc.parallel.shape import ParallelShape, RankCoordinates
+from partc.errors import LaunchError
+from partc.parallel.shape import ParallelShape, RankCoordinates, shape_problem
 from partc.runtime.frameworks import import_torch
 from partc.runtime.rank_env import (
     environment_integer,
@@ -64,10 +64,13 @@ class BuildTopology:
     """X: ranks splitting each expert; a stage has N = E·X ranks."""
 
     def __post_init__(self) -> None:
-        try:  # the rule lives in ParallelShape; a launch reports it as a LaunchError
-            self.shape  # noqa: B018 - built to be checked
-        except LayoutError as exc:
-            raise LaunchError(exc.message) from None
+        problem = shape_problem(tensor_parallel_size=self.tensor_parallel_size,
+                                pipeline_parallel_size=self.pipeline_parallel_size,
+                                expert_parallel_size=self.expert_parallel_size,
+                                expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+                                data_parallel_size=self.data_parallel_size)
+        if problem is not None:  # ParallelShape's rule, reported by a launch
+            raise LaunchError(problem.message)
 
     @property
     def shape(self) -> ParallelShape:
@@ -101,11 +104,9 @@ class BuildTopology:
         return self.shape.world_size
 
     def _check(self, global_rank: int) -> None:
-        if isinstance(global_rank, bool) or not isinstance(global_rank, int) or not (
-                0 <= global_rank < self.world_size):
-            raise LaunchError(f"rank {global_rank!r} is outside this job's ranks "
-                              f"0..{self.world_size - 1} (dp {self.data_parallel_size} x "
-                              f"{self.factors})")
+        problem = self.shape.rank_problem(global_rank)
+        if problem is not None:
+            raise LaunchError(problem)
 
     def coordinates(self, global_rank: int) -> RankCoordinates:
         """(d, p, t) of a global rank."""
@@ -115,21 +116,10 @@ class BuildTopology:
     def global_rank(self, coordinates: RankCoordinates) -> int:
         """The global rank at (d, p, t) (and the dense replica of an expert-parallel build,
         whose EP and ETP ranks must agree with it)."""
-        shape = self.shape
-        replicas = shape.dense_replicas
-        c = coordinates
-        if not (0 <= c.data_parallel_rank < self.data_parallel_size
-                and 0 <= c.pipeline_stage < self.pipeline_parallel_size
-                and 0 <= c.tensor_parallel_rank < self.tensor_parallel_size
-                and 0 <= c.dense_replica < replicas):
-            raise LaunchError(f"coordinates {coordinates} are outside D="
-                              f"{self.data_parallel_size} x S={self.pipeline_parallel_size} "
-                              f"x T={self.tensor_parallel_size}"
-                              + (f" x {replicas} dense replicas" if replicas > 1 else ""))
-        try:
-            return shape.rank(coordinates)
-        except LayoutError as exc:  # EP/ETP ranks that disagree with the dense replica
-            raise LaunchError(exc.message) from None
+        problem = self.shape.coordinates_problem(coordinates)
+        if problem is not None:
+            raise LaunchError(problem)
+        return self.shape.rank(coordinates)
 
     def build_rank(self, global_rank: int) -> int:
         """The rank within the build: which generated rank module the process loads."""
@@ -145,7 +135,7 @@ class BuildTopology:
         """The global ranks of this rank's stage-local position on every stage, in order."""
         c = self.coordinates(global_rank)
         n = self.ranks_per_stage
-        base = c.data_parallel_rank * self.build_world_size + global_rank % n
+        base = c.data_parallel_rank * self.build_world_size + c.stage_rank
         return tuple(base + p * n for p in range(self.pipeline_parallel_size))
 
     def expert_parallel_group(self, global_rank: int) -> tuple[int, ...]:
@@ -201,16 +191,9 @@ class BuildTopology:
 
     def _check_world(self, world: int) -> None:
         """Refuse a job whose process count is not this topology's world size."""
-        if world == self.world_size:
-            return
-        replica = self.world_size // self.data_parallel_size
-        fix = (f"; data_parallel_size={world // replica} fits this world (the default: D is "
-               "WORLD_SIZE over a replica's ranks)" if world % replica == 0 else
-               f", and {world} is no multiple of a replica's {replica} ranks")
-        raise LaunchError(
-            f"the torch world has {world} processes; this topology needs {self.world_size} "
-            f"(D={self.data_parallel_size} x S={self.pipeline_parallel_size} x "
-            f"{self.ranks_per_stage} ranks a stage){fix}")
+        problem = self.shape.world_problem(world)
+        if problem is not None:
+            raise LaunchError(problem)
 
     def process_groups(self, global_rank: int | None = None) -> ProcessGroups:
         """Create the torch process groups of every dimension; return this process's.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from partc.errors import CheckpointError
+from partc.errors import LOAD_OPTIONS_DOC, LaunchError
 
 
 class Framework(Enum):
@@ -39,12 +39,23 @@ class ZeroCopy(Enum):
     """One-run tensors as writable views of a copy-on-write mapping; the rest copied."""
 
 
+def option_error(message: str) -> LaunchError:
+    """The refusal of an argument of `load()`: a LaunchError (the serving call asked wrongly,
+    a CheckpointError too for old callers) pointing to the guide of `load()`."""
+    return LaunchError(message, doc=LOAD_OPTIONS_DOC)
+
+
 def count_option(name: str, value: object) -> int | None:
-    """Option `name`'s `value`: None or a positive integer (a bool is not one); a
-    CheckpointError naming the option and the value otherwise."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or value < 1):
-        raise CheckpointError(f"{name} must be a positive integer, found {value!r}")
+    """Option `name`'s `value`: None or a positive integer (a bool is not one); a LaunchError
+    naming the option and the value otherwise."""
+    if value is None:
+        return None
+    from partc.parallel.shape import size_problem  # the one wording; imported when a count is given
+
+    problem = size_problem(name, value)
+    if problem is not None:
+        raise option_error(problem)
+    assert isinstance(value, int)
     return value
 
 
@@ -80,23 +91,23 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         if self.reader is not None and not callable(getattr(self.reader, "record", None)):
-            raise CheckpointError("reader must be None or an object with a record(path, offset, "
+            raise option_error("reader must be None or an object with a record(path, offset, "
                                   "length) method (partc.runtime.ReadRecorder),"
                                   f" found {self.reader!r:.80}")
         count_option("workers", self.workers)
         count_option("local_ranks", self.local_ranks)
         if not isinstance(self.verify_fingerprint, bool):
-            raise CheckpointError(f"verify_fingerprint must be True or False, found "
+            raise option_error(f"verify_fingerprint must be True or False, found "
                                   f"{self.verify_fingerprint!r:.80}")
         if self.progress is not None and not isinstance(self.progress, bool):
-            raise CheckpointError(f"progress must be None (a bar on a terminal only), True or "
+            raise option_error(f"progress must be None (a bar on a terminal only), True or "
                                   f"False, found {self.progress!r:.80}")
         for name, kind in (("framework", Framework), ("verify", Verify), ("zero_copy", ZeroCopy)):
             if not isinstance(getattr(self, name), kind):
-                raise CheckpointError(f"{name} must be a {kind.__name__}, found "
+                raise option_error(f"{name} must be a {kind.__name__}, found "
                                       f"{getattr(self, name)!r:.80}")
         if self.device is not None and self.framework is not Framework.TORCH:
-            raise CheckpointError(f"device={self.device!r} places torch tensors, but framework "
+            raise option_error(f"device={self.device!r} places torch tensors, but framework "
                                   f"is {self.framework.value!r}; pass framework='torch' or "
                                   "leave it out")
         if self.device is None and self.framework is Framework.TORCH:
@@ -106,7 +117,7 @@ class LoadOptions:
         """Refuse zero_copy=True for a torch load: its views are read-only, torch tensors
         cannot be."""
         if self.zero_copy is ZeroCopy.SHARED:
-            raise CheckpointError("zero_copy=True returns read-only views of the checkpoint "
+            raise option_error("zero_copy=True returns read-only views of the checkpoint "
                                   "file, which torch tensors cannot be; load with "
                                   "zero_copy='private' (writable copy-on-write views), "
                                   "framework='numpy', or without zero_copy")
@@ -124,19 +135,19 @@ class LoadOptions:
                       local_ranks: Any = None, device: Any = None, staging_bytes: Any = None
                       ) -> LoadOptions:
         """The options of `load_rank`'s keywords, spelled as `load()` takes them (strings and
-        bools), each refused with a CheckpointError naming it, what it must be and the value
+        bools), each refused with a LaunchError naming it, what it must be and the value
         found."""
         from partc.runtime.frameworks import float_dtype
 
         if not isinstance(zero_copy, bool) and zero_copy != "private":
-            raise CheckpointError(f"zero_copy must be False, True or 'private', found "
+            raise option_error(f"zero_copy must be False, True or 'private', found "
                                   f"{zero_copy!r}")
         if framework is None:
             framework = "numpy" if device is None else "torch"
         if framework not in ("numpy", "torch"):
-            raise CheckpointError(f"framework must be 'numpy' or 'torch', found {framework!r}")
+            raise option_error(f"framework must be 'numpy' or 'torch', found {framework!r}")
         if verify not in (None, "digest"):
-            raise CheckpointError(f"verify must be None or 'digest', found {verify!r}")
+            raise option_error(f"verify must be None or 'digest', found {verify!r}")
         return cls(verify_fingerprint=verify_fingerprint,
                    dtype=None if dtype is None else float_dtype(dtype), reader=reader,
                    framework=Framework(framework), workers=workers, progress=progress,

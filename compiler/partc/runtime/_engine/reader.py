@@ -6,9 +6,10 @@ jobs that read them from `partc.runtime._engine.runs`; column slices are gathere
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -37,11 +38,12 @@ from partc.runtime._engine.runs import (
     one_run,
     populate_job,
 )
-from partc.runtime._engine.selection import WHOLE, ReadRecorder, TensorSelection
+from partc.runtime._engine.selection import READ, WHOLE, ReadOptions, TensorSelection
 from partc.runtime._engine.workers import environment_count, node_ranks, shared_cores
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.files import FileStamp, no_readahead
-from partc.runtime.headers import DTYPES, ITEMSIZE, FileHeader, TensorEntry, abort
+from partc.runtime.headers import ITEMSIZE, FileHeader, TensorEntry, abort
+from partc.runtime.options import ZeroCopy
 
 _SPAN_LIMIT = 8 << 20
 """Most bytes one coalesced span (`max_gap`) reads."""
@@ -57,19 +59,19 @@ def _job_start(job: Job | Gather) -> tuple[int, int]:
 class CheckpointReader:
     """Reads selected tensor elements straight into fresh arrays; opens each file once."""
 
-    def __init__(self, checkpoint: Checkpoint, *, recorder: ReadRecorder | None = None,
-                 max_gap: int = 0, workers: int | None = None, mapped: bool = True,
-                 zero_copy: bool | str = False, local_ranks: int | None = None,
-                 dtypes: Mapping[str, np.dtype[Any]] = DTYPES) -> None:
+    def __init__(self, checkpoint: Checkpoint, options: ReadOptions = READ) -> None:
         self.checkpoint = checkpoint
         """The checkpoint read from."""
-        self.recorder = recorder
+        self.options = options
+        """How every read of this reader is made (its recorder, threads, views, dtypes)."""
+        self.recorder = options.recorder
         """Told of every byte run read, when set."""
-        self.max_gap = max_gap
+        self.max_gap = options.max_gap
         """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
+        workers = options.workers
         # `default_workers` and the cold count, each environment variable read once (os.environ
         # costs ~2 us a read: eight of them were ~0.04 ms of a zero-copy load, issue 18)
-        ranks = self.node_ranks = node_ranks(local_ranks)
+        ranks = self.node_ranks = node_ranks(options.local_ranks)
         """Ranks loading on this node at once (see `node_ranks`)."""
         forced = None if workers is not None else environment_count("PARTC_READ_THREADS")
         self.workers = (max(1, workers) if workers is not None else forced if forced is not None
@@ -79,16 +81,13 @@ class CheckpointReader:
             self.workers, DIRECT_THREADS // ranks)
         """Threads of a read with cold gathers (waiting on storage, not on cores): the node's
         share of `DIRECT_THREADS` unless the thread count was given."""
-        self.mapped = mapped
+        self.mapped = options.mapped
         """Whether `read_many` gathers finely cut selections from read-only mappings."""
-        self.zero_copy = zero_copy
-        """Whether `read_many` returns a selection that is one contiguous byte run as a view
-        of the mapped file (see `_view_of`) instead of a copy: True, a read-only view of a shared
-        mapping (a column slice too, strided); "private", a writable view of a copy-on-write
-        mapping (column slices are copied, so every array is C-contiguous)."""
-        self.dtypes = dtypes
-        """Safetensors dtype -> the numpy dtype of the arrays read: DTYPES, or BIT_DTYPES (bf16
-        and fp8 as unsigned integers of their size, for a torch load)."""
+        self.zero_copy = options.zero_copy
+        """Whether `read_many` returns one-run selections as views of the mapped file (see
+        `ReadOptions.zero_copy` and `_view_of`)."""
+        self.dtypes = options.dtypes
+        """Safetensors dtype -> the numpy dtype of the arrays read (see `ReadOptions.bits`)."""
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
 
@@ -162,15 +161,16 @@ class CheckpointReader:
             self._check_unchanged([self.checkpoint.owners[name]])
         return out
 
-    def read_many(self, requests: Iterable[tuple[str, TensorSelection]], *,
-                  progress: Callable[[int], None] | None = None
+    def read_many(self, requests: Iterable[tuple[str, TensorSelection]]
                   ) -> dict[str, np.ndarray[Any, Any]]:
         """Several selections read in (file, offset) order; the dict follows request order.
 
         The runs of every tensor are merged per file, so file-contiguous runs of neighbouring
         tensors share one preadv; a large read is spread over `workers` threads (preadv releases
-        the GIL). `progress` is called in this thread with the bytes of every finished job.
+        the GIL). The options' `progress` is called in this thread with the bytes of every
+        finished job.
         """
+        progress = self.options.progress
         todo = list(requests)
         names = [name for name, _ in todo]
         found = self.checkpoint.header_entries(names)
@@ -236,7 +236,7 @@ class CheckpointReader:
             if job.file not in sources:
                 header = files[job.file]
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name,
-                                               in_process=bool(self.zero_copy))
+                                               in_process=self.zero_copy is not ZeroCopy.OFF)
         try:
             cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
             workers = self._cold_workers if cold else self.workers
@@ -274,8 +274,8 @@ class CheckpointReader:
         gathered)."""
         check_selection(header, entry, sel)
         local, dtype = sel.local_shape(entry.shape), self.dtypes[entry.dtype]
-        if self.zero_copy:
-            view = _view_of(entry, sel, private=self.zero_copy == "private")
+        if self.zero_copy is not ZeroCopy.OFF:
+            view = _view_of(entry, sel, private=self.zero_copy is ZeroCopy.PRIVATE)
             if view is not None:
                 return (view[0], view[1], view[2], local, dtype, False, None)
         gather = self.mapped and gatherable(entry, sel)
@@ -290,7 +290,7 @@ class CheckpointReader:
         if mapping is not None:
             return memoryview(mapping)
         fd = self._fd(header)
-        private = self.zero_copy == "private"
+        private = self.zero_copy is ZeroCopy.PRIVATE
         try:
             mapping = mmap.mmap(fd, header.file_size, access=mmap.ACCESS_COPY if private
                                 else mmap.ACCESS_READ)
@@ -455,21 +455,23 @@ def _check_stamp(header: FileHeader, st: os.stat_result, when: str) -> None:
 
 
 
-def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = WHOLE, *,
-                reader: ReadRecorder | None = None) -> np.ndarray[Any, Any]:
+def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = WHOLE,
+                options: ReadOptions = READ) -> np.ndarray[Any, Any]:
     """Read only the selected elements of tensor `name` into a new C-contiguous array."""
-    with CheckpointReader(checkpoint, recorder=reader) as r:
+    with CheckpointReader(checkpoint, options) as r:
         return r.read(name, selection)
 
 
-def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]], *,
-                 reader: ReadRecorder | None = None, workers: int | None = None,
-                 progress: Callable[[int], None] | None = None, zero_copy: bool | str = False,
-                 local_ranks: int | None = None, dtypes: Mapping[str, np.dtype[Any]] = DTYPES
+def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]],
+                 options: ReadOptions = READ, *, zero_copy: bool | None = None
                  ) -> dict[str, np.ndarray[Any, Any]]:
-    """Read several selections in (file, offset) order, opening each file once (`zero_copy`:
-    one-run selections as views of the mapped file, see `CheckpointReader.zero_copy`;
-    `local_ranks`: see `default_workers`; `dtypes`: see `CheckpointReader.dtypes`)."""
-    with CheckpointReader(checkpoint, recorder=reader, workers=workers, zero_copy=zero_copy,
-                          local_ranks=local_ranks, dtypes=dtypes) as r:
-        return r.read_many(requests, progress=progress)
+    """Read several selections in (file, offset) order, opening each file once, as `options`
+    say (see `ReadOptions`).
+
+    `zero_copy=True` is the device path's spelling of `ReadOptions(zero_copy=ZeroCopy.SHARED)`,
+    kept until that one call states its read as options; nothing else passes it.
+    """
+    if zero_copy is not None:
+        options = dataclasses.replace(options, zero_copy=ZeroCopy(zero_copy))
+    with CheckpointReader(checkpoint, options) as r:
+        return r.read_many(requests)
