@@ -28,7 +28,7 @@ import numpy as np
 
 from partc.errors import CheckpointError, LaunchError
 from partc.runtime._engine.reader import read_tensors
-from partc.runtime._engine.selection import TensorSelection
+from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.frameworks import import_torch
@@ -409,7 +409,7 @@ def stage_to_device(checkpoint: Checkpoint, requests: Sequence[tuple[str, Tensor
     transfer = transfer_for(device) if transfer is None else transfer
     names = [name for name, _ in requests]
     wholes = read_tensors(checkpoint, [(name, TensorSelection()) for name in names],
-                          zero_copy=True)
+                          ReadOptions(zero_copy=ZeroCopy.SHARED))
     shard = sum(math.prod(selection.local_shape(tuple(wholes[name].shape)))
                 * wholes[name].itemsize for name, selection in requests)
     ring_bytes = min(total, max(_SLOTS, shard))  # the ring never exceeds the shard

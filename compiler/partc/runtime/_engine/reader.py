@@ -6,7 +6,6 @@ jobs that read them from `partc.runtime._engine.runs`; column slices are gathere
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 from collections.abc import Callable, Iterable
@@ -463,15 +462,8 @@ def read_tensor(checkpoint: Checkpoint, name: str, selection: TensorSelection = 
 
 
 def read_tensors(checkpoint: Checkpoint, requests: Iterable[tuple[str, TensorSelection]],
-                 options: ReadOptions = READ, *, zero_copy: bool | None = None
-                 ) -> dict[str, np.ndarray[Any, Any]]:
+                 options: ReadOptions = READ) -> dict[str, np.ndarray[Any, Any]]:
     """Read several selections in (file, offset) order, opening each file once, as `options`
-    say (see `ReadOptions`).
-
-    `zero_copy=True` is the device path's spelling of `ReadOptions(zero_copy=ZeroCopy.SHARED)`,
-    kept until that one call states its read as options; nothing else passes it.
-    """
-    if zero_copy is not None:
-        options = dataclasses.replace(options, zero_copy=ZeroCopy(zero_copy))
+    say (see `ReadOptions`)."""
     with CheckpointReader(checkpoint, options) as r:
         return r.read_many(requests)
