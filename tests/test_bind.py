@@ -217,3 +217,75 @@ def test_a_config_without_a_model_type_says_so(tmp_path, monkeypatch, config, ex
     errors = [str(e) for e in check_family(None, "config.json")]
     assert len(errors) == 1 and errors[0].startswith(expected), errors
     assert errors[0].endswith("), or name a family file [at /model_type]")
+
+
+# ---------------------------------------------------------------- null config values (issue 35)
+
+def _with_lora_rank(field: str, when: str = "q_lora_rank != null") -> str:
+    """MINI with a `q_lora_rank` field and a replicated `q_a` module present under `when`."""
+    family = with_config_fields(f"  q_lora_rank: {field}\n")
+    return family.replace("  - name: \"layers.{unit}.mlp\"\n", (
+        "  - name: \"layers.{unit}.q_a\"\n    role: replicated\n    owner: {unit: decoder}\n"
+        f"    when: {when}\n    module: \"model.layers.{{unit}}.q_a\"\n"
+        "    sharding: replicated\n    params: {weight: [q_lora_rank, hidden_size]}\n"
+        "  - name: \"layers.{unit}.mlp\"\n"), 1)
+
+
+def _bound_values(tmp_path, monkeypatch, family: str, config: object) -> dict:
+    from partc.api import load_family
+    from partc.bind.values import read_config_values
+    from partc.front.load import load_json
+
+    (tmp_path / "family.yaml").write_text(family)
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=1))
+    monkeypatch.chdir(tmp_path)
+    return read_config_values(load_family("family.yaml")[0], load_json("config.json"))
+
+
+@pytest.mark.parametrize(("field", "config", "expected"), [
+    # nullable: null is the value; the default applies only to a missing key
+    ("{type: int, nullable: true, default: 16}", {"q_lora_rank": None}, None),
+    ("{type: int, nullable: true, default: 16}", {}, 16),
+    ("{type: int, nullable: true, default: 16}", {"q_lora_rank": 4}, 4),
+    ("{type: int, nullable: true}", {"q_lora_rank": None}, None),
+    # not nullable: null reads as a missing key, and the default applies
+    ("{type: int, default: 16}", {"q_lora_rank": None}, 16),
+])
+def test_a_nullable_field_binds_null_as_a_value_and_its_default_only_to_a_missing_key(
+        tmp_path, monkeypatch, field, config, expected):
+    values = _bound_values(tmp_path, monkeypatch, _with_lora_rank(field),
+                           {**MINI_CONFIG, **config})
+    assert values["q_lora_rank"] == expected
+
+
+@pytest.mark.parametrize("field", ["{type: int, default: 0}",
+                                   "{type: int, nullable: true, default: 0}"])
+def test_a_null_key_that_resembles_another_key_is_not_taken_for_a_misspelling(
+        tmp_path, monkeypatch, field):
+    # `q_lora_rank` is present (null) beside `kv_lora_rank`: no "did you mean" error
+    config = {**MINI_CONFIG, "q_lora_rank": None, "kv_lora_rank": 8}
+    assert bind_errors(tmp_path, monkeypatch, _with_lora_rank(field, "true"
+                                                              if "nullable" not in field
+                                                              else "q_lora_rank != null"),
+                       config=config) == []
+
+
+def test_a_null_that_reaches_arithmetic_is_located_at_the_expression(tmp_path, monkeypatch):
+    family = _with_lora_rank("{type: int, nullable: true}", "q_lora_rank > 0")
+    assert bind_errors(tmp_path, monkeypatch, family,
+                       config={**MINI_CONFIG, "q_lora_rank": None}) == [
+        "family.yaml:22:23: `>` needs two integers or two strings, found null and int (0) "
+        "[at /parameters/1/when]"]
+    family = _with_lora_rank("{type: int, nullable: true}", "true")
+    assert bind_errors(tmp_path, monkeypatch, family,
+                       config={**MINI_CONFIG, "q_lora_rank": None}) == [
+        "family.yaml:25:23: a shape dimension `q_lora_rank` must be an integer, found null "
+        "[at /parameters/1/params/weight/0]"]
+
+
+def test_a_probe_field_cannot_be_nullable(tmp_path, monkeypatch):
+    family = with_config_fields("  probed: {type: bool, nullable: true, default: false, "
+                                "present: x.weight}\n")
+    assert bind_errors(tmp_path, monkeypatch, family) == [
+        "family.yaml:7:11: config field `probed` probes the checkpoint with `present`, so it "
+        "is true or false, never null; remove `nullable` [at /config/probed]"]

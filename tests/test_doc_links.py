@@ -304,12 +304,14 @@ def test_authoring_s_extends_and_toml_examples_are_real(tmp_path, capsys):
 
     text = (ROOT / "docs" / "authoring.md").read_text()
     blocks = re.findall(r"```(yaml|toml)\n(.*?)```", text, re.S)
-    (child,) = [b for lang, b in blocks if lang == "yaml" and "extends: llama" in b]
-    family = tmp_path / "cohere_like.yaml"
-    family.write_text(child)
-    status, _, err = _run(["check", str(family), "--config",
-                           str(hf("llama_tied") / "config.json")], capsys)
-    assert status == 0, err
+    children = [b for lang, b in blocks if lang == "yaml" and "extends: llama" in b]
+    assert len(children) == 2  # §7's cohere-like family and §9's patch
+    for i, child in enumerate(children):
+        family = tmp_path / f"child_{i}.yaml"
+        family.write_text(child)
+        status, _, err = _run(["check", str(family), "--config",
+                               str(hf("llama_tied") / "config.json")], capsys)
+        assert status == 0, err
     (toml,) = [b for lang, b in blocks if lang == "toml"]
     whole = toml_spelling(yaml.safe_load((ROOT / "architectures" / "llama.yaml").read_text()))
     lines = toml.strip("\n").split("\n")

@@ -37,6 +37,7 @@ from support import (
     hf,
     policy_for,
     reassemble,
+    write_sparse_safetensors,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,8 @@ FIXTURE_FAMILIES = {
     "qwen2_moe": "qwen2_moe",
     "gemma2": "gemma2",
     "deepseek_v3": "deepseek_v3",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v2_qlora": "deepseek_v2",
     "gpt_oss": "gpt_oss",
     "granite": "granite",
     "stablelm": "stablelm",
@@ -296,6 +299,7 @@ FULLSIZE_FAMILIES = {
     "Mixtral-8x7B-v0.1": "mixtral",
     "Qwen3-30B-A3B": "qwen3_moe",
     "DeepSeek-V3": "deepseek_v3",
+    "DeepSeek-V2-Lite": "deepseek_v2",
 }
 
 
@@ -345,6 +349,63 @@ def test_full_size_deepseek_v3_block_fp8_checkpoint_with_its_mtp_layer_passes_ch
     # 128 heads of 192 q_b rows on 128-row blocks: whole blocks need pairs of heads
     assert groups["model.layers.5.attention.heads"].units == 64
     assert groups["model.layers.5.experts.3"].units == 2048 // 128
+
+
+def deepseek_v3_without_q_lora(folder: Path) -> tuple[Path, Path]:
+    """DeepSeek-V3's full-size config and header as a config with `"q_lora_rank": null` has
+    them (as HF's DeepseekV3Attention builds it): per layer `q_proj` [128 * 192, 7168] (FP8,
+    with its [192, 56] block scales) instead of q_a_proj / q_a_layernorm / q_b_proj."""
+    config = json.loads((FULLSIZE / "DeepSeek-V3" / "config.json").read_text())
+    config["q_lora_rank"] = None
+    header = json.loads((FULLSIZE / "DeepSeek-V3" / "safetensors_header.json").read_text())
+    rows = config["num_attention_heads"] * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+    entries = {k: v for k, v in header.items() if k != "__metadata__"
+               and not re.search(r"\.self_attn\.q_(a_proj|a_layernorm|b_proj)\.", k)}
+    for name in [k for k in header if k.endswith(".self_attn.q_b_proj.weight")]:
+        stem = name.removesuffix("q_b_proj.weight")
+        entries[stem + "q_proj.weight"] = {"dtype": "F8_E4M3", "shape": [rows, 7168]}
+        entries[stem + "q_proj.weight_scale_inv"] = {"dtype": "F32",
+                                                     "shape": [rows // 128, 7168 // 128]}
+    offset, rebuilt = 0, {"__metadata__": header["__metadata__"]}
+    for name in sorted(entries):
+        size = math.prod(entries[name]["shape"]) * {"F32": 4, "BF16": 2, "F8_E4M3": 1}[
+            entries[name]["dtype"]]
+        rebuilt[name] = {**entries[name], "data_offsets": [offset, offset + size]}
+        offset += size
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder / "config.json", write_sparse_safetensors(folder / "model.safetensors", rebuilt)
+
+
+def test_full_size_deepseek_v3_config_with_null_q_lora_rank_checks_and_compiles(tmp_path):
+    config, checkpoint = deepseek_v3_without_q_lora(tmp_path)
+    assert main(["check", "--config", str(config), "--checkpoint", str(checkpoint)]) == 0
+    result = compile_family(None, config, Topology(tensor_parallel_size=8,
+                                                   pipeline_parallel_size=2),
+                            CompileOptions(checkpoint=checkpoint, out=tmp_path / "build"))
+    targets = {layout.target for rank in result.plan.ranks for layout in rank.layout.tensors}
+    assert "model.layers.3.self_attn.q_proj.weight" in targets
+    assert not any(".q_a_proj." in t or ".q_b_proj." in t for t in targets)
+    q_proj = next(layout for layout in result.plan.ranks[1].layout.tensors
+                  if layout.target == "model.layers.3.self_attn.q_proj.weight")
+    assert q_proj.selection == (0, ((3072, 6144),))  # 16 of the 128 heads of 192 rows
+
+
+def test_full_size_deepseek_v2_lite_without_q_lora_compiles_at_t8_and_three_stages(
+        fullsize_checkpoints, tmp_path):
+    checkpoint = fullsize_checkpoints("DeepSeek-V2-Lite")
+    config = FULLSIZE / "DeepSeek-V2-Lite" / "config.json"
+    assert json.loads(config.read_text())["q_lora_rank"] is None
+    result = compile_family(None, config, Topology(tensor_parallel_size=8,
+                                                   pipeline_parallel_size=3),
+                            CompileOptions(checkpoint=checkpoint, out=tmp_path / "build"))
+    plan = result.plan
+    assert plan.family == "deepseek_v2"
+    q_proj = next(layout for layout in plan.ranks[3].layout.tensors
+                  if layout.target == "model.layers.0.self_attn.q_proj.weight")
+    assert q_proj.selection == (0, ((1152, 1536),))  # heads 6-7 of 16, 192 rows each
+    expert = next(layout for layout in plan.ranks[3].layout.tensors
+                  if layout.target == "model.layers.1.mlp.experts.63.down_proj.weight")
+    assert expert.selection == (1, ((528, 704),))  # 1408 channels over 8 ranks
 
 
 def test_full_size_sparse_file_is_a_valid_safetensors_file_of_the_summary_size(
@@ -458,6 +519,9 @@ HF_STRATEGIES = {
     "rowwise": (1, None),
     "rowwise_split_input": (1, None),
     "replicated_with_grad_allreduce": (None, None),
+    # MLA's kv_a_proj_with_mqa (DeepSeek-V2): transformers 5.24 names it but has no sharding
+    # class of that name, so the weight stays whole on every rank, as partc replicates it
+    "mla_kv_a_proj": (None, None),
 }
 # Strategies that act on a module (hooks, dispatch) and own no weight directly.
 HF_MODULE_STRATEGIES = {"moe_tp_experts", "ep_dispatch_experts", "grouped_gemm"}
@@ -466,6 +530,10 @@ ABSENT_FROM_FIXTURE = {
     name: {f"model.layers.*.mlp.{p}_proj" for p in ("gate", "up", "down")}
     for name in ("qwen2_moe", "qwen3_moe")
 } | {"gpt_neox": {"lm_head"}}  # GPT-NeoX stores its head as `embed_out` (HF renames on load)
+ABSENT_FROM_FIXTURE |= {  # DeepSeek-V2 has q_proj without q-LoRA, q_b_proj with it
+    "deepseek_v2": {"model.layers.*.self_attn.q_b_proj"},
+    "deepseek_v2_qlora": {"model.layers.*.self_attn.q_proj"},
+}
 # Every plan entry where partc deliberately slices differently from HF, with the reason's key
 # phrase; each must be explained in docs/families/<family>.md.
 DELIBERATE_DIFFERENCES = {

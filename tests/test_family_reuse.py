@@ -382,3 +382,87 @@ def test_the_built_in_family_loads_a_released_style_checkpoint_with_its_buffers_
     plan, _ = compile_and_load(None, HF / fixture / "config.json", tmp_path / "plain",
                                HF / fixture, tp=2, pp=1, checkpoint=HF / fixture)
     assert "omitted" not in json.loads((tmp_path / "plain" / "plan.json").read_text())
+
+
+# ---------------------------------------------------------------- patch and remove (issue 35)
+
+
+def test_a_patch_changes_one_key_of_an_inherited_group_and_keeps_the_rest(tmp_path):
+    family = write_family(tmp_path, "child.yaml", """family: child
+extends: llama
+model_types: [llama]
+parameters:
+  - name: "layers.{unit}.attention"
+    patch: true
+    kv_replication: false
+    policy: replicate_unsupported
+""")
+    _, decl, _ = bind(family, hf("llama") / "config.json")
+    base = [g for g in bind(None, hf("llama") / "config.json")[1].groups
+            if g.name.text == "layers.{unit}.attention"][0]
+    (attention,) = [g for g in decl.groups if g.name.text == "layers.{unit}.attention"]
+    assert (base.kv_replication, attention.kv_replication) == (True, False)
+    assert attention.members == base.members  # every projection kept from llama
+    assert [g.name.text for g in decl.groups] == [
+        g.name.text for g in bind(None, hf("llama") / "config.json")[1].groups]
+    # the patched key is located in the child, the inherited ones in llama
+    assert decl.document.locate("/parameters/2/kv_replication").file == str(family)
+    assert decl.document.locate("/parameters/2/kv_replication").line == 7
+    assert decl.document.locate("/parameters/2/role").file.endswith("llama.yaml")
+    # and it takes effect: T=4 over 2 KV heads is refused without KV replication
+    errors = check_family(family, hf("llama") / "config.json",
+                          topology=Topology(tensor_parallel_size=4))
+    assert errors == []  # replicated under the patched policy instead
+
+
+def test_a_patch_with_null_deletes_the_inherited_key(tmp_path):
+    family = write_family(tmp_path, "child.yaml", """family: child
+extends: llama
+model_types: [llama]
+parameters:
+  - {name: "layers.{unit}.attention", patch: true, kv_replication: null}
+""")
+    errors = check_family(family, hf("llama") / "config.json",
+                          topology=Topology(tensor_parallel_size=4))
+    assert len(errors) == 1
+    assert "cannot be sharded over tensor_parallel_size 4" in errors[0].message
+
+
+def test_remove_beside_a_child_group_of_the_same_name_drops_only_the_base_group(tmp_path):
+    family = write_family(tmp_path, "child.yaml", """family: child
+extends: llama
+model_types: [llama]
+remove: [final_norm]
+parameters:
+  - name: final_norm
+    role: replicated
+    owner: {static: final_norm}
+    module: model.norm
+    sharding: replicated
+    params: {weight: [hidden_size]}
+""")
+    _, decl, _ = bind(family, hf("llama") / "config.json")
+    names = [g.name.text for g in decl.groups]
+    assert names.count("final_norm") == 1
+    assert names[-1] == "final_norm"  # the child's, appended after the base's groups
+    assert decl.document.locate(f"/parameters/{len(names) - 1}").file == str(family)
+    assert check_family(family, hf("llama") / "config.json", hf("llama")) == []
+
+
+@pytest.mark.parametrize(("text", "message", "line"), [
+    ("extends: llama\nremove: [final_norm]\nparameters:\n"
+     "  - {name: final_norm, patch: true, sharding: replicated}\n",
+     "parameter group 'final_norm' has `patch: true`, so it changes a base group, but it "
+     "names one which `remove` drops; base groups: ", 6),
+    ("extends: llama\nparameters:\n  - {name: final_nrom, patch: true, sharding: replicated}\n",
+     "parameter group 'final_nrom' has `patch: true`, so it changes a base group, but it "
+     "names one which base family `llama` does not declare; base groups: ", 5),
+    ("parameters:\n  - {name: final_norm, patch: true, sharding: replicated}\n",
+     "parameter group 'final_norm' has `patch: true`, which changes a group of a base family, "
+     "so it needs `extends`", 4),
+])
+def test_a_patch_of_no_base_group_is_a_located_error(tmp_path, text, message, line):
+    family = write_family(tmp_path, "child.yaml", "family: child\nmodel_types: [llama]\n" + text)
+    (error,) = check_family(family)
+    assert error.message.startswith(message)
+    assert error.location is not None and error.location.line == line

@@ -121,6 +121,16 @@ WRONG = [
      2, "check", "segments [64, 32] sum to 96 but axis 0 has 128 elements"),
     ("llama kv_replication without heads hints", "llama", "llama.yaml",
      None, None, 4, "check", "over `units: num_key_value_heads` but it states no `heads:`"),
+    # issue 35: MLA without q-LoRA (`"q_lora_rank": null`)
+    ("deepseek_v2 o_proj declared column", "deepseek_v2", "deepseek_v2.yaml",
+     'self_attn.o_proj"\n        sharding: row', 'self_attn.o_proj"\n        sharding: column',
+     2, "verify", ("model.layers.0.self_attn", r"layers\.0\.attention\.heads", 0)),
+    ("deepseek_v2 q-LoRA chosen by comparing a null rank with a number", "deepseek_v2",
+     "deepseek_v2.yaml", "        when: q_lora_rank != null\n        sharding: replicated\n"
+     "        params:\n", "        when: q_lora_rank > 0\n        sharding: replicated\n"
+     "        params:\n", 2, "check",
+     "deepseek_v2.yaml:66:9: `>` needs two integers or two strings, found null and int (0) "
+     "[at /parameters/2/projections/0]"),
 ]
 
 

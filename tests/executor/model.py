@@ -6,8 +6,8 @@ results meet in the simulated collectives of :mod:`.shard` (vocab-parallel embed
 row-parallel all-reduce, vocab-parallel logit gather).
 
 Supported ``model_type`` values: llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v3, gpt_oss, plus the families of :mod:`.variants` (gpt2,
-gpt_neox, falcon, bloom, olmo2, granite, stablelm, phi), which have their own tensor names.
+qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, gpt_oss, plus the families of :mod:`.variants`
+(gpt2, gpt_neox, falcon, bloom, olmo2, granite, stablelm, phi), which have their own tensor names.
 Tensor names are the on-disk checkpoint names.
 """
 
@@ -59,6 +59,7 @@ SUPPORTED = {
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
 }
@@ -162,6 +163,8 @@ class _Arch:
                 and (layer + 1) % int(c.get("decoder_sparse_step", 1)) == 0
             )
             return "qwen_moe" if sparse else "dense"
+        if self.model_type == "deepseek_v2":  # HF 5.24: every layer after the dense ones
+            return "dense" if layer < int(c.get("first_k_dense_replace", 0)) else "deepseek_moe"
         if self.model_type == "deepseek_v3":
             dense = layer < int(c.get("first_k_dense_replace", 0))
             dense = dense or layer % int(c.get("moe_layer_freq", 1)) != 0
@@ -219,7 +222,7 @@ def _describe(config: Mapping[str, Any]) -> _Arch:
         common["qk_norm"] = True
     elif mt == "gpt_oss":
         common["sinks"] = True
-    elif mt == "deepseek_v3":
+    elif mt in ("deepseek_v2", "deepseek_v3"):
         mla = _Mla(
             q_lora_rank=config.get("q_lora_rank"),
             kv_lora_rank=int(config["kv_lora_rank"]),
@@ -586,6 +589,15 @@ def _feed_forward(
         if kind == "qwen_moe":
             normalize = bool(c.get("norm_topk_prob", False))
             index, weight = ops.route_softmax_topk(logits, top_k, normalize)
+        elif arch.model_type == "deepseek_v2":
+            index, weight = ops.route_deepseek_v2(
+                logits,
+                top_k=top_k,
+                method=str(c.get("topk_method") or "greedy"),
+                n_group=int(c.get("n_group") or 1),
+                topk_group=int(c.get("topk_group") or 1),
+                scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            )
         else:
             index, weight = ops.route_deepseek(
                 logits,

@@ -226,6 +226,28 @@ def route_softmax_topk(logits: Array, top_k: int, normalize: bool) -> tuple[Arra
     return index, weight.astype(F32)
 
 
+def route_deepseek_v2(
+    logits: Array, *, top_k: int, method: str, n_group: int, topk_group: int,
+    scaling_factor: float,
+) -> tuple[Array, Array]:
+    """DeepSeek-V2 ``DeepseekV2TopkRouter``: softmax scores; ``greedy`` top-k, or
+    ``group_limited_greedy`` (groups ranked by their best score, experts outside the best
+    ``topk_group`` groups masked to 0.0); weights times ``scaling_factor``, not renormalised."""
+    scores = softmax(logits.astype(F32))
+    if method == "group_limited_greedy":
+        tokens, experts = scores.shape
+        group_scores = scores.reshape(tokens, n_group, experts // n_group).max(axis=-1)
+        best_groups = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+        group_mask = np.zeros_like(group_scores, dtype=bool)
+        np.put_along_axis(group_mask, best_groups, True, axis=-1)
+        scores = np.where(np.repeat(group_mask, experts // n_group, axis=-1), scores, F32(0.0))
+    elif method != "greedy":
+        raise NotImplementedError(f"topk_method {method!r}")
+    index = np.argsort(-scores, axis=-1, kind="stable")[:, :top_k]
+    weight = np.take_along_axis(scores, index, axis=-1)
+    return index, (weight * F32(scaling_factor)).astype(F32)
+
+
 def route_topk_softmax(logits: Array, top_k: int) -> tuple[Array, Array]:
     """gpt-oss: top-k of the raw logits, then softmax over the selected ones."""
     index = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]

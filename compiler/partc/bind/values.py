@@ -92,12 +92,14 @@ class Binder:
 
 
 def _lookup(data: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    """(True, value) when config.json has the key `dotted` (its value may be null), else
+    (False, None)."""
     node: Any = data
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
             return False, None
         node = node[part]
-    return node is not None, node
+    return True, node
 
 
 def _is_int(value: Any) -> bool:
@@ -215,9 +217,14 @@ def _read_field(binder: Binder, field: ConfigFieldDecl, values: dict[str, Value]
     """Set `values[field.name]` from config.json, or from a literal default; False when the
     field's default expression must be evaluated (after the fields it reads)."""
     config, family = binder.config, binder.family
+    given = False  # some source is a key of config.json, maybe null: no spelling check
     for source in field.sources:
         present, raw = _lookup(config.data, source)
-        if present:
+        given = given or present
+        if present and raw is None and field.nullable:
+            values[field.name] = None
+            return True
+        if present and raw is not None:
             converted = _check_type(field.type, raw)
             if converted is None:
                 raise SemanticError(
@@ -228,7 +235,7 @@ def _read_field(binder: Binder, field: ConfigFieldDecl, values: dict[str, Value]
             values[field.name] = converted
             return True
     defaulted = field.literal_default[0] or field.default is not None
-    meant = _meant_source(config.data, field) if defaulted else None
+    meant = _meant_source(config.data, field) if defaulted and not given else None
     if meant is not None:  # the default would hide a misspelt `from:`
         names = ", ".join(f"`{s}`" for s in field.sources)
         raise SemanticError(

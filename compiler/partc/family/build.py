@@ -363,10 +363,13 @@ def _config_field(builder: _Builder, name: str, spec: str | dict[str, Any]) -> C
         if ConfigType(spec["type"]) is not ConfigType.BOOL:
             builder.error(f"config field `{name}` probes the checkpoint with `present`, so "
                           f"its type must be bool, found {spec['type']}", ptr)
+        if spec.get("nullable", False):
+            builder.error(f"config field `{name}` probes the checkpoint with `present`, so it "
+                          "is true or false, never null; remove `nullable`", ptr)
     return ConfigFieldDecl(
         name=name, type=ConfigType(spec["type"]), default=default,
         sources=(sources,) if isinstance(sources, str) else tuple(sources), pointer=ptr,
-        present=present, literal_default=literal)
+        present=present, literal_default=literal, nullable=bool(spec.get("nullable", False)))
 
 
 def _graph_group(builder: _Builder, i: int, group: dict[str, Any],

@@ -93,6 +93,8 @@ class ConfigFieldDecl:
     """A bool field probing the checkpoint: true when it holds this tensor (None: no probe)."""
     literal_default: tuple[bool, Any] = (False, None)
     """(True, value) for a float default, which is kept as a value rather than an expression."""
+    nullable: bool = False
+    """Whether null in config.json is a value of the field (else null reads as a missing key)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

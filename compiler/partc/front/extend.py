@@ -4,7 +4,10 @@ The rule (also in the schema's description of `extends`):
 
 - `config` and `derived`: the child's entries are added, or replace the base's of the same name;
 - `parameters`: a child entry replaces the base's group of the same `name` in place, a new name
-  is appended, and `remove: [names]` drops base groups (an unknown name is an error);
+  is appended, and `remove: [names]` drops base groups (an unknown name is an error; a child
+  group of a removed name is then a new group, appended). A child entry with `patch: true`
+  changes only the keys it gives of the base's group of its `name` (each key replaced whole;
+  `null` deletes the key), keeping the rest;
 - `omit`: the child's globs are added after the base's;
 - every other key (`family`, `model_types`, `graph`, `static`, `boundary`, `policy`,
   `linear_formats`, ...) is the child's when it has one, else the base's.
@@ -77,6 +80,33 @@ def _group_name(entry: Any) -> Any:
     return entry.get("name") if isinstance(entry, dict) else None
 
 
+def _is_patch(entry: Any) -> bool:
+    return isinstance(entry, dict) and entry.get("patch") is True
+
+
+def _patched(merged: _Merged, base: RawDocument, i: int, child: RawDocument, j: int,
+             dst: str) -> dict[str, Any]:
+    """Base group `i` with the keys child entry `j` (`patch: true`) gives: each replaced
+    whole, or deleted when the child gives null; each key keeps its own file's positions."""
+    group: dict[str, Any] = dict(base.data["parameters"][i])
+    patch = child.data["parameters"][j]
+    merged.copy(base, join_pointer("/parameters", i), dst)
+    for key, value in patch.items():
+        if key == "patch":
+            continue
+        for table in (merged.locations, merged.notes, merged.verbatim):
+            prefix = join_pointer(dst, key)
+            for pointer in [p for p in table if p == prefix or p.startswith(prefix + "/")]:
+                del table[pointer]
+        if value is None:
+            group.pop(key, None)
+            continue
+        group[key] = value
+        merged.copy(child, join_pointer(join_pointer("/parameters", j), key),
+                    join_pointer(dst, key))
+    return group
+
+
 def _parameters(merged: _Merged, base: RawDocument, child: RawDocument) -> None:
     """Base groups, replaced by name or removed, then the child's new groups."""
     base_groups = base.data.get("parameters", [])
@@ -91,13 +121,24 @@ def _parameters(merged: _Merged, base: RawDocument, child: RawDocument) -> None:
                             location=child.locate(join_pointer("/remove", i)),
                             pointer=join_pointer("/remove", i))
     replacing = {_group_name(g): j for j, g in enumerate(child_groups)
-                 if _group_name(g) in names}
+                 if _group_name(g) in names and _group_name(g) not in removed}
+    for j, group in enumerate(child_groups):
+        if _is_patch(group) and _group_name(group) not in replacing:
+            pointer = join_pointer("/parameters", j)
+            why = ("which `remove` drops" if _group_name(group) in names else
+                   f"which base family `{base.data.get('family')}` does not declare")
+            raise LoadError(f"parameter group {_group_name(group)!r} has `patch: true`, so it "
+                            f"changes a base group, but it names one {why}; base groups: "
+                            f"{', '.join(str(n) for n in names if n not in removed)}",
+                            location=child.locate(pointer), pointer=pointer)
     out: list[Any] = []
     for i, (group, name) in enumerate(zip(base_groups, names, strict=True)):
         if name in removed:
             continue
         dst = join_pointer("/parameters", len(out))
-        if name in replacing:
+        if name in replacing and _is_patch(child_groups[replacing[name]]):
+            out.append(_patched(merged, base, i, child, replacing[name], dst))
+        elif name in replacing:
             j = replacing[name]
             out.append(child_groups[j])
             merged.copy(child, join_pointer("/parameters", j), dst)
@@ -162,6 +203,13 @@ def extended_document(document: RawDocument, sources: FamilySources,
             raise LoadError("`remove` drops parameter groups of a base family, so it needs "
                             "`extends`", location=document.locate("/remove"),
                             pointer="/remove")
+        groups = data.get("parameters") if isinstance(data, dict) else None
+        for j, group in enumerate(groups if isinstance(groups, list) else []):
+            if _is_patch(group):
+                pointer = join_pointer("/parameters", j)
+                raise LoadError(f"parameter group {_group_name(group)!r} has `patch: true`, "
+                                "which changes a group of a base family, so it needs `extends`",
+                                location=document.locate(pointer), pointer=pointer)
         return document, []
     spec = data["extends"]
     if not isinstance(spec, str) or not spec:
