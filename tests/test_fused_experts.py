@@ -18,7 +18,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.api import check_family
-from partc.plan.topology import Topology
 
 from support import ROOT, compile_and_import, compile_and_load, hf
 
