@@ -195,12 +195,35 @@ def test_and_or_short_circuit() -> None:
     ("-true", "unary `-` needs an integer, found bool (true)", 0),
     ("true + 3", "`+` needs integers, found bool (true) and int (3)", 5),
     ("'a' + 'b'", "`+` needs integers, found str ('a') and str ('b')", 4),
-    ("[1] * 2", "`*` needs integers, found list ([1]) and int (2)", 4),
+    ("[1] - [2]", "`-` needs integers, found list ([1]) and list ([2])", 4),
+    ("[1] * true", "`*` needs integers, found list ([1]) and bool (true)", 4),
+    ("[1] + 2", "`+` needs integers, found list ([1]) and int (2)", 4),
     ("null - 1", "`-` needs integers, found null and int (1)", 5),
 ])
 def test_operators_reject_operands_of_the_wrong_type(text: str, message: str, offset: int) -> None:
     error = fails(text)
     assert (error.message, error.offset, error.expression) == (message, offset, text)
+
+
+def test_a_list_times_an_integer_repeats_it_and_plus_concatenates_lists() -> None:
+    assert ev("[ffn, ffn] * experts", ffn=8, experts=3) == (8,) * 6
+    assert ev("experts * [ffn]", ffn=8, experts=2) == (8, 8)
+    assert ev("[q] + [kv] * 2 + []", q=64, kv=16) == (64, 16, 16)
+    assert ev("[1] * 0") == ()
+    assert ev("len([1, 2] * 3) == 6") is True
+
+
+@pytest.mark.parametrize(("text", "message", "offset"), [
+    ("[1] * -1", "a list can be repeated 0 or more times, found -1 in `[1] * -1`", 4),
+    ("[1, 2] * 40000", "`[1, 2] * 40000` would build a list of 80000 elements (nested lists "
+                       "counted whole); partc accepts at most 65536", 7),
+    ("[1] * 65536 + [2]", "`[1] * 65536 + [2]` would build a list of 65537 elements", 12),
+    ("[[0] * 65536] * 2", "`[[0] * 65536] * 2` would build a list of 131074 elements", 14),
+])
+def test_list_repetition_is_bounded_so_a_family_cannot_exhaust_memory(
+        text: str, message: str, offset: int) -> None:
+    error = fails(text)
+    assert error.message.startswith(message) and error.offset == offset, error.message
 
 
 # ---------------------------------------------------------------- indexing and functions

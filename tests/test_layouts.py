@@ -285,6 +285,41 @@ WRONG = [
     ("a per_head layout without heads", "gpt_neox", "gpt_neox.yaml",
      [("      heads: [num_attention_heads]\n", "")], 2, "check",
      "expected its head count (e.g. `heads: num_attention_heads`), found none"),
+    # DBRX's fused experts [E * I, H]: w2 split as one range cuts whole experts
+    ("dbrx fused-expert w2 split as whole experts", "dbrx", "dbrx.yaml",
+     [('        shape: [moe_num_experts * ffn_hidden_size, hidden_size]\n        sharding:\n'
+       '          partitioned_segments: {axis: 0, segments: "[ffn_hidden_size] * '
+       'moe_num_experts"}\n\n',
+       '        shape: [moe_num_experts * ffn_hidden_size, hidden_size]\n'
+       '        sharding: {partitioned: 0}\n\n')], 2, "check",
+     "`transformer.blocks.0.ffn.experts.mlp.w2` is partitioned(axis 0) along the expert axis 0, "
+     "which holds 4 experts of 32 rows: its cuts would give a tensor-parallel rank a range of "
+     "whole experts instead of the same rows inside every expert"),
+    ("dbrx fused experts split as one segment per component", "dbrx", "dbrx.yaml",
+     [('"[ffn_hidden_size] * moe_num_experts"}\n      - target: "transformer.blocks.{unit}.ffn.'
+       'experts.mlp.v1"', '[moe_num_experts * ffn_hidden_size]}\n      - target: '
+       '"transformer.blocks.{unit}.ffn.experts.mlp.v1"')], 2, "check",
+     "`transformer.blocks.0.ffn.experts.mlp.w1` is partitioned_segments(axis 0, segments [128]) "
+     "along the expert axis 0"),
+    # CodeGen's qkv_proj: mp_num groups of [q | v | k]
+    ("codegen grouped qkv declared component-major [q | v | k]", "codegen", "codegen.yaml",
+     [("      layout: grouped                   # mp_num groups of [q_g | v_g | k_g], "
+       "docs/layouts.md\n      groups: mp_num\n", ""),
+      ("      segments: [hidden_size // mp_num, hidden_size // mp_num, hidden_size // mp_num]",
+       "      segments: [hidden_size, hidden_size, hidden_size]"),
+      ("      heads: [num_attention_heads]\n",
+       "      heads: [num_attention_heads, num_attention_heads, num_attention_heads]\n")], 2,
+     "verify",
+     ("transformer.h.0.attn", "layers.0.attention", 0)),
+    # at T = 2 and 4 a rank's rows are whole mp_num groups either way: T = 8 tells them apart
+    ("codegen grouped qkv declared with one group per head", "codegen", "codegen.yaml",
+     [("      groups: mp_num\n", "      groups: num_attention_heads\n"),
+      ("      segments: [hidden_size // mp_num, hidden_size // mp_num, hidden_size // mp_num]",
+       "      segments: [head_dim, head_dim, head_dim]")], 8, "verify",
+     ("transformer.h.0.attn", "layers.0.attention", 0)),
+    ("codegen grouped layout without its group count", "codegen", "codegen.yaml",
+     [("      groups: mp_num\n", "")], 2, "check",
+     "layout `grouped` needs `groups:`, the group count of the fused rows"),
     ("a grouped layout whose query heads do not fill the KV groups", "falcon", "falcon.yaml",
      [("        - num_attention_heads\n", "        - 3\n")], 2, "check",
      "does not hold a whole number of heads in each of the 2 KV groups"),

@@ -20,7 +20,7 @@ from partc.bind.values import Binder, Value, default_dtype, read_config_values, 
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind, ReplicatedShardingDecl
 from partc.family.expr import Expression
-from partc.family.expr_values import format_value
+from partc.family.expr_values import MAX_LIST_LENGTH, format_value
 from partc.front.positions import join_pointer
 from partc.parallel.experts import ExpertGroup
 from partc.parallel.formats import LinearFormat
@@ -217,7 +217,8 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
             units_label=label, linear=fused.linear,
             fused_heads=_heads(binder, fused, env),
             output_heads=out_heads[0] if out_heads else None, layout=fused.layout,
-            orientation=fused.orientation, output_orientation=out_decl.orientation)
+            orientation=fused.orientation, output_orientation=out_decl.orientation,
+            fused_groups=_fused_groups(binder, fused, env))
         if not out_decl.linear:
             group = replace(group, members=tuple(
                 replace(m, linear=None) if m.target.startswith(out_name + ".") else m
@@ -360,7 +361,7 @@ def _values(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], dtype: st
             params = _params(binder, m, env, dtype)
             layout.append((m, tuple(params)))
             values.append((tuple(params.items()), _segments(binder, m.segments, env, m.pointer),
-                           _heads(binder, m, env)))
+                           _heads(binder, m, env), _fused_groups(binder, m, env)))
     return tuple(values), tuple(layout)
 
 
@@ -386,8 +387,31 @@ def _targets(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], layout: 
 
 def _segments(binder: Binder, segments: tuple[Expression, ...], env: Mapping[str, Value],
               pointer: str) -> tuple[int, ...]:
-    """Evaluated segment widths (as `_member_sharding` and fused projections read them)."""
-    return tuple(binder.integer(s, env, pointer, "a segment width", minimum=1) for s in segments)
+    """Evaluated segment widths (as `_member_sharding` and fused projections read them): an
+    entry that evaluates to a list (`[ffn_hidden_size] * moe_num_experts`) gives its widths in
+    place; at most MAX_LIST_LENGTH widths in all."""
+    widths: list[int] = []
+    for expr in segments:
+        value = binder.evaluate(expr, env, pointer)
+        items = value if isinstance(value, tuple) else (value,)
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+                raise binder.fail(f"a segment width `{expr.text}` must be a positive integer"
+                                  f"{' or a list of them' if isinstance(value, tuple) else ''}, "
+                                  f"found {format_value(item)}", pointer)
+            widths.append(item)
+        if len(widths) > MAX_LIST_LENGTH:
+            raise binder.fail(f"the segments give {len(widths)} widths; partc accepts at most "
+                              f"{MAX_LIST_LENGTH}", pointer)
+    return tuple(widths)
+
+
+def _fused_groups(binder: Binder, decl: ModuleDecl, env: Mapping[str, Value]) -> int | None:
+    """The group count of a `grouped` fused layout (`groups:`), None when not declared."""
+    if decl.groups is None:
+        return None
+    return binder.integer(decl.groups, env, join_pointer(decl.pointer, "groups"), "`groups`",
+                          minimum=1)
 
 
 def _heads(binder: Binder, decl: ParamDecl | ModuleDecl, env: Mapping[str, Value]
@@ -535,7 +559,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
                 expert = env[EXPERT_VARIABLE] if decl.expert_loop else None
                 experts.append((name, ExpertGroup(
                     expert=expert if isinstance(expert, int) else None,
-                    axis=decl.expert_axis)))
+                    axis=decl.expert_axis, count=_expert_count(binder, decl, env, spec))))
             owned.append(OwnedParameterGroupSpec(group=spec, owner=_owner(binder, decl, env,
                                                                          unit)))
     if progress is not None:
@@ -568,6 +592,46 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         group_weights=weights, group_modes=tuple((n.name, n.parallel) for n in family.graph
                                                  if n.parallel is not None),
         experts=tuple(experts))
+
+
+def _expert_count(binder: Binder, decl: GroupDecl, env: Mapping[str, Value],
+                  group: ParameterGroupSpec) -> int | None:
+    """`experts: {count: ...}` of a stacked group, checked against its members: the count
+    divides the expert axis of every member, and a member split along that axis cuts the
+    same rows inside every expert block, never a range of whole experts."""
+    if decl.expert_count is None or decl.expert_axis is None:
+        return None
+    axis = decl.expert_axis
+    pointer = join_pointer(join_pointer(decl.pointer, "experts"), "count")
+    count = binder.integer(decl.expert_count, env, pointer, "`experts: {count: ...}`",
+                           minimum=1)
+    for member in group.members:
+        if axis >= len(member.shape):
+            raise binder.fail(f"`{member.target}` has shape {list(member.shape)}, without the "
+                              f"expert axis {axis}", pointer, tensor=member.target)
+        length = member.shape[axis]
+        if length % count:
+            raise binder.fail(
+                f"`experts: {{count: {decl.expert_count.text}}}` ({count}) does not divide axis "
+                f"{axis} of `{member.target}` ({length} rows); every expert must be a block of "
+                "the same whole number of rows", pointer, tensor=member.target)
+        rows = length // count
+        rule = member.sharding
+        if rows == 1 or count == 1 or isinstance(rule, ReplicatedSharding) or rule.axis != axis:
+            continue
+        inside = False
+        if rule.segments and rule.groups == 1:
+            bounds = set(itertools.accumulate(rule.segments))
+            inside = all(k * rows in bounds for k in range(1, count))
+        if not inside:
+            raise binder.fail(
+                f"`{member.target}` is {rule.describe()} along the expert axis {axis}, which "
+                f"holds {count} experts of {rows} rows: its cuts would give a tensor-parallel "
+                "rank a range of whole experts instead of the same rows inside every expert; "
+                f"split each expert on its own, e.g. `partitioned_segments: {{axis: {axis}, "
+                f"segments: \"[{rows}] * {count}\"}}`", join_pointer(decl.pointer, "experts"),
+                tensor=member.target)
+    return count
 
 
 def _check_omit(binder: Binder, targets: tuple[str, ...]) -> None:

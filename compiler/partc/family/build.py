@@ -97,17 +97,26 @@ class _Builder:
             return None
 
 
+def _segment_entries(value: Any, pointer: str) -> list[tuple[Any, str]]:
+    """(expression, pointer) of each `segments:` entry: a list of them, or one expression
+    that evaluates to the whole list (`"[ffn_hidden_size] * moe_num_experts"`)."""
+    if isinstance(value, list):
+        return [(seg, join_pointer(pointer, i)) for i, seg in enumerate(value)]
+    return [(value, pointer)]
+
+
 def _sharding(builder: _Builder, value: Any, pointer: str) -> ShardingDecl:
     """A member rule as declared: `replicated` (or none), `{kind: AXIS}`, or
-    `{kind: {axis: AXIS, segments: [...]}}` (the schema has checked which kind takes which)."""
+    `{kind: {axis: AXIS, segments: [...] or an expression}}` (the schema has checked which
+    kind takes which)."""
     if value in (None, "replicated"):
         return ReplicatedShardingDecl()
     (kind, arg), = value.items()
     if isinstance(arg, dict):
         segments = []
-        for i, seg in enumerate(arg["segments"]):
-            parsed = builder.expression(seg, join_pointer(join_pointer(
-                join_pointer(pointer, kind), "segments"), i))
+        for seg, seg_pointer in _segment_entries(arg["segments"], join_pointer(
+                join_pointer(pointer, kind), "segments")):
+            parsed = builder.expression(seg, seg_pointer)
             if parsed is not None:
                 segments.append(parsed)
         return SEGMENTS_SHARDING_DECLS[MemberShardingKind(kind)](axis=int(arg["axis"]),
@@ -151,18 +160,22 @@ def _module(builder: _Builder, data: dict[str, Any], pointer: str,
     params = _params(builder, data["params"], join_pointer(pointer, "params"))
     segments: list[Expression] = []
     if segments_key:
-        for i, seg in enumerate(data[segments_key]):
-            parsed = builder.expression(seg, join_pointer(join_pointer(pointer, segments_key), i))
+        for seg, seg_pointer in _segment_entries(data[segments_key],
+                                                 join_pointer(pointer, segments_key)):
+            parsed = builder.expression(seg, seg_pointer)
             if parsed is not None:
                 segments.append(parsed)
     when = (builder.expression(data["when"], join_pointer(pointer, "when"))
             if "when" in data else None)
     heads = _heads(builder, data.get("heads"), join_pointer(pointer, "heads"))
+    groups = (builder.expression(data["groups"], join_pointer(pointer, "groups"))
+              if "groups" in data else None)
     if module is None:
         return None
     return ModuleDecl(module=module, params=params, sharding=sharding, segments=tuple(segments),
                       when=when, linear=bool(data.get("linear", True)), pointer=pointer,
                       heads=heads, layout=FusedLayout(data.get("layout", "component_major")),
+                      groups=groups,
                       orientation=LinearWeightLayout(data.get("orientation", "out_in")),
                       tp_reduction=data.get("reduction") == "tensor_parallel")
 
@@ -328,7 +341,10 @@ def _group(builder: _Builder, data: dict[str, Any], pointer: str) -> GroupDecl |
         units=units, units_text=str(data.get("units", "")),
         policy=ShardingPolicy(data["policy"]) if "policy" in data else None,
         kv_replication=bool(data.get("kv_replication", False)), form=form, pointer=pointer,
-        expert_axis=data["experts"]["axis"] if "experts" in data else None, **fields)
+        expert_axis=data["experts"]["axis"] if "experts" in data else None,
+        expert_count=builder.expression(data["experts"]["count"], join_pointer(
+            join_pointer(pointer, "experts"), "count"))
+        if "count" in data.get("experts", {}) else None, **fields)
 
 
 def _default(builder: _Builder, spec: dict[str, Any], pointer: str

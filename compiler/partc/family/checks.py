@@ -33,7 +33,11 @@ from partc.family.expr import Expression, Template
 from partc.family.expr_parse import Node, parse_tree
 from partc.front.positions import join_pointer
 from partc.parallel.layout import ParameterRole
-from partc.parallel.specs import LinearWeightLayout, ProjectionSharding
+from partc.parallel.specs import (
+    FusedLayout,
+    LinearWeightLayout,
+    ProjectionSharding,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +438,8 @@ def _group_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
                            "the group name")
     yield from known.names(group.when, inner, join_pointer(group.pointer, "when"), "`when`")
     yield from known.names(group.units, inner, join_pointer(group.pointer, "units"), "`units`")
+    yield from known.names(group.expert_count, inner, join_pointer(join_pointer(
+        group.pointer, "experts"), "count"), "`experts: {count: ...}`")
 
 
 def _modules(group: GroupDecl) -> list[ModuleDecl]:
@@ -453,6 +459,8 @@ def _module_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
         for heads in module.heads:
             yield from known.names(heads, scope, join_pointer(module.pointer, "heads"),
                                    "`heads`")
+        yield from known.names(module.groups, scope, join_pointer(module.pointer, "groups"),
+                               "`groups`")
 
 
 def _param_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
@@ -787,12 +795,26 @@ def _rule_text(rule: ShardingDecl | None) -> str:
 GroupCheck = Callable[[_Known, GroupDecl], Iterator[PartcError]]
 """A check of one parameter group."""
 
+def _groups_with_grouped_layout(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """`groups:` belongs to the `grouped` fused layout, and that layout needs it."""
+    for module in group.projections:
+        grouped = module.layout is FusedLayout.GROUPED
+        if grouped and module.groups is None:
+            yield known.error("layout `grouped` needs `groups:`, the group count of the fused "
+                              "rows (CodeGen: `mp_num`)", join_pointer(module.pointer, "layout"))
+        elif module.groups is not None and not grouped:
+            yield known.error(f"`groups:` is the group count of layout `grouped`, but this "
+                              f"fused projection has layout `{module.layout.value}`",
+                              join_pointer(module.pointer, "groups"))
+
+
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
     _param_names, _units_where_partitioned, _attention_heads_stated,
     _experts_declared_once, _experts_numbered_by_loop, _replicated_splits_nothing,
     _vocabulary_splits_rows,
-    _stated_heads_are_split, _units_axes_split, _biases_follow_weights)
+    _stated_heads_are_split, _units_axes_split, _biases_follow_weights,
+    _groups_with_grouped_layout)
 """Every check of a parameter group, in the order their errors are yielded."""
 
 

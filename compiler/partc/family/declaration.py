@@ -303,6 +303,8 @@ class ModuleDecl:
     """`heads:` hint: head count of the split axis (one per segment for a fused projection)."""
     layout: FusedLayout = FusedLayout.COMPONENT_MAJOR
     """Row order of a fused projection's segments (`layout:`)."""
+    groups: Expression | None = None
+    """`groups:` the group count of a `grouped` fused layout (None otherwise)."""
     orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN
     """How the weight stores its matrix axes (`orientation: in_out`: a GPT-2 Conv1D)."""
     tp_reduction: bool = False
@@ -346,6 +348,9 @@ class GroupDecl:
     expert_axis: int | None = None
     """`experts: {axis: N}`: the group stacks every routed expert along axis N of each member
     (None: not stacked; a per-expert group instead has the loop variable `expert`)."""
+    expert_count: Expression | None = None
+    """`experts: {count: ...}`: the experts the expert axis holds, each a block of
+    `axis length / count` rows (`[E * I, H]`); None: one row (or slice) per expert."""
 
     @property
     def expert_loop(self) -> bool:

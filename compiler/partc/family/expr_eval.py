@@ -17,6 +17,7 @@ from partc.errors import ExpressionError
 from partc.family.expr_parse import Node
 from partc.family.expr_values import (
     INT_BOUND,
+    MAX_LIST_LENGTH,
     BadValue,
     Value,
     coerce,
@@ -101,6 +102,9 @@ def _arith(node: Node, ctx: _Context) -> Value:
     acc = _eval(node.children[0], ctx)
     for (op, offset), kid in zip(node.ops, node.children[1:], strict=True):
         rhs = _eval(kid, ctx)
+        if _is_list_op(op, acc, rhs):
+            acc = _list_op(ctx, op, offset, acc, rhs, ctx.text[node.start:kid.end])
+            continue
         if not (is_number(acc) and is_number(rhs)) or (
                 op in ("//", "%") and not (is_int(acc) and is_int(rhs))):
             floated = isinstance(acc, Fraction) or isinstance(rhs, Fraction)
@@ -115,6 +119,39 @@ def _arith(node: Node, ctx: _Context) -> Value:
         if not -INT_BOUND < acc < INT_BOUND:
             ctx.fail(f"integer overflow: `{source}` = {format_value(acc)} exceeds 2**63", offset)
     return acc
+
+
+def _is_list_op(op: str, a: Value, b: Value) -> bool:
+    """`list + list` (concatenation) or `list * int` / `int * list` (repetition)."""
+    if op == "+":
+        return isinstance(a, tuple) and isinstance(b, tuple)
+    return op == "*" and ((isinstance(a, tuple) and is_int(b))
+                          or (is_int(a) and isinstance(b, tuple)))
+
+
+def _list_op(ctx: _Context, op: str, offset: int, a: Value, b: Value, source: str) -> Value:
+    """The concatenation or repetition of lists, refused beyond MAX_LIST_LENGTH elements."""
+    parts: tuple[tuple[Value, ...], ...]
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        parts, times = (a, b), 1
+    else:
+        items, count = (a, b) if isinstance(a, tuple) else (b, a)
+        assert isinstance(items, tuple) and isinstance(count, int)
+        if count < 0:
+            ctx.fail(f"a list can be repeated 0 or more times, found {count} in `{source}`",
+                     offset)
+        parts, times = (items,), count
+    length = sum(_elements(part) for part in parts) * times
+    if length > MAX_LIST_LENGTH:
+        ctx.fail(f"`{source}` would build a list of {length} elements (nested lists counted "
+                 f"whole); partc accepts at most {MAX_LIST_LENGTH}", offset)
+    return tuple(item for _ in range(times) for part in parts for item in part)
+
+
+def _elements(value: tuple[Value, ...]) -> int:
+    """The elements of a list, those of nested lists included (each operand of a list
+    operation is a literal or an earlier bounded result, so this stays cheap)."""
+    return sum(1 + (_elements(item) if isinstance(item, tuple) else 0) for item in value)
 
 
 def _bool_chain(node: Node, ctx: _Context) -> Value:

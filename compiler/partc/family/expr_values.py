@@ -20,6 +20,9 @@ MAX_DEPTH = 64
 """Deepest nesting of parentheses, brackets, calls and operators accepted."""
 INT_BOUND = 2**63
 """Every integer, literal or intermediate, must satisfy |v| < INT_BOUND."""
+MAX_LIST_LENGTH = 65536
+"""Most elements a list built by repetition (`[w] * n`) or concatenation (`a + b`) may hold,
+so that a hostile family cannot exhaust memory with a short expression."""
 
 
 def fail(text: str, message: str, offset: int) -> NoReturn:

@@ -185,8 +185,18 @@ class ExpertGroup:
     """The global expert id of a per-expert group (`for: {expert: ...}`)."""
     axis: int | None = None
     """The expert axis of a stacked group (`experts: {axis: ...}`)."""
+    count: int | None = None
+    """The experts a stacked group's expert axis holds, each a block of `length / count` rows
+    (`experts: {count: ...}`, DBRX `[E * I, H]`); None: one row per expert."""
 
     def __post_init__(self) -> None:
         if (self.expert is None) == (self.axis is None):
             raise ExpertParallelError("an expert group is either one expert (an id) or stacked (an "
                                       f"axis), found expert {self.expert} and axis {self.axis}")
+        if self.count is not None and (self.axis is None or self.count < 1):
+            raise ExpertParallelError(f"an expert count ({self.count}) belongs to a stacked "
+                                      "group and must be positive")
+
+    def rows_per_expert(self, length: int) -> int:
+        """The rows of one expert on an expert axis of `length` rows."""
+        return 1 if self.count is None else length // self.count

@@ -85,6 +85,9 @@ class FusedLayout(enum.Enum):
     """`[h0: c0 c1 ... | h1: ...]`: every head holds its slice of each segment (GPT-NeoX, BLOOM)."""
     GROUPED_PER_KV = "grouped_per_kv"
     """`[g0: q.. k v | g1: ...]`: per KV group its query heads, its k and its v (Falcon)."""
+    GROUPED = "grouped"
+    """`[g0: c0 c1 ... | g1: ...]` over a group count of its own (`groups:`), the components in
+    their stored order inside each group (CodeGen `qkv_proj`: `mp_num` groups of `[q v k]`)."""
 
 
 class MemberShardingKind(enum.Enum):
@@ -603,8 +606,28 @@ def _companion_segments(group: str, target: str, segments: tuple[int, ...],
         target=target)
 
 
+def _grouped(name: str, segments: tuple[int, ...], heads: tuple[int, ...], groups: int | None
+             ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(global widths, heads, groups) of a `grouped` fused layout: `groups` blocks, each
+    holding every segment's per-group width in order, and a whole number of each segment's
+    heads when heads are given."""
+    if groups is None or not is_count(groups) or groups < 1:
+        raise invalid_group(f"group `{name}`: a grouped fused projection needs `groups:`, a "
+                             f"positive group count, found {groups}", group=name)
+    if heads and len(heads) != len(segments):
+        heads = (heads[0],) * len(segments) if len(heads) == 1 else heads
+    for seg, count in zip(segments, heads, strict=True):
+        if count % groups or seg % (count // groups):
+            raise invalid_group(
+                f"group `{name}`: grouped segment of {seg} rows per group with {count} heads "
+                f"does not hold a whole number of heads in each of the {groups} groups "
+                f"(heads {list(heads)}, segments per group {list(segments)})", group=name)
+    return tuple(s * groups for s in segments), heads, groups
+
+
 def _interleaved(name: str, layout: FusedLayout, segments: tuple[int, ...],
-                 heads: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+                 heads: tuple[int, ...], groups: int | None = None
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(global segment widths, heads per segment, interleaved groups) of a fused layout.
 
     Component-major segments are the global widths. Per-head and grouped segments are the
@@ -614,6 +637,8 @@ def _interleaved(name: str, layout: FusedLayout, segments: tuple[int, ...],
     """
     if layout is FusedLayout.COMPONENT_MAJOR:
         return segments, heads, 1
+    if layout is FusedLayout.GROUPED:
+        return _grouped(name, segments, heads, groups)
     if not heads:
         raise invalid_group(f"group `{name}`: a {layout.value} fused projection needs `heads:` "
                              "(the head count of each segment) to know its row order",
@@ -648,6 +673,7 @@ def segmented_projection_group(
     layout: FusedLayout = FusedLayout.COMPONENT_MAJOR,
     orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN,
     output_orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN,
+    fused_groups: int | None = None,
 ) -> ParameterGroupSpec:
     """A fused column projection (`qkv_proj`, `gate_up_proj`) and its row output.
 
@@ -662,11 +688,13 @@ def segmented_projection_group(
     if not segments or any(not is_count(s) or s <= 0 for s in segments):
         raise invalid_group(f"group `{name}`: segments must be positive widths, found "
                              f"{list(segments)}", group=name)
-    if fused_heads and len(fused_heads) != len(segments) and layout is not FusedLayout.PER_HEAD:
+    if fused_heads and len(fused_heads) != len(segments) and layout is not FusedLayout.PER_HEAD \
+            and not (layout is FusedLayout.GROUPED and len(fused_heads) == 1):
         raise invalid_group(f"group `{name}`: {len(fused_heads)} head counts "
                              f"{list(fused_heads)} for {len(segments)} segments; give one per "
                              "segment", group=name)
-    segments, heads, groups = _interleaved(name, layout, segments, tuple(fused_heads))
+    segments, heads, groups = _interleaved(name, layout, segments, tuple(fused_heads),
+                                           fused_groups)
     members: list[ParameterMemberSpec] = []
     for param, shape in fused_params.items():
         shape = tuple(shape)

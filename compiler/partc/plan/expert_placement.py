@@ -59,8 +59,12 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
                            explicit=True)
 
 
-def expert_axis_problem(group: ParameterGroupSpec, axis: int) -> str | None:
-    """Why stacked group `group` cannot be split on its expert axis `axis` (None: it can)."""
+def expert_axis_problem(group: ParameterGroupSpec, axis: int, count: int | None = None
+                        ) -> str | None:
+    """Why stacked group `group` cannot be split on its expert axis `axis` (None: it can);
+    `count` experts on that axis (None: one per row)."""
+    if count is not None:
+        return None  # the binder checked that `count` divides every member's axis
     counts = {m.shape[axis] if axis < len(m.shape) else None for m in group.members}
     if None in counts:
         short = next(m for m in group.members if axis >= len(m.shape))
@@ -72,10 +76,11 @@ def expert_axis_problem(group: ParameterGroupSpec, axis: int) -> str | None:
     return None
 
 
-def stacked_expert_layouts(group: ParameterGroupSpec, axis: int, experts: Sequence[int]
-                           ) -> tuple[LocalTensorLayout, ...]:
+def stacked_expert_layouts(group: ParameterGroupSpec, axis: int, experts: Sequence[int],
+                           count: int | None = None) -> tuple[LocalTensorLayout, ...]:
     """The layouts of stacked group `group` on an EP rank holding `experts` (ascending ids):
-    the rows of those experts along `axis`, every other axis whole."""
+    the rows of those experts along `axis` (each a block of `length / count` rows when the axis
+    holds `count` experts), every other axis whole."""
     ranges: list[tuple[int, int]] = []
     for expert in experts:
         if ranges and ranges[-1][1] == expert:
@@ -84,13 +89,14 @@ def stacked_expert_layouts(group: ParameterGroupSpec, axis: int, experts: Sequen
             ranges.append((expert, expert + 1))
     layouts = []
     for member in group.members:
+        rows = 1 if count is None else member.shape[axis] // count
         placement: TensorPlacement
         if len(ranges) == 1:
-            placement = Range(axis=axis, start=ranges[0][0], end=ranges[0][1])
+            placement = Range(axis=axis, start=ranges[0][0] * rows, end=ranges[0][1] * rows)
         else:
-            placement = Indices(axis=axis, ranges=tuple(ranges))
+            placement = Indices(axis=axis, ranges=tuple((a * rows, b * rows) for a, b in ranges))
         local = list(member.shape)
-        local[axis] = len(experts)
+        local[axis] = len(experts) * rows
         layouts.append(LocalTensorLayout(
             target=member.target, logical_name=group.name, role=group.role, dtype=member.dtype,
             global_shape=member.shape, local_shape=tuple(local), placement=placement))
@@ -168,12 +174,13 @@ def model_expert_count(bound: BoundArchitecture) -> int:
         if role.axis is None:
             continue
         group = groups[name]
-        problem = expert_axis_problem(group, role.axis)
+        problem = expert_axis_problem(group, role.axis, role.count)
         if problem is not None:
             raise ExpertParallelError(
                 f"stacked expert group `{name}` (experts: {{axis: {role.axis}}}): "
                 f"{problem}", tensor=group.members[0].target)
-        counts.setdefault(group.members[0].shape[role.axis], f"stacked group `{name}`")
+        counts.setdefault(role.count or group.members[0].shape[role.axis],
+                          f"stacked group `{name}`")
     if len(counts) > 1:
         raise ExpertParallelError(
             "the routed-expert groups disagree on the expert count: "
@@ -221,12 +228,13 @@ def stacked_template(group: ParameterGroupSpec, role: ExpertGroup, plan: ExpertP
                      ) -> tuple[tuple[LocalTensorLayout, ...], ...]:
     """One row per stage-local rank: the rows of the rank's experts along the expert axis."""
     assert role.axis is not None
-    key = ("stacked", role.axis, group.role,
+    key = ("stacked", role.axis, role.count, group.role,
            tuple((m.dtype, m.shape) for m in group.members), plan.placement.slots,
            plan.expert_tensor_parallel_size)
     template = realized.get(key)
     if template is None:
-        per_ep = [stacked_expert_layouts(group, role.axis, ids) for ids in plan.placement.slots]
+        per_ep = [stacked_expert_layouts(group, role.axis, ids, role.count)
+                  for ids in plan.placement.slots]
         stage = plan.shape(1)
         template = realized[key] = tuple(per_ep[stage.coordinates(r).expert_parallel_rank]
                                          for r in range(plan.ranks_per_stage))
