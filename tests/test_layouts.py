@@ -228,6 +228,15 @@ OLMO_Q_NORM = '''      - module: "model.layers.{unit}.self_attn.q_norm"
 
 # (case, fixture, family file, [(text, replacement)], T, refused by, expected): "check" cases
 # assert the static message; "verify" cases the failing module, group and rank.
+MAMBA_SEGMENTS = ("{partitioned_segments: {axis: 0, segments: [intermediate_size, "
+                  "intermediate_size]}}")
+MAMBA_IN_PROJ = ('      - target: "backbone.layers.{unit}.mixer.in_proj.weight"\n'
+                 "        shape: [2 * intermediate_size, hidden_size]\n"
+                 f"        sharding: {MAMBA_SEGMENTS}\n")
+MAMBA_IN_BIAS = ('      - target: "backbone.layers.{unit}.mixer.in_proj.bias"\n'
+                 "        shape: [2 * intermediate_size]\n"
+                 f"        sharding: {MAMBA_SEGMENTS}\n")
+MAMBA_X_PROJ = "        sharding: {partitioned: 1}\n        reduction: output\n"
 WRONG = [
     ("gpt_neox per-head qkv declared component-major", "gpt_neox", "gpt_neox.yaml",
      [(NEOX_PER_HEAD, NEOX_COMPONENT_MAJOR)], 2, "verify",
@@ -278,6 +287,25 @@ WRONG = [
      [('self_attn.o_proj"\n        sharding: row\n',
        'self_attn.o_proj"\n        sharding: row\n        reduction: tensor_parallel\n')], 2,
      "check", "so its sharding must be column, found row"),
+    ("mamba in_proj [x | z] split as one contiguous block", "mamba", "mamba.yaml",
+     [(MAMBA_IN_PROJ, MAMBA_IN_PROJ.replace(MAMBA_SEGMENTS, "{partitioned: 0}")),
+      (MAMBA_IN_BIAS, MAMBA_IN_BIAS.replace(MAMBA_SEGMENTS, "{partitioned: 0}"))], 2, "verify",
+     ("backbone.layers.0.mixer", "layers.0.mixer", 0)),
+    ("mamba x_proj declared column", "mamba", "mamba.yaml",
+     [(MAMBA_X_PROJ, "        sharding: {partitioned: 0}\n")], 2, "check",
+     "axis 0 of `backbone.layers.0.mixer.x_proj.weight` has 36 elements, which cannot be cut "
+     "into the group's 128 partition units (intermediate_size)"),
+    ("mamba x_proj split by row without its in-module reduction", "mamba", "mamba.yaml",
+     [(MAMBA_X_PROJ, "        sharding: {partitioned: 1}\n")], 2, "verify",
+     ("backbone.layers.0.mixer", "layers.0.mixer", 0)),
+    ("a reduction of the output on a column projection", "olmo2", "olmo2.yaml",
+     [('self_attn.v_proj"\n        sharding: column\n',
+       'self_attn.v_proj"\n        sharding: column\n        reduction: output\n')], 2,
+     "check", "so its sharding must be row, found column"),
+    ("a reduction of the output on a replicated member", "mamba", "mamba.yaml",
+     [(MAMBA_X_PROJ, "        sharding: replicated\n        reduction: output\n")], 2,
+     "check", "so it must be split by the group's units (`partitioned` or "
+     "`partitioned_segments`), found \"replicated\""),
     ("a per_head layout whose segments have different head counts", "gpt_neox",
      "gpt_neox.yaml", [("      heads: [num_attention_heads]\n",
                         "      heads: [num_attention_heads, num_attention_heads, 2]\n")], 2,

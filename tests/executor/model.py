@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ops, variants
+from . import ops, ssm, variants
 from .quant import dequantize
 from .shard import (
     RankShard,
@@ -84,6 +84,8 @@ class Result:
     layer_inputs: list[Array] = field(default_factory=list)
     layer_outputs: list[Array] = field(default_factory=list)
     normed: Array | None = None
+    states: list[Any] = field(default_factory=list)
+    """State-space families: per layer run, each rank's runtime state (``ssm.RankState``)."""
 
 
 @dataclass
@@ -295,6 +297,14 @@ def forward_tensor_parallel(
             layer_outputs=done.layer_outputs,
             normed=done.normed,
         )
+    if config["model_type"] in ssm.SUPPORTED:
+        if rope is not None:
+            raise NotImplementedError("rope tables for a state-space family")
+        hidden_f32 = None if hidden_in is None else np.asarray(hidden_in, dtype=F32)
+        passed = ssm.run(config, ranks, input_ids, layers, hidden_f32)
+        return Result(logits=passed.logits, hidden=passed.hidden, layers=layers,
+                      layer_inputs=passed.layer_inputs, layer_outputs=passed.layer_outputs,
+                      normed=passed.normed, states=passed.states)
     arch = _describe(config)
     expert_ranks = ranks  # routed experts: every rank; dense parts: those not experts_only
     ranks = [rank for rank in ranks if not rank.experts_only]
@@ -319,6 +329,8 @@ def forward_tensor_parallel(
 
 
 def _n_layers(config: Mapping[str, Any]) -> int:
+    if config["model_type"] in ssm.SUPPORTED:
+        return ssm.describe(config).n_layers
     if config["model_type"] in variants.SUPPORTED:
         return variants.describe(config).n_layers
     return _describe(config).n_layers

@@ -181,7 +181,8 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
                 sharding=_member_sharding(binder, param.sharding, env, param.pointer),
                 dtype=_dtype(binder, param, env, dtype),
                 linear=param.layout,
-                heads=_heads(binder, param, env)))
+                heads=_heads(binder, param, env),
+                tp_output_reduction=param.tp_output_reduction and param.sharding.partitions))
         if not members:
             return None
         partitioned = any(m.sharding.is_partitioned for m in members)
@@ -230,7 +231,8 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
             module=mod, sharding=m.sharding or ProjectionSharding.REPLICATED,
             params={k: v[0] for k, v in params.items()}, linear=m.linear,
             heads=next(iter(_heads(binder, m, env)), None), orientation=m.orientation,
-            tp_reduction=m.tp_reduction) for mod, m, params in rendered]
+            tp_reduction=m.tp_reduction, tp_output_reduction=m.tp_output_reduction)
+            for mod, m, params in rendered]
         dtypes = {f"{mod}.{k}": v[1] for mod, _, params in rendered for k, v in params.items()}
         if units is None:
             members = []

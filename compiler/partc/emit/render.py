@@ -130,6 +130,7 @@ def _kind_row(kind: GroupKind, rank: RankPlan) -> tuple[str, str]:
         first.fell_back_to_replication,
         tuple((x.dtype, x.global_shape, x.placement.to_compact(), x.kv_replicas)
               + ((True,) if x.needs_tp_reduction else ())  # a fifth field only when set
+              + (("output",) if x.needs_tp_output_reduction else ())
               for x in layouts)))
 
 
@@ -146,6 +147,7 @@ def _member_read(layout: LocalTensorLayout) -> str:
     shape = ", ".join(str(n) for n in layout.local_shape)
     notes = "".join((f"  kv x{layout.kv_replicas}" if layout.kv_replicas > 1 else "",
                      "  tp all-reduce" if layout.needs_tp_reduction else "",
+                     "  tp all-reduce output" if layout.needs_tp_output_reduction else "",
                      "  fallback" if layout.fell_back_to_replication else ""))
     return f"{read} -> [{shape}] {layout.dtype}{notes}"
 
@@ -209,6 +211,9 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
         "chunk_mismatches_literal": formatted_literal(plan.chunk_mismatches(stage),
                                                       "CHUNK_MISMATCHES = "),
         "reads_text": _reads_text(plan, rank, tables),
+        "output_reduction": any(x.needs_tp_output_reduction for k in tables.kinds
+                                for x in plan.kinds[k].layouts[plan.kinds[k].row(
+                                    rank.tensor_parallel_rank, rank.coordinates)]),
         "kinds_literal": collection_literal(
             [_kind_row(plan.kinds[k], rank) for k in tables.kinds], "KINDS = "),
         "owners_text": tables.owners_text,

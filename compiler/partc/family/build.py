@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -177,7 +178,8 @@ def _module(builder: _Builder, data: dict[str, Any], pointer: str,
                       heads=heads, layout=FusedLayout(data.get("layout", "component_major")),
                       groups=groups,
                       orientation=LinearWeightLayout(data.get("orientation", "out_in")),
-                      tp_reduction=data.get("reduction") == "tensor_parallel")
+                      tp_reduction=data.get("reduction") == "tensor_parallel",
+                      tp_output_reduction=data.get("reduction") == "output")
 
 
 def _heads(builder: _Builder, value: Any, pointer: str) -> tuple[Expression, ...]:
@@ -225,13 +227,20 @@ def _member(builder: _Builder, member: dict[str, Any], ptr: str) -> ParamDecl | 
             if "when" in member else None)
     dtype = (_dtype_expression(builder, member["dtype"], join_pointer(ptr, "dtype"))
              if "dtype" in member else None)
+    if member.get("reduction") == "output" and (sharding is None or not sharding.partitions):
+        builder.error("`reduction: output` marks a member whose module's partial output is "
+                      "all-reduced over the TP group inside the enclosing module, so it must "
+                      "be split by the group's units (`partitioned` or `partitioned_segments`), "
+                      f"found {json.dumps(member.get('sharding', 'replicated'))}",
+                      join_pointer(ptr, "reduction"))
     if target is None:
         return None
     return ParamDecl(name=target, shape=shape, when=when, dtype=dtype, sharding=sharding,
                      pointer=ptr, layout=_LINEAR_LAYOUTS.get(member.get("format", "")),
                      shape_pointer=join_pointer(ptr, "shape")
                      if len(shape) == len(member["shape"]) else "",
-                     heads=_heads(builder, member.get("heads"), join_pointer(ptr, "heads")))
+                     heads=_heads(builder, member.get("heads"), join_pointer(ptr, "heads")),
+                     tp_output_reduction=member.get("reduction") == "output")
 
 
 def _members_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[str, Any]:
@@ -256,16 +265,24 @@ def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
                      ProjectionSharding(proj["sharding"]), None)
              for i, proj in enumerate(data["projections"]))
     for i, proj in enumerate(data["projections"]):
-        if proj.get("reduction") and proj["sharding"] != "column":
-            builder.error(f"`reduction: {proj['reduction']}` marks a norm over a column-split "
-                          f"projection's width, so its sharding must be column, found "
-                          f"{proj['sharding']}", join_pointer(join_pointer(join_pointer(
-                              pointer, "projections"), i), "reduction"))
+        need = {"tensor_parallel": "column", "output": "row"}.get(proj.get("reduction", ""))
+        if need is not None and proj["sharding"] != need:
+            builder.error(f"`reduction: {proj['reduction']}` marks "
+                          + ("a norm over a column-split projection's width, so its sharding "
+                             "must be column" if need == "column" else
+                             "a row projection whose partial output is all-reduced over the TP "
+                             "group inside its module, so its sharding must be row")
+                          + f", found {proj['sharding']}"
+                          + ("; a row projection whose output is summed inside its module "
+                             "(Mamba's x_proj) is `reduction: output`"
+                             if proj["sharding"] == "row" else ""),
+                          join_pointer(join_pointer(join_pointer(pointer, "projections"), i),
+                                       "reduction"))
         if proj.get("reduction") and "units" not in data:
-            builder.error("a norm with `reduction: tensor_parallel` must share the group's "
-                          "partition (`units:`) with the projection it normalizes, so no "
-                          "rank's piece cuts a head", join_pointer(join_pointer(join_pointer(
-                              pointer, "projections"), i), "reduction"))
+            builder.error("a projection with `reduction: tensor_parallel` must share the "
+                          "group's partition (`units:`) with the projections around it, so no "
+                          "rank's piece cuts a head or a channel", join_pointer(join_pointer(
+                              join_pointer(pointer, "projections"), i), "reduction"))
     projections = tuple(d for d in decls if d is not None)
     if "bias" in data:
         projections = _default_biases(builder, data["bias"], join_pointer(pointer, "bias"),

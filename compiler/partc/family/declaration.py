@@ -273,6 +273,9 @@ class ParamDecl:
     """Member form `format:` linear or linear_transposed (None: dense, not a linear weight)."""
     heads: tuple[Expression, ...] = ()
     """Member form `heads:`: head counts along the partitioned axis (one per segment)."""
+    tp_output_reduction: bool = False
+    """Member form `reduction: output`: the member's module output is all-reduced over the TP
+    group inside the enclosing module (a row-split `x_proj`)."""
     shape_pointer: str = ""
     """Where the shape list is declared; dimension i is at `shape_pointer/i` ('' if unknown)."""
 
@@ -309,6 +312,9 @@ class ModuleDecl:
     """How the weight stores its matrix axes (`orientation: in_out`: a GPT-2 Conv1D)."""
     tp_reduction: bool = False
     """`reduction: tensor_parallel`: a norm whose statistic spans the split projection."""
+    tp_output_reduction: bool = False
+    """`reduction: output` on a row projection: its output is all-reduced over the TP group
+    inside its module, before further per-channel work (Mamba's `x_proj`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

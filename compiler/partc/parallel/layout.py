@@ -83,6 +83,9 @@ class LocalTensorLayout:
     needs_tp_reduction: bool = False
     """A norm split with its projection whose statistic spans every rank's piece: the engine
     must all-reduce the statistic (sum of squares) over the tensor-parallel group."""
+    needs_tp_output_reduction: bool = False
+    """A row-split projection whose partial output the engine all-reduces over the
+    tensor-parallel group inside its module, before the work that follows it there."""
 
     def __post_init__(self) -> None:
         target = self.target

@@ -287,6 +287,9 @@ class ParameterMemberSpec:
     tp_reduction: bool = False
     """A norm whose statistic spans the whole split axis: an engine must all-reduce it over
     the tensor-parallel ranks (OLMo2's q_norm / k_norm)."""
+    tp_output_reduction: bool = False
+    """A row-split projection whose output an engine all-reduces over the tensor-parallel
+    ranks inside its module, before the per-channel work that follows (Mamba's `x_proj`)."""
 
     def __post_init__(self) -> None:
         target = self.target
@@ -466,6 +469,8 @@ class Projection:
     """How its weight stores the matrix axes (`IN_OUT`: a GPT-2 `Conv1D`)."""
     tp_reduction: bool = False
     """A norm whose statistic spans the split axis, so it needs a TP all-reduce."""
+    tp_output_reduction: bool = False
+    """A row projection whose output is all-reduced over the TP group inside its module."""
 
 
 _Rule = Callable[[tuple[int, ...]], MemberSharding]
@@ -475,7 +480,8 @@ def _params_members(module: str, params: Mapping[str, Sequence[int]], dtype: str
                     rule: MemberSharding | _Rule, *, linear: bool = False,
                     heads: int | None = None,
                     orientation: LinearWeightLayout = LinearWeightLayout.OUT_IN,
-                    tp_reduction: bool = False) -> tuple[ParameterMemberSpec, ...]:
+                    tp_reduction: bool = False,
+                    tp_output_reduction: bool = False) -> tuple[ParameterMemberSpec, ...]:
     members = []
     for param, shape in params.items():
         shape = tuple(shape)
@@ -487,7 +493,8 @@ def _params_members(module: str, params: Mapping[str, Sequence[int]], dtype: str
             heads=(heads,) * len(sharding.segments or (1,))
             if heads is not None and not isinstance(sharding, ReplicatedSharding)
             and sharding.is_partitioned else (),
-            tp_reduction=tp_reduction and sharding.is_partitioned))
+            tp_reduction=tp_reduction and sharding.is_partitioned,
+            tp_output_reduction=tp_output_reduction and sharding.is_partitioned))
     return tuple(members)
 
 
@@ -582,7 +589,8 @@ def partitioned_projection_group(
                                        _projection_rule(proj.sharding, True, proj.orientation),
                                        linear=proj.linear, heads=proj.heads,
                                        orientation=proj.orientation,
-                                       tp_reduction=proj.tp_reduction))
+                                       tp_reduction=proj.tp_reduction,
+                                       tp_output_reduction=proj.tp_output_reduction))
     partitioned = any(m.sharding.is_partitioned for m in members)
     reduced = reduced_partition_units(units, members)
     return ParameterGroupSpec(name=name, role=role, members=tuple(members),

@@ -266,7 +266,7 @@ class Plan:
 
         Groups of one kind share the shape and placement lists (the text is the same).
         """
-        members: dict[int, list[tuple[str, list[int], int, list[list[object]], bool]]] = {}
+        members: dict[int, list[tuple[str, list[int], int, list[list[object]], bool, bool]]] = {}
         out = []
         for group in self.groups:
             shared = members.get(group.kind)
@@ -275,14 +275,16 @@ class Plan:
                 shared = members[group.kind] = [
                     (first.dtype, list(first.global_shape), first.kv_replicas,
                      [_compact_json(rank[i].placement.to_compact()) for rank in layouts],
-                     any(rank[i].needs_tp_reduction for rank in layouts))
+                     any(rank[i].needs_tp_reduction for rank in layouts),
+                     any(rank[i].needs_tp_output_reduction for rank in layouts))
                     for i, first in enumerate(layouts[0])]
             stages = list(group.stages)
-            for target, (dtype, shape, kv_replicas, placements, reduced) in zip(
+            for target, (dtype, shape, kv_replicas, placements, reduced, output) in zip(
                     group.targets, shared, strict=True):
                 out.append({"target": target, "dtype": dtype, "shape": shape,
                             "group": group.name, "stages": stages, "kv_replicas": kv_replicas,
                             "placements": placements}
+                           | ({"needs_tp_output_reduction": True} if output else {})
                            | ({"needs_tp_reduction": True} if reduced else {}))
         out.sort(key=lambda t: t["target"])  # type: ignore[arg-type, return-value]
         return out
@@ -300,6 +302,8 @@ class Plan:
                 shared = members[group.kind] = [
                     ('{"dtype":' + _string(first.dtype) + ',"group":',
                      f',"kv_replicas":{first.kv_replicas},'
+                     + ('"needs_tp_output_reduction":true,' if any(
+                         rank[i].needs_tp_output_reduction for rank in layouts) else '')
                      + ('"needs_tp_reduction":true,' if any(
                          rank[i].needs_tp_reduction for rank in layouts) else '')
                      + '"placements":'

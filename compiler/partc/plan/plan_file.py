@@ -48,6 +48,9 @@ class PlanTensor:
     """How many ranks hold each KV head (> 1: repeated across ranks)."""
     needs_tp_reduction: bool = False
     """A norm an engine all-reduces over the TP group."""
+    needs_tp_output_reduction: bool = False
+    """A row projection whose output an engine all-reduces over the TP group inside its
+    module."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,7 +234,9 @@ def _tensor(entry: Mapping[str, Any]) -> PlanTensor:
                       stages=_ints(entry["stages"]),
                       placements=tuple(tuple(p) for p in placements),
                       kv_replicas=_int(entry.get("kv_replicas", 1)),
-                      needs_tp_reduction=bool(entry.get("needs_tp_reduction", False)))
+                      needs_tp_reduction=bool(entry.get("needs_tp_reduction", False)),
+                      needs_tp_output_reduction=bool(entry.get("needs_tp_output_reduction",
+                                                               False)))
 
 
 def _rank(entry: Mapping[str, Any]) -> PlanRank:

@@ -342,6 +342,8 @@ def _realize_uncached(group: ParameterGroupSpec, tp: int, effective: ShardingPol
                 placement=placement, logical_units=units, logical_range=unit_range,
                 fell_back_to_replication=fallback, fallback_reason=reason,
                 kv_replicas=_kv_replicas(member, tp) if kv else 1,
-                needs_tp_reduction=member.tp_reduction and not placement.holds_whole))
+                needs_tp_reduction=member.tp_reduction and not placement.holds_whole,
+                needs_tp_output_reduction=member.tp_output_reduction
+                and not placement.holds_whole))
         result.append(tuple(layouts))
     return tuple(result)

@@ -105,13 +105,19 @@ class RankTable:
         compact placement, KV replicas)."""
         return self._decoded[1]
 
+    def output_reduced_rows(self) -> frozenset[int]:
+        """Indices (into `tensor_rows()`) of the row projections whose output the TP group
+        all-reduces inside their module (a KINDS member with a fifth field `"output"`)."""
+        return self._decoded[3]
+
     def reduced_rows(self) -> frozenset[int]:
         """Indices (into `tensor_rows()`) of the tensors that need a tensor-parallel reduction
         (a KINDS member with a fifth field `True`: a norm spanning a split projection)."""
         return self._decoded[2]
 
     @cached_property
-    def _decoded(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int]]:
+    def _decoded(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int],
+                                frozenset[int]]:
         """The columnar tables joined into rows (on first use; a rank has up to ~10^4
         tensors)."""
         with paused_gc():
@@ -136,16 +142,18 @@ def table_lines(value: str | tuple[str, ...]) -> list[str]:
 def _kind_row(table: RankTable, kind_text: str) -> tuple[Any, ...]:
     """The KINDS row a GROUPS line names by its index text, with tuple shapes: (role, units,
     logical range, fell back, members (dtype, shape, placement, KV replicas), the indices of
-    the members needing a TP reduction); ValueError, IndexError or TypeError if malformed."""
+    the members needing a TP reduction, the indices of those whose output is TP-reduced inside
+    their module); ValueError, IndexError or TypeError if malformed."""
     role, units, logical, fell_back, members = table.kinds[int(kind_text)]
     return (role, units, None if logical is None else tuple(logical), fell_back,
             [(dtype, tuple(shape), placement, kv_replicas)
              for dtype, shape, placement, kv_replicas, *_ in members],
-            [i for i, member in enumerate(members) if member[4:] == (True,)])
+            [i for i, member in enumerate(members) if member[4:] == (True,)],
+            [i for i, member in enumerate(members) if member[4:] == ("output",)])
 
 
 def _join_tables(table: RankTable
-                 ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int]]:
+                 ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int], frozenset[int]]:
     """Rows from KINDS, OWNERS, GROUPS and TARGETS, and the rows needing a TP reduction;
     CheckpointError if they do not fit."""
     targets, lines = table_lines(table.targets), table_lines(table.groups)
@@ -155,6 +163,7 @@ def _join_tables(table: RankTable
     groups: list[GroupRow] = []  # the tables do not fit: find the first line that does not
     tensors: list[TensorRow] = []
     reduced: set[int] = set()
+    outputs: set[int] = set()
     kinds: dict[str, tuple[Any, ...]] = {}  # KINDS index text -> row with tuple shapes
     try:
         for index, line in enumerate(lines):
@@ -168,17 +177,18 @@ def _join_tables(table: RankTable
             tensors += [(targets[first + i], index, *member)
                         for i, member in enumerate(kind[4])]
             reduced.update(first + i for i in kind[5])
+            outputs.update(first + i for i in kind[6])
     except (ValueError, IndexError, TypeError):
         raise CheckpointError(f"the generated tables of rank {table.rank} are malformed at "
                               f"GROUPS line {len(groups) + 1}; regenerate the build") from None
     if len(tensors) != len(targets):
         raise CheckpointError(f"the generated tables of rank {table.rank} list {len(targets)} "
                               f"TARGETS for {len(tensors)} group members; regenerate the build")
-    return groups, tensors, frozenset(reduced)
+    return groups, tensors, frozenset(reduced), frozenset(outputs)
 
 
 def _joined(table: RankTable, targets: list[str], lines: list[str]
-            ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int]] | None:
+            ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int], frozenset[int]] | None:
     """`_join_tables`' rows built column by column in C-level maps and zips, a Python step
     only per distinct KINDS row; None when anything does not fit (every line split in three,
     every KINDS row and owner found, one target a member) or fails, for the line-by-line loop
@@ -204,10 +214,13 @@ def _joined(table: RankTable, targets: list[str], lines: list[str]
     members = chain.from_iterable(map(itemgetter(4), rows))
     tensors: list[TensorRow] = list(map(add, zip(targets, indices, strict=True), members))
     reduced: set[int] = set()
+    outputs: set[int] = set()
     for first, row in zip(accumulate(counts, initial=0), rows, strict=False):  # one more first
         if row[5]:
             reduced.update(first + i for i in row[5])
-    return groups, tensors, frozenset(reduced)
+        if row[6]:
+            outputs.update(first + i for i in row[6])
+    return groups, tensors, frozenset(reduced), frozenset(outputs)
 
 
 def tensor_selections(table: RankTable) -> list[tuple[str, Selection, int]]:
@@ -246,12 +259,14 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
     validated: dict[tuple[Any, ...], LocalTensorLayout] = {}  # one per distinct structure
     layouts = []
     reduced = table.reduced_rows()
+    outputs = table.output_reduced_rows()
     for row, (target, index, dtype, shape, compact, kv_replicas) in enumerate(
             table.tensor_rows()):
         name, role, _, units, logical, fell_back = groups[index]
         needs_reduction = row in reduced
+        needs_output = row in outputs
         key = (role, units, logical, fell_back, dtype, shape, compact, kv_replicas,
-               needs_reduction)
+               needs_reduction, needs_output)
         first = validated.get(key)
         if first is None:
             placement = placement_from_compact(compact)
@@ -260,7 +275,7 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
                 global_shape=shape, local_shape=local_shape(shape, placement.selection(shape)),
                 placement=placement, logical_units=units, logical_range=logical,
                 fell_back_to_replication=fell_back, kv_replicas=kv_replicas,
-                needs_tp_reduction=needs_reduction)
+                needs_tp_reduction=needs_reduction, needs_tp_output_reduction=needs_output)
         layouts.append(first.renamed(target, name))
     return LocalModelLayout(tensors=tuple(layouts))
 

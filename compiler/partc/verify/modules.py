@@ -106,8 +106,9 @@ class TensorParallelRanks:
             return Check(tp=tp, pp=1, module=module, group=", ".join(self._groups(targets)),
                          rank=None, ok=True, max_error=0.0, tolerance=tolerance)
         norms = self._reduced_norms(module, split)
-        if norms:  # the engine all-reduces these norms' statistic: so does the check
-            total = sum(self._run_reduced(module, norms))
+        outputs = self._reduced_outputs(module, split)
+        if norms or outputs:  # the engine all-reduces these: so does the check
+            total = sum(self._run_reduced(module, norms, outputs))
         else:
             total = sum(session.run(m, module) for m in self.models)
         if self.shared_model is not None:
@@ -131,20 +132,49 @@ class TensorParallelRanks:
                 norms.append(path)
         return norms
 
-    def _run_reduced(self, module: str, norms: Sequence[str]) -> list[Any]:
-        """Each rank's output of `module` with the RMS statistic of every norm in `norms` taken
-        over all ranks' pieces (the all-reduce an engine does), not over the rank's own.
+    def _reduced_outputs(self, module: str, targets: Sequence[str]) -> list[str]:
+        """Submodules of `module` holding a split tensor whose output the engine all-reduces
+        over the TP group inside the module (a row projection declared `reduction:
+        tensor_parallel`, Mamba's `x_proj`)."""
+        found: list[str] = []
+        for target in targets:
+            layouts = [state.layout[target] for state in self.build.states
+                       if target in state.layout]
+            path = target.rsplit(".", 1)[0]
+            if any(x.needs_tp_output_reduction for x in layouts) \
+                    and path.startswith(module + ".") and path not in found:
+                found.append(path)
+        return found
 
-        A first pass records each rank's sum of squares at each norm's input; the second
-        rescales each norm's output by sqrt((own + eps) / (all + eps)) (mean squares over the
-        full width): the RMSNorm the whole model computes, restricted to the rank's rows.
+    def _run_reduced(self, module: str, norms: Sequence[str],
+                     projections: Sequence[str] = ()) -> list[Any]:
+        """Each rank's output of `module` with the RMS statistic of every norm in `norms` taken
+        over all ranks' pieces, and the output of every projection in `projections` summed over
+        the ranks (the all-reduces an engine does), not the rank's own.
+
+        A first pass records each rank's sum of squares at each norm's input and each rank's
+        partial output of each reduced projection; the second rescales each norm's output by
+        sqrt((own + eps) / (all + eps)) (mean squares over the full width): the RMSNorm the
+        whole model computes, restricted to the rank's rows, and replaces each reduced
+        projection's output by the sum of every rank's.
         """
         torch, session = self.session.torch, self.session
         sums: list[dict[str, Any]] = [{} for _ in self.models]
+        partial: list[dict[str, Any]] = [{} for _ in self.models]
 
         def record(rank: int, path: str) -> Any:
             def hook(_: Any, args: Any, output: Any) -> None:
                 sums[rank][path] = args[0].float().pow(2).sum(-1, keepdim=True)
+            return hook
+
+        def keep(rank: int, path: str) -> Any:
+            def hook(_: Any, args: Any, output: Any) -> None:
+                partial[rank][path] = output.detach().clone()
+            return hook
+
+        def summed(path: str) -> Any:
+            def hook(_: Any, args: Any, output: Any) -> Any:
+                return sum(p[path] for p in partial).to(output.dtype)
             return hook
 
         def rescale(rank: int, path: str, eps: float) -> Any:
@@ -165,6 +195,9 @@ class TensorParallelRanks:
                     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
                     hook = make(rank, path) if make else rescale(rank, path, eps)
                     handles.append(norm.register_forward_hook(hook))
+                for path in projections:
+                    handles.append(model.get_submodule(path).register_forward_hook(
+                        keep(rank, path) if make else summed(path)))
                 try:
                     outputs.append(session.run(model, module))
                 finally:

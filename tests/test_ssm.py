@@ -1,0 +1,136 @@
+"""State-space families (issue 35): the built-in mamba family against transformers' Mamba.
+
+The fixture `hf/mamba` is a tiny random MambaForCausalLM written by transformers 5.24
+(tests/fixtures/gen/gen_ssm.py); its `reference.npz` holds HF's logits and the conv / SSM state
+HF's cache holds after the forward. The numpy executor (tests/executor/ssm.py) runs the mixer on
+each rank's loaded arrays with the selections its layout declares, simulating the all-reduces.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from partc.verify.run import verify_family
+
+from executor import RankShard, Selection, forward, forward_pipeline, load_fixture
+from support import compile_and_load, hf
+
+TOLERANCE = 1e-4
+MAMBA = hf("mamba")
+
+
+def rank_shard(state) -> RankShard:
+    """An executor rank from one generated rank's loaded arrays and layout selections."""
+    selections = {}
+    for target in state.tensors:
+        axis, ranges = state.layout[target].selection
+        selections[target] = None if axis is None else Selection(axis=axis, ranges=ranges)
+    return RankShard(tensors={k: np.asarray(v, dtype=np.float32)
+                              for k, v in state.tensors.items()}, selections=selections)
+
+
+def stage_layers(plan, stage: int) -> range:
+    """The decoder layers the plan gives pipeline stage `stage`."""
+    tp = plan.topology.tensor_parallel_size
+    start, end = {g.group: g.unit_range
+                  for g in plan.ranks[stage * tp].partition.groups}["decoder"]
+    return range(start, end)
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def test_the_executor_reproduces_hf_mamba_logits_layers_and_cache_state() -> None:
+    config, tensors, ref = load_fixture("mamba")
+    result = forward(config, tensors, ref["input_ids"])
+    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
+    for layer in range(2):
+        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
+        (state,) = result.states[layer]
+        assert state.conv_state.shape == ref["conv_state"][layer].shape == (1, 128, 4)
+        assert state.ssm_state.shape == ref["ssm_state"][layer].shape == (1, 128, 16)
+        assert rel_err(state.conv_state, ref["conv_state"][layer]) < TOLERANCE
+        assert rel_err(state.ssm_state, ref["ssm_state"][layer]) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def mamba_runs(tmp_path_factory):
+    """(T, S) -> (plan, loaded states, executor result, reference)."""
+    cache = {}
+    folders = {}
+    with np.load(MAMBA / "reference.npz") as npz:
+        reference = {k: npz[k] for k in npz.files}
+    config = json.loads((MAMBA / "config.json").read_text())
+
+    def get(tp, pp):
+        if (tp, pp) not in cache:
+            out = tmp_path_factory.mktemp(f"mamba_tp{tp}_pp{pp}")
+            plan, states = compile_and_load(None, MAMBA / "config.json", out,
+                                            MAMBA / "model.safetensors", tp=tp, pp=pp)
+            stages = [[rank_shard(s) for s in states[p * tp:(p + 1) * tp]] for p in range(pp)]
+            layers = [stage_layers(plan, p) for p in range(pp)]
+            result = forward_pipeline(config, stages, layers, reference["input_ids"])
+            cache[tp, pp] = (plan, states, result, reference)
+            folders[tp, pp] = out
+        return cache[tp, pp]
+
+    get.folders = folders
+    return get
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_ranks_of_the_built_in_mamba_family_reproduce_hf_logits(mamba_runs, tp, pp):
+    plan, states, result, reference = mamba_runs(tp, pp)
+    assert plan.family == "mamba"
+    assert rel_err(result.logits, reference["logits"]) < TOLERANCE
+    if pp == 2:
+        assert rel_err(result.sent[0], reference["layer_outputs"][0]) < TOLERANCE
+    if tp > 1:  # really split by channel: each rank holds I / T channels of x and of z
+        layout = states[0].layout["backbone.layers.0.mixer.in_proj.weight"]
+        width = 128 // tp
+        assert layout.selection == (0, ((0, width), (128, 128 + width)))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_state_equals_hf_cache_on_the_rank_channels(mamba_runs, tp):
+    _, _, result, reference = mamba_runs(tp, 1)
+    for layer, ranks in enumerate(result.stages[0].states):
+        channels = np.concatenate([s.channels for s in ranks])
+        assert sorted(channels.tolist()) == list(range(128))
+        for state in ranks:
+            assert state.conv_state.shape == (1, 128 // tp, 4)
+            np.testing.assert_allclose(state.conv_state,
+                                       reference["conv_state"][layer][:, state.channels],
+                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(state.ssm_state,
+                                       reference["ssm_state"][layer][:, state.channels],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_x_proj_is_recorded_as_reduced_inside_the_mixer_in_plan_and_rank_tables(mamba_runs):
+    plan, states, _, _ = mamba_runs(2, 1)
+    build = mamba_runs.folders[2, 1]
+    plan_json = json.loads(next(build.rglob("plan.json")).read_text())
+    reduced = sorted(t["target"] for t in plan_json["tensors"]
+                     if t.get("needs_tp_output_reduction"))
+    assert reduced == [f"backbone.layers.{i}.mixer.x_proj.weight" for i in range(2)]
+    assert not any(t.get("needs_tp_reduction") for t in plan_json["tensors"])
+    for state in states:
+        flagged = sorted(x.target for x in state.layout.tensors if x.needs_tp_output_reduction)
+        assert flagged == reduced
+    modules = sorted(p for p in build.rglob("*.py") if "tp all-reduce output" in p.read_text())
+    assert len(modules) == 2  # the module of each rank
+    assert all("'output'" in p.read_text() or '"output"' in p.read_text() for p in modules)
+
+
+def test_verify_passes_the_mamba_split_at_every_t_up_to_8_and_a_pipeline_split():
+    report = verify_family(None, MAMBA / "config.json", tensor_parallel_sizes=[1, 2, 4, 8],
+                           pipeline_parallel_size=2)
+    assert report.ok, report.first_failure
+    assert {c.tp for c in report.checks} == {1, 2, 4, 8}
+    assert any(c.pp == 2 for c in report.checks)
