@@ -5,8 +5,10 @@ recipe's logits on the GPU.
 Every test here is marked `gpu`. pyproject's addopts deselect the marker (`-m "not gpu"`), so a
 machine without a GPU (CI) never collects them into a run; `pytest -m gpu tests/test_gpu.py` on
 a GPU machine runs them (benchmarks/gpu/run.sh does). They never skip themselves: without CUDA
-they fail. Tests with several ranks on the one GPU use gloo, which moves CUDA tensors through the
-host (NCCL needs one GPU per rank)."""
+they fail. Multi-process tests use NCCL where there is a GPU per rank; several ranks on one GPU
+would need gloo, whose CUDA all_gather crashed with SIGSEGV under torch 2.11 on the H200 run
+(docs/performance.md): there the DTensor test checks each rank's shard without gathering and the
+transformers recipe runs at T=1."""
 
 from __future__ import annotations
 
@@ -189,21 +191,27 @@ def _torchrun(worker: Path, *args: str, reports: Path, nproc: int = 2) -> None:
     assert done.returncode == 0, "\n".join(lines[-60:]) or done.stderr[-3000:]
 
 
-@pytest.mark.parametrize(("tp", "pp", "backend"), [
-    (1, 1, "nccl"),                # one rank: the real NCCL collectives on the GPU
-    (2, 1, "cpu:gloo,cuda:gloo"),  # two ranks on the one GPU: gloo carries CUDA tensors
-    (2, 2, "cpu:gloo,cuda:gloo")])
-def test_dtensors_on_a_cuda_mesh_gather_to_the_checkpoint_tensors(tmp_path, tp, pp, backend):
+def _per_rank_gpus(ranks: int) -> bool:
+    return torch.cuda.device_count() >= ranks
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2)])
+def test_dtensors_on_a_cuda_mesh_are_the_checkpoint_tensors(tmp_path, tp, pp):
+    # NCCL where there is a GPU per rank: full_tensor() gathers every shard; several ranks on
+    # one GPU go through gloo, whose CUDA all_gather crashed (SIGSEGV, torch 2.11): there each
+    # rank's local shard and its placement are checked, no gather
     model = HF / "llama"
     result = compile_family(None, model / "config.json",
                             Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
                             CompileOptions(out=tmp_path / "b"))
     reports = tmp_path / "reports"
     reports.mkdir()
+    nccl = _per_rank_gpus(tp * pp)
     _torchrun(HERE / "distributed" / "cuda_dtensor_worker.py", str(tmp_path / "b"), str(model),
-              package_name(result.plan), backend, reports=reports, nproc=tp * pp)
+              package_name(result.plan), "nccl" if nccl else "cpu:gloo,cuda:gloo",
+              "gather" if nccl else "local", reports=reports, nproc=tp * pp)
     found = [json.loads((reports / f"rank-{g}.json").read_text()) for g in range(tp * pp)]
-    assert all(r["device"] == "cuda:0" and r["mesh_device"] == "cuda" for r in found)
+    assert all(r["device"].startswith("cuda:") and r["mesh_device"] == "cuda" for r in found)
     assert all(r["checked"] == len(r["names"]) > 0 for r in found)
     assert (sum(r["sharded"] for r in found) > 0) == (tp > 1)
 
@@ -217,8 +225,11 @@ def recipe_block() -> str:
 @pytest.mark.parametrize(("name", "dtype", "tolerance"), [
     ("llama", "float32", 1e-4), ("llama_tied", "float32", 1e-4), ("llama", "bfloat16", 1e-3)])
 def test_the_transformers_recipe_on_cuda_gives_hf_logits(tmp_path, name, dtype, tolerance):
-    # HF's own model, whole, on the same GPU in the same dtype, is the reference
+    # HF's own model, whole, on the same GPU in the same dtype, is the reference. The recipe
+    # runs with NCCL, one GPU per rank: T=2 where there are two GPUs, else T=1
     from transformers import AutoModelForCausalLM
+
+    tp = 2 if _per_rank_gpus(2) else 1
 
     model = HF / name
     with np.load(model / "reference.npz") as npz:
@@ -230,17 +241,17 @@ def test_the_transformers_recipe_on_cuda_gives_hf_logits(tmp_path, name, dtype, 
     if dtype == "float32":  # the GPU's fp32 HF model agrees with the CPU reference too
         with np.load(model / "reference.npz") as npz:
             assert float(np.max(np.abs(want - npz["logits"]))) < tolerance
-    result = compile_family(None, model / "config.json", Topology(tensor_parallel_size=2),
+    result = compile_family(None, model / "config.json", Topology(tensor_parallel_size=tp),
                             CompileOptions(checkpoint=model, out=tmp_path / "build"))
     recipe = tmp_path / "transformers_tp.py"
     recipe.write_text(recipe_block())
     reports = tmp_path / "reports"
     reports.mkdir()
     _torchrun(HERE / "distributed" / "cuda_recipe_worker.py", str(recipe), str(tmp_path / "build"),
-              package_name(result.plan), str(model), dtype, reports=reports)
-    for g in range(2):
+              package_name(result.plan), str(model), dtype, reports=reports, nproc=tp)
+    for g in range(tp):
         report = json.loads((reports / f"rank-{g}.json").read_text())
-        assert report["devices"] == ["cuda:0"], report["devices"]
+        assert report["devices"] == [f"cuda:{g}"], report["devices"]
         assert report["dtypes"] == [f"torch.{dtype}"], report["dtypes"]
         with np.load(reports / f"rank-{g}.npz") as npz:
             logits = npz["logits"]

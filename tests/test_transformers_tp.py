@@ -154,3 +154,26 @@ def test_the_recipe_refuses_a_model_whose_slots_are_not_the_checkpoint_tensors(t
     assert re.search(r"ValueError: the model has parameter slots partc's build does not load: "
                      r"\['model\.layers\.0\.mlp\.experts\.down_proj', 'model\.layers\.0\.mlp\."
                      r"experts\.gate_up_proj'", done.stderr), done.stderr[-3000:]
+
+
+def test_the_recipe_on_a_one_rank_mesh_gives_hf_logits(tmp_path):
+    # one GPU, one process: on a 1-rank mesh transformers marks parameters Shard(0) where partc's
+    # whole tensors are Replicate(); the recipe takes a shard of one rank as the whole
+    result = compile_family(None, hf("llama") / "config.json", Topology(tensor_parallel_size=1),
+                            CompileOptions(checkpoint=hf("llama"), out=tmp_path / "build"))
+    recipe = tmp_path / "transformers_tp.py"
+    recipe.write_text(recipe_block())
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER), str(recipe),
+         str(tmp_path / "build"), package_name(result.plan), str(hf("llama"))],
+        capture_output=True, text=True, timeout=240,
+        env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    with np.load(hf("llama") / "reference.npz") as npz:
+        want = npz["logits"]
+    with np.load(reports / "rank-0.npz") as npz:
+        assert float(np.max(np.abs(npz["logits"] - want))) < TOLERANCE

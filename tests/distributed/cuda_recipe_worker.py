@@ -1,6 +1,7 @@
 """Run under torchrun with CUDA: the transformers TP recipe of docs/transformers_tp.md on a CUDA
-mesh, every rank on cuda:0 (gloo carries CUDA tensors through the host; NCCL needs one GPU per
-rank).
+mesh with NCCL, each rank on its own GPU (cuda:LOCAL_RANK). Several ranks on one GPU through
+gloo is no option: gloo's CUDA all_gather (the lm_head's gathered output) crashed with SIGSEGV
+under torch 2.11 (docs/performance.md).
 
 argv: the recipe module (written to a file by the test), the build folder, the generated package,
 the checkpoint, the model dtype. Writes `rank-<g>.npz` (logits, as float32) and `rank-<g>.json`
@@ -23,12 +24,13 @@ from torch.distributed.tensor import DTensor
 
 def main() -> None:
     recipe_file, build, package_name, checkpoint, dtype = sys.argv[1:6]
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # one GPU per rank (NCCL)
     spec = importlib.util.spec_from_file_location("transformers_tp_recipe", recipe_file)
     assert spec is not None and spec.loader is not None
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    torch.cuda.set_device(0)
-    dist.init_process_group("cpu:gloo,cuda:gloo")
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
     try:
         sys.path.insert(0, build)
         loaders = importlib.import_module(package_name)
@@ -37,7 +39,7 @@ def main() -> None:
                                            attn_implementation="eager",
                                            dtype=getattr(torch, dtype))
         with np.load(Path(checkpoint) / "reference.npz") as npz:
-            input_ids = torch.from_numpy(npz["input_ids"].astype(np.int64)).to("cuda:0")
+            input_ids = torch.from_numpy(npz["input_ids"].astype(np.int64)).to(device)
         with torch.no_grad():
             logits = model(input_ids).logits
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
