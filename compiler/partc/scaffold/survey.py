@@ -165,10 +165,10 @@ them too (PaliGemma's legacy top-level `hidden_size`): then the value that match
 (`_nested_choice`)."""
 
 
-_ALIASES = {"hidden_size": ("n_embd",), "num_attention_heads": ("n_head",),
-            "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",)}
-"""The names GPT-2 and BLOOM configs use instead (transformers' `attribute_map`), read with
-`from:` when the config lacks the usual one."""
+_ALIASES = {"hidden_size": ("n_embd", "d_model"), "num_attention_heads": ("n_head", "n_heads"),
+            "num_hidden_layers": ("n_layer", "n_layers"), "intermediate_size": ("n_inner",)}
+"""The names GPT-2, BLOOM, CodeGen and DBRX configs use instead (transformers' `attribute_map`),
+read with `from:` when the config lacks the usual one."""
 
 
 _ATTENTION = {  # projection -> (sharding, heads, rows, cols) in config names
