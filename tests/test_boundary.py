@@ -15,22 +15,24 @@ from partc.errors import (
     BoundaryPayloadError,
 )
 from partc.partition.boundary import (
-    ArchitectureBoundary,
-    ArchitectureBoundaryValue,
     BatchDimension,
     BoundaryTensorDimensionKind,
     BoundaryTensorDtype,
     BoundaryTensorSpec,
     BoundaryWireSchema,
     FixedDimension,
-    NoAuxiliaryBoundary,
     NoAuxiliaryBoundarySchema,
     PipelineActivationDtype,
     PipelineWireContract,
     RequestDimension,
     SequenceDimension,
-    architecture_boundary,
     boundary_dimension,
+)
+from partc.runtime.boundary_codec import (
+    ArchitectureBoundary,
+    ArchitectureBoundaryValue,
+    NoAuxiliaryBoundary,
+    boundary_for,
     validate_boundary_tensor_count,
 )
 
@@ -396,7 +398,7 @@ def test_no_auxiliary_boundary_carries_the_hidden_state_alone():
     schema = NoAuxiliaryBoundarySchema(hidden_size=64, identity="llama.hidden")
     assert schema.wire_schema() == BoundaryWireSchema(
         identity="llama.hidden", primary=BoundaryTensorSpec.primary_activation(64))
-    boundary = schema.boundary(PipelineActivationDtype.FLOAT16)
+    boundary = boundary_for(schema.contract(PipelineActivationDtype.FLOAT16))
     hidden = np.ones((1, 3, 64), dtype=np.float16)
     values = boundary.encode_hidden(hidden)
     assert [v.role for v in values] == ["hidden"]
@@ -405,8 +407,8 @@ def test_no_auxiliary_boundary_carries_the_hidden_state_alone():
         boundary.decode_hidden((*values, ArchitectureBoundaryValue(role="extra", tensor=hidden)))
     assert caught.value.message == ("boundary `llama.hidden` carries 1 tensor(s) (hidden) but 2 "
                                     "were received")
-    assert isinstance(architecture_boundary(boundary.contract), NoAuxiliaryBoundary)
-    assert type(architecture_boundary(residual_boundary().contract)) is ArchitectureBoundary
+    assert isinstance(boundary, NoAuxiliaryBoundary)
+    assert type(boundary_for(residual_boundary().contract)) is ArchitectureBoundary
 
 
 # ---------------------------------------------------------------- a YAML family with a residual

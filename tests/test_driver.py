@@ -32,6 +32,7 @@ from partc.partition.ownership import (
 )
 from partc.partition.pipeline import PartitionState
 from partc.plan.pipeline_cut import realize_pipeline
+from partc.runtime.boundary_codec import boundary_for
 from partc.runtime.driver import (
     LayeredPartitionDriver,
     LayeredPartitionExecutor,
@@ -43,8 +44,8 @@ from support import compile_and_import, hf
 
 LK = LayeredPartitionErrorKind
 HIDDEN = 8
-WIRE = NoAuxiliaryBoundarySchema(hidden_size=HIDDEN, identity="toy.hidden").boundary(
-    PipelineActivationDtype.BFLOAT16).contract
+WIRE = NoAuxiliaryBoundarySchema(hidden_size=HIDDEN, identity="toy.hidden").contract(
+    PipelineActivationDtype.BFLOAT16)
 
 
 def _group(name, *targets):
@@ -351,8 +352,8 @@ def test_a_payload_for_a_partition_without_a_wire_contract_is_refused():
 def test_an_incoming_payload_that_breaks_the_wire_contract_is_refused_before_running():
     _, last = stages()
     executor = RecordingExecutor()
-    float32_wire = NoAuxiliaryBoundarySchema(hidden_size=HIDDEN, identity="toy.hidden").boundary(
-        PipelineActivationDtype.FLOAT32)
+    float32_wire = boundary_for(NoAuxiliaryBoundarySchema(
+        hidden_size=HIDDEN, identity="toy.hidden").contract(PipelineActivationDtype.FLOAT32))
     bad = float32_wire.encode_hidden(np.zeros((1, 2, HIDDEN), np.float32))
     with pytest.raises(BoundaryPayloadError) as caught:
         LayeredPartitionDriver.for_partition(last).run(executor, boundary=bad)

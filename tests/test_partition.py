@@ -462,7 +462,7 @@ def test_a_partition_round_trips_through_json_with_graph_and_bindings():
 
 def test_a_partition_without_a_wire_contract_has_no_boundary_to_offer():
     with pytest.raises(ArchitecturePartitionError) as caught:
-        realize_partition(decoder_description(3), 0, 1).architecture_boundary()
+        realize_partition(decoder_description(3), 0, 1).wire_contract()
     assert caught.value.kind is AK.MISSING_BOUNDARY
     assert "realized without a pipeline wire contract" in caught.value.message
 

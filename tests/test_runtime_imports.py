@@ -27,7 +27,8 @@ HEAVY = ("ml_dtypes", "concurrent.futures", "hashlib", "_hashlib")
 found["runtime"] = sorted(m for m in HEAVY if m in sys.modules)
 PATHS = ("pathlib",)
 found["paths"] = sorted(m for m in PATHS if m in sys.modules)
-LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.runtime.driver",
+LATE = ("partc.partition.boundary", "partc.partition.pipeline", "partc.runtime.boundary_codec",
+        "partc.runtime.driver",
         "partc.runtime.device", "partc.runtime.mesh", "partc.parallel.experts", "difflib",
         "partc.parallel.layout", "partc.parallel.shape")
 found["late"] = sorted(m for m in LATE if m in sys.modules)
@@ -86,9 +87,11 @@ def test_the_runtime_imports_ml_dtypes_only_for_a_bf16_or_fp8_tensor(tmp_path: P
                                 list(t.local_shape)] for t in compiled.layout.tensors]
     assert found["info"] == [compiled.info.owned_tensors, compiled.info.local_parameter_bytes,
                              compiled.info.local_parameter_bytes]
-    assert found["late after boundary"] == ["partc.parallel.layout", "partc.partition.boundary"]
+    assert found["late after boundary"] == ["partc.parallel.layout", "partc.partition.boundary",
+                                            "partc.runtime.boundary_codec"]
     assert found["late after topology"] == ["partc.parallel.layout", "partc.parallel.shape",
-                                            "partc.partition.boundary", "partc.runtime.mesh"]
+                                            "partc.partition.boundary",
+                                            "partc.runtime.boundary_codec", "partc.runtime.mesh"]
 
 
 def test_the_header_hash_equals_hashlibs_sha256() -> None:

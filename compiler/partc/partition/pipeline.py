@@ -8,7 +8,7 @@ from typing import Any
 
 from partc.errors import ArchitecturePartitionErrorKind
 from partc.parallel.shape import size_problem
-from partc.partition.boundary import ArchitectureBoundary, PipelineWireContract
+from partc.partition.boundary import PipelineWireContract
 from partc.partition.ownership import (
     ArchitectureParameterDescription,
     ExecutionGraph,
@@ -238,33 +238,27 @@ class ArchitecturePartition:
         return tuple(sorted({g.owner.static_roles[0] for g in self.owned_groups(description)
                              if g.owner.static_roles}))
 
-    def architecture_boundary(self) -> ArchitectureBoundary:
-        """Typed encode/decode of this stage's cuts (needs a wire contract)."""
-        from partc.partition.boundary import architecture_boundary
-
+    def wire_contract(self) -> PipelineWireContract:
+        """The pipeline's wire contract this stage was realized with (an error without one)."""
         if self.boundary is None:
             raise partition_error(ArchitecturePartitionErrorKind.MISSING_BOUNDARY,
                                    f"stage {self.stage} was realized without a pipeline wire "
                                    "contract; pass `boundary=` to realize_partition")
-        return architecture_boundary(self.boundary)
+        return self.boundary
 
-    def receiving_boundary(self) -> ArchitectureBoundary:
-        """Typed decode of the cut this stage receives at (the per-group schema when the family
-        declares one, else the pipeline's one boundary)."""
-        from partc.partition.boundary import architecture_boundary
-
+    def receiving_contract(self) -> PipelineWireContract:
+        """The wire contract of the cut this stage receives at (the per-group schema when the
+        family declares one, else the pipeline's one boundary)."""
         if self.receive_boundary is not None:
-            return architecture_boundary(self.receive_boundary)
-        return self.architecture_boundary()
+            return self.receive_boundary
+        return self.wire_contract()
 
-    def sending_boundary(self) -> ArchitectureBoundary:
-        """Typed encode of the cut this stage sends at (the per-group schema when the family
-        declares one, else the pipeline's one boundary)."""
-        from partc.partition.boundary import architecture_boundary
-
+    def sending_contract(self) -> PipelineWireContract:
+        """The wire contract of the cut this stage sends at (the per-group schema when the
+        family declares one, else the pipeline's one boundary)."""
         if self.send_boundary is not None:
-            return architecture_boundary(self.send_boundary)
-        return self.architecture_boundary()
+            return self.send_boundary
+        return self.wire_contract()
 
     def to_json(self) -> dict[str, object]:
         """JSON form (the graph, bindings and boundary are recorded once, elsewhere)."""

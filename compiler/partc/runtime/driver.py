@@ -20,9 +20,9 @@ from partc.errors import (
     LayeredPartitionError,
     LayeredPartitionErrorKind,
 )
+from partc.runtime.boundary_codec import ArchitectureBoundaryValue, boundary_for
 
 if TYPE_CHECKING:
-    from partc.partition.boundary import ArchitectureBoundaryValue
     from partc.partition.pipeline import ArchitecturePartition, PartitionState
 
 Range = tuple[int, int]
@@ -241,7 +241,7 @@ class LayeredPartitionDriver:
                          "of them")
         if boundary is None:
             return LayeredPartitionInput(tokens=tokens)
-        decoded = self.partition.receiving_boundary().decode(boundary)
+        decoded = boundary_for(self.partition.receiving_contract()).decode(boundary)
         return LayeredPartitionInput(boundary=decoded)
 
     def run(self, executor: LayeredPartitionExecutor[Any], *, tokens: Any = None,
@@ -284,4 +284,4 @@ class LayeredPartitionDriver:
                          f"return the boundary tensors by role; it returned "
                          f"{type(result).__name__}")
         return LayeredPartitionOutput(
-            boundary=self.partition.sending_boundary().encode_values(result))
+            boundary=boundary_for(self.partition.sending_contract()).encode_values(result))

@@ -22,12 +22,9 @@ from partc.runtime.headers import paused_gc
 if TYPE_CHECKING:  # imported where used: a plain load needs none of them (import cost)
     from partc.parallel.experts import ExpertMap
     from partc.parallel.layout import LocalModelLayout, ParallelModelInfo
-    from partc.partition.boundary import (
-        ArchitectureBoundary,
-        BoundaryWireSchema,
-        PipelineWireContract,
-    )
+    from partc.partition.boundary import BoundaryWireSchema, PipelineWireContract
     from partc.partition.pipeline import ArchitecturePartition, PartitionState
+    from partc.runtime.boundary_codec import ArchitectureBoundary
     from partc.runtime.driver import LayeredPartitionDriver
 
 
@@ -364,27 +361,27 @@ def receive_boundary(source: Any) -> ArchitectureBoundary | None:
     """Typed decode of the cut a stage receives at (None on the first stage); the one
     pipeline boundary in a build without per-group boundaries. `source`: a generated rank
     module or its RankTable."""
-    from partc.partition.boundary import architecture_boundary as _boundary_for
+    from partc.runtime.boundary_codec import boundary_for
 
     table = _rank_table(source, "receive_boundary")
     if table.receive_boundary is None and table.send_boundary is None:
         return None if table.pipeline_stage == 0 else architecture_boundary(table)
     contract = _contract(table, table.receive_boundary)
-    return None if contract is None else _boundary_for(contract)
+    return None if contract is None else boundary_for(contract)
 
 
 def send_boundary(source: Any) -> ArchitectureBoundary | None:
     """Typed encode of the cut a stage sends at (None on the last stage); the one pipeline
     boundary in a build without per-group boundaries. `source`: a generated rank module or
     its RankTable."""
-    from partc.partition.boundary import architecture_boundary as _boundary_for
+    from partc.runtime.boundary_codec import boundary_for
 
     table = _rank_table(source, "send_boundary")
     if table.receive_boundary is None and table.send_boundary is None:
         last = table.pipeline_stage == table.pipeline_parallel_size - 1
         return None if last else architecture_boundary(table)
     contract = _contract(table, table.send_boundary)
-    return None if contract is None else _boundary_for(contract)
+    return None if contract is None else boundary_for(contract)
 
 
 def partition_state(table: RankTable) -> PartitionState:
@@ -406,9 +403,9 @@ def wire_contract(table: RankTable) -> PipelineWireContract:
 
 def architecture_boundary(table: RankTable) -> ArchitectureBoundary:
     """Typed encode/decode of the pipeline boundary under the wire contract."""
-    from partc.partition.boundary import architecture_boundary as _boundary_for
+    from partc.runtime.boundary_codec import boundary_for
 
-    return _boundary_for(wire_contract(table))
+    return boundary_for(wire_contract(table))
 
 
 def layered_partition_driver(table: RankTable, storage: Mapping[str, Any] | None = None
