@@ -360,6 +360,30 @@ def test_module_names_are_unique_in_the_package():
     assert not duplicate_module_names(_modules())
 
 
+def payload_codec_sites(modules: dict[str, ast.Module]) -> list[str]:
+    """Where a module outside the runtime encodes, decodes or refuses a boundary payload: a
+    function named encode*/decode* in `partition/`, or a BoundaryPayloadError raised."""
+    found = []
+    for name, tree in sorted(modules.items()):
+        if _room(name) == "runtime":
+            continue
+        for node in ast.walk(tree):
+            if (_room(name) == "partition"
+                    and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and node.name.startswith(("encode", "decode"))):
+                found.append(f"{name}: defines {node.name}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id == "BoundaryPayloadError"):
+                found.append(f"{name}: raises BoundaryPayloadError")
+    return sorted(found)
+
+
+def test_only_the_runtime_encodes_or_decodes_a_boundary_payload():
+    # the wire schemas are the partition's vocabulary; a payload exists only in a serving
+    # process, so its encode, decode and refusals are the runtime's (runtime/boundary_codec.py)
+    assert payload_codec_sites(_modules()) == []
+
+
 def _synthetic(sources: dict[str, str]) -> dict[str, ast.Module]:
     return {name: ast.parse(text) for name, text in sources.items()}
 
@@ -394,6 +418,18 @@ def test_the_name_check_finds_two_modules_of_one_stem():
     modules = _synthetic({"partc.plan.ranks": "", "partc.runtime.ranks": "", "partc.plan": ""})
     assert duplicate_module_names(modules) == {"ranks": ["partc.plan.ranks",
                                                          "partc.runtime.ranks"]}
+
+
+def test_the_payload_check_finds_a_codec_outside_the_runtime():
+    modules = _synthetic({
+        "partc.partition.wire": "class B:\n    def encode_values(self): ...\n"
+                                "def decode(): ...\ndef resolve(): ...\n",
+        "partc.plan.cut": "def f():\n    raise BoundaryPayloadError(kind, 'm')\n",
+        "partc.runtime.codec": "def decode(): raise BoundaryPayloadError(kind, 'm')\n",
+    })
+    assert payload_codec_sites(modules) == [
+        "partc.partition.wire: defines decode", "partc.partition.wire: defines encode_values",
+        "partc.plan.cut: raises BoundaryPayloadError"]
 
 
 def test_the_rank_check_refuses_an_import_of_a_later_stage():

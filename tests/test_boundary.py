@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import partc.plan.topology
+import partc.runtime
 from partc.errors import (
     ArchitectureBoundaryError,
     ArchitectureBoundaryErrorKind,
@@ -485,6 +486,15 @@ def test_a_yaml_family_with_a_residual_round_trips_across_its_generated_stages(r
     np.testing.assert_array_equal(received["residual"], residual)
     np.testing.assert_array_equal(received["positions"], positions)
     assert last.partition().boundary == first.partition().boundary
+
+
+def test_a_generated_stage_hands_out_the_runtimes_codec(residual_build):
+    _, package = residual_build
+    first = package.rank_module(0)
+    assert ArchitectureBoundary.__module__ == "partc.runtime.boundary_codec"
+    assert type(first.boundary()) is ArchitectureBoundary  # it carries auxiliary tensors
+    assert type(partc.runtime.architecture_boundary(first._TABLE)) is ArchitectureBoundary
+    assert type(partc.runtime.send_boundary(first)) is ArchitectureBoundary
 
 
 @pytest.mark.parametrize(("damage", "kind", "message"), [
