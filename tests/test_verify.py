@@ -42,6 +42,8 @@ MODULES = {
               "transformer.h.0.self_attention"),
     "gpt2": ("transformer.wte", "transformer.ln_f", "transformer.h.0.attn"),
     "phi": ("model.embed_tokens", "model.final_layernorm", "model.layers.0.self_attn"),
+    "codegen": ("transformer.wte", "transformer.ln_f", "transformer.h.0.attn"),
+    "dbrx": ("transformer.wte", "transformer.norm_f", "transformer.blocks.0.norm_attn_norm"),
 }
 
 
