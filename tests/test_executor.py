@@ -72,7 +72,7 @@ def heads_of(config: dict[str, Any]) -> tuple[int, int, int, int, int]:
     """(heads, kv heads, q/k head dim, v head dim, kv_b rows per head)."""
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
-    if config["model_type"] == "deepseek_v3":
+    if config["model_type"] in ("deepseek_v2", "deepseek_v3"):
         qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
         v = config["v_head_dim"]
         return heads, kv_heads, qk, v, config["qk_nope_head_dim"] + v

@@ -1,4 +1,4 @@
-"""The numpy executor reproduces HF for the families added in issue 11, whole and sharded.
+"""The numpy executor reproduces HF for the families added in issues 11 and 35, whole and sharded.
 
 Fixtures are real HF checkpoints (``tests/fixtures/hf/<name>``, or ``hf_pending/<name>`` until
 they move). Rank shards are cut by the executor's own numpy plan (``executor.cut``), independent
@@ -28,7 +28,8 @@ from executor import (
     load_fixture,
 )
 
-FAMILIES = ["gpt2", "gpt_neox", "falcon", "bloom", "olmo2", "granite", "stablelm", "phi"]
+FAMILIES = ["gpt2", "gpt_neox", "falcon", "bloom", "olmo2", "granite", "stablelm", "phi",
+            "codegen", "dbrx"]
 TOLERANCE = 1e-4
 
 
@@ -85,9 +86,9 @@ def test_two_stage_pipeline_reproduces_hf_and_sends_the_layer_output(family: str
     layers = [range(0, 1), range(1, 2)]
     stages = [cut_shards(config, tensors, tp, layers=rng) for rng in layers]
     first, last = set(stages[0][0].tensors), set(stages[1][0].tensors)
-    assert not any(re.search(r"\.(h|layers)\.1\.", n) for n in first)
-    assert not any(re.search(r"\.(h|layers)\.0\.", n) for n in last)
-    assert not any(re.search(r"final|ln_f|model\.norm|lm_head|embed_out", n) for n in first)
+    assert not any(re.search(r"\.(h|layers|blocks)\.1\.", n) for n in first)
+    assert not any(re.search(r"\.(h|layers|blocks)\.0\.", n) for n in last)
+    assert not any(re.search(r"final|ln_f|norm_f|model\.norm|lm_head|embed_out", n) for n in first)
     result = forward_pipeline(config, stages, layers, ref["input_ids"])
     assert rel_err(result.logits, ref["logits"]) < TOLERANCE
     assert rel_err(result.sent[0], ref["layer_outputs"][0]) < TOLERANCE
@@ -141,6 +142,19 @@ def test_olmo2_norm_weights_follow_the_projection_rows_under_kv_replication() ->
         Selection(0, ((0, 16),)), Selection(0, ((0, 16),)),
         Selection(0, ((16, 32),)), Selection(0, ((16, 32),)),
     ]
+
+
+def test_codegen_qkv_is_cut_by_heads_inside_each_mp_num_group_of_q_v_k() -> None:
+    name = "transformer.h.0.attn.qkv_proj.weight"  # 4 groups of [q_g | v_g | k_g], 32 rows each
+    assert selections("codegen", 8, name)[1] == Selection(0, ((16, 32), (48, 64), (80, 96)))
+    assert selections("codegen", 2, name) == [Selection(0, ((0, 192),)),
+                                              Selection(0, ((192, 384),))]
+
+
+def test_dbrx_fused_experts_are_cut_by_the_same_channels_of_every_expert_block() -> None:
+    blocks = Selection(0, ((16, 32), (48, 64), (80, 96), (112, 128)))  # 4 experts of 32 rows
+    for part in ("w1", "v1", "w2"):
+        assert selections("dbrx", 2, f"transformer.blocks.0.ffn.experts.mlp.{part}")[1] == blocks
 
 
 def test_bloom_alibi_follows_global_head_ids_whatever_the_rank_order() -> None:
@@ -211,6 +225,27 @@ def test_replicated_kv_ranks_that_disagree_are_refused() -> None:
     name = "model.layers.0.self_attn.k_proj.weight"
     ranks[1].tensors[name] = ranks[1].tensors[name] + np.float32(0.5)  # kv head 0 replica
     with pytest.raises(ShardingError, match="k_norm.weight sum of squares: ranks holding"):
+        forward_tensor_parallel(config, ranks, ref["input_ids"])
+
+
+def test_a_dbrx_w2_cut_as_whole_experts_while_w1_splits_channels_is_refused() -> None:
+    config, tensors, ref = fixture("dbrx")
+    ranks = cut_shards(config, tensors, 2)
+    name = "transformer.blocks.0.ffn.experts.mlp.w2"
+    for i, rng in enumerate(((0, 64), (64, 128))):  # experts 0-1, 2-3: every channel of them
+        ranks[i] = with_selection(ranks[i], name, tensors[name], Selection(0, (rng,)))
+    with pytest.raises(ShardingError, match="mlp.w2 expert 0: 32 channels, w1 16"):
+        forward_tensor_parallel(config, ranks, ref["input_ids"])
+
+
+def test_codegen_qkv_cut_as_if_component_major_is_refused() -> None:
+    config, tensors, ref = fixture("codegen")
+    ranks = cut_shards(config, tensors, 2)
+    name = "transformer.h.0.attn.qkv_proj.weight"  # rank i: half of each 128-row third
+    for i in range(2):
+        sel = Selection(0, tuple((128 * c + 64 * i, 128 * c + 64 * i + 64) for c in range(3)))
+        ranks[i] = with_selection(ranks[i], name, tensors[name], sel)
+    with pytest.raises(ShardingError, match="kv heads of the local q heads|v heads"):
         forward_tensor_parallel(config, ranks, ref["input_ids"])
 
 

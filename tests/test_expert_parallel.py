@@ -47,6 +47,11 @@ CASES = [
     ("gpt_oss", 2, 2, 2, 1, "explicit"),
     ("gpt_oss", 8, 2, 1, 1, "redundant"),
     ("gpt_oss", 4, 1, 2, 1, "explicit"),
+    # DBRX's fused [E * I, H] experts: an EP rank holds whole expert blocks of w1 / v1 / w2
+    ("dbrx", 2, 1, 1, 1, "balanced"),
+    ("dbrx", 4, 2, 2, 1, "balanced"),
+    ("dbrx", 2, 2, 1, 1, "explicit"),  # (a stacked group refuses --etp > 1)
+    ("dbrx", 4, 1, 2, 1, "redundant"),
 ]
 CASE_IDS = [f"{f}-ep{e}-tp{t}-pp{s}-etp{x}-{p}" for f, e, t, s, x, p in CASES]
 QUANTIZED_CASES = [("gpt_oss_mxfp4", 2, 1, 1, 1, "explicit"),
@@ -54,7 +59,9 @@ QUANTIZED_CASES = [("gpt_oss_mxfp4", 2, 1, 1, 1, "explicit"),
 
 
 def experts_of(config: dict[str, Any]) -> int:
-    """The routed experts of an HF config."""
+    """The routed experts of an HF config (DBRX: `ffn_config.moe_num_experts`)."""
+    if config["model_type"] == "dbrx":
+        return int(config["ffn_config"]["moe_num_experts"])
     return int(next(config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
                     if config.get(k)))
 
@@ -197,6 +204,14 @@ def check_expert_map(plan: Any, modules: list[Any], states: list[Any],
             axis, ranges = state.layout[name].selection
             assert axis == 0
             assert [i for a, b in ranges for i in range(a, b)] == mine
+        # DBRX's fused [E * I, H] tensors: rows of whole expert blocks, in expert-id order
+        fused = [n for n in state.tensors if n.endswith(("mlp.w1", "mlp.v1", "mlp.w2"))]
+        for name in fused:
+            axis, ranges = state.layout[name].selection
+            rows = state.layout[name].global_shape[0] // experts
+            assert axis == 0
+            blocks = [i // rows for a, b in ranges for i in range(a, b)]
+            assert sorted(set(blocks)) == sorted(mine)
 
 
 @pytest.mark.parametrize(("name", "ep", "tp", "pp", "etp", "kind"), CASES, ids=CASE_IDS)

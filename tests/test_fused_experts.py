@@ -115,3 +115,29 @@ def test_codegen_ranks_take_their_heads_inside_each_mp_num_group_of_q_v_k(tmp_pa
         want = np.concatenate([grouped[g, c, [h % per_group for h in mine if h // per_group == g]]
                                for g in groups for c in range(3)]).reshape(-1, hidden)
         np.testing.assert_array_equal(np.asarray(state.tensors[name]), want)
+
+
+def test_a_fused_expert_member_split_as_whole_experts_is_located_at_its_own_sharding(tmp_path):
+    """The error names the member's `sharding:` (where the mistake is), not the group's
+    `experts:` line, which is right."""
+    text = (ARCHITECTURES / "dbrx.yaml").read_text()
+    w2 = 'ffn.experts.mlp.w2"   # used as x @ w2: [in, out]\n'
+    old = ('        shape: [moe_num_experts * ffn_hidden_size, hidden_size]\n        sharding:\n'
+           '          partitioned_segments: {axis: 0, segments: "[ffn_hidden_size] * '
+           'moe_num_experts"}\n')
+    new = ('        shape: [moe_num_experts * ffn_hidden_size, hidden_size]\n'
+           '        sharding: {partitioned: 0}\n')
+    start = text.index(w2)
+    assert text[start + len(w2):].startswith(old)
+    path = tmp_path / "dbrx.yaml"
+    path.write_text(text[:start + len(w2)] + new + text[start + len(w2) + len(old):])
+    lines = path.read_text().splitlines()
+    line = next(i for i, s in enumerate(lines, 1) if s == "        sharding: {partitioned: 0}")
+    column = len("        sharding: ") + 1  # the rule, as every located value
+    errors = check_family(path, hf("dbrx") / "config.json")
+    assert [str(e) for e in errors] == [
+        f"{path}:{line}:{column}: `transformer.blocks.0.ffn.experts.mlp.w2` is "
+        "partitioned(axis 0) along the expert axis 0, which holds 4 experts of 32 rows: its "
+        "cuts would give a tensor-parallel rank a range of whole experts instead of the same "
+        "rows inside every expert; split each expert on its own, e.g. `partitioned_segments: "
+        "{axis: 0, segments: \"[32] * 4\"}` [at /parameters/5/members/2/sharding]"]

@@ -37,8 +37,8 @@ WIDE_TOPOLOGIES = [(4, 1), (4, 2)]
 
 
 def layer_count(config: dict) -> int:
-    """Decoder layers of an HF config (GPT-2 lineage spells it `n_layer`)."""
-    return int(config.get("num_hidden_layers", config.get("n_layer", 0)))
+    """Decoder layers of an HF config (GPT-2 lineage spells it `n_layer`, DBRX `n_layers`)."""
+    return int(config.get("num_hidden_layers", config.get("n_layer", config.get("n_layers", 0))))
 
 
 def config_of(name: str) -> dict:
@@ -47,6 +47,8 @@ def config_of(name: str) -> dict:
 
 CASES = [(name, topology) for name in FIXTURES for topology in TOPOLOGIES + WIDE_TOPOLOGIES
          if topology[1] < 3 or layer_count(config_of(name)) >= 3]
+# CodeGen's 16 heads over 8 ranks: 2 heads of one of its 4 mp_num groups per rank (T > mp_num)
+CASES += [("codegen", (8, 1)), ("codegen", (8, 2))]
 CASE_IDS = [f"{name}-tp{t}-pp{s}" for name, (t, s) in CASES]
 
 

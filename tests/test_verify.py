@@ -42,6 +42,8 @@ MODULES = {
               "transformer.h.0.self_attention"),
     "gpt2": ("transformer.wte", "transformer.ln_f", "transformer.h.0.attn"),
     "phi": ("model.embed_tokens", "model.final_layernorm", "model.layers.0.self_attn"),
+    "codegen": ("transformer.wte", "transformer.ln_f", "transformer.h.0.attn"),
+    "dbrx": ("transformer.wte", "transformer.norm_f", "transformer.blocks.0.norm_attn_norm"),
 }
 
 
@@ -60,6 +62,19 @@ def test_every_built_in_family_passes_verify_at_t_1_2_4_and_a_pipeline_split(nam
     assert {embed, norm, attention} <= modules
     split = [c for c in report.checks if c.tp == 2 and c.module == attention]
     assert split and all(c.rank is None and c.group for c in split)  # summed over the ranks
+    assert all(c.max_error <= c.tolerance for c in report.checks)
+
+
+def test_codegen_verifies_at_t_8_with_two_heads_of_one_mp_num_group_per_rank():
+    """Past T=4 where the heads allow (issue 35): the sweep above stops at 4; CodeGen's 16 heads
+    split over 8 ranks, beyond its 4 `mp_num` groups. DBRX (4 query heads over 2 KV heads) and
+    DeepSeek-V2 (4 MLA heads) have no legal T in 5..8; Mamba's sweep is in tests/test_ssm.py."""
+    report = verify_family(None, hf("codegen") / "config.json", tensor_parallel_sizes=[8],
+                           pipeline_parallel_size=1)
+    assert report.ok, report.first_failure
+    assert {(c.tp, c.pp) for c in report.checks} == {(8, 1)}
+    split = [c for c in report.checks if c.module == "transformer.h.0.attn"]
+    assert split and all(c.rank is None and c.group == "layers.0.attention" for c in split)
     assert all(c.max_error <= c.tolerance for c in report.checks)
 
 

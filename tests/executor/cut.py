@@ -9,6 +9,10 @@ intermediate dimension split evenly. Each fused layout is cut the way it is stor
 * per-head interleaved (gpt_neox, bloom): whole ``[q_h | k_h | v_h]`` blocks;
 * grouped per KV head (falcon): per group, the rank's query rows of the group plus the group's
   k and v rows (whole groups when the rank holds every query head of them);
+* CodeGen's ``mp_num`` groups of ``[q_g | v_g | k_g]``: in each group holding some of the rank's
+  heads, those heads' rows of q, of v and of k;
+* DBRX's fused experts ``w1`` / ``v1`` / ``w2`` ``[E * I, H]``: the rank's intermediate channels
+  inside every expert's block of ``I`` rows;
 * Conv1D weights (gpt2) are ``[in, out]``: column-parallel on axis 1, row-parallel on axis 0;
 * OLMo-2's ``q_norm`` / ``k_norm`` follow their projection's out axis.
 """
@@ -68,6 +72,16 @@ def _fused_ranges(arch: Arch, q0: int, q1: int) -> Ranges:
             queries = (g * size + s0 * hd, g * size + s1 * hd)
             ranges += [queries, (g * size + group * hd, (g + 1) * size)]  # then k_g, v_g
         return ranges
+    if layout == "mp_grouped":
+        local, per_group = heads * hd // arch.mp_num, heads // arch.mp_num
+        ranges = []
+        for g in range(q0 // per_group, (q1 - 1) // per_group + 1):
+            base = g * per_group
+            s0, s1 = max(q0, base) - base, min(q1, base + per_group) - base
+            for part in range(3):  # q, v, k
+                start = g * 3 * local + part * local
+                ranges.append((start + s0 * hd, start + s1 * hd))
+        return ranges
     raise ValueError(f"no fused layout {layout!r}")
 
 
@@ -104,7 +118,13 @@ def selection(
     for up in spec.mlp[:-1]:
         by_rest[f"{up}.weight"] = (col_axis, [inter])
         by_rest[f"{up}.bias"] = (0, [inter])
-    by_rest[f"{spec.mlp[-1]}.weight"] = (row_axis, [inter])
+    if spec.mlp:
+        by_rest[f"{spec.mlp[-1]}.weight"] = (row_axis, [inter])
+    if spec.moe == "dbrx":
+        experts, size = int(arch.config["ffn_config"]["moe_num_experts"]), arch.intermediate
+        blocks = [(e * size + inter[0], e * size + inter[1]) for e in range(experts)]
+        for part in ("w1", "v1", "w2"):
+            by_rest[f"ffn.experts.mlp.{part}"] = (0, blocks)
     if rest not in by_rest:
         return None  # norms, output biases (added once after the reduction)
     axis, ranges = by_rest[rest]

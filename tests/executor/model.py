@@ -7,7 +7,8 @@ row-parallel all-reduce, vocab-parallel logit gather).
 
 Supported ``model_type`` values: llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral,
 qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, gpt_oss, plus the families of :mod:`.variants`
-(gpt2, gpt_neox, falcon, bloom, olmo2, granite, stablelm, phi), which have their own tensor names.
+(gpt2, gpt_neox, falcon, bloom, olmo2, granite, stablelm, phi, codegen, dbrx), which have their
+own tensor names, and :mod:`.ssm` (mamba).
 Tensor names are the on-disk checkpoint names.
 """
 

@@ -172,6 +172,24 @@ def apply_rope(x: Array, cos: Array, sin: Array, *, interleaved: bool = False) -
     return np.concatenate([out, x_pass], axis=-1).astype(F32)
 
 
+def apply_rope_every_two(x: Array, cos: Array, sin: Array) -> Array:
+    """GPT-J rotation of the first ``cos.shape[-1]`` features of ``x`` [..., S, d] (HF CodeGen's
+    ``apply_rotary_pos_emb``): pair ``(x[2i], x[2i+1])`` turns by frequency ``i``.
+
+    ``cos`` / ``sin`` are :func:`rope_tables`' ``[S, rot]`` tables (``[freqs | freqs]``); the
+    first half gives one angle per pair, repeated for both features of the pair as HF's
+    ``repeat_interleave`` does.
+    """
+    rot_dim = cos.shape[-1]
+    half = rot_dim // 2
+    cos2 = np.repeat(cos[..., :half], 2, axis=-1)
+    sin2 = np.repeat(sin[..., :half], 2, axis=-1)
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    rotated = np.stack([-x_rot[..., 1::2], x_rot[..., ::2]], axis=-1).reshape(x_rot.shape)
+    out = x_rot * cos2 + rotated * sin2
+    return np.concatenate([out, x_pass], axis=-1).astype(F32)
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -285,6 +303,18 @@ def route_deepseek(
     if normalize:
         weight = weight / (np.sum(weight, axis=-1, keepdims=True) + F32(1e-20))
     return index, (weight * F32(scaling_factor)).astype(F32)
+
+
+def route_dbrx(logits: Array, top_k: int, p_norm: float | None) -> tuple[Array, Array]:
+    """DBRX ``DbrxFFN.route_tokens_to_experts``: softmax over all experts, top-k, the weights
+    divided by their ``p_norm``-norm (``moe_normalize_expert_weights``; None: kept as they are)."""
+    probs = softmax(logits.astype(F32))
+    index = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weight = np.take_along_axis(probs, index, axis=-1)
+    if p_norm is not None:
+        norm = np.sum(np.abs(weight) ** F32(p_norm), axis=-1, keepdims=True) ** F32(1 / p_norm)
+        weight = weight / norm
+    return index, weight.astype(F32)
 
 
 def gpt_oss_glu(gate: Array, up: Array, alpha: float, limit: float) -> Array:

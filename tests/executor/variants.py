@@ -1,5 +1,5 @@
 """Decoder families with their own tensor names and layouts: gpt2, gpt_neox, falcon, bloom,
-olmo2, granite, stablelm, phi.
+olmo2, granite, stablelm, phi, codegen, dbrx.
 
 A :class:`Spec` per family names the checkpoint tensors and picks the variant of each part
 (norm kind, residual wiring, fused-qkv layout, MLP kind, Conv1D orientation, positions). The
@@ -51,7 +51,7 @@ class Spec:
     mlp: tuple[str, ...]  # (up, down) plain, (gate, up, down) gated
     norms: tuple[str, ...]  # per-layer norm prefixes, in the order ``residual`` uses them
     residual: str  # sequential | parallel | shared | post
-    qkv: str  # separate | component | interleaved | grouped
+    qkv: str  # separate | component | interleaved | grouped | mp_grouped
     fused: str = "query_key_value"
     lm_head: str | None = None  # None: tied to ``embed``
     norm: str = "layer"  # layer (with bias) | rms
@@ -60,6 +60,9 @@ class Spec:
     embed_norm: str | None = None
     alibi: bool = False
     qk_norm: bool = False  # OLMo-2 RMSNorm over the whole q / k projection width
+    norm_bias: bool = True  # False: LayerNorms without a bias (DBRX)
+    rope: str = "half"  # half (HF rotate_half) | every_two (GPT-J pairs, CodeGen)
+    moe: str | None = None  # dbrx: fused per-expert w1 / v1 / w2 [E * I, H] and a router
 
 
 SPECS: dict[str, Spec] = {
@@ -113,6 +116,21 @@ SPECS: dict[str, Spec] = {
         mlp=("mlp.fc1", "mlp.fc2"), norms=("input_layernorm",), residual="shared",
         qkv="separate", lm_head="lm_head.weight",
     ),
+    # CodeGen: qkv_proj is mp_num (4, fixed in HF) groups of [q_g | v_g | k_g]; attention and
+    # MLP both read ln_1 (parallel residual); GPT-J rotary on the first rotary_dim features
+    "codegen": Spec(
+        embed="transformer.wte.weight", layer="transformer.h.{}.", final_norm="transformer.ln_f",
+        attn="attn", out="out_proj", mlp=("mlp.fc_in", "mlp.fc_out"), norms=("ln_1",),
+        residual="shared", qkv="mp_grouped", fused="qkv_proj", lm_head="lm_head.weight",
+        rope="every_two",
+    ),
+    # DBRX: Wqkv [q | k | v] clamped to +-clip_qkv, bias-free LayerNorms, fused-expert MoE
+    "dbrx": Spec(
+        embed="transformer.wte.weight", layer="transformer.blocks.{}.",
+        final_norm="transformer.norm_f", attn="norm_attn_norm.attn", out="out_proj",
+        mlp=(), norms=("norm_attn_norm.norm_1", "norm_attn_norm.norm_2"), residual="sequential",
+        qkv="component", fused="Wqkv", lm_head="lm_head.weight", norm_bias=False, moe="dbrx",
+    ),
 }
 SUPPORTED = frozenset(SPECS)
 # Config switches whose other setting these specs do not model: (model_type, key, supported value).
@@ -150,6 +168,10 @@ class Arch:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    clip_qkv: float | None = None
+    """DBRX: the fused qkv output clamped elementwise to ``[-clip_qkv, clip_qkv]``."""
+    mp_num: int = 1
+    """CodeGen: the groups of its fused qkv (HF's ``CodeGenAttention.mp_num``)."""
 
 
 def _first(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
@@ -170,11 +192,15 @@ def describe(config: Mapping[str, Any]) -> Arch:
             raise NotImplementedError(f"{mt}: {key}={config[key]!r} (executor models {value})")
     if mt == "falcon" and config.get("num_ln_in_parallel_attn") not in (None, 2):
         raise NotImplementedError("falcon: only ln_attn + ln_mlp (num_ln_in_parallel_attn 2)")
-    hidden = int(_first(config, "hidden_size", "n_embd"))
-    n_heads = int(_first(config, "num_attention_heads", "n_head"))
+    hidden = int(_first(config, "hidden_size", "n_embd", "d_model"))
+    n_heads = int(_first(config, "num_attention_heads", "n_head", "n_heads"))
     head_dim = hidden // n_heads
     n_kv = n_heads
-    if mt == "falcon":  # multi_query is ignored under new_decoder_architecture
+    attn_config = config.get("attn_config") or {}
+    ffn_config = config.get("ffn_config") or {}
+    if mt == "dbrx":
+        n_kv = int(attn_config["kv_n_heads"])
+    elif mt == "falcon":  # multi_query is ignored under new_decoder_architecture
         if config.get("new_decoder_architecture"):
             n_kv = int(config["num_kv_heads"])
         elif config.get("multi_query"):
@@ -187,29 +213,41 @@ def describe(config: Mapping[str, Any]) -> Arch:
         or _first(config, "partial_rotary_factor", "rotary_pct", default=1.0)
     )
     uses_rope = not spec.alibi and spec.wpe is None
+    rotary_dim = int(head_dim * partial) if uses_rope else 0
     act_name = "bloom_gelu" if mt == "bloom" else _first(
         config, "hidden_act", "activation_function", "activation", default="gelu"
     )
     intermediate = int(
         _first(config, "intermediate_size", "n_inner", "ffn_hidden_size", default=4 * hidden)
     )
+    eps = _first(config, "layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps")
+    if mt == "codegen":
+        if config.get("rotary_dim") is None:
+            raise NotImplementedError("codegen: rotary_dim None (HF rotates the whole head)")
+        rotary_dim = int(config["rotary_dim"])
+    if mt == "dbrx":
+        act_name = (ffn_config.get("ffn_act_fn") or {}).get("name", "silu")
+        intermediate = int(ffn_config["ffn_hidden_size"])
+        eps = 1e-5  # nn.LayerNorm's default: DBRX's norms take no eps from the config
     return Arch(
         spec=spec,
         config=config,
         hidden=hidden,
         vocab=int(config["vocab_size"]),
-        n_layers=int(_first(config, "num_hidden_layers", "n_layer")),
+        n_layers=int(_first(config, "num_hidden_layers", "n_layer", "n_layers")),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
         intermediate=intermediate,
-        eps=float(_first(config, "layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps")),
+        eps=float(eps),
         act=ops.ACTIVATIONS[act_name],
-        rotary_dim=int(head_dim * partial) if uses_rope else 0,
+        rotary_dim=rotary_dim,
         scaling=float(config.get("attention_multiplier") or head_dim**-0.5),
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
         logits_scaling=float(config.get("logits_scaling", 1.0)),
+        clip_qkv=None if attn_config.get("clip_qkv") is None else float(attn_config["clip_qkv"]),
+        mp_num=4 if mt == "codegen" else 1,
     )
 
 
@@ -248,13 +286,17 @@ def run(
 ) -> Pass:
     """Run ``layers`` on the tensor-parallel ``ranks`` (see ``model.forward_tensor_parallel``)."""
     arch = describe(config)
+    expert_ranks = ranks  # routed experts: every rank; dense parts: those not experts_only
+    ranks = [rank for rank in ranks if not rank.experts_only]
+    if not ranks:
+        raise ShardingError("every rank is experts_only; no rank holds the dense parts")
     hidden = _embed(arch, ranks, input_ids) if hidden_in is None else hidden_in
     seq = input_ids.shape[1]
     rope = ops.rope_tables(config, arch.rotary_dim, seq) if arch.rotary_dim else None
     out = Pass(None, hidden, None, [], [])
     for layer in layers:
         out.layer_inputs.append(hidden)
-        hidden = _layer(arch, ranks, layer, hidden, rope)
+        hidden = _layer(arch, ranks, layer, hidden, rope, expert_ranks)
         out.layer_outputs.append(hidden)
     out.hidden = hidden
     if layers.stop == arch.n_layers:
@@ -267,7 +309,8 @@ def _norm(arch: Arch, ranks: Sequence[RankShard], prefix: str, x: Array) -> Arra
     weight = replicated(ranks, f"{prefix}.weight")
     if arch.spec.norm == "rms":
         return ops.rms_norm(x, weight, arch.eps)
-    return ops.layer_norm(x, weight, replicated(ranks, f"{prefix}.bias"), arch.eps)
+    bias = replicated(ranks, f"{prefix}.bias") if arch.spec.norm_bias else None
+    return ops.layer_norm(x, weight, bias, arch.eps)
 
 
 def _embed(arch: Arch, ranks: Sequence[RankShard], ids: Array) -> Array:
@@ -313,19 +356,24 @@ def _layer(
     layer: int,
     hidden: Array,
     rope: tuple[Array, Array] | None,
+    expert_ranks: Sequence[RankShard],
 ) -> Array:
+    """One decoder layer; a MoE's routed experts run on ``expert_ranks``."""
     spec, p = arch.spec, arch.spec.layer.format(layer)
+
     r = F32(arch.residual_multiplier)
     if spec.residual == "post":  # OLMo-2: norms on the branch outputs, no input norm
         h = hidden + _norm(arch, ranks, p + spec.norms[0], _attention(arch, ranks, p, hidden, rope))
-        return (h + _norm(arch, ranks, p + spec.norms[1], _mlp(arch, ranks, p, h))).astype(F32)
+        ff = _mlp(arch, ranks, expert_ranks, p, h)
+        return (h + _norm(arch, ranks, p + spec.norms[1], ff)).astype(F32)
     attn = _attention(arch, ranks, p, _norm(arch, ranks, p + spec.norms[0], hidden), rope)
     if spec.residual == "sequential":
         h = hidden + attn * r
-        return (h + _mlp(arch, ranks, p, _norm(arch, ranks, p + spec.norms[1], h)) * r).astype(F32)
+        ff = _mlp(arch, ranks, expert_ranks, p, _norm(arch, ranks, p + spec.norms[1], h))
+        return (h + ff * r).astype(F32)
     # parallel: its own norm of the layer input; shared (phi): the attention's norm again
     x_mlp = _norm(arch, ranks, p + spec.norms[-1], hidden)
-    return (hidden + attn + _mlp(arch, ranks, p, x_mlp)).astype(F32)
+    return (hidden + attn + _mlp(arch, ranks, expert_ranks, p, x_mlp)).astype(F32)
 
 
 # --------------------------------------------------------------------------- attention
@@ -346,6 +394,11 @@ def _decode_fused(arch: Arch, idx: Array) -> tuple[Array, Array]:
     if layout == "interleaved":  # head h: [q_h | k_h | v_h]
         head, within = idx // (3 * hd), idx % (3 * hd)
         return within // hd, head * hd + within % hd
+    if layout == "mp_grouped":  # CodeGen: mp_num groups of [q_g | v_g | k_g], value first
+        local = heads * hd // arch.mp_num
+        g, within = idx // (3 * local), idx % (3 * local)
+        comp = np.array([0, 2, 1])[within // local]
+        return comp, g * local + within % local
     if layout == "grouped":  # kv group g: [q_{g*G} .. q_{g*G+G-1} | k_g | v_g]
         group = heads // kv
         g, within = idx // ((group + 2) * hd), idx % ((group + 2) * hd)
@@ -361,6 +414,8 @@ def _qkv_flat(arch: Arch, rank: RankShard, prefix: str, x: Array) -> list[tuple[
     if arch.spec.qkv == "separate":
         return [column(rank, f"{prefix}.{c}_proj", x) for c in "qkv"]
     y, idx = _project(arch, rank, f"{prefix}.{arch.spec.fused}", x)
+    if arch.clip_qkv is not None:  # elementwise, so a rank clamps its own rows exactly
+        y = np.clip(y, -F32(arch.clip_qkv), F32(arch.clip_qkv)).astype(F32)
     comp, feature = _decode_fused(arch, idx)
     return [(y[..., comp == c], feature[comp == c]) for c in range(3)]
 
@@ -404,7 +459,8 @@ def _attention(
         v, v_heads = split_heads(v, v_idx, hd, f"{prefix} v")
         v = v[:, positions(k_heads, v_heads, f"{prefix} v heads")]
         if rope is not None:
-            q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
+            rotate = ops.apply_rope_every_two if arch.spec.rope == "every_two" else ops.apply_rope
+            q, k = rotate(q, *rope), rotate(k, *rope)
         group = arch.n_heads // arch.n_kv_heads
         kv = positions(q_heads // group, k_heads, f"{prefix}: kv heads of the local q heads")
         bias = None
@@ -427,7 +483,16 @@ def _attention(
 # --------------------------------------------------------------------------- feed-forward
 
 
-def _mlp(arch: Arch, ranks: Sequence[RankShard], p: str, x: Array) -> Array:
+def _mlp(
+    arch: Arch, ranks: Sequence[RankShard], expert_ranks: Sequence[RankShard], p: str, x: Array
+) -> Array:
+    """The layer's feed-forward: DBRX's MoE (routed experts on ``expert_ranks``) or dense."""
+    if arch.spec.moe == "dbrx":
+        return _dbrx_moe(arch, ranks, expert_ranks, p, x)
+    return _dense_mlp(arch, ranks, p, x)
+
+
+def _dense_mlp(arch: Arch, ranks: Sequence[RankShard], p: str, x: Array) -> Array:
     """Plain ``down(act(up x))`` or gated ``down(act(gate x) * up x)``, intermediate-parallel."""
     names = [p + name for name in arch.spec.mlp]
     down = names[-1]
@@ -445,3 +510,70 @@ def _mlp(arch: Arch, ranks: Sequence[RankShard], p: str, x: Array) -> Array:
     out = all_reduce(parts, arch.intermediate, down)
     bias = replicated_optional(ranks, f"{down}.bias")
     return out if bias is None else (out + bias).astype(F32)
+
+
+def _expert_block(rank: RankShard, name: str, expert: int, rows: int) -> tuple[Array, Array]:
+    """The local rows of expert ``expert``'s block ``[expert * rows, (expert + 1) * rows)`` of a
+    fused ``[E * rows, H]`` tensor, and their channels within the block."""
+    sel = rank.selection(name)
+    if sel is not None and sel.axis != 0:
+        raise ShardingError(f"{name}: fused expert tensor sliced on axis {sel.axis}")
+    global_rows = rank.indices(name, 0)
+    keep = (global_rows >= expert * rows) & (global_rows < (expert + 1) * rows)
+    return rank.array(name)[keep], global_rows[keep] - expert * rows
+
+
+def _dbrx_expert_rank(
+    arch: Arch, rank: RankShard, prefix: str, expert: int, x: Array
+) -> tuple[Array, Array] | None:
+    """One rank's partial ``(act(x w1_e^T) * x v1_e^T) w2_e`` over the channels it holds of
+    expert ``expert`` (None: it holds none); w2 is used as ``x @ w2``, i.e. stored [in, out]."""
+    inner = arch.intermediate
+    w1, cw1 = _expert_block(rank, f"{prefix}.w1", expert, inner)
+    v1, cv1 = _expert_block(rank, f"{prefix}.v1", expert, inner)
+    w2, cw2 = _expert_block(rank, f"{prefix}.w2", expert, inner)
+    if not (len(cw1) or len(cv1) or len(cw2)):
+        return None
+    gate = x @ w1.T
+    up = align(x @ v1.T, cv1, cw1, f"{prefix}.v1 expert {expert}")
+    if len(cw2) != len(cw1):
+        raise ShardingError(f"{prefix}.w2 expert {expert}: {len(cw2)} channels, w1 {len(cw1)}")
+    down = w2[positions(cw1, cw2, f"{prefix}.w2 expert {expert}")]
+    return ((arch.act(gate) * up) @ down).astype(F32), cw1
+
+
+def _dbrx_moe(
+    arch: Arch,
+    ranks: Sequence[RankShard],
+    expert_ranks: Sequence[RankShard],
+    p: str,
+    x: Array,
+) -> Array:
+    """DBRX ``DbrxFFN``: the replicated router on ``ranks``; each routed expert's partials
+    reduced over the ``expert_ranks`` holding channels of its block (TP: the same channels of
+    every block; EP: whole blocks; redundant copies counted once), then weighted."""
+    ffn = arch.config["ffn_config"]
+    batch, seq, hidden = x.shape
+    x2d = x.reshape(batch * seq, hidden)
+    logits = x2d @ replicated(ranks, f"{p}ffn.router.layer.weight").T
+    p_norm = ffn.get("moe_normalize_expert_weights")
+    index, weight = ops.route_dbrx(
+        logits, int(ffn["moe_top_k"]), None if p_norm is None else float(p_norm)
+    )
+    prefix = f"{p}ffn.experts.mlp"
+    out = np.zeros_like(x2d)
+    for expert in range(int(ffn["moe_num_experts"])):
+        tokens, slot = np.nonzero(index == expert)
+        if len(tokens) == 0:
+            continue
+        parts = []
+        for rank in expert_ranks:
+            if rank.has(f"{prefix}.w1"):
+                part = _dbrx_expert_rank(arch, rank, prefix, expert, x2d[tokens])
+                if part is not None:
+                    parts.append(part)
+        if not parts:
+            raise ShardingError(f"no rank holds expert {expert} of {prefix}.w1")
+        y = all_reduce_distinct(parts, arch.intermediate, f"{prefix}.w2 expert {expert}")
+        out[tokens] += weight[tokens, slot][:, None] * y
+    return out.reshape(batch, seq, hidden).astype(F32)

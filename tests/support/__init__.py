@@ -30,9 +30,11 @@ EXECUTOR_MODELS = [
     "stablelm", "phi",
 ]
 """The fixtures whose model types the numpy reference executor (tests/executor) implements."""
-LAYOUT_MODELS = ["gpt_neox", "falcon", "bloom", "gpt2", "olmo2"]
-"""Fixtures of the fused-layout, Conv1D and TP-reduced-norm families (docs/layouts.md); their
-numerics are checked by `partc verify` against transformers, not (yet) by the executor."""
+LAYOUT_MODELS = ["gpt_neox", "falcon", "bloom", "gpt2", "olmo2", "codegen", "dbrx"]
+"""Fixtures of the fused-layout, Conv1D and TP-reduced-norm families (docs/layouts.md; CodeGen's
+grouped `[q | v | k]` qkv, DBRX's clamped Wqkv and fused per-expert tensors): `partc verify`
+checks them against transformers, and the executor's table-described families
+(tests/executor/variants.py) run them from partc's loaded shards in tests/test_numerics.py."""
 HF_MODELS = [*EXECUTOR_MODELS, *LAYOUT_MODELS]
 """Every tiny HF fixture with reference outputs, one or more per built-in family."""
 FALLS_BACK_OVER_FOUR = {"olmo2", "deepseek_v3_fp8", "llama_mlx4", "gpt_oss_mxfp4"}

@@ -631,9 +631,28 @@ def _expert_count(binder: Binder, decl: GroupDecl, env: Mapping[str, Value],
                 f"holds {count} experts of {rows} rows: its cuts would give a tensor-parallel "
                 "rank a range of whole experts instead of the same rows inside every expert; "
                 f"split each expert on its own, e.g. `partitioned_segments: {{axis: {axis}, "
-                f"segments: \"[{rows}] * {count}\"}}`", join_pointer(decl.pointer, "experts"),
-                tensor=member.target)
+                f"segments: \"[{rows}] * {count}\"}}`",
+                _sharding_pointer(binder, decl, env, member.target), tensor=member.target)
     return count
+
+
+def _sharding_pointer(binder: Binder, decl: GroupDecl, env: Mapping[str, Value],
+                      target: str) -> str:
+    """Where the sharding of the member `target` of one instance of `decl` is declared: the
+    member's own `sharding` (members form), the group's (module form), its projection's
+    (projections and fused forms); the group's `experts` entry when none matches."""
+    if decl.form is GroupForm.MEMBERS:
+        for param in decl.members:
+            if binder.boolean(param.when, env, param.pointer) and \
+                    binder.render(param.name, env, param.pointer) == target:
+                return join_pointer(param.pointer, "sharding")
+    elif decl.form is GroupForm.MODULE:
+        return join_pointer(decl.pointer, "sharding")
+    else:
+        for module in decl.projections:
+            if target.startswith(binder.render(module.module, env, module.pointer) + "."):
+                return join_pointer(module.pointer, "sharding")
+    return join_pointer(decl.pointer, "experts")
 
 
 def _check_omit(binder: Binder, targets: tuple[str, ...]) -> None:
