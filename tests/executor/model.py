@@ -505,7 +505,7 @@ def _standard_qkv(
             segments.append((y[..., keep], idx[keep] - lo))
         (q, q_idx), (k, k_idx), (v, v_idx) = segments
     elif arch.gated_q:
-        q, q_idx, _, _ = deltanet.gated_query(rank, f"{prefix}", x, hd)
+        q, q_idx, _, _ = deltanet.gated_query(rank, prefix, x, hd)
         k, k_idx = column(rank, f"{prefix}.k_proj", x)
         v, v_idx = column(rank, f"{prefix}.v_proj", x)
     else:
