@@ -237,6 +237,12 @@ MAMBA_IN_BIAS = ('      - target: "backbone.layers.{unit}.mixer.in_proj.bias"\n'
                  "        shape: [2 * intermediate_size]\n"
                  f"        sharding: {MAMBA_SEGMENTS}\n")
 MAMBA_X_PROJ = "        sharding: {partitioned: 1}\n        reduction: output\n"
+NEXT_QKVZ = ('      - target: "model.layers.{unit}.linear_attn.in_proj_qkvz.weight"\n'
+             "        shape: [2 * linear_key_dim + 2 * linear_value_dim, hidden_size]\n")
+NEXT_CONV = ("        sharding:\n          partitioned_segments: {axis: 0, segments: "
+             "[linear_key_dim, linear_key_dim, linear_value_dim]}\n"
+             "        heads: [linear_num_key_heads, linear_num_key_heads, "
+             "linear_num_value_heads]\n")
 WRONG = [
     ("gpt_neox per-head qkv declared component-major", "gpt_neox", "gpt_neox.yaml",
      [(NEOX_PER_HEAD, NEOX_COMPONENT_MAJOR)], 2, "verify",
@@ -298,6 +304,15 @@ WRONG = [
     ("mamba x_proj split by row without its in-module reduction", "mamba", "mamba.yaml",
      [(MAMBA_X_PROJ, "        sharding: {partitioned: 1}\n")], 2, "verify",
      ("backbone.layers.0.mixer", "layers.0.mixer", 0)),
+    ("qwen3_next in_proj_qkvz split as contiguous [q | k | v | z] blocks, not per key-head group",
+     "qwen3_next", "qwen3_next.yaml",
+     [(NEXT_QKVZ + "        sharding: {partitioned: 0}\n        heads: [linear_num_key_heads]\n",
+       NEXT_QKVZ + "        sharding:\n          partitioned_segments: {axis: 0, segments: "
+       "[linear_key_dim, linear_key_dim, linear_value_dim, linear_value_dim]}\n")], 2,
+     "verify", ("model.layers.0.linear_attn", "layers.0.linear_attn", 0)),
+    ("qwen3_next conv1d split contiguously though its channels are [q | k | v]", "qwen3_next",
+     "qwen3_next.yaml", [(NEXT_CONV, "        sharding: {partitioned: 0}\n")], 2, "verify",
+     ("model.layers.0.linear_attn", "layers.0.linear_attn", 0)),
     ("a reduction of the output on a column projection", "olmo2", "olmo2.yaml",
      [('self_attn.v_proj"\n        sharding: column\n',
        'self_attn.v_proj"\n        sharding: column\n        reduction: output\n')], 2,

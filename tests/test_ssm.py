@@ -1,9 +1,10 @@
-"""State-space families (issue 35): the built-in mamba family against transformers' Mamba.
+"""State-space families (issue 35): the built-in mamba and qwen3_next families against transformers.
 
-The fixture `hf/mamba` is a tiny random MambaForCausalLM written by transformers 5.24
-(tests/fixtures/gen/gen_ssm.py); its `reference.npz` holds HF's logits and the conv / SSM state
-HF's cache holds after the forward. The numpy executor (tests/executor/ssm.py) runs the mixer on
-each rank's loaded arrays with the selections its layout declares, simulating the all-reduces.
+The fixtures `hf/mamba` and `hf/qwen3_next` are tiny random MambaForCausalLM /
+Qwen3NextForCausalLM models written by transformers 5.24 (tests/fixtures/gen/gen_ssm.py); their
+`reference.npz` holds HF's logits and the conv / SSM (recurrent) state HF's cache holds after the
+forward. The numpy executor (tests/executor/ssm.py, tests/executor/deltanet.py) runs the mixers
+on each rank's loaded arrays with the selections its layout declares, simulating the all-reduces.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from support import compile_and_load, hf
 
 TOLERANCE = 1e-4
 MAMBA = hf("mamba")
+NEXT = hf("qwen3_next")
 
 
 def rank_shard(state) -> RankShard:
@@ -134,3 +136,95 @@ def test_verify_passes_the_mamba_split_at_every_t_up_to_8_and_a_pipeline_split()
     assert report.ok, report.first_failure
     assert {c.tp for c in report.checks} == {1, 2, 4, 8}
     assert any(c.pp == 2 for c in report.checks)
+
+
+# ---------------------------------------------------------------- qwen3_next (gated DeltaNet)
+
+
+def test_the_executor_reproduces_hf_qwen3_next_logits_layers_and_cache_state() -> None:
+    config, tensors, ref = load_fixture("qwen3_next")
+    result = forward(config, tensors, ref["input_ids"])
+    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
+    for layer in range(4):
+        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
+    assert ref["state_layers"].tolist() == [0, 2]  # the linear-attention layers
+    assert [len(states) for states in result.states] == [1, 0, 1, 0]
+    for index, layer in enumerate(ref["state_layers"]):
+        (state,) = result.states[layer]
+        assert state.conv_state.shape == ref["conv_state"][index].shape == (1, 256, 4)
+        assert state.recurrent_state.shape == ref["recurrent_state"][index].shape == (1, 16, 8, 8)
+        assert rel_err(state.conv_state, ref["conv_state"][index]) < TOLERANCE
+        assert rel_err(state.recurrent_state, ref["recurrent_state"][index]) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def next_runs(tmp_path_factory):
+    """(T, S) -> (plan, loaded states, executor result, reference) for qwen3_next."""
+    cache = {}
+    with np.load(NEXT / "reference.npz") as npz:
+        reference = {k: npz[k] for k in npz.files}
+    config = json.loads((NEXT / "config.json").read_text())
+
+    def get(tp, pp):
+        if (tp, pp) not in cache:
+            out = tmp_path_factory.mktemp(f"next_tp{tp}_pp{pp}")
+            plan, states = compile_and_load(None, NEXT / "config.json", out,
+                                            NEXT / "model.safetensors", tp=tp, pp=pp)
+            stages = [[rank_shard(s) for s in states[p * tp:(p + 1) * tp]] for p in range(pp)]
+            layers = [stage_layers(plan, p) for p in range(pp)]
+            result = forward_pipeline(config, stages, layers, reference["input_ids"])
+            cache[tp, pp] = (plan, states, result, reference)
+        return cache[tp, pp]
+
+    return get
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_ranks_of_the_built_in_qwen3_next_family_reproduce_hf_logits(next_runs, tp, pp):
+    plan, states, result, reference = next_runs(tp, pp)
+    assert plan.family == "qwen3_next"
+    assert rel_err(result.logits, reference["logits"]) < TOLERANCE
+    if pp == 2:
+        assert rel_err(result.sent[0], reference["layer_outputs"][1]) < TOLERANCE
+    if tp > 1:  # split by key heads: 8 / T key-head blocks of 48 rows; conv in three blocks
+        layout = states[1].layout
+        heads = 8 // tp
+        assert layout["model.layers.0.linear_attn.in_proj_qkvz.weight"].selection == (
+            0, ((heads * 48, 2 * heads * 48),))
+        assert layout["model.layers.0.linear_attn.conv1d.weight"].selection == (
+            0, ((heads * 8, 2 * heads * 8), (64 + heads * 8, 64 + 2 * heads * 8),
+                (128 + heads * 16, 128 + 2 * heads * 16)))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_each_qwen3_next_rank_state_equals_hf_cache_on_the_rank_heads(next_runs, tp):
+    _, _, result, reference = next_runs(tp, 1)
+    assert rel_err(result.logits, reference["logits"]) < TOLERANCE  # T = 8: one key head each
+    states = result.stages[0].states
+    for index, layer in enumerate(reference["state_layers"]):
+        ranks = states[layer]
+        assert len(ranks) == tp
+        channels = np.concatenate([s.channels for s in ranks])
+        heads = np.concatenate([s.value_heads for s in ranks])
+        assert sorted(channels.tolist()) == list(range(256))
+        assert sorted(heads.tolist()) == list(range(16))
+        for state in ranks:
+            assert state.conv_state.shape == (1, 256 // tp, 4)
+            assert state.recurrent_state.shape == (1, 16 // tp, 8, 8)
+            np.testing.assert_allclose(state.conv_state,
+                                       reference["conv_state"][index][:, state.channels],
+                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(state.recurrent_state,
+                                       reference["recurrent_state"][index][:, state.value_heads],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_verify_passes_the_qwen3_next_split_at_every_legal_t_up_to_8_and_a_pipeline_split():
+    report = verify_family(None, NEXT / "config.json", tensor_parallel_sizes=[1, 2, 4, 8],
+                           pipeline_parallel_size=2)
+    assert report.ok, report.first_failure
+    assert {c.tp for c in report.checks} == {1, 2, 4, 8}
+    assert any(c.pp == 2 for c in report.checks)
+    modules = {c.module for c in report.checks}
+    assert {"model.layers.0.linear_attn", "model.layers.1.self_attn"} <= modules

@@ -6,9 +6,10 @@ results meet in the simulated collectives of :mod:`.shard` (vocab-parallel embed
 row-parallel all-reduce, vocab-parallel logit gather).
 
 Supported ``model_type`` values: llama, mistral, qwen2, qwen3, phi3, gemma2, mixtral,
-qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, gpt_oss, plus the families of :mod:`.variants`
-(gpt2, gpt_neox, falcon, bloom, olmo2, granite, stablelm, phi, codegen, dbrx), which have their
-own tensor names, and :mod:`.ssm` (mamba).
+qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, gpt_oss, qwen3_next (its gated DeltaNet in
+:mod:`.deltanet`), plus the families of :mod:`.variants` (gpt2, gpt_neox, falcon, bloom, olmo2,
+granite, stablelm, phi, codegen, dbrx), which have their own tensor names, and :mod:`.ssm`
+(mamba).
 Tensor names are the on-disk checkpoint names.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ops, ssm, variants
+from . import deltanet, ops, ssm, variants
 from .quant import dequantize
 from .shard import (
     RankShard,
@@ -63,6 +64,7 @@ SUPPORTED = {
     "deepseek_v2",
     "deepseek_v3",
     "gpt_oss",
+    "qwen3_next",
 }
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -86,7 +88,8 @@ class Result:
     layer_outputs: list[Array] = field(default_factory=list)
     normed: Array | None = None
     states: list[Any] = field(default_factory=list)
-    """State-space families: per layer run, each rank's runtime state (``ssm.RankState``)."""
+    """State-space families: per layer run, each rank's runtime state (``ssm.RankState``;
+    qwen3_next: ``deltanet.RankState`` on linear-attention layers, none on full attention)."""
 
 
 @dataclass
@@ -139,6 +142,7 @@ class _Arch:
     sinks: bool = False
     mla: _Mla | None = None
     rope_interleaved: bool = False
+    gated_q: bool = False
 
     def window(self, layer: int) -> int | None:
         """Sliding window of ``layer`` (None: full causal attention)."""
@@ -159,7 +163,7 @@ class _Arch:
             return "mixtral"
         if self.model_type == "gpt_oss":
             return "gpt_oss"
-        if self.model_type in ("qwen2_moe", "qwen3_moe"):
+        if self.model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
             sparse = (
                 layer not in (c.get("mlp_only_layers") or [])
                 and self.n_experts > 0
@@ -223,6 +227,8 @@ def _describe(config: Mapping[str, Any]) -> _Arch:
         common["fused_qkv"] = True
     elif mt in ("qwen3", "qwen3_moe"):
         common["qk_norm"] = True
+    elif mt == "qwen3_next":  # RMSNorm x * (1 + w) everywhere; q_proj [q | gate] per head
+        common |= {"qk_norm": True, "norm_offset": 1.0, "gated_q": True}
     elif mt == "gpt_oss":
         common["sinks"] = True
     elif mt in ("deepseek_v2", "deepseek_v3"):
@@ -320,7 +326,7 @@ def forward_tensor_parallel(
     result = Result(logits=None, hidden=hidden, layers=layers)
     for layer in layers:
         result.layer_inputs.append(hidden)
-        hidden = _decoder_layer(arch, ranks, layer, hidden, rope, expert_ranks)
+        hidden = _decoder_layer(arch, ranks, layer, hidden, rope, expert_ranks, result.states)
         result.layer_outputs.append(hidden)
     result.hidden = hidden
     if layers.stop == arch.n_layers:
@@ -437,10 +443,18 @@ def _decoder_layer(
     hidden: Array,
     rope: tuple[Array, Array],
     expert_ranks: Sequence[RankShard] | None = None,
+    states: list[Any] | None = None,
 ) -> Array:
     p = f"model.layers.{layer}."
     x = _norm(arch, hidden, replicated(ranks, p + "input_layernorm.weight"))
-    attn = _attention(arch, ranks, p + "self_attn", x, arch.window(layer), rope)
+    layer_types = arch.config.get("layer_types") or []
+    if arch.model_type == "qwen3_next" and layer_types[layer] == "linear_attention":
+        attn, rank_states = deltanet.mixer(arch.config, ranks, p + "linear_attn", x)
+    else:
+        attn = _attention(arch, ranks, p + "self_attn", x, arch.window(layer), rope)
+        rank_states = []
+    if states is not None:
+        states.append(rank_states)
     if arch.sandwich_norms:
         attn = _norm(arch, attn, replicated(ranks, p + "post_attention_layernorm.weight"))
     hidden = hidden + attn
@@ -491,6 +505,10 @@ def _standard_qkv(
             keep = (idx >= lo) & (idx < hi)
             segments.append((y[..., keep], idx[keep] - lo))
         (q, q_idx), (k, k_idx), (v, v_idx) = segments
+    elif arch.gated_q:
+        q, q_idx, _, _ = deltanet.gated_query(rank, prefix, x, hd)
+        k, k_idx = column(rank, f"{prefix}.k_proj", x)
+        v, v_idx = column(rank, f"{prefix}.v_proj", x)
     else:
         q, q_idx = column(rank, f"{prefix}.q_proj", x)
         k, k_idx = column(rank, f"{prefix}.k_proj", x)
@@ -500,8 +518,8 @@ def _standard_qkv(
     v, v_heads = split_heads(v, v_idx, hd, f"{prefix} v")
     v = v[:, positions(k_heads, v_heads, f"{prefix} v heads")]
     if arch.qk_norm:
-        q = ops.rms_norm(q, rank.whole(f"{prefix}.q_norm.weight"), arch.eps)
-        k = ops.rms_norm(k, rank.whole(f"{prefix}.k_norm.weight"), arch.eps)
+        q = _norm(arch, q, rank.whole(f"{prefix}.q_norm.weight"))
+        k = _norm(arch, k, rank.whole(f"{prefix}.k_norm.weight"))
     cos, sin = rope
     q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
     group = arch.n_heads // arch.n_kv_heads
@@ -558,6 +576,9 @@ def _attention_rank(
     batch, heads, seq, dv = out.shape
     features = (q_heads[:, None] * dv + np.arange(dv)).ravel()
     merged = out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * dv)
+    if arch.gated_q:  # Qwen3-Next: the output times sigmoid(gate) of the same features
+        _, _, gate, gate_idx = deltanet.gated_query(rank, prefix, x, arch.head_dim)
+        merged = merged * ops.sigmoid(align(gate, gate_idx, features, f"{prefix} gate"))
     return row(rank, f"{prefix}.o_proj", merged, features), features
 
 
