@@ -237,6 +237,8 @@ MAMBA_IN_BIAS = ('      - target: "backbone.layers.{unit}.mixer.in_proj.bias"\n'
                  "        shape: [2 * intermediate_size]\n"
                  f"        sharding: {MAMBA_SEGMENTS}\n")
 MAMBA_X_PROJ = "        sharding: {partitioned: 1}\n        reduction: output\n"
+MAMBA_CONV_STATE = ('    shape: [intermediate_size, conv_kernel]\n'
+                    '    split: {parameters: "layers.{unit}.mixer", axis: 0}\n')
 WRONG = [
     ("gpt_neox per-head qkv declared component-major", "gpt_neox", "gpt_neox.yaml",
      [(NEOX_PER_HEAD, NEOX_COMPONENT_MAJOR)], 2, "verify",
@@ -298,6 +300,20 @@ WRONG = [
     ("mamba x_proj split by row without its in-module reduction", "mamba", "mamba.yaml",
      [(MAMBA_X_PROJ, "        sharding: {partitioned: 1}\n")], 2, "verify",
      ("backbone.layers.0.mixer", "layers.0.mixer", 0)),
+    # runtime state (`state:`) follows its parameter group's units
+    ("mamba conv state split on its kernel axis", "mamba", "mamba.yaml",
+     [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace("axis: 0", "axis: 1"))], 2, "check",
+     "state `conv` of unit 0: axis 1 of its shape [128, 4] has 4 elements, which cannot follow "
+     "the 128 partition units of parameter group `layers.0.mixer`"),
+    ("a conv state over [x | B | C] split as one block by the x channels", "mamba", "mamba.yaml",
+     [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace(
+         "[intermediate_size, conv_kernel]", "[intermediate_size + 2 * state_size, conv_kernel]"))],
+     2, "check", "state `conv` of unit 0: axis 0 of its shape [160, 4] has 160 elements, which "
+     "cannot follow the 128 partition units"),
+    ("a state following a group of another unit", "mamba", "mamba.yaml",
+     [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace("layers.{unit}.mixer", "layers.0.mixer"))], 2,
+     "check", "state `conv` of `decoder` unit 1 follows parameter group `layers.0.mixer`, which "
+     "another owner holds"),
     ("a reduction of the output on a column projection", "olmo2", "olmo2.yaml",
      [('self_attn.v_proj"\n        sharding: column\n',
        'self_attn.v_proj"\n        sharding: column\n        reduction: output\n')], 2,

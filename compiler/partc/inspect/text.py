@@ -159,6 +159,7 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     out += table(header, rows, right=right)
     out.append(f"rank imbalance (largest / mean bytes): {summary['rank_imbalance']:.3f}")
     out += cut_lines(summary.get("cuts", ()))
+    out += state_lines(summary.get("state", ()))
     extra = fallback_lines(summary["fallbacks"], summary["kv_replication"],
                            summary.get("tp_reduction", ()))
     out += [""] + (extra or ["fallbacks: none; KV replication: none"])
@@ -176,6 +177,29 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
             out.append("a rank whose experts are `-` is on a stage without MoE layers: it "
                        "holds no expert")
     return out
+
+
+def state_lines(state: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each rank's declared runtime state per sequence: one row per run of alike units, its
+    tensors' local shapes (of the whole shape) and dtypes, bytes per unit and in all."""
+    if not state:
+        return []
+    rows = []
+    for rank in state:
+        for i, run in enumerate(rank["runs"]):
+            start, end = run["units"]
+            units = f"{run['group']}[{start}]" if end == start + 1 else (
+                f"{run['group']}[{start}:{end}]")
+            tensors = ", ".join(
+                f"{t['name']} {_shape_text(t['local_shape'])}"
+                + ("" if t["local_shape"] == t["shape"] else f" of {_shape_text(t['shape'])}")
+                + f" {t['dtype']}" for t in run["tensors"])
+            rows.append((rank["rank"] if i == 0 else "", units, tensors,
+                         byte_text(run["unit_bytes"]),
+                         byte_text(rank["bytes"]) if i == 0 else ""))
+    return ["", "runtime state per sequence (declared `state:`), as each rank allocates it"] + (
+        table(("rank", "units", "tensors (local of whole shape)", "per unit", "rank total"),
+              rows, right=(True, False, False, True, True)))
 
 
 def expert_columns(head: Sequence[str], experts: bool, etp: bool

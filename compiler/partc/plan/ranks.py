@@ -145,7 +145,9 @@ class RankPlan:
                      "pinned_parameter_bytes": info.pinned_parameter_bytes,
                      "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
                      "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)}
-            | ({} if self.coordinates is None else info.expert_json()),
+            | ({} if self.coordinates is None else info.expert_json())
+            | ({"local_state_bytes": info.local_state_bytes}
+               if self.partition.state.tensors else {}),
         }
 
 
