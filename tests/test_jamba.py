@@ -1,0 +1,95 @@
+"""The built-in jamba family (issue 35) against transformers' JambaForCausalLM.
+
+The fixture `hf/jamba` (tests/fixtures/gen/gen_jamba.py) has the four layer kinds (mamba +
+dense, attention + experts, mamba + dense, mamba + experts); its `reference.npz` holds the state
+HF's cache keeps per layer: conv / SSM state on Mamba layers, keys / values on attention ones.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from partc.runtime import partition_state
+from partc.verify.run import verify_family
+
+from support import compile_and_load, hf
+
+JAMBA = hf("jamba")
+KINDS = ["mamba", "attention", "mamba", "mamba"]  # HF's layers_block_type for the fixture
+
+
+def _indices(selection, length: int) -> list[int]:
+    """The indices along the split axis a (axis, ranges) selection takes (all when whole)."""
+    axis, ranges = selection
+    if axis is None:
+        return list(range(length))
+    return [i for a, b in ranges for i in range(a, b)]
+
+
+def test_the_fixture_has_the_layer_kinds_the_family_selects_by_period_and_offset():
+    manifest = json.loads((JAMBA / "manifest.json").read_text())
+    assert manifest["layers_block_type"] == KINDS
+    assert manifest["layers_num_experts"] == [1, 4, 1, 4]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_declared_state_is_the_hf_cache_on_its_channels_or_kv_heads(tmp_path, tp, pp):
+    """Per layer of its stage, each rank declares the state HF's cache holds for that layer's
+    kind (keys / values on attention, conv / SSM on Mamba), of HF's whole shape, restricted to
+    the channels (or KV heads) of the parameters the rank loaded."""
+    with np.load(JAMBA / "reference.npz") as npz:
+        reference = {k: npz[k] for k in npz.files}
+    plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
+                                    JAMBA / "model.safetensors", tp=tp, pp=pp)
+    assert plan.family == "jamba"
+    seen = set()
+    for loaded in states:
+        declared = partition_state(loaded.table)
+        layout = loaded.layout
+        for x in declared.tensors:
+            seen.add((x.unit, x.name))
+            kind = KINDS[x.unit]
+            prefix = f"model.layers.{x.unit}"
+            if kind == "attention":
+                assert x.name in ("key", "value")
+                cache = reference[f"{x.name}_{x.unit}"]  # [batch, K, sequence, d]
+                whole = (cache.shape[1], cache.shape[3])
+                proj = layout[f"{prefix}.self_attn.{x.name[0]}_proj.weight"]
+                rows = _indices(proj.selection, proj.global_shape[0])
+                held = sorted({r // cache.shape[3] for r in rows})  # the KV heads it loaded
+                local = cache[:, held][:, :, 0]
+            else:
+                assert x.name in ("conv", "ssm")
+                cache = reference[f"{x.name}_state_{x.unit}"]  # [batch, I, K or N]
+                whole = cache.shape[1:]
+                conv = layout[f"{prefix}.mamba.conv1d.weight"]
+                held = _indices(conv.selection, conv.global_shape[0])  # its channels
+                local = cache[:, held]
+            assert x.global_shape == whole
+            assert _indices(x.placement.selection(x.global_shape), whole[0]) == held
+            assert x.local_shape == local.shape[1:]
+        assert loaded.info.local_state_bytes == declared.local_bytes > 0
+    assert seen == {(u, n) for u, kind in enumerate(KINDS)
+                    for n in (("key", "value") if kind == "attention" else ("conv", "ssm"))}
+
+
+def test_at_t4_two_ranks_share_each_kv_head_and_each_rank_a_quarter_of_the_channels(tmp_path):
+    plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
+                                    JAMBA / "model.safetensors", tp=4)
+    shapes = [{(x.unit, x.name): (x.local_shape, x.placement.selection(x.global_shape))
+               for x in partition_state(s.table).tensors} for s in states]
+    assert [s[1, "key"] for s in shapes] == [((1, 8), (0, ((h, h + 1),))) for h in (0, 0, 1, 1)]
+    assert [s[3, "ssm"] for s in shapes] == [((32, 16), (0, ((32 * t, 32 * t + 32),)))
+                                             for t in range(4)]
+    assert all(s.info.local_state_bytes == 4 * (3 * 32 * (4 + 16) + 2 * 8) for s in states)
+
+
+def test_verify_passes_the_jamba_split_at_every_legal_t_up_to_8_and_a_pipeline_split():
+    report = verify_family(None, JAMBA / "config.json")
+    assert report.ok, report.first_failure
+    checked = sorted({(c.tp, c.pp) for c in report.checks})
+    assert checked == [(1, 1), (1, 2), (2, 1), (4, 1), (8, 1)]
