@@ -196,3 +196,44 @@ def test_verify_passes_the_mamba_split_at_every_t_up_to_8_and_a_pipeline_split()
     assert report.ok, report.first_failure
     assert {c.tp for c in report.checks} == {1, 2, 4, 8}
     assert any(c.pp == 2 for c in report.checks)
+
+
+MAMBA2 = hf("mamba").parent.parent / "mamba2_style"  # a config and a family, no weights
+CONV_SEGMENTS = ("sharding: {partitioned_segments: {axis: 0, segments: [inner, n_groups * "
+                 "state_size, n_groups * state_size]}}\n")
+
+
+def test_a_conv_over_x_b_c_split_contiguously_is_refused_by_verify_and_its_segments_hold(
+        tmp_path):
+    """A Mamba2-style conv1d runs over [x | B | C], an order that is not its input projection's
+    ([z | x | B | C | dt]): declared with the segments of its own order it verifies at T=2;
+    split as one contiguous block (rank 0 would take x's channels of both groups and none of
+    B and C) verify refuses the mixer, though `partc check` accepts both."""
+    family = (MAMBA2 / "family.yaml").read_text()
+    assert family.count(CONV_SEGMENTS) == 2
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(family.replace(CONV_SEGMENTS, "sharding: {partitioned: 0}\n"))
+    config = MAMBA2 / "config.json"
+    right = verify_family(MAMBA2 / "family.yaml", config, tensor_parallel_sizes=[2],
+                          pipeline_parallel_size=1)
+    assert right.ok, right.first_failure
+    report = verify_family(wrong, config, tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    failure = report.first_failure
+    assert not report.ok and failure is not None
+    assert (failure.module, failure.group, failure.rank) == (
+        "backbone.layers.0.mixer", "layers.0.mixer", 0)
+    assert failure.max_error > 100 * failure.tolerance
+
+
+def test_a_conv_state_over_x_b_c_follows_its_group_in_segments(tmp_path):
+    from partc.api import compile_family
+    from partc.plan.topology import Topology
+
+    plan = compile_family(MAMBA2 / "family.yaml", MAMBA2 / "config.json",
+                          Topology(tensor_parallel_size=2)).plan
+    conv = [x for x in plan.ranks[1].partition.state.tensors if (x.name, x.unit) == ("conv", 0)]
+    # [x (128) | B (2 x 16) | C (2 x 16)]: rank 1 holds group 1 of each piece
+    assert conv[0].placement.selection(conv[0].global_shape) == (
+        0, ((64, 128), (144, 160), (176, 192)))
+    assert conv[0].local_shape == (96, 4)
+
