@@ -237,6 +237,8 @@ MAMBA_IN_BIAS = ('      - target: "backbone.layers.{unit}.mixer.in_proj.bias"\n'
                  "        shape: [2 * intermediate_size]\n"
                  f"        sharding: {MAMBA_SEGMENTS}\n")
 MAMBA_X_PROJ = "        sharding: {partitioned: 1}\n        reduction: output\n"
+JAMBA_IN_PROJ = ("        sharding:\n          partitioned_segments: {axis: 0, segments: "
+                 "[mamba_intermediate, mamba_intermediate]}\n        format: linear\n")
 MAMBA_CONV_STATE = ('    shape: [intermediate_size, conv_kernel]\n'
                     '    split: {parameters: "layers.{unit}.mixer", axis: 0}\n')
 WRONG = [
@@ -314,6 +316,20 @@ WRONG = [
      [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace("layers.{unit}.mixer", "layers.0.mixer"))], 2,
      "check", "state `conv` of `decoder` unit 1 follows parameter group `layers.0.mixer`, which "
      "another owner holds"),
+    ("jamba mamba in_proj [x | z] split as one contiguous block", "jamba", "jamba.yaml",
+     [(JAMBA_IN_PROJ, "        sharding: {partitioned: 0}\n        format: linear\n"),
+      (JAMBA_IN_PROJ.replace("        format: linear\n", "        when: mamba_proj_bias\n"),
+       "        sharding: {partitioned: 0}\n        when: mamba_proj_bias\n")], 2, "verify",
+     ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("jamba x_proj split by row without its in-module reduction", "jamba", "jamba.yaml",
+     [(MAMBA_X_PROJ, "        sharding: {partitioned: 1}\n")], 2, "verify",
+     ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("jamba conv state following the attention group", "jamba", "jamba.yaml",
+     [('    shape: [mamba_intermediate, mamba_d_conv]\n    split: {parameters: "layers.{unit}.'
+       'mamba", axis: 0}\n', '    shape: [mamba_intermediate, mamba_d_conv]\n    split: '
+       '{parameters: "layers.{unit}.attention", axis: 0}\n')], 2, "check",
+     "state `conv` of unit 0 follows parameter group `layers.0.attention`, which this config "
+     "does not declare"),
     ("a reduction of the output on a column projection", "olmo2", "olmo2.yaml",
      [('self_attn.v_proj"\n        sharding: column\n',
        'self_attn.v_proj"\n        sharding: column\n        reduction: output\n')], 2,
