@@ -91,6 +91,8 @@ def test_each_rank_declared_state_is_the_hf_cache_on_its_channels_or_kv_heads(tm
             assert _indices(x.placement.selection(x.global_shape), whole[0]) == held
             assert x.local_shape == local.shape[1:]
         assert loaded.info.local_state_bytes == declared.local_bytes > 0
+        assert loaded.info.local_state_bytes_per_token == declared.local_bytes_per_token
+        assert all(x.per_token == (x.name in ("key", "value")) for x in declared.tensors)
     assert seen == {(u, n) for u, kind in enumerate(KINDS)
                     for n in (("key", "value") if kind == "attention" else ("conv", "ssm"))}
 
@@ -103,7 +105,12 @@ def test_at_t4_two_ranks_share_each_kv_head_and_each_rank_a_quarter_of_the_chann
     assert [s[1, "key"] for s in shapes] == [((1, 8), (0, ((h, h + 1),))) for h in (0, 0, 1, 1)]
     assert [s[3, "ssm"] for s in shapes] == [((32, 16), (0, ((32 * t, 32 * t + 32),)))
                                              for t in range(4)]
-    assert all(s.info.local_state_bytes == 4 * (3 * 32 * (4 + 16) + 2 * 8) for s in states)
+    # per sequence: conv + SSM of the 3 Mamba layers; per token: one KV head's key and value
+    assert all(s.info.local_state_bytes == 4 * 3 * 32 * (4 + 16) for s in states)
+    assert all(s.info.local_state_bytes_per_token == 4 * 2 * 8 for s in states)
+    assert all(partition_state(s.table).unit_bytes() == (
+        ("decoder", 0, 2560, 0), ("decoder", 1, 0, 64), ("decoder", 2, 2560, 0),
+        ("decoder", 3, 2560, 0)) for s in states)
 
 
 def test_verify_passes_the_jamba_split_at_every_legal_t_up_to_8_and_a_pipeline_split():

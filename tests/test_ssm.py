@@ -164,6 +164,8 @@ def test_mamba_state_is_recorded_in_plan_json_and_shown_by_inspect(mamba_runs, c
         (name, unit, [64, width], {"kind": "range", "axis": 0, "start": 64, "end": 128})
         for unit in (0, 1) for name, width in (("conv", 4), ("ssm", 16))]
     assert plan_json["ranks"][1]["info"]["local_state_bytes"] == 2 * 4 * 64 * 20
+    assert plan_json["ranks"][1]["info"]["local_state_bytes_per_token"] == 0
+    assert {x["per"] for x in tensors} == {"sequence"}
     assert main(["inspect", str(folder)]) == 0
     text = capsys.readouterr().out
     assert ("   1  decoder[0:2]  conv [64, 4] of [128, 4] F32, ssm [64, 16] of [128, 16] F32"

@@ -42,6 +42,8 @@ class BoundStateTensor:
     """Where the declaration is."""
     pointer: str
     """Its JSON pointer."""
+    per_token: bool = False
+    """One tensor per token (a KV cache entry) rather than one per sequence."""
 
 
 def _dtype(binder: Binder, decl: StateDecl, env: Mapping[str, Value]) -> str | None:
@@ -114,7 +116,7 @@ def _bind_one(binder: Binder, decl: StateDecl, env: Mapping[str, Value], unit: i
                             dtype=_dtype(binder, decl, env), follows=follows, axis=axis,
                             segments=segments,
                             location=binder.family.document.locate(decl.pointer),
-                            pointer=decl.pointer)
+                            pointer=decl.pointer, per_token=decl.per_token)
 
 
 def bind_state(binder: Binder, values: Mapping[str, Value], graph: ExecutionGraph,

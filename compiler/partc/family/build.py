@@ -538,7 +538,7 @@ def _state(builder: _Builder, i: int, spec: dict[str, Any]) -> StateDecl | None:
         return None
     return StateDecl(name=spec["name"], group=spec["group"], when=when,
                      shape=tuple(d for d in shape if d is not None), dtype=dtype_expr,
-                     split=split, pointer=pointer)
+                     split=split, pointer=pointer, per_token=spec.get("per") == "token")
 
 
 def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcError]]:

@@ -426,6 +426,8 @@ class StateDecl:
     """How a tensor-parallel rank splits it (None: replicated)."""
     pointer: str
     """Where it is declared."""
+    per_token: bool = False
+    """One tensor per token of the sequence (a KV cache entry), not one per sequence."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -296,9 +296,10 @@ def tp_reduced(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def runtime_state(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each rank's declared runtime state (`state:`), per sequence: its units' state tensors
-    (name, whole and local shape, dtype, bytes) grouped into runs of consecutive units of one
-    group whose tensors are alike, and its total bytes; empty when none is declared."""
+    """Each rank's declared runtime state (`state:`): its units' state tensors (name, whole and
+    local shape, dtype, per sequence or per token, bytes) grouped into runs of consecutive units
+    of one group whose tensors are alike, and its totals per sequence and per token; empty when
+    none is declared."""
     out = []
     for rank in plan["ranks"]:
         tensors = rank["partition"]["state"].get("tensors", ())
@@ -309,7 +310,7 @@ def runtime_state(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
             units.setdefault((t["group"], t["unit"]), []).append(
                 {"name": t["name"], "shape": list(t["shape"]),
                  "local_shape": list(t["local_shape"]), "dtype": t["dtype"],
-                 "bytes": t["local_bytes"]})
+                 "per": t["per"], "bytes": t["local_bytes"]})
         runs: list[dict[str, Any]] = []
         for (group, unit), items in units.items():
             last = runs[-1] if runs else None
@@ -318,8 +319,13 @@ def runtime_state(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
                 last["units"][1] = unit + 1
             else:
                 runs.append({"group": group, "units": [unit, unit + 1], "tensors": items,
-                             "unit_bytes": sum(i["bytes"] for i in items)})
-        out.append({"rank": rank["rank"], "bytes": rank["info"].get("local_state_bytes", 0),
+                             "unit_bytes": sum(i["bytes"] for i in items
+                                               if i["per"] == "sequence"),
+                             "unit_bytes_per_token": sum(i["bytes"] for i in items
+                                                         if i["per"] == "token")})
+        info = rank["info"]
+        out.append({"rank": rank["rank"], "bytes": info.get("local_state_bytes", 0),
+                    "bytes_per_token": info.get("local_state_bytes_per_token", 0),
                     "runs": runs})
     return out
 

@@ -179,9 +179,17 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _state_bytes(per_sequence: int, per_token: int) -> str:
+    """`2.5 KiB`, `64 B/token` or `2.5 KiB + 64 B/token`."""
+    parts = ([byte_text(per_sequence)] if per_sequence or not per_token else []) + (
+        [f"{byte_text(per_token)}/token"] if per_token else [])
+    return " + ".join(parts)
+
+
 def state_lines(state: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Each rank's declared runtime state per sequence: one row per run of alike units, its
-    tensors' local shapes (of the whole shape) and dtypes, bytes per unit and in all."""
+    """Each rank's declared runtime state: one row per run of alike units, its tensors' local
+    shapes (of the whole shape), dtypes and `/token` for a per-token one, bytes per unit and in
+    all (per sequence, `+ N/token` for the per-token ones)."""
     if not state:
         return []
     rows = []
@@ -193,11 +201,12 @@ def state_lines(state: Sequence[Mapping[str, Any]]) -> list[str]:
             tensors = ", ".join(
                 f"{t['name']} {_shape_text(t['local_shape'])}"
                 + ("" if t["local_shape"] == t["shape"] else f" of {_shape_text(t['shape'])}")
-                + f" {t['dtype']}" for t in run["tensors"])
+                + f" {t['dtype']}" + ("/token" if t["per"] == "token" else "")
+                for t in run["tensors"])
             rows.append((rank["rank"] if i == 0 else "", units, tensors,
-                         byte_text(run["unit_bytes"]),
-                         byte_text(rank["bytes"]) if i == 0 else ""))
-    return ["", "runtime state per sequence (declared `state:`), as each rank allocates it"] + (
+                         _state_bytes(run["unit_bytes"], run["unit_bytes_per_token"]),
+                         _state_bytes(rank["bytes"], rank["bytes_per_token"]) if i == 0 else ""))
+    return ["", "runtime state (declared `state:`), as each rank allocates it per sequence"] + (
         table(("rank", "units", "tensors (local of whole shape)", "per unit", "rank total"),
               rows, right=(True, False, False, True, True)))
 

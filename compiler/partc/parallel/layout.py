@@ -158,6 +158,8 @@ class LocalStateLayout:
     """Which part of the whole tensor this rank holds (replicated, a range or ranges)."""
     follows: str = ""
     """The parameter group whose logical range the split follows ('' when replicated)."""
+    per_token: bool = False
+    """One such tensor per token of the sequence (a KV cache entry), not one per sequence."""
 
     def __post_init__(self) -> None:
         label = f"state `{self.name}` of `{self.group}` unit {self.unit}"
@@ -172,7 +174,7 @@ class LocalStateLayout:
 
     @property
     def local_bytes(self) -> int:
-        """Bytes this rank allocates for it (per sequence)."""
+        """Bytes this rank allocates for it (per sequence, or per token when `per_token`)."""
         return tensor_bytes(self.dtype, self.local_shape)
 
     def to_json(self) -> dict[str, object]:
@@ -180,6 +182,7 @@ class LocalStateLayout:
         return {"name": self.name, "group": self.group, "unit": self.unit, "dtype": self.dtype,
                 "shape": list(self.global_shape), "local_shape": list(self.local_shape),
                 "placement": self.placement.to_json(), "follows": self.follows,
+                "per": "token" if self.per_token else "sequence",
                 "local_bytes": self.local_bytes}
 
     @classmethod
@@ -188,7 +191,8 @@ class LocalStateLayout:
         return cls(name=data["name"], group=data["group"], unit=data["unit"],
                    dtype=data["dtype"], global_shape=tuple(data["shape"]),
                    local_shape=tuple(data["local_shape"]),
-                   placement=placement_from_json(data["placement"]), follows=data["follows"])
+                   placement=placement_from_json(data["placement"]), follows=data["follows"],
+                   per_token=data.get("per") == "token")
 
 
 def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
@@ -297,8 +301,11 @@ class ParallelModelInfo:
     expert_parameter_bytes: int = 0
     """Bytes of routed-expert tensors this rank loads (0 without expert parallelism)."""
     local_state_bytes: int = 0
-    """Bytes of the declared runtime state this rank allocates per sequence, every unit of its
-    stage (0 when the family declares no `state:`)."""
+    """Bytes of the declared per-sequence runtime state (conv, SSM states) this rank allocates
+    per sequence, every unit of its stage (0 when the family declares none)."""
+    local_state_bytes_per_token: int = 0
+    """Bytes of the declared per-token runtime state (KV cache entries) this rank allocates per
+    token of a sequence, every unit of its stage (0 when the family declares none)."""
 
     def __post_init__(self) -> None:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size

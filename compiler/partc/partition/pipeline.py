@@ -73,19 +73,27 @@ class PartitionState:
 
     @property
     def local_bytes(self) -> int:
-        """Bytes of every declared state tensor on this rank, per sequence."""
-        return sum(t.local_bytes for t in self.tensors)
+        """Bytes of the declared per-sequence state tensors on this rank, per sequence."""
+        return sum(t.local_bytes for t in self.tensors if not t.per_token)
+
+    @property
+    def local_bytes_per_token(self) -> int:
+        """Bytes of the declared per-token state tensors (KV cache) on this rank, per token."""
+        return sum(t.local_bytes for t in self.tensors if t.per_token)
 
     def unit_tensors(self, group: str, unit: int) -> tuple[LocalStateLayout, ...]:
         """The state tensors of one unit (group-local index), declaration order."""
         return tuple(t for t in self.tensors if t.group == group and t.unit == unit)
 
-    def unit_bytes(self) -> tuple[tuple[str, int, int], ...]:
-        """(group, unit, local bytes per sequence) of each unit carrying declared state."""
-        out: dict[tuple[str, int], int] = {}
+    def unit_bytes(self) -> tuple[tuple[str, int, int, int], ...]:
+        """(group, unit, local bytes per sequence, local bytes per token) of each unit carrying
+        declared state, in unit order."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
         for t in self.tensors:
-            out[(t.group, t.unit)] = out.get((t.group, t.unit), 0) + t.local_bytes
-        return tuple((g, u, n) for (g, u), n in out.items())
+            seq, tok = out.get((t.group, t.unit), (0, 0))
+            out[(t.group, t.unit)] = ((seq, tok + t.local_bytes) if t.per_token
+                                      else (seq + t.local_bytes, tok))
+        return tuple((g, u, seq, tok) for (g, u), (seq, tok) in out.items())
 
     def to_json(self) -> dict[str, object]:
         """JSON form (`tensors` only when some are declared)."""

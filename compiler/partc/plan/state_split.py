@@ -94,9 +94,10 @@ def with_state(ranks: list[RankPlan], states: tuple[BoundStateTensor, ...],
                 dtype=state.dtype or _STATE_DTYPES[activation], global_shape=state.shape,
                 local_shape=local_shape(state.shape, placement.selection(state.shape)),
                 placement=placement,
-                follows=state.follows or ""))
+                follows=state.follows or "", per_token=state.per_token))
         partition = replace(rank.partition,
                             state=replace(rank.partition.state, tensors=tuple(tensors)))
         out.append(replace(rank, partition=partition, info=replace(
-            rank.info, local_state_bytes=partition.state.local_bytes)))
+            rank.info, local_state_bytes=partition.state.local_bytes,
+            local_state_bytes_per_token=partition.state.local_bytes_per_token)))
     return out
