@@ -243,6 +243,10 @@ NEXT_CONV = ("        sharding:\n          partitioned_segments: {axis: 0, segme
              "[linear_key_dim, linear_key_dim, linear_value_dim]}\n"
              "        heads: [linear_num_key_heads, linear_num_key_heads, "
              "linear_num_value_heads]\n")
+JAMBA_IN_PROJ = ("        sharding:\n          partitioned_segments: {axis: 0, segments: "
+                 "[mamba_intermediate, mamba_intermediate]}\n        format: linear\n")
+MAMBA_CONV_STATE = ('    shape: [intermediate_size, conv_kernel]\n'
+                    '    split: {parameters: "layers.{unit}.mixer", axis: 0}\n')
 WRONG = [
     ("gpt_neox per-head qkv declared component-major", "gpt_neox", "gpt_neox.yaml",
      [(NEOX_PER_HEAD, NEOX_COMPONENT_MAJOR)], 2, "verify",
@@ -313,6 +317,34 @@ WRONG = [
     ("qwen3_next conv1d split contiguously though its channels are [q | k | v]", "qwen3_next",
      "qwen3_next.yaml", [(NEXT_CONV, "        sharding: {partitioned: 0}\n")], 2, "verify",
      ("model.layers.0.linear_attn", "layers.0.linear_attn", 0)),
+    # runtime state (`state:`) follows its parameter group's units
+    ("mamba conv state split on its kernel axis", "mamba", "mamba.yaml",
+     [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace("axis: 0", "axis: 1"))], 2, "check",
+     "state `conv` of unit 0: axis 1 of its shape [128, 4] has 4 elements, which cannot follow "
+     "the 128 partition units of parameter group `layers.0.mixer`"),
+    ("a conv state over [x | B | C] split as one block by the x channels", "mamba", "mamba.yaml",
+     [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace(
+         "[intermediate_size, conv_kernel]", "[intermediate_size + 2 * state_size, conv_kernel]"))],
+     2, "check", "state `conv` of unit 0: axis 0 of its shape [160, 4] has 160 elements, which "
+     "cannot follow the 128 partition units"),
+    ("a state following a group of another unit", "mamba", "mamba.yaml",
+     [(MAMBA_CONV_STATE, MAMBA_CONV_STATE.replace("layers.{unit}.mixer", "layers.0.mixer"))], 2,
+     "check", "state `conv` of `decoder` unit 1 follows parameter group `layers.0.mixer`, which "
+     "another owner holds"),
+    ("jamba mamba in_proj [x | z] split as one contiguous block", "jamba", "jamba.yaml",
+     [(JAMBA_IN_PROJ, "        sharding: {partitioned: 0}\n        format: linear\n"),
+      (JAMBA_IN_PROJ.replace("        format: linear\n", "        when: mamba_proj_bias\n"),
+       "        sharding: {partitioned: 0}\n        when: mamba_proj_bias\n")], 2, "verify",
+     ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("jamba x_proj split by row without its in-module reduction", "jamba", "jamba.yaml",
+     [(MAMBA_X_PROJ, "        sharding: {partitioned: 1}\n")], 2, "verify",
+     ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("jamba conv state following the attention group", "jamba", "jamba.yaml",
+     [('    shape: [mamba_intermediate, mamba_d_conv]\n    split: {parameters: "layers.{unit}.'
+       'mamba", axis: 0}\n', '    shape: [mamba_intermediate, mamba_d_conv]\n    split: '
+       '{parameters: "layers.{unit}.attention", axis: 0}\n')], 2, "check",
+     "state `conv` of unit 0 follows parameter group `layers.0.attention`, which this config "
+     "does not declare"),
     ("a reduction of the output on a column projection", "olmo2", "olmo2.yaml",
      [('self_attn.v_proj"\n        sharding: column\n',
        'self_attn.v_proj"\n        sharding: column\n        reduction: output\n')], 2,

@@ -114,6 +114,70 @@ def test_each_rank_state_equals_hf_cache_on_the_rank_channels(mamba_runs, tp):
                                        rtol=1e-4, atol=1e-5)
 
 
+def _selected(layout, axis_length: int) -> np.ndarray:
+    """The indices along a state layout's split axis that its placement selects."""
+    axis, ranges = layout.placement.selection(layout.global_shape)
+    if axis is None:
+        return np.arange(axis_length)
+    return np.concatenate([np.arange(a, b) for a, b in ranges])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_declared_state_is_the_hf_cache_on_the_rank_channels(mamba_runs, tp, pp):
+    """The rank module's PartitionState (the family's `state:` realized for the rank) names,
+    per layer of its stage, the conv and SSM state HF's cache holds on the rank's channels:
+    same whole shape as HF's cache, local shape and channels those of the state the rank's
+    forward produced (which equals HF's cache on those channels)."""
+    from partc.runtime import partition_state
+
+    plan, states, result, reference = mamba_runs(tp, pp)
+    for stage in range(pp):
+        layers = stage_layers(plan, stage)
+        for t in range(tp):
+            loaded = states[stage * tp + t]
+            declared = partition_state(loaded.table)
+            assert [(x.name, x.unit) for x in declared.tensors] == [
+                (name, layer) for layer in layers for name in ("conv", "ssm")]
+            for x in declared.tensors:
+                hf_cache = reference[f"{x.name}_state"][x.unit]  # [batch, I, K or N]
+                ran = result.stages[stage].states[x.unit - layers.start][t]
+                produced = ran.conv_state if x.name == "conv" else ran.ssm_state
+                assert x.global_shape == hf_cache.shape[1:]
+                assert x.local_shape == produced.shape[1:]
+                channels = _selected(x, x.global_shape[0])
+                assert channels.tolist() == ran.channels.tolist()
+                assert hf_cache[:, channels].shape[1:] == x.local_shape
+                np.testing.assert_allclose(produced, hf_cache[:, channels], rtol=1e-4, atol=1e-5)
+                assert x.dtype == "F32" and x.local_bytes == 4 * int(np.prod(x.local_shape))
+            assert loaded.info.local_state_bytes == declared.local_bytes == sum(
+                4 * (128 // tp) * (4 + 16) for _ in layers)
+
+
+def test_mamba_state_is_recorded_in_plan_json_and_shown_by_inspect(mamba_runs, capsys):
+    from partc.cli.main import main
+
+    mamba_runs(2, 1)
+    build = mamba_runs.folders[2, 1]
+    folder = next(build.rglob("plan.json")).parent
+    plan_json = json.loads((folder / "plan.json").read_text())
+    tensors = plan_json["ranks"][1]["partition"]["state"]["tensors"]
+    assert [(x["name"], x["unit"], x["local_shape"], x["placement"]) for x in tensors] == [
+        (name, unit, [64, width], {"kind": "range", "axis": 0, "start": 64, "end": 128})
+        for unit in (0, 1) for name, width in (("conv", 4), ("ssm", 16))]
+    assert plan_json["ranks"][1]["info"]["local_state_bytes"] == 2 * 4 * 64 * 20
+    assert plan_json["ranks"][1]["info"]["local_state_bytes_per_token"] == 0
+    assert {x["per"] for x in tensors} == {"sequence"}
+    assert main(["inspect", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert ("   1  decoder[0:2]  conv [64, 4] of [128, 4] F32, ssm [64, 16] of [128, 16] F32"
+            "     5 KiB      10 KiB") in text
+    assert main(["inspect", str(folder), "--format", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["state"]
+    assert [(r["rank"], r["bytes"], [run["units"] for run in r["runs"]]) for r in shown] == [
+        (0, 10240, [[0, 2]]), (1, 10240, [[0, 2]])]
+
+
 def test_x_proj_is_recorded_as_reduced_inside_the_mixer_in_plan_and_rank_tables(mamba_runs):
     plan, states, _, _ = mamba_runs(2, 1)
     build = mamba_runs.folders[2, 1]
@@ -228,3 +292,44 @@ def test_verify_passes_the_qwen3_next_split_at_every_legal_t_up_to_8_and_a_pipel
     assert any(c.pp == 2 for c in report.checks)
     modules = {c.module for c in report.checks}
     assert {"model.layers.0.linear_attn", "model.layers.1.self_attn"} <= modules
+
+
+MAMBA2 = hf("mamba").parent.parent / "mamba2_style"  # a config and a family, no weights
+CONV_SEGMENTS = ("sharding: {partitioned_segments: {axis: 0, segments: [inner, n_groups * "
+                 "state_size, n_groups * state_size]}}\n")
+
+
+def test_a_conv_over_x_b_c_split_contiguously_is_refused_by_verify_and_its_segments_hold(
+        tmp_path):
+    """A Mamba2-style conv1d runs over [x | B | C], an order that is not its input projection's
+    ([z | x | B | C | dt]): declared with the segments of its own order it verifies at T=2;
+    split as one contiguous block (rank 0 would take x's channels of both groups and none of
+    B and C) verify refuses the mixer, though `partc check` accepts both."""
+    family = (MAMBA2 / "family.yaml").read_text()
+    assert family.count(CONV_SEGMENTS) == 2
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(family.replace(CONV_SEGMENTS, "sharding: {partitioned: 0}\n"))
+    config = MAMBA2 / "config.json"
+    right = verify_family(MAMBA2 / "family.yaml", config, tensor_parallel_sizes=[2],
+                          pipeline_parallel_size=1)
+    assert right.ok, right.first_failure
+    report = verify_family(wrong, config, tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    failure = report.first_failure
+    assert not report.ok and failure is not None
+    assert (failure.module, failure.group, failure.rank) == (
+        "backbone.layers.0.mixer", "layers.0.mixer", 0)
+    assert failure.max_error > 100 * failure.tolerance
+
+
+def test_a_conv_state_over_x_b_c_follows_its_group_in_segments(tmp_path):
+    from partc.api import compile_family
+    from partc.plan.topology import Topology
+
+    plan = compile_family(MAMBA2 / "family.yaml", MAMBA2 / "config.json",
+                          Topology(tensor_parallel_size=2)).plan
+    conv = [x for x in plan.ranks[1].partition.state.tensors if (x.name, x.unit) == ("conv", 0)]
+    # [x (128) | B (2 x 16) | C (2 x 16)]: rank 1 holds group 1 of each piece
+    assert conv[0].placement.selection(conv[0].global_shape) == (
+        0, ((64, 128), (144, 160), (176, 192)))
+    assert conv[0].local_shape == (96, 4)
+

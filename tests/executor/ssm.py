@@ -109,26 +109,26 @@ def run(config: Mapping[str, Any], ranks: Sequence[RankShard], input_ids: Array,
     return out
 
 
-def _embed(arch: Arch, ranks: Sequence[RankShard], ids: Array) -> Array:
+def _embed(arch: Arch, ranks: Sequence[RankShard], ids: Array, name: str = EMBED) -> Array:
     """Vocab-parallel embedding lookup, summed over ranks."""
     parts = []
     for rank in ranks:
-        sel = rank.selection(EMBED)
+        sel = rank.selection(name)
         if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{EMBED}: must be vocab-parallel (axis 0)")
-        rows = rank.indices(EMBED, 0)
+            raise ShardingError(f"{name}: must be vocab-parallel (axis 0)")
+        rows = rank.indices(name, 0)
         lookup = np.full(arch.vocab, -1)
         lookup[rows] = np.arange(len(rows))
         local = lookup[ids]
-        vectors = np.where((local >= 0)[..., None], rank.array(EMBED)[np.maximum(local, 0)], 0)
+        vectors = np.where((local >= 0)[..., None], rank.array(name)[np.maximum(local, 0)], 0)
         parts.append((vectors.astype(F32), rows))
-    return all_reduce(parts, arch.vocab, EMBED)
+    return all_reduce(parts, arch.vocab, name)
 
 
-def _lm_head(arch: Arch, ranks: Sequence[RankShard], x: Array) -> Array:
-    """Vocab-parallel logits, gathered (tied: the embedding)."""
-    name = LM_HEAD if all(rank.has(LM_HEAD) for rank in ranks) else EMBED
-    if name == EMBED and not arch.tied:
+def _lm_head(arch: Arch, ranks: Sequence[RankShard], x: Array, embed: str = EMBED) -> Array:
+    """Vocab-parallel logits, gathered (tied: the embedding ``embed``)."""
+    name = LM_HEAD if all(rank.has(LM_HEAD) for rank in ranks) else embed
+    if name == embed and not arch.tied:
         raise ShardingError(f"a rank of the last stage lacks {LM_HEAD}")
     parts = []
     for rank in ranks:
@@ -190,6 +190,10 @@ def _mixer(arch: Arch, ranks: Sequence[RankShard], prefix: str, x: Array
     dbc = all_reduce([(part, channels) for _, channels, _, _, _, part in local], inner,
                      f"{prefix}.x_proj")
     ts, b, c = np.split(dbc, [arch.dt_rank, arch.dt_rank + arch.state], axis=-1)
+    if any(rank.has(f"{prefix}.dt_layernorm.weight") for rank in ranks):
+        # Jamba: RMSNorms over the reduced dt rank, B and C (replicated: they follow the sum)
+        ts, b, c = (ops.rms_norm(v, replicated(ranks, f"{prefix}.{n}_layernorm.weight"),
+                                 arch.eps) for v, n in ((ts, "dt"), (b, "b"), (c, "c")))
     outputs, states = [], []
     for rank, channels, u, zs, conv_state, _ in local:
         dw, db = f"{prefix}.dt_proj.weight", f"{prefix}.dt_proj.bias"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from partc.bind.cache import GroupTemplate, StructureKey, renamed_group
 from partc.bind.consistency import BoundProjection, check_projections
 from partc.bind.linear_formats import linear_format_expansion, target_facts
+from partc.bind.runtime_state import BoundStateTensor, bind_state
 from partc.bind.values import Binder, Value, default_dtype, read_config_values, recorded
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind, ReplicatedShardingDecl
@@ -105,6 +106,8 @@ class BoundArchitecture:
     """Declared parallel mode of each execution group that has one."""
     experts: tuple[tuple[str, ExpertGroup], ...] = ()
     """The routed-expert groups (per-expert or stacked) by name, in binding order."""
+    states: tuple[BoundStateTensor, ...] = ()
+    """Declared runtime state tensors, one per carrying unit, in canonical unit order."""
 
     def omitted(self, names: Collection[str]) -> tuple[str, ...]:
         """The checkpoint tensor names the `omit` globs match, sorted."""
@@ -593,7 +596,7 @@ def bind_family(family: FamilyDecl, config: RawDocument,
         linear_format=linear_format, omit=family.omit, group_boundaries=group_boundaries,
         group_weights=weights, group_modes=tuple((n.name, n.parallel) for n in family.graph
                                                  if n.parallel is not None),
-        experts=tuple(experts))
+        experts=tuple(experts), states=bind_state(binder, values, graph, description))
 
 
 def _expert_count(binder: Binder, decl: GroupDecl, env: Mapping[str, Value],

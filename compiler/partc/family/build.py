@@ -28,6 +28,8 @@ from partc.family.declaration import (
     PrefixDecl,
     ReplicatedShardingDecl,
     ShardingDecl,
+    StateDecl,
+    StateSplitDecl,
 )
 from partc.family.expr import Expression, Template, constant, parse, parse_template
 from partc.front.load import RawDocument
@@ -507,6 +509,38 @@ def _prefix(builder: _Builder, name: str, spec: dict[str, Any]) -> PrefixDecl:
     return PrefixDecl(name=name, candidates=candidates, default=default, pointer=ptr)
 
 
+def _state(builder: _Builder, i: int, spec: dict[str, Any]) -> StateDecl | None:
+    """A `state:` entry: its shape and `when` parsed, `dtype` (`activation` or omitted: None)
+    and `split` (`replicated`: None) as declared."""
+    pointer = join_pointer("/state", i)
+    shape_pointer = join_pointer(pointer, "shape")
+    shape = tuple(builder.expression(d, join_pointer(shape_pointer, k))
+                  for k, d in enumerate(spec["shape"]))
+    when = (builder.expression(spec["when"], join_pointer(pointer, "when"))
+            if "when" in spec else None)
+    dtype = spec.get("dtype", "activation")
+    dtype_expr = (None if dtype == "activation"
+                  else _dtype_expression(builder, dtype, join_pointer(pointer, "dtype")))
+    split = None
+    if spec["split"] != "replicated":
+        split_pointer = join_pointer(pointer, "split")
+        follows = builder.template(spec["split"]["parameters"],
+                                   join_pointer(split_pointer, "parameters"))
+        segments = tuple(builder.expression(seg, seg_pointer) for seg, seg_pointer in
+                         _segment_entries(spec["split"].get("segments", []),
+                                          join_pointer(split_pointer, "segments")))
+        if follows is None or any(s is None for s in segments):
+            return None
+        split = StateSplitDecl(parameters=follows, axis=int(spec["split"]["axis"]),
+                               segments=tuple(s for s in segments if s is not None))
+    if any(d is None for d in shape) or ("when" in spec and when is None) or (
+            dtype != "activation" and dtype_expr is None):
+        return None
+    return StateDecl(name=spec["name"], group=spec["group"], when=when,
+                     shape=tuple(d for d in shape if d is not None), dtype=dtype_expr,
+                     split=split, pointer=pointer, per_token=spec.get("per") == "token")
+
+
 def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcError]]:
     """Build the symbolic family of a schema-valid document, with every semantic error found."""
     builder = _Builder(document)
@@ -540,7 +574,9 @@ def build_family(document: RawDocument) -> tuple[FamilyDecl | None, list[PartcEr
         derived=derived, omit=tuple(data.get("omit", ())),
         prefixes=tuple(_prefix(builder, name, spec)
                        for name, spec in data.get("prefixes", {}).items()),
-        dimensions=dimensions, static_with=static_with)
+        dimensions=dimensions, static_with=static_with,
+        state=tuple(state for i, spec in enumerate(data.get("state", []))
+                    if (state := _state(builder, i, spec)) is not None))
     builder.errors.extend(iter_semantic_errors(family))
     if builder.errors:
         return None, builder.errors

@@ -358,12 +358,46 @@ def _format_names(known: _Known) -> Iterator[PartcError]:
                                            f"linear format option `{key}`")
 
 
+def _state_tensors(known: _Known) -> Iterator[PartcError]:
+    """`state:` entries: unique names per execution group, a declared group, a split axis the
+    shape has, and known names (config fields and the unit's) in every expression."""
+    seen: set[tuple[str, str]] = set()
+    scope = known.config | frozenset(UNIT_VARIABLES)
+    for state in known.family.state:
+        if state.group not in known.graph:
+            yield known.error(f"state `{state.name}` names unknown execution group "
+                              f"`{state.group}`; declared: {', '.join(known.graph)}",
+                              join_pointer(state.pointer, "group"))
+        if (state.group, state.name) in seen:
+            yield known.error(f"state `{state.name}` of execution group `{state.group}` is "
+                              "declared twice; state names must be unique per group",
+                              join_pointer(state.pointer, "name"))
+        seen.add((state.group, state.name))
+        split_pointer = join_pointer(state.pointer, "split")
+        if state.split is not None and state.split.axis >= len(state.shape):
+            yield known.error(f"state `{state.name}` is split on axis {state.split.axis}, but "
+                              f"its shape has {len(state.shape)} axes",
+                              join_pointer(split_pointer, "axis"))
+        yield from known.names(state.when, scope, join_pointer(state.pointer, "when"), "`when`")
+        yield from known.names(state.dtype, scope, join_pointer(state.pointer, "dtype"),
+                               "`dtype`")
+        for i, dim in enumerate(state.shape):
+            yield from known.names(dim, scope, join_pointer(join_pointer(
+                state.pointer, "shape"), i), "a shape")
+        if state.split is not None:
+            yield from known.names(state.split.parameters, scope,
+                                   join_pointer(split_pointer, "parameters"), "a group name")
+            for seg in state.split.segments:
+                yield from known.names(seg, scope, join_pointer(split_pointer, "segments"),
+                                       "a segment width")
+
+
 FamilyCheck = Callable[[_Known], Iterator[PartcError]]
 """A check of a whole family declaration."""
 
 FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _derived_values, _omit_globs,
                                           _graph_groups, _parameter_groups, _boundary_names,
-                                          _static_placements,
+                                          _static_placements, _state_tensors,
                                           _format_names, _misspelt_declarations)
 """Every check of a family, in the order their errors are yielded (`_misspelt_declarations`
 last: it reports the uses the others recorded)."""

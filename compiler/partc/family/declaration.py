@@ -397,6 +397,40 @@ class LinearFormatDecl:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StateSplitDecl:
+    """How a state tensor is split: axis `axis` follows a parameter group's logical range."""
+
+    parameters: Template
+    """The parameter group (a name template over the unit's variables) it follows."""
+    axis: int
+    """The state axis that is split."""
+    segments: tuple[Expression, ...] = ()
+    """Segment widths along `axis`, each split alike (empty: the axis is one segment)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateDecl:
+    """A declared runtime state tensor of every unit of an execution group (`state:`)."""
+
+    name: str
+    """State name (e.g. `conv`, `ssm`, `key`)."""
+    group: str
+    """The execution group whose units carry it."""
+    when: Expression | None
+    """Condition over the unit (None: every unit)."""
+    shape: tuple[Expression, ...]
+    """Global shape of one unit's tensor."""
+    dtype: Expression | None
+    """Its dtype expression (None: the activation dtype)."""
+    split: StateSplitDecl | None
+    """How a tensor-parallel rank splits it (None: replicated)."""
+    pointer: str
+    """Where it is declared."""
+    per_token: bool = False
+    """One tensor per token of the sequence (a KV cache entry), not one per sequence."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FamilyDecl:
     """A checked symbolic family: what a YAML or TOML file declares."""
 
@@ -432,6 +466,8 @@ class FamilyDecl:
     """Per-request boundary dimension names (`dimensions:`)."""
     static_with: tuple[tuple[str, str], ...] = ()
     """Static roles placed with a unit of an execution group: (role, group)."""
+    state: tuple[StateDecl, ...] = ()
+    """Declared runtime state tensors (`state:`), in declaration order."""
 
     @property
     def value_names(self) -> frozenset[str]:

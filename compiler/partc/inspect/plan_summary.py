@@ -295,6 +295,41 @@ def tp_reduced(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [found[g] for g in sorted(found)]
 
 
+def runtime_state(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each rank's declared runtime state (`state:`): its units' state tensors (name, whole and
+    local shape, dtype, per sequence or per token, bytes) grouped into runs of consecutive units
+    of one group whose tensors are alike, and its totals per sequence and per token; empty when
+    none is declared."""
+    out = []
+    for rank in plan["ranks"]:
+        tensors = rank["partition"]["state"].get("tensors", ())
+        if not tensors:
+            continue
+        units: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        for t in tensors:
+            units.setdefault((t["group"], t["unit"]), []).append(
+                {"name": t["name"], "shape": list(t["shape"]),
+                 "local_shape": list(t["local_shape"]), "dtype": t["dtype"],
+                 "per": t["per"], "bytes": t["local_bytes"]})
+        runs: list[dict[str, Any]] = []
+        for (group, unit), items in units.items():
+            last = runs[-1] if runs else None
+            if (last is not None and last["group"] == group and last["units"][1] == unit
+                    and last["tensors"] == items):
+                last["units"][1] = unit + 1
+            else:
+                runs.append({"group": group, "units": [unit, unit + 1], "tensors": items,
+                             "unit_bytes": sum(i["bytes"] for i in items
+                                               if i["per"] == "sequence"),
+                             "unit_bytes_per_token": sum(i["bytes"] for i in items
+                                                         if i["per"] == "token")})
+        info = rank["info"]
+        out.append({"rank": rank["rank"], "bytes": info.get("local_state_bytes", 0),
+                    "bytes_per_token": info.get("local_state_bytes_per_token", 0),
+                    "runs": runs})
+    return out
+
+
 def plan_summary(plan: Mapping[str, Any], group_bytes: Callable[[str], int]
                  ) -> dict[str, Any]:
     """Stages, ranks, imbalance and fallbacks of a plan body (plan.json without `tensors` is
@@ -324,7 +359,8 @@ def summary(build: Build) -> dict[str, Any]:
         "cuts": pipeline_cuts(plan)} | (
         {} if plan.get("expert_parallel") is None
         else {"expert_parallel": expert_summary(plan)}) | (
-        {} if plan.get("pipeline") is None else {"pipeline": pipeline_facts(plan)})
+        {} if plan.get("pipeline") is None else {"pipeline": pipeline_facts(plan)}) | (
+        {"state": state} if (state := runtime_state(plan)) else {})
 
 
 def wire_tensors(boundary: Mapping[str, Any], activation_dtype: str | None

@@ -159,6 +159,7 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     out += table(header, rows, right=right)
     out.append(f"rank imbalance (largest / mean bytes): {summary['rank_imbalance']:.3f}")
     out += cut_lines(summary.get("cuts", ()))
+    out += state_lines(summary.get("state", ()))
     extra = fallback_lines(summary["fallbacks"], summary["kv_replication"],
                            summary.get("tp_reduction", ()))
     out += [""] + (extra or ["fallbacks: none; KV replication: none"])
@@ -176,6 +177,38 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
             out.append("a rank whose experts are `-` is on a stage without MoE layers: it "
                        "holds no expert")
     return out
+
+
+def _state_bytes(per_sequence: int, per_token: int) -> str:
+    """`2.5 KiB`, `64 B/token` or `2.5 KiB + 64 B/token`."""
+    parts = ([byte_text(per_sequence)] if per_sequence or not per_token else []) + (
+        [f"{byte_text(per_token)}/token"] if per_token else [])
+    return " + ".join(parts)
+
+
+def state_lines(state: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each rank's declared runtime state: one row per run of alike units, its tensors' local
+    shapes (of the whole shape), dtypes and `/token` for a per-token one, bytes per unit and in
+    all (per sequence, `+ N/token` for the per-token ones)."""
+    if not state:
+        return []
+    rows = []
+    for rank in state:
+        for i, run in enumerate(rank["runs"]):
+            start, end = run["units"]
+            units = f"{run['group']}[{start}]" if end == start + 1 else (
+                f"{run['group']}[{start}:{end}]")
+            tensors = ", ".join(
+                f"{t['name']} {_shape_text(t['local_shape'])}"
+                + ("" if t["local_shape"] == t["shape"] else f" of {_shape_text(t['shape'])}")
+                + f" {t['dtype']}" + ("/token" if t["per"] == "token" else "")
+                for t in run["tensors"])
+            rows.append((rank["rank"] if i == 0 else "", units, tensors,
+                         _state_bytes(run["unit_bytes"], run["unit_bytes_per_token"]),
+                         _state_bytes(rank["bytes"], rank["bytes_per_token"]) if i == 0 else ""))
+    return ["", "runtime state (declared `state:`), as each rank allocates it per sequence"] + (
+        table(("rank", "units", "tensors (local of whole shape)", "per unit", "rank total"),
+              rows, right=(True, False, False, True, True)))
 
 
 def expert_columns(head: Sequence[str], experts: bool, etp: bool

@@ -10,6 +10,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from partc.errors import ParallelPlanError, ParallelPlanErrorKind, SourceLocation
 from partc.parallel.placements import (
@@ -19,6 +20,7 @@ from partc.parallel.placements import (
     _invalid_tensor,
     is_count,
     local_shape,
+    placement_from_json,
     tensor_bytes,
     unchecked_replace,
 )
@@ -136,6 +138,63 @@ class LocalTensorLayout:
         return self.placement.selection(self.global_shape)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalStateLayout:
+    """One runtime state tensor of one unit (per sequence) as one rank allocates it."""
+
+    name: str
+    """State name (declared under `state:`)."""
+    group: str
+    """Execution group of the unit carrying it."""
+    unit: int
+    """Group-local unit index."""
+    dtype: str
+    """Safetensors dtype."""
+    global_shape: tuple[int, ...]
+    """The whole state tensor's shape."""
+    local_shape: tuple[int, ...]
+    """The part this rank allocates."""
+    placement: TensorPlacement
+    """Which part of the whole tensor this rank holds (replicated, a range or ranges)."""
+    follows: str = ""
+    """The parameter group whose logical range the split follows ('' when replicated)."""
+    per_token: bool = False
+    """One such tensor per token of the sequence (a KV cache entry), not one per sequence."""
+
+    def __post_init__(self) -> None:
+        label = f"state `{self.name}` of `{self.group}` unit {self.unit}"
+        if self.dtype not in DTYPE_BITS or not is_count(self.unit):
+            raise _invalid_tensor(f"{label}: unknown dtype {self.dtype!r} or bad unit")
+        if not self.placement.fits(self.global_shape) or local_shape(
+                self.global_shape, self.placement.selection(self.global_shape)
+                ) != self.local_shape:
+            raise _invalid_tensor(f"{label}: local shape {list(self.local_shape)} does not "
+                                  f"match placement {self.placement.to_json()} of "
+                                  f"{list(self.global_shape)}")
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes this rank allocates for it (per sequence, or per token when `per_token`)."""
+        return tensor_bytes(self.dtype, self.local_shape)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (a plan's `partition.state.tensors` entry)."""
+        return {"name": self.name, "group": self.group, "unit": self.unit, "dtype": self.dtype,
+                "shape": list(self.global_shape), "local_shape": list(self.local_shape),
+                "placement": self.placement.to_json(), "follows": self.follows,
+                "per": "token" if self.per_token else "sequence",
+                "local_bytes": self.local_bytes}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LocalStateLayout:
+        """The layout from `to_json`, re-validated."""
+        return cls(name=data["name"], group=data["group"], unit=data["unit"],
+                   dtype=data["dtype"], global_shape=tuple(data["shape"]),
+                   local_shape=tuple(data["local_shape"]),
+                   placement=placement_from_json(data["placement"]), follows=data["follows"],
+                   per_token=data.get("per") == "token")
+
+
 def _sum_by_dtype(items: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
     totals: dict[str, int] = {}
     for dtype, nbytes in items:
@@ -241,6 +300,12 @@ class ParallelModelInfo:
     """Routed experts this rank holds (its local slots; 0 without expert parallelism)."""
     expert_parameter_bytes: int = 0
     """Bytes of routed-expert tensors this rank loads (0 without expert parallelism)."""
+    local_state_bytes: int = 0
+    """Bytes of the declared per-sequence runtime state (conv, SSM states) this rank allocates
+    per sequence, every unit of its stage (0 when the family declares none)."""
+    local_state_bytes_per_token: int = 0
+    """Bytes of the declared per-token runtime state (KV cache entries) this rank allocates per
+    token of a sequence, every unit of its stage (0 when the family declares none)."""
 
     def __post_init__(self) -> None:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size

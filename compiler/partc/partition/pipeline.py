@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.errors import ArchitecturePartitionErrorKind
+from partc.parallel.layout import LocalStateLayout
 from partc.parallel.shape import size_problem
 from partc.partition.boundary import PipelineWireContract
 from partc.partition.ownership import (
@@ -54,6 +55,10 @@ class PartitionState:
     """State-carrying units on this stage (its local state slots)."""
     global_range: Range
     """Half-open range of this stage's units among all state-carrying units."""
+    tensors: tuple[LocalStateLayout, ...] = ()
+    """The declared runtime state tensors of this stage's units as this rank allocates them
+    (per sequence), in canonical unit order then declaration order; empty when the family
+    declares no `state:`."""
 
     def __post_init__(self) -> None:
         start, end = self.global_range
@@ -61,6 +66,48 @@ class PartitionState:
             raise partition_error(ArchitecturePartitionErrorKind.OUT_OF_BOUNDS,
                                    f"state range {_spell(self.global_range)} does not hold "
                                    f"{self.units} state units")
+        keys = [(t.group, t.unit, t.name) for t in self.tensors]
+        if len(set(keys)) != len(keys):
+            raise partition_error(ArchitecturePartitionErrorKind.REPEATED_TARGET,
+                                   "state tensors repeat a (group, unit, name)")
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes of the declared per-sequence state tensors on this rank, per sequence."""
+        return sum(t.local_bytes for t in self.tensors if not t.per_token)
+
+    @property
+    def local_bytes_per_token(self) -> int:
+        """Bytes of the declared per-token state tensors (KV cache) on this rank, per token."""
+        return sum(t.local_bytes for t in self.tensors if t.per_token)
+
+    def unit_tensors(self, group: str, unit: int) -> tuple[LocalStateLayout, ...]:
+        """The state tensors of one unit (group-local index), declaration order."""
+        return tuple(t for t in self.tensors if t.group == group and t.unit == unit)
+
+    def unit_bytes(self) -> tuple[tuple[str, int, int, int], ...]:
+        """(group, unit, local bytes per sequence, local bytes per token) of each unit carrying
+        declared state, in unit order."""
+        out: dict[tuple[str, int], tuple[int, int]] = {}
+        for t in self.tensors:
+            seq, tok = out.get((t.group, t.unit), (0, 0))
+            out[(t.group, t.unit)] = ((seq, tok + t.local_bytes) if t.per_token
+                                      else (seq + t.local_bytes, tok))
+        return tuple((g, u, seq, tok) for (g, u), (seq, tok) in out.items())
+
+    def to_json(self) -> dict[str, object]:
+        """JSON form (`tensors` only when some are declared)."""
+        out: dict[str, object] = {"units": self.units, "global_range": list(self.global_range)}
+        if self.tensors:
+            out["tensors"] = [t.to_json() for t in self.tensors]
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PartitionState:
+        """The state from `to_json`, re-validated."""
+        return cls(units=data["units"], global_range=_range(data["global_range"]),
+                   tensors=tuple(LocalStateLayout.from_json(t)
+                                 for t in data.get("tensors", ())))
 
     def covers(self, layers: Range) -> bool:
         """Whether the global state layers `layers` fall inside this stage's range."""
@@ -270,7 +317,7 @@ class ArchitecturePartition:
             "ownership": {"owns_input": self.ownership.owns_input,
                           "owns_output": self.ownership.owns_output,
                           "static_roles": list(self.ownership.static_roles)},
-            "state": {"units": self.state.units, "global_range": list(self.state.global_range)},
+            "state": self.state.to_json(),
         }
 
     @classmethod
@@ -286,8 +333,7 @@ class ArchitecturePartition:
             ownership=PartitionOwnership(owns_input=own["owns_input"],
                                          owns_output=own["owns_output"],
                                          static_roles=tuple(own["static_roles"])),
-            state=PartitionState(units=data["state"]["units"],
-                                 global_range=_range(data["state"]["global_range"])),
+            state=PartitionState.from_json(data["state"]),
             parameter_bindings=tuple(PartitionParameterBinding.from_json(b)
                                      for b in data.get("parameter_bindings", ())),
             boundary=boundary)

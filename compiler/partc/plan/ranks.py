@@ -145,7 +145,10 @@ class RankPlan:
                      "pinned_parameter_bytes": info.pinned_parameter_bytes,
                      "maximum_device_parameter_bytes": info.maximum_device_parameter_bytes,
                      "local_bytes_by_dtype": dict(info.local_bytes_by_dtype)}
-            | ({} if self.coordinates is None else info.expert_json()),
+            | ({} if self.coordinates is None else info.expert_json())
+            | ({"local_state_bytes": info.local_state_bytes,
+                "local_state_bytes_per_token": info.local_state_bytes_per_token}
+               if self.partition.state.tensors else {}),
         }
 
 

@@ -30,6 +30,7 @@ from partc.plan.ir import PipelineSummary, Plan
 from partc.plan.pipeline_cut import realize_partition
 from partc.plan.ranks import GroupKind, GroupSite, KindIndex, PlannedGroup, dense_ranks
 from partc.plan.stage_balance import choose_stages, spell_layout
+from partc.plan.state_split import with_state
 from partc.plan.tensor_split import realize_group_template
 from partc.plan.topology import Topology
 
@@ -163,6 +164,7 @@ def realize_plan(bound: BoundArchitecture, topology: Topology, *,
                                        stage_groups, kinds, global_bytes)
     else:
         ranks = dense_ranks(bound, tp, pp, partitions, stage_groups, kinds, global_bytes)
+    ranks = with_state(ranks, bound.states, activation)
     if multi or topology.stage_layout is not None or topology.group_modes:
         summary = PipelineSummary(
             balance=choice.balance,

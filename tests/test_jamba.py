@@ -1,0 +1,168 @@
+"""The built-in jamba family (issue 35) against transformers' JambaForCausalLM.
+
+The fixture `hf/jamba` (tests/fixtures/gen/gen_jamba.py) has the four layer kinds (mamba +
+dense, attention + experts, mamba + dense, mamba + experts); its `reference.npz` holds the state
+HF's cache keeps per layer: conv / SSM state on Mamba layers, keys / values on attention ones.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from partc.runtime import partition_state
+from partc.verify.run import verify_family
+
+from executor import RankShard, Selection, forward, forward_pipeline, load_fixture
+from support import compile_and_load, hf
+
+JAMBA = hf("jamba")
+KINDS = ["mamba", "attention", "mamba", "mamba"]  # HF's layers_block_type for the fixture
+
+
+TOLERANCE = 1e-4
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def rank_shard(state) -> RankShard:
+    """An executor rank from one generated rank's loaded arrays and layout selections."""
+    selections = {}
+    for target in state.tensors:
+        axis, ranges = state.layout[target].selection
+        selections[target] = None if axis is None else Selection(axis=axis, ranges=ranges)
+    return RankShard(tensors={k: np.asarray(v, dtype=np.float32)
+                              for k, v in state.tensors.items()}, selections=selections)
+
+
+def _indices(selection, length: int) -> list[int]:
+    """The indices along the split axis a (axis, ranges) selection takes (all when whole)."""
+    axis, ranges = selection
+    if axis is None:
+        return list(range(length))
+    return [i for a, b in ranges for i in range(a, b)]
+
+
+def test_the_fixture_has_the_layer_kinds_the_family_selects_by_period_and_offset():
+    manifest = json.loads((JAMBA / "manifest.json").read_text())
+    assert manifest["layers_block_type"] == KINDS
+    assert manifest["layers_num_experts"] == [1, 4, 1, 4]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_declared_state_is_the_hf_cache_on_its_channels_or_kv_heads(tmp_path, tp, pp):
+    """Per layer of its stage, each rank declares the state HF's cache holds for that layer's
+    kind (keys / values on attention, conv / SSM on Mamba), of HF's whole shape, restricted to
+    the channels (or KV heads) of the parameters the rank loaded."""
+    with np.load(JAMBA / "reference.npz") as npz:
+        reference = {k: npz[k] for k in npz.files}
+    plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
+                                    JAMBA / "model.safetensors", tp=tp, pp=pp)
+    assert plan.family == "jamba"
+    seen = set()
+    for loaded in states:
+        declared = partition_state(loaded.table)
+        layout = loaded.layout
+        for x in declared.tensors:
+            seen.add((x.unit, x.name))
+            kind = KINDS[x.unit]
+            prefix = f"model.layers.{x.unit}"
+            if kind == "attention":
+                assert x.name in ("key", "value")
+                cache = reference[f"{x.name}_{x.unit}"]  # [batch, K, sequence, d]
+                whole = (cache.shape[1], cache.shape[3])
+                proj = layout[f"{prefix}.self_attn.{x.name[0]}_proj.weight"]
+                rows = _indices(proj.selection, proj.global_shape[0])
+                held = sorted({r // cache.shape[3] for r in rows})  # the KV heads it loaded
+                local = cache[:, held][:, :, 0]
+            else:
+                assert x.name in ("conv", "ssm")
+                cache = reference[f"{x.name}_state_{x.unit}"]  # [batch, I, K or N]
+                whole = cache.shape[1:]
+                conv = layout[f"{prefix}.mamba.conv1d.weight"]
+                held = _indices(conv.selection, conv.global_shape[0])  # its channels
+                local = cache[:, held]
+            assert x.global_shape == whole
+            assert _indices(x.placement.selection(x.global_shape), whole[0]) == held
+            assert x.local_shape == local.shape[1:]
+        assert loaded.info.local_state_bytes == declared.local_bytes > 0
+        assert loaded.info.local_state_bytes_per_token == declared.local_bytes_per_token
+        assert all(x.per_token == (x.name in ("key", "value")) for x in declared.tensors)
+    assert seen == {(u, n) for u, kind in enumerate(KINDS)
+                    for n in (("key", "value") if kind == "attention" else ("conv", "ssm"))}
+
+
+def test_at_t4_two_ranks_share_each_kv_head_and_each_rank_a_quarter_of_the_channels(tmp_path):
+    plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
+                                    JAMBA / "model.safetensors", tp=4)
+    shapes = [{(x.unit, x.name): (x.local_shape, x.placement.selection(x.global_shape))
+               for x in partition_state(s.table).tensors} for s in states]
+    assert [s[1, "key"] for s in shapes] == [((1, 8), (0, ((h, h + 1),))) for h in (0, 0, 1, 1)]
+    assert [s[3, "ssm"] for s in shapes] == [((32, 16), (0, ((32 * t, 32 * t + 32),)))
+                                             for t in range(4)]
+    # per sequence: conv + SSM of the 3 Mamba layers; per token: one KV head's key and value
+    assert all(s.info.local_state_bytes == 4 * 3 * 32 * (4 + 16) for s in states)
+    assert all(s.info.local_state_bytes_per_token == 4 * 2 * 8 for s in states)
+    assert all(partition_state(s.table).unit_bytes() == (
+        ("decoder", 0, 2560, 0), ("decoder", 1, 0, 64), ("decoder", 2, 2560, 0),
+        ("decoder", 3, 2560, 0)) for s in states)
+
+
+def test_verify_passes_the_jamba_split_at_every_legal_t_up_to_8_and_a_pipeline_split():
+    report = verify_family(None, JAMBA / "config.json")
+    assert report.ok, report.first_failure
+    checked = sorted({(c.tp, c.pp) for c in report.checks})
+    assert checked == [(1, 1), (1, 2), (2, 1), (4, 1), (8, 1)]
+
+
+def test_the_executor_reproduces_hf_jamba_logits_and_every_layer_kind():
+    config, tensors, ref = load_fixture("jamba")
+    result = forward(config, tensors, ref["input_ids"])
+    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
+    for layer in range(4):
+        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_ranks_of_the_built_in_jamba_family_reproduce_hf_logits_and_mamba_state(
+        tmp_path, tp, pp):
+    """partc's rank shards, run by the numpy executor (attention heads, Mamba channels and
+    expert channels split; x_proj summed inside the mixer; KV heads repeated at T=4), give HF's
+    logits, and each rank's conv / SSM state is HF's cache on its channels."""
+    with np.load(JAMBA / "reference.npz") as npz:
+        reference = {k: npz[k] for k in npz.files}
+    config = json.loads((JAMBA / "config.json").read_text())
+    plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
+                                    JAMBA / "model.safetensors", tp=tp, pp=pp)
+    stages, layers = [], []
+    for p in range(pp):
+        stages.append([rank_shard(s) for s in states[p * tp:(p + 1) * tp]])
+        start, end = {g.group: g.unit_range
+                      for g in plan.ranks[p * tp].partition.groups}["decoder"]
+        layers.append(range(start, end))
+    result = forward_pipeline(config, stages, layers, reference["input_ids"])
+    assert rel_err(result.logits, reference["logits"]) < TOLERANCE
+    if pp == 2:
+        assert rel_err(result.sent[0], reference["layer_outputs"][layers[0].stop - 1]) < TOLERANCE
+    for p, stage_layers in enumerate(layers):
+        for offset, layer in enumerate(stage_layers):
+            ran = result.stages[p].states[offset]
+            if KINDS[layer] != "mamba":
+                assert ran == []
+                continue
+            assert len(ran) == tp
+            for t, state in enumerate(ran):
+                declared = {x.name: x for x in partition_state(states[p * tp + t].table).tensors
+                            if x.unit == layer}
+                for name, produced in (("conv", state.conv_state), ("ssm", state.ssm_state)):
+                    cache = reference[f"{name}_state_{layer}"]
+                    assert declared[name].local_shape == produced.shape[1:]
+                    np.testing.assert_allclose(produced, cache[:, state.channels],
+                                               rtol=1e-4, atol=1e-5)
+
