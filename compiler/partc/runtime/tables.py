@@ -101,8 +101,9 @@ class RankTable:
         return self._decoded[0]
 
     def tensor_rows(self) -> list[TensorRow]:
-        """One row per tensor, group by group: (target, group index, dtype, global shape,
-        compact placement, KV replicas)."""
+        """One row per tensor the rank holds, group by group: (target, group index, dtype,
+        global shape, compact placement, KV replicas); a TARGETS entry placed `omit` here (a
+        per-head tensor of another rank's head) has none."""
         return self._decoded[1]
 
     def output_reduced_rows(self) -> frozenset[int]:
@@ -121,7 +122,7 @@ class RankTable:
         """The columnar tables joined into rows (on first use; a rank has up to ~10^4
         tensors)."""
         with paused_gc():
-            return _join_tables(self)
+            return _held(self, _join_tables(self))
 
 
 GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
@@ -185,6 +186,26 @@ def _join_tables(table: RankTable
         raise CheckpointError(f"the generated tables of rank {table.rank} list {len(targets)} "
                               f"TARGETS for {len(tensors)} group members; regenerate the build")
     return groups, tensors, frozenset(reduced), frozenset(outputs)
+
+
+def _held(table: RankTable, joined: tuple[list[GroupRow], list[TensorRow], frozenset[int],
+                                          frozenset[int]]
+          ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int], frozenset[int]]:
+    """The joined rows without the tensors placed `omit` on this rank (per-head tensors of
+    heads other ranks hold), the reduction indices renumbered; unchanged when no KINDS member
+    is omitted (checked on the few KINDS rows, not the ~10^4 tensors)."""
+    try:
+        omits = any(member[2][0] == "omit" for kind in table.kinds for member in kind[4])
+    except (IndexError, TypeError, KeyError):
+        return joined  # malformed KINDS: the placement decode names the fault
+    if not omits:
+        return joined
+    groups, tensors, reduced, outputs = joined
+    kept = [i for i, row in enumerate(tensors) if row[4][0] != "omit"]
+    renumber = {old: new for new, old in enumerate(kept)}
+    return (groups, [tensors[i] for i in kept],
+            frozenset(renumber[i] for i in reduced if i in renumber),
+            frozenset(renumber[i] for i in outputs if i in renumber))
 
 
 def _joined(table: RankTable, targets: list[str], lines: list[str]
