@@ -11,6 +11,7 @@ their *global* row indices, so a shard that splits a head or a KV group fails lo
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ class Spec:
     embed_norm: str | None = None
     alibi: bool = False
     qk_norm: bool = False  # OLMo-2 RMSNorm over the whole q / k projection width
+    per_head_norm: str | None = None  # config switch of StableLM's LayerNorm per q / k head
 
 
 SPECS: dict[str, Spec] = {
@@ -105,7 +107,7 @@ SPECS: dict[str, Spec] = {
         embed="model.embed_tokens.weight", layer="model.layers.{}.", final_norm="model.norm",
         attn="self_attn", out="o_proj", mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
         norms=("input_layernorm", "post_attention_layernorm"), residual="sequential",
-        qkv="separate", lm_head="lm_head.weight",
+        qkv="separate", lm_head="lm_head.weight", per_head_norm="qk_layernorm",
     ),
     "phi": Spec(
         embed="model.embed_tokens.weight", layer="model.layers.{}.",
@@ -124,7 +126,6 @@ _FIXED = [
     ("falcon", "parallel_attn", True),
     ("falcon", "new_decoder_architecture", True),
     ("bloom", "apply_residual_connection_post_layernorm", False),
-    ("stablelm", "qk_layernorm", False),
     ("stablelm", "use_parallel_residual", False),
     ("phi", "qk_layernorm", False),
 ]
@@ -150,6 +151,7 @@ class Arch:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    per_head_norm: bool = False  # `q_layernorm.norms.{h}` / `k_layernorm.norms.{h}` per head
 
 
 def _first(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
@@ -210,6 +212,7 @@ def describe(config: Mapping[str, Any]) -> Arch:
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
         logits_scaling=float(config.get("logits_scaling", 1.0)),
+        per_head_norm=bool(spec.per_head_norm and config.get(spec.per_head_norm)),
     )
 
 
@@ -403,6 +406,9 @@ def _attention(
         k, k_heads = split_heads(k, k_idx, hd, f"{prefix} k")
         v, v_heads = split_heads(v, v_idx, hd, f"{prefix} v")
         v = v[:, positions(k_heads, v_heads, f"{prefix} v heads")]
+        if arch.per_head_norm:  # HF StableLmLayerNormPerHead: each head its own LayerNorm
+            q = _per_head_norm(arch, rank, f"{prefix}.q_layernorm", q, q_heads)
+            k = _per_head_norm(arch, rank, f"{prefix}.k_layernorm", k, k_heads)
         if rope is not None:
             q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
         group = arch.n_heads // arch.n_kv_heads
@@ -422,6 +428,18 @@ def _attention(
     total = all_reduce(parts, arch.n_heads * hd, out_prefix)
     bias_out = replicated_optional(ranks, f"{out_prefix}.bias")
     return total if bias_out is None else (total + bias_out).astype(F32)
+
+
+def _per_head_norm(arch: Arch, rank: RankShard, prefix: str, x: Array, heads: Array) -> Array:
+    """LayerNorm (no bias) of each local head ``[B, h, S, d]`` with the weight of its global
+    head id: the rank must hold whole ``norms.{h}`` of exactly its heads, no other's."""
+    held = {int(m.group(1)) for name in rank.tensors
+            if (m := re.fullmatch(re.escape(prefix) + r"\.norms\.(\d+)\.weight", name))}
+    if held != set(heads.tolist()):
+        raise ShardingError(f"{prefix}: rank holds the norms of heads {sorted(held)}, its "
+                            f"heads are {sorted(heads.tolist())}")
+    return np.stack([ops.layer_norm(x[:, i], rank.whole(f"{prefix}.norms.{h}.weight"), None,
+                                    arch.eps) for i, h in enumerate(heads.tolist())], axis=1)
 
 
 # --------------------------------------------------------------------------- feed-forward

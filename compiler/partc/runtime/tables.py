@@ -124,6 +124,18 @@ class RankTable:
         with paused_gc():
             return _held(self, _join_tables(self))
 
+    def omitted_targets(self) -> tuple[str, ...]:
+        """The TARGETS this rank does not hold although its stage loads them (per-head
+        tensors of the heads other ranks hold, placed `omit` here), in TARGETS order."""
+        return self._omitted
+
+    @cached_property
+    def _omitted(self) -> tuple[str, ...]:
+        held = {row[0] for row in self.tensor_rows()}
+        if len(held) == len(targets := table_lines(self.targets)):
+            return ()
+        return tuple(t for t in targets if t not in held)
+
 
 GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
 """(logical name, role, owner JSON, logical units, logical range, fell back to replication)."""
