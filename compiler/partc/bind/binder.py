@@ -275,7 +275,7 @@ def _per_head_members(binder: Binder, modules: Sequence[ModuleDecl], env: Mappin
                       dtype: str) -> list[ParameterMemberSpec]:
     """The tensors of `sharding: per_head` projections: every parameter of one module per head
     (`{head}` bound to its index), each tagged with (index, head count)."""
-    members = []
+    members: list[ParameterMemberSpec] = []
     for module in modules:
         count = _heads(binder, module, env)[0]
         for head in range(count):

@@ -112,7 +112,7 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
             f"to_dtensors: rank {info.rank} is of an expert-parallel build, whose experts are "
             "held by their EP ranks only (DTensor has no placement for a tensor some ranks of "
             "the mesh lack); use its tensors with the package's process_groups()")
-    omitted = getattr(state.table, "omitted_targets", tuple)()
+    omitted: tuple[str, ...] = getattr(state.table, "omitted_targets", tuple)()
     if omitted:  # every rank of the group lacks some head's tensors: all of them refuse
         raise LaunchError(
             f"to_dtensors: rank {info.rank} holds the per-head tensors of its own heads only "
