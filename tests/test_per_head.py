@@ -107,7 +107,15 @@ def test_explain_and_inspect_list_only_the_ranks_holding_a_per_head_tensor(tmp_p
                            "model.layers.0.self_attn.k_layernorm.norms.1.weight", "--format",
                            "json"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert [r["rank"] for r in json.loads(done.stdout)["ranks"]] == [2, 3]  # KV head 1's ranks
+    explained = json.loads(done.stdout)
+    assert [r["rank"] for r in explained["ranks"]] == [2, 3]  # KV head 1's ranks
+    assert ("per head: `model.layers.0.self_attn.k_layernorm.norms.1.weight` belongs to one "
+            "head; TP ranks 2, 3 hold that head and load it whole, the others do not load it "
+            "(`sharding: per_head`)") in explained["why"]
+    done = subprocess.run([sys.executable, "-m", "partc", "explain", str(tmp_path / "b"),
+                           "layers.0.attention"], capture_output=True, text=True, cwd=ROOT)
+    assert re.search(r"\n +0 +0 +0 +0:1 +model\.layers\.0\.self_attn\.q_layernorm\.norms\.1"
+                     r"\.weight +not held +-\n", done.stdout), done.stdout
     done = subprocess.run([sys.executable, "-m", "partc", "inspect", str(tmp_path / "b"),
                            "--rank", "0", "--format", "json"],
                           capture_output=True, text=True, cwd=ROOT)
