@@ -116,13 +116,24 @@ class RankTable:
         (a KINDS member with a fifth field `True`: a norm spanning a split projection)."""
         return self._decoded[2]
 
+    def stage_tensor_rows(self) -> list[TensorRow]:
+        """`tensor_rows()` with the TARGETS this rank does not hold: one row per tensor of the
+        stage's groups (what the stage's parameter bindings list)."""
+        return self._joined_rows[1]
+
+    @cached_property
+    def _joined_rows(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int],
+                                    frozenset[int]]:
+        """The columnar tables joined into rows (on first use; a rank has up to ~10^4
+        tensors), the tensors placed `omit` here included."""
+        with paused_gc():
+            return _join_tables(self)
+
     @cached_property
     def _decoded(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int],
                                 frozenset[int]]:
-        """The columnar tables joined into rows (on first use; a rank has up to ~10^4
-        tensors)."""
-        with paused_gc():
-            return _held(self, _join_tables(self))
+        """`_joined_rows` without the tensors this rank does not hold."""
+        return _held(self, self._joined_rows)
 
     def omitted_targets(self) -> tuple[str, ...]:
         """The TARGETS this rank does not hold although its stage loads them (per-head
@@ -131,10 +142,11 @@ class RankTable:
 
     @cached_property
     def _omitted(self) -> tuple[str, ...]:
-        held = {row[0] for row in self.tensor_rows()}
-        if len(held) == len(targets := table_lines(self.targets)):
+        rows, everything = self.tensor_rows(), self.stage_tensor_rows()
+        if len(rows) == len(everything):
             return ()
-        return tuple(t for t in targets if t not in held)
+        held = {row[0] for row in rows}
+        return tuple(row[0] for row in everything if row[0] not in held)
 
 
 GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
@@ -314,10 +326,11 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
 
 
 def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
-    """The stage's parameter bindings (JSON form) from the GROUPS and TARGETS tables."""
+    """The stage's parameter bindings (JSON form) from the GROUPS and TARGETS tables: every
+    target of each group, those another rank holds (per head) included, as the plan's."""
     groups = table.group_rows()
     targets: list[list[str]] = [[] for _ in groups]
-    for row in table.tensor_rows():
+    for row in table.stage_tensor_rows():
         targets[row[1]].append(row[0])
     return [{"group": group[0], "owner": group[2], "targets": names}
             for group, names in zip(groups, targets, strict=True)]
