@@ -360,6 +360,12 @@ WRONG = [
        "        sharding: per_head\n        heads: num_key_value_heads\n")], 2, "checkpoint",
      "checkpoint tensor `model.layers.0.self_attn.q_layernorm.norms.2.weight` is owned by no "
      "parameter group"),
+    # every tensor owned, every rank a whole norm per head, but of another rank's heads
+    ("stablelm per-head q norms given to the ranks of other heads", "stablelm_qk",
+     "stablelm.yaml", [('"model.layers.{unit}.self_attn.q_layernorm.norms.{head}"',
+                        '"model.layers.{unit}.self_attn.q_layernorm.norms.{(head + 2) % '
+                        'num_attention_heads}"')], 2, "verify",
+     ("model.layers.0.self_attn", "layers.0.attention", 0)),
     ("stablelm per-head norms without a head count", "stablelm_qk", "stablelm.yaml",
      [("        sharding: per_head              # one LayerNorm per query head, on its head's "
        "ranks\n        heads: num_attention_heads\n", "        sharding: per_head\n")], 2,
