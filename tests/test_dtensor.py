@@ -234,3 +234,19 @@ def test_an_expert_parallel_build_is_refused_not_replicated(tmp_path):
     assert got["expert-parallel"].startswith(
         "refused: to_dtensors: rank 0 is of an expert-parallel build, whose experts are held by "
         "their EP ranks only"), got
+
+
+def test_a_state_lacking_the_per_head_tensors_of_other_ranks_is_refused_on_every_rank(tmp_path):
+    # StableLM's qk_layernorm: each rank holds its own heads' `norms.{h}` only (per_head)
+    stablelm_qk = HF / "stablelm_qk"
+    compile_family(None, stablelm_qk / "config.json", Topology(tensor_parallel_size=2),
+                   CompileOptions(out=tmp_path / "b"))
+    for rank, other in ((0, 2), (1, 0)):
+        got = _attempts(tmp_path / "b", stablelm_qk, "partc_stablelm_tp2_pp1", rank, 2,
+                        ["own-rank"])
+        assert got["own-rank"] == (
+            f"refused: to_dtensors: rank {rank} holds the per-head tensors of its own heads "
+            f"only (`sharding: per_head`), not `model.layers.0.self_attn.q_layernorm.norms."
+            f"{other}.weight` and 5 more that other ranks of its tensor-parallel group hold; "
+            "DTensor has no placement for a tensor some ranks of the mesh lack. Use the plain "
+            "tensors (each rank its heads' tensors)"), got

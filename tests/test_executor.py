@@ -7,6 +7,7 @@ Rank shards are built here by slicing the full fixture tensors with balanced spl
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -139,6 +140,19 @@ def tensor_selection(
     return None
 
 
+def holds_head(name: str, config: dict[str, Any], tp: int, rank: int, attention: str) -> bool:
+    """Whether the rank holds `name`: StableLM's per-head `{q,k}_layernorm.norms.{h}` only on
+    the ranks of head h (every rank when attention is replicated), the rest everywhere."""
+    found = re.search(r"\.([qk])_layernorm\.norms\.(\d+)\.weight$", name)
+    if found is None or attention == "replicated":
+        return True
+    heads, kv_heads = heads_of(config)[:2]
+    q0, q1 = balanced(heads, tp)[rank]
+    group = heads // kv_heads
+    a, b = (q0, q1) if found.group(1) == "q" else (q0 // group, (q1 - 1) // group + 1)
+    return a <= int(found.group(2)) < b
+
+
 def take(full: np.ndarray, sel: Selection | None) -> np.ndarray:
     if sel is None:
         return full
@@ -159,7 +173,7 @@ def plan_shards(
         sels = {
             name: tensor_selection(name, full.shape, config, tp, rank, attention)
             for name, full in tensors.items()
-            if keep(name)
+            if keep(name) and holds_head(name, config, tp, rank, attention)
         }
         ranks.append(RankShard({n: take(tensors[n], s) for n, s in sels.items()}, sels))
     return ranks

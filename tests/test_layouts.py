@@ -227,7 +227,8 @@ OLMO_Q_NORM = '''      - module: "model.layers.{unit}.self_attn.q_norm"
 '''
 
 # (case, fixture, family file, [(text, replacement)], T, refused by, expected): "check" cases
-# assert the static message; "verify" cases the failing module, group and rank.
+# assert the static message, "checkpoint" cases the message of a check against the fixture's
+# checkpoint; "verify" cases the failing module, group and rank.
 MAMBA_SEGMENTS = ("{partitioned_segments: {axis: 0, segments: [intermediate_size, "
                   "intermediate_size]}}")
 MAMBA_IN_PROJ = ('      - target: "backbone.layers.{unit}.mixer.in_proj.weight"\n'
@@ -398,6 +399,25 @@ WRONG = [
     ("a grouped layout whose query heads do not fill the KV groups", "falcon", "falcon.yaml",
      [("        - num_attention_heads\n", "        - 3\n")], 2, "check",
      "does not hold a whole number of heads in each of the 2 KV groups"),
+    # StableLM's per-head q norms indexed by KV head: rank r would take q norm r (its KV head),
+    # not those of its query heads; the checkpoint's norms of the other query heads tell
+    ("stablelm per-head q norms indexed by KV head", "stablelm_qk", "stablelm.yaml",
+     [("        sharding: per_head              # one LayerNorm per query head, on its head's "
+       "ranks\n        heads: num_attention_heads\n",
+       "        sharding: per_head\n        heads: num_key_value_heads\n")], 2, "checkpoint",
+     "checkpoint tensor `model.layers.0.self_attn.q_layernorm.norms.2.weight` is owned by no "
+     "parameter group"),
+    # every tensor owned, every rank a whole norm per head, but of another rank's heads
+    ("stablelm per-head q norms given to the ranks of other heads", "stablelm_qk",
+     "stablelm.yaml", [('"model.layers.{unit}.self_attn.q_layernorm.norms.{head}"',
+                        '"model.layers.{unit}.self_attn.q_layernorm.norms.{(head + 2) % '
+                        'num_attention_heads}"')], 2, "verify",
+     ("model.layers.0.self_attn", "layers.0.attention", 0)),
+    ("stablelm per-head norms without a head count", "stablelm_qk", "stablelm.yaml",
+     [("        sharding: per_head              # one LayerNorm per query head, on its head's "
+       "ranks\n        heads: num_attention_heads\n", "        sharding: per_head\n")], 2,
+     "check", "a `sharding: per_head` projection is one module per head; expected its head "
+     "count (e.g. `heads: num_attention_heads`), found none"),
 ]
 
 
@@ -412,7 +432,13 @@ def test_a_wrong_layout_declaration_is_refused_by_check_or_by_verify(tmp_path, c
     path.write_text(text)
     config = hf(fixture) / "config.json"
     topology = Topology(tensor_parallel_size=tp, pipeline_parallel_size=1)
-    errors = check_family(path, config, topology=topology)
+    checkpoint = hf(fixture) if how == "checkpoint" else None
+    errors = check_family(path, config, checkpoint, topology=topology)
+    if how == "checkpoint":  # refused against the checkpoint, located in its file
+        assert any(expected in str(e) for e in errors), [str(e) for e in errors]
+        located = [e for e in errors if expected in str(e)][0]
+        assert str(located).startswith(str(hf(fixture) / "model.safetensors")), str(located)
+        return
     if how == "check":
         assert errors and any(expected in str(e) for e in errors), [str(e) for e in errors]
         located = [e for e in errors if expected in str(e)][0]

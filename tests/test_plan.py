@@ -208,8 +208,9 @@ def test_kv_replicas_survive_the_plan_and_the_generated_loader(tmp_path):
 
 @pytest.mark.parametrize("folder,family,tp,pp", [
     (HF / "llama_tied", "llama", 2, 2), (HF / "qwen3_moe", "qwen3_moe", 2, 2),
-    (QUANTIZED / "deepseek_v3_fp8", "deepseek_v3", 2, 3)], ids=["llama_tied", "qwen3_moe",
-                                                                 "deepseek_v3_fp8"])
+    (QUANTIZED / "deepseek_v3_fp8", "deepseek_v3", 2, 3),
+    (HF / "stablelm_qk", "stablelm", 4, 1)],  # per-head norms: `omit` on other heads' ranks
+    ids=["llama_tied", "qwen3_moe", "deepseek_v3_fp8", "stablelm_qk"])
 def test_the_plan_text_is_the_canonical_json_and_modules_rebuild_the_plan(
         tmp_path, folder, family, tp, pp):
     """plan.json is spelled without building the tensor table (`Plan.document`), and rank

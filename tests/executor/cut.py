@@ -14,11 +14,14 @@ intermediate dimension split evenly. Each fused layout is cut the way it is stor
 * DBRX's fused experts ``w1`` / ``v1`` / ``w2`` ``[E * I, H]``: the rank's intermediate channels
   inside every expert's block of ``I`` rows;
 * Conv1D weights (gpt2) are ``[in, out]``: column-parallel on axis 1, row-parallel on axis 0;
-* OLMo-2's ``q_norm`` / ``k_norm`` follow their projection's out axis.
+* OLMo-2's ``q_norm`` / ``k_norm`` follow their projection's out axis;
+* StableLM's per-head ``q_layernorm.norms.{h}`` / ``k_layernorm.norms.{h}`` are held whole by
+  the ranks of head ``h`` only.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -131,6 +134,18 @@ def selection(
     return Selection(axis, _merge(ranges))
 
 
+def holds_head(arch: Arch, name: str, tp: int, rank: int) -> bool:
+    """Whether rank ``rank`` of ``tp`` holds ``name``: a per-head norm (StableLM's
+    ``q_layernorm.norms.{h}``) only on the ranks of its head, every other tensor everywhere."""
+    found = re.search(r"\.([qk])_layernorm\.norms\.(\d+)\.weight$", name)
+    if not arch.per_head_norm or found is None:
+        return True
+    q0, q1 = balanced(arch.n_heads, tp)[rank]
+    group = arch.n_heads // arch.n_kv_heads
+    a, b = (q0, q1) if found.group(1) == "q" else (q0 // group, (q1 - 1) // group + 1)
+    return a <= int(found.group(2)) < b
+
+
 def take(full: np.ndarray, sel: Selection | None) -> np.ndarray:
     """The local tensor a selection names, cut from the full tensor."""
     if sel is None:
@@ -173,7 +188,7 @@ def cut_shards(
         sels = {
             name: selection(arch, name, full.shape, tp, rank)
             for name, full in tensors.items()
-            if keep(name)
+            if keep(name) and holds_head(arch, name, tp, rank)
         }
         ranks.append(RankShard({n: take(np.asarray(tensors[n]), s) for n, s in sels.items()}, sels))
     return ranks

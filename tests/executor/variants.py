@@ -11,6 +11,7 @@ their *global* row indices, so a shard that splits a head or a KV group fails lo
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ class Spec:
     norm_bias: bool = True  # False: LayerNorms without a bias (DBRX)
     rope: str = "half"  # half (HF rotate_half) | every_two (GPT-J pairs, CodeGen)
     moe: str | None = None  # dbrx: fused per-expert w1 / v1 / w2 [E * I, H] and a router
+    per_head_norm: str | None = None  # config switch of StableLM's LayerNorm per q / k head
 
 
 SPECS: dict[str, Spec] = {
@@ -108,7 +110,7 @@ SPECS: dict[str, Spec] = {
         embed="model.embed_tokens.weight", layer="model.layers.{}.", final_norm="model.norm",
         attn="self_attn", out="o_proj", mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
         norms=("input_layernorm", "post_attention_layernorm"), residual="sequential",
-        qkv="separate", lm_head="lm_head.weight",
+        qkv="separate", lm_head="lm_head.weight", per_head_norm="qk_layernorm",
     ),
     "phi": Spec(
         embed="model.embed_tokens.weight", layer="model.layers.{}.",
@@ -142,7 +144,6 @@ _FIXED = [
     ("falcon", "parallel_attn", True),
     ("falcon", "new_decoder_architecture", True),
     ("bloom", "apply_residual_connection_post_layernorm", False),
-    ("stablelm", "qk_layernorm", False),
     ("stablelm", "use_parallel_residual", False),
     ("phi", "qk_layernorm", False),
 ]
@@ -172,6 +173,7 @@ class Arch:
     """DBRX: the fused qkv output clamped elementwise to ``[-clip_qkv, clip_qkv]``."""
     mp_num: int = 1
     """CodeGen: the groups of its fused qkv (HF's ``CodeGenAttention.mp_num``)."""
+    per_head_norm: bool = False  # `q_layernorm.norms.{h}` / `k_layernorm.norms.{h}` per head
 
 
 def _first(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
@@ -248,6 +250,7 @@ def describe(config: Mapping[str, Any]) -> Arch:
         logits_scaling=float(config.get("logits_scaling", 1.0)),
         clip_qkv=None if attn_config.get("clip_qkv") is None else float(attn_config["clip_qkv"]),
         mp_num=4 if mt == "codegen" else 1,
+        per_head_norm=bool(spec.per_head_norm and config.get(spec.per_head_norm)),
     )
 
 
@@ -458,6 +461,9 @@ def _attention(
         k, k_heads = split_heads(k, k_idx, hd, f"{prefix} k")
         v, v_heads = split_heads(v, v_idx, hd, f"{prefix} v")
         v = v[:, positions(k_heads, v_heads, f"{prefix} v heads")]
+        if arch.per_head_norm:  # HF StableLmLayerNormPerHead: each head its own LayerNorm
+            q = _per_head_norm(arch, rank, f"{prefix}.q_layernorm", q, q_heads)
+            k = _per_head_norm(arch, rank, f"{prefix}.k_layernorm", k, k_heads)
         if rope is not None:
             rotate = ops.apply_rope_every_two if arch.spec.rope == "every_two" else ops.apply_rope
             q, k = rotate(q, *rope), rotate(k, *rope)
@@ -478,6 +484,18 @@ def _attention(
     total = all_reduce(parts, arch.n_heads * hd, out_prefix)
     bias_out = replicated_optional(ranks, f"{out_prefix}.bias")
     return total if bias_out is None else (total + bias_out).astype(F32)
+
+
+def _per_head_norm(arch: Arch, rank: RankShard, prefix: str, x: Array, heads: Array) -> Array:
+    """LayerNorm (no bias) of each local head ``[B, h, S, d]`` with the weight of its global
+    head id: the rank must hold whole ``norms.{h}`` of exactly its heads, no other's."""
+    held = {int(m.group(1)) for name in rank.tensors
+            if (m := re.fullmatch(re.escape(prefix) + r"\.norms\.(\d+)\.weight", name))}
+    if held != set(heads.tolist()):
+        raise ShardingError(f"{prefix}: rank holds the norms of heads {sorted(held)}, its "
+                            f"heads are {sorted(heads.tolist())}")
+    return np.stack([ops.layer_norm(x[:, i], rank.whole(f"{prefix}.norms.{h}.weight"), None,
+                                    arch.eps) for i, h in enumerate(heads.tolist())], axis=1)
 
 
 # --------------------------------------------------------------------------- feed-forward

@@ -27,7 +27,7 @@ FULLSIZE = FIXTURES / "fullsize"
 EXECUTOR_MODELS = [
     "llama", "llama_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
     "qwen2_moe", "gemma2", "deepseek_v3", "deepseek_v2", "deepseek_v2_qlora", "gpt_oss", "granite",
-    "stablelm", "phi",
+    "stablelm", "stablelm_qk", "phi",
 ]
 """The fixtures whose model types the numpy reference executor (tests/executor) implements."""
 LAYOUT_MODELS = ["gpt_neox", "falcon", "bloom", "gpt2", "olmo2", "codegen", "dbrx"]

@@ -19,7 +19,13 @@ from partc.bind.linear_formats import linear_format_expansion, target_facts
 from partc.bind.runtime_state import BoundStateTensor, bind_state
 from partc.bind.values import Binder, Value, default_dtype, read_config_values, recorded
 from partc.errors import PartcError, SemanticError
-from partc.family.declaration import EXPERT_VARIABLE, GroupForm, OwnerKind, ReplicatedShardingDecl
+from partc.family.declaration import (
+    EXPERT_VARIABLE,
+    HEAD_VARIABLE,
+    GroupForm,
+    OwnerKind,
+    ReplicatedShardingDecl,
+)
 from partc.family.expr import Expression
 from partc.family.expr_values import MAX_LIST_LENGTH, format_value
 from partc.front.positions import join_pointer
@@ -206,6 +212,8 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
                                   units_label=label, policy=decl.policy,
                                   kv_replication=decl.kv_replication)
     modules = [m for m in decl.projections if binder.boolean(m.when, env, m.pointer)]
+    per_head = _per_head_members(binder, [m for m in modules if m.per_head], env, dtype)
+    modules = [m for m in modules if not m.per_head]
     rendered = [(binder.render(m.module, env, m.pointer), m, _params(binder, m, env, dtype))
                 for m in modules]
     if decl.form is GroupForm.FUSED:
@@ -250,6 +258,7 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
         else:
             group = partitioned_projection_group(name, decl.role, projections, units,
                                                  dtype=dtype, units_label=label)
+            group = replace(group, members=(*group.members, *per_head))
     axes = {m.target: m.sharding.axis for m in group.members
             if not isinstance(m.sharding, ReplicatedSharding) and m.sharding.is_partitioned}
     check_projections(binder.family, decl, [BoundProjection(
@@ -263,6 +272,23 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
                replace(m, dtype=dtypes[m.target]) for m in group.members]
     return replace(group, members=tuple(members), policy=decl.policy,
                    kv_replication=decl.kv_replication)
+
+
+def _per_head_members(binder: Binder, modules: Sequence[ModuleDecl], env: Mapping[str, Value],
+                      dtype: str) -> list[ParameterMemberSpec]:
+    """The tensors of `sharding: per_head` projections: every parameter of one module per head
+    (`{head}` bound to its index), each tagged with (index, head count)."""
+    members: list[ParameterMemberSpec] = []
+    for module in modules:
+        count = _heads(binder, module, env)[0]
+        for head in range(count):
+            inner = {**env, HEAD_VARIABLE: head}
+            path = binder.render(module.module, inner, module.pointer)
+            members.extend(ParameterMemberSpec(
+                target=f"{path}.{name}", shape=shape, sharding=ReplicatedSharding(),
+                dtype=pdtype, head=(head, count))
+                for name, (shape, pdtype) in _params(binder, module, inner, dtype).items())
+    return members
 
 
 def _check_unit_multiples(binder: Binder, group: ParameterGroupSpec, units: int, label: str,
@@ -380,11 +406,15 @@ def _targets(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], layout: 
         assert decl.module is not None
         module = binder.render(decl.module.module, env, decl.module.pointer)
         return tuple(f"{module}.{p}" for p in layout[0]), ()
-    modules = [binder.render(m.module, env, m.pointer) for m, _ in layout]
+    plain = [(m, params) for m, params in layout if not m.per_head]
+    modules = [binder.render(m.module, env, m.pointer) for m, _ in plain]
     if not all(modules) or (decl.form is GroupForm.FUSED and len(modules) != 2):
         return None, ()  # an empty module path names members without a `.`
-    targets = tuple(f"{module}.{p}" for module, (_, params) in zip(modules, layout, strict=True)
-                    for p in params)
+    targets = tuple(f"{module}.{p}" for module, (_, params) in zip(modules, plain, strict=True)
+                    for p in params) + tuple(  # then the per-head modules' (`_build_group`)
+        f"{binder.render(m.module, {**env, HEAD_VARIABLE: head}, m.pointer)}.{p}"
+        for m, params in layout if m.per_head
+        for head in range(_heads(binder, m, env)[0]) for p in params)
     if decl.form is GroupForm.FUSED:
         return targets, tuple(t.startswith(modules[1] + ".") for t in targets)
     return targets, ()

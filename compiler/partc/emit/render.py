@@ -134,10 +134,17 @@ def _kind_row(kind: GroupKind, rank: RankPlan) -> tuple[str, str]:
               for x in layouts)))
 
 
+_NOT_HELD = "-"
+"""The DIGESTS entry of a TARGETS name the rank does not hold (a per-head tensor of another
+rank's head): no sha256 matches it."""
+
+
 def _member_read(layout: LocalTensorLayout) -> str:
     """What a rank reads of one checkpoint tensor, in a weight loader's terms: `narrow(axis,
     start, length)` (several joined by `cat` along that axis) or `whole`, then `->` the local
     shape and the dtype, then notes (KV replicas, a TP-reduced norm, a replication fallback)."""
+    if layout.placement.kind.value == "omit":
+        return "not on this rank (another rank's head)"
     axis, ranges = layout.selection
     if axis is None:
         read = "whole"
@@ -194,7 +201,8 @@ def _render_rank(plan: Plan, plan_json: dict[str, Any], rank: RankPlan, header: 
     digests = None
     if plan.payload_digests is not None:  # only with --digests: otherwise no DIGESTS table
         table = dict(plan.payload_digests[rank.rank])
-        digests = lines_literal([table[target] for target in tables.targets], "DIGESTS = ")
+        digests = lines_literal([table.get(target, _NOT_HELD) for target in tables.targets],
+                                "DIGESTS = ")
     stage = rank.pipeline_stage
     view = {
         "rank": rank.rank, "tp_rank": rank.tensor_parallel_rank, "stage": stage,

@@ -260,11 +260,19 @@ def _module_form(builder: _Builder, data: dict[str, Any], pointer: str) -> dict[
     return {"module": module, "module_sharding": sharding}
 
 
+def _projection(builder: _Builder, data: dict[str, Any], pointer: str) -> ModuleDecl | None:
+    """One entry of `projections:`; `sharding: per_head` is a module per head (no projection
+    sharding of its own)."""
+    if data["sharding"] == "per_head":
+        module = _module(builder, data, pointer, None, None)
+        return None if module is None else replace(module, per_head=True)
+    return _module(builder, data, pointer, ProjectionSharding(data["sharding"]), None)
+
+
 def _projections_form(builder: _Builder, data: dict[str, Any], pointer: str
                       ) -> dict[str, Any]:
     """`projections:` column- or row-parallel modules."""
-    decls = (_module(builder, proj, join_pointer(join_pointer(pointer, "projections"), i),
-                     ProjectionSharding(proj["sharding"]), None)
+    decls = (_projection(builder, proj, join_pointer(join_pointer(pointer, "projections"), i))
              for i, proj in enumerate(data["projections"]))
     for i, proj in enumerate(data["projections"]):
         need = {"tensor_parallel": "column", "output": "row"}.get(proj.get("reduction", ""))

@@ -17,6 +17,7 @@ from typing import TypeGuard
 from partc.errors import PartcError, SemanticError
 from partc.family.declaration import (
     EXPERT_VARIABLE,
+    HEAD_VARIABLE,
     UNIT_VARIABLE,
     UNIT_VARIABLES,
     FamilyDecl,
@@ -103,7 +104,7 @@ def _suspects(family: FamilyDecl) -> dict[str, _Declared]:
     """`_Misspellings.suspects` of `family`."""
     used = set(_used_names(family))
     declared = family.value_names
-    variables = {*UNIT_VARIABLES, *family.dimensions, "batch", "sequence",
+    variables = {*UNIT_VARIABLES, HEAD_VARIABLE, *family.dimensions, "batch", "sequence",
                  *(var for g in family.groups for var, _ in g.loops)}
     document = family.document
     unused = {name: _Declared(name, kind, pointer.split("/")[1], pointer)
@@ -484,7 +485,8 @@ def _module_names(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
     """Module paths, conditions, segment widths and head counts read names in scope."""
     scope = _loop_scope(known, group)
     for module in _modules(group):
-        yield from known.names(module.module, scope, join_pointer(module.pointer, "module"),
+        yield from known.names(module.module, scope | {HEAD_VARIABLE} if module.per_head
+                               else scope, join_pointer(module.pointer, "module"),
                                "the module path")
         yield from known.names(module.when, scope, join_pointer(module.pointer, "when"),
                                "`when`")
@@ -647,6 +649,29 @@ def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcEr
                 f"this `attention_heads` group partitions `{member.name.text}` but it states "
                 "no `heads:`; expected its head count, found none, so a partition unit could "
                 "cut a head", member.pointer)
+
+
+def _per_head_modules(known: _Known, group: GroupDecl) -> Iterator[PartcError]:
+    """A `sharding: per_head` projection states its head count, names each module by `{head}`
+    and sits in an `attention_heads` group with `units:`, whose partition says which ranks
+    hold which heads."""
+    for module in group.projections:
+        if not module.per_head:
+            continue
+        if not module.heads:
+            yield known.error("a `sharding: per_head` projection is one module per head; "
+                              "expected its head count (e.g. `heads: num_attention_heads`), "
+                              "found none", module.pointer)
+        if HEAD_VARIABLE not in module.module.names:
+            yield known.error(f"a `sharding: per_head` projection names each head's module by "
+                              f"`{{{HEAD_VARIABLE}}}`; expected it in the module path, found "
+                              f"`{module.module.text}`", join_pointer(module.pointer, "module"))
+        if group.role is not ParameterRole.ATTENTION_HEADS or group.units is None:
+            yield known.error("a `sharding: per_head` projection follows the heads of its "
+                              "group's partition; expected an `attention_heads` group with "
+                              f"`units:`, found role {group.role.value}"
+                              + ("" if group.units is not None else " without `units:`"),
+                              module.pointer)
 
 
 def _split(rule: ShardingDecl | None) -> TypeGuard[SplitShardingDecl]:
@@ -844,7 +869,7 @@ def _groups_with_grouped_layout(known: _Known, group: GroupDecl) -> Iterator[Par
 
 GROUP_CHECKS: tuple[GroupCheck, ...] = (
     _owners_known, _owners_agree, _loops_shadow_nothing, _group_names, _module_names,
-    _param_names, _units_where_partitioned, _attention_heads_stated,
+    _param_names, _units_where_partitioned, _attention_heads_stated, _per_head_modules,
     _experts_declared_once, _experts_numbered_by_loop, _replicated_splits_nothing,
     _vocabulary_splits_rows,
     _stated_heads_are_split, _units_axes_split, _biases_follow_weights,

@@ -36,6 +36,8 @@ UNIT_GROUP_VARIABLE = "group"
 """The variable bound to the execution group's name in a unit-owned group."""
 UNIT_VARIABLES = (UNIT_VARIABLE, UNIT_PATH_VARIABLE, UNIT_GROUP_VARIABLE)
 """Every variable a unit-owned group sees besides the config fields."""
+HEAD_VARIABLE = "head"
+"""The variable bound to the head index in the path of a `sharding: per_head` projection."""
 
 
 class ConfigType(enum.Enum):
@@ -315,6 +317,9 @@ class ModuleDecl:
     tp_output_reduction: bool = False
     """`reduction: output` on a row projection: its output is all-reduced over the TP group
     inside its module, before further per-channel work (Mamba's `x_proj`)."""
+    per_head: bool = False
+    """`sharding: per_head`: one module per head (`heads:` of them, `{head}` in its path),
+    each whole on the ranks holding its head and absent on the others."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

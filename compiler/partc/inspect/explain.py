@@ -59,6 +59,12 @@ def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, 
         else:
             why.append(f"{units} units split evenly over {split}={tp}: {sizes[0]} per rank")
     for t in tensors:
+        holders = [i for i, p in enumerate(t["placements"]) if p[0] != "omit"]
+        if len(holders) < len(t["placements"]):
+            why.append(f"per head: `{t['target']}` belongs to one head; TP rank"
+                       f"{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))} "
+                       "hold that head and load it whole, the others do not load it "
+                       "(`sharding: per_head`)")
         if t.get("needs_tp_reduction"):
             why.append(f"TP reduction: `{t['target']}` is a norm over a split projection's whole "
                        "output, split with it; its statistic spans every rank's piece, so an "

@@ -148,6 +148,8 @@ def placement_text(placement: Sequence[Any]) -> str:
         return f"{name} " + ",".join(f"{a}:{b}" for a, b in placement[2])
     if kind == "rank":
         return f"whole on tp rank {placement[1]}"
+    if kind == "omit":  # a per-head tensor of another rank's head
+        return "not held"
     return str(kind)
 
 

@@ -337,7 +337,8 @@ def _explained_lines(e: Mapping[str, Any]) -> list[str]:
             rows.append(rank_coordinates((r["rank"], r["pipeline_stage"],
                                           r["tensor_parallel_rank"]), r, (size or 1) > 1)
                         + ["-" if logical is None else f"{logical[0]}:{logical[1]}",
-                           m["target"], m["placement"], m["local_shape"]])
+                           m["target"], m["placement"],
+                           "-" if m["local_shape"] is None else m["local_shape"]])
     out += table(header + ["units", "tensor", "placement", "local shape"], rows,
                  right=right + [False, False, False, False])
     out += ["", "why:"] + [f"  - {w}" for w in e["why"]]

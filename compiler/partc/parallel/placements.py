@@ -164,11 +164,19 @@ class Local(_KindOnly):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Omit(_KindOnly):
-    """Not on this rank."""
+    """Not on this rank (a per-head tensor of a head the rank does not hold)."""
 
     kind: ClassVar[PlacementKind] = PlacementKind.OMIT
     holds_whole: ClassVar[bool] = False
     """Whether a rank with this placement holds the whole tensor."""
+
+    def selection(self, global_shape: Sequence[int]) -> Selection:
+        """Nothing: no range of axis 0 (a local shape of 0 rows, 0 bytes)."""
+        return 0, ()
+
+    def fits(self, global_shape: Sequence[int]) -> bool:
+        """Whether the tensor has an axis 0 to select nothing of."""
+        return len(global_shape) >= 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -290,11 +290,20 @@ class ParameterMemberSpec:
     tp_output_reduction: bool = False
     """A row-split projection whose output an engine all-reduces over the tensor-parallel
     ranks inside its module, before the per-channel work that follows (Mamba's `x_proj`)."""
+    head: tuple[int, int] | None = None
+    """(index, count) of a per-head tensor: it belongs to head `index` of `count` heads, whole
+    on the ranks holding that head and absent on the others (None: not per head)."""
 
     def __post_init__(self) -> None:
         target = self.target
         if not target:
             raise _invalid_tensor("a member needs a non-empty target name")
+        if self.head is not None and not (
+                isinstance(self.sharding, ReplicatedSharding) and not self.heads and self.shape
+                and all(is_count(n) for n in self.head) and 0 <= self.head[0] < self.head[1]):
+            raise _invalid_tensor(f"`{target}` is per head {list(self.head)}; a per-head tensor "
+                                  "is replicated-whole, has a dimension, states no `heads` and "
+                                  "has an index 0 <= index < count", target=target)
         if any(not is_count(d) or d < 0 for d in self.shape):
             raise _invalid_tensor(f"`{target}` has shape {list(self.shape)}; every dimension "
                                   "must be a non-negative integer", target=target)

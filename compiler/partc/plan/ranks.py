@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from partc.errors import SourceLocation
 from partc.parallel.layout import LocalModelLayout, LocalTensorLayout, ParallelModelInfo
+from partc.parallel.placements import PlacementKind
 from partc.parallel.shape import RankCoordinates
 from partc.partition.ownership import ParameterGroupOwner
 from partc.partition.pipeline import ArchitecturePartition
@@ -28,7 +29,8 @@ Accounting = tuple[int, int, tuple[tuple[str, int], ...]]
 
 
 def _accounting(layouts: tuple[LocalTensorLayout, ...]) -> Accounting:
-    sizes = [(x.dtype, x.local_bytes, x.placement.holds_whole) for x in layouts]
+    sizes = [(x.dtype, x.local_bytes, x.placement.holds_whole) for x in layouts
+             if x.placement.kind is not PlacementKind.OMIT]
     by_dtype: dict[str, int] = {}
     for dtype, nbytes, _ in sizes:
         by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
@@ -60,10 +62,16 @@ class GroupKind:
     rank_accounting: tuple[Accounting, ...] = field(init=False, compare=False, repr=False)
     """Per tensor-parallel rank, the accounting of one group of this kind (derived on
     construction)."""
+    held: tuple[tuple[int, ...], ...] = field(init=False, compare=False, repr=False)
+    """Per tensor-parallel rank, the members the rank holds: every one but those placed
+    `omit` (per-head tensors of other ranks' heads); derived on construction."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rank_accounting",
                            tuple(_accounting(layouts) for layouts in self.layouts))
+        object.__setattr__(self, "held", tuple(
+            tuple(i for i, x in enumerate(layouts) if x.placement.kind is not PlacementKind.OMIT)
+            for layouts in self.layouts))
 
     def accounting(self, tensor_parallel_rank: int) -> Accounting:
         """(local bytes, pinned bytes, local bytes by dtype) of one group of this kind on a rank."""
@@ -131,7 +139,8 @@ class RankPlan:
             for group in self.groups
             for layout, target in zip(
                 self.kinds[group.kind].layouts[self.kinds[group.kind].row(t, c)],
-                group.targets, strict=True)))
+                group.targets, strict=True)
+            if layout.placement.kind is not PlacementKind.OMIT))
 
     def to_json(self) -> dict[str, object]:
         """JSON form (the plan's `ranks` entries)."""
@@ -165,7 +174,7 @@ def rank_accounting(groups: tuple[PlannedGroup, ...], kinds: list[GroupKind], tp
     for kind, count in counts.items():
         row = kinds[kind].row(tp_rank, coordinates)
         nbytes, whole, dtypes = kinds[kind].accounting(row)
-        owned += count * len(kinds[kind].layouts[row])
+        owned += count * len(kinds[kind].held[row])
         local += count * nbytes
         pinned += count * whole
         if kinds[kind].index is not KindIndex.TENSOR:

@@ -9,6 +9,7 @@ from partc.errors import SourceLocation
 from partc.parallel.layout import LocalTensorLayout, ParameterRole, invalid_group
 from partc.parallel.placements import (
     LOCAL,
+    OMIT,
     REPLICATED,
     Indices,
     Range,
@@ -81,6 +82,14 @@ def _placement_for(member: ParameterMemberSpec, tp: int, rank: int,
     rule = member.sharding
     if tp == 1:
         return LOCAL
+    if member.head is not None:  # whole on the ranks holding its head, absent elsewhere
+        index, count = member.head
+        if kv:
+            a, b = _head_range(count, count, tp, rank)
+        else:
+            assert unit_range is not None and units is not None
+            a, b = unit_range[0] * count // units, unit_range[1] * count // units
+        return REPLICATED if a <= index < b else OMIT
     match rule:
         case ReplicatedSharding():
             return REPLICATED
@@ -132,7 +141,29 @@ def _interleaved_rows(widths: tuple[int, ...], groups: int, segment: int, offset
 
 
 def _kv_replicas(member: ParameterMemberSpec, tp: int) -> int:
-    return max((tp // h for h in member.heads if h < tp and tp % h == 0), default=1)
+    heads = member.heads if member.head is None else (member.head[1],)
+    return max((tp // h for h in heads if h < tp and tp % h == 0), default=1)
+
+
+def _per_head_problems(group: ParameterGroupSpec, tp: int, kv: bool) -> list[tuple[str, str]]:
+    """Why the per-head tensors of `group` cannot follow its heads over `tp` ranks: each
+    rank's share of the partition units must be whole heads of every per-head count (under KV
+    replication: a count `tp` divides, or one dividing `tp`)."""
+    problems: list[tuple[str, str]] = []
+    units = group.units
+    for member in group.members:
+        if member.head is None or member.head[0]:
+            continue  # one message per per-head module, at its head 0
+        count, target = member.head[1], member.target
+        if kv and count % tp and tp % count:
+            problems.append((target, f"`{target}` is one of {count} per-head tensors and "
+                                     f"{count} heads neither split over nor repeat evenly on "
+                                     f"tensor_parallel_size {tp}"))
+        elif not kv and units is not None and count % units:
+            problems.append((target, f"`{target}` is one of {count} per-head tensors, which the "
+                                     f"group's {units} partition units cannot divide into whole "
+                                     "heads"))
+    return problems
 
 
 def _kv_problems(group: ParameterGroupSpec, tp: int) -> list[tuple[str, str]]:
@@ -206,6 +237,8 @@ def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSpl
             problems.append((target, f"`{target}`: segments {list(rule.segments)} are not each "
                                      f"divisible into {tp} shards of whole {unit}"))
     units = group.units
+    if units is not None and units >= tp:
+        problems.extend(_per_head_problems(group, tp, kv=False))
     if units is not None and units >= tp and split is TensorSplit.CHUNK and \
             _empty_chunks(units, tp):
         label = f" ({group.units_label})" if group.units_label else ""
@@ -215,7 +248,7 @@ def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSpl
         return problems, False
     label = f" ({group.units_label})" if group.units_label else ""
     if group.kv_replication:
-        kv = _kv_problems(group, tp)
+        kv = _kv_problems(group, tp) + _per_head_problems(group, tp, kv=True)
         if not kv:
             return problems, True
         problems.append((kv[0][0], f"it has {units} partition units{label}, fewer than "

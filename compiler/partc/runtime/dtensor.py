@@ -112,6 +112,14 @@ def to_dtensors(state: Any, mesh: Any) -> dict[str, Any]:
             f"to_dtensors: rank {info.rank} is of an expert-parallel build, whose experts are "
             "held by their EP ranks only (DTensor has no placement for a tensor some ranks of "
             "the mesh lack); use its tensors with the package's process_groups()")
+    omitted: tuple[str, ...] = getattr(state.table, "omitted_targets", tuple)()
+    if omitted:  # every rank of the group lacks some head's tensors: all of them refuse
+        raise LaunchError(
+            f"to_dtensors: rank {info.rank} holds the per-head tensors of its own heads only "
+            f"(`sharding: per_head`), not `{omitted[0]}` and {len(omitted) - 1} more that other "
+            "ranks of its tensor-parallel group hold; DTensor has no placement for a tensor "
+            "some ranks of the mesh lack. Use the plain tensors (each rank its heads' "
+            "tensors)", tensor=omitted[0])
     tp_size, tp_rank = info.tensor_parallel_size, info.tensor_parallel_rank
     tp_mesh = _tp_mesh(mesh, info)
     mismatches = getattr(state.table, "chunk_mismatches", None)  # the stage's, on every rank

@@ -98,8 +98,9 @@ class RankTable:
         return self._decoded[0]
 
     def tensor_rows(self) -> list[TensorRow]:
-        """One row per tensor, group by group: (target, group index, dtype, global shape,
-        compact placement, KV replicas)."""
+        """One row per tensor the rank holds, group by group: (target, group index, dtype,
+        global shape, compact placement, KV replicas); a TARGETS entry placed `omit` here (a
+        per-head tensor of another rank's head) has none."""
         return self._decoded[1]
 
     def output_reduced_rows(self) -> frozenset[int]:
@@ -112,13 +113,37 @@ class RankTable:
         (a KINDS member with a fifth field `True`: a norm spanning a split projection)."""
         return self._decoded[2]
 
+    def stage_tensor_rows(self) -> list[TensorRow]:
+        """`tensor_rows()` with the TARGETS this rank does not hold: one row per tensor of the
+        stage's groups (what the stage's parameter bindings list)."""
+        return self._joined_rows[1]
+
+    @cached_property
+    def _joined_rows(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int],
+                                    frozenset[int]]:
+        """The columnar tables joined into rows (on first use; a rank has up to ~10^4
+        tensors), the tensors placed `omit` here included."""
+        with paused_gc():
+            return _join_tables(self)
+
     @cached_property
     def _decoded(self) -> tuple[list[GroupRow], list[TensorRow], frozenset[int],
                                 frozenset[int]]:
-        """The columnar tables joined into rows (on first use; a rank has up to ~10^4
-        tensors)."""
-        with paused_gc():
-            return _join_tables(self)
+        """`_joined_rows` without the tensors this rank does not hold."""
+        return _held(self, self._joined_rows)
+
+    def omitted_targets(self) -> tuple[str, ...]:
+        """The TARGETS this rank does not hold although its stage loads them (per-head
+        tensors of the heads other ranks hold, placed `omit` here), in TARGETS order."""
+        return self._omitted
+
+    @cached_property
+    def _omitted(self) -> tuple[str, ...]:
+        rows, everything = self.tensor_rows(), self.stage_tensor_rows()
+        if len(rows) == len(everything):
+            return ()
+        held = {row[0] for row in rows}
+        return tuple(row[0] for row in everything if row[0] not in held)
 
 
 GroupRow = tuple[str, str, Mapping[str, Any], "int | None", "tuple[int, int] | None", bool]
@@ -182,6 +207,26 @@ def _join_tables(table: RankTable
         raise CheckpointError(f"the generated tables of rank {table.rank} list {len(targets)} "
                               f"TARGETS for {len(tensors)} group members; regenerate the build")
     return groups, tensors, frozenset(reduced), frozenset(outputs)
+
+
+def _held(table: RankTable, joined: tuple[list[GroupRow], list[TensorRow], frozenset[int],
+                                          frozenset[int]]
+          ) -> tuple[list[GroupRow], list[TensorRow], frozenset[int], frozenset[int]]:
+    """The joined rows without the tensors placed `omit` on this rank (per-head tensors of
+    heads other ranks hold), the reduction indices renumbered; unchanged when no KINDS member
+    is omitted (checked on the few KINDS rows, not the ~10^4 tensors)."""
+    try:
+        omits = any(member[2][0] == "omit" for kind in table.kinds for member in kind[4])
+    except (IndexError, TypeError, KeyError):
+        return joined  # malformed KINDS: the placement decode names the fault
+    if not omits:
+        return joined
+    groups, tensors, reduced, outputs = joined
+    kept = [i for i, row in enumerate(tensors) if row[4][0] != "omit"]
+    renumber = {old: new for new, old in enumerate(kept)}
+    return (groups, [tensors[i] for i in kept],
+            frozenset(renumber[i] for i in reduced if i in renumber),
+            frozenset(renumber[i] for i in outputs if i in renumber))
 
 
 def _joined(table: RankTable, targets: list[str], lines: list[str]
@@ -278,10 +323,11 @@ def local_model_layout(table: RankTable) -> LocalModelLayout:
 
 
 def _parameter_bindings(table: RankTable) -> list[dict[str, Any]]:
-    """The stage's parameter bindings (JSON form) from the GROUPS and TARGETS tables."""
+    """The stage's parameter bindings (JSON form) from the GROUPS and TARGETS tables: every
+    target of each group, those another rank holds (per head) included, as the plan's."""
     groups = table.group_rows()
     targets: list[list[str]] = [[] for _ in groups]
-    for row in table.tensor_rows():
+    for row in table.stage_tensor_rows():
         targets[row[1]].append(row[0])
     return [{"group": group[0], "owner": group[2], "targets": names}
             for group, names in zip(groups, targets, strict=True)]
