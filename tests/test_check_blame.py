@@ -130,7 +130,7 @@ def test_a_member_rule_on_a_projection_says_what_a_projection_takes(tmp_path):
     assert error.location is not None
     assert error.location.line == line_of(family, "sharding: {partitioned: 0}")
     assert error.message.startswith(
-        'expected one of "replicated", "column", "row", found {"partitioned": 0}; a '
+        'expected one of "replicated", "column", "row", "per_head", found {"partitioned": 0}; a '
         "projection's `sharding` is `column` (its output features), `row` (its input "
         "features) or `replicated`")
 
