@@ -372,9 +372,13 @@ def _str(value: object) -> str:
 
 def _ints(values: object) -> tuple[int, ...]:
     """A JSON array of integers as a tuple; TypeError otherwise."""
-    if not isinstance(values, list):
+    if type(values) is not list:
         raise TypeError(f"expected an array, found {values!r}")
-    return tuple(_int(v) for v in values)
+    out = tuple(values)
+    for value in out:
+        if type(value) is not int:  # not a bool either
+            raise TypeError(f"expected an integer, found {value!r}")
+    return out
 
 
 def _optional_str(value: object) -> str | None:
@@ -390,9 +394,29 @@ class _Arity(ValueError):
     """A compact placement with the wrong fields for its kind (the schema does not say)."""
 
 
-def _placement(value: object) -> tuple[Any, ...]:
-    """A compact placement, checked: its kind, its fields (integers, or for `indices` ranges)
-    and their count; TypeError (or `_Arity`) otherwise."""
+Placements = dict[tuple[Any, ...], tuple[Any, ...]]
+"""The placements already checked in one plan, by their fields (a plan repeats a few hundred
+distinct placements across 10^5 tensors and their ranks)."""
+
+
+def _placement(value: object, checked: Placements) -> tuple[Any, ...]:
+    """A compact placement, checked once per distinct value (`checked`) for its kind, its fields
+    (integers, or for `indices` ranges) and their count; TypeError (or `_Arity`) otherwise."""
+    if type(value) is list:
+        try:
+            known = checked.get(tuple(value))
+        except TypeError:  # `indices`: its ranges are lists
+            known = None
+        if known is not None:
+            return known
+    placement = _checked_placement(value)
+    if placement[0] != "indices":
+        checked[placement] = placement
+    return placement
+
+
+def _checked_placement(value: object) -> tuple[Any, ...]:
+    """`_placement` without the cache."""
     if not isinstance(value, list) or not value or value[0] not in PLACEMENT_FIELDS:
         raise TypeError(f"expected a compact placement, found {value!r}")
     kind, *fields = value
@@ -411,14 +435,14 @@ def _placement(value: object) -> tuple[Any, ...]:
     return tuple(tuple(_pair(r) for r in f) if isinstance(f, list) else f for f in value)
 
 
-def _tensor(entry: Mapping[str, Any]) -> PlanTensor:
+def _tensor(entry: Mapping[str, Any], checked: Placements) -> PlanTensor:
     placements = entry["placements"]
     if not isinstance(placements, list):
         raise TypeError(f"expected an array of placements, found {placements!r}")
     return PlanTensor(target=_str(entry["target"]), dtype=_str(entry["dtype"]),
                       shape=_ints(entry["shape"]), group=_str(entry["group"]),
                       stages=_ints(entry["stages"]),
-                      placements=tuple(_placement(p) for p in placements),
+                      placements=tuple(_placement(p, checked) for p in placements),
                       kv_replicas=_int(entry.get("kv_replicas", 1)),
                       needs_tp_reduction=_bool(entry.get("needs_tp_reduction", False)))
 
@@ -583,7 +607,8 @@ def _plan_file(file: Path, document: Mapping[str, Any]) -> PlanFile:
         except _FAULTS as exc:
             raise _fault(file, document, exc, pointer) from None
 
-    tensors = tuple(_located_tensor(file, i, t)
+    seen: Placements = {}
+    tensors = tuple(_located_tensor(file, i, t, seen)
                     for i, t in enumerate(_list(document.get("tensors", []))))
     boundary = checked("/boundary", partial(_boundary, document["boundary"]))
     groups = tuple(checked(f"/groups/{i}", partial(_group, g))
@@ -610,11 +635,12 @@ def _plan_file(file: Path, document: Mapping[str, Any]) -> PlanFile:
         checkpoint_header_digest=_optional_str(document.get("checkpoint_header_digest")))
 
 
-def _located_tensor(file: Path, index: int, entry: Mapping[str, Any]) -> PlanTensor:
+def _located_tensor(file: Path, index: int, entry: Mapping[str, Any],
+                    checked: Placements) -> PlanTensor:
     """`_tensor(entry)`, a placement with the wrong fields for its kind a LoadError located at
     the tensor (the schema, which explains the other faults, does not count them)."""
     try:
-        return _tensor(entry)
+        return _tensor(entry, checked)
     except _Arity as exc:
         raise LoadError(f"the plan breaks its schema: {exc}; it was edited, or not written by "
                         "partc: compile the build again", location=SourceLocation(str(file)),
