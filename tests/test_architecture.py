@@ -9,8 +9,11 @@ modules import needs nothing of the compiler.
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -444,3 +447,143 @@ def test_no_module_calls_eval_or_exec():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("eval", "exec"), name
+
+
+# ---------------------------------------------------------------- plan.json is read typed
+
+PLAN_KEYS = frozenset(json.loads((ROOT / "schemas" / "plan.schema.json").read_text())[
+    "properties"])
+"""The top-level keys of a plan document."""
+RAW_PLAN_NAMES = frozenset({"plan", "plans", "document", "body", "build", "staged"})
+"""Names (variables or attributes) that held a parsed plan document before it was read typed."""
+JSON_DECODERS = frozenset({"load", "loads", "parse_json"})
+"""Calls that decode JSON text (json.load/json.loads, front.load.parse_json)."""
+OTHER_JSON_READERS = {
+    ("partc.api", "bind"): "config.json",
+    ("partc.api", "with_expert_placement"): "an expert placement file",
+    ("partc.cli.commands", "run_schema"): "a schema shipped with partc",
+    ("partc.front.load", "load_json"): "a family or config file (the loading stage)",
+    ("partc.front.load", "parse_json"): "any JSON text with positions (the loading stage)",
+    ("partc.front.positions", "json_locations"): "one JSON string token",
+    ("partc.front.schema", "load_schema"): "a schema shipped with partc",
+    ("partc.inspect.origins", "group_origins"): "the config document it writes itself",
+    ("partc.output", "read_marker"): "an output folder's marker file",
+    ("partc.scaffold.survey", "_read_config"): "config.json",
+    ("partc.verify.reference", "load_config"): "config.json",
+    ("partc.verify.reference", "model_inputs"): "config.json",
+}
+"""Functions outside the plan stage that decode JSON, and what they decode: anything else that
+decodes JSON could be reading plan.json behind `read_plan`'s back."""
+
+
+def _enclosing_functions(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
+    """Every node with the name of the outermost function holding it ('' at module level)."""
+    def visit(node: ast.AST, function: str) -> Iterator[tuple[str, ast.AST]]:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if (not function and isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef))) else function
+            yield inner, child
+            yield from visit(child, inner)
+    yield from visit(tree, "")
+
+
+def _raw_name(node: ast.AST) -> str | None:
+    """The name a subscripted or `.get`-ed value goes by: a variable or an attribute."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def plan_document_uses(modules: dict[str, ast.Module]) -> list[str]:
+    """Sites outside the plan stage (which reads plan.json, `read_plan`) and emit (which writes
+    it) that walk a plan document: JSON decoded in a function not known to read another
+    document, a plan key subscripted (or `.get`) on a name that held plan documents, or the
+    echoed `topology_json` indexed."""
+    found = []
+    for module, tree in sorted(modules.items()):
+        if _room(module) in ("plan", "emit"):
+            continue
+        for function, node in _enclosing_functions(tree):
+            where = f"{module}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else (
+                    node.func.id if isinstance(node.func, ast.Name) else "")
+                decoder = called in JSON_DECODERS and (
+                    called == "parse_json" or isinstance(node.func, ast.Name)
+                    or _raw_name(node.func.value) == "json")  # type: ignore[attr-defined]
+                if decoder and (module, function) not in OTHER_JSON_READERS:
+                    found.append(f"{where}: {function or 'module'} decodes JSON")
+                if called == "get" and isinstance(node.func, ast.Attribute) and node.args:
+                    key, holder = node.args[0], _raw_name(node.func.value)
+                    if holder == "topology_json" or (
+                            holder in RAW_PLAN_NAMES and isinstance(key, ast.Constant)
+                            and key.value in PLAN_KEYS):
+                        found.append(f"{where}: {holder}.get({ast.unparse(key)})")
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load):
+                key, holder = node.slice, _raw_name(node.value)
+                if holder == "topology_json" or (
+                        holder in RAW_PLAN_NAMES and isinstance(key, ast.Constant)
+                        and key.value in PLAN_KEYS):
+                    found.append(f"{where}: {holder}[{ast.unparse(key)}]")
+    return found
+
+
+def test_only_read_plan_reads_a_plan_document():
+    assert plan_document_uses(_modules()) == []
+
+
+def test_the_plan_document_check_finds_a_consumer_that_walks_plan_json():
+    modules = _synthetic({
+        "partc.inspect.bad": (
+            "import json\n"
+            "def ranks(path):\n"
+            "    plan = json.loads(path.read_text())\n"
+            "    return [r['rank'] for r in plan['ranks']] + [plan.get('groups')]\n"
+            "def size(build):\n"
+            "    return build.file.topology_json['tensor_parallel_size']\n"
+            "def fine(build):\n"
+            "    return build.file.ranks[0].rank, build.summary['ranks'], build.plan[0]\n"),
+        "partc.plan.plan_file": "import json\ndef read_plan(p):\n    return json.loads(p)\n",
+        "partc.api": "import json\ndef bind(p):\n    return json.loads(p)['groups']\n",
+    })
+    assert plan_document_uses(modules) == [
+        "partc.inspect.bad:3: ranks decodes JSON",
+        "partc.inspect.bad:4: plan['ranks']",
+        "partc.inspect.bad:4: plan.get('groups')",
+        "partc.inspect.bad:6: topology_json['tensor_parallel_size']"]
+
+
+def test_a_plan_read_back_holds_no_untyped_json_beyond_its_echoes(tmp_path):
+    """Every value of a PlanFile is a typed record, a tuple of them, or a scalar; JSON
+    containers only where the plan is echoed whole (`topology_json`) or is free-form data
+    (`config`, the config values)."""
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.plan_file import read_plan
+    from partc.plan.topology import Topology
+
+    from support import hf
+
+    compile_family(None, hf("qwen3_moe") / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2,
+                            expert_parallel_size=2), CompileOptions(out=tmp_path / "b"))
+    echoes = {"topology_json", "config"}
+    untyped = []
+
+    def walk(value: object, path: str) -> None:
+        if dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                if f.name not in echoes:
+                    walk(getattr(value, f.name), f"{path}.{f.name}")
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value[:3]):
+                walk(item, f"{path}[{i}]")
+        elif isinstance(value, Mapping):
+            untyped.extend(f"{path}[{k!r}]" for k, v in value.items()
+                           if not isinstance(v, (int, str, type(None))))
+        elif isinstance(value, (list, dict, set)):
+            untyped.append(path)
+
+    walk(read_plan(tmp_path / "b" / "plan.json"), "plan")
+    assert not untyped, untyped

@@ -356,11 +356,11 @@ def test_phi_floors_its_float_rotary_factor_as_hf_truncates(tmp_path):
 
 def test_inspect_finds_the_base_file_line_of_an_inherited_group(tmp_path):
     from partc.inspect.origins import group_origins
+    from partc.plan.plan_file import read_plan
 
     compile_family(None, hf("granite") / "config.json", None,
                    CompileOptions(out=tmp_path / "build"))
-    plan = json.loads((tmp_path / "build" / "plan.json").read_text())
-    origins = group_origins(plan)
+    origins = group_origins(read_plan(tmp_path / "build" / "plan.json"))
     assert origins.lines["layers.1.attention"] == "architectures/llama.yaml:50"
     assert origins.lines["lm_head"] == "architectures/llama.yaml:117"
 

@@ -82,3 +82,35 @@ def test_shard_of_an_edited_plan_is_a_located_schema_error_and_writes_nothing(
     assert "it was edited, or not written by partc" in error["message"]
     assert error["file"] == str(copy / "plan.json") and error["line"] > 1
     assert not out.exists()
+
+
+def _first_range(plan: dict) -> int:
+    return next(i for i, t in enumerate(plan["tensors"]) if t["placements"][0][0] == "range")
+
+
+@pytest.mark.parametrize(("edit", "pointer", "message"), [
+    (lambda p: p["tensors"][_first_range(p)]["placements"].__setitem__(0, ["range", 0]),
+     lambda p: f"/tensors/{_first_range(p)}/placements",
+     "a `range` placement takes 3 fields (integers), found ['range', 0]"),
+    (lambda p: p["boundary"]["primary"].__setitem__("dtype", "int64"), lambda p: "/boundary",
+     "the primary boundary tensor `hidden` of `llama.hidden` must have dtype activation, "
+     "found int64"),
+    (lambda p: p["groups"][0]["owner"].__setitem__("kind", "somebody"), lambda p: "/groups/0",
+     "unknown owner kind 'somebody'"),
+], ids=["placement-fields", "boundary-rule", "owner-kind"])
+@pytest.mark.parametrize("command", ["inspect", "explain", "report"])
+def test_a_plan_the_schema_allows_but_the_vocabulary_refuses_is_one_located_error(
+        built: Path, tmp_path: Path, capsys: object, command: str, edit: object,
+        pointer: object, message: str) -> None:
+    copy = _edited(built, tmp_path, edit)
+    plan = json.loads((copy / "plan.json").read_text())
+    extra = {"inspect": ["--rank", "0"], "explain": ["lm_head.weight"],
+             "report": ["--out", str(tmp_path / "r.html")]}[command]
+    status = main([command, str(copy), *extra, "--format", "json"])
+    report = json.loads(capsys.readouterr().out)  # type: ignore[attr-defined]
+    assert status == 1 and not report["ok"], report
+    (error,) = report["errors"]
+    assert error["pointer"] == pointer(plan), error  # type: ignore[operator]
+    assert message in error["message"] and error["file"] == str(copy / "plan.json"), error
+    assert "it was edited, or not written by partc" in error["message"]
+    assert not (tmp_path / "r.html").exists()

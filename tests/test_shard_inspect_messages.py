@@ -22,6 +22,7 @@ from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import CheckpointError
 from partc.inspect.origins import group_origins
+from partc.plan.plan_file import read_plan
 from partc.plan.topology import Topology
 
 from support import checkpoint_tensors, fixture_folder, hf, import_build
@@ -217,8 +218,7 @@ def test_a_member_and_the_companions_a_linear_format_adds_to_it_get_the_members_
     and `down_proj_scales`, while `down_proj_bias` is a member of its own."""
     folder = fixture_folder("gpt_oss_mxfp4")
     compile_family(None, folder / "config.json", None, CompileOptions(out=tmp_path / "build"))
-    plan = json.loads((tmp_path / "build" / "plan.json").read_text())
-    lines = group_origins(plan).lines
+    lines = group_origins(read_plan(tmp_path / "build" / "plan.json")).lines
     group = "layers.0.experts"
     member = _line_of("gpt_oss", 'target: "model.layers.{unit}.mlp.experts.down_proj"')
     for name in ("down_proj_blocks", "down_proj_scales"):

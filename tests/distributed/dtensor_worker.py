@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ from safetensors.numpy import load_file
 
 from partc.runtime.dtensor import to_dtensors
 from partc.runtime.mesh import BuildTopology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+from support.distributed import joined_process_group  # noqa: E402
 
 
 def _report(line: str) -> None:
@@ -25,7 +29,6 @@ def _report(line: str) -> None:
 
 def main() -> None:
     build, checkpoint, package, tp, pp = sys.argv[1:6]
-    dist.init_process_group("gloo")
     sys.path.insert(0, build)
     loaders = __import__(package)
     state = loaders.load(checkpoint)  # the rank from torchrun's RANK
@@ -43,10 +46,9 @@ def main() -> None:
         sharded += int(dtensor.placements[0].is_shard())
     _report(json.dumps({"rank": dist.get_rank(), "checked": checked, "sharded": sharded,
                       "names": sorted(dtensors)}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main()
+    with joined_process_group():
+        main()

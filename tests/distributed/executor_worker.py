@@ -25,13 +25,13 @@ from partc.runtime.mesh import BuildTopology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for torch_executor
 
+from support.distributed import joined_process_group  # noqa: E402
 from torch_executor import serve  # noqa: E402
 
 
 def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
     reports = Path(os.environ["PARTC_TEST_REPORTS"])
-    dist.init_process_group("gloo")
     me = dist.get_rank()
     for run in runs:
         topology = BuildTopology(tensor_parallel_size=run["tp"], pipeline_parallel_size=run["pp"],
@@ -58,9 +58,9 @@ def main() -> None:
             "layers": [result.layers.start, result.layers.stop],
             "received": None if result.received is None else list(result.received.shape)}))
         dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main()
+    with joined_process_group():
+        main()

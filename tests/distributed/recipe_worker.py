@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
 from support import file_mappings  # noqa: E402
+from support.distributed import joined_process_group  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +33,6 @@ def main() -> None:
     assert spec is not None and spec.loader is not None
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    dist.init_process_group("gloo")
     sys.path.insert(0, build)
     loaders = importlib.import_module(package_name)
     mesh = loaders.device_mesh("cpu")["tp"]
@@ -59,10 +59,9 @@ def main() -> None:
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     (reports / f"rank-{me}.json").write_text(json.dumps({"rank": me, "params": params,
                                                          "tied": tied, "training": training}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main()
+    with joined_process_group():
+        main()

@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from partc.runtime.mesh import BuildTopology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support
+from support.distributed import joined_process_group  # noqa: E402
 
 
 def _report(line: str) -> None:
@@ -26,7 +30,6 @@ def main() -> None:
     build, package = sys.argv[4:6]
     sys.path.insert(0, build)
     loaders = __import__(package)
-    dist.init_process_group("gloo")
     me = dist.get_rank()
     topology = loaders.topology()  # D from WORLD_SIZE
     assert topology == BuildTopology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -56,9 +59,8 @@ def main() -> None:
                       "received": received,
                       "position": [position.global_rank, position.world_size, position.rank,
                                    position.data_parallel_rank, position.data_parallel_size]}))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    with joined_process_group():
+        main()

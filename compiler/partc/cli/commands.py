@@ -63,7 +63,7 @@ def _origins(build: Any, args: argparse.Namespace) -> Any:
     plan.json names found here or in the folder holding the build."""
     from partc.inspect.origins import group_origins
 
-    return group_origins(build.plan, args.family, near=build.path.parent.parent)
+    return group_origins(build.file, args.family, near=build.path.parent.parent)
 
 
 def _inspect_origins(build: Any, args: argparse.Namespace) -> tuple[Any, str]:
@@ -83,7 +83,7 @@ def _inspect_origins(build: Any, args: argparse.Namespace) -> tuple[Any, str]:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """`partc inspect PATH`: a build's summary or tensor table, or a checkpoint's inventory."""
-    from partc.inspect.plan_summary import is_build, plan_faults, read_build, summary, tensor_rows
+    from partc.inspect.plan_summary import is_build, read_build, summary, tensor_rows
     from partc.inspect.text import inventory_lines, summary_lines, tensor_lines
     from partc.runtime.manifest import SHARD_MANIFEST
 
@@ -112,19 +112,16 @@ def run_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     build = read_build(path)
     if args.rank is not None or args.group or args.target:
-
-        with plan_faults(build):
-            lines, note = _inspect_origins(build, args)
-            rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
-                               origins=lines)
+        lines, note = _inspect_origins(build, args)
+        rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
+                           origins=lines)
         if args.format == "json":
             print(json.dumps({"ok": True, "kind": "tensors", "origin_note": note,
                               "tensors": rows}, indent=1))
         else:
             _print(tensor_lines(rows, note))
         return EXIT_OK
-    with plan_faults(build):
-        found = summary(build)
+    found = summary(build)
     if args.format == "json":
         print(json.dumps({"ok": True, "kind": "build"} | found, indent=1))
     else:
@@ -135,12 +132,11 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_explain(args: argparse.Namespace) -> int:
     """`partc explain BUILD TARGET`."""
     from partc.inspect.explain import explain
-    from partc.inspect.plan_summary import plan_faults, read_build
+    from partc.inspect.plan_summary import read_build
     from partc.inspect.text import explain_lines
 
     build = read_build(args.build)
-    with plan_faults(build):
-        found = explain(build, args.target, _origins(build, args))
+    found = explain(build, args.target, _origins(build, args))
     if args.format == "json":
         print(json.dumps({"ok": True} | found, indent=1))
     else:
@@ -198,11 +194,10 @@ def write_text_file(out: Path, text: str, *, marker: str | None = None) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """`partc report BUILD --out report.html`."""
     from partc.inspect.html_report import render_report
-    from partc.inspect.plan_summary import plan_faults, read_build
+    from partc.inspect.plan_summary import read_build
 
     build = read_build(args.build)
-    with plan_faults(build):
-        html = render_report(build, _origins(build, args))
+    html = render_report(build, _origins(build, args))
     out = Path(args.out)
     write_text_file(out, html, marker=REPORT_MARKER)
     if args.format == "json":

@@ -18,6 +18,7 @@ from partc.cli.parser import EXIT_ERRORS, EXIT_OK
 from partc.errors import PartcError
 
 if TYPE_CHECKING:
+    from partc.plan.plan_file import PlanFile
     from partc.verify.results import Check
 
 
@@ -37,10 +38,11 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
     """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
     from partc.inspect.plan_summary import kv_replicated, pipeline_facts, plan_summary, tp_reduced
     from partc.parallel.placements import tensor_bytes
+    from partc.plan.plan_file import plan_view
 
-    body = plan.document[0]
+    view = plan_view(plan.document[0], Path("plan.json"))  # the plan's body, no tensor table
     sizes: dict[str, int] = {}
-    fell = {g["name"] for g in body["groups"] if g["fell_back_to_replication"]}
+    fell = {g.name for g in view.groups if g.fell_back_to_replication}
     kv, reduced = [], []
     for group in plan.groups:
         per_rank = plan.kinds[group.kind].layouts
@@ -55,11 +57,12 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
             if layout.kv_replicas > 1:
                 kv.append({"group": group.name, "target": target,
                            "kv_replicas": layout.kv_replicas})
-    facts = plan_summary(body, lambda name: sizes.get(name, 0))
+    facts = plan_summary(view, lambda name: sizes.get(name, 0), tensor_table=False)
     facts["kv_replication"] = kv_replicated(kv)
     facts["tp_reduction"] = tp_reduced(reduced)
-    if "pipeline" in body:  # a multi-group graph: how its stages were chosen
-        facts["pipeline"] = pipeline_facts(body)
+    if plan.pipeline is not None:  # a multi-group graph: how its stages were chosen
+        chosen = pipeline_facts(view)  # in the order compile's own JSON spells it
+        facts["pipeline"] = {key: chosen[key] for key in plan.pipeline.to_json()}
     return facts | _expert_facts(plan)
 
 
@@ -342,7 +345,7 @@ def run_shard(args: argparse.Namespace) -> int:
 
 
 def _declared(checks: tuple[Check, ...], family: str | Path | None,
-              plans: tuple[dict[str, Any], ...]) -> tuple[Check, ...]:
+              plans: tuple[PlanFile, ...]) -> tuple[Check, ...]:
     """`checks`, each failed one narrowed to groups with the `file:line` of the family entry
     declaring its first group (found by re-binding the family to a build's plan, as inspect
     finds them); the others as they are."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation, plural
 from partc.inspect.origins import Origins
 from partc.inspect.plan_summary import Build, names_hint, placement_text, rank_placement
+from partc.plan.plan_file import ExpertParallelLayout, PlanGroup, PlanTensor
 
 
 def _suggest(name: str, names: list[str]) -> str:
@@ -24,84 +24,82 @@ def _suggest(name: str, names: list[str]) -> str:
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
-def _reasons(build: Build, group: Mapping[str, Any], tensors: list[Mapping[str, Any]],
+def _reasons(build: Build, group: PlanGroup, tensors: list[PlanTensor],
              origin: str | None, own: str | None) -> list[str]:
     """The causes behind a group's split, each a sentence; `origin` is the group's family line,
     `own` the line of the entry declaring the one tensor explained (None: a group is)."""
     tp = build.tensor_parallel_size
-    policy = build.plan["topology"].get("policy")
+    policy = build.file.topology.policy
     why = []
-    if group.get("fell_back_to_replication"):
-        reason = group.get("fallback_reason")
+    if group.fell_back_to_replication:
+        reason = group.fallback_reason
         by = ("--policy replicate-unsupported" if policy else
               "the family's policy replicate_unsupported")
         why.append(f"policy fallback: the group could not be sharded over TP={tp}"
                    + (f": {reason}." if reason else ";") + f" {by[0].upper()}{by[1:]} "
                    "replicated it on every rank of its stages instead of failing")
-    elif group["role"] == "replicated":
+    elif group.role == "replicated":
         why.append("role `replicated`: every rank of the stage loads it whole")
-    units = group.get("logical_units")
-    experts = build.plan.get("expert_parallel")
-    expert_groups = experts.get("expert_groups", {}) if experts else {}
-    if group["name"] in expert_groups:
-        assert experts is not None
-        why.append(_expert_reason(experts, expert_groups[group["name"]]))
-        tp, split = int(experts["expert_tensor_parallel_size"]), "ETP"
+    units = group.logical_units
+    experts = build.file.expert_parallel
+    if experts is not None and group.name in experts.expert_groups:
+        why.append(_expert_reason(experts, experts.expert_groups[group.name]))
+        tp, split = experts.expert_tensor_parallel_size, "ETP"
     else:
         split = "TP"
-    if units and group.get("logical_ranges"):
-        sizes = [b - a for a, b in group["logical_ranges"]]
+    if units and group.logical_ranges:
+        sizes = [b - a for a, b in group.logical_ranges]
         if len(set(sizes)) > 1:
-            rule = "torch.chunk ranges (--split chunk)" if build.plan["topology"].get(
-                "split") == "chunk" else "balanced contiguous ranges"
+            rule = ("torch.chunk ranges (--split chunk)" if build.file.topology.split == "chunk"
+                    else "balanced contiguous ranges")
             why.append(f"{units} units do not divide evenly by {split}={tp}: {rule} of "
                        f"{', '.join(map(str, sizes))} units")
         else:
             why.append(f"{units} units split evenly over {split}={tp}: {sizes[0]} per rank")
     for t in tensors:
-        holders = [i for i, p in enumerate(t["placements"]) if p[0] != "omit"]
-        if len(holders) < len(t["placements"]):
-            why.append(f"per head: `{t['target']}` belongs to one head; TP rank"
+        holders = [i for i, p in enumerate(t.placements) if p[0] != "omit"]
+        if len(holders) < len(t.placements):
+            why.append(f"per head: `{t.target}` belongs to one head; TP rank"
                        f"{'s' if len(holders) > 1 else ''} {', '.join(map(str, holders))} "
                        "hold that head and load it whole, the others do not load it "
                        "(`sharding: per_head`)")
-        if t.get("needs_tp_reduction"):
-            why.append(f"TP reduction: `{t['target']}` is a norm over a split projection's whole "
+        if t.needs_tp_reduction:
+            why.append(f"TP reduction: `{t.target}` is a norm over a split projection's whole "
                        "output, split with it; its statistic spans every rank's piece, so an "
                        "engine all-reduces the sum of squares over the TP group before scaling "
                        "(`reduction: tensor_parallel`)")
-        if int(t.get("kv_replicas", 1)) > 1:
-            why.append(f"KV replication: `{t['target']}` has fewer KV heads than TP={tp} ranks; "
-                       f"each KV head is repeated on {t['kv_replicas']} ranks "
+        if t.kv_replicas > 1:
+            why.append(f"KV replication: `{t.target}` has fewer KV heads than TP={tp} ranks; "
+                       f"each KV head is repeated on {t.kv_replicas} ranks "
                        "(`partc docs kv_replication`)")
             continue  # its cuts follow the repeated heads, not the unit boundaries
-        placements = t["placements"]
-        logical = group.get("logical_ranges")
+        placements = t.placements
+        logical = group.logical_ranges
         if units and logical and placements and all(p[0] == "range" for p in placements):
             axis = int(placements[0][1])
-            per_unit = t["shape"][axis] / units
+            per_unit = t.shape[axis] / units
             expected = [[a * per_unit, b * per_unit] for a, b in logical]
             actual = [[int(p[2]), int(p[3])] for p in placements]
             if actual != expected:
-                why.append(f"`{t['target']}`: cuts {actual} on axis {axis} differ from the unit "
+                why.append(f"`{t.target}`: cuts {actual} on axis {axis} differ from the unit "
                            f"boundaries {[[int(a), int(b)] for a, b in expected]}: the ranges "
                            "are aligned to blocks (quantization) or heads")
     if own and own != origin:
-        why.append(f"declared at {own}" + (f" (its group `{group['name']}` at {origin})"
+        why.append(f"declared at {own}" + (f" (its group `{group.name}` at {origin})"
                                            if origin else ""))
     elif origin:
         why.append(f"declared at {origin}")
     return why
 
 
-def _expert_reason(experts: Mapping[str, Any], expert: int | None) -> str:
+def _expert_reason(experts: ExpertParallelLayout, expert: int | None) -> str:
     """Why an expert group is on the ranks it is on (docs/expert_parallel.md)."""
-    size = f"E={experts['expert_parallel_size']}, X={experts['expert_tensor_parallel_size']}"
-    how = "an explicit placement" if experts.get("explicit_placement") else "the balanced placement"
+    size = f"E={experts.expert_parallel_size}, X={experts.expert_tensor_parallel_size}"
+    how = "an explicit placement" if experts.explicit_placement else "the balanced placement"
     if expert is None:
         return (f"expert parallelism ({size}): a stacked expert tensor; each EP rank loads the "
                 f"rows of the experts in its slots ({how})")
-    holders = [f"EP rank {ep} slot {slot}" for ep, ids in enumerate(experts["slots"])
+    holders = [f"EP rank {ep} slot {slot}" for ep, ids in enumerate(experts.slots)
                for slot, held in enumerate(ids) if held == expert]
     copies = f", {len(holders)} copies" if len(holders) > 1 else ""
     return (f"expert parallelism ({size}): expert {expert} is placed on {', '.join(holders)} by "
@@ -139,7 +137,7 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
     (`explain_one`), or for a glob matching no exact name, every tensor it matches (else every
     group), in the plan's order, as `{"pattern": glob, "matches": [...]}`."""
     tensors = [t.target for t in build.file.tensors]
-    groups = [g["name"] for g in build.plan["groups"]]
+    groups = [g.name for g in build.file.groups]
     if target in tensors or target in groups or not GLOB_CHARACTERS & set(target):
         return explain_one(build, target, origins)
     matched = [t for t in tensors if fnmatch.fnmatchcase(t, target)] or [
@@ -156,57 +154,57 @@ def explain(build: Build, target: str, origins: Origins) -> dict[str, Any]:
 def explain_one(build: Build, target: str, origins: Origins) -> dict[str, Any]:
     """Group, role, units, each rank's range and placement of a tensor or group, and why; the
     family line of the group (`origin`) and of each tensor's own entry."""
-    plan = build.plan
-    groups = build.groups()
-    by_target = {t["target"]: t for t in plan["tensors"]}
+    plan = build.file
+    groups = plan.groups_by_name()
+    by_target = {t.target: t for t in plan.tensors}
     if target in by_target:
-        group = groups[by_target[target]["group"]]
+        group = groups[by_target[target].group]
         tensors = [by_target[target]]
     elif target in groups:
         group = groups[target]
-        tensors = [t for t in plan["tensors"] if t["group"] == target]
+        tensors = [t for t in plan.tensors if t.group == target]
     else:
         raise LoadError(f"`{target}` is neither a tensor nor a group of this build"
                         + _suggest(target, sorted(by_target) + sorted(groups)))
-    expert_groups = (plan.get("expert_parallel") or {}).get("expert_groups", {})
+    experts = plan.expert_parallel
+    expert_groups = experts.expert_groups if experts is not None else {}
     ranks = []
-    for rank in plan["ranks"]:
-        if rank["pipeline_stage"] not in group["stages"]:
+    for rank in plan.ranks:
+        if rank.pipeline_stage not in group.stages:
             continue
-        tp_rank = rank["tensor_parallel_rank"]
+        tp_rank = rank.tensor_parallel_rank
         held = [rank_placement(plan, rank, t) for t in tensors]
         if all(h is None for h in held):  # an expert this rank's EP slots do not hold
             continue
-        ranges = group.get("logical_ranges") or []
-        row = (rank["info"]["expert_tensor_parallel_rank"] if group["name"] in expert_groups
+        ranges = group.logical_ranges or ()
+        row = (int(rank.info.expert_tensor_parallel_rank or 0) if group.name in expert_groups
                else tp_rank)  # a per-expert group's units are split over its ETP group
-        logical = ranges[row] if row < len(ranges) else None
+        logical = list(ranges[row]) if row < len(ranges) else None
         members = []
         for t, h in zip(tensors, held, strict=True):
-            members.append({"target": t["target"],
+            members.append({"target": t.target,
                             "placement": "not held" if h is None else placement_text(h[0]),
                             "local_shape": None if h is None else list(h[1])})
-        entry = {"rank": rank["rank"], "tensor_parallel_rank": tp_rank,
-                 "pipeline_stage": rank["pipeline_stage"], "logical_range": logical,
+        entry = {"rank": rank.rank, "tensor_parallel_rank": tp_rank,
+                 "pipeline_stage": rank.pipeline_stage, "logical_range": logical,
                  "tensors": members}
-        if plan.get("expert_parallel") is not None:
-            entry |= {"expert_parallel_rank": rank["info"]["expert_parallel_rank"],
-                      "expert_tensor_parallel_rank": rank["info"]["expert_tensor_parallel_rank"]}
+        if experts is not None:
+            entry |= {"expert_parallel_rank": rank.info.expert_parallel_rank,
+                      "expert_tensor_parallel_rank": rank.info.expert_tensor_parallel_rank}
         ranks.append(entry)
-    origin = origins.lines.get(group["name"])
-    lines = {t["target"]: origins.lines.tensor(t["target"], group["name"]) for t in tensors}
+    origin = origins.lines.get(group.name)
+    lines = {t.target: origins.lines.tensor(t.target, group.name) for t in tensors}
     own = lines[target] if target in by_target else None
-    experts = plan.get("expert_parallel")
-    return {"target": target, "group": group["name"], "role": group["role"],
+    return {"target": target, "group": group.name, "role": group.role,
             "expert_tensor_parallel_size": None if experts is None
-            else experts["expert_tensor_parallel_size"],
-            "owner": group["owner"], "stages": group["stages"],
-            "logical_units": group.get("logical_units"),
-            "fell_back_to_replication": bool(group.get("fell_back_to_replication")),
-            "tensors": [{"target": t["target"], "dtype": t["dtype"], "shape": t["shape"],
-                         "kv_replicas": t.get("kv_replicas", 1),
-                         "needs_tp_reduction": bool(t.get("needs_tp_reduction")),
-                         "origin": lines[t["target"]]}
+            else experts.expert_tensor_parallel_size,
+            "owner": group.owner_json(), "stages": list(group.stages),
+            "logical_units": group.logical_units,
+            "fell_back_to_replication": group.fell_back_to_replication,
+            "tensors": [{"target": t.target, "dtype": t.dtype, "shape": list(t.shape),
+                         "kv_replicas": t.kv_replicas,
+                         "needs_tp_reduction": t.needs_tp_reduction,
+                         "origin": lines[t.target]}
                         for t in tensors],
             "ranks": ranks, "origin": origin, "origin_note": origins.note,
             "why": _reasons(build, group, tensors, origin, own)}

@@ -38,7 +38,7 @@ from partc.inspect.plan_summary import (
 from partc.inspect.text import id_ranges, id_runs
 from partc.parallel.placements import tensor_bytes
 from partc.parallel.shape import ParallelShape
-from partc.plan.plan_file import PlanRank
+from partc.plan.plan_file import PlanFile, PlanRank, PlanTensor
 
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7",
                  "#000000")
@@ -237,8 +237,7 @@ def _ticks(first: int, count: int, left: float, cell: float) -> list[Label]:
 
 def _ownership(build: Build) -> dict[str, Any]:
     """The ownership map: one row per set of ranks owning the same units and static roles."""
-    plan = build.plan
-    columns = unit_columns(plan)
+    columns = unit_columns(build.file)
     owners = [set(c["owners"]) for c in columns]
     statics = [c for c in columns if c["kind"] == "static"]
     units = [c for c in columns if c["kind"] != "static"]
@@ -322,21 +321,21 @@ def _ownership(build: Build) -> dict[str, Any]:
 # ---------------------------------------------------------------- bytes by role
 
 
-def role_bytes(plan: Mapping[str, Any]) -> list[dict[str, int]]:
+def role_bytes(plan: PlanFile) -> list[dict[str, int]]:
     """Per rank (in plan order), its local bytes by group role; fallen-back groups' bytes under
     FALLBACK_ROLE (`build.rank_role_bytes`, asking only the ranks of each tensor's stages)."""
-    roles = {g["name"]: FALLBACK_ROLE if g.get("fell_back_to_replication") else g["role"]
-             for g in plan["groups"]}
-    by_stage: dict[Any, list[int]] = {}
-    for i, rank in enumerate(plan["ranks"]):
-        by_stage.setdefault(rank["pipeline_stage"], []).append(i)
-    out: list[dict[str, int]] = [{} for _ in plan["ranks"]]
-    for t in plan["tensors"]:
-        role = roles[t["group"]]
-        for i in (i for stage in dict.fromkeys(t["stages"]) for i in by_stage.get(stage, ())):
-            held = rank_placement(plan, plan["ranks"][i], t)
+    roles = {g.name: FALLBACK_ROLE if g.fell_back_to_replication else g.role
+             for g in plan.groups}
+    by_stage: dict[int, list[int]] = {}
+    for i, rank in enumerate(plan.ranks):
+        by_stage.setdefault(rank.pipeline_stage, []).append(i)
+    out: list[dict[str, int]] = [{} for _ in plan.ranks]
+    for t in plan.tensors:
+        role = roles[t.group]
+        for i in (i for stage in dict.fromkeys(t.stages) for i in by_stage.get(stage, ())):
+            held = rank_placement(plan, plan.ranks[i], t)
             if held is not None:
-                out[i][role] = out[i].get(role, 0) + tensor_bytes(t["dtype"], held[1])
+                out[i][role] = out[i].get(role, 0) + tensor_bytes(t.dtype, held[1])
     return out
 
 
@@ -346,8 +345,8 @@ def _role_order(role: str) -> tuple[bool, str]:
 
 def _bars(build: Build) -> dict[str, Any]:
     """Bytes per rank by role: one bar per set of ranks holding the same bytes of each role."""
-    plan = build.plan
-    per_rank = dict(zip((int(r["rank"]) for r in plan["ranks"]), role_bytes(plan), strict=True))
+    per_rank = dict(zip((r.rank for r in build.file.ranks), role_bytes(build.file),
+                        strict=True))
     largest = max((sum(r.values()) for r in per_rank.values()), default=0) or 1
     height, pitch, top = 18.0, 24.0, 6.0
     bar_width = PAGE_WIDTH - LABEL_WIDTH - 110
@@ -402,33 +401,33 @@ def _pieces_text(axis: str, pieces: Sequence[Sequence[int]]) -> str:
 def _slices(build: Build) -> list[dict[str, Any]]:
     """What each TP rank (ETP rank, for placed experts) holds of each kind of group: one row
     per role and split, with how many groups share it."""
-    plan = build.plan
-    experts = plan.get("expert_parallel")
-    placed = experts["expert_groups"] if experts is not None else {}
-    first: dict[str, Mapping[str, Any]] = {}
-    for tensor in plan["tensors"]:
-        first.setdefault(tensor["group"], tensor)
+    plan = build.file
+    experts = plan.expert_parallel
+    placed = experts.expert_groups if experts is not None else {}
+    first: dict[str, PlanTensor] = {}
+    for each in plan.tensors:
+        first.setdefault(each.group, each)
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for group in plan["groups"]:
-        axis = "etp" if group["name"] in placed else "tp"
-        role = FALLBACK_ROLE if group.get("fell_back_to_replication") else group["role"]
-        tensor = first.get(group["name"])
-        if group.get("fell_back_to_replication"):
-            what, split = f"{group['role']}, replicated by the policy", "whole on every rank"
-        elif group.get("logical_ranges"):
-            what = plural(int(group["logical_units"]), "unit")
-            split = _pieces_text(axis, group["logical_ranges"])
+    for group in plan.groups:
+        axis = "etp" if group.name in placed else "tp"
+        role = FALLBACK_ROLE if group.fell_back_to_replication else group.role
+        tensor = first.get(group.name)
+        if group.fell_back_to_replication:
+            what, split = f"{group.role}, replicated by the policy", "whole on every rank"
+        elif group.logical_ranges:
+            what = plural(int(group.logical_units or 0), "unit")
+            split = _pieces_text(axis, group.logical_ranges)
         elif tensor is None:
             continue
         else:
-            placements = tensor["placements"]
+            placements = tensor.placements
             kinds = {p[0] for p in placements}
             if kinds <= {"replicated", "whole", "local", "pipeline_stage"}:
                 what, split = "-", "whole on every rank"
             elif kinds == {"range"} and len({p[1] for p in placements}) == 1:
                 axis_index = int(placements[0][1])
                 name = {0: "rows", 1: "columns"}.get(axis_index, f"axis {axis_index}")
-                what = f"{tensor['shape'][axis_index]} {name}"
+                what = f"{tensor.shape[axis_index]} {name}"
                 split = _pieces_text(axis, [(p[2], p[3]) for p in placements])
             else:
                 what = "-"
@@ -438,7 +437,7 @@ def _slices(build: Build) -> list[dict[str, Any]]:
         entry = rows.setdefault((role, what, split), {
             "role": role, "what": what, "split": split, "groups": [],
             "colour": ROLE_COLOURS.get(role, OTHER_ROLE_COLOUR)})
-        entry["groups"].append(group["name"])
+        entry["groups"].append(group.name)
     out = []
     for _, entry in sorted(rows.items(), key=lambda kv: (_role_order(kv[0][0]),
                                                          kv[1]["groups"][0])):
@@ -556,10 +555,10 @@ def _cuts(facts: dict[str, Any], build: Build) -> list[dict[str, Any]]:
     cuts carrying the same boundary share one entry); for a build of one stage, the family's
     boundary with no cut (what a cut would carry)."""
     if not facts["cuts"]:
-        boundary = build.plan["boundary"]
-        return [{"between": [], "identity": str(boundary.get("identity", "")),
-                 "wire": _wire_rows(wire_tensors(
-                     boundary, build.plan["topology"].get("activation_dtype")))}]
+        boundary = build.file.boundary
+        return [{"between": [], "identity": boundary.identity,
+                 "wire": _wire_rows(wire_tensors(boundary,
+                                                 build.file.topology.activation_dtype))}]
     entries: dict[str, dict[str, Any]] = {}
     for c in facts["cuts"]:
         wire = _wire_rows(c["tensors"])

@@ -28,6 +28,7 @@ from partc.library import read_family_source
 if TYPE_CHECKING:
     from partc.family.declaration import GroupDecl
     from partc.family.expr import Template
+    from partc.plan.plan_file import PlanFile
 
 BUILTIN_SUFFIX = " (built-in)"
 """How plan.json's sources name a built-in family."""
@@ -74,18 +75,18 @@ def _unknown(note: str) -> Origins:
     return Origins(lines=FamilyLines(), note=note)
 
 
-def _family_source(plan: dict[str, Any]) -> tuple[str, str | None]:
+def _family_source(plan: PlanFile) -> tuple[str, str | None]:
     """(label, sha256) of the family among a plan's sources."""
-    for source in plan.get("sources", []):
-        if source["name"] != "config.json" and not source["name"].endswith(".json"):
-            return source["name"], source.get("sha256")
+    for source in plan.sources:
+        if source.name != "config.json" and not source.name.endswith(".json"):
+            return source.name, source.sha256
     return "", None
 
 
-def _config_document(decl: Any, plan: dict[str, Any]) -> str:
+def _config_document(decl: Any, plan: PlanFile) -> str:
     """A config.json text that binds the family to the plan's recorded values."""
-    values = dict(plan.get("config", {}))
-    doc: dict[str, Any] = {"model_type": plan.get("model_type")}
+    values = dict(plan.config)
+    doc: dict[str, Any] = {"model_type": plan.model_type}
     for field in decl.config:
         if field.name not in values or field.present is not None:
             continue
@@ -116,7 +117,7 @@ def _found_beside(label: str, recorded: str | None, folders: list[Path]) -> Path
     return None
 
 
-def group_origins(plan: dict[str, Any], family: str | Path | None = None, *,
+def group_origins(plan: PlanFile, family: str | Path | None = None, *,
                   near: Path | None = None) -> Origins:
     """Each group's declaration line and each tensor's entry line in it, by re-loading and
     re-binding the plan's family: the built-in one, the file given, or else the file plan.json
@@ -131,7 +132,7 @@ def group_origins(plan: dict[str, Any], family: str | Path | None = None, *,
                             "of that name and sha256 is in the working directory "
                             "or beside the build: pass --family FILE to see the "
                             "line of each split")
-    spec: str | Path = family if family is not None else str(plan.get("model_type"))
+    spec: str | Path = family if family is not None else str(plan.model_type)
     try:
         name, text = read_family_source(spec, builtin=family is None)
         document, digest = family_document(name, text)  # with the families it extends
@@ -144,7 +145,7 @@ def group_origins(plan: dict[str, Any], family: str | Path | None = None, *,
         if errors or decl is None:
             return _unknown(f"{name} does not build: lines not shown")
         config = parse_json("config.json", _config_document(decl, plan), "config.json")
-        bound = bind_family(decl, config, frozenset(t["target"] for t in plan["tensors"]))
+        bound = bind_family(decl, config, frozenset(t.target for t in plan.tensors))
     except PartcError as error:
         return _unknown(f"cannot re-bind the family: {error}")
     groups, tensors = {}, {}
@@ -154,16 +155,16 @@ def group_origins(plan: dict[str, Any], family: str | Path | None = None, *,
     declarations = {g.pointer: g for g in decl.groups}
     pointers = dict(bound.group_pointers)
     entries: dict[str, _Entries] = {}
-    for t in plan["tensors"]:
-        pointer = pointers.get(t["group"], "")
+    for t in plan.tensors:
+        pointer = pointers.get(t.group, "")
         if pointer not in declarations:
             continue
         if pointer not in entries:
             entries[pointer] = _entries(declarations[pointer])
-        entry = _entry_pointer(entries[pointer], t["target"])
+        entry = _entry_pointer(entries[pointer], t.target)
         if entry is not None:
             where = document.locate(entry)
-            tensors[t["target"]] = f"{where.file}:{where.line}"
+            tensors[t.target] = f"{where.file}:{where.line}"
     return Origins(lines=FamilyLines(groups, tensors),
                    note=f"lines of {name}, re-bound to the plan's config values")
 

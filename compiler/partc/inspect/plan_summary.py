@@ -1,29 +1,30 @@
 """What a build holds, read from its plan.json: per-rank and per-stage totals, fallbacks, tensors.
 
-Everything here works from the plan document (schemas/plan.schema.json), the build's public and
-stable output, so that a build can be inspected without the family or the config it came from.
+Everything here works from the plan read back typed (`partc.plan.plan_file.read_plan`), the
+build's public and stable output, so that a build can be inspected without the family or the
+config it came from.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from partc.errors import LoadError, SourceLocation
 from partc.parallel.placements import tensor_bytes
-from partc.plan.plan_file import PlanFile, read_plan
+from partc.plan.plan_file import PlanFile, PlanGroup, PlanRank, PlanTensor, read_plan
 
 if TYPE_CHECKING:
     from partc.inspect.origins import FamilyLines
+    from partc.partition.boundary import BoundaryWireSchema
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Build:
-    """A build's plan, read back typed (`file`), and its document for the parts walked as JSON."""
+    """A build's plan, read back typed (`file`)."""
 
     file: PlanFile
     """The plan.json read back."""
@@ -34,11 +35,6 @@ class Build:
         return self.file.path
 
     @property
-    def plan(self) -> Mapping[str, Any]:
-        """The parsed plan document (read-only)."""
-        return self.file.document
-
-    @property
     def tensor_parallel_size(self) -> int:
         """T."""
         return self.file.shape.tensor_parallel_size
@@ -47,10 +43,6 @@ class Build:
     def pipeline_parallel_size(self) -> int:
         """S."""
         return self.file.shape.pipeline_parallel_size
-
-    def groups(self) -> dict[str, dict[str, Any]]:
-        """Every parameter group's JSON entry by name."""
-        return {g["name"]: g for g in self.plan["groups"]}
 
 
 def is_build(path: Path) -> bool:
@@ -68,25 +60,13 @@ def read_build(path: str | Path) -> Build:
 
 
 def topology_text(topology: Mapping[str, Any]) -> str:
-    """`TP=T x PP=S`, with ` x EP=E (ETP=X)` under expert parallelism (as compile says it)."""
+    """`TP=T x PP=S`, with ` x EP=E (ETP=X)` under expert parallelism (as compile says it), from
+    a summary's `topology`."""
     text = f"TP={topology['tensor_parallel_size']} x PP={topology['pipeline_parallel_size']}"
     if topology.get("expert_parallel_size") is not None:
         text += (f" x EP={topology['expert_parallel_size']} "
                  f"(ETP={topology.get('expert_tensor_parallel_size', 1)})")
     return text
-
-
-@contextmanager
-def plan_faults(build: Build) -> Iterator[None]:
-    """`front.schema.plan_faults` for a build read by `read_build`, imported (with jsonschema)
-    only when a step fails: a runtime-only install inspects a sound build without it."""
-    try:
-        yield
-    except Exception:
-        from partc.front.schema import plan_faults as schema_plan_faults
-
-        with schema_plan_faults(build.path, build.plan):
-            raise
 
 
 def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_rank: int
@@ -110,28 +90,28 @@ def local_shape(placement: Sequence[Any], shape: Sequence[int], tensor_parallel_
     return tuple(out)
 
 
-def rank_placement(plan: Mapping[str, Any], rank: Mapping[str, Any],
-                   tensor: Mapping[str, Any]) -> tuple[list[Any], tuple[int, ...]] | None:
+def rank_placement(plan: PlanFile, rank: PlanRank, tensor: PlanTensor
+                   ) -> tuple[list[Any], tuple[int, ...]] | None:
     """A tensor's placement on `rank` and its local shape there (None: the rank does not hold
     it): its TP rank's placement, or under expert parallelism (docs/expert_parallel.md) its ETP
     rank's for a per-expert tensor of an expert in the rank's slots, its stage-local rank's for
     a stacked expert tensor."""
-    if rank["pipeline_stage"] not in tensor["stages"]:
+    if rank.pipeline_stage not in tensor.stages:
         return None
-    placements = tensor["placements"]
-    experts = plan.get("expert_parallel")
-    row = int(rank["tensor_parallel_rank"])
-    if experts is not None and tensor["group"] in experts.get("expert_groups", {}):
-        info = rank["info"]
-        expert = experts["expert_groups"][tensor["group"]]
+    placements = tensor.placements
+    experts = plan.expert_parallel
+    row = rank.tensor_parallel_rank
+    if experts is not None and tensor.group in experts.expert_groups:
+        info = rank.info
+        expert = experts.expert_groups[tensor.group]
         if expert is None:  # stacked: one placement per stage-local rank
-            row = int(rank["rank"]) % int(experts["ranks_per_stage"])
-        elif expert not in experts["slots"][int(info["expert_parallel_rank"])]:
+            row = rank.rank % experts.ranks_per_stage
+        elif expert not in experts.slots[int(info.expert_parallel_rank or 0)]:
             return None
         else:
-            row = int(info["expert_tensor_parallel_rank"])
+            row = int(info.expert_tensor_parallel_rank or 0)
     placement = list(placements[row]) if row < len(placements) else ["whole"]
-    shape = local_shape(placement, tensor["shape"], row)
+    shape = local_shape(placement, tensor.shape, row)
     return None if shape is None else (placement, shape)
 
 
@@ -153,39 +133,39 @@ def placement_text(placement: Sequence[Any]) -> str:
     return str(kind)
 
 
-def _units_text(partition: Mapping[str, Any]) -> str:
-    return ", ".join(f"{g['group']}[{g['unit_range'][0]}:{g['unit_range'][1]}]"
-                     for g in partition["groups"]) or "-"
+def _units_text(rank: PlanRank) -> str:
+    return ", ".join(f"{u.group}[{u.start}:{u.end}]" for u in rank.units) or "-"
 
 
-ExpertTensors = dict[tuple[int, int | None], list[Mapping[str, Any]]]
+ExpertTensors = dict[tuple[int, int | None], list[PlanTensor]]
 """A plan's routed-expert tensors by (pipeline stage, expert id; None: stacked, every slot's)."""
 
 
-def expert_tensors(plan: Mapping[str, Any]) -> ExpertTensors:
+def expert_tensors(plan: PlanFile) -> ExpertTensors:
     """The routed-expert tensors of an expert-parallel `plan`, indexed for `rank_experts` (one
     pass over the tensors, however many ranks are then asked about)."""
-    groups = plan["expert_parallel"]["expert_groups"]
+    assert plan.expert_parallel is not None
+    groups = plan.expert_parallel.expert_groups
     index: ExpertTensors = {}
-    for tensor in plan["tensors"]:
-        if tensor["group"] in groups:
-            for stage in tensor["stages"]:
-                index.setdefault((int(stage), groups[tensor["group"]]), []).append(tensor)
+    for tensor in plan.tensors:
+        if tensor.group in groups:
+            for stage in tensor.stages:
+                index.setdefault((stage, groups[tensor.group]), []).append(tensor)
     return index
 
 
-def rank_experts(plan: Mapping[str, Any], rank: Mapping[str, Any],
-                 index: ExpertTensors | None = None) -> tuple[list[int], int] | None:
+def rank_experts(plan: PlanFile, rank: PlanRank, index: ExpertTensors | None = None
+                 ) -> tuple[list[int], int] | None:
     """The routed experts a rank loads (in its slot order) and their bytes, read from the
     tensors it holds: none on a stage without MoE layers; None without expert parallelism.
     `index`: `expert_tensors(plan)`, when several ranks are asked about."""
-    experts = plan.get("expert_parallel")
+    experts = plan.expert_parallel
     if experts is None:
         return None
     if index is None:
         index = expert_tensors(plan)
-    stage = int(rank["pipeline_stage"])
-    slots = list(experts["slots"][int(rank["info"]["expert_parallel_rank"])])
+    stage = rank.pipeline_stage
+    slots = list(experts.slots[int(rank.info.expert_parallel_rank or 0)])
     held: set[int] = set()
     nbytes = 0
     for expert in [None, *dict.fromkeys(slots)]:
@@ -194,35 +174,36 @@ def rank_experts(plan: Mapping[str, Any], rank: Mapping[str, Any],
             if placed is None:
                 continue
             held.update(slots if expert is None else [expert])  # a stacked tensor: every slot's
-            nbytes += tensor_bytes(tensor["dtype"], placed[1])
+            nbytes += tensor_bytes(tensor.dtype, placed[1])
     return [e for e in slots if e in held], nbytes
 
 
-def rank_rows(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+def rank_rows(plan: PlanFile, *, tensor_table: bool = True) -> list[dict[str, Any]]:
     """One row per rank: stage, TP rank, units, tensors, bytes (total and by dtype), roles;
-    under expert parallelism also its EP and ETP rank, experts and their bytes."""
+    under expert parallelism also its EP and ETP rank, and (from the tensor table, unless
+    `tensor_table` is false) its experts and their bytes."""
     rows = []
-    index = (expert_tensors(plan) if plan.get("expert_parallel") is not None
-             and "tensors" in plan else None)
-    for rank in plan["ranks"]:
-        info, part = rank["info"], rank["partition"]
-        row = {
-            "rank": rank["rank"], "tensor_parallel_rank": rank["tensor_parallel_rank"],
-            "pipeline_stage": rank["pipeline_stage"], "units": _units_text(part),
-            "tensors": info["owned_tensors"], "bytes": info["local_parameter_bytes"],
-            "bytes_by_dtype": dict(info["local_bytes_by_dtype"]),
-            "static_roles": list(part["ownership"]["static_roles"])}
+    index = (expert_tensors(plan) if plan.expert_parallel is not None and tensor_table
+             else None)
+    for rank in plan.ranks:
+        info = rank.info
+        row: dict[str, Any] = {
+            "rank": rank.rank, "tensor_parallel_rank": rank.tensor_parallel_rank,
+            "pipeline_stage": rank.pipeline_stage, "units": _units_text(rank),
+            "tensors": info.owned_tensors, "bytes": info.local_parameter_bytes,
+            "bytes_by_dtype": dict(info.local_bytes_by_dtype),
+            "static_roles": list(rank.static_roles)}
         held = rank_experts(plan, rank, index) if index is not None else None
-        if plan.get("expert_parallel") is not None:
-            row |= {"expert_parallel_rank": info["expert_parallel_rank"],
-                    "expert_tensor_parallel_rank": info["expert_tensor_parallel_rank"]}
+        if plan.expert_parallel is not None:
+            row |= {"expert_parallel_rank": info.expert_parallel_rank,
+                    "expert_tensor_parallel_rank": info.expert_tensor_parallel_rank}
         if held is not None:
             row |= {"experts": held[0], "expert_bytes": held[1]}
         rows.append(row)
     return rows
 
 
-def stage_rows(plan: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]] | None = None
+def stage_rows(plan: PlanFile, ranks: Sequence[Mapping[str, Any]] | None = None
                ) -> list[dict[str, Any]]:
     """One row per pipeline stage: units, tensors and bytes summed over its TP ranks (`ranks`:
     `rank_rows(plan)`, when the caller has them)."""
@@ -248,15 +229,15 @@ def imbalance(values: Iterable[int]) -> float:
     return round(max(numbers) / mean, 4) if mean else 0.0
 
 
-def group_bytes_from_tensors(tensors: Iterable[Mapping[str, Any]]) -> Callable[[str], int]:
+def group_bytes_from_tensors(tensors: Iterable[PlanTensor]) -> Callable[[str], int]:
     """A function giving a group's global bytes, summed over the plan's tensor entries."""
     totals: dict[str, int] = {}
     for t in tensors:
-        totals[t["group"]] = totals.get(t["group"], 0) + tensor_bytes(t["dtype"], t["shape"])
+        totals[t.group] = totals.get(t.group, 0) + tensor_bytes(t.dtype, t.shape)
     return lambda name: totals.get(name, 0)
 
 
-def fallbacks(groups: Iterable[Mapping[str, Any]], tensor_parallel_size: int,
+def fallbacks(groups: Iterable[PlanGroup], tensor_parallel_size: int,
               group_bytes: Callable[[str], int]) -> list[dict[str, Any]]:
     """Groups the policy replicated instead of sharding, each with the bytes that costs.
 
@@ -265,20 +246,21 @@ def fallbacks(groups: Iterable[Mapping[str, Any]], tensor_parallel_size: int,
     """
     out = []
     for group in groups:
-        if group.get("fell_back_to_replication"):
-            nbytes = group_bytes(group["name"])
-            out.append({"group": group["name"], "role": group["role"],
-                        "units": group.get("logical_units"), "stages": list(group["stages"]),
+        if group.fell_back_to_replication:
+            nbytes = group_bytes(group.name)
+            out.append({"group": group.name, "role": group.role,
+                        "units": group.logical_units, "stages": list(group.stages),
                         "bytes": nbytes,
                         "extra_bytes": (tensor_parallel_size - 1) * nbytes
-                        * len(group["stages"])})
+                        * len(group.stages)})
     return sorted(out, key=lambda f: f["group"])
 
 
-def kv_replicated(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Groups whose KV heads are repeated across ranks (kv_replicas > 1), one entry per group."""
+def kv_replicated(tensors: Iterable[Mapping[str, Any] | PlanTensor]) -> list[dict[str, Any]]:
+    """Groups whose KV heads are repeated across ranks (kv_replicas > 1), one entry per group
+    (`tensors`: the plan's, or compile's rows of `group`, `target`, `kv_replicas`)."""
     found: dict[str, dict[str, Any]] = {}
-    for t in tensors:
+    for t in map(_tensor_row, tensors):
         if int(t.get("kv_replicas", 1)) > 1:
             entry = found.setdefault(t["group"], {"group": t["group"],
                                                   "kv_replicas": t["kv_replicas"], "tensors": []})
@@ -286,33 +268,32 @@ def kv_replicated(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [found[g] for g in sorted(found)]
 
 
-def tp_reduced(tensors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def tp_reduced(tensors: Iterable[Mapping[str, Any] | PlanTensor]) -> list[dict[str, Any]]:
     """Groups holding norms an engine all-reduces over the TP group (plan.json
-    `needs_tp_reduction`), one entry per group with those tensors."""
+    `needs_tp_reduction`), one entry per group with those tensors (`tensors`: the plan's, or
+    compile's rows of `group`, `target`, `needs_tp_reduction`)."""
     found: dict[str, dict[str, Any]] = {}
-    for t in tensors:
+    for t in map(_tensor_row, tensors):
         if t.get("needs_tp_reduction"):
             found.setdefault(t["group"], {"group": t["group"], "tensors": []})["tensors"].append(
                 t["target"])
     return [found[g] for g in sorted(found)]
 
 
-def runtime_state(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+def runtime_state(plan: PlanFile) -> list[dict[str, Any]]:
     """Each rank's declared runtime state (`state:`): its units' state tensors (name, whole and
     local shape, dtype, per sequence or per token, bytes) grouped into runs of consecutive units
     of one group whose tensors are alike, and its totals per sequence and per token; empty when
     none is declared."""
     out = []
-    for rank in plan["ranks"]:
-        tensors = rank["partition"]["state"].get("tensors", ())
-        if not tensors:
+    for rank in plan.ranks:
+        if not rank.state:
             continue
         units: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        for t in tensors:
-            units.setdefault((t["group"], t["unit"]), []).append(
-                {"name": t["name"], "shape": list(t["shape"]),
-                 "local_shape": list(t["local_shape"]), "dtype": t["dtype"],
-                 "per": t["per"], "bytes": t["local_bytes"]})
+        for t in rank.state:
+            units.setdefault((t.group, t.unit), []).append(
+                {"name": t.name, "shape": list(t.shape), "local_shape": list(t.local_shape),
+                 "dtype": t.dtype, "per": t.per, "bytes": t.local_bytes})
         runs: list[dict[str, Any]] = []
         for (group, unit), items in units.items():
             last = runs[-1] if runs else None
@@ -325,110 +306,127 @@ def runtime_state(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
                                                if i["per"] == "sequence"),
                              "unit_bytes_per_token": sum(i["bytes"] for i in items
                                                          if i["per"] == "token")})
-        info = rank["info"]
-        out.append({"rank": rank["rank"], "bytes": info.get("local_state_bytes", 0),
-                    "bytes_per_token": info.get("local_state_bytes_per_token", 0),
-                    "runs": runs})
+        out.append({"rank": rank.rank, "bytes": rank.info.local_state_bytes,
+                    "bytes_per_token": rank.info.local_state_bytes_per_token, "runs": runs})
     return out
 
 
-def plan_summary(plan: Mapping[str, Any], group_bytes: Callable[[str], int]
-                 ) -> dict[str, Any]:
-    """Stages, ranks, imbalance and fallbacks of a plan body (plan.json without `tensors` is
-    enough); `group_bytes` gives a group's global bytes."""
-    ranks = rank_rows(plan)
+def _tensor_row(tensor: Mapping[str, Any] | PlanTensor) -> Mapping[str, Any]:
+    """A tensor's group, target, KV replicas and TP reduction as a row."""
+    if isinstance(tensor, PlanTensor):
+        return {"group": tensor.group, "target": tensor.target,
+                "kv_replicas": tensor.kv_replicas,
+                "needs_tp_reduction": tensor.needs_tp_reduction}
+    return tensor
+
+
+def plan_summary(plan: PlanFile, group_bytes: Callable[[str], int], *,
+                 tensor_table: bool = True) -> dict[str, Any]:
+    """Stages, ranks, imbalance and fallbacks of a plan (`tensor_table` false: a plan read
+    without its tensors, whose ranks' experts are then not counted); `group_bytes` gives a
+    group's global bytes."""
+    ranks = rank_rows(plan, tensor_table=tensor_table)
     stages = stage_rows(plan, ranks)
-    tp = int(plan["topology"]["tensor_parallel_size"])
-    return {"topology": plan["topology"],
+    return {"topology": dict(plan.topology_json),
             "rank_imbalance": imbalance(r["bytes"] for r in ranks),
             "stage_imbalance": imbalance(s["bytes"] for s in stages),
             "stages": stages, "ranks": ranks,
-            "fallbacks": fallbacks(plan["groups"], tp, group_bytes)}
+            "fallbacks": fallbacks(plan.groups, plan.shape.tensor_parallel_size, group_bytes)}
 
 
 def summary(build: Build) -> dict[str, Any]:
     """The whole build in numbers: topology, stages, ranks, fallbacks, KV replication."""
-    plan, file = build.plan, build.file
+    file = build.file
     return {
         "path": str(file.path.parent), "family": file.family,
         "model_type": file.model_type, "plan_hash": file.plan_hash,
-        "sources": plan.get("sources", []),
+        "sources": [{"name": s.name, "sha256": s.sha256} for s in file.sources],
         "global_bytes": file.tensor_bytes_total(),
-        "tensors": len(file.tensors), "groups": len(plan["groups"]),
-    } | plan_summary(plan, group_bytes_from_tensors(plan["tensors"])) | {
-        "kv_replication": kv_replicated(plan["tensors"]),
-        "tp_reduction": tp_reduced(plan["tensors"]), "boundary": plan["boundary"],
-        "cuts": pipeline_cuts(plan)} | (
-        {} if plan.get("expert_parallel") is None
-        else {"expert_parallel": expert_summary(plan)}) | (
-        {} if plan.get("pipeline") is None else {"pipeline": pipeline_facts(plan)}) | (
-        {"state": state} if (state := runtime_state(plan)) else {})
+        "tensors": len(file.tensors), "groups": len(file.groups),
+    } | plan_summary(file, group_bytes_from_tensors(file.tensors)) | {
+        "kv_replication": kv_replicated(file.tensors),
+        "tp_reduction": tp_reduced(file.tensors), "boundary": boundary_json(file.boundary),
+        "cuts": pipeline_cuts(file)} | (
+        {} if file.expert_parallel is None
+        else {"expert_parallel": expert_summary(file)}) | (
+        {} if file.pipeline is None else {"pipeline": pipeline_facts(file)}) | (
+        {"state": state} if (state := runtime_state(file)) else {})
 
 
-def wire_tensors(boundary: Mapping[str, Any], activation_dtype: str | None
+def boundary_json(boundary: BoundaryWireSchema) -> dict[str, Any]:
+    """A boundary as plan.json writes it (keys sorted)."""
+    return {"auxiliary": [_spec_json(a) for a in boundary.auxiliary],
+            "identity": boundary.identity, "primary": _spec_json(boundary.primary)}
+
+
+def _spec_json(spec: Any) -> dict[str, Any]:
+    return {"dtype": spec.dtype.value, "role": spec.role, "shape": [d.spell() for d in spec.shape]}
+
+
+def wire_tensors(boundary: BoundaryWireSchema, activation_dtype: str | None
                  ) -> list[dict[str, Any]]:
     """A boundary's tensors, primary first: kind, role, shape and dtype (`activation` spelt
     with the build's activation dtype when it has one)."""
     rows = []
-    for kind, tensor in [("primary", boundary.get("primary"))] + [
-            ("auxiliary", t) for t in boundary.get("auxiliary", [])]:
-        if not tensor:
-            continue
-        dtype = str(tensor.get("dtype"))
-        rows.append({"kind": kind, "role": str(tensor.get("role", tensor.get("name", ""))),
-                     "shape": list(tensor.get("shape", [])), "dtype": dtype,
+    for kind, tensor in [("primary", boundary.primary)] + [
+            ("auxiliary", t) for t in boundary.auxiliary]:
+        dtype = tensor.dtype.value
+        rows.append({"kind": kind, "role": tensor.role,
+                     "shape": [d.spell() for d in tensor.shape], "dtype": dtype,
                      "wire_dtype": activation_dtype or dtype if dtype == "activation"
                      else dtype})
     return rows
 
 
-def pipeline_cuts(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+def pipeline_cuts(plan: PlanFile) -> list[dict[str, Any]]:
     """Every pipeline cut, in order: the stages it is between, the execution group whose unit
     ends the stage before it, and the boundary that crosses it (plan.json `cuts` where the
     family declares one per group, else the family's one `boundary`) with its tensors."""
-    declared = {int(c["after_stage"]): c for c in plan.get("cuts") or ()}
-    order = [node["group"] for node in plan.get("graph", ())]
+    declared = {c.after_stage: c for c in plan.cuts or ()}
+    order = [node.group for node in plan.graph]
     last: dict[int, str] = {}
-    for rank in plan["ranks"]:
-        groups = [g["group"] for g in rank["partition"]["groups"]]
+    for rank in plan.ranks:
+        groups = [u.group for u in rank.units]
         if groups:
-            last[int(rank["pipeline_stage"])] = max(
+            last[rank.pipeline_stage] = max(
                 groups, key=lambda g: order.index(g) if g in order else -1)
-    activation = plan["topology"].get("activation_dtype")
+    activation = plan.topology.activation_dtype
     out = []
-    for stage in range(int(plan["topology"]["pipeline_parallel_size"]) - 1):
+    for stage in range(plan.shape.pipeline_parallel_size - 1):
         cut = declared.get(stage)
-        boundary = cut["boundary"] if cut is not None else plan["boundary"]
+        boundary = cut.boundary if cut is not None else plan.boundary
         out.append({"from_stage": stage, "to_stage": stage + 1,
-                    "group": cut["group"] if cut is not None else last.get(stage),
-                    "boundary": boundary.get("identity"),
+                    "group": cut.group if cut is not None else last.get(stage),
+                    "boundary": boundary.identity,
                     "tensors": wire_tensors(boundary, activation)})
     return out
 
 
-def pipeline_facts(plan: Mapping[str, Any]) -> dict[str, Any]:
+def pipeline_facts(plan: PlanFile) -> dict[str, Any]:
     """plan.json's `pipeline` (a multi-group graph's stage choice) with its group modes in the
     graph's order, vision before decoder (the plan keeps them sorted by name)."""
-    pipeline = dict(plan["pipeline"])
-    modes = pipeline["group_modes"]
-    order = [node["group"] for node in plan["graph"] if node["group"] in modes]
-    pipeline["group_modes"] = {g: modes[g] for g in order + sorted(set(modes) - set(order))}
-    return pipeline
+    assert plan.pipeline is not None
+    pipeline = plan.pipeline
+    modes = dict(pipeline.group_modes)
+    order = [node.group for node in plan.graph if node.group in modes]
+    return {"balance": pipeline.balance,
+            "group_modes": {g: modes[g] for g in order + sorted(set(modes) - set(order))},
+            "imbalance": pipeline.imbalance, "layout": pipeline.layout,
+            "stage_bytes": list(pipeline.stage_bytes)}
 
 
-def expert_summary(plan: Mapping[str, Any]) -> dict[str, Any]:
+def expert_summary(plan: PlanFile) -> dict[str, Any]:
     """An expert-parallel build's layout: E, X, N and each EP rank's experts and build ranks."""
-    ep = plan["expert_parallel"]
-    n = int(ep["ranks_per_stage"])
-    x = int(ep["expert_tensor_parallel_size"])
-    return {"expert_parallel_size": ep["expert_parallel_size"],
-            "expert_tensor_parallel_size": x, "ranks_per_stage": n, "experts": ep["experts"],
-            "explicit_placement": ep["explicit_placement"],
-            "redundant_slots": ep["redundant_slots"], "layout": ep["layout"],
+    ep = plan.expert_parallel
+    assert ep is not None
+    n, x = ep.ranks_per_stage, ep.expert_tensor_parallel_size
+    return {"expert_parallel_size": ep.expert_parallel_size,
+            "expert_tensor_parallel_size": x, "ranks_per_stage": n, "experts": ep.experts,
+            "explicit_placement": ep.explicit_placement,
+            "redundant_slots": ep.redundant_slots, "layout": ep.layout,
             "ep_ranks": [{"ep_rank": e, "experts": list(ids),
-                          "ranks": [r["rank"] for r in plan["ranks"]
-                                    if (int(r["rank"]) % n) // x == e]}
-                         for e, ids in enumerate(ep["slots"])]}
+                          "ranks": [r.rank for r in plan.ranks if (r.rank % n) // x == e]}
+                         for e, ids in enumerate(ep.slots)]}
 
 
 def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = None,
@@ -440,10 +438,9 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
     if rank is not None and not 0 <= rank < world:
         raise LoadError(f"--rank {rank} is not a rank of this build: it has ranks 0 to "
                         f"{world - 1}")
-    wanted_ranks = [r for r in build.plan["ranks"] if rank is None or r["rank"] == rank]
-    tensors = build.plan["tensors"]
-    names = {"group": [t.group for t in build.file.tensors],
-             "target": [t.target for t in build.file.tensors]}
+    wanted_ranks = [r for r in build.file.ranks if rank is None or r.rank == rank]
+    tensors = build.file.tensors
+    names = {"group": [t.group for t in tensors], "target": [t.target for t in tensors]}
     for option, glob, key, other in (("--group", group, "group", "target"),
                                      ("--target", target, "target", "group")):
         if glob is None or any(fnmatch.fnmatchcase(n, glob) for n in names[key]):
@@ -458,22 +455,22 @@ def tensor_rows(build: Build, *, rank: int | None = None, group: str | None = No
                         location=SourceLocation(str(build.path)))
     rows = []
     for t in tensors:
-        if group is not None and not fnmatch.fnmatchcase(t["group"], group):
+        if group is not None and not fnmatch.fnmatchcase(t.group, group):
             continue
-        if target is not None and not fnmatch.fnmatchcase(t["target"], target):
+        if target is not None and not fnmatch.fnmatchcase(t.target, target):
             continue
         for r in wanted_ranks:
-            held = rank_placement(build.plan, r, t)
+            held = rank_placement(build.file, r, t)
             if held is None:
                 continue
             placement, shape = held
-            rows.append({"rank": r["rank"], "target": t["target"], "group": t["group"],
-                         "dtype": t["dtype"], "global_shape": list(t["shape"]),
+            rows.append({"rank": r.rank, "target": t.target, "group": t.group,
+                         "dtype": t.dtype, "global_shape": list(t.shape),
                          "local_shape": list(shape), "placement": placement_text(placement),
-                         "kv_replicas": t.get("kv_replicas", 1),
-                         "needs_tp_reduction": bool(t.get("needs_tp_reduction")),
-                         "origin": None if origins is None else origins.tensor(t["target"],
-                                                                                t["group"])})
+                         "kv_replicas": t.kv_replicas,
+                         "needs_tp_reduction": t.needs_tp_reduction,
+                         "origin": None if origins is None else origins.tensor(t.target,
+                                                                                t.group)})
     return rows
 
 
@@ -505,37 +502,35 @@ FALLBACK_ROLE = "fallback"
 """The role name `rank_role_bytes` gives the bytes of groups the policy replicated."""
 
 
-def rank_role_bytes(plan: Mapping[str, Any]) -> list[dict[str, int]]:
+def rank_role_bytes(plan: PlanFile) -> list[dict[str, int]]:
     """Per rank (by global rank), its local bytes by group role; fallen-back groups' bytes are
     counted under FALLBACK_ROLE."""
-    roles = {g["name"]: FALLBACK_ROLE if g.get("fell_back_to_replication") else g["role"]
-             for g in plan["groups"]}
-    out: list[dict[str, int]] = [{} for _ in plan["ranks"]]
-    for t in plan["tensors"]:
-        role = roles[t["group"]]
-        for i, rank in enumerate(plan["ranks"]):
+    roles = {g.name: FALLBACK_ROLE if g.fell_back_to_replication else g.role
+             for g in plan.groups}
+    out: list[dict[str, int]] = [{} for _ in plan.ranks]
+    for t in plan.tensors:
+        role = roles[t.group]
+        for i, rank in enumerate(plan.ranks):
             held = rank_placement(plan, rank, t)
             if held is None:
                 continue
             row = out[i]
-            row[role] = row.get(role, 0) + tensor_bytes(t["dtype"], held[1])
+            row[role] = row.get(role, 0) + tensor_bytes(t.dtype, held[1])
     return out
 
 
-def unit_columns(plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+def unit_columns(plan: PlanFile) -> list[dict[str, Any]]:
     """The columns of an ownership map: every execution unit (graph order), then every static
     role; each with the global ranks that own it."""
     columns: list[dict[str, Any]] = []
-    for node in plan["graph"]:
-        for unit, path in enumerate(node["unit_paths"]):
-            owners = [r["rank"] for r in plan["ranks"] if any(
-                g["group"] == node["group"] and g["unit_range"][0] <= unit < g["unit_range"][1]
-                for g in r["partition"]["groups"])]
-            columns.append({"label": f"{node['group']} {unit}", "path": path, "kind": "unit",
+    for node in plan.graph:
+        for unit, path in enumerate(node.unit_paths):
+            owners = [r.rank for r in plan.ranks if any(
+                u.group == node.group and u.start <= unit < u.end for u in r.units)]
+            columns.append({"label": f"{node.group} {unit}", "path": path, "kind": "unit",
                             "owners": owners})
-    for role in plan.get("static_roles", []):
-        owners = [r["rank"] for r in plan["ranks"]
-                  if role["role"] in r["partition"]["ownership"]["static_roles"]]
-        columns.append({"label": role["role"], "path": f"static role ({role['stage']})",
+    for role in plan.static_roles:
+        owners = [r.rank for r in plan.ranks if role.role in r.static_roles]
+        columns.append({"label": role.role, "path": f"static role ({role.spell()})",
                         "kind": "static", "owners": owners})
     return columns

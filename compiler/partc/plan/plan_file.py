@@ -13,16 +13,21 @@ is read without jsonschema (a runtime-only install inspects it).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
-from partc.errors import LayoutError, LoadError, SourceLocation
+from partc.errors import LayoutError, LoadError, PartcError, SourceLocation
 from partc.front.load import MAX_PLAN_BYTES, read_bytes
 from partc.parallel.placements import tensor_bytes
 from partc.parallel.shape import ParallelShape
+from partc.partition.boundary import BoundaryWireSchema
+from partc.partition.ownership import ParameterGroupOwner, owner_from_json
+
+_T = TypeVar("_T")
 
 PLAN_KEYS = ("topology", "groups", "ranks", "tensors", "boundary", "family", "plan_hash")
 """The top-level keys a plan document must have to be read as one."""
@@ -87,6 +92,33 @@ class RankInfo:
     """Its EP rank (expert-parallel builds only)."""
     expert_tensor_parallel_rank: int | None = None
     """Its ETP rank (expert-parallel builds only)."""
+    local_state_bytes: int = 0
+    """Bytes of the runtime state it allocates per sequence (the family's `state:`; 0 when none
+    is declared)."""
+    local_state_bytes_per_token: int = 0
+    """Bytes of the runtime state it allocates per token."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanStateTensor:
+    """One declared runtime state tensor of a rank's unit (`partition.state.tensors` entry)."""
+
+    name: str
+    """The state's name (`conv`, `ssm`, `key`...)."""
+    group: str
+    """The execution group of its unit."""
+    unit: int
+    """The unit (layer) it belongs to."""
+    dtype: str
+    """Its dtype."""
+    shape: tuple[int, ...]
+    """Its whole shape."""
+    local_shape: tuple[int, ...]
+    """This rank's part of it."""
+    per: str
+    """`sequence` or `token`: what one allocation of it is for."""
+    local_bytes: int
+    """Bytes of this rank's part."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +137,8 @@ class PlanRank:
     """The execution units it runs, per group."""
     static_roles: tuple[str, ...]
     """The static roles (embedding, output...) it owns."""
+    state: tuple[PlanStateTensor, ...] = ()
+    """Its units' declared runtime state tensors, in plan order."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +165,116 @@ class StaticRolePlace:
     unit: str | None = None
     """`first` or `last`: which unit of `with_group`."""
 
+    def spell(self) -> str | dict[str, str]:
+        """The place as plan.json writes it: `first`, `last` or `{unit, with}`."""
+        if self.stage is not None:
+            return self.stage
+        assert self.with_group is not None and self.unit is not None
+        return {"unit": self.unit, "with": self.with_group}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanTopology:
+    """The realization choices of the plan's `topology` beside its sizes (`PlanFile.shape`)."""
+
+    policy: str | None
+    """The sharding policy given on the command line (None: the family's)."""
+    split: str | None
+    """`chunk` for torch.chunk's uneven splits (None: balanced)."""
+    activation_dtype: str
+    """The dtype activations cross a pipeline cut in."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanGroup:
+    """One parameter group of the plan (`groups` entry)."""
+
+    name: str
+    """Its name."""
+    role: str
+    """Its parameter role."""
+    owner: ParameterGroupOwner
+    """Who owns it: a static role, any of several, or an execution unit."""
+    stages: tuple[int, ...]
+    """The pipeline stages that load it."""
+    logical_units: int | None
+    """Its partition units (None: not partitioned)."""
+    logical_ranges: tuple[tuple[int, int], ...] | None
+    """Each TP (ETP) rank's [start, end) of the units (None: not partitioned)."""
+    fell_back_to_replication: bool
+    """The policy replicated it instead of sharding it."""
+    fallback_reason: str | None = None
+    """Why it could not be sharded (fallen-back groups only)."""
+
+    def owner_json(self) -> dict[str, object]:
+        """The owner as plan.json writes it (keys sorted)."""
+        return dict(sorted(self.owner.to_json().items()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanCut:
+    """One pipeline cut: the stage before it, the group of the unit before it, and the
+    boundary that crosses it (a `cuts` entry, or the family's one boundary)."""
+
+    after_stage: int
+    """The stage before the cut."""
+    group: str
+    """The execution group whose unit ends that stage."""
+    boundary: BoundaryWireSchema
+    """What crosses the cut."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertParallelLayout:
+    """An expert-parallel build's layout (`expert_parallel`, docs/expert_parallel.md)."""
+
+    expert_parallel_size: int
+    """E."""
+    expert_tensor_parallel_size: int
+    """X."""
+    ranks_per_stage: int
+    """N = E x X."""
+    dense_replicas: int
+    """Copies of a stage's dense parts."""
+    layout: str
+    """The layout in words."""
+    experts: int
+    """Routed experts of the model."""
+    explicit_placement: bool
+    """Placed by a placement file (not the balanced rule)."""
+    redundant_slots: int
+    """Slots beyond one per expert."""
+    slots: tuple[tuple[int, ...], ...]
+    """Each EP rank's global expert ids, in local slot order."""
+    expert_groups: Mapping[str, int | None]
+    """Routed-expert group -> its expert id (None: a stacked group); read-only."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineChoice:
+    """How a multi-group graph's stages were chosen (`pipeline`)."""
+
+    balance: str
+    """`bytes`, `weight`, `units` or `explicit`."""
+    layout: str
+    """The layout in Megatron's notation."""
+    stage_bytes: tuple[int, ...]
+    """Each stage's parameter bytes on its largest rank."""
+    imbalance: float
+    """Largest stage over the mean."""
+    group_modes: tuple[tuple[str, str], ...]
+    """Each execution group's parallel mode, sorted by group."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanSource:
+    """One input the plan was compiled from (`sources` entry)."""
+
+    name: str
+    """Its file name (a built-in family: `<name>.yaml`)."""
+    sha256: str
+    """Its sha256."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanFile:
@@ -146,8 +290,10 @@ class PlanFile:
     """HF model type."""
     shape: ParallelShape
     """T, S, E, X of the build (one replica: D = 1) and its rank arithmetic."""
+    topology: PlanTopology
+    """The realization choices of the topology."""
     topology_json: Mapping[str, Any]
-    """The `topology` object as written (read-only), for outputs that echo it."""
+    """The `topology` object as written (read-only), for outputs that echo it whole."""
     tensors: tuple[PlanTensor, ...]
     """The global tensor table, in the plan's order."""
     ranks: tuple[PlanRank, ...]
@@ -156,19 +302,45 @@ class PlanFile:
     """The execution groups, canonical order."""
     static_roles: tuple[StaticRolePlace, ...]
     """The static roles and their places, declaration order."""
+    groups: tuple[PlanGroup, ...]
+    """Every parameter group, in the plan's order."""
+    boundary: BoundaryWireSchema
+    """The family's boundary (what crosses a cut without a `cuts` entry)."""
+    cuts: tuple[PlanCut, ...] | None
+    """The cuts of a family declaring a boundary per execution group (None: it declares one
+    boundary; see `pipeline_cuts`)."""
+    expert_parallel: ExpertParallelLayout | None
+    """The expert-parallel layout (None: no expert parallelism)."""
+    pipeline: PipelineChoice | None
+    """How a multi-group graph's stages were chosen (None: not recorded)."""
+    sources: tuple[PlanSource, ...]
+    """The files the plan was compiled from."""
+    config: Mapping[str, Any]
+    """The config values the family read, by field name (read-only JSON values)."""
     omit: tuple[str, ...]
     """Checkpoint tensors no rank loads (`omit`)."""
     checkpoint_fingerprint: str | None
     """sha256 over the checkpoint header the plan was compiled against (None: none given)."""
     checkpoint_header_digest: str | None
     """sha256 of that checkpoint's stored header bytes."""
-    document: Mapping[str, Any]
-    """The whole parsed document, for the parts not typed here (groups, boundary, cuts,
-    pipeline, expert_parallel); treat it as read-only."""
 
     def tensor_bytes_total(self) -> int:
         """Bytes of every tensor of the global table."""
         return sum(tensor_bytes(t.dtype, t.shape) for t in self.tensors)
+
+    def groups_by_name(self) -> dict[str, PlanGroup]:
+        """Every parameter group by name."""
+        return {g.name: g for g in self.groups}
+
+    def pipeline_cuts(self) -> tuple[PlanCut, ...]:
+        """Every cut of the build: `cuts` (a graph of several groups), else one after each
+        stage but the last, each carrying the family's one boundary in the graph's last
+        group."""
+        if self.cuts is not None:
+            return self.cuts
+        group = self.graph[-1].group if self.graph else ""
+        return tuple(PlanCut(after_stage=stage, group=group, boundary=self.boundary)
+                     for stage in range(self.shape.pipeline_parallel_size - 1))
 
 
 def read_plan(path: str | Path, *, label: str | None = None, hint: str = "") -> PlanFile:
@@ -191,12 +363,29 @@ def read_plan(path: str | Path, *, label: str | None = None, hint: str = "") -> 
                         location=where)
     try:
         return _plan_file(file, document)
-    except (TypeError, KeyError, ValueError, IndexError, AttributeError):
-        from partc.front.schema import plan_faults
+    except _FAULTS as exc:
+        raise _fault(file, document, exc, "") from None
 
+
+_FAULTS = (TypeError, KeyError, ValueError, IndexError, AttributeError)
+"""What building the view raises on a value of the wrong kind."""
+
+
+def _fault(file: Path, document: object, exc: Exception, pointer: str) -> LoadError:
+    """The LoadError for a plan the view cannot be built from: located by the plan schema
+    (file, line and pointer) when the schema explains it, else at `pointer` with `exc`."""
+    from partc.front.schema import plan_faults
+
+    try:
         with plan_faults(file, document):
-            raise
-        raise  # pragma: no cover - plan_faults re-raises
+            raise exc
+    except LoadError as located:
+        return located
+    except _FAULTS:  # the schema allows it
+        pass
+    return LoadError(f"the plan cannot be read: {exc}; it was edited, or not written by partc: "
+                     "compile the build again", location=SourceLocation(str(file)),
+                     pointer=pointer)
 
 
 def _int(value: object) -> int:
@@ -215,28 +404,81 @@ def _str(value: object) -> str:
 
 def _ints(values: object) -> tuple[int, ...]:
     """A JSON array of integers as a tuple; TypeError otherwise."""
-    if not isinstance(values, list):
+    if type(values) is not list:
         raise TypeError(f"expected an array, found {values!r}")
-    return tuple(_int(v) for v in values)
+    out = tuple(values)
+    for value in out:
+        if type(value) is not int:  # not a bool either
+            raise TypeError(f"expected an integer, found {value!r}")
+    return out
 
 
 def _optional_str(value: object) -> str | None:
     return None if value is None else _str(value)
 
 
-def _tensor(entry: Mapping[str, Any]) -> PlanTensor:
+PLACEMENT_FIELDS = {"replicated": 0, "local": 0, "omit": 0, "rank": 1, "pipeline_stage": 1,
+                    "shard": 3, "range": 3, "indices": 2}
+"""Each compact placement kind and how many fields follow it (schemas/plan.schema.json)."""
+
+
+class _Arity(ValueError):
+    """A compact placement with the wrong fields for its kind (the schema does not say)."""
+
+
+Placements = dict[tuple[Any, ...], tuple[Any, ...]]
+"""The placements already checked in one plan, by their fields (a plan repeats a few hundred
+distinct placements across 10^5 tensors and their ranks)."""
+
+
+def _placement(value: object, checked: Placements) -> tuple[Any, ...]:
+    """A compact placement, checked once per distinct value (`checked`) for its kind, its fields
+    (integers, or for `indices` ranges) and their count; TypeError (or `_Arity`) otherwise."""
+    if type(value) is list:
+        try:
+            known = checked.get(tuple(value))
+        except TypeError:  # `indices`: its ranges are lists
+            known = None
+        if known is not None:
+            return known
+    placement = _checked_placement(value)
+    if placement[0] != "indices":
+        checked[placement] = placement
+    return placement
+
+
+def _checked_placement(value: object) -> tuple[Any, ...]:
+    """`_placement` without the cache."""
+    if not isinstance(value, list) or not value or value[0] not in PLACEMENT_FIELDS:
+        raise TypeError(f"expected a compact placement, found {value!r}")
+    kind, *fields = value
+    ranges = [isinstance(f, list) for f in fields]
+    for field, is_ranges in zip(fields, ranges, strict=True):
+        if is_ranges:
+            for pair in field:
+                _pair(pair)
+        elif _int(field) < 0:
+            raise ValueError(f"expected a non-negative integer, found {field!r}")
+    if len(fields) != PLACEMENT_FIELDS[kind] or ranges != [kind == "indices" and i == 1
+                                                           for i in range(len(fields))]:
+        raise _Arity(f"a `{kind}` placement takes {PLACEMENT_FIELDS[kind]} fields ("
+                     + ("an axis and a list of [start, end] ranges" if kind == "indices"
+                        else "integers") + f"), found {value!r}")
+    return tuple(tuple(_pair(r) for r in f) if isinstance(f, list) else f for f in value)
+
+
+def _tensor(entry: Mapping[str, Any], checked: Placements) -> PlanTensor:
     placements = entry["placements"]
-    if not isinstance(placements, list) or not all(isinstance(p, list) and p
-                                                   for p in placements):
+    if not isinstance(placements, list):
         raise TypeError(f"expected an array of placements, found {placements!r}")
     return PlanTensor(target=_str(entry["target"]), dtype=_str(entry["dtype"]),
                       shape=_ints(entry["shape"]), group=_str(entry["group"]),
                       stages=_ints(entry["stages"]),
-                      placements=tuple(tuple(p) for p in placements),
+                      placements=tuple(_placement(p, checked) for p in placements),
                       kv_replicas=_int(entry.get("kv_replicas", 1)),
-                      needs_tp_reduction=bool(entry.get("needs_tp_reduction", False)),
-                      needs_tp_output_reduction=bool(entry.get("needs_tp_output_reduction",
-                                                               False)))
+                      needs_tp_reduction=_bool(entry.get("needs_tp_reduction", False)),
+                      needs_tp_output_reduction=_bool(entry.get("needs_tp_output_reduction",
+                                                                False)))
 
 
 def _rank(entry: Mapping[str, Any]) -> PlanRank:
@@ -262,8 +504,16 @@ def _rank(entry: Mapping[str, Any]) -> PlanRank:
                                                         for d, n in by_dtype.items())),
                       dense_replica=None if replica is None else _int(replica),
                       expert_parallel_rank=None if ep is None else _int(ep),
-                      expert_tensor_parallel_rank=None if etp is None else _int(etp)),
+                      expert_tensor_parallel_rank=None if etp is None else _int(etp),
+                      local_state_bytes=_int(info.get("local_state_bytes", 0)),
+                      local_state_bytes_per_token=_int(info.get("local_state_bytes_per_token",
+                                                                0))),
         units=tuple(units),
+        state=tuple(PlanStateTensor(
+            name=_str(t["name"]), group=_str(t["group"]), unit=_int(t["unit"]),
+            dtype=_str(t["dtype"]), shape=_ints(t["shape"]), local_shape=_ints(t["local_shape"]),
+            per=_str(t["per"]), local_bytes=_int(t["local_bytes"]))
+            for t in partition["state"].get("tensors", ())),
         static_roles=tuple(_str(r) for r in partition["ownership"]["static_roles"]))
 
 
@@ -284,7 +534,98 @@ def _shape(topology: Mapping[str, Any]) -> ParallelShape:
                              topology.get("expert_tensor_parallel_size", 1)))
 
 
-def _plan_file(file: Path, document: dict[str, Any]) -> PlanFile:
+def _topology(topology: Mapping[str, Any]) -> PlanTopology:
+    return PlanTopology(policy=_optional_str(topology.get("policy")),
+                        split=_optional_str(topology.get("split")),
+                        activation_dtype=_str(topology["activation_dtype"]))
+
+
+def _group(entry: Mapping[str, Any]) -> PlanGroup:
+    units, ranges = entry["logical_units"], entry["logical_ranges"]
+    reason = entry.get("fallback_reason")
+    owner = entry["owner"]
+    if not isinstance(owner, dict):
+        raise TypeError(f"expected an object, found {owner!r}")
+    return PlanGroup(name=_str(entry["name"]), role=_str(entry["role"]),
+                     owner=owner_from_json(owner), stages=_ints(entry["stages"]),
+                     logical_units=None if units is None else _int(units),
+                     logical_ranges=None if ranges is None else tuple(
+                         _pair(r) for r in _list(ranges)),
+                     fell_back_to_replication=_bool(entry["fell_back_to_replication"]),
+                     fallback_reason=None if reason is None else _str(reason))
+
+
+def _pair(value: object) -> tuple[int, int]:
+    """A JSON array of two integers as a pair; TypeError otherwise."""
+    start, end = _ints(value)
+    return start, end
+
+
+def _bool(value: object) -> bool:
+    """`value` when it is a boolean; TypeError otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a boolean, found {value!r}")
+    return value
+
+
+def _boundary(value: object) -> BoundaryWireSchema:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, found {value!r}")
+    return BoundaryWireSchema.from_json(value)
+
+
+def _cut(entry: Mapping[str, Any]) -> PlanCut:
+    return PlanCut(after_stage=_int(entry["after_stage"]), group=_str(entry["group"]),
+                   boundary=_boundary(entry["boundary"]))
+
+
+def _expert_parallel(entry: Mapping[str, Any]) -> ExpertParallelLayout:
+    groups = entry["expert_groups"]
+    if not isinstance(groups, dict):
+        raise TypeError(f"expected an object, found {groups!r}")
+    return ExpertParallelLayout(
+        expert_parallel_size=_int(entry["expert_parallel_size"]),
+        expert_tensor_parallel_size=_int(entry["expert_tensor_parallel_size"]),
+        ranks_per_stage=_int(entry["ranks_per_stage"]),
+        dense_replicas=_int(entry["dense_replicas"]), layout=_str(entry["layout"]),
+        experts=_int(entry["experts"]), explicit_placement=_bool(entry["explicit_placement"]),
+        redundant_slots=_int(entry["redundant_slots"]),
+        slots=tuple(_ints(ids) for ids in _list(entry["slots"])),
+        expert_groups=MappingProxyType({_str(name): None if expert is None else _int(expert)
+                                        for name, expert in groups.items()}))
+
+
+def _pipeline(entry: Mapping[str, Any]) -> PipelineChoice:
+    modes, imbalance = entry["group_modes"], entry["imbalance"]
+    if not isinstance(modes, dict):
+        raise TypeError(f"expected an object, found {modes!r}")
+    if isinstance(imbalance, bool) or not isinstance(imbalance, (int, float)):
+        raise TypeError(f"expected a number, found {imbalance!r}")
+    return PipelineChoice(balance=_str(entry["balance"]), layout=_str(entry["layout"]),
+                          stage_bytes=_ints(entry["stage_bytes"]), imbalance=float(imbalance),
+                          group_modes=tuple(sorted((_str(g), _str(m))
+                                                   for g, m in modes.items())))
+
+
+def _object(value: object) -> Mapping[str, Any]:
+    """A JSON object, read-only; TypeError otherwise."""
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, found {value!r}")
+    return MappingProxyType(value)
+
+
+def _optional(document: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+    value = document.get(key)
+    return None if value is None else _object(value)
+
+
+def plan_view(document: Mapping[str, Any], file: Path) -> PlanFile:
+    """The typed view of a plan document already in memory (a Plan's own `document`, whose
+    tensor table may be left out: `tensors` is then empty); `file` names it in errors."""
+    return _plan_file(file, document)
+
+
+def _plan_file(file: Path, document: Mapping[str, Any]) -> PlanFile:
     """The typed view of a parsed plan document (TypeError/KeyError/ValueError on a value of
     the wrong kind; LoadError when it disagrees with itself)."""
     topology = document["topology"]
@@ -295,19 +636,57 @@ def _plan_file(file: Path, document: dict[str, Any]) -> PlanFile:
                         location=SourceLocation(str(file)), pointer="/topology") from None
     ranks = tuple(_rank(r) for r in _list(document["ranks"]))
     _check_ranks(file, shape, ranks)
+    cuts = document.get("cuts")
+    experts, pipeline = _optional(document, "expert_parallel"), _optional(document, "pipeline")
+    def checked(pointer: str, make: Callable[[], _T]) -> _T:
+        """`make()`, an error of the vocabulary's own checks (a boundary, an owner) located."""
+        try:
+            return make()
+        except PartcError as exc:
+            raise LoadError(f"the plan breaks a rule of its vocabulary: {exc.message}; it was "
+                            "edited, or not written by partc: compile the build again",
+                            location=SourceLocation(str(file)), pointer=pointer) from None
+        except _FAULTS as exc:
+            raise _fault(file, document, exc, pointer) from None
+
+    seen: Placements = {}
+    tensors = tuple(_located_tensor(file, i, t, seen)
+                    for i, t in enumerate(_list(document.get("tensors", []))))
+    boundary = checked("/boundary", partial(_boundary, document["boundary"]))
+    groups = tuple(checked(f"/groups/{i}", partial(_group, g))
+                   for i, g in enumerate(_list(document["groups"])))
+    plan_cuts = None if cuts is None else tuple(
+        checked(f"/cuts/{i}", partial(_cut, c)) for i, c in enumerate(_list(cuts)))
     return PlanFile(
         path=file, plan_hash=_str(document["plan_hash"]), family=_str(document["family"]),
         model_type=_optional_str(document.get("model_type")), shape=shape,
-        topology_json=MappingProxyType(topology),
-        tensors=tuple(_tensor(t) for t in _list(document["tensors"])), ranks=ranks,
+        topology=_topology(topology), topology_json=MappingProxyType(topology),
+        tensors=tensors, ranks=ranks,
         graph=tuple(GraphGroup(group=_str(g["group"]),
                                unit_paths=tuple(_str(p) for p in g["unit_paths"]))
                     for g in _list(document.get("graph", []))),
         static_roles=tuple(_role(r) for r in _list(document.get("static_roles", []))),
+        groups=groups, boundary=boundary, cuts=plan_cuts,
+        expert_parallel=None if experts is None else _expert_parallel(experts),
+        pipeline=None if pipeline is None else _pipeline(pipeline),
+        sources=tuple(PlanSource(name=_str(e["name"]), sha256=_str(e["sha256"]))
+                      for e in _list(document.get("sources", []))),
+        config=_object(document.get("config", {})),
         omit=tuple(_str(t) for t in _list(document.get("omit", []))),
         checkpoint_fingerprint=_optional_str(document.get("checkpoint_fingerprint")),
-        checkpoint_header_digest=_optional_str(document.get("checkpoint_header_digest")),
-        document=MappingProxyType(document))
+        checkpoint_header_digest=_optional_str(document.get("checkpoint_header_digest")))
+
+
+def _located_tensor(file: Path, index: int, entry: Mapping[str, Any],
+                    checked: Placements) -> PlanTensor:
+    """`_tensor(entry)`, a placement with the wrong fields for its kind a LoadError located at
+    the tensor (the schema, which explains the other faults, does not count them)."""
+    try:
+        return _tensor(entry, checked)
+    except _Arity as exc:
+        raise LoadError(f"the plan breaks its schema: {exc}; it was edited, or not written by "
+                        "partc: compile the build again", location=SourceLocation(str(file)),
+                        pointer=f"/tensors/{index}/placements") from None
 
 
 def _list(value: object) -> Sequence[Any]:

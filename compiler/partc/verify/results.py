@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from partc.plan.plan_file import PlanFile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,8 +61,8 @@ class VerifyReport:
     """Wall-clock time per phase, for the report only."""
     stage_units: str | None = None
     """Where the pipeline check cut, as --pp-layers spells it (None: balanced)."""
-    plans: tuple[dict[str, Any], ...] = ()
-    """The plan.json documents of the builds checked (to locate a failed group's line)."""
+    plans: tuple[PlanFile, ...] = ()
+    """The plans of the builds checked, read back (to locate a failed group's line)."""
     pipeline_cuts: tuple[dict[str, object], ...] = ()
     """Each cut the pipeline check checked: `tensor_parallel_sizes` (the T whose compile
     chooses it at `pipeline_parallel_size`), `given` (--pp-layers), `stage_units` (as

@@ -51,11 +51,12 @@ from partc.verify.reference import (
 )
 from partc.verify.results import Check, VerifyReport
 from partc.verify.session import Session, compile_build
-from partc.verify.stage_checks import pipeline_checks, plan_cuts, unexercised_boundaries
+from partc.verify.stage_checks import pipeline_checks, unexercised_boundaries
 
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
     from partc.plan.ir import Plan
+    from partc.plan.plan_file import PlanFile
 
 MAX_TENSOR_PARALLEL = 8
 """By default every T from 1 to this that compiles is checked."""
@@ -91,7 +92,7 @@ def verify_family(family: str | Path | None, config: str | Path, *,
         session = _reference_session(reference, folder, work, seed, Path(config))
         seconds["reference"] = time.perf_counter() - start
         checks: list[Check] = []
-        plans: list[dict[str, Any]] = []  # the builds' plan.json documents
+        plans: list[PlanFile] = []  # the builds' plans, read back
         family_name = ""
         for tp in user.tensor_parallel_sizes:
             begin = time.perf_counter()
@@ -100,8 +101,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
             except PartcError as error:
                 checks.append(_not_compiled(tp, 1, error, notes))
                 continue
-            family_name = build.plan["family"]
-            plans.append(build.plan)
+            family_name = build.file.family
+            plans.append(build.file)
             ranks = TensorParallelRanks(session, build)
             checks.extend(Check(
                 tp=tp, pp=1, module=target, group="", rank=rank, ok=False,
@@ -112,7 +113,7 @@ def verify_family(family: str | Path | None, config: str | Path, *,
             seconds[f"tp{tp}"] = time.perf_counter() - begin
         pp = user.pipeline_parallel_size
         cuts: list[dict[str, object]] = []  # each cut checked, as the report lists them
-        staged_plans: list[dict[str, Any]] = []
+        staged_plans: list[PlanFile] = []
         if pp > 1:
             begin = time.perf_counter()
             asked = ([(user.tensor_parallel_sizes, user.stage_units)] if user.stage_units
@@ -121,11 +122,11 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                 try:
                     staged = compile_build(family, folder, work / f"pp{pp}_{index}", 1, pp,
                                            policy, units)
-                    plans.append(staged.plan)
+                    plans.append(staged.file)
                     checks.extend(pipeline_checks(session, staged))
-                    staged_plans.append(staged.plan)
-                    family_name = family_name or staged.plan["family"]
-                    cuts.append(_cut_entry(sizes, pp, staged.plan, given=bool(user.stage_units)))
+                    staged_plans.append(staged.file)
+                    family_name = family_name or staged.file.family
+                    cuts.append(_cut_entry(sizes, pp, staged.file, given=bool(user.stage_units)))
                     notes.append(_cut_note(cuts[-1]))
                 except PartcError as error:
                     checks.append(_not_compiled(1, pp, error, notes))
@@ -186,17 +187,16 @@ def asked_cuts(family: str | Path | None, reference: Path, tensor_parallel_sizes
     return [(tuple(sizes), layout) for layout, sizes in chosen.items()]
 
 
-def _cut_entry(sizes: Sequence[int], pp: int, plan: dict[str, Any], *, given: bool
+def _cut_entry(sizes: Sequence[int], pp: int, plan: PlanFile, *, given: bool
                ) -> dict[str, object]:
     """Which cut the pipeline check checked (the report's `pipeline_cuts` entry): the T whose
     compile chooses it (or `--pp-layers`), its stage units, and each cut's stage and group."""
-    units = _layout((rank["partition"]["stage"], ((g["group"], g["unit_range"])
-                                                   for g in rank["partition"]["groups"]))
-                    for rank in plan["ranks"])
+    units = _layout((rank.pipeline_stage, ((u.group, (u.start, u.end)) for u in rank.units))
+                    for rank in plan.ranks)
     return {"tensor_parallel_sizes": list(sizes), "pipeline_parallel_size": pp,
             "given": given, "stage_units": spelled_stage_units(units),
-            "cuts": [{"after_stage": c["after_stage"], "group": c["group"]}
-                     for c in plan_cuts(plan)]}
+            "cuts": [{"after_stage": c.after_stage, "group": c.group}
+                     for c in plan.pipeline_cuts()]}
 
 
 def _cut_note(entry: dict[str, object]) -> str:

@@ -55,10 +55,6 @@ class Build:
         """S."""
         return self.file.shape.pipeline_parallel_size
 
-    @property
-    def plan(self) -> dict[str, Any]:
-        """The plan document (a shallow copy; for the parts walked as JSON)."""
-        return dict(self.file.document)
 
 
 @contextmanager

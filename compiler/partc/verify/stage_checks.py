@@ -3,7 +3,7 @@ carries its declared boundary's shapes, and the stages' tensors give the full lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,7 +64,7 @@ class _Placement:
         self.session = session
         self.units = {_in_memory(session, path): stage for path, stage in disk.items()}
         self.roles = _role_stages(plan, disk)
-        self.owners = _owners(plan.document)
+        self.owners = _owners(plan)
         self.ran = {module: i for i, module in enumerate(session.captured)}
         self.last = plan.shape.pipeline_parallel_size - 1
         self.unit_runs = sorted((i, self.units[unit]) for m, i in self.ran.items()
@@ -126,10 +126,10 @@ class _Placement:
         return out
 
 
-def _owners(plan: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+def _owners(plan: PlanFile) -> dict[str, tuple[str, ...]]:
     """On-disk tensor -> the static roles owning it (none for a tensor a unit owns)."""
-    roles = {g["name"]: tuple(g["owner"].get("roles", ())) for g in plan["groups"]}
-    return {t["target"]: roles.get(t["group"], ()) for t in plan["tensors"]}
+    roles = {g.name: g.owner.static_roles for g in plan.groups}
+    return {t.target: roles.get(t.group, ()) for t in plan.tensors}
 
 
 def pipeline_checks(session: Session, build: Build) -> list[Check]:
@@ -241,36 +241,25 @@ def _spell(shape: Sequence[object]) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 
 
-def plan_cuts(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every cut of a pipeline build: plan.json's `cuts` (a graph of several groups), else one
-    after each stage but the last, all carrying the family's one boundary."""
-    if "cuts" in plan:
-        cuts: list[dict[str, Any]] = plan["cuts"]
-        return cuts
-    group = plan["graph"][-1]["group"] if plan["graph"] else ""
-    return [{"after_stage": stage, "group": group, "boundary": plan["boundary"]}
-            for stage in range(plan["topology"]["pipeline_parallel_size"] - 1)]
-
-
-def unexercised_boundaries(plans: Sequence[dict[str, Any]]) -> str | None:
+def unexercised_boundaries(plans: Sequence[PlanFile]) -> str | None:
     """A note naming the execution groups whose boundary no cut of the pipeline builds `plans`
     (one model at one S, cut as each T chooses) crossed (a group cut after or inside), so that
     no check saw its declared shapes: at S=2 LLaVA is cut after its projector only; None when
     every group that can be cut was."""
-    if not plans or any("cuts" not in plan for plan in plans) or not plans[0]["graph"]:
+    if not plans or any(plan.cuts is None for plan in plans) or not plans[0].graph:
         return None  # one boundary, which every cut carries
     plan = plans[0]
-    crossed = {c["group"] for p in plans for c in p["cuts"]}
-    graph = plan["graph"]
-    missed = [g["group"] for i, g in enumerate(graph) if g["group"] not in crossed
-              and (i < len(graph) - 1 or len(g["unit_paths"]) > 1)]
+    crossed = {c.group for p in plans for c in p.cuts or ()}
+    graph = plan.graph
+    missed = [g.group for i, g in enumerate(graph) if g.group not in crossed
+              and (i < len(graph) - 1 or len(g.unit_paths) > 1)]
     if not missed:
         return None
-    last = graph[-1]["group"]
-    names = [f"`{g}`" + (f" ({plan['boundary']['identity']})" if g == last else "")
+    last = graph[-1].group
+    names = [f"`{g}`" + (f" ({plan.boundary.identity})" if g == last else "")
              for g in missed]
-    stages = plan["topology"]["pipeline_parallel_size"]
-    layouts = [layout for p in plans if (layout := (p.get("pipeline") or {}).get("layout"))]
+    stages = plan.shape.pipeline_parallel_size
+    layouts = [p.pipeline.layout for p in plans if p.pipeline is not None and p.pipeline.layout]
     several = len(names) > 1
     listed = ", ".join(names[:-1]) + " and " + names[-1] if several else names[0]
     return (f"the boundar{'ies' if several else 'y'} of {listed} crossed no cut at S={stages}"
@@ -325,36 +314,38 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
     logits depend on (`_stage_tail`: a merger placed with the last vision unit), an auxiliary
     tensor against the model input or the next stage's first-unit argument of the same name
     (one of neither is not checked)."""
-    stages, plan = build.pp, build.plan
+    stages = build.pp
     ends = _unit_ends(build.file)
-    cuts = [(c, _in_memory(session, ends[c["after_stage"]][1]),
-             _in_memory(session, ends[c["after_stage"] + 1][0])) for c in plan_cuts(plan)]
+    cuts = [(c, _in_memory(session, ends[c.after_stage][1]),
+             _in_memory(session, ends[c.after_stage + 1][0]))
+            for c in build.file.pipeline_cuts()]
     outputs, inputs = _unit_traffic(session, _modules_run(session, [c[1] for c in cuts]),
                                     _modules_run(session, [c[2] for c in cuts]))
     checks = []
     for cut, unit, receiver in cuts:
-        tail = _stage_tail(session, placement, cut["after_stage"], unit, receiver)
+        tail = _stage_tail(session, placement, cut.after_stage, unit, receiver)
         sender = unit if tail is None else tail
         if tail is not None:
             outputs[tail] = session.captured[tail][2]
-        stage, schema = cut["after_stage"], cut["boundary"]
+        stage, schema = cut.after_stage, cut.boundary
         bound = {"batch": int(session.ids.shape[0]), "sequence": int(session.ids.shape[1])}
-        where = (f"T=1 x S={stages}: the cut after stage {stage} (group `{cut['group']}`, "
-                 f"boundary `{schema['identity']}`)")
-        found = [(schema["primary"], sender, outputs.get(sender))] + [
-            (spec, receiver if spec["role"] in inputs.get(receiver, {}) else "the model input",
-             inputs.get(receiver, {}).get(spec["role"], session.inputs.get(spec["role"])))
-            for spec in schema["auxiliary"]]
+        where = (f"T=1 x S={stages}: the cut after stage {stage} (group `{cut.group}`, "
+                 f"boundary `{schema.identity}`)")
+        found = [(schema.primary, sender, outputs.get(sender))] + [
+            (spec, receiver if spec.role in inputs.get(receiver, {}) else "the model input",
+             inputs.get(receiver, {}).get(spec.role, session.inputs.get(spec.role)))
+            for spec in schema.auxiliary]
         failure = ""
         for spec, module, value in found:
             if value is None or not hasattr(value, "shape"):
                 continue
-            why = _axes(spec["shape"], tuple(value.shape), bound)
+            declared = [d.spell() for d in spec.shape]
+            why = _axes(declared, tuple(value.shape), bound)
             if why is not None:
-                failure = (f"{where} declares `{spec['role']}` as {_spell(spec['shape'])}, but "
+                failure = (f"{where} declares `{spec.role}` as {_spell(declared)}, but "
                            f"module `{module}` gives it as {_spell(value.shape)}: {why}")
                 break
-        checks.append(Check(tp=1, pp=stages, module=sender, group=cut["group"], rank=stage,
+        checks.append(Check(tp=1, pp=stages, module=sender, group=cut.group, rank=stage,
                             ok=not failure, max_error=float("inf") if failure else 0.0,
                             tolerance=0.0, message=failure))
     return checks
@@ -366,8 +357,8 @@ def _input_checks(session: Session, build: Build, placement: _Placement) -> list
     vision-language model whose embedding sits where the decoder begins needs the token ids
     carried over the vision stages. (Which module reads an input is taken from the full
     model's run: an argument that is the input tensor itself.)"""
-    plan, stages = build.plan, build.pp
-    cuts = {c["after_stage"]: c for c in plan_cuts(plan)}
+    stages = build.pp
+    cuts = {c.after_stage: c for c in build.file.pipeline_cuts()}
     needs: dict[str, tuple[int, str]] = {}  # input -> (the last stage reading it, the module)
     for module, (args, kwargs, _) in session.captured.items():
         if any(module.startswith(unit + ".") for unit in placement.units):
@@ -388,15 +379,15 @@ def _input_checks(session: Session, build: Build, placement: _Placement) -> list
             cut = cuts.get(after)
             if cut is None:
                 continue
-            roles = [spec["role"] for spec in cut["boundary"]["auxiliary"]]
+            roles = [spec.role for spec in cut.boundary.auxiliary]
             if name in roles:
                 continue
             checks.append(Check(
-                tp=1, pp=stages, module=module, group=cut["group"], rank=after, ok=False,
+                tp=1, pp=stages, module=module, group=cut.group, rank=after, ok=False,
                 max_error=float("inf"), tolerance=0.0,
                 message=f"T=1 x S={stages}: stage {stage} runs `{module}` on the model input "
                         f"`{name}`, but the cut after stage {after} (boundary "
-                        f"`{cut['boundary']['identity']}`) does not carry it: expected an "
+                        f"`{cut.boundary.identity}`) does not carry it: expected an "
                         f"auxiliary tensor `{name}` in that boundary, found "
                         f"{', '.join(f'`{r}`' for r in roles) or 'none'}"))
     return checks
