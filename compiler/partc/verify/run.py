@@ -42,7 +42,7 @@ from partc.api import (
 )
 from partc.errors import PartcError, PartcErrors, SourceLocation, VerifyError, raise_if_any
 from partc.plan.topology import Topology
-from partc.verify.experts import ExpertParallelRanks
+from partc.verify.expert_checks import ExpertParallelRanks
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.reference import (
     build_reference,
