@@ -221,3 +221,17 @@ def test_a_row_projection_s_bias_declared_split_in_a_group_of_its_own_is_refused
         "splits it by rows); expected the bias whole (`sharding: replicated`): each rank's "
         "partial output sum is added once after the all-reduce, and the bias with it "
         "[at /parameters/8/members/0]"]
+
+
+def test_per_head_norms_kept_whole_beside_split_attention_heads_are_refused():
+    """Cohere's q_norm [heads, head_dim] and k_norm [kv_heads, head_dim] as `partc init` writes
+    them: replicated groups of their own, while the attention group splits those heads."""
+    errors = case("per_head_norms_kept_whole")
+    assert [e.split(": ", 1)[0] for e in errors] == ["family.yaml:85:23", "family.yaml:92:23"]
+    assert errors[1] == (
+        "family.yaml:92:23: `model.layers.{unit}.self_attn.q_norm.weight` is kept whole but its "
+        "axis 0 is `num_attention_heads`, the heads group `layers.{unit}.attention` splits "
+        "(`model.layers.{unit}.self_attn.q_proj` states `heads: num_attention_heads`); expected "
+        "it split with those heads on that axis, in that group (a `column` projection stating "
+        "the same `heads:`): a rank computing some of the heads holds only their values "
+        "[at /parameters/5/params/weight/0]")
