@@ -29,10 +29,9 @@ def _expert_checks(report: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize(("name", "module", "groups"), [
-    ("mixtral", "model.layers.{}.mlp.experts", "layers.{0}.experts.0, layers.{0}.experts.1, "
-                                               "layers.{0}.experts.2, layers.{0}.experts.3"),
-    ("qwen3_moe", "model.layers.{}.mlp.experts", None),
-    ("deepseek_v3", "model.layers.{}.mlp.experts", None),
+    ("mixtral", "model.layers.{}.mlp.experts", "layers.{0}.experts.0-3"),
+    ("qwen3_moe", "model.layers.{}.mlp.experts", "layers.{0}.experts.0-7"),
+    ("deepseek_v3", "model.layers.{}.mlp.experts", "model.layers.{0}.experts.0-7"),
     ("dbrx", "transformer.blocks.{}.ffn.experts", "layers.{0}.experts"),  # fused [E * I, H]
 ])
 def test_every_moe_layer_s_experts_add_up_through_the_expert_map(capsys, name, module, groups):
@@ -58,6 +57,21 @@ def test_a_redundant_placement_and_expert_tensor_parallelism_verify(tmp_path, ca
     status, report = _verify(capsys, "qwen3_moe", "--tp", "2", "--ep", "2", "--etp", "2")
     assert status == 0 and report["ok"] is True, report
     assert {(c["ep"], c["etp"]) for c in _expert_checks(report)} == {(2, 2)}
+
+
+def test_four_ep_ranks_verify_at_t_1_and_2(capsys):
+    status, report = _verify(capsys, "qwen3_moe", "--tp", "1,2", "--ep", "4")
+    assert status == 0 and report["ok"] is True, report
+    checks = _expert_checks(report)
+    assert {(c["tp"], c["ep"]) for c in checks} == {(1, 4), (2, 4)} and len(checks) == 4
+
+
+def test_a_t_that_does_not_divide_the_expert_ranks_is_noted(capsys):
+    status, report = _verify(capsys, "mixtral", "--tp", "1,4", "--ep", "2")
+    assert status == 0, report
+    assert {c["tp"] for c in _expert_checks(report)} == {1}
+    assert "expert parallelism EP=2 x ETP=1 not checked at T=4: T must divide the 2 ranks of " \
+           "a stage" in report["notes"]
 
 
 def _swapped(first: int, second: int):

@@ -172,12 +172,27 @@ class ExpertParallelRanks:
             return model.get_submodule(module)(**inputs)
 
     def _groups(self, module: str) -> str:
-        """The expert groups of a module's tensors, as the plan names them."""
+        """The expert groups of a module's tensors, as the plan names them; per-expert groups
+        named `<base>.<expert>` for a contiguous run of experts as `<base>.<first>-<last>`."""
         targets = set(self.session.targets(module))
         names = sorted({layout.logical_name for state in self.build.states
                         for layout in state.layout.tensors
                         if layout.target in targets and layout.logical_name in self.expert_groups})
-        return ", ".join(names)
+        runs: dict[str, list[int]] = {}
+        out: list[str] = []
+        for name in names:
+            expert = self.expert_groups[name]
+            if expert is not None and name.endswith(f".{expert}"):
+                runs.setdefault(name.removesuffix(f".{expert}"), []).append(expert)
+            else:
+                out.append(name)
+        for base, ids in sorted(runs.items()):
+            ids.sort()
+            if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                out.append(f"{base}.{ids[0]}-{ids[-1]}")
+            else:
+                out.extend(f"{base}.{i}" for i in ids)
+        return ", ".join(sorted(out))
 
     def checks(self) -> list[Check]:
         """One check per experts module (an expert group per layer), after the load faults."""
