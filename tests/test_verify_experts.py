@@ -33,6 +33,7 @@ def _expert_checks(report: dict) -> list[dict]:
     ("qwen3_moe", "model.layers.{}.mlp.experts", "layers.{0}.experts.0-7"),
     ("deepseek_v3", "model.layers.{}.mlp.experts", "model.layers.{0}.experts.0-7"),
     ("dbrx", "transformer.blocks.{}.ffn.experts", "layers.{0}.experts"),  # fused [E * I, H]
+    ("gpt_oss", "model.layers.{}.mlp.experts", "layers.{0}.experts"),  # stacked [E, H, 2I]
 ])
 def test_every_moe_layer_s_experts_add_up_through_the_expert_map(capsys, name, module, groups):
     status, report = _verify(capsys, name, "--tp", "1,2", "--ep", "2")
@@ -95,15 +96,17 @@ def _swapped(first: int, second: int):
     return swapped
 
 
-def test_a_map_that_swaps_two_stacked_experts_slots_is_refused(monkeypatch, capsys):
+@pytest.mark.parametrize(("name", "module"), [("dbrx", "transformer.blocks.{}.ffn.experts"),
+                                              ("gpt_oss", "model.layers.{}.mlp.experts")])
+def test_a_map_that_swaps_two_stacked_experts_slots_is_refused(monkeypatch, capsys, name,
+                                                                module):
     monkeypatch.setattr("partc.runtime.expert_map", _swapped(0, 1))  # both on EP rank 0
-    status, report = _verify(capsys, "dbrx", "--tp", "1", "--ep", "2")
+    status, report = _verify(capsys, name, "--tp", "1", "--ep", "2")
     assert status == 1
     failed = [c for c in _expert_checks(report) if not c["ok"]]
-    assert [c["module"] for c in failed] == ["transformer.blocks.0.ffn.experts",
-                                             "transformer.blocks.1.ffn.experts"]
+    assert [c["module"] for c in failed] == [module.format(0), module.format(1)]
     assert failed[0]["message"].startswith(
-        "T=1 x S=1 x EP=2: module `transformer.blocks.0.ffn.experts` (group "
+        f"T=1 x S=1 x EP=2: module `{module.format(0)}` (group "
         "`layers.0.experts`), ranks 0-1: the experts computed by each rank from its own slots, "
         "placed through its expert map (redundant copies once), do not add up to the full "
         "module (first wrong: expert 0); max abs error ")

@@ -12,11 +12,11 @@ map. Each rank's model holds only those experts (the others zero), so its expert
 the rank's contribution; the contributions must add up to the full module's output.
 
 The experts modules (transformers' `...Experts`, called with `hidden_states, top_k_index,
-top_k_weights`) are driven directly: the hidden states they received in the full model, as
-many rows as experts, each row routed to `top_k` consecutive experts, so that every expert is
-reached whatever the router chose. The number of experts the map routes over must be the
-number the module has (an `experts:` count that is not the model's, a fused `[E * I, H]` axis
-taken for `E * I` experts, is refused).
+top_k_weights`, or GptOssExperts' `router_indices, routing_weights`) are driven directly: the
+hidden states they received in the full model, as many rows as experts, each row routed to
+`top_k` consecutive experts, so that every expert is reached whatever the router chose. The
+number of experts the map routes over must be the number the module has (an `experts:` count
+that is not the model's, a fused `[E * I, H]` axis taken for `E * I` experts, is refused).
 """
 
 from __future__ import annotations
@@ -31,17 +31,23 @@ from partc.verify.results import Check
 from partc.verify.session import Build, Session, largest_error, tolerance_of
 
 ROUTING_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
-"""The arguments of a transformers experts module (`MixtralExperts.forward` and the others)."""
+"""The arguments of a transformers experts module (`MixtralExperts.forward` and the others),
+by the names this check gives them."""
+ROUTING_SPELLINGS = (ROUTING_ARGUMENTS, ("hidden_states", "router_indices", "routing_weights"))
+"""How experts modules name their first three arguments (GptOssExperts: the second)."""
+
+
+def _routing_names(module: Any) -> tuple[str, ...] | None:
+    """The first three argument names of an experts module's forward; None for another
+    module."""
+    names = tuple(inspect.signature(module.forward).parameters)[:3]
+    return names if names in ROUTING_SPELLINGS else None
 
 
 def _experts_modules(model: Any) -> list[str]:
-    """Every module of the model whose forward takes ROUTING_ARGUMENTS, in registration order."""
-    found = []
-    for name, module in model.named_modules():
-        parameters = inspect.signature(module.forward).parameters
-        if all(a in parameters for a in ROUTING_ARGUMENTS):
-            found.append(name)
-    return found
+    """Every experts module of the model (forward arguments as ROUTING_SPELLINGS), in
+    registration order."""
+    return [name for name, module in model.named_modules() if _routing_names(module)]
 
 
 def _spelled(tp: int, ep: int, etp: int) -> str:
@@ -135,10 +141,13 @@ class ExpertParallelRanks:
         for path in self.modules:
             module = self.session.model.get_submodule(path)
             signature = inspect.signature(module.forward)
+            names = dict(zip(tuple(signature.parameters)[:3], ROUTING_ARGUMENTS, strict=True))
 
             def keep(_: Any, args: Any, kwargs: Any, path: str = path,
-                     signature: inspect.Signature = signature) -> None:
-                captured[path] = dict(signature.bind(*args, **kwargs).arguments)
+                     signature: inspect.Signature = signature,
+                     names: dict[str, str] = names) -> None:
+                bound = signature.bind(*args, **kwargs).arguments
+                captured[path] = {names[k]: v for k, v in bound.items() if k in names}
             handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
         try:
             with self.session.torch.no_grad():
@@ -168,8 +177,8 @@ class ExpertParallelRanks:
                 "top_k_weights": weights}
 
     def _run(self, model: Any, module: str, inputs: dict[str, Any]) -> Any:
-        with self.session.torch.no_grad():
-            return model.get_submodule(module)(**inputs)
+        with self.session.torch.no_grad():  # positional: the modules name them differently
+            return model.get_submodule(module)(*(inputs[n] for n in ROUTING_ARGUMENTS))
 
     def _groups(self, module: str) -> str:
         """The expert groups of a module's tensors, as the plan names them; per-expert groups
@@ -199,7 +208,8 @@ class ExpertParallelRanks:
         out = list(self.faults)
         if not self.modules:
             self._fault(None, "", "the model has no experts module (transformers' experts take "
-                                  f"{', '.join(ROUTING_ARGUMENTS)}) to drive")
+                                  f"{', '.join(ROUTING_ARGUMENTS)} or "
+                                  f"{', '.join(ROUTING_SPELLINGS[1])}) to drive")
             return list(self.faults)
         counts = {m.experts for m in self.build.expert_maps}
         for module in self.modules:
