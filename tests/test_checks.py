@@ -210,3 +210,28 @@ def test_a_declared_tensor_the_checkpoint_lacks_is_located_at_its_group_with_a_s
     unowned = [e for e in errors if "is owned by no parameter group" in e.message]
     assert {e.tensor for e in unowned} == {f"model.layers.{i}.self_attn.q_proj.weight"
                                            for i in range(3)}
+
+
+def test_a_row_projection_s_bias_declared_split_in_a_group_of_its_own_is_refused():
+    """Each rank's slice of the bias sums to the whole, so verify's sums hold; but every rank
+    adds its share before the all-reduce, so check refuses it (a row bias is whole)."""
+    assert case("row_bias_split_in_its_own_group") == [
+        "family.yaml:25:9: `transformer.h.{unit}.mlp.c_proj.bias` is {partitioned: 0} but "
+        "`transformer.h.{unit}.mlp.c_proj` is a row projection (group `layers.{unit}.mlp` "
+        "splits it by rows); expected the bias whole (`sharding: replicated`): each rank's "
+        "partial output sum is added once after the all-reduce, and the bias with it "
+        "[at /parameters/8/members/0]"]
+
+
+def test_per_head_norms_kept_whole_beside_split_attention_heads_are_refused():
+    """Cohere's q_norm [heads, head_dim] and k_norm [kv_heads, head_dim] as `partc init` writes
+    them: replicated groups of their own, while the attention group splits those heads."""
+    errors = case("per_head_norms_kept_whole")
+    assert [e.split(": ", 1)[0] for e in errors] == ["family.yaml:85:23", "family.yaml:92:23"]
+    assert errors[1] == (
+        "family.yaml:92:23: `model.layers.{unit}.self_attn.q_norm.weight` is kept whole but its "
+        "axis 0 is `num_attention_heads`, the heads group `layers.{unit}.attention` splits "
+        "(`model.layers.{unit}.self_attn.q_proj` states `heads: num_attention_heads`); expected "
+        "it split with those heads on that axis, in that group (a `column` projection stating "
+        "the same `heads:`): a rank computing some of the heads holds only their values "
+        "[at /parameters/5/params/weight/0]")

@@ -8,6 +8,7 @@ verify builds must compile at too.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -117,3 +118,59 @@ def test_the_default_pipeline_split_is_skipped_with_checks_reason_for_a_one_laye
         "execution units of the model; every stage needs at least one unit (use --pp 1 or "
         "fewer)")}]
 
+
+
+def _scaled(name: str, top: dict[str, object],
+            sections: dict[str, dict[str, object]] | None = None) -> dict[str, object]:
+    """A tiny fixture's config with full-size sizes written over it."""
+    config = json.loads((hf(name) / "config.json").read_text())
+    config.update(top)
+    for section, fields in (sections or {}).items():
+        config[section] = {**config[section], **fields}
+    return config
+
+
+def _reference_elements(monkeypatch) -> list[int]:
+    """The number of elements of every reference checkpoint verify writes (by safetensors)."""
+    from safetensors import safe_open
+
+    from partc.verify import run
+
+    counted: list[int] = []
+    build = run.build_reference
+
+    def counting(config, folder, *args, **kwargs):
+        build(config, folder, *args, **kwargs)
+        with safe_open(str(folder / "model.safetensors"), "np") as handle:
+            counted.append(sum(math.prod(handle.get_slice(n).get_shape())
+                               for n in handle.keys()))  # noqa: SIM118
+    monkeypatch.setattr(run, "build_reference", counting)
+    return counted
+
+
+@pytest.mark.parametrize(("name", "top", "sections", "shrunk"), [
+    # CodeGen-350M's sizes: GPT-2's spelling (n_embd, n_head, n_layer), ~350M parameters
+    ("codegen", {"n_embd": 1024, "n_head": 16, "n_layer": 20, "n_inner": 4096,
+                 "rotary_dim": 32, "vocab_size": 51200, "n_positions": 2048, "n_ctx": 2048},
+     None, ["n_embd 1024 -> ", "n_layer 20 -> 2", "n_inner 4096 -> 128", "rotary_dim 32 -> ",
+            "vocab_size 51200 -> 131"]),
+    # DBRX's sizes: d_model, n_heads, n_layers and the sections' kv_n_heads, experts, widths
+    ("dbrx", {"d_model": 6144, "n_heads": 48, "n_layers": 40, "num_key_value_heads": 8,
+              "vocab_size": 100352, "max_seq_len": 32768},
+     {"attn_config": {"kv_n_heads": 8}, "ffn_config": {
+         "ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4, "hidden_size": 6144}},
+     ["d_model 6144 -> ", "n_layers 40 -> 2", "ffn_config.moe_num_experts 16 -> 8",
+      "ffn_config.ffn_hidden_size 10752 -> 32", "max_seq_len 32768 -> 128"]),
+])
+def test_a_config_spelling_its_sizes_as_its_own_class_does_is_shrunk(
+        tmp_path, monkeypatch, capsys, name, top, sections, shrunk):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_scaled(name, top, sections)))
+    counted = _reference_elements(monkeypatch)
+    status = main(["verify", "--config", str(config), "--tp", "2", "--pp", "2",
+                   "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["ok"] is True, report
+    notes = " ".join(report["notes"])
+    assert all(part in notes for part in shrunk), report["notes"]
+    assert len(counted) == 1 and counted[0] < 2_000_000, counted  # full size: 10^8 and more

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from partc.cli.diagnostics import report_errors
 from partc.cli.parser import EXIT_ERRORS, EXIT_OK
-from partc.errors import PartcError
+from partc.errors import LoadError, PartcError
 
 if TYPE_CHECKING:
     from partc.plan.plan_file import PlanFile
@@ -399,10 +399,17 @@ def _skipped_lines(skipped: Sequence[dict[str, object]]) -> list[tuple[str, str]
 def run_verify(args: argparse.Namespace) -> int:
     """`partc verify`: check the split against transformers' modeling code."""
     from partc.verify.run import verify_family
+    from partc.verify.session import ExpertTopology
 
+    if args.ep is None and (args.etp is not None or args.expert_placement is not None):
+        flag = "--etp" if args.etp is not None else "--expert-placement"
+        raise LoadError(f"{flag} needs --ep (the expert-parallel size)")
+    experts = None if args.ep is None else ExpertTopology(
+        expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or 1,
+        placement=Path(args.expert_placement) if args.expert_placement else None)
     report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
                            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
-                           policy=_policy(args.policy), seed=args.seed)
+                           policy=_policy(args.policy), seed=args.seed, experts=experts)
     report = replace(report, checks=_declared(report.checks, args.family, report.plans))
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=1))
@@ -411,16 +418,22 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     for what, reason in _skipped_lines(report.skipped):
         print(f"skipped {what}: {reason}")
-    topologies = sorted({(c.tp, c.pp) for c in report.checks})
+    topologies = sorted({(c.tp, c.pp, c.ep or 0, c.etp or 0) for c in report.checks})
 
-    def spelled(tp: int, pp: int) -> str:
+    def spelled(tp: int, pp: int, ep: int = 0, etp: int = 0) -> str:
         cut = f" (--pp-layers {report.stage_units})" if pp > 1 and report.stage_units else ""
-        return f"T={tp} x S={pp}{cut}"
+        experts = (f" x EP={ep}" + (f" x ETP={etp}" if etp > 1 else "")) if ep else ""
+        return f"T={tp} x S={pp}{experts}{cut}"
 
-    for tp, pp in topologies:
-        mine = [c for c in report.checks if (c.tp, c.pp) == (tp, pp)]
+    for topology in topologies:
+        mine = [c for c in report.checks if (c.tp, c.pp, c.ep or 0, c.etp or 0) == topology]
         failed = sum(not c.ok for c in mine)
-        print(f"{spelled(tp, pp)}: {len(mine) - failed}/{len(mine)} checks hold")
+        print(f"{spelled(*topology)}: {len(mine) - failed}/{len(mine)} checks hold")
+        if topology[2]:  # a line per expert group
+            for check in mine:
+                print(f"  `{check.module}` ({check.group}): "
+                      + ("holds" if check.ok else "FAILS")
+                      + (f", max abs error {check.max_error:.3g}" if check.ok else ""))
     failure = report.first_failure
     if failure is not None:
         print(f"error: {failure.message}", file=sys.stderr)
@@ -434,6 +447,6 @@ def run_verify(args: argparse.Namespace) -> int:
     left = [f"T={s['tp']} x S={s['pp']}" for s in report.skipped if s["pp"] != 1 or s["tp"] != 1
             or s["reason"] != "no pipeline split asked for (S=1)"]
     print(f"verified {report.family} ({report.model_type}) at "
-          f"{', '.join(spelled(tp, pp) for tp, pp in topologies)}: every check holds"
+          f"{', '.join(spelled(*topology) for topology in topologies)}: every check holds"
           + (f"; not checked: {', '.join(left)} (skipped, see above)" if left else ""))
     return EXIT_OK

@@ -440,6 +440,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "(a large config then keeps its layers when shrunk)")
     verify.add_argument("--policy", choices=["require", "replicate-unsupported"], default=None,
                         help="sharding policy for groups that cannot be sharded")
+    verify.add_argument("--ep", type=_positive, default=None,
+                        help="also check expert parallelism at E EP ranks: each rank's experts "
+                             "from its own slots, placed through the build's expert map, at "
+                             "every T checked that divides E x --etp (docs/verify.md)")
+    verify.add_argument("--etp", type=_positive, default=None,
+                        help="expert-tensor-parallel size X of the expert check (default 1; "
+                             "needs --ep)")
+    verify.add_argument("--expert-placement", default=None, metavar="FILE",
+                        help="JSON placement {\"ranks\": [[expert ids of EP rank 0], ...]} of "
+                             "the expert check, for the reference model's experts (needs --ep)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
     _add_format(verify)
 

@@ -298,6 +298,110 @@ def _parameter_groups(known: _Known) -> Iterator[PartcError]:
             yield from check(known, group)
 
 
+def _row_projections(known: _Known) -> dict[str, tuple[str, frozenset[str]]]:
+    """Every projection the family splits by rows (input features): its module template ->
+    (how, for messages; the groups declaring its weight as a member)."""
+    rows: dict[str, tuple[str, frozenset[str]]] = {}
+    for group in known.family.groups:
+        name = group.name.text
+        for projection in group.projections:
+            if projection.sharding is ProjectionSharding.ROW:
+                rows.setdefault(projection.module.text,
+                                (f"group `{name}` splits it by rows", frozenset()))
+        for weight in group.members:
+            rule = weight.sharding
+            if (not weight.name.text.endswith(".weight") or len(weight.shape) != 2
+                    or weight.layout is None or not _split(rule)):
+                continue
+            in_axis = 0 if weight.layout is LinearWeightLayout.IN_OUT else 1
+            if rule.axis == in_axis:
+                module = weight.name.text.removesuffix(".weight")
+                how, groups = rows.get(module, (f"group `{name}` splits `{weight.name.text}` "
+                                                f"on its input axis {in_axis}", frozenset()))
+                rows[module] = (how, groups | {name})
+    return rows
+
+
+def _row_biases_whole(known: _Known) -> Iterator[PartcError]:
+    """A row projection's bias is never split, in whatever group it is declared: each rank
+    computes a partial sum of the output features, the ranks' sums are added once and the
+    bias with them, so the bias is whole (or kept by one rank). A bias declared split in a
+    group of its own (`members:` beside a module-form row projection) adds a share of it per
+    rank: the sum is right, the local computation is not. (A bias beside its member-form
+    weight in one group is `_biases_follow_weights`'.)"""
+    rows = _row_projections(known)
+    for group in known.family.groups:
+        for bias in group.members:
+            module = bias.name.text.removesuffix(".bias")
+            if (not bias.name.text.endswith(".bias") or len(bias.shape) != 1
+                    or not _split(bias.sharding) or module not in rows):
+                continue
+            how, groups = rows[module]
+            if group.name.text in groups:
+                continue
+            yield known.error(
+                f"`{bias.name.text}` is {_rule_text(bias.sharding)} but `{module}` is a row "
+                f"projection ({how}); expected the bias whole (`sharding: replicated`): each "
+                "rank's partial output sum is added once after the all-reduce, and the bias "
+                "with it", bias.pointer)
+
+
+def _parent(path: str) -> str:
+    """The module holding a module path or a tensor's module (the path less its last part)."""
+    return path.rsplit(".", 1)[0]
+
+
+def _split_heads(known: _Known) -> dict[str, list[tuple[str, str, str]]]:
+    """The head counts each partitioned attention group splits, by the module its projections
+    sit in (`model.layers.{unit}.self_attn`): (count as written, group, projection)."""
+    found: dict[str, list[tuple[str, str, str]]] = {}
+    for group in known.family.groups:
+        if group.role is not ParameterRole.ATTENTION_HEADS or group.units is None:
+            continue
+        stated = [(p.module.text, _parent(p.module.text), h) for p in group.projections
+                  for h in p.heads]
+        stated += [(m.name.text, _parent(_parent(m.name.text)), h) for m in group.members
+                   for h in m.heads]
+        for what, parent, heads in stated:
+            found.setdefault(parent, []).append((heads.text.replace(" ", ""),
+                                                 group.name.text, what))
+    return found
+
+
+def _per_head_tensors_split(known: _Known) -> Iterator[PartcError]:
+    """A tensor with an axis of per-head values (Cohere's `q_norm` [heads, head_dim]) beside
+    the projections of an attention group that splits those heads is split with them: kept
+    whole in a group of its own, a rank computing 2 of 4 heads would get the 4 heads' weights.
+    Found by its module (in the module the attention projections sit in) and an axis written
+    as a head count a projection there states (`heads:`)."""
+    heads = _split_heads(known)
+    for group in known.family.groups:
+        if group.role is ParameterRole.ATTENTION_HEADS and group.units is not None:
+            continue
+        params: list[tuple[str, ParamDecl]] = []
+        if group.module is not None and not _split(group.module_sharding):
+            params += [(f"{group.module.module.text}.{p.name.text}", p)
+                       for p in group.module.params]
+        params += [(m.name.text, m) for m in group.members if not _split(m.sharding)]
+        for target, param in params:
+            if len(param.shape) < 2:
+                continue
+            for axis, dim in enumerate(param.shape):
+                match = next((h for h in heads.get(_parent(_parent(target)), ())
+                              if h[0] == dim.text.replace(" ", "")), None)
+                if match is None:
+                    continue
+                count, owner, projection = match
+                yield known.error(
+                    f"`{target}` is kept whole but its axis {axis} is `{dim.text}`, the heads "
+                    f"group `{owner}` splits (`{projection}` states `heads: {count}`); expected "
+                    "it split with those heads on that axis, in that group (a `column` "
+                    "projection stating the same `heads:`): a rank computing some of the heads "
+                    "holds only their values",
+                    param.dimension_pointer(axis))
+                break
+
+
 def _boundary_names(known: _Known) -> Iterator[PartcError]:
     """Fixed boundary dimensions read config fields only; a name that is not one must be a
     declared per-request dimension."""
@@ -397,7 +501,8 @@ FamilyCheck = Callable[[_Known], Iterator[PartcError]]
 """A check of a whole family declaration."""
 
 FAMILY_CHECKS: tuple[FamilyCheck, ...] = (_config_names, _derived_values, _omit_globs,
-                                          _graph_groups, _parameter_groups, _boundary_names,
+                                          _graph_groups, _parameter_groups, _row_biases_whole,
+                                          _per_head_tensors_split, _boundary_names,
                                           _static_placements, _state_tensors,
                                           _format_names, _misspelt_declarations)
 """Every check of a family, in the order their errors are yielded (`_misspelt_declarations`

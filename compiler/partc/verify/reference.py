@@ -82,6 +82,10 @@ def _shrunk_heads(config: dict[str, Any], largest: Sizes) -> dict[str, Any]:
         out["num_key_value_heads"] = kv_small
     if "head_dim" in config:
         out["head_dim"] = HEAD_DIM
+    rotary, width = config.get("rotary_dim"), config.get("hidden_size")
+    if isinstance(rotary, int) and isinstance(width, int) and rotary > HEAD_DIM:
+        # CodeGen's, GPT-J's partial rotary width: the same part of the narrower head (even)
+        out["rotary_dim"] = max(2, rotary * HEAD_DIM * heads // width // 2 * 2)
     return out
 
 
@@ -175,12 +179,75 @@ def _exceeds(config: dict[str, Any]) -> bool:
     return any((config.get(name) or 0) > limit for name, limit in LARGE.items())
 
 
+_UNMAPPED_NAMES = {"kv_n_heads": "num_key_value_heads", "moe_num_experts": "num_local_experts",
+                   "moe_top_k": "num_experts_per_tok", "ffn_hidden_size": "moe_intermediate_size",
+                   "n_inner": "intermediate_size"}
+"""Size fields transformers reads under another name without an `attribute_map` entry, by the
+usual name the shrink rules read: DBRX's sections (`attn_config`, `ffn_config`, mapped in
+`DbrxConfig.__post_init__`) and GPT-2's, CodeGen's, GPT-J's `n_inner` (read by their MLPs)."""
+
+
+def _attribute_map(model_type: object) -> dict[str, str]:
+    """transformers' `attribute_map` of the config class of `model_type` (usual name -> the
+    name the config spells it with: GPT-2's `n_embd` for `hidden_size`); empty when unknown."""
+    try:
+        from transformers import CONFIG_MAPPING
+        return dict(CONFIG_MAPPING[str(model_type)].attribute_map)
+    except (ImportError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def spellings(config: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Where a config spells each size field the shrink rules read by its usual name, when it
+    spells it otherwise: usual name -> the key paths holding it (all of them are rewritten).
+
+    Top-level names come from transformers' `attribute_map` of the config's own class
+    (`n_embd`, `n_head`, `n_layer`; `d_model`, `n_heads`, `n_layers`, `max_seq_len`); a field of
+    the config or of a section (a dict value that is not `text_config` or `vision_config`) from
+    _UNMAPPED_NAMES.
+    A usual name the config also has at the top level is one more place rewritten.
+    """
+    places: dict[str, list[tuple[str, ...]]] = {}
+    for usual, own in sorted(_attribute_map(config.get("model_type")).items()):
+        if own in config and own != usual:
+            places.setdefault(usual, []).append((own,))
+    for own, usual in sorted(_UNMAPPED_NAMES.items()):
+        if isinstance(config.get(own), int):
+            places.setdefault(usual, []).append((own,))
+    for section, value in sorted(config.items()):
+        if isinstance(value, dict) and section not in _SECTIONS:
+            for own, usual in sorted(_UNMAPPED_NAMES.items()):
+                if own in value:
+                    places.setdefault(usual, []).append((section, own))
+    for usual, paths in places.items():
+        if usual in config:
+            paths.insert(0, (usual,))
+    return {usual: tuple(paths) for usual, paths in sorted(places.items())}
+
+
+def _get(config: dict[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = config
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _usual_view(config: dict[str, Any],
+                where: dict[str, tuple[tuple[str, ...], ...]]) -> dict[str, Any]:
+    """The config with every size field also under its usual name (as `spellings` finds it)."""
+    view = dict(config)
+    for usual, paths in where.items():
+        view[usual] = _get(config, paths[0])
+    return view
+
+
 def is_large(config: dict[str, Any]) -> bool:
-    """Whether a config is shrunk before the reference model is built: one whose top-level
-    sizes exceed LARGE, unless it is a vision-language config (its sizes are in `text_config`
-    and `vision_config`, which the shrink rules do not rewrite; a top-level `hidden_size`
-    beside them, as PaliGemma's legacy one, is not the model's)."""
-    return not _composite(config) and _exceeds(config)
+    """Whether a config is shrunk before the reference model is built: one whose sizes, by
+    their usual names or as the config spells them (`spellings`), exceed LARGE, unless it is a
+    vision-language config (its sizes are in `text_config` and `vision_config`, which the
+    shrink rules do not rewrite; a top-level `hidden_size` beside them, as PaliGemma's legacy
+    one, is not the model's)."""
+    return not _composite(config) and _exceeds(_usual_view(config, spellings(config)))
 
 
 def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
@@ -206,19 +273,36 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
         notes.append("not shrunk: a vision-language config keeps its sizes in text_config and "
                      "vision_config; the reference model is built at full size")
     if is_large(config):
+        where = spellings(out)
+        view = _usual_view(out, where)
         for what, applies, rule in SHRINK_RULES:
-            if not applies(out):
+            if not applies(view):
                 continue
-            changes = {k: v for k, v in rule(out, largest).items() if out.get(k) != v}
+            changes = {k: v for k, v in rule(view, largest).items() if view.get(k) != v}
             if keep_layers and rule is _shrunk_layers:
-                notes.append(f"kept all {out['num_hidden_layers']} layers: the pipeline check's "
-                             "stage units (--pp-layers) count them")
+                notes.append(f"kept all {view['num_hidden_layers']} layers: the pipeline "
+                             "check's stage units (--pp-layers) count them")
                 changes = {k: v for k, v in changes.items() if k == "num_nextn_predict_layers"}
             if changes:
                 notes.append(f"shrunk {what}: " + ", ".join(
-                    f"{k} {out.get(k)} -> {v}" for k, v in sorted(changes.items())))
-                out.update(changes)
+                    f"{'.'.join(path)} {view.get(k)} -> {v}"
+                    for k, v in sorted(changes.items()) for path in where.get(k, ((k,),))))
+                view.update(changes)
+                for k, v in changes.items():
+                    for path in where.get(k, ((k,),)):
+                        _put(out, path, v)
     return out, notes
+
+
+def _put(config: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Set the field at a key path, copying the sections on the way (the caller's config is
+    not changed)."""
+    if len(path) == 1:
+        config[path[0]] = value
+        return
+    section = dict(config[path[0]])
+    _put(section, path[1:], value)
+    config[path[0]] = section
 
 
 # ---------------------------------------------------------------- building

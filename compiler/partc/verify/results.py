@@ -34,13 +34,17 @@ class Check:
     declared: str = ""
     """`file:line` of the family entry declaring the (first) group concerned, for a failed
     check ('' when ok, not narrowed to a group, or not found)."""
+    ep: int | None = None
+    """Expert-parallel size E of an expert check (`verify --ep`); None otherwise."""
+    etp: int | None = None
+    """Expert-tensor-parallel size X of an expert check; None otherwise."""
 
     def to_json(self) -> dict[str, object]:
         """The check as a JSON object."""
         return {"tp": self.tp, "pp": self.pp, "module": self.module, "group": self.group,
                 "rank": self.rank, "ok": self.ok, "max_error": self.max_error,
                 "tolerance": self.tolerance, "message": self.message,
-                "declared": self.declared}
+                "declared": self.declared, "ep": self.ep, "etp": self.etp}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -42,6 +42,7 @@ from partc.api import (
 )
 from partc.errors import PartcError, PartcErrors, SourceLocation, VerifyError, raise_if_any
 from partc.plan.topology import Topology
+from partc.verify.expert_checks import ExpertParallelRanks
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.reference import (
     build_reference,
@@ -50,7 +51,7 @@ from partc.verify.reference import (
     require_libraries,
 )
 from partc.verify.results import Check, VerifyReport
-from partc.verify.session import Session, compile_build
+from partc.verify.session import ExpertTopology, Session, compile_build
 from partc.verify.stage_checks import pipeline_checks, unexercised_boundaries
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ MAX_TENSOR_PARALLEL = 8
 def verify_family(family: str | Path | None, config: str | Path, *,
                   tensor_parallel_sizes: Sequence[int] | None = None,
                   pipeline_parallel_size: int | None = None, stage_units: StageUnits = None,
-                  policy: ShardingPolicy | None = None, seed: int = 0) -> VerifyReport:
+                  policy: ShardingPolicy | None = None, seed: int = 0,
+                  experts: ExpertTopology | None = None) -> VerifyReport:
     """Verify a family's split against transformers' modeling code for `config`'s architecture.
 
     `tensor_parallel_sizes`: the T to check (default: every T up to 8 that compiles, the others
@@ -73,7 +75,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     the number of units if smaller, or of `stage_units`; 1 skips it); `stage_units`: where
     the pipeline check cuts, as `compile_family` takes it (default balanced; a large config is
     then shrunk keeping its layers, which the counts name). Raises a VerifyError when torch or
-    transformers is missing or the model cannot be built.
+    transformers is missing or the model cannot be built. `experts`: the expert parallelism
+    checked too (`--ep`), at each T that divides its E x X ranks (`ExpertParallelRanks`).
     """
     require_libraries()
     if stage_units and pipeline_parallel_size is None:
@@ -111,6 +114,11 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                         "from the checkpoint's") for rank, target in ranks.loader_faults)
             checks.extend(ranks.check(module) for module in session.modules)
             seconds[f"tp{tp}"] = time.perf_counter() - begin
+        if experts is not None:
+            begin = time.perf_counter()
+            checks.extend(_expert_checks(family, folder, work, user.tensor_parallel_sizes,
+                                         policy, experts, session, notes))
+            seconds["ep"] = time.perf_counter() - begin
         pp = user.pipeline_parallel_size
         cuts: list[dict[str, object]] = []  # each cut checked, as the report lists them
         staged_plans: list[PlanFile] = []
@@ -140,6 +148,42 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                         seconds=seconds, stage_units=spelled_stage_units(user.stage_units)
                         if user.stage_units else None,
                         plans=tuple(plans), pipeline_cuts=tuple(cuts))
+
+
+def _expert_checks(family: str | Path | None, folder: Path, work: Path,
+                   tensor_parallel_sizes: Sequence[int], policy: ShardingPolicy | None,
+                   experts: ExpertTopology, session: Session, notes: list[str]) -> list[Check]:
+    """The expert-parallel checks at each T of `tensor_parallel_sizes` that divides the E x X
+    ranks of a stage (the others noted); a build that does not compile is a failed check."""
+    ep, etp = experts.expert_parallel_size, experts.expert_tensor_parallel_size
+    ranks = ep * etp
+    sizes = [tp for tp in tensor_parallel_sizes if ranks % tp == 0]
+    left = [tp for tp in tensor_parallel_sizes if ranks % tp]
+    if left:
+        notes.append(f"expert parallelism EP={ep} x ETP={etp} not checked at T="
+                     f"{', '.join(map(str, left))}: T must divide the {ranks} ranks of a stage")
+    if not sizes:
+        return [Check(tp=min(tensor_parallel_sizes, default=1), pp=1, module="", group="",
+                      rank=None, ok=False, max_error=float("inf"), tolerance=0.0, ep=ep,
+                      etp=etp, message=f"EP={ep} x ETP={etp}: no T checked divides the {ranks} "
+                                       "ranks of a stage; give one with --tp")]
+    checks: list[Check] = []
+    for tp in sizes:
+        try:
+            build = compile_build(family, folder, work / f"tp{tp}_ep{ep}_etp{etp}", tp, 1,
+                                  policy, experts=experts)
+        except PartcError as error:
+            first = error.errors[0] if isinstance(error, PartcErrors) else error
+            shrunk = " (shrunk as the notes say)" if any(
+                n.startswith("shrunk") for n in notes) else ""
+            checks.append(Check(
+                tp=tp, pp=1, module="", group="", rank=None, ok=False, max_error=float("inf"),
+                tolerance=0.0, ep=ep, etp=etp,
+                message=f"T={tp} x S=1 x EP={ep}" + (f" x ETP={etp}" if etp > 1 else "")
+                        + f": the reference model{shrunk} does not compile: {first}"))
+            continue
+        checks.extend(ExpertParallelRanks(session, build).checks())
+    return checks
 
 
 StageLayout = tuple[tuple[tuple[str, int], ...], ...]

@@ -44,6 +44,8 @@ class Build:
     """The build's plan.json."""
     states: tuple[Any, ...]
     """Each rank's loaded state, by rank."""
+    expert_maps: tuple[Any, ...] = ()
+    """Each rank's `expert_map()` (an expert-parallel build; empty otherwise)."""
 
     @property
     def tp(self) -> int:
@@ -54,7 +56,6 @@ class Build:
     def pp(self) -> int:
         """S."""
         return self.file.shape.pipeline_parallel_size
-
 
 
 @contextmanager
@@ -73,18 +74,37 @@ def _imported(out: Path) -> Iterator[Any]:
 
 
 def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int, pp: int,
-                  policy: ShardingPolicy | None, stage_units: StageUnits = None) -> Build:
+                  policy: ShardingPolicy | None, stage_units: StageUnits = None, *,
+                  experts: ExpertTopology | None = None) -> Build:
     """Compile the family for the reference checkpoint at T x S (`stage_units`: the stages'
-    units, as `compile_family` takes them; None: balanced) and load every rank."""
+    units, as `compile_family` takes them; None: balanced; `experts`: expert parallelism) and
+    load every rank (and its expert map, under expert parallelism)."""
     compile_family(family, reference / "config.json",
-                   Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                   Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            expert_parallel_size=experts.expert_parallel_size if experts
+                            else None, expert_tensor_parallel_size=experts.
+                            expert_tensor_parallel_size if experts else 1),
                    CompileOptions(stage_units=stage_units, policy=policy, checkpoint=reference,
-                                  out=out))
+                                  out=out, expert_placement=experts.placement if experts
+                                  else None))
     plan = read_plan(out / "plan.json")
+    ranks = range(plan.shape.build_world_size)
     with _imported(out) as package:
-        states = tuple(package.load(reference, rank=r)
-                       for r in range(plan.shape.build_world_size))
-    return Build(file=plan, states=states)
+        states = tuple(package.load(reference, rank=r) for r in ranks)
+        maps = tuple(package.rank_module(r).expert_map() for r in ranks) if experts else ()
+    return Build(file=plan, states=states, expert_maps=maps)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertTopology:
+    """The expert parallelism `verify --ep` checks."""
+
+    expert_parallel_size: int
+    """E."""
+    expert_tensor_parallel_size: int = 1
+    """X."""
+    placement: Path | None = None
+    """The placement file (None: balanced)."""
 
 
 class Session:
