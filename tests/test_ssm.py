@@ -229,6 +229,8 @@ def next_runs(tmp_path_factory):
         reference = {k: npz[k] for k in npz.files}
     config = json.loads((NEXT / "config.json").read_text())
 
+    folders = {}
+
     def get(tp, pp):
         if (tp, pp) not in cache:
             out = tmp_path_factory.mktemp(f"next_tp{tp}_pp{pp}")
@@ -238,8 +240,10 @@ def next_runs(tmp_path_factory):
             layers = [stage_layers(plan, p) for p in range(pp)]
             result = forward_pipeline(config, stages, layers, reference["input_ids"])
             cache[tp, pp] = (plan, states, result, reference)
+            folders[tp, pp] = out
         return cache[tp, pp]
 
+    get.folders = folders
     return get
 
 
@@ -282,6 +286,103 @@ def test_each_qwen3_next_rank_state_equals_hf_cache_on_the_rank_heads(next_runs,
             np.testing.assert_allclose(state.recurrent_state,
                                        reference["recurrent_state"][index][:, state.value_heads],
                                        rtol=1e-4, atol=1e-5)
+
+
+def _next_hf_state_on_rank(reference, result, loaded, stage: int, layers: range, t: int):
+    """{(name, layer): (HF's whole shape, HF's cache on the rank's part, its indices)} for one
+    rank: on a linear-attention layer the conv channels and value heads the rank's forward ran
+    (the executor's selection, as in the test above), on a full-attention layer the KV heads of
+    the `k_proj` rows it loaded (batch axis dropped; keys / values per token)."""
+    linear = reference["state_layers"].tolist()
+    attention = reference["attention_layers"].tolist()
+    expected = {}
+    for layer in layers:
+        if layer in linear:
+            index = linear.index(layer)
+            ran = result.stages[stage].states[layer - layers.start][t]
+            for name, held in (("conv", ran.channels), ("recurrent", ran.value_heads)):
+                cache = reference[f"{name}_state"][index]  # [batch, 256, K] / [batch, Hv, dk, dv]
+                expected[name, layer] = (cache.shape[1:], cache[:, held].shape[1:],
+                                         held.tolist())
+        else:
+            index = attention.index(layer)
+            proj = loaded.layout[f"model.layers.{layer}.self_attn.k_proj.weight"]
+            axis, ranges = proj.selection
+            rows = range(proj.global_shape[0]) if axis is None else [
+                r for a, b in ranges for r in range(a, b)]
+            for name in ("key", "value"):
+                cache = reference[f"{name}_state"][index]  # [batch, K, sequence, d]
+                held = sorted({r // cache.shape[3] for r in rows})
+                expected[name, layer] = ((cache.shape[1], cache.shape[3]),
+                                         cache[:, held][:, :, 0].shape[1:], held)
+    return expected
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_qwen3_next_rank_declares_the_hf_cache_on_its_heads_in_plan_module_and_inspect(
+        next_runs, tp, pp, capsys):
+    """Each rank's declared state (its rank module's `state()`, plan.json and `partc inspect
+    --format json`) is, per layer of its stage, HF's cache for that layer's kind: on a
+    linear-attention layer the conv state on the [q | k | v] channels and the recurrent state on
+    the value heads of the rank's key heads, on a full-attention layer keys and values (per
+    token) on its KV heads; whole shapes HF's, local shapes HF's cache on those indices, and the
+    byte totals their sum."""
+    from partc.cli.main import main
+    from partc.runtime import partition_state
+
+    plan, states, result, reference = next_runs(tp, pp)
+    folder = next(next_runs.folders[tp, pp].rglob("plan.json")).parent
+    plan_json = json.loads((folder / "plan.json").read_text())
+    assert main(["inspect", str(folder), "--format", "json"]) == 0
+    shown = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["state"]}
+    assert sorted(shown) == list(range(tp * pp))
+    for stage in range(pp):
+        layers = stage_layers(plan, stage)
+        for t in range(tp):
+            rank = stage * tp + t
+            loaded = states[rank]
+            expected = _next_hf_state_on_rank(reference, result, loaded, stage, layers, t)
+            declared = partition_state(loaded.table)
+            assert {(x.name, x.unit): (x.global_shape, x.local_shape,
+                                       _selected(x, x.global_shape[0]).tolist())
+                    for x in declared.tensors} == expected
+            in_plan = plan_json["ranks"][rank]["partition"]["state"]["tensors"]
+            assert {(x["name"], x["unit"]): (tuple(x["shape"]), tuple(x["local_shape"]))
+                    for x in in_plan} == {k: v[:2] for k, v in expected.items()}
+            in_inspect = {(x["name"], unit): (tuple(x["shape"]), tuple(x["local_shape"]))
+                          for run in shown[rank]["runs"] for unit in range(*run["units"])
+                          for x in run["tensors"]}
+            assert in_inspect == {k: v[:2] for k, v in expected.items()}
+            per_token = {"key", "value"}
+            sequence_bytes = sum(4 * int(np.prod(local)) for (name, _), (_, local, _)
+                                 in expected.items() if name not in per_token)
+            token_bytes = sum(4 * int(np.prod(local)) for (name, _), (_, local, _)
+                              in expected.items() if name in per_token)
+            assert sequence_bytes > 0 and token_bytes > 0
+            info = plan_json["ranks"][rank]["info"]
+            assert (loaded.info.local_state_bytes == declared.local_bytes
+                    == info["local_state_bytes"] == shown[rank]["bytes"] == sequence_bytes)
+            assert (loaded.info.local_state_bytes_per_token == declared.local_bytes_per_token
+                    == info["local_state_bytes_per_token"] == shown[rank]["bytes_per_token"]
+                    == token_bytes)
+            assert all(x.per_token == (x.name in per_token) for x in declared.tensors)
+            assert {x["per"] for x in in_plan if x["name"] in per_token} == {"token"}
+
+
+def test_qwen3_next_state_dtypes_at_bfloat16_are_those_of_hf_cache(tmp_path):
+    """Built with bfloat16 activations, the conv state and keys / values are bfloat16 and the
+    recurrent state float32, the dtypes HF's cache holds when the model runs in bfloat16
+    (recorded by the fixture's generator)."""
+    from partc.api import CompileOptions, compile_family
+    from partc.plan.topology import Topology
+
+    hf_dtypes = json.loads((NEXT / "manifest.json").read_text())["cache_dtypes_bfloat16"]
+    names = {"bfloat16": "BF16", "float32": "F32"}
+    plan = compile_family(None, NEXT / "config.json", Topology(tensor_parallel_size=2),
+                          CompileOptions(activation_dtype="bfloat16")).plan
+    dtypes = {x.name: x.dtype for rank in plan.ranks for x in rank.partition.state.tensors}
+    assert dtypes == {f"{k.removesuffix('_state')}": names[v] for k, v in hf_dtypes.items()}
 
 
 def test_verify_passes_the_qwen3_next_split_at_every_legal_t_up_to_8_and_a_pipeline_split():
