@@ -3,8 +3,9 @@
 The fixtures `hf/mamba` and `hf/qwen3_next` are tiny random MambaForCausalLM /
 Qwen3NextForCausalLM models written by transformers 5.24 (tests/fixtures/gen/gen_ssm.py); their
 `reference.npz` holds HF's logits and the conv / SSM (recurrent) state HF's cache holds after the
-forward (for qwen3_next's full-attention layers, its keys and values). The numpy executor (tests/executor/ssm.py, tests/executor/deltanet.py) runs the mixers
-on each rank's loaded arrays with the selections its layout declares, simulating the all-reduces.
+forward (for qwen3_next's full-attention layers, its keys and values). The numpy executor
+(tests/executor/ssm.py, tests/executor/deltanet.py) runs the mixers on each rank's loaded arrays
+with the selections its layout declares, simulating the all-reduces.
 """
 
 from __future__ import annotations
