@@ -23,7 +23,7 @@ from support import compile_and_load, hf
 BAMBA = hf("bamba")
 ATTENTION = {1}
 TOLERANCE = 1e-4
-I, N, HEADS, P = 128, 16, 8, 16  # Mamba2 channels, state size, heads, head_dim
+INNER, N, HEADS, P = 128, 16, 8, 16  # Mamba2 channels, state size, heads, head_dim
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -59,8 +59,9 @@ def test_the_fixture_is_hf_bamba_with_one_attention_layer_and_one_mamba2_group()
     assert manifest["model_class"] == "BambaForCausalLM"
     assert manifest["layers_block_type"] == ["linear_attention", "full_attention",
                                              "linear_attention", "linear_attention"]
-    assert (config["mamba_n_groups"], config["mamba_n_heads"], config["mamba_d_head"]) == (1, 8, 16)
-    assert _reference()["conv_state_0"].shape == (1, I + 2 * N, 4)
+    assert (config["mamba_n_groups"], config["mamba_n_heads"], config["mamba_d_head"]) == (
+        1, HEADS, P)
+    assert _reference()["conv_state_0"].shape == (1, INNER + 2 * N, 4)
 
 
 def test_the_executor_reproduces_hf_bamba_logits_and_every_layer():
@@ -80,12 +81,13 @@ def test_at_t4_each_rank_takes_two_heads_and_the_whole_group_of_in_proj_as_vllm(
     for t, loaded in enumerate(states):
         heads = range(2 * t, 2 * t + 2)
         x = [h * P + p for h in heads for p in range(P)]
-        want = (x + [I + c for c in x] + list(range(2 * I, 2 * I + 2 * N))
-                + [2 * I + 2 * N + h for h in heads])
+        want = (x + [INNER + c for c in x] + list(range(2 * INNER, 2 * INNER + 2 * N))
+                + [2 * INNER + 2 * N + h for h in heads])
         layout = loaded.layout["model.layers.0.mamba.in_proj.weight"]
         assert _indices(layout.selection, layout.global_shape[0]) == want
         conv = loaded.layout["model.layers.2.mamba.conv1d.weight"]
-        assert _indices(conv.selection, conv.global_shape[0]) == x + list(range(I, I + 2 * N))
+        xbc = x + list(range(INNER, INNER + 2 * N))
+        assert _indices(conv.selection, conv.global_shape[0]) == xbc
         assert loaded.layout["model.layers.3.mamba.norm.weight"].needs_tp_reduction
 
 
