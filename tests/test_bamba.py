@@ -172,3 +172,25 @@ def test_with_two_groups_the_groups_are_split_and_verify_passes_up_to_their_coun
     assert any("group `layers.0.mamba` cannot be sharded over tensor_parallel_size 4: it (role "
                "channels) has 2 partition units (mamba_n_groups) but tensor_parallel_size is 4"
                in str(e) for e in errors), [str(e) for e in errors]
+
+
+def test_the_conv_state_without_head_counts_would_cut_the_repeated_group_in_halves(tmp_path):
+    """The state split's `heads: [H, G, G]` is what keeps B and C whole on every rank at T=2:
+    without it each segment is cut by fraction, and rank 0 would declare half of B and C."""
+    from partc.api import compile_family
+    from partc.plan.topology import Topology
+
+    from support import ROOT
+
+    text = (ROOT / "architectures" / "bamba.yaml").read_text()
+    heads = "\n      heads: [mamba_n_heads, mamba_n_groups, mamba_n_groups]\n"
+    assert text.count(heads) == 1
+    family = tmp_path / "bamba.yaml"
+    family.write_text(text.replace(heads, "\n"))
+    selections = []
+    for path in (ROOT / "architectures" / "bamba.yaml", family):
+        plan = compile_family(path, BAMBA / "config.json", Topology(tensor_parallel_size=2)).plan
+        conv = [x for x in plan.ranks[0].partition.state.tensors if (x.name, x.unit) == ("conv", 0)]
+        selections.append(conv[0].placement.selection(conv[0].global_shape))
+    assert selections[0] == (0, ((0, 64), (128, 160)))  # heads 0-3 of x, B and C whole
+    assert selections[1] == (0, ((0, 64), (128, 136), (144, 152)))

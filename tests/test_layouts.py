@@ -367,6 +367,11 @@ WRONG = [
     ("bamba gated norm of one group split without its reduction", "bamba", "bamba.yaml",
      [(BAMBA_NORM, BAMBA_NORM.replace("        reduction: tensor_parallel\n", ""))], 2,
      "verify", ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("a state split with fewer head counts than segments", "bamba", "bamba.yaml",
+     [("\n      heads: [mamba_n_heads, mamba_n_groups, mamba_n_groups]\n",
+       "\n      heads: [mamba_n_heads, mamba_n_groups]\n")], 2, "check",
+     "state `conv`: `heads` has 2 counts but the axis has 3 segments [128, 16, 16]; give one "
+     "per segment"),
     ("a tensor_parallel reduction on a replicated member", "bamba", "bamba.yaml",
      [(BAMBA_NORM, "        sharding: replicated\n        reduction: tensor_parallel\n")], 2,
      "check", "`reduction: tensor_parallel` marks a norm weight whose statistic spans every "
