@@ -194,3 +194,22 @@ def test_the_conv_state_without_head_counts_would_cut_the_repeated_group_in_halv
         selections.append(conv[0].placement.selection(conv[0].global_shape))
     assert selections[0] == (0, ((0, 64), (128, 160)))  # heads 0-3 of x, B and C whole
     assert selections[1] == (0, ((0, 64), (128, 136), (144, 152)))
+
+
+def test_verify_shrinks_a_bamba_9b_shaped_config_keeping_mamba2_heads_and_an_attention_layer(
+        tmp_path):
+    """Bamba-9B's sizes (hidden 4096, 128 Mamba2 heads of 64, state 128, attention on layers
+    9, 18, 27): the shrunk reference model must still satisfy HF's `mamba_n_heads *
+    mamba_d_head == mamba_expand * hidden_size` and keep an attention layer."""
+    config = json.loads((BAMBA / "config.json").read_text())
+    config.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[9, 18, 27],
+                  mamba_n_heads=128, mamba_d_head=64, mamba_d_state=128, vocab_size=128256)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    report = verify_family(None, path, tensor_parallel_sizes=[4], pipeline_parallel_size=1)
+    assert report.ok, report.first_failure
+    assert any("mamba_d_head 64 -> 16" in n and "mamba_n_heads 128 -> " in n
+               for n in report.notes), report.notes
+    assert any("attn_layer_indices [9, 18, 27] -> [1]" in n for n in report.notes), report.notes
+    assert {"model.layers.0.mamba", "model.layers.1.self_attn"} <= {c.module for c in report.checks}
