@@ -246,6 +246,13 @@ NEXT_CONV = ("        sharding:\n          partitioned_segments: {axis: 0, segme
              "linear_num_value_heads]\n")
 JAMBA_IN_PROJ = ("        sharding:\n          partitioned_segments: {axis: 0, segments: "
                  "[mamba_intermediate, mamba_intermediate]}\n        format: linear\n")
+BAMBA_IN_PROJ = ("          partitioned_segments:\n            axis: 0\n            segments: "
+                 "[mamba_intermediate, mamba_intermediate, mamba_group_width, "
+                 "mamba_group_width, mamba_n_heads]\n        heads: [mamba_n_heads, "
+                 "mamba_n_heads, mamba_n_groups, mamba_n_groups, mamba_n_heads]\n"
+                 "        format: linear\n")
+BAMBA_NORM = ("        sharding: {partitioned: 0}\n        heads: mamba_n_heads\n"
+              "        reduction: tensor_parallel\n")
 MAMBA_CONV_STATE = ('    shape: [intermediate_size, conv_kernel]\n'
                     '    split: {parameters: "layers.{unit}.mixer", axis: 0}\n')
 WRONG = [
@@ -346,6 +353,30 @@ WRONG = [
        '{parameters: "layers.{unit}.attention", axis: 0}\n')], 2, "check",
      "state `conv` of unit 0 follows parameter group `layers.0.attention`, which this config "
      "does not declare"),
+    # Bamba's in_proj [z | x | B | C | dt] cut in T contiguous blocks: rank 0 takes all of z
+    # and half of x, none of B, C and dt
+    ("bamba Mamba2 in_proj [z | x | B | C | dt] split as one contiguous block", "bamba",
+     "bamba.yaml", [("        sharding:\n" + BAMBA_IN_PROJ,
+                     "        sharding: {partitioned: 0}\n        heads: mamba_n_heads\n"
+                     "        format: linear\n"),
+                    ("        sharding:\n" + BAMBA_IN_PROJ.replace(
+                        "format: linear", "when: mamba_proj_bias"),
+                     "        sharding: {partitioned: 0}\n        heads: mamba_n_heads\n"
+                     "        when: mamba_proj_bias\n")], 2, "verify",
+     ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("bamba gated norm of one group split without its reduction", "bamba", "bamba.yaml",
+     [(BAMBA_NORM, BAMBA_NORM.replace("        reduction: tensor_parallel\n", ""))], 2,
+     "verify", ("model.layers.0.mamba", "layers.0.mamba", 0)),
+    ("a state split with fewer head counts than segments", "bamba", "bamba.yaml",
+     [("\n      heads: [mamba_n_heads, mamba_n_groups, mamba_n_groups]\n",
+       "\n      heads: [mamba_n_heads, mamba_n_groups]\n")], 2, "check",
+     "state `conv`: `heads` has 2 counts but the axis has 3 segments [128, 16, 16]; give one "
+     "per segment"),
+    ("a tensor_parallel reduction on a replicated member", "bamba", "bamba.yaml",
+     [(BAMBA_NORM, "        sharding: replicated\n        reduction: tensor_parallel\n")], 2,
+     "check", "`reduction: tensor_parallel` marks a norm weight whose statistic spans every "
+     "rank's channels, so it must be split by the group's units (`partitioned`), found "
+     "\"replicated\""),
     ("a reduction of the output on a column projection", "olmo2", "olmo2.yaml",
      [('self_attn.v_proj"\n        sharding: column\n',
        'self_attn.v_proj"\n        sharding: column\n        reduction: output\n')], 2,

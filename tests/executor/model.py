@@ -9,7 +9,7 @@ Supported ``model_type`` values: llama, mistral, qwen2, qwen3, phi3, gemma2, mix
 qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, gpt_oss, qwen3_next (its gated DeltaNet in
 :mod:`.deltanet`), plus the families of :mod:`.variants` (gpt2, gpt_neox, falcon, bloom, olmo2,
 granite, stablelm, phi, codegen, dbrx), which have their own tensor names, mamba (:mod:`.ssm`)
-and jamba (:mod:`.jamba`, which uses this module's MLP helpers).
+jamba (:mod:`.jamba`) and bamba (:mod:`.bamba`), which use this module's MLP helpers.
 Tensor names are the on-disk checkpoint names.
 """
 
@@ -304,13 +304,13 @@ def forward_tensor_parallel(
             layer_outputs=done.layer_outputs,
             normed=done.normed,
         )
-    if config["model_type"] in ssm.SUPPORTED | {"jamba"}:
+    if config["model_type"] in ssm.SUPPORTED | {"jamba", "bamba"}:
         if rope is not None:
             raise NotImplementedError("rope tables for a state-space family")
         hidden_f32 = None if hidden_in is None else np.asarray(hidden_in, dtype=F32)
-        from . import jamba  # imports this module's MLP helpers
+        from . import bamba, jamba  # they import this module's MLP helpers
 
-        run = jamba.run if config["model_type"] in jamba.SUPPORTED else ssm.run
+        run = {"jamba": jamba.run, "bamba": bamba.run}.get(config["model_type"], ssm.run)
         passed = run(config, ranks, input_ids, layers, hidden_f32)
         return Result(logits=passed.logits, hidden=passed.hidden, layers=layers,
                       layer_inputs=passed.layer_inputs, layer_outputs=passed.layer_outputs,
@@ -339,7 +339,7 @@ def forward_tensor_parallel(
 
 
 def _n_layers(config: Mapping[str, Any]) -> int:
-    if config["model_type"] in ssm.SUPPORTED | {"jamba"}:
+    if config["model_type"] in ssm.SUPPORTED | {"jamba", "bamba"}:
         return int(config["num_hidden_layers"])
     if config["model_type"] in variants.SUPPORTED:
         return variants.describe(config).n_layers

@@ -191,6 +191,7 @@ def _build_group(binder: Binder, decl: GroupDecl, env: Mapping[str, Value], name
                 dtype=_dtype(binder, param, env, dtype),
                 linear=param.layout,
                 heads=_heads(binder, param, env),
+                tp_reduction=param.tp_reduction and param.sharding.partitions,
                 tp_output_reduction=param.tp_output_reduction and param.sharding.partitions))
         if not members:
             return None

@@ -38,6 +38,8 @@ class BoundStateTensor:
     """The split axis (0 when replicated)."""
     segments: tuple[int, ...]
     """Segment widths along `axis` (one segment, the whole axis, when none are declared)."""
+    heads: tuple[int, ...] = ()
+    """Head count of each segment (empty: every element its own head)."""
     location: SourceLocation
     """Where the declaration is."""
     pointer: str
@@ -58,6 +60,26 @@ def _dtype(binder: Binder, decl: StateDecl, env: Mapping[str, Value]) -> str | N
                           f"{', '.join(sorted(DTYPE_BITS))} (or a torch name), found "
                           f"{format_value(value)}", pointer)
     return value
+
+
+def _state_heads(binder: Binder, decl: StateDecl, env: Mapping[str, Value],
+                 segments: tuple[int, ...], pointer: str) -> tuple[int, ...]:
+    """The split's head counts, one per segment, each dividing its segment (empty: none)."""
+    assert decl.split is not None
+    if not decl.split.heads:
+        return ()
+    pointer = join_pointer(pointer, "heads")
+    heads = tuple(binder.integer(h, env, pointer, f"state `{decl.name}`'s head count",
+                                 minimum=1) for h in decl.split.heads)
+    if len(heads) != len(segments):
+        raise binder.fail(f"state `{decl.name}`: `heads` has {len(heads)} counts but the axis "
+                          f"has {len(segments)} segments {list(segments)}; give one per "
+                          "segment", pointer)
+    for width, count in zip(segments, heads, strict=True):
+        if width % count:
+            raise binder.fail(f"state `{decl.name}`: a segment of {width} elements cannot hold "
+                              f"{count} heads of whole elements", pointer)
+    return heads
 
 
 def _bind_one(binder: Binder, decl: StateDecl, env: Mapping[str, Value], unit: int,
@@ -101,8 +123,10 @@ def _bind_one(binder: Binder, decl: StateDecl, env: Mapping[str, Value], unit: i
             raise binder.fail(f"state `{decl.name}`: segments {list(segments)} add up to "
                               f"{sum(segments)}, but axis {axis} of its shape {list(shape)} "
                               f"has {shape[axis]}", join_pointer(pointer, "segments"))
+        heads = _state_heads(binder, decl, env, segments, pointer)
         units = groups[follows].group.units
-        uneven = next((w for w in segments if units is not None and w % units), None)
+        uneven = next((w for w, h in zip(segments, heads or segments, strict=True)
+                       if units is not None and h % units), None)
         if uneven is not None and units is not None:
             what = (f"axis {axis} of its shape {list(shape)} has {uneven} elements"
                     if segments == (shape[axis],) else f"its segment of {uneven} elements "
@@ -114,7 +138,7 @@ def _bind_one(binder: Binder, decl: StateDecl, env: Mapping[str, Value], unit: i
                               pointer)
     return BoundStateTensor(name=decl.name, group=decl.group, unit=unit, shape=shape,
                             dtype=_dtype(binder, decl, env), follows=follows, axis=axis,
-                            segments=segments,
+                            segments=segments, heads=heads,
                             location=binder.family.document.locate(decl.pointer),
                             pointer=decl.pointer, per_token=decl.per_token)
 

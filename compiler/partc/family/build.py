@@ -235,6 +235,13 @@ def _member(builder: _Builder, member: dict[str, Any], ptr: str) -> ParamDecl | 
                       "be split by the group's units (`partitioned` or `partitioned_segments`), "
                       f"found {json.dumps(member.get('sharding', 'replicated'))}",
                       join_pointer(ptr, "reduction"))
+    if member.get("reduction") == "tensor_parallel" and (
+            sharding is None or not sharding.partitions):
+        builder.error("`reduction: tensor_parallel` marks a norm weight whose statistic spans "
+                      "every rank's channels, so it must be split by the group's units "
+                      "(`partitioned`), found "
+                      f"{json.dumps(member.get('sharding', 'replicated'))}",
+                      join_pointer(ptr, "reduction"))
     if target is None:
         return None
     return ParamDecl(name=target, shape=shape, when=when, dtype=dtype, sharding=sharding,
@@ -242,6 +249,7 @@ def _member(builder: _Builder, member: dict[str, Any], ptr: str) -> ParamDecl | 
                      shape_pointer=join_pointer(ptr, "shape")
                      if len(shape) == len(member["shape"]) else "",
                      heads=_heads(builder, member.get("heads"), join_pointer(ptr, "heads")),
+                     tp_reduction=member.get("reduction") == "tensor_parallel",
                      tp_output_reduction=member.get("reduction") == "output")
 
 
@@ -540,7 +548,9 @@ def _state(builder: _Builder, i: int, spec: dict[str, Any]) -> StateDecl | None:
         if follows is None or any(s is None for s in segments):
             return None
         split = StateSplitDecl(parameters=follows, axis=int(spec["split"]["axis"]),
-                               segments=tuple(s for s in segments if s is not None))
+                               segments=tuple(s for s in segments if s is not None),
+                               heads=_heads(builder, spec["split"].get("heads"),
+                                            join_pointer(split_pointer, "heads")))
     if any(d is None for d in shape) or ("when" in spec and when is None) or (
             dtype != "activation" and dtype_expr is None):
         return None

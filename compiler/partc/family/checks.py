@@ -495,6 +495,9 @@ def _state_tensors(known: _Known) -> Iterator[PartcError]:
             for seg in state.split.segments:
                 yield from known.names(seg, scope, join_pointer(split_pointer, "segments"),
                                        "a segment width")
+            for count in state.split.heads:
+                yield from known.names(count, scope, join_pointer(split_pointer, "heads"),
+                                       "a head count")
 
 
 FamilyCheck = Callable[[_Known], Iterator[PartcError]]

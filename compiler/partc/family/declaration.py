@@ -275,6 +275,9 @@ class ParamDecl:
     """Member form `format:` linear or linear_transposed (None: dense, not a linear weight)."""
     heads: tuple[Expression, ...] = ()
     """Member form `heads:`: head counts along the partitioned axis (one per segment)."""
+    tp_reduction: bool = False
+    """Member form `reduction: tensor_parallel`: a split norm weight whose statistic spans every
+    rank's channels (Bamba's gated Mamba2 RMSNorm with one group)."""
     tp_output_reduction: bool = False
     """Member form `reduction: output`: the member's module output is all-reduced over the TP
     group inside the enclosing module (a row-split `x_proj`)."""
@@ -411,6 +414,8 @@ class StateSplitDecl:
     """The state axis that is split."""
     segments: tuple[Expression, ...] = ()
     """Segment widths along `axis`, each split alike (empty: the axis is one segment)."""
+    heads: tuple[Expression, ...] = ()
+    """Head counts of the segments (empty: none declared, every element its own head)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,15 +32,17 @@ def _logical_range(rank: RankPlan, group: str) -> tuple[int, tuple[int, int]] | 
 
 
 def _segment_range(state: BoundStateTensor, rank: RankPlan, units: int, start: int, end: int,
-                   width: int) -> tuple[int, int]:
-    """The elements [s, e) of one segment of `width` that units [start, end) of `units` give:
-    the same fraction of the segment, or (KV heads repeated over more ranks than heads) the
-    one element whose span holds the range; a LayoutError when neither is whole."""
-    if width * start % units == 0 and width * end % units == 0:
-        return width * start // units, width * end // units
-    if units % width == 0 and start // (units // width) == (end - 1) // (units // width):
-        element = start // (units // width)
-        return element, element + 1
+                   width: int, heads: int) -> tuple[int, int]:
+    """The elements [s, e) of one segment of `width` (`heads` heads) that units [start, end)
+    of `units` give: the same fraction of its heads, or (KV heads repeated over more ranks
+    than heads) the one head whose span holds the range; a LayoutError when neither is
+    whole."""
+    size = width // heads
+    if heads * start % units == 0 and heads * end % units == 0:
+        return heads * start // units * size, heads * end // units * size
+    if units % heads == 0 and start // (units // heads) == (end - 1) // (units // heads):
+        head = start // (units // heads)
+        return head * size, (head + 1) * size
     raise LayoutError(
         f"state `{state.name}` of `{state.group}` unit {state.unit} cannot follow parameter "
         f"group `{state.follows}`: tensor-parallel rank {rank.tensor_parallel_rank} holds its "
@@ -60,8 +62,8 @@ def _placement(state: BoundStateTensor, rank: RankPlan) -> TensorPlacement:
     units, (start, end) = logical
     ranges: list[tuple[int, int]] = []
     offset = 0
-    for width in state.segments:
-        a, b = _segment_range(state, rank, units, start, end, width)
+    for width, heads in zip(state.segments, state.heads or state.segments, strict=True):
+        a, b = _segment_range(state, rank, units, start, end, width, heads)
         if ranges and ranges[-1][1] == offset + a:
             ranges[-1] = (ranges[-1][0], offset + b)
         else:

@@ -164,7 +164,10 @@ class TensorParallelRanks:
 
         def record(rank: int, path: str) -> Any:
             def hook(_: Any, args: Any, output: Any) -> None:
-                sums[rank][path] = args[0].float().pow(2).sum(-1, keepdim=True)
+                x = args[0].float()
+                if len(args) > 1 and args[1] is not None:  # a gated norm: x * silu(gate)
+                    x = x * torch.nn.functional.silu(args[1].float())
+                sums[rank][path] = x.pow(2).sum(-1, keepdim=True)
             return hook
 
         def keep(rank: int, path: str) -> Any:

@@ -123,12 +123,29 @@ def _shrunk_layers(config: dict[str, Any], largest: Sizes) -> dict[str, Any]:
         out["first_k_dense_replace"] = dense
     if isinstance(config.get("layer_types"), list):
         out["layer_types"] = config["layer_types"][:layers]
+    if isinstance(config.get("attn_layer_indices"), list):  # Bamba: keep an attention layer
+        kept = [u for u in config["attn_layer_indices"] if u < layers]
+        out["attn_layer_indices"] = kept or ([layers - 1] if config["attn_layer_indices"]
+                                             else [])
     if isinstance(config.get("mlp_only_layers"), list):
         out["mlp_only_layers"] = [u for u in config["mlp_only_layers"] if u < layers]
     if config.get("max_window_layers") is not None:
         out["max_window_layers"] = min(config["max_window_layers"], layers)
     if config.get("num_nextn_predict_layers"):
         out["num_nextn_predict_layers"] = 0  # transformers builds no MTP layer
+    return out
+
+
+def _shrunk_mamba2(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
+    """Mamba2 heads of 16 channels over the (shrunk) expand * hidden_size, the groups kept where
+    they divide them, a state of at most 16."""
+    inner = int(config.get("mamba_expand") or 2) * int(config["hidden_size"])
+    heads = max(1, inner // HEAD_DIM)
+    out: dict[str, Any] = {"mamba_n_heads": heads, "mamba_d_head": inner // heads,
+                           "mamba_n_groups": math.gcd(int(config.get("mamba_n_groups") or 1),
+                                                      heads)}
+    if (config.get("mamba_d_state") or 0) > 16:
+        out["mamba_d_state"] = 16
     return out
 
 
@@ -154,6 +171,8 @@ SHRINK_RULES: tuple[tuple[str, Callable[[dict[str, Any]], bool],
     ("attention heads (query heads per KV head kept, a KV head per rank)",
      lambda c: bool(c.get("num_attention_heads")), _shrunk_heads),
     ("multi-head latent attention ranks", lambda c: "kv_lora_rank" in c, _shrunk_mla),
+    ("Mamba2 heads (16 channels each over the shrunk width, groups that divide them)",
+     lambda c: "mamba_n_heads" in c, _shrunk_mamba2),
     ("experts (at most 8, 2 per token, one routing group)",
      lambda c: any(n in c for n in _EXPERT_COUNTS), _shrunk_experts),
     ("layers (first dense layers and sparse steps kept, a layer per stage)",
