@@ -630,7 +630,9 @@ def test_cohere_per_head_norms_are_sized_by_their_heads_and_follow_another_confi
     the literal [4, 16] that held for this checkpoint only (and passed `partc check` against
     a larger config, declaring q_norm [4, 16] beside a [128, 128] q_proj). With as many KV
     heads as heads (kv_heads 4) both norms are [4, 16]: each is read as its own
-    projection's heads, which a config with 2 KV heads of 8 heads tells apart."""
+    projection's heads, which a config with 2 KV heads of 8 heads tells apart. They are
+    written in the attention group, split with their heads (`column`, `heads:`): kept whole,
+    a rank computing 2 of 4 heads would get all 4 heads' rows (`partc check` refuses that)."""
     checkpoint = _cohere(tmp_path / "cohere", 4, kv_heads, 64)
     other = _cohere(tmp_path / "cohere8", 8, 2, 128)  # the same architecture, larger
     real = _shapes(checkpoint, "_norm.weight")
@@ -639,10 +641,14 @@ def test_cohere_per_head_norms_are_sized_by_their_heads_and_follow_another_confi
     family = tmp_path / "cohere.yaml"
     stdout, _, report = _init(checkpoint, family, capsys)
     text = family.read_text()
-    q_norm, k_norm = (_group_block(text, f"self_attn.{n}") for n in ("q_norm", "k_norm"))
-    assert "    params: {weight: [num_attention_heads, head_dim]}" in q_norm.splitlines()
-    assert "    params: {weight: [num_key_value_heads, head_dim]}" in k_norm.splitlines()
-    assert CHECK not in q_norm + k_norm
+    attention = _group_block(text, "self_attn.q_proj")
+    for norm, heads in (("q_norm", "num_attention_heads"), ("k_norm", "num_key_value_heads")):
+        entry = (f'      - module: "model.layers.{{unit}}.self_attn.{norm}"\n'
+                 f"        sharding: column\n        heads: {heads}\n"
+                 f"        params: {{weight: [{heads}, head_dim]}}")
+        assert entry in attention, attention
+    assert "self_attn.q_norm" not in text.replace(attention, "")  # no replicated group of its own
+    assert CHECK not in attention
     marked = [line for line in text.splitlines() if CHECK in line]
     assert len(marked) == len(report["undecided"])  # type: ignore[arg-type]
     assert f"{len(marked)} line(s) marked" in stdout

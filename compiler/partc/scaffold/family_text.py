@@ -415,6 +415,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
     blocks split by heads and intermediate units, every other module replicated."""
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
+    attention_projections: list[dict[str, Any]] | None = None
     attention = next((spec for spec in kinds.attention
                       if _block_groups(table, "self_attn", list(spec))), None)
     blocks: list[tuple[str, Mapping[str, tuple[str | None, ...]]]] = [
@@ -451,6 +452,8 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
                     "write it as a config field")
         projections: list[dict[str, Any]] = []
         group["projections"] = projections
+        if spec_table is attention:
+            attention_projections = projections
         for proj, spec in spec_table.items():
             module = f"{block}.{proj}"
             done.add(module)
@@ -479,6 +482,15 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         prefer = () if kinds.encoder or not _is_norm(leaf) else ("hidden_size",)
         params = _signature_params(w, module, entry.params, size_rows, size_cols,
                                    axes=sized, prefer=prefer)
+        heads = _per_head_axis(params, module, attention_projections)
+        if heads is not None and attention_projections is not None:
+            # one row per head of its projection (Cohere's q_norm [heads, head_dim]): a rank
+            # computing some of the heads holds their rows, split with the attention's heads
+            projection = {"module": Quoted(f"{unit}.{module}"), "sharding": "column",
+                          "heads": heads}
+            attention_projections.append(projection)
+            w.params(projection, params, module)
+            continue
         safe = module.replace("self_attn.", "attention.")
         group = {"name": Quoted(f"{kinds.label}.{{unit}}.{safe}"), "role": "replicated",
                  "owner": Flow(unit=kinds.group)}
@@ -513,6 +525,22 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         if why is not None:
             w.note(group, "sharding", "# replicated on every rank", why)
         w.params(group, params, module)
+
+
+def _per_head_axis(params: Mapping[str, tuple[list[str], str, list[str]]], module: str,
+                   attention: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """The head count a norm of the attention block is sized by on its first axis (every param
+    `[heads, ...]` with `heads` one the attention's projections state), else None: such a norm
+    holds a row per head and splits with the heads."""
+    if attention is None or not module.startswith("self_attn.") or not params:
+        return None
+    stated = {str(p["heads"]) for p in attention if "heads" in p}
+    firsts = {shape[0] for shape, _, _ in params.values() if len(shape) >= 2}
+    if len(firsts) == 1 and all(len(shape) >= 2 for shape, _, _ in params.values()):
+        (first,) = firsts
+        if first in stated:
+            return first
+    return None
 
 
 def _beside_embedding(leaf: str) -> bool:
