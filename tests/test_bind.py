@@ -207,7 +207,8 @@ def test_a_missing_field_names_every_source_tried(tmp_path, monkeypatch, config,
 
 @pytest.mark.parametrize(("config", "expected"), [
     ({"hidden_size": 8}, "config.json:1:1: config.json has no `model_type`, so no built-in "
-                         "family applies; expected the model type of a built-in family (bloom, "),
+                         "family applies; expected the model type of a built-in family "
+                         "(bamba, bloom, "),
     ({"model_type": None}, "config.json:2:16: config.json gives `model_type` as null, not a "
                            "string, so no built-in family applies; expected the model type of "),
 ])

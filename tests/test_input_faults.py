@@ -63,7 +63,7 @@ def test_a_folder_given_as_a_family_file_is_refused_with_a_clear_message(shadowe
             read_family_source(spec)
         assert str(caught.value).startswith(
             f"{spec}: family {spec!r} is a folder; expected a family file (.yaml, .yml or .toml) "
-            "or a built-in family name (bloom, codegen, dbrx, deepseek_v2, deepseek_v3, falcon, ")
+            "or a built-in family name (bamba, bloom, codegen, dbrx, deepseek_v2, deepseek_v3, ")
 
 
 def test_an_existing_file_without_a_family_suffix_is_read_as_a_file(tmp_path, monkeypatch):
@@ -83,7 +83,7 @@ def test_an_unknown_name_explains_how_a_file_is_recognised():
         read_family_source("nosuchmodel")
     assert str(caught.value).startswith(
         "nosuchmodel: no built-in family for model type 'nosuchmodel' (a family file needs a "
-        ".yaml, .yml or .toml suffix or a path with a `/`); built-in: bloom, codegen, dbrx, "
+        ".yaml, .yml or .toml suffix or a path with a `/`); built-in: bamba, bloom, codegen, dbrx, "
         "deepseek_v2, deepseek_v3, falcon, ")
 
 
