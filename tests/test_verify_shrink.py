@@ -174,3 +174,20 @@ def test_a_config_spelling_its_sizes_as_its_own_class_does_is_shrunk(
     notes = " ".join(report["notes"])
     assert all(part in notes for part in shrunk), report["notes"]
     assert len(counted) == 1 and counted[0] < 2_000_000, counted  # full size: 10^8 and more
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V2-Lite", "DeepSeek-V3"])
+def test_a_deepseek_config_with_null_q_lora_rank_verifies_with_the_built_in_family(
+        name, tmp_path):
+    # `"q_lora_rank": null` (DeepSeek-V2-Lite as released; DeepSeek-V3's config written that
+    # way): the built-in family takes q_proj, as transformers does, and verify proves it
+    from partc.verify.run import verify_family
+
+    config = json.loads((FULLSIZE / name / "config.json").read_text())
+    config["q_lora_rank"] = None
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    report = verify_family(None, path, tensor_parallel_sizes=[1, 2], pipeline_parallel_size=2)
+    assert report.ok, report.first_failure
+    assert {c.tp for c in report.checks} == {1, 2} and any(c.pp == 2 for c in report.checks)
+    assert any(c.module.endswith("self_attn") for c in report.checks)
