@@ -13,6 +13,7 @@ is read without jsonschema (a runtime-only install inspects it).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -355,16 +356,173 @@ def read_plan(path: str | Path, *, label: str | None = None, hint: str = "") -> 
         document = json.loads(read_bytes(file, label, MAX_PLAN_BYTES).decode())
     except LoadError as exc:
         raise LoadError(f"{exc.message}{tail}", location=where) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: an integer of > 4300 digits
         raise LoadError(f"cannot read {label}: {exc}{tail}", location=where) from None
     missing = [key for key in PLAN_KEYS if not isinstance(document, dict) or key not in document]
     if missing:
         raise LoadError(f"{file} is not a partc plan: it lacks {', '.join(missing)}",
                         location=where)
     try:
-        return _plan_file(file, document)
+        _check_topology_sizes(document["topology"])
+        view = _plan_file(file, document)
+    except _Insane as exc:
+        raise _insane(file, exc) from None
     except _FAULTS as exc:
         raise _fault(file, document, exc, "") from None
+    try:
+        _check_sane(view)
+    except _Insane as exc:
+        raise _insane(file, exc) from None
+    return view
+
+
+MAX_PARALLEL_SIZE = 1 << 16
+"""The largest T, S, E or X a plan may state (checked before anything is built per rank)."""
+
+MAX_DIMENSION = 1 << 40
+"""The largest size of one tensor dimension a plan may state."""
+
+MAX_ELEMENTS = 1 << 50
+"""The most elements one tensor (or one runtime state tensor) of a plan may have."""
+
+
+class _Insane(Exception):
+    """A plan value that follows the schema's types but cannot be true (`pointer`, `message`)."""
+
+    def __init__(self, pointer: str, message: str) -> None:
+        super().__init__(message)
+        self.pointer, self.message = pointer, message
+
+
+def _insane(file: Path, exc: _Insane) -> LoadError:
+    """The LoadError for an impossible plan value, located at its line when it can be."""
+    from partc.front.positions import json_locations
+
+    try:
+        where = json_locations(str(file), file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        where = {}
+    return LoadError(f"the plan states an impossible value: {exc.message}; it was edited, or "
+                     "not written by partc: compile the build again",
+                     location=where.get(exc.pointer, SourceLocation(str(file))),
+                     pointer=exc.pointer)
+
+
+def _check_topology_sizes(topology: object) -> None:
+    """T, S, E and X are integers in [1, MAX_PARALLEL_SIZE] (those that are integers: the
+    view reports the others), before any per-rank or per-stage value is built."""
+    if not isinstance(topology, dict):
+        return
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
+                "expert_tensor_parallel_size"):
+        value = topology.get(key)
+        if type(value) is int and not 1 <= value <= MAX_PARALLEL_SIZE:
+            raise _Insane(f"/topology/{key}",
+                          f"`{key}` is {value}, expected 1 to {MAX_PARALLEL_SIZE}")
+
+
+def _check_shape(pointer: str, shape: tuple[int, ...]) -> None:
+    """Every dimension in [0, MAX_DIMENSION] and at most MAX_ELEMENTS elements."""
+    for axis, size in enumerate(shape):
+        if not 0 <= size <= MAX_DIMENSION:
+            raise _Insane(f"{pointer}/{axis}", f"dimension {axis} of the shape is {size}, "
+                          f"expected 0 to {MAX_DIMENSION}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise _Insane(pointer, f"the shape {list(shape)} has {math.prod(shape)} elements, "
+                      f"more than {MAX_ELEMENTS}")
+
+
+def _check_stages(pointer: str, stages: tuple[int, ...], pipeline: int) -> None:
+    """Every stage in [0, S)."""
+    for index, stage in enumerate(stages):
+        if not 0 <= stage < pipeline:
+            raise _Insane(f"{pointer}/{index}", f"stage {stage} is outside the topology's "
+                          f"{pipeline} pipeline stage(s) (0 to {pipeline - 1})")
+
+
+def _check_range(pointer: str, start: int, end: int, size: int, what: str) -> None:
+    """0 <= start <= end <= size."""
+    if not 0 <= start <= end <= size:
+        raise _Insane(pointer, f"the range [{start}, {end}) is not inside the {size} {what}")
+
+
+def _check_placement(pointer: str, placement: tuple[Any, ...], shape: tuple[int, ...],
+                     plan: PlanFile) -> None:
+    """A placement's axis inside the tensor's rank, its ranges inside that axis, its shard
+    index inside its parts, its rank or stage inside the topology."""
+    kind = placement[0]
+    if kind in ("shard", "range", "indices"):
+        axis = placement[1]
+        if axis >= len(shape):
+            raise _Insane(pointer, f"a `{kind}` placement on axis {axis} of a tensor of rank "
+                          f"{len(shape)} (shape {list(shape)})")
+        if kind == "shard" and not placement[2] < placement[3]:
+            raise _Insane(pointer, f"shard {placement[2]} of {placement[3]} part(s)")
+        if kind == "range":
+            _check_range(pointer, placement[2], placement[3], shape[axis],
+                         f"elements of axis {axis}")
+        if kind == "indices":
+            for start, end in placement[2]:
+                _check_range(pointer, start, end, shape[axis], f"elements of axis {axis}")
+    elif kind == "rank" and placement[1] >= plan.shape.build_world_size:
+        raise _Insane(pointer, f"rank {placement[1]} of a build of "
+                      f"{plan.shape.build_world_size} rank(s)")
+    elif kind == "pipeline_stage":
+        _check_stages(pointer, placement[1:], plan.shape.pipeline_parallel_size)
+
+
+def _check_sane(plan: PlanFile) -> None:
+    """The values the schema types but does not bound: shapes bounded and non-negative,
+    stages inside the pipeline, placements inside their tensors, ranges in order and inside
+    their sizes, byte counts non-negative, the stage imbalance finite."""
+    stages = plan.shape.pipeline_parallel_size
+    for index, tensor in enumerate(plan.tensors):
+        at = f"/tensors/{index}"
+        _check_shape(f"{at}/shape", tensor.shape)
+        _check_stages(f"{at}/stages", tensor.stages, stages)
+        for row, placement in enumerate(tensor.placements):
+            _check_placement(f"{at}/placements/{row}", placement, tensor.shape, plan)
+    for index, rank in enumerate(plan.ranks):
+        at = f"/ranks/{index}"
+        for name in ("owned_tensors", "local_parameter_bytes", "global_parameter_bytes",
+                     "pinned_parameter_bytes", "maximum_device_parameter_bytes",
+                     "local_state_bytes", "local_state_bytes_per_token"):
+            if getattr(rank.info, name) < 0:
+                raise _Insane(f"{at}/info/{name}",
+                              f"`{name}` is {getattr(rank.info, name)}, expected >= 0")
+        for dtype, size in rank.info.local_bytes_by_dtype:
+            if size < 0:
+                raise _Insane(f"{at}/info/local_bytes_by_dtype/{dtype}",
+                              f"{size} bytes of {dtype}, expected >= 0")
+        for row, units in enumerate(rank.units):
+            if not 0 <= units.start <= units.end:
+                raise _Insane(f"{at}/partition/groups/{row}/unit_range",
+                              f"the unit range [{units.start}, {units.end}) is reversed or "
+                              "negative")
+        for row, state in enumerate(rank.state):
+            _check_shape(f"{at}/partition/state/tensors/{row}/shape", state.shape)
+            _check_shape(f"{at}/partition/state/tensors/{row}/local_shape", state.local_shape)
+    for index, group in enumerate(plan.groups):
+        at = f"/groups/{index}"
+        _check_stages(f"{at}/stages", group.stages, stages)
+        if group.logical_units is not None and group.logical_units < 0:
+            raise _Insane(f"{at}/logical_units",
+                          f"`logical_units` is {group.logical_units}, expected >= 0")
+        for row, (start, end) in enumerate(group.logical_ranges or ()):
+            _check_range(f"{at}/logical_ranges/{row}", start, end, group.logical_units or 0,
+                         "logical units")
+    for index, cut in enumerate(plan.cuts or ()):
+        if not 0 <= cut.after_stage < stages - 1:
+            raise _Insane(f"/cuts/{index}/after_stage", f"a cut after stage {cut.after_stage} "
+                          f"of {stages} pipeline stage(s)")
+    if plan.pipeline is not None:
+        if not math.isfinite(plan.pipeline.imbalance) or plan.pipeline.imbalance < 0:
+            raise _Insane("/pipeline/imbalance",
+                          f"the stage imbalance is {plan.pipeline.imbalance}, expected a finite "
+                          "number >= 0")
+        for row, size in enumerate(plan.pipeline.stage_bytes):
+            if size < 0:
+                raise _Insane(f"/pipeline/stage_bytes/{row}", f"{size} bytes, expected >= 0")
 
 
 _FAULTS = (TypeError, KeyError, ValueError, IndexError, AttributeError)

@@ -1,0 +1,142 @@
+"""inspect, explain and report on a real build's plan.json tampered with so that its values follow
+the schema's types but cannot be true (negative or 2^62 dimensions, reversed or out-of-shape
+ranges, a placement axis past the tensor's rank, T = 0, a stage of 99, S = 10^9, a 5000-digit
+integer): one located error, exit 1, before anything is displayed, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from partc.api import CompileOptions, compile_family
+from partc.cli.main import main
+from partc.plan.topology import Topology
+
+from support import hf
+
+Edit = Callable[[dict[str, Any]], object]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tampered") / "b"
+    compile_family(None, hf("llama") / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(out=out))
+    return out
+
+
+def _tampered(built: Path, tmp_path: Path, edit: Edit) -> Path:
+    copy = tmp_path / "b"
+    shutil.copytree(built, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    edit(plan)
+    (copy / "plan.json").write_text(json.dumps(plan, indent=1))
+    return copy
+
+
+def _set(path: tuple[Any, ...], value: object) -> Edit:
+    """An edit setting the value at `path` of the plan document."""
+    def edit(plan: dict[str, Any]) -> None:
+        node: Any = plan
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return edit
+
+
+CASES: dict[str, tuple[Edit, str, str]] = {
+    "negative-dimension": (_set(("tensors", 0, "shape", 0), -5), "/tensors/0/shape/0",
+                           "dimension 0 of the shape is -5"),
+    "2^62-dimension": (_set(("tensors", 0, "shape", 0), 2 ** 62), "/tensors/0/shape/0",
+                       f"dimension 0 of the shape is {2 ** 62}"),
+    "too-many-elements": (_set(("tensors", 0, "shape"), [2 ** 30, 2 ** 30]), "/tensors/0/shape",
+                          "elements, more than"),
+    "reversed-range": (_set(("tensors", 0, "placements", 0), ["range", 0, 66, 0]),
+                       "/tensors/0/placements/0", "the range [66, 0) is not inside the 131"),
+    "range-past-shape": (_set(("tensors", 0, "placements", 1), ["range", 0, 66, 999]),
+                         "/tensors/0/placements/1", "the range [66, 999) is not inside the 131"),
+    "axis-7": (_set(("tensors", 0, "placements", 0), ["range", 7, 0, 66]),
+               "/tensors/0/placements/0", "placement on axis 7 of a tensor of rank 2"),
+    "shard-index": (_set(("tensors", 0, "placements", 0), ["shard", 0, 3, 2]),
+                    "/tensors/0/placements/0", "shard 3 of 2 part(s)"),
+    "T=0": (_set(("topology", "tensor_parallel_size"), 0), "/topology/tensor_parallel_size",
+            "`tensor_parallel_size` is 0, expected 1 to"),
+    "stage-99": (_set(("tensors", 0, "stages"), [99]), "/tensors/0/stages/0",
+                 "stage 99 is outside the topology's 2 pipeline stage(s)"),
+    "group-stage-99": (_set(("groups", 0, "stages"), [99]), "/groups/0/stages/0",
+                       "stage 99 is outside"),
+    "reversed-units": (_set(("ranks", 0, "partition", "groups", 0, "unit_range"), [2, 0]),
+                       "/ranks/0/partition/groups/0/unit_range", "[2, 0) is reversed"),
+    "logical-range": (_set(("groups", 2, "logical_ranges", 1), [1, 7]),
+                      "/groups/2/logical_ranges/1", "[1, 7) is not inside the 2 logical units"),
+    "negative-bytes": (_set(("ranks", 1, "info", "local_parameter_bytes"), -1),
+                       "/ranks/1/info/local_parameter_bytes", "is -1, expected >= 0"),
+}
+
+
+@pytest.mark.parametrize("command", ["inspect", "explain", "report"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_a_tampered_plan_is_one_located_error(built: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str],
+                                              command: str, case: str) -> None:
+    edit, pointer, message = CASES[case]
+    copy = _tampered(built, tmp_path, edit)
+    page = tmp_path / "r.html"
+    extra = {"inspect": [], "explain": ["lm_head.weight"], "report": ["--out", str(page)]}
+    status = main([command, str(copy), *extra[command], "--format", "json"])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert status == 1 and not report["ok"], report
+    (error,) = report["errors"]
+    assert error["pointer"] == pointer and message in error["message"], error
+    assert "it was edited, or not written by partc" in error["message"], error
+    assert error["file"] == str(copy / "plan.json") and error["line"] > 1, error
+    assert "Traceback" not in captured.err
+    assert not page.exists()
+
+
+def test_a_billion_stages_are_refused_before_anything_per_rank_is_built(
+        built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """S = 10^9 in an 11 KB plan is refused from the topology alone: the rank arithmetic (the
+    ParallelShape) and the per-rank entries are never built (they sent inspect to 7.8 GB)."""
+    import partc.plan.plan_file as plan_file
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built a per-rank value of a plan of 10^9 stages")
+
+    monkeypatch.setattr(plan_file, "ParallelShape", never)
+    monkeypatch.setattr(plan_file, "_rank", never)
+    copy = _tampered(built, tmp_path, _set(("topology", "pipeline_parallel_size"), 10 ** 9))
+    status = main(["inspect", str(copy), "--format", "json"])
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert status == 1 and error["pointer"] == "/topology/pipeline_parallel_size", error
+    assert "`pipeline_parallel_size` is 1000000000, expected 1 to 65536" in error["message"]
+
+
+def test_a_5000_digit_integer_is_a_read_error_not_a_crash(
+        built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "b"
+    shutil.copytree(built, copy)
+    text = (copy / "plan.json").read_text()
+    assert text.count('"tensor_parallel_size":2') == 1
+    (copy / "plan.json").write_text(text.replace('"tensor_parallel_size":2',
+                                                 '"tensor_parallel_size":' + "9" * 5000))
+    status = main(["inspect", str(copy), "--format", "json"])
+    captured = capsys.readouterr()
+    (error,) = json.loads(captured.out)["errors"]
+    assert status == 1 and error["file"] == str(copy / "plan.json"), error
+    assert "cannot read" in error["message"] and "digits" in error["message"], error
+    assert "Traceback" not in captured.err
+
+
+def test_the_untampered_plan_still_reads(built: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["inspect"], ["explain", "lm_head.weight"]):
+        assert main([command[0], str(built), *command[1:], "--format", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ok"]
