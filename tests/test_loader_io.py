@@ -196,7 +196,14 @@ def test_the_column_join_of_the_tables_equals_the_line_by_line_join(
     (lambda m: (m[0], m[1], ("range", 0, 0, 10**6), *m[3:]),
      "placement {'kind': 'range', 'axis': 0, 'start': 0, 'end': 1000000}"),
     (lambda m: ("F31", *m[1:]), "dtype 'F31'"),
-], ids=["shard-not-dividing", "range-past-the-end", "unknown-dtype"])
+    (lambda m: (m[0], m[1], ("range", 0, 66, 0), *m[3:]),
+     "placement ['range', 0, 66, 0]: malformed range placement"),
+    (lambda m: (m[0], m[1], ("bogus", 1), *m[3:]),
+     "placement ['bogus', 1]: unknown placement kind 'bogus'"),
+    (lambda m: (m[0], (2 ** 62, 64), ("range", 0, 0, 67), *m[3:]),
+     f"shape [{2 ** 62}, 64]"),
+], ids=["shard-not-dividing", "range-past-the-end", "unknown-dtype", "reversed-range",
+        "unknown-kind", "2^62-dimension"])
 def test_a_malformed_table_is_refused_by_tensor_before_any_read(
         llama_build: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, change: Any,
         message: str) -> None:

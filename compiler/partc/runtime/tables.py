@@ -265,6 +265,23 @@ def _joined(table: RankTable, targets: list[str], lines: list[str]
     return groups, tensors, frozenset(reduced), frozenset(outputs)
 
 
+MAX_DIMENSION = 1 << 40
+"""The largest tensor dimension a rank table may state (as the plan reader's limit)."""
+
+MAX_ELEMENTS = 1 << 50
+"""The most elements one tensor of a rank table may have."""
+
+
+def _bounded(shape: tuple[Any, ...]) -> bool:
+    """Every dimension an integer in [0, MAX_DIMENSION], at most MAX_ELEMENTS elements."""
+    product = 1
+    for size in shape:
+        if type(size) is not int or not 0 <= size <= MAX_DIMENSION:
+            return False
+        product *= size
+    return product <= MAX_ELEMENTS
+
+
 def tensor_selections(table: RankTable) -> list[tuple[str, Selection, int]]:
     """(target, selection, local bytes) of every tensor of the rank, sorted by target: what a
     load reads. Each distinct placement is rebuilt through its validating constructor and must
@@ -276,8 +293,15 @@ def tensor_selections(table: RankTable) -> list[tuple[str, Selection, int]]:
         key = (dtype, shape, compact)
         known = decoded.get(key)
         if known is None:
-            placement = placement_from_compact(compact)
-            if dtype not in DTYPE_BITS or not placement.fits(shape):
+            try:  # a tampered placement: a reversed range, an unknown kind, missing fields
+                placement = placement_from_compact(compact)
+            except (LayoutError, TypeError, ValueError, IndexError) as exc:
+                raise CheckpointError(
+                    f"the generated tables of rank {table.rank} are malformed at tensor "
+                    f"`{target}`: placement {list(compact)!r}: {exc}; regenerate the build",
+                    tensor=target) from None
+            if (dtype not in DTYPE_BITS or not _bounded(shape)
+                    or not placement.fits(shape)):
                 raise CheckpointError(
                     f"the generated tables of rank {table.rank} are malformed at tensor "
                     f"`{target}`: dtype {dtype!r}, shape {list(shape)}, placement "
