@@ -8,6 +8,12 @@ schema but disagrees with itself (its ranks against its topology) names the poin
 values. The schema is consulted only when the view cannot be built: a plan partc wrote follows
 it by construction, and validating a full-size plan (tens of MB) costs seconds, so a sound plan
 is read without jsonschema (a runtime-only install inspects it).
+
+What the schema types but does not bound is checked on every read, before anything is shown:
+T, S, E and X in [1, 65536] before anything is built per rank (S = 10^9 in an 11 KB plan),
+dimensions in [0, 2^40] and at most 2^50 elements, stages inside the pipeline, placement axes
+inside the tensor's rank and ranges inside its shape, unit and logical ranges in order, byte
+counts non-negative (a tenth of a 19k-tensor plan's read time).
 """
 
 from __future__ import annotations
