@@ -85,6 +85,38 @@ def test_a_scaffold_of_hostile_names_loads_safely_checks_and_equals_the_plain_on
     assert any(PLAIN in json.dumps(group) for group in documents[1]["parameters"])
 
 
+WORDS = ["true", "null", "Null", "~", "no", "yes", "off", "y", "1e3", "02", "0o10", "0x1F",
+         "1_000", "1:20", "-", "- a", "? x", "[a]", "&a", "*a", "!t", "%x", "@x", "`x", "a: b",
+         "a #b", "'", '"', "{unit}", "}{"]
+"""Whole names YAML (1.1 or 1.2) reads as something else, or that start YAML syntax."""
+IDENTIFIER_WORDS = ["true", "null", "Null", "no", "yes", "off", "y"]
+"""Those also written as a module's parameter names (keys of `params:`)."""
+
+
+def test_names_that_are_yaml_words_or_syntax_are_written_quoted_and_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    shutil.copy(hf("llama") / "config.json", checkpoint / "config.json")
+    tensors = load_file(hf("llama") / "model.safetensors")
+    for word in WORDS:
+        tensors[word] = np.zeros(2, np.float32)
+        tensors[f"m.{word}.weight"] = np.zeros(2, np.float32)
+        for layer in (0, 1):
+            tensors[f"model.layers.{layer}.mlp.{word}.weight"] = np.zeros(2, np.float32)
+    for word in IDENTIFIER_WORDS:
+        tensors[f"p.{word}"] = np.zeros(2, np.float32)
+    save_file(tensors, checkpoint / "model.safetensors")
+    out = tmp_path / "family.yaml"
+    status, err = _run(["init", "--checkpoint", str(checkpoint), "--out", str(out)], capsys)
+    assert status == 0, err
+    status, err = _run(["check", str(out), "--checkpoint", str(checkpoint)], capsys)
+    assert status == 0, err
+    data = yaml.safe_load(out.read_text())
+    params = next(g["params"] for g in data["parameters"] if g.get("module") == "p")
+    assert sorted(params) == sorted(IDENTIFIER_WORDS)
+
+
 def _digest(folder: Path) -> str:
     """sha256 over the folder's files (names and bytes)."""
     digest = hashlib.sha256()
@@ -106,6 +138,10 @@ REFUSED = {  # case -> (tensor renamed or added, the error's words)
     "long name": ("a" * 900 + "{}" * 20 + ".weight",
                   f"tensor `{'a' * 80}...` of {{ck}} has a name of 947 characters (987 as a "
                   "family template, braces doubled); partc init writes names of at most 936"),
+    "parameter name": ("m.a-b", "tensor `m.a-b` of {ck} is parameter `a-b` of module `m`; a "
+                       "family names a module's parameters by identifiers"),
+    "empty part": ("model..x.weight", "tensor `model..x.weight` of {ck} has an empty dotted "
+                   "part"),
     "loose tensors": ([f"loose{n}" for n in range(20_000)],
                       "partc init found 20003 tensors outside the layer repetitions in {ck}; "
                       "it writes at most 4096"),

@@ -19,6 +19,7 @@ from typing import Any
 from partc.errors import LoadError, SourceLocation
 from partc.family.expr import MAX_TEXT_LENGTH
 from partc.front.load import MAX_CONFIG_BYTES, decode_text, parse_json, read_bytes
+from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
 
@@ -82,6 +83,18 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
         found = opened.signature(tensor)
         assert found is not None
         header[_literal(tensor, checkpoint)] = (found[1], list(found[2]))
+        module, _, param = tensor.rpartition(".")
+        if "" in tensor.split("."):
+            raise LoadError(f"tensor `{ascii(tensor)[1:-1]}` of {checkpoint} has an empty "
+                            "dotted part (a leading, trailing or doubled `.`); partc init "
+                            "splits names into modules at dots",
+                            location=SourceLocation(str(checkpoint)))
+        if module and not re.fullmatch(IDENTIFIER, param):
+            raise LoadError(f"tensor `{ascii(tensor)[1:-1]}` of {checkpoint} is parameter "
+                            f"`{ascii(param)[1:-1]}` of module `{ascii(module)[1:-1]}`; a "
+                            "family names a module's parameters by identifiers (letters, digits "
+                            "and `_`, not starting with a digit)",
+                            location=SourceLocation(str(checkpoint)))
         for number in _NUMBERED.finditer(tensor):
             if not re.fullmatch(r"0|[1-9][0-9]*", number[1]):
                 raise LoadError(f"tensor `{ascii(tensor)[1:-1]}` of {checkpoint} numbers a "

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from partc.front.load import reads_otherwise
+
 
 class Flow(dict[str, Any]):
     """A mapping written in flow style: `{static: output}`."""
@@ -91,6 +93,14 @@ def _quoted(dumper: yaml.SafeDumper, data: Quoted) -> yaml.Node:
     return dumper.represent_scalar("tag:yaml.org,2002:str", str(data), style='"')
 
 
+def _string(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    """A string plain where PyYAML and partc's reader agree it reads back as itself, else
+    double-quoted (PyYAML writes `1e3` plain, which partc reads as a float)."""
+    style = '"' if reads_otherwise(data) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _string)
 _Dumper.add_representer(Flow, _flow_mapping)
 _Dumper.add_representer(FlowList, _flow_sequence)
 _Dumper.add_representer(Quoted, _quoted)
