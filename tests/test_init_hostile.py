@@ -138,13 +138,15 @@ REFUSED = {  # case -> (tensor renamed or added, the error's words)
     "long name": ("a" * 900 + "{}" * 20 + ".weight",
                   f"tensor `{'a' * 80}...` of {{ck}} has a name of 947 characters (987 as a "
                   "family template, braces doubled); partc init writes names of at most 936"),
+    "too large": ([f"{n:04}{'n' * 900}.weight" for n in range(600)],
+                  "the scaffold of {ck} would be "),
     "parameter name": ("m.a-b", "tensor `m.a-b` of {ck} is parameter `a-b` of module `m`; a "
                        "family names a module's parameters by identifiers"),
     "empty part": ("model..x.weight", "tensor `model..x.weight` of {ck} has an empty dotted "
                    "part"),
     "loose tensors": ([f"loose{n}" for n in range(20_000)],
                       "partc init found 20003 tensors outside the layer repetitions in {ck}; "
-                      "it writes at most 4096"),
+                      "it writes at most 1024"),
 }
 
 

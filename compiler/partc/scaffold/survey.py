@@ -160,9 +160,10 @@ _NUMBERED = re.compile(r"(?:^|\.)(?:layers|h|blocks|experts)\.(\d+)\.")
 """A repetition's number in a tensor name, any decimal digits (refused unless as `_LAYER` and
 `_EXPERT` read them)."""
 
-MAX_OUTSIDE = 4096
+MAX_OUTSIDE = 1024
 """The most tensors outside the layer repetitions `partc init` writes groups for (real
-checkpoints hold a few hundred at most; each is written as a group with its own lines)."""
+checkpoints hold a few hundred at most; each is written as a group of ~300 bytes, and a family
+file holds at most `MAX_DOCUMENT_BYTES`)."""
 
 MAX_NAME = MAX_TEXT_LENGTH - 64
 """The longest tensor name (its braces doubled) `partc init` writes: a family template holds at
