@@ -269,6 +269,13 @@ def _plain_scalar(value: str) -> tuple[Any, str]:
     return value, _yaml11_note(value)
 
 
+def reads_otherwise(value: str) -> bool:
+    """Whether `value` written as a plain YAML scalar is not read back as that string (by partc,
+    YAML 1.2) or is one another reader takes otherwise (`1e3`, `no`, `0o10`): write it quoted."""
+    read, note = _plain_scalar(value)
+    return not isinstance(read, str) or read != value or bool(note)
+
+
 def _clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partc.errors import LoadError, SourceLocation
+from partc.front.load import MAX_DOCUMENT_BYTES
 from partc.scaffold.decisions import (
     CHECK,
     _entry,
@@ -216,6 +218,11 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
     text = write_yaml(document, w.comments,
                       [SCHEMA_COMMENT + schema.resolve().as_uri(), *header])
+    if len(text.encode()) > MAX_DOCUMENT_BYTES:
+        raise LoadError(f"the scaffold of {checkpoint} would be {len(text.encode())} bytes; a "
+                        f"family file holds at most {MAX_DOCUMENT_BYTES} (its names or tensors "
+                        "outside the layers are too many or too long)",
+                        location=SourceLocation(str(checkpoint)))
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes),
                     document=document)
 

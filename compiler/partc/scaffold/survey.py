@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from partc.errors import LoadError, SourceLocation
+from partc.family.expr import MAX_TEXT_LENGTH
 from partc.front.load import MAX_CONFIG_BYTES, decode_text, parse_json, read_bytes
+from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
 
@@ -80,7 +82,26 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
     for tensor in opened.names:
         found = opened.signature(tensor)
         assert found is not None
-        header[tensor] = (found[1], list(found[2]))
+        header[_literal(tensor, checkpoint)] = (found[1], list(found[2]))
+        module, _, param = tensor.rpartition(".")
+        if "" in tensor.split("."):
+            raise LoadError(f"tensor `{ascii(tensor)[1:-1]}` of {checkpoint} has an empty "
+                            "dotted part (a leading, trailing or doubled `.`); partc init "
+                            "splits names into modules at dots",
+                            location=SourceLocation(str(checkpoint)))
+        if module and not re.fullmatch(IDENTIFIER, param):
+            raise LoadError(f"tensor `{ascii(tensor)[1:-1]}` of {checkpoint} is parameter "
+                            f"`{ascii(param)[1:-1]}` of module `{ascii(module)[1:-1]}`; a "
+                            "family names a module's parameters by identifiers (letters, digits "
+                            "and `_`, not starting with a digit)",
+                            location=SourceLocation(str(checkpoint)))
+        for number in _NUMBERED.finditer(tensor):
+            if not re.fullmatch(r"0|[1-9][0-9]*", number[1]):
+                raise LoadError(f"tensor `{ascii(tensor)[1:-1]}` of {checkpoint} numbers a "
+                                f"repetition `{ascii(number[1])[1:-1]}`; expected ASCII "
+                                "digits without a leading zero (as a family's `{unit}` and "
+                                "`{expert}` are written)",
+                                location=SourceLocation(str(checkpoint)))
     model_type = str(config.get("model_type") or "unknown")
     family = name or re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", model_type))[:128]
     torch_dtype = config.get("torch_dtype") or config.get("dtype")
@@ -97,6 +118,11 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
     if not layers:
         raise LoadError("partc init recognises layer repetitions `<prefix>.layers.<n>.` (or "
                         f"`.h.<n>.`, `.blocks.<n>.`); {checkpoint} has none",
+                        location=SourceLocation(str(checkpoint)))
+    if len(outside) > MAX_OUTSIDE:
+        raise LoadError(f"partc init found {len(outside)} tensors outside the layer "
+                        f"repetitions in {checkpoint}; it writes at most {MAX_OUTSIDE} (each is "
+                        "a group of the family): is this a model checkpoint?",
                         location=SourceLocation(str(checkpoint)))
     modules = _modules(outside)
     loose = modules.pop("", {})  # tensors of no module (LLaVA-NeXT's `image_newline`)
@@ -122,13 +148,42 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
                   dimensions=dimensions)
 
 
-_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h|blocks))\.(?P<n>\d+)\.(?P<rest>.+)$")
+_LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h|blocks))\.(?P<n>0|[1-9][0-9]*)\."
+                    r"(?P<rest>.+)$", re.DOTALL)
 """A tensor of a layer repetition: `model.layers.3.`, GPT-2/BLOOM/Falcon's `transformer.h.3.`, or
 Qwen2-VL's vision `visual.blocks.3.` (the first such name from the left, so a `blocks.<n>` inside
-a layer stays part of that layer)."""
+a layer stays part of that layer). The number is written as a unit's number expands (ASCII
+digits, no leading zero; `_NUMBERED` refuses others)."""
 
 
-_EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+_NUMBERED = re.compile(r"(?:^|\.)(?:layers|h|blocks|experts)\.(\d+)\.")
+"""A repetition's number in a tensor name, any decimal digits (refused unless as `_LAYER` and
+`_EXPERT` read them)."""
+
+MAX_OUTSIDE = 1024
+"""The most tensors outside the layer repetitions `partc init` writes groups for (real
+checkpoints hold a few hundred at most; each is written as a group of ~300 bytes, and a family
+file holds at most `MAX_DOCUMENT_BYTES`)."""
+
+MAX_NAME = MAX_TEXT_LENGTH - 64
+"""The longest tensor name (its braces doubled) `partc init` writes: a family template holds at
+most `MAX_TEXT_LENGTH` characters, and the scaffold adds `{unit}` and a group label to it."""
+
+
+def _literal(tensor: str, checkpoint: Path) -> str:
+    """The tensor's name as template text: `{` and `}` doubled (the family's templates read
+    `{...}` as a field, `{{` as a literal brace); LoadError when it is too long to be one."""
+    text = tensor.replace("{", "{{").replace("}", "}}")
+    if len(text) > MAX_NAME:
+        raise LoadError(f"tensor `{ascii(tensor[:80])[1:-1]}...` of {checkpoint} has a name of "
+                        f"{len(tensor)} characters ({len(text)} as a family template, braces "
+                        f"doubled); partc init writes names of at most {MAX_NAME}",
+                        location=SourceLocation(str(checkpoint)))
+    return text
+
+
+_EXPERT = re.compile(r"^(?P<pre>(?:.*\.)?experts)\.(?P<e>0|[1-9][0-9]*)\.(?P<rest>.+)$",
+                     re.DOTALL)
 
 
 _DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",

@@ -2,12 +2,14 @@
 
 PyYAML writes no comments, so the text is written in two passes: `yaml.dump` writes the data
 (`Flow` collections in flow style, `Quoted` strings double-quoted, everything else as PyYAML
-chooses, no line wrapping, no aliases); then the text is composed back (`yaml.compose`), which
-gives each mapping key and sequence item the line it starts on, and the comments (`Comments`)
-are placed by the node they belong to: a mark (`# partc init: CHECK: why`) at the end of a
-node's line, a note on a line of its own after or before it, at its indentation. A blank line
-goes before every top-level section after the head (`family`, `description`, `model_types`)
-and every item of `parameters`, for the eye.
+chooses, quoted where a plain scalar would read as something else, no line wrapping, no
+aliases, ASCII only: other characters escaped in double quotes); then the text is composed back
+(`yaml.compose`), which gives each mapping key and sequence item the line it starts on, and the
+comments (`Comments`) are placed by the node they belong to: a mark (`# partc init: CHECK:
+why`) at the end of a node's line, a note on a line of its own after or before it, at its
+indentation; each comment is made one ASCII line first (`one_line`), whatever names it quotes.
+A blank line goes before every top-level section after the head (`family`, `description`,
+`model_types`) and every item of `parameters`, for the eye.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+from partc.front.load import reads_otherwise
 
 
 class Flow(dict[str, Any]):
@@ -55,6 +59,13 @@ class Comments:
         self.notes.append((container, key, text, before))
 
 
+def one_line(comment: str) -> str:
+    """A comment as one line of ASCII: every other character (a newline, a control or
+    non-ASCII character of a tensor's or folder's name) written as its Python escape, so no
+    text read from a checkpoint ends the comment and starts YAML of its own."""
+    return "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in comment)
+
+
 _UNSPACED = frozenset({"family", "description", "model_types"})
 """The top-level keys written without a blank line before them (the document's head)."""
 
@@ -82,6 +93,14 @@ def _quoted(dumper: yaml.SafeDumper, data: Quoted) -> yaml.Node:
     return dumper.represent_scalar("tag:yaml.org,2002:str", str(data), style='"')
 
 
+def _string(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    """A string plain where PyYAML and partc's reader agree it reads back as itself, else
+    double-quoted (PyYAML writes `1e3` plain, which partc reads as a float)."""
+    style = '"' if reads_otherwise(data) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _string)
 _Dumper.add_representer(Flow, _flow_mapping)
 _Dumper.add_representer(FlowList, _flow_sequence)
 _Dumper.add_representer(Quoted, _quoted)
@@ -104,7 +123,7 @@ def write_yaml(document: dict[str, Any], comments: Comments, header: list[str]) 
     """The document as YAML text: `header` (comment lines) first, then the data, its comments
     placed by node (see the module docstring)."""
     text = yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                     width=1 << 30, allow_unicode=True)
+                     width=1 << 30, allow_unicode=False)
     found: dict[tuple[int, str | int], tuple[int, int]] = {}
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     assert root is not None
@@ -112,16 +131,16 @@ def write_yaml(document: dict[str, Any], comments: Comments, header: list[str]) 
     lines = text.splitlines()
     for container, key, mark in comments.marks:
         line, _ = found[id(container), key]
-        lines[line] += "  " + mark
+        lines[line] += "  " + one_line(mark)
     after: dict[int, list[str]] = {}
     before: dict[int, list[str]] = {}
     for container, key, note, ahead in comments.notes:
         line, column = found[id(container), key]
-        (before if ahead else after).setdefault(line, []).append(" " * column + note)
+        (before if ahead else after).setdefault(line, []).append(" " * column + one_line(note))
     parameters = document.get("parameters", [])
     spaced = {found[id(document), key][0] for key in document if key not in _UNSPACED} | {
         found[id(parameters), i][0] for i in range(len(parameters))}
-    out = list(header)
+    out = [one_line(line) for line in header]
     for number, written in enumerate(lines):
         if number in spaced:
             out.append("")
