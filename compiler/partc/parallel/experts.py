@@ -89,12 +89,11 @@ def placement_problem(experts: int, slots: Sequence[Sequence[object]]
     return next(iter(placement_problems(experts, slots)), None)
 
 
-def placement_problems(experts: int, slots: Sequence[Sequence[object]],
-                       limit: int | None = None) -> list[tuple[str, str]]:
+def placement_problems(experts: int, slots: Sequence[Sequence[object]]
+                       ) -> list[tuple[str, str]]:
     """(JSON pointer under the file's `ranks`, message) of every rule `slots` breaks, in file
     order; [] when it is a placement of `experts` experts. Experts on no rank are reported only
-    when every id is valid (a bad id may be the missing expert, mistyped). With `limit`, the
-    list is cut to that many problems, the last one saying how many more there are."""
+    when every id is valid (a bad id may be the missing expert, mistyped)."""
     if not slots:
         return [("/ranks", "it lists no expert-parallel rank")]
     found: list[tuple[str, str]] = []
@@ -125,11 +124,16 @@ def placement_problems(experts: int, slots: Sequence[Sequence[object]],
         found.append(("/ranks", f"{plural(len(missing), 'expert')} ({shown}) "
                       f"{'is' if len(missing) == 1 else 'are'} on no EP rank; every one of the "
                       f"{plural(experts, 'expert')} needs at least one"))
-    if limit is not None and len(found) > limit:
-        pointer, message = found[limit - 1]
-        found[limit - 1:] = [(pointer, f"{message} (and {len(found) - limit} more errors not "
-                                       "shown; fix these first)")]
     return found
+
+
+def first_problems(found: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:
+    """The first `limit` of `found`, the last saying how many more were left out."""
+    if len(found) <= limit:
+        return found
+    pointer, message = found[limit - 1]
+    return [*found[:limit - 1], (pointer, f"{message} (and {len(found) - limit} more errors "
+                                          "not shown; fix these first)")]
 
 
 PLACEMENT_DOC = "expert_parallel#placement"

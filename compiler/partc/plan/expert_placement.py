@@ -14,6 +14,7 @@ from partc.parallel.experts import (
     PLACEMENT_DOC,
     ExpertGroup,
     ExpertPlacement,
+    first_problems,
     placement_problems,
 )
 from partc.parallel.layout import LocalTensorLayout, ParallelModelInfo
@@ -67,14 +68,15 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
         raise fail("", "expected an object with one key `ranks`: a list of one list of "
                        "global expert ids per EP rank, e.g. {\"ranks\": [[0, 1], [2, 3]]}")
     ranks: list[list[Any]] = data["ranks"]
-    if ranks and len(ranks) != expert_parallel_size:
-        raise fail("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
-                             f"expert_parallel_size is {expert_parallel_size}")
     crowded = [(f"/ranks/{ep}", f"EP rank {ep} lists {len(ids)} ids but a rank holds at most "
                                 f"the model's {plural(experts, 'expert')}, each once")
                for ep, ids in enumerate(ranks) if len(ids) > max(experts, 1)]
-    problems = crowded or placement_problems(experts, ranks, limit=MAX_PLACEMENT_ERRORS)
-    raise_if_any([fail(*problem) for problem in problems])
+    problems = crowded or placement_problems(experts, ranks)
+    if ranks and len(ranks) != expert_parallel_size:
+        problems.insert(0, ("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
+                                      f"expert_parallel_size is {expert_parallel_size}"))
+    raise_if_any([fail(*problem)
+                  for problem in first_problems(problems, MAX_PLACEMENT_ERRORS)])
     return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
                            explicit=True)
 
