@@ -378,3 +378,32 @@ def test_a_planned_rank_and_a_launched_rank_have_the_same_coordinates() -> None:
         launch.coordinates(g) for g in range(launch.world_size)]
     assert [rank.coordinates.stage_rank for rank in plan.ranks if rank.coordinates] == [
         0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("ranks", "message"), [
+    ([[-1] * 450_000, [-1] * 450_000], "expert placement file is larger than the limit of "
+                                       f"{64 * 1024 + 32 * 8 * 2} bytes"),
+    ([[0] * 9, [1] * 3], "EP rank 0 lists 9 ids but a rank holds at most the model's 8 "
+                         "experts, each once"),
+])
+def test_an_oversized_placement_is_refused_before_it_is_checked_id_by_id(
+        tmp_path: Path, capsys: Any, ranks: list[list[int]], message: str) -> None:
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"ranks": ranks}))
+    code = main(["check", "--config", str(QWEN), "--ep", "2", "--expert-placement", str(path),
+                 "--format", "json"])
+    (error,) = json.loads(capsys.readouterr().out)["errors"]
+    assert code == 1 and message in error["message"], error["message"]
+
+
+def test_a_placement_breaking_many_rules_reports_the_first_twenty(tmp_path: Path,
+                                                                   capsys: Any) -> None:
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"ranks": [[-1] * 8] * 4}))  # 32 bad ids
+    code = main(["check", "--config", str(QWEN), "--ep", "4", "--expert-placement", str(path),
+                 "--format", "json"])
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert code == 1 and len(errors) == 20
+    assert errors[-1]["message"].endswith("EP rank 2 slot 3 names expert -1; expert ids are "
+                                          "integers 0..7 (and 12 more errors not shown; fix "
+                                          "these first)"), errors[-1]["message"]

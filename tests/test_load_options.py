@@ -185,3 +185,57 @@ def test_a_wrong_load_call_is_a_launch_error_that_except_checkpoint_error_still_
         package.load(LLAMA, rank=0, **options)
     assert isinstance(caught.value, CheckpointError), "the documented promise to old callers"
     assert caught.value.to_json()["stage"] == "launch"
+
+
+_HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize("variable", ["PARTC_READ_THREADS", "PARTC_LOCAL_RANKS",
+                                      "LOCAL_WORLD_SIZE"])
+@pytest.mark.parametrize("value", [_HUGE, "0" * 4000 + "1" * 400])
+def test_a_count_of_thousands_of_digits_in_the_environment_is_a_launch_error(
+        package: Any, monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:
+    monkeypatch.setenv(variable, value)
+    recorder = Recorder()
+    with pytest.raises(LaunchError) as caught:
+        package.load(LLAMA, rank=0, reader=recorder)
+    assert str(caught.value) == (f"environment {variable} holds a {len(value.lstrip('0'))}-digit "
+                                 "number; a rank or count has at most 18 digits (e.g. 3)")
+    assert recorder.runs == []
+
+
+@pytest.mark.parametrize(("environment", "variable"), [
+    ({"RANK": _HUGE}, "RANK"),
+    ({"RANK": "1", "WORLD_SIZE": _HUGE}, "WORLD_SIZE"),
+    ({"RANK": "0" * 4400 + "1" * 19, "WORLD_SIZE": "4"}, "RANK"),
+    ({"LOCAL_RANK": _HUGE, "RANK": "0", "WORLD_SIZE": "4"}, "LOCAL_RANK"),
+])
+def test_a_rank_of_thousands_of_digits_in_the_environment_is_a_launch_error(
+        package: Any, monkeypatch: pytest.MonkeyPatch, environment: dict[str, str],
+        variable: str) -> None:
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    digits = len(environment[variable].lstrip("0"))
+    expected = (f"environment {variable} holds a {digits}-digit number; a rank or count has at "
+                "most 18 digits (e.g. 3)")
+    with pytest.raises(LaunchError) as caught:
+        package.load(LLAMA, framework="torch") if variable == "LOCAL_RANK" else package.load(LLAMA)
+    assert str(caught.value) == expected
+
+
+@pytest.mark.parametrize("variable", ["RANK", "WORLD_SIZE"])
+def test_the_topology_refuses_a_launcher_variable_of_thousands_of_digits(
+        monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    from partc.runtime.mesh import build_topology
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv(variable, _HUGE)
+    with pytest.raises(LaunchError, match=f"^environment {variable} holds a 5000-digit number"):
+        build_topology(2, 2)
+
+
+def test_a_long_value_is_cut_in_the_message() -> None:
+    with pytest.raises(LaunchError) as caught:
+        environment_integer("RANK", "x" * 5000)
+    assert str(caught.value) == (f"environment RANK={'x' * 64!r}... (4936 more characters) is "
+                                 "not an integer in ASCII digits (e.g. 3)")

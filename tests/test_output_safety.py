@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from partc import __version__, output
 from partc.api import CompileOptions, compile_family
 from partc.cli.main import main
 from partc.errors import EmitError
-from partc.output import MARKER, sweep_abandoned
+from partc.output import MARKER, sweep_abandoned, write_atomically
 from partc.plan.topology import Topology
 
 from support import ROOT, hf, import_build
@@ -441,3 +442,25 @@ def test_a_read_only_parent_refuses_a_rebuild_as_the_machine_s_refusal_naming_th
     assert ("cannot write the build to prev (partc writes the new folder beside it, in "
             f"{Path.cwd().resolve()}): Read-only file system") in err, err
     assert tree_hash(scene) == before
+
+
+def test_the_loser_of_a_race_for_a_new_output_folder_is_told_another_writer_won(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "build"
+    real = output._write_file
+
+    def rival_first(path: Path, content: Any) -> None:
+        if not out.exists():  # another writer's folder appears after the check
+            out.mkdir()
+            (out / "theirs.txt").write_text("the winner's file")
+        real(path, content)
+
+    monkeypatch.setattr(output, "_write_file", rival_first)
+    with pytest.raises(EmitError) as caught:
+        write_atomically(out, {"a.txt": "mine"}, kind="build")
+    assert str(caught.value) == (
+        f"the output folder {out} was created by another writer (another partc run?) while "
+        "partc wrote; that writer won, its folder was left as it is and nothing of this run "
+        "was kept; run again to replace it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build"]  # no scratch left
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]

@@ -40,7 +40,11 @@ from partc.library import (
 from partc.parallel.specs import TensorSplit
 from partc.partition.boundary import PipelineActivationDtype
 from partc.partition.ownership import GroupParallelMode
-from partc.plan.expert_placement import model_expert_count, placement_from_document
+from partc.plan.expert_placement import (
+    model_expert_count,
+    placement_byte_limit,
+    placement_from_document,
+)
 from partc.plan.ir import Plan
 from partc.plan.ranks import GroupSite
 from partc.plan.realize import realize_plan
@@ -184,12 +188,14 @@ def with_expert_placement(topology: Topology, bound: BoundArchitecture,
         return topology
     if topology.expert_parallel_size is None:
         raise LoadError(f"--expert-placement {placement} needs --ep (the expert-parallel size)")
-    raw = read_bytes(placement, "expert placement file", MAX_CONFIG_BYTES)
+    experts = model_expert_count(bound)
+    raw = read_bytes(placement, "expert placement file", placement_byte_limit(
+        experts, topology.expert_parallel_size))
     document = parse_json(str(placement), decode_text(raw, str(placement),
                                                       "expert placement file"),
                           "expert placement file")
     return replace(topology, expert_placement=placement_from_document(
-        document.data, model_expert_count(bound), topology.expert_parallel_size,
+        document.data, experts, topology.expert_parallel_size,
         file=str(placement), locate=document.locate))
 
 

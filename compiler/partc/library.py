@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from functools import cache
@@ -9,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from partc.errors import LoadError, SourceLocation
-from partc.front.load import RawDocument, load_document, read_text
+from partc.front.load import RawDocument, load_document, long_path_error, read_text
 
 BUILTIN_PREFIX = "architectures/"
 """How built-in family files are named in messages and plan sources."""
@@ -46,8 +47,12 @@ def family_spec_is_file(spec: str | Path) -> bool:
     if isinstance(spec, Path):
         return True
     separators = {"/", os.sep} | ({os.altsep} if os.altsep else set())
-    return (spec.lower().endswith(FAMILY_SUFFIXES) or any(s in spec for s in separators)
-            or Path(spec).is_file())
+    if spec.lower().endswith(FAMILY_SUFFIXES) or any(s in spec for s in separators):
+        return True
+    try:
+        return Path(spec).is_file()
+    except (OSError, ValueError):  # a name too long for the file system is no file here
+        return False
 
 
 def read_family_source(spec: str | Path, *, builtin: bool = False) -> tuple[str, str]:
@@ -62,7 +67,13 @@ def read_family_source(spec: str | Path, *, builtin: bool = False) -> tuple[str,
     families = builtin_families()
     if not builtin and family_spec_is_file(spec):
         path = Path(spec)
-        if path.is_dir():
+        try:
+            folder = path.is_dir()
+        except OSError as exc:  # ENAMETOOLONG; any other refusal is read_text's to say
+            if exc.errno == errno.ENAMETOOLONG:
+                raise long_path_error(spec, "family file") from None
+            folder = False
+        if folder:
             raise LoadError(
                 f"family {str(spec)!r} is a folder; expected a family file (.yaml, .yml or "
                 f".toml) or a built-in family name ({', '.join(sorted(families))})",

@@ -568,7 +568,15 @@ def write_atomically(out: str | os.PathLike[str],
             _write_file(staging / relative, content)
         os.chmod(staging, 0o755)
         if not existed:
-            os.rename(staging, where)
+            try:
+                os.rename(staging, where)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.lexists(where):
+                    raise
+                raise _refuse(given, f"the output folder {given} was created by another writer "
+                              "(another partc run?) while partc wrote; that writer won, its "
+                              "folder was left as it is and nothing of this run was kept; run "
+                              "again to replace it") from None
             _fsync_folder(parent)
             return where
         old = _swap_in(staging, where, parent)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import unicodedata
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -123,6 +124,14 @@ def _others(group: Sequence[PartcError]) -> str:
     return f"; the others: {'; '.join(labels[:_LISTED])}{f' and {more} more' if more > 0 else ''}"
 
 
+def terminal_safe(text: str) -> str:
+    """`text` with every control character (ESC, NUL, a newline, C1 codes, DEL) spelled as its
+    escape (`\\x1b`, `\\n`): a name from a file or a tensor cannot move the cursor, recolor
+    the terminal or start a forged `error:` line. A tab is kept."""
+    return "".join(ch if ch == "\t" or unicodedata.category(ch) != "Cc"
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def _error_json(error: PartcError) -> dict[str, object]:
     """An error's JSON with `see`: where its guide (`doc`) is installed, None without one."""
     return error.to_json() | {"see": commands.error_reference(error.doc)}
@@ -139,17 +148,18 @@ def report_errors(errors: Sequence[PartcError], fmt: str, hints: Sequence[str] =
     else:
         for error, count in _collapsed(ordered):
             if count > 1:
-                print(f"error: {count} errors like this one (first shown): {error}"
-                      f"{_others(_group_of(ordered, error))}", file=sys.stderr)
+                print(terminal_safe(f"error: {count} errors like this one (first shown): "
+                                    f"{error}{_others(_group_of(ordered, error))}"),
+                      file=sys.stderr)
             else:
-                print(f"error: {error}", file=sys.stderr)
+                print(f"error: {terminal_safe(str(error))}", file=sys.stderr)
             for line in _caret_context(error):
                 print(line, file=sys.stderr)
             see = commands.error_reference(error.doc)
             if see is not None:
                 print(f"    see: {see}", file=sys.stderr)
         for hint in hints:
-            print(f"hint: {hint}", file=sys.stderr)
+            print(f"hint: {terminal_safe(hint)}", file=sys.stderr)
         print(f"partc: {len(ordered)} error(s)", file=sys.stderr)
     return EXIT_ERRORS
 

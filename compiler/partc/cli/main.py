@@ -212,6 +212,12 @@ def _run(args: argparse.Namespace, fmt: str) -> int:
             f"{_COMPILER_DEPENDENCIES[exc.name]} (a runtime-only install, README \"Serving "
             "images\", loads builds only): pip install partc with its dependencies")], fmt)
     except Exception as exc:  # the last line of defence against tracebacks
+        if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+            from partc.front.load import long_path_error
+
+            return report_errors([long_path_error(
+                os.fsdecode(exc.filename) if exc.filename is not None else "",
+                f"a path of partc {args.command}")], fmt)
         refused = _machine_refusal(args.command, exc)
         if refused is None:
             return _internal(exc, fmt)

@@ -237,6 +237,11 @@ def extended_document(document: RawDocument, sources: FamilySources,
         raise LoadError(f"`extends` makes a cycle: {' -> '.join((*chain, base_label))}",
                         location=document.locate("/extends"),
                         pointer="/extends")
-    base, texts = extended_document(load_document(base_label, text=base_text), sources,
-                                    (*chain, base_label))
+    loaded = load_document(base_label, text=base_text)
+    if not isinstance(loaded.data, dict):
+        kind = "a list" if isinstance(loaded.data, list) else "a scalar"
+        raise LoadError(f"`extends: {spec}`: base family {base_label} is {kind}, expected a "
+                        "family document (a mapping with `family`, `parameters`, ...)",
+                        location=document.locate("/extends"), pointer="/extends")
+    base, texts = extended_document(loaded, sources, (*chain, base_label))
     return merge_documents(base, document), [base_text, *texts]

@@ -12,6 +12,7 @@ positions, a small scanner of the (already valid) text recovers them.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -138,6 +139,30 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
 
 
+SHOWN_PATH_CHARACTERS = 120
+"""The most characters of a path a message prints whole; a longer one is cut in the middle."""
+
+
+def shown_path(path: str | Path) -> str:
+    """`path` as a message prints it: whole, or cut in the middle with its length said when it
+    is longer than SHOWN_PATH_CHARACTERS (a 5000-byte path would bury the message)."""
+    text = str(path)
+    if len(text) <= SHOWN_PATH_CHARACTERS:
+        return text
+    return f"{text[:60]}...{text[-40:]} ({len(text)} characters)"
+
+
+def long_path_error(path: str | Path, label: str) -> LoadError:
+    """The LoadError for a path the operating system refuses as too long (ENAMETOOLONG), naming
+    it (cut) and saying which limit it passes."""
+    text = os.fsencode(str(path))
+    longest = max((len(part) for part in text.split(b"/")), default=0)
+    limit = (f"a {longest}-byte name; a name has at most 255 bytes" if longest > 255
+             else f"{len(text)} bytes; a path has at most 4096")
+    return LoadError(f"cannot use {label}: the path is too long for the operating system "
+                     f"({limit})", location=SourceLocation(shown_path(path)))
+
+
 def read_bytes(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) -> bytes:
     """The bytes of a regular file of at most `limit` bytes; LoadError naming `label` otherwise.
 
@@ -146,7 +171,7 @@ def read_bytes(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) ->
     LoadError at the path.
     """
     path = Path(path)
-    where = SourceLocation(str(path))
+    where = SourceLocation(shown_path(path))
     if "\0" in str(path):
         raise LoadError(f"cannot read {label}: the path contains a NUL character",
                         location=SourceLocation(repr(str(path))))
@@ -172,6 +197,8 @@ def read_bytes(path: str | Path, label: str, limit: int = MAX_DOCUMENT_BYTES) ->
                 raise refuse(mode)
             raw = handle.read(limit + 1)
     except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise long_path_error(path, label) from None
         raise LoadError(f"cannot read {label}: {exc.strerror or exc}", location=where) from None
     except MemoryError:
         raise LoadError(f"cannot read {label}: out of memory", location=where) from None

@@ -127,6 +127,15 @@ def placement_problems(experts: int, slots: Sequence[Sequence[object]]
     return found
 
 
+def first_problems(found: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:
+    """The first `limit` of `found`, the last saying how many more were left out."""
+    if len(found) <= limit:
+        return found
+    pointer, message = found[limit - 1]
+    return [*found[:limit - 1], (pointer, f"{message} (and {len(found) - limit} more errors "
+                                          "not shown; fix these first)")]
+
+
 PLACEMENT_DOC = "expert_parallel#placement"
 """The guide section a placement error points to."""
 

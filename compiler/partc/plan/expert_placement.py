@@ -14,6 +14,7 @@ from partc.parallel.experts import (
     PLACEMENT_DOC,
     ExpertGroup,
     ExpertPlacement,
+    first_problems,
     placement_problems,
 )
 from partc.parallel.layout import LocalTensorLayout, ParallelModelInfo
@@ -36,6 +37,23 @@ def _no_location(pointer: str) -> SourceLocation | None:
     return None
 
 
+PLACEMENT_BYTES_PER_SLOT = 32
+"""Bytes a placement file may spend on each slot it can hold (an id, its comma and a
+pretty-printer's line and indent fit easily)."""
+PLACEMENT_BASE_BYTES = 64 * 1024
+"""Bytes a placement file may have beyond its slots (braces, `ranks`, comments of spacing)."""
+MAX_PLACEMENT_ERRORS = 20
+"""The most placement errors reported; a file breaking more rules is stopped there."""
+
+
+def placement_byte_limit(experts: int, expert_parallel_size: int) -> int:
+    """The largest placement file read for `experts` experts on `expert_parallel_size` EP
+    ranks: a rank's ids are distinct, so a placement has at most experts x E slots; a larger
+    file is refused before it is parsed."""
+    return PLACEMENT_BASE_BYTES + PLACEMENT_BYTES_PER_SLOT * max(experts, 1) * max(
+        expert_parallel_size, 1)
+
+
 def placement_from_document(data: object, experts: int, expert_parallel_size: int, *,
                             file: str, locate: Locate = _no_location) -> ExpertPlacement:
     """An explicit placement from a placement file's JSON: `{"ranks": [[ids...], ...]}`, one
@@ -50,11 +68,15 @@ def placement_from_document(data: object, experts: int, expert_parallel_size: in
         raise fail("", "expected an object with one key `ranks`: a list of one list of "
                        "global expert ids per EP rank, e.g. {\"ranks\": [[0, 1], [2, 3]]}")
     ranks: list[list[Any]] = data["ranks"]
-    problems = placement_problems(experts, ranks)
+    crowded = [(f"/ranks/{ep}", f"EP rank {ep} lists {len(ids)} ids but a rank holds at most "
+                                f"the model's {plural(experts, 'expert')}, each once")
+               for ep, ids in enumerate(ranks) if len(ids) > max(experts, 1)]
+    problems = crowded or placement_problems(experts, ranks)
     if ranks and len(ranks) != expert_parallel_size:
         problems.insert(0, ("/ranks", f"it lists {plural(len(ranks), 'EP rank')} but "
                                       f"expert_parallel_size is {expert_parallel_size}"))
-    raise_if_any([fail(*problem) for problem in problems])
+    raise_if_any([fail(*problem)
+                  for problem in first_problems(problems, MAX_PLACEMENT_ERRORS)])
     return ExpertPlacement(experts=experts, slots=tuple(tuple(r) for r in ranks),
                            explicit=True)
 

@@ -39,6 +39,30 @@ class LaunchPosition:
             raise LaunchError(f"inconsistent launch position {self}")
 
 
+MAX_DIGITS = 18
+"""The most significant digits a launcher variable may have: a count of ranks, processes or
+threads is far below 10**18, and `int` refuses strings past 4300 digits with a bare
+ValueError."""
+
+
+def shown(raw: str, limit: int = 64) -> str:
+    """`raw` as its repr for a message, cut to `limit` characters (a launcher variable may be
+    any length) with the characters left out counted."""
+    if len(raw) <= limit:
+        return repr(raw)
+    return f"{raw[:limit]!r}... ({len(raw) - limit} more characters)"
+
+
+def bounded_integer(name: str, digits: str) -> int:
+    """ASCII `digits` of environment variable `name` as an int, or a LaunchError naming the
+    variable when they are more than MAX_DIGITS significant digits (leading zeros aside)."""
+    significant = digits.lstrip("0")
+    if len(significant) > MAX_DIGITS:
+        raise LaunchError(f"environment {name} holds a {len(significant)}-digit number; a rank "
+                          f"or count has at most {MAX_DIGITS} digits (e.g. 3)")
+    return int(significant or "0")
+
+
 def environment_integer(name: str, raw: str) -> int:
     """Environment variable `name`'s value `raw` as a non-negative integer, or a clear error.
 
@@ -48,11 +72,11 @@ def environment_integer(name: str, raw: str) -> int:
     text = raw.strip()
     digits = text[1:] if text.startswith("-") else text
     if not (digits.isascii() and digits.isdigit()):
-        raise LaunchError(f"environment {name}={raw!r} is not an integer in ASCII digits "
+        raise LaunchError(f"environment {name}={shown(raw)} is not an integer in ASCII digits "
                           "(e.g. 3)")
     if text.startswith("-"):
-        raise LaunchError(f"environment {name}={raw!r} must not be negative")
-    return int(text)
+        raise LaunchError(f"environment {name}={shown(raw)} must not be negative")
+    return bounded_integer(name, digits)
 
 
 def world_factors(tensor_parallel_size: int, pipeline_parallel_size: int,
@@ -83,8 +107,8 @@ def launch_position(build_world_size: int, factors: str | None = None) -> Launch
     world_raw = os.environ.get("WORLD_SIZE")
     world = build_world_size if world_raw is None else environment_integer("WORLD_SIZE", world_raw)
     if world == 0:
-        raise LaunchError(f"environment WORLD_SIZE={world_raw!r} must be a positive count of "
-                          "processes (at least this build's "
+        raise LaunchError(f"environment WORLD_SIZE={shown(world_raw or '')} must be a positive "
+                          "count of processes (at least this build's "
                           f"{build_world_size}); unset it for one replica")
     if world % build_world_size:
         raise not_a_multiple(world, build_world_size, factors)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from partc.errors import LaunchError
+from partc.runtime.rank_env import bounded_integer, shown
 
 
 def environment_count(name: str) -> int | None:
@@ -19,10 +20,10 @@ def environment_count(name: str) -> int | None:
     text = (raw or "").strip()
     if not text:
         return None
-    if not (text.isascii() and text.isdigit()) or int(text) == 0:
-        raise LaunchError(f"environment {name}={raw!r} must be a positive integer in ASCII "
-                          "digits (e.g. 4); unset it for the default")
-    return int(text)
+    if not (text.isascii() and text.isdigit()) or bounded_integer(name, text) == 0:
+        raise LaunchError(f"environment {name}={shown(raw or '')} must be a positive integer in "
+                          "ASCII digits (e.g. 4); unset it for the default")
+    return bounded_integer(name, text)
 
 
 def usable_cores() -> int:
