@@ -633,12 +633,20 @@ def _grouped(name: str, segments: tuple[int, ...], heads: tuple[int, ...], group
                              f"positive group count, found {groups}", group=name)
     if heads and len(heads) != len(segments):
         heads = (heads[0],) * len(segments) if len(heads) == 1 else heads
+    return _in_groups(name, segments, heads, groups, "grouped segment of {seg} rows per group",
+                      "groups")
+
+
+def _in_groups(name: str, segments: tuple[int, ...], heads: tuple[int, ...], groups: int,
+               segment: str, blocks: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(global widths, heads, groups) of segments repeated in `groups` blocks, each segment's
+    heads spread over the blocks in whole numbers; `segment` and `blocks` word the refusal."""
     for seg, count in zip(segments, heads, strict=True):
         if count % groups or seg % (count // groups):
             raise invalid_group(
-                f"group `{name}`: grouped segment of {seg} rows per group with {count} heads "
-                f"does not hold a whole number of heads in each of the {groups} groups "
-                f"(heads {list(heads)}, segments per group {list(segments)})", group=name)
+                f"group `{name}`: {segment.format(seg=seg)} with {count} heads does not hold a "
+                f"whole number of heads in each of the {groups} {blocks} (heads "
+                f"{list(heads)}, segments per group {list(segments)})", group=name)
     return tuple(s * groups for s in segments), heads, groups
 
 
@@ -671,14 +679,8 @@ def _interleaved(name: str, layout: FusedLayout, segments: tuple[int, ...],
         raise invalid_group(f"group `{name}`: {len(heads)} head counts {list(heads)} for "
                              f"{len(segments)} segments; a grouped_per_kv fused projection "
                              "gives one per segment", group=name)
-    groups = min(heads)
-    for seg, count in zip(segments, heads, strict=True):
-        if count % groups or seg % (count // groups):
-            raise invalid_group(
-                f"group `{name}`: grouped_per_kv segment of {seg} rows with {count} heads "
-                f"does not hold a whole number of heads in each of the {groups} KV groups "
-                f"(heads {list(heads)}, segments per group {list(segments)})", group=name)
-    return tuple(s * groups for s in segments), heads, groups
+    return _in_groups(name, segments, heads, min(heads), "grouped_per_kv segment of {seg} rows",
+                      "KV groups")
 
 
 def segmented_projection_group(
