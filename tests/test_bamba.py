@@ -17,7 +17,7 @@ import pytest
 from partc.runtime import partition_state
 from partc.verify.run import verify_family
 
-from executor import RankShard, Selection, forward, forward_pipeline, load_fixture
+from executor import RankShard, forward, forward_pipeline, load_fixture
 from support import compile_and_load, hf
 
 BAMBA = hf("bamba")
@@ -28,16 +28,6 @@ INNER, N, HEADS, P = 128, 16, 8, 16  # Mamba2 channels, state size, heads, head_
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
-
-
-def rank_shard(state) -> RankShard:
-    """An executor rank from one generated rank's loaded arrays and layout selections."""
-    selections = {}
-    for target in state.tensors:
-        axis, ranges = state.layout[target].selection
-        selections[target] = None if axis is None else Selection(axis=axis, ranges=ranges)
-    return RankShard(tensors={k: np.asarray(v, dtype=np.float32)
-                              for k, v in state.tensors.items()}, selections=selections)
 
 
 def _indices(selection, length: int) -> list[int]:
@@ -105,7 +95,7 @@ def test_the_ranks_of_the_built_in_bamba_family_reproduce_hf_logits_and_state(tm
     assert plan.family == "bamba"
     stages, layers = [], []
     for p in range(pp):
-        stages.append([rank_shard(s) for s in states[p * tp:(p + 1) * tp]])
+        stages.append([RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]])
         start, end = {g.group: g.unit_range
                       for g in plan.ranks[p * tp].partition.groups}["decoder"]
         layers.append(range(start, end))

@@ -17,22 +17,12 @@ import pytest
 
 from partc.verify.run import verify_family
 
-from executor import RankShard, Selection, forward, forward_pipeline, load_fixture
+from executor import RankShard, forward, forward_pipeline, load_fixture
 from support import compile_and_load, hf
 
 TOLERANCE = 1e-4
 MAMBA = hf("mamba")
 NEXT = hf("qwen3_next")
-
-
-def rank_shard(state) -> RankShard:
-    """An executor rank from one generated rank's loaded arrays and layout selections."""
-    selections = {}
-    for target in state.tensors:
-        axis, ranges = state.layout[target].selection
-        selections[target] = None if axis is None else Selection(axis=axis, ranges=ranges)
-    return RankShard(tensors={k: np.asarray(v, dtype=np.float32)
-                              for k, v in state.tensors.items()}, selections=selections)
 
 
 def stage_layers(plan, stage: int) -> range:
@@ -74,7 +64,8 @@ def mamba_runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"mamba_tp{tp}_pp{pp}")
             plan, states = compile_and_load(None, MAMBA / "config.json", out,
                                             MAMBA / "model.safetensors", tp=tp, pp=pp)
-            stages = [[rank_shard(s) for s in states[p * tp:(p + 1) * tp]] for p in range(pp)]
+            stages = [[RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]]
+                      for p in range(pp)]
             layers = [stage_layers(plan, p) for p in range(pp)]
             result = forward_pipeline(config, stages, layers, reference["input_ids"])
             cache[tp, pp] = (plan, states, result, reference)
@@ -237,7 +228,8 @@ def next_runs(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"next_tp{tp}_pp{pp}")
             plan, states = compile_and_load(None, NEXT / "config.json", out,
                                             NEXT / "model.safetensors", tp=tp, pp=pp)
-            stages = [[rank_shard(s) for s in states[p * tp:(p + 1) * tp]] for p in range(pp)]
+            stages = [[RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]]
+                      for p in range(pp)]
             layers = [stage_layers(plan, p) for p in range(pp)]
             result = forward_pipeline(config, stages, layers, reference["input_ids"])
             cache[tp, pp] = (plan, states, result, reference)

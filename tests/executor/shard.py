@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,17 @@ class RankShard:
     experts_only: bool = False
     """An expert-parallel rank whose dense parts are another rank's copy: it takes part in the
     routed experts only (the dense layers run on the other ranks)."""
+
+    @classmethod
+    def of_state(cls, state: Any) -> RankShard:
+        """One partc-loaded rank (a generated module's load() result): its arrays as float32,
+        with its layout's selections."""
+        selections: dict[str, Selection | None] = {}
+        for target in state.tensors:
+            axis, ranges = state.layout[target].selection
+            selections[target] = None if axis is None else Selection(axis=axis, ranges=ranges)
+        return cls(tensors={k: np.asarray(v, dtype=np.float32) for k, v in state.tensors.items()},
+                   selections=selections)
 
     def has(self, name: str) -> bool:
         """Whether this rank holds tensor ``name``."""
