@@ -44,6 +44,7 @@ from partc.errors import PartcError, PartcErrors, SourceLocation, VerifyError, r
 from partc.plan.topology import Topology
 from partc.verify.expert_checks import ExpertParallelRanks
 from partc.verify.modules import TensorParallelRanks
+from partc.verify.quantized import StoredReference, stored_reference
 from partc.verify.reference import (
     build_reference,
     load_config,
@@ -92,7 +93,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
         work = Path(scratch)
         folder = work / "reference"
-        session = _reference_session(reference, folder, work, seed, Path(config))
+        session, stored = _reference_session(reference, folder, work, seed, Path(config),
+                                             user.data, notes)
         seconds["reference"] = time.perf_counter() - start
         checks: list[Check] = []
         plans: list[PlanFile] = []  # the builds' plans, read back
@@ -100,24 +102,28 @@ def verify_family(family: str | Path | None, config: str | Path, *,
         for tp in user.tensor_parallel_sizes:
             begin = time.perf_counter()
             try:
-                build = compile_build(family, folder, work / f"tp{tp}", tp, 1, policy)
+                build = compile_build(family, folder, work / f"tp{tp}", tp, 1, policy,
+                                      stored=stored)
             except PartcError as error:
                 checks.append(_not_compiled(tp, 1, error, notes))
                 continue
             family_name = build.file.family
             plans.append(build.file)
             ranks = TensorParallelRanks(session, build)
+            checks.extend(build.stored_checks)
+            decoded = {(c.rank, c.module) for c in build.stored_checks}  # reported there
             checks.extend(Check(
                 tp=tp, pp=1, module=target, group="", rank=rank, ok=False,
                 max_error=float("inf"), tolerance=0.0,
                 message=f"T={tp} x S=1: rank {rank}'s loader read `{target}` bytes that differ "
-                        "from the checkpoint's") for rank, target in ranks.loader_faults)
+                        "from the checkpoint's") for rank, target in ranks.loader_faults
+                if (rank, target) not in decoded)
             checks.extend(ranks.check(module) for module in session.modules)
             seconds[f"tp{tp}"] = time.perf_counter() - begin
         if experts is not None:
             begin = time.perf_counter()
             checks.extend(_expert_checks(family, folder, work, user.tensor_parallel_sizes,
-                                         policy, experts, session, notes))
+                                         policy, experts, session, notes, stored))
             seconds["ep"] = time.perf_counter() - begin
         pp = user.pipeline_parallel_size
         cuts: list[dict[str, object]] = []  # each cut checked, as the report lists them
@@ -129,8 +135,9 @@ def verify_family(family: str | Path | None, config: str | Path, *,
             for index, (sizes, units) in enumerate(asked):
                 try:
                     staged = compile_build(family, folder, work / f"pp{pp}_{index}", 1, pp,
-                                           policy, units)
+                                           policy, units, stored=stored)
                     plans.append(staged.file)
+                    checks.extend(staged.stored_checks)
                     checks.extend(pipeline_checks(session, staged))
                     staged_plans.append(staged.file)
                     family_name = family_name or staged.file.family
@@ -152,7 +159,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
 
 def _expert_checks(family: str | Path | None, folder: Path, work: Path,
                    tensor_parallel_sizes: Sequence[int], policy: ShardingPolicy | None,
-                   experts: ExpertTopology, session: Session, notes: list[str]) -> list[Check]:
+                   experts: ExpertTopology, session: Session, notes: list[str],
+                   stored: StoredReference | None = None) -> list[Check]:
     """The expert-parallel checks at each T of `tensor_parallel_sizes` that divides the E x X
     ranks of a stage (the others noted); a build that does not compile is a failed check."""
     ep, etp = experts.expert_parallel_size, experts.expert_tensor_parallel_size
@@ -171,7 +179,7 @@ def _expert_checks(family: str | Path | None, folder: Path, work: Path,
     for tp in sizes:
         try:
             build = compile_build(family, folder, work / f"tp{tp}_ep{ep}_etp{etp}", tp, 1,
-                                  policy, experts=experts)
+                                  policy, experts=experts, stored=stored)
         except PartcError as error:
             first = error.errors[0] if isinstance(error, PartcErrors) else error
             shrunk = " (shrunk as the notes say)" if any(
@@ -182,6 +190,7 @@ def _expert_checks(family: str | Path | None, folder: Path, work: Path,
                 message=f"T={tp} x S=1 x EP={ep}" + (f" x ETP={etp}" if etp > 1 else "")
                         + f": the reference model{shrunk} does not compile: {first}"))
             continue
+        checks.extend(build.stored_checks)
         checks.extend(ExpertParallelRanks(session, build).checks())
     return checks
 
@@ -337,12 +346,16 @@ def checked_config(family: str | Path | None, config: Path,
 
 
 def _reference_session(reference: dict[str, Any], folder: Path, work: Path, seed: int,
-                       config: Path) -> Session:
-    """The reference model built and run once; a VerifyError at the user's config when
-    transformers builds a model of it that it cannot run."""
+                       config: Path, user: dict[str, Any], notes: list[str]
+                       ) -> tuple[Session, StoredReference | None]:
+    """The reference model built and run once, and re-stored in the storage format the
+    user's config names, if any (`partc.verify.quantized`: the model run is then the decoded
+    one); a VerifyError at the user's config when transformers builds a model of it that it
+    cannot run."""
     build_reference(reference, folder, seed, SourceLocation(str(config)))
+    stored = stored_reference(user, folder, work, notes)
     try:
-        return Session(folder, work, seed)
+        return Session(folder, work, seed), stored
     except RuntimeError as error:  # torch: the config's sizes do not fit each other
         raise VerifyError(f"transformers cannot run the `{reference['model_type']}` model "
                           f"built from the config: {error}",

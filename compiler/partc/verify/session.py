@@ -29,6 +29,8 @@ from partc.verify.reference import (
 if TYPE_CHECKING:
     from partc.api import StageUnits
     from partc.parallel.specs import ShardingPolicy
+    from partc.verify.quantized import StoredReference
+    from partc.verify.results import Check
 
 RELATIVE_TOLERANCE = 1e-4
 """Tolerance relative to the largest magnitude of the full output."""
@@ -46,6 +48,9 @@ class Build:
     """Each rank's loaded state, by rank."""
     expert_maps: tuple[Any, ...] = ()
     """Each rank's `expert_map()` (an expert-parallel build; empty otherwise)."""
+    stored_checks: tuple[Check, ...] = ()
+    """The checks of each rank's stored weights decoded from its own slices (a reference in a
+    storage format, `partc.verify.quantized`; empty otherwise)."""
 
     @property
     def tp(self) -> int:
@@ -75,10 +80,14 @@ def _imported(out: Path) -> Iterator[Any]:
 
 def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int, pp: int,
                   policy: ShardingPolicy | None, stage_units: StageUnits = None, *,
-                  experts: ExpertTopology | None = None) -> Build:
+                  experts: ExpertTopology | None = None,
+                  stored: StoredReference | None = None) -> Build:
     """Compile the family for the reference checkpoint at T x S (`stage_units`: the stages'
     units, as `compile_family` takes them; None: balanced; `experts`: expert parallelism) and
-    load every rank (and its expert map, under expert parallelism)."""
+    load every rank (and its expert map, under expert parallelism). `stored`: the reference
+    in a storage format, compiled for and loaded instead, each rank's weights then decoded
+    from its own slices."""
+    reference = stored.folder if stored is not None else reference
     compile_family(family, reference / "config.json",
                    Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                             expert_parallel_size=experts.expert_parallel_size if experts
@@ -92,7 +101,10 @@ def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int
     with _imported(out) as package:
         states = tuple(package.load(reference, rank=r) for r in ranks)
         maps = tuple(package.rank_module(r).expert_map() for r in ranks) if experts else ()
-    return Build(file=plan, states=states, expert_maps=maps)
+    if stored is None:
+        return Build(file=plan, states=states, expert_maps=maps)
+    states, found = stored.dense_states(states, tp, pp)
+    return Build(file=plan, states=states, expert_maps=maps, stored_checks=tuple(found))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
