@@ -34,6 +34,7 @@ from partc.verify.quantized_formats import (
     dense_selection,
     encode,
     expected_companion_shape,
+    numpy_of,
     quantization_keys,
     storage_format,
 )
@@ -299,7 +300,7 @@ def stored_reference(config: dict[str, Any], folder: Path, work: Path,
         parts = encode(fmt, tensors[name])
         encoded[name] = {part: fmt.companions(name)[part] for part in parts}
         stored.update({encoded[name][part]: value for part, value in parts.items()})
-        dense[name] = decode(fmt, {part: _numpy(value) for part, value in parts.items()})
+        dense[name] = decode(fmt, {part: numpy_of(value) for part, value in parts.items()})
     out = work / "stored"
     out.mkdir()
     data = json.loads((source / "config.json").read_text(encoding="utf-8"))
@@ -319,12 +320,3 @@ def stored_reference(config: dict[str, Any], folder: Path, work: Path,
                  "slices")
     return StoredReference(fmt, out, encoded, dense)
 
-
-def _numpy(value: Any) -> np.ndarray:
-    """A stored torch tensor as partc's loader gives it (ml_dtypes for FP8)."""
-    torch, _ = require_libraries()
-    if value.dtype == torch.float8_e4m3fn:
-        import ml_dtypes
-
-        return np.asarray(value.view(torch.uint8).numpy()).view(ml_dtypes.float8_e4m3fn)
-    return np.asarray(value.numpy())

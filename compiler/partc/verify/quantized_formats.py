@@ -121,6 +121,17 @@ def _torch_of(array: np.ndarray) -> Any:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
+def numpy_of(value: Any) -> np.ndarray:
+    """A torch tensor as partc's loader gives it: the same bits, FP8 and BF16 as ml_dtypes."""
+    torch, _ = require_libraries()
+    for dtype, raw in (("float8_e4m3fn", torch.uint8), ("bfloat16", torch.int16)):
+        if value.dtype == getattr(torch, dtype):
+            import ml_dtypes
+
+            return np.asarray(value.view(raw).numpy()).view(getattr(ml_dtypes, dtype))
+    return np.asarray(value.numpy())
+
+
 def _transformers_function(module: str, name: str) -> Any:
     """A dequantization function of transformers, or a VerifyError naming it."""
     _, transformers = require_libraries()
