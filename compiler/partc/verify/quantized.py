@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from partc.verify.modules import _scatter as scatter
 from partc.verify.quantized_formats import (
     Selection,
     StorageFormat,
@@ -94,24 +95,6 @@ class DenseState:
     """Local tensors by dense name."""
     layout: DenseLayouts
     """Their layouts."""
-
-
-def _scatter(shape: tuple[int, ...], selection: Selection, local: np.ndarray) -> np.ndarray:
-    """The global array holding `local` at its ranges (NaN elsewhere)."""
-    out = np.full(shape, np.nan, dtype=np.float32)
-    axis, ranges = selection
-    if axis is None:
-        out[...] = local
-        return out
-    offset = 0
-    for start, end in ranges:
-        into: list[slice] = [slice(None)] * len(shape)
-        into[axis] = slice(start, end)
-        source: list[slice] = [slice(None)] * len(shape)
-        source[axis] = slice(offset, offset + end - start)
-        out[tuple(into)] = local[tuple(source)]
-        offset += end - start
-    return out
 
 
 def _spelled(selection: Selection) -> str:
@@ -225,10 +208,14 @@ class StoredReference:
             return fail(f"loads {self._held(parts['weight'], state)}: a slice inside a "
                         "block, which no rank can decode")
         values = decode(self.format, local)
-        placed = _scatter(shape, selection, values)
-        held = ~np.isnan(placed)
-        error = float(np.abs(placed[held] - self.dense[name][held]).max(initial=0.0))
-        if error > 0.0 or values.size != int(held.sum()):
+        try:
+            placed = scatter(shape, selection, values)
+        except ValueError:  # numpy: the decoded slice does not fit where its weight slice is
+            return fail(f"loads {self._held(parts['weight'], state)}, which decodes to "
+                        f"{list(values.shape)}: not the dense elements its slice names")
+        mask = scatter(shape, selection, np.ones(values.shape, bool))
+        error = float(np.abs(placed[mask] - self.dense[name][mask]).max(initial=0.0))
+        if error > 0.0 or values.size != int(mask.sum()):
             companions = " and ".join(self._held(p, state) for k, p in parts.items()
                                       if k != "weight")
             return fail(f"loads {self._held(parts['weight'], state)}, which decoded with "
