@@ -22,6 +22,7 @@ from partc.verify.quantized import stored_reference
 from partc.verify.quantized_formats import decode, numpy_of, storage_format
 from partc.verify.reference import build_reference, load_model, reference_config
 from partc.verify.run import verify_family
+from partc.verify.session import ExpertTopology
 
 from support import QUANTIZED, ROOT
 
@@ -92,12 +93,17 @@ def test_decoding_the_fixture_gives_its_reference_logits(tmp_path: Path, name: s
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_quantized_fixtures_verify_from_each_rank_s_own_slices(name: str) -> None:
+    """At T = 2, and for the MoE fixtures at EP = 2 too (each rank's experts' companions)."""
+    moe = name in ("deepseek_v3_fp8", "gpt_oss_mxfp4")
     report = verify_family(None, QUANTIZED / name / "config.json", tensor_parallel_sizes=[2],
-                           pipeline_parallel_size=1)
+                           pipeline_parallel_size=1,
+                           experts=ExpertTopology(expert_parallel_size=2) if moe else None)
     assert report.ok, report.first_failure
     kind = FIXTURES[name]
     stored = [c for c in report.checks if c.module == f"{kind} storage"]
-    assert [c.rank for c in stored] == [0, 1] and all(c.ok for c in stored)
+    assert [(c.rank, c.ep) for c in stored] == [(0, None), (1, None)] + (
+        [(0, 2), (1, 2)] if moe else [])
+    assert all(c.ok for c in stored)
     assert all(int(c.message.split()[0]) > 0 for c in stored)  # weights decoded on each rank
     assert any(n.startswith(f"the reference checkpoint is stored as {kind}")
                for n in report.notes)

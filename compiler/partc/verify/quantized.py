@@ -119,11 +119,16 @@ class StoredReference:
         self._part_of = {stored: (name, part) for name, parts in encoded.items()
                          for part, stored in parts.items()}
 
-    def dense_states(self, states: tuple[Any, ...], tp: int, pp: int
+    def dense_states(self, states: tuple[Any, ...], tp: int, pp: int,
+                     experts: tuple[int, int] | None = None
                      ) -> tuple[tuple[DenseState, ...], list[Check]]:
         """Every rank's state with its stored weights decoded from its own slices, and the
         checks of the decoding: one per rank (its weights equal the reference's), or a failed
-        one per weight whose companions do not follow it."""
+        one per weight whose companions do not follow it. `experts`: (E, X) of an
+        expert-parallel build, recorded on its checks."""
+        ep, etp = experts if experts else (None, None)
+        topology = f"T={tp} x S={pp}" + (f" x EP={ep}" if ep else "") + (
+            f" x ETP={etp}" if etp and etp > 1 else "")
         dense_states: list[DenseState] = []
         checks: list[Check] = []
         for rank, state in enumerate(states):
@@ -142,7 +147,7 @@ class StoredReference:
                 if name in seen:
                     continue
                 seen.add(name)
-                result = self._decoded(name, state, rank, tp, pp)
+                result = self._decoded(name, state, rank, topology, (tp, pp, ep, etp))
                 if isinstance(result, Check):
                     checks.append(result)
                     continue
@@ -151,7 +156,8 @@ class StoredReference:
                 decoded += 1
             if len(checks) == failed:
                 checks.append(Check(tp=tp, pp=pp, module=f"{self.format.kind} storage", group="",
-                                    rank=rank, ok=True, max_error=0.0, tolerance=0.0,
+                                    rank=rank, ok=True, max_error=0.0, tolerance=0.0, ep=ep,
+                                    etp=etp,
                                     message=f"{decoded} stored weights decoded from the rank's "
                                             "own slices equal the reference's"))
             dense_states.append(DenseState(tensors=tensors, layout=DenseLayouts(layouts)))
@@ -173,19 +179,21 @@ class StoredReference:
         return (f"`{target}` as {list(layout.local_shape)} ({_spelled(layout.selection)} "
                 f"of {list(layout.global_shape)})")
 
-    def _decoded(self, name: str, state: Any, rank: int, tp: int, pp: int
+    def _decoded(self, name: str, state: Any, rank: int, topology: str,
+                 sizes: tuple[int, int, int | None, int | None]
                  ) -> tuple[np.ndarray, DenseLayout] | Check:
-        """One weight of one rank decoded from its own stored slices, or the failed check."""
+        """One weight of one rank decoded from its own stored slices, or the failed check
+        (at `topology`, spelled, of `sizes` T, S, E, X)."""
         parts = self.encoded[name]
         weight = state.layout[parts["weight"]] if parts["weight"] in state.layout else None
-        where = f"T={tp} x S={pp}: rank {rank}"
+        tp, pp, ep, etp = sizes
 
         def fail(why: str, error: float = float("inf")) -> Check:
             group = weight.logical_name if weight is not None else next(
                 state.layout[p].logical_name for p in parts.values() if p in state.layout)
             return Check(tp=tp, pp=pp, module=name, group=group, rank=rank, ok=False,
-                         max_error=error, tolerance=0.0,
-                         message=f"{where} {why} ({self.format.spelled}; {DOC})")
+                         max_error=error, tolerance=0.0, ep=ep, etp=etp,
+                         message=f"{topology}: rank {rank} {why} ({self.format.spelled}; {DOC})")
 
         missing = [p for p in parts.values() if p not in state.layout]
         if missing:

@@ -103,7 +103,8 @@ def compile_build(family: str | Path | None, reference: Path, out: Path, tp: int
         maps = tuple(package.rank_module(r).expert_map() for r in ranks) if experts else ()
     if stored is None:
         return Build(file=plan, states=states, expert_maps=maps)
-    states, found = stored.dense_states(states, tp, pp)
+    states, found = stored.dense_states(states, tp, pp, (
+        experts.expert_parallel_size, experts.expert_tensor_parallel_size) if experts else None)
     return Build(file=plan, states=states, expert_maps=maps, stored_checks=tuple(found))
 
 
