@@ -3,11 +3,12 @@ config spells them, and whichever fields the family reads), and what is left is 
 the meta device and refused over the memory budget before anything is allocated.
 
 The hostile configs of issue 39 (a 2^31 `n_positions`, a 2^20 `head_dim`, a 2^26
-`moe_intermediate_size`, a 70B `text_config` inside a vision-language config, a Mamba state of
-2^20 that no shrink rule knows) and the released GPT-2, CodeGen-350M-mono and MPT-7B configs
-run in one child process whose address space is capped at 3 GiB (`RLIMIT_AS`): a run that
-allocated any of these models at full size would die there. Each run's outcome, message and
-the number of reference models it built are asserted.
+`moe_intermediate_size`, a 2^20 Mamba state, a 70B `text_config` inside a vision-language
+config, a Qwen3-Next linear-attention key width of 2^20 that no shrink rule knows) and the
+released GPT-2, CodeGen-350M-mono and MPT-7B configs run in one child process whose address
+space is capped at 3 GiB (`RLIMIT_AS`): a run that allocated any of these models at full size
+would die there. Each run's outcome, message and the number of reference models it built are
+asserted.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ HOSTILE = {
                                             "rope_type": "default"}},
         "vision_config": {"hidden_size": LLAMA_70B["hidden_size"]}}), None),
     "mamba_state": (_edited("mamba", {"state_size": 2**20}), None),
+    "qwen3_next_linear_keys": (_edited("qwen3_next", {"linear_key_head_dim": 2**20}), None),
     "gpt2_124m": (None, RELEASED / "gpt2" / "config.json"),
     "codegen_350m_mono": (None, RELEASED / "codegen-350M-mono" / "config.json"),
     "mpt_7b": (None, RELEASED / "mpt-7b" / "config.json"),
@@ -124,6 +126,7 @@ def _notes(text: str) -> str:
     ("gpt2_positions", ["n_positions 2147483648 -> 128"]),
     ("llama_head_dim", ["head_dim 1048576 -> 16"]),
     ("qwen3_moe_width", ["moe_intermediate_size 67108864 -> 32"]),
+    ("mamba_state", ["state_size 1048576 -> 16"]),
     # at T=2: 2 "KV" heads (one per rank) of 2 query heads each, 16 wide
     ("gpt2_124m", ["n_embd 768 -> 64", "n_head 12 -> 4", "n_layer 12 -> 2",
                    "n_positions 1024 -> 128", "vocab_size 50257 -> 131"]),
@@ -146,7 +149,8 @@ def test_a_config_with_huge_or_released_sizes_is_shrunk_and_verifies(runs, case,
 @pytest.mark.parametrize(("case", "kept"), [
     ("llava_70b_text", "`text_config.hidden_size` 8192 (`hidden_size`)"),
     ("qwen2_vl_70b_text", "`text_config.hidden_size` 8192 (`hidden_size`)"),
-    ("mamba_state", "kept at full size (no shrink rule rewrites them): `state_size` 1048576"),
+    ("qwen3_next_linear_keys", "kept at full size (no shrink rule rewrites them): "
+                               "`linear_key_head_dim` 1048576"),
 ])
 def test_a_reference_model_over_the_budget_is_refused_before_it_is_built(runs, case, kept):
     result = runs[case]
@@ -195,7 +199,7 @@ def test_a_memory_budget_that_is_not_a_size_is_a_usage_error(capsys, budget):
         main(["verify", "--config", str(hf("llama") / "config.json"), "--memory-budget",
               budget])
     assert stopped.value.code == 2
-    assert "--memory-budget" in capsys.readouterr().err
+    assert "argument --memory-budget: expected " in capsys.readouterr().err
 
 
 def test_the_estimate_counts_the_parameters_transformers_builds():

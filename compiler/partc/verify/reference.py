@@ -58,7 +58,7 @@ LARGE = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 512,
          "max_position_embeddings": 2**20, "num_experts": 64, "num_local_experts": 64,
          "n_routed_experts": 64, "q_lora_rank": 512, "kv_lora_rank": 512,
          "qk_nope_head_dim": 256, "qk_rope_head_dim": 256, "v_head_dim": 256,
-         "mamba_n_heads": 256, "mamba_d_head": 256, "mamba_d_state": 256}
+         "mamba_n_heads": 256, "mamba_d_head": 256, "mamba_d_state": 256, "state_size": 256}
 """A config is shrunk when any of these fields exceeds its value; a tiny config is kept as is.
 Beyond the five main sizes, a limit no real model's other sizes stay under alone: a tiny config
 with one huge width (a 2^20 `head_dim`, 2^31 positions) is shrunk too."""
@@ -163,7 +163,8 @@ def _shrunk_mamba2(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
 def _shrunk_widths(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {"vocab_size": 131}  # odd on purpose: balanced, uneven vocab split
     for name, small in (("intermediate_size", 128), ("moe_intermediate_size", 32),
-                        ("shared_expert_intermediate_size", 32)):
+                        ("shared_expert_intermediate_size", 32), ("mamba_d_state", 16),
+                        ("state_size", 16)):
         if (config.get(name) or 0) > small:
             out[name] = small
     if (config.get("max_position_embeddings") or 0) > 128:
