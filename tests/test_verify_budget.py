@@ -221,3 +221,20 @@ def test_the_estimate_counts_the_parameters_transformers_builds():
                                                    .read_text()))[0], ranks=1)
     # CodeGen's rotary table is a buffer: n_positions 128 x rotary_dim 4, in float32
     assert codegen.model_bytes - 4 * codegen.parameters == 128 * 4 * 4
+
+
+def test_a_config_its_own_class_refuses_is_one_error_at_the_config(tmp_path, capsys,
+                                                                   no_reference_model):
+    # huggingface_hub's strict config dataclass refuses it (not a ValueError): it ended in
+    # exit 70, "internal error"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_edited("qwen2_vl", {}, {"text_config": {
+        "num_hidden_layers": 3}})))
+    status = main(["verify", "--config", str(config), "--tp", "1", "--pp", "1"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert status == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(
+        f"error: {config}: transformers 5.24.0 cannot build a `qwen2_vl` causal LM from the "
+        "config: Class validation error for validator 'validate_layer_type':"), errors
+    assert errors[0].endswith("`num_hidden_layers` (3) must be equal to the number of "
+                              "`layer_types` (2)"), errors

@@ -418,17 +418,16 @@ def model_class(transformers: Any, hf_config: Any) -> Any:
 
 _BUILD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RuntimeError, AssertionError)
 """What transformers (and torch, asserting on some arguments: a padding index) raise for a
-config it cannot build a model of; with huggingface_hub's StrictDataclassError (a config class
-validator: `layer_types` of another length than `num_hidden_layers`)."""
+config it cannot build a model of."""
 
 
-def _build_errors() -> tuple[type[Exception], ...]:
-    """_BUILD_ERRORS, and huggingface_hub's config validation error where it has one."""
-    try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:  # an older huggingface_hub
-        return _BUILD_ERRORS
-    return (*_BUILD_ERRORS, StrictDataclassError)
+def _refuses_config(error: Exception) -> bool:
+    """Whether `error` is transformers refusing the config: one of _BUILD_ERRORS, or the
+    validation error of huggingface_hub's strict config dataclasses (`StrictDataclassError`:
+    `layer_types` of another length than `num_hidden_layers`), named rather than imported
+    (only the command line imports huggingface_hub)."""
+    return isinstance(error, _BUILD_ERRORS) or any(
+        kind.__name__ == "StrictDataclassError" for kind in type(error).__mro__)
 
 
 def new_model(config: dict[str, Any], source: SourceLocation | None = None, *,
@@ -447,7 +446,9 @@ def new_model(config: dict[str, Any], source: SourceLocation | None = None, *,
             what = "image-text-to-text model"
         with torch.device(device) if device else contextlib.nullcontext():
             return auto.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    except _build_errors() as error:
+    except Exception as error:
+        if not _refuses_config(error):
+            raise
         raise VerifyError(f"transformers {transformers.__version__} cannot build a "
                           f"`{model_type}` {what} from the config: {error}",
                           location=source) from None
