@@ -191,3 +191,47 @@ def test_a_deepseek_config_with_null_q_lora_rank_verifies_with_the_built_in_fami
     assert report.ok, report.first_failure
     assert {c.tp for c in report.checks} == {1, 2} and any(c.pp == 2 for c in report.checks)
     assert any(c.module.endswith("self_attn") for c in report.checks)
+
+
+# ---------------------------------------------------------------- the family's own spellings
+
+_MADE_UP = {"model_type": "made_up", "width": 4096, "heads": 32, "kv": 8, "head_width": 128,
+            "depth": 40, "vocab_size": 50000, "adapter": {"rank": 5000}}
+"""A config no transformers class describes: only a family says what its keys mean."""
+_MADE_UP_FAMILY = {"hidden_size": ("width",), "num_attention_heads": ("heads",),
+                   "num_key_value_heads": ("kv",), "head_dim": ("head_width",),
+                   "num_hidden_layers": ("n_layer", "depth"),
+                   "vocab_size": ("vocab_size",), "adapter_rank": ("adapter.rank",)}
+"""Its family's `int` fields (as `family_sizes` gives them): usual names read from other keys
+(the second source of `num_hidden_layers` is the one present), and a field of its own."""
+
+
+def test_the_sizes_a_family_reads_under_usual_names_are_shrunk_in_the_configs_spelling():
+    out, notes = reference_config(_MADE_UP, tensor_parallel_size=2, sizes=_MADE_UP_FAMILY)
+    # 2 KV heads (one per rank at T=2) of 4 query heads each, as in the config, 16 wide
+    assert {k: out[k] for k in ("width", "heads", "kv", "head_width", "depth",
+                                "vocab_size")} == {
+        "width": 128, "heads": 8, "kv": 2, "head_width": 16, "depth": 2, "vocab_size": 131}
+    assert notes[:2] == [
+        "shrunk attention heads (query heads per KV head kept, a KV head per rank): "
+        "head_width 128 -> 16, width 4096 -> 128, heads 32 -> 8, kv 8 -> 2",
+        "shrunk layers (first dense layers and sparse steps kept, a layer per stage): "
+        "depth 40 -> 2"]
+    # a size no rule knows is kept, and said to be
+    assert out["adapter"] == {"rank": 5000}
+    assert notes[-1] == ("kept at full size (no shrink rule rewrites them): `adapter.rank` "
+                         "5000 (`adapter_rank`)")
+    # without the family the keys mean nothing: only the vocabulary is shrunk
+    plain, _ = reference_config(_MADE_UP)
+    assert (plain["width"], plain["depth"], plain["vocab_size"]) == (4096, 40, 131)
+
+
+def test_a_tiny_config_with_one_huge_size_the_family_reads_is_shrunk():
+    tiny = {**_MADE_UP, "width": 64, "heads": 4, "kv": 2, "head_width": 16, "depth": 2,
+            "vocab_size": 131, "adapter": {"rank": 8}}
+    assert reference_config(tiny, sizes=_MADE_UP_FAMILY) == ({**tiny, "dtype": "float32"}, [])
+    huge = {**tiny, "head_width": 2**20}  # beyond LARGE's head_dim: the config is shrunk
+    out, notes = reference_config(huge, sizes=_MADE_UP_FAMILY)
+    assert out == {**tiny, "dtype": "float32"}
+    assert notes == ["shrunk attention heads (query heads per KV head kept, a KV head per "
+                     "rank): head_width 1048576 -> 16"]

@@ -398,6 +398,7 @@ def _skipped_lines(skipped: Sequence[dict[str, object]]) -> list[tuple[str, str]
 
 def run_verify(args: argparse.Namespace) -> int:
     """`partc verify`: check the split against transformers' modeling code."""
+    from partc.verify.budget import DEFAULT_MEMORY_BUDGET
     from partc.verify.run import verify_family
     from partc.verify.session import ExpertTopology
 
@@ -409,7 +410,8 @@ def run_verify(args: argparse.Namespace) -> int:
         placement=Path(args.expert_placement) if args.expert_placement else None)
     report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
                            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
-                           policy=_policy(args.policy), seed=args.seed, experts=experts)
+                           policy=_policy(args.policy), seed=args.seed, experts=experts,
+                           memory_budget=args.memory_budget or DEFAULT_MEMORY_BUDGET)
     report = replace(report, checks=_declared(report.checks, args.family, report.plans))
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=1))

@@ -451,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JSON placement {\"ranks\": [[expert ids of EP rank 0], ...]} of "
                              "the expert check, for the reference model's experts (needs --ep)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
+    verify.add_argument("--memory-budget", type=_byte_size, default=None, metavar="SIZE",
+                        help="memory the run may need, e.g. 8GiB (default 4GiB): a reference "
+                             "model whose estimate exceeds it is refused before it is built "
+                             "(docs/verify.md)")
     _add_format(verify)
 
     completion = commands.add_parser(
@@ -462,6 +466,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "in a folder of $fpath, before `compinit` runs.")
     completion.add_argument("shell", choices=["bash", "zsh"], help="the shell to complete for")
     return parser
+
+
+_BYTE_UNITS = {"": 1, "B": 1, "K": 2**10, "KiB": 2**10, "M": 2**20, "MiB": 2**20, "G": 2**30,
+               "GiB": 2**30, "T": 2**40, "TiB": 2**40}
+"""The units of a --memory-budget (binary multiples)."""
+MAX_MEMORY_BUDGET = 2**50
+"""The largest --memory-budget taken (1 PiB)."""
+
+
+def _byte_size(text: str) -> int:
+    """A --memory-budget: ASCII digits, optionally a decimal part, then a unit of _BYTE_UNITS
+    (`4GiB`, `512M`, `1.5G`, `1000000`)."""
+    found = re.fullmatch(r"([0-9]{1,16})(?:\.([0-9]{1,6}))?\s?([A-Za-z]*)", text)
+    unit = found and next((u for u in _BYTE_UNITS if u.lower() == found[3].lower()), None)
+    if not found or unit is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 4GiB, 512MiB or a byte count, found {text!r} (units: "
+            f"{', '.join(u for u in _BYTE_UNITS if u)})")
+    value = (int(found[1]) * 10**6 + int((found[2] or "").ljust(6, "0"))) \
+        * _BYTE_UNITS[unit] // 10**6
+    if not 1 <= value <= MAX_MEMORY_BUDGET:
+        raise argparse.ArgumentTypeError(f"expected from 1 byte to 1 PiB, found {text!r}")
+    return value
 
 
 def _size_list(text: str) -> tuple[int, ...]:

@@ -11,9 +11,10 @@ vision tower takes) and the image tokens it needs in the ids.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,18 @@ def require_libraries() -> tuple[Any, Any]:
 # ---------------------------------------------------------------- shrinking
 
 LARGE = {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 512,
-         "intermediate_size": 512, "num_attention_heads": 16}
-"""A config is shrunk when any of these fields exceeds its value; a tiny config is kept as is."""
+         "intermediate_size": 512, "num_attention_heads": 16, "num_key_value_heads": 16,
+         "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+         "max_position_embeddings": 2**20, "num_experts": 64, "num_local_experts": 64,
+         "n_routed_experts": 64, "q_lora_rank": 512, "kv_lora_rank": 512,
+         "qk_nope_head_dim": 256, "qk_rope_head_dim": 256, "v_head_dim": 256,
+         "mamba_n_heads": 256, "mamba_d_head": 256, "mamba_d_state": 256, "state_size": 256}
+"""A config is shrunk when any of these fields exceeds its value; a tiny config is kept as is.
+Beyond the five main sizes, a limit no real model's other sizes stay under alone: a tiny config
+with one huge width (a 2^20 `head_dim`, 2^31 positions) is shrunk too."""
+FAMILY_SIZE_LIMIT = 1024
+"""A config field the family reads (an `int` field) still above this in the reference config
+(the largest shrunk width: 64 heads of 16) is noted as kept at full size."""
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sizes:
@@ -152,7 +163,8 @@ def _shrunk_mamba2(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
 def _shrunk_widths(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {"vocab_size": 131}  # odd on purpose: balanced, uneven vocab split
     for name, small in (("intermediate_size", 128), ("moe_intermediate_size", 32),
-                        ("shared_expert_intermediate_size", 32)):
+                        ("shared_expert_intermediate_size", 32), ("mamba_d_state", 16),
+                        ("state_size", 16)):
         if (config.get(name) or 0) > small:
             out[name] = small
     if (config.get("max_position_embeddings") or 0) > 128:
@@ -185,6 +197,11 @@ sees the largest T and S the real config compiles at and keeps a unit for each o
 heads and layers)."""
 
 
+SHRINK_NAMES = ("rotary_dim", "sliding_window", "num_experts_per_tok", "experts_per_token",
+                "n_group", "topk_group", "first_k_dense_replace", "mamba_n_groups",
+                "max_window_layers", "num_nextn_predict_layers")
+"""The usual names the shrink rules read or rewrite besides LARGE's."""
+
 _SECTIONS = ("text_config", "vision_config")
 """The sections a vision-language config keeps its models' sizes in."""
 
@@ -216,14 +233,49 @@ def _attribute_map(model_type: object) -> dict[str, str]:
         return {}
 
 
-def spellings(config: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
+FamilySizes = Mapping[str, tuple[str, ...]]
+"""The `int` config fields a family reads: field name -> its dotted sources in config.json
+(the first present one is read)."""
+
+
+def family_sizes(fields: Iterable[Any]) -> dict[str, tuple[str, ...]]:
+    """The `int` fields of a family's `config:` declarations (ConfigFieldDecl), as FamilySizes."""
+    from partc.family.declaration import ConfigType
+
+    return {f.name: tuple(f.sources) for f in fields if f.type is ConfigType.INT}
+
+
+def _read_path(config: dict[str, Any], sources: Iterable[str]) -> tuple[str, ...] | None:
+    """The key path of the first of a field's dotted sources present in the config."""
+    for source in sources:
+        path = tuple(source.split("."))
+        if _get(config, path) is not None:
+            return path
+    return None
+
+
+def _family_places(config: dict[str, Any], sizes: FamilySizes
+                   ) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(usual name, key path) for each field the family reads under a name the shrink rules
+    read (`LARGE`'s, `SHRINK_NAMES`) from another key of the config, outside the sections of a
+    vision-language config (DBRX's `attn_config.kv_n_heads` read as `num_key_value_heads`)."""
+    for name, sources in sorted(sizes.items()):
+        path = _read_path(config, sources)
+        if (name in LARGE or name in SHRINK_NAMES) and path is not None and path != (name,) \
+                and path[0] not in _SECTIONS:
+            yield name, path
+
+
+def spellings(config: dict[str, Any], sizes: FamilySizes | None = None
+              ) -> dict[str, tuple[tuple[str, ...], ...]]:
     """Where a config spells each size field the shrink rules read by its usual name, when it
     spells it otherwise: usual name -> the key paths holding it (all of them are rewritten).
 
     Top-level names come from transformers' `attribute_map` of the config's own class
     (`n_embd`, `n_head`, `n_layer`; `d_model`, `n_heads`, `n_layers`, `max_seq_len`); a field of
     the config or of a section (a dict value that is not `text_config` or `vision_config`) from
-    _UNMAPPED_NAMES.
+    _UNMAPPED_NAMES; and from the family itself (`sizes`): a field it declares under a usual
+    name and reads from another key (`hidden_size: {from: n_embd}`).
     A usual name the config also has at the top level is one more place rewritten.
     """
     places: dict[str, list[tuple[str, ...]]] = {}
@@ -238,10 +290,12 @@ def spellings(config: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], ...]]:
             for own, usual in sorted(_UNMAPPED_NAMES.items()):
                 if own in value:
                     places.setdefault(usual, []).append((section, own))
+    for usual, path in _family_places(config, sizes or {}):
+        places.setdefault(usual, []).append(path)
     for usual, paths in places.items():
         if usual in config:
             paths.insert(0, (usual,))
-    return {usual: tuple(paths) for usual, paths in sorted(places.items())}
+    return {usual: tuple(dict.fromkeys(paths)) for usual, paths in sorted(places.items())}
 
 
 def _get(config: dict[str, Any], path: tuple[str, ...]) -> Any:
@@ -260,18 +314,18 @@ def _usual_view(config: dict[str, Any],
     return view
 
 
-def is_large(config: dict[str, Any]) -> bool:
+def is_large(config: dict[str, Any], sizes: FamilySizes | None = None) -> bool:
     """Whether a config is shrunk before the reference model is built: one whose sizes, by
     their usual names or as the config spells them (`spellings`), exceed LARGE, unless it is a
     vision-language config (its sizes are in `text_config` and `vision_config`, which the
     shrink rules do not rewrite; a top-level `hidden_size` beside them, as PaliGemma's legacy
     one, is not the model's)."""
-    return not _composite(config) and _exceeds(_usual_view(config, spellings(config)))
+    return not _composite(config) and _exceeds(_usual_view(config, spellings(config, sizes)))
 
 
 def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
-                     pipeline_parallel_size: int = 1, keep_layers: bool = False
-                     ) -> tuple[dict[str, Any], list[str]]:
+                     pipeline_parallel_size: int = 1, keep_layers: bool = False,
+                     sizes: FamilySizes | None = None) -> tuple[dict[str, Any], list[str]]:
     """The config of the reference model and one note per change made to it.
 
     Always: float32 weights, eager attention, no quantization. A large config (`is_large`) is
@@ -279,7 +333,8 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
     largest T (`tensor_parallel_size`) and S (`pipeline_parallel_size`) the config compiles at.
     `keep_layers`: the shrunk model keeps the config's layers (the pipeline check's cut, given
     as unit counts, names them); only a multi-token-prediction layer, which transformers does
-    not build, is dropped.
+    not build, is dropped. `sizes`: the family's `int` fields, more spellings of the sizes
+    (`spellings`); one still above FAMILY_SIZE_LIMIT afterwards is noted as kept at full size.
     """
     largest = Sizes(tensor_parallel_size=tensor_parallel_size,
                     pipeline_parallel_size=pipeline_parallel_size)
@@ -291,8 +346,8 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
     if _composite(config) and any(_exceeds(config.get(n) or {}) for n in _SECTIONS):
         notes.append("not shrunk: a vision-language config keeps its sizes in text_config and "
                      "vision_config; the reference model is built at full size")
-    if is_large(config):
-        where = spellings(out)
+    if is_large(config, sizes):
+        where = spellings(out, sizes)
         view = _usual_view(out, where)
         for what, applies, rule in SHRINK_RULES:
             if not applies(view):
@@ -310,7 +365,25 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
                 for k, v in changes.items():
                     for path in where.get(k, ((k,),)):
                         _put(out, path, v)
+    notes.extend(kept_sizes(config, out, sizes or {}))
     return out, notes
+
+
+def kept_sizes(config: dict[str, Any], reference: dict[str, Any],
+               sizes: FamilySizes) -> list[str]:
+    """The note on the fields the family reads (`sizes`) whose values in the reference config
+    are still above FAMILY_SIZE_LIMIT (none: no note): no shrink rule knows them, so they are
+    built at full size (the memory estimate then decides whether the model is built at all)."""
+    found = []
+    for name, sources in sorted(sizes.items()):
+        path = _read_path(config, sources)
+        value = None if path is None else _get(reference, path)
+        if path is not None and isinstance(value, int) and not isinstance(value, bool) \
+                and value > FAMILY_SIZE_LIMIT:
+            spelled = ".".join(path)
+            found.append(f"`{spelled}` {value}" + ("" if spelled == name else f" (`{name}`)"))
+    return [f"kept at full size (no shrink rule rewrites them): {', '.join(found)}"] \
+        if found else []
 
 
 def _put(config: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -343,10 +416,25 @@ def model_class(transformers: Any, hf_config: Any) -> Any:
     return transformers.AutoModelForCausalLM  # its own error names the config class
 
 
-def build_reference(config: dict[str, Any], folder: Path, seed: int,
-                    source: SourceLocation | None = None) -> None:
-    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`;
-    a VerifyError at `source` (the user's config) when transformers cannot build it."""
+_BUILD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RuntimeError, AssertionError)
+"""What transformers (and torch, asserting on some arguments: a padding index) raise for a
+config it cannot build a model of."""
+
+
+def _refuses_config(error: Exception) -> bool:
+    """Whether `error` is transformers refusing the config: one of _BUILD_ERRORS, or the
+    validation error of huggingface_hub's strict config dataclasses (`StrictDataclassError`:
+    `layer_types` of another length than `num_hidden_layers`), named rather than imported
+    (only the command line imports huggingface_hub)."""
+    return isinstance(error, _BUILD_ERRORS) or any(
+        kind.__name__ == "StrictDataclassError" for kind in type(error).__mro__)
+
+
+def new_model(config: dict[str, Any], source: SourceLocation | None = None, *,
+              device: str | None = None) -> Any:
+    """A model of `config` built by the class transformers maps it to (`model_class`),
+    float32 and eager attention, on `device` ("meta": shapes only, no storage; None: torch's
+    default); a VerifyError at `source` (the user's config) when transformers cannot build it."""
     torch, transformers = require_libraries()
     fields = dict(config)
     model_type = fields.pop("model_type")
@@ -356,13 +444,23 @@ def build_reference(config: dict[str, Any], folder: Path, seed: int,
         auto = model_class(transformers, hf_config)
         if auto is not transformers.AutoModelForCausalLM:
             what = "image-text-to-text model"
-        torch.manual_seed(seed)
-        model = auto.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError,
-            AssertionError) as error:  # torch asserts on some arguments (a padding index)
+        with torch.device(device) if device else contextlib.nullcontext():
+            return auto.from_config(hf_config, dtype=torch.float32, attn_implementation="eager")
+    except Exception as error:
+        if not _refuses_config(error):
+            raise
         raise VerifyError(f"transformers {transformers.__version__} cannot build a "
                           f"`{model_type}` {what} from the config: {error}",
                           location=source) from None
+
+
+def build_reference(config: dict[str, Any], folder: Path, seed: int,
+                    source: SourceLocation | None = None) -> None:
+    """Write a seeded random model of `config` (config.json, model.safetensors) into `folder`;
+    a VerifyError at `source` (the user's config) when transformers cannot build it."""
+    torch, _ = require_libraries()
+    torch.manual_seed(seed)
+    model = new_model(config, source)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, parameter in sorted(model.named_parameters()):

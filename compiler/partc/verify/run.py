@@ -42,11 +42,13 @@ from partc.api import (
 )
 from partc.errors import PartcError, PartcErrors, SourceLocation, VerifyError, raise_if_any
 from partc.plan.topology import Topology
+from partc.verify.budget import DEFAULT_MEMORY_BUDGET, within_budget
 from partc.verify.expert_checks import ExpertParallelRanks
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.quantized import StoredReference, stored_reference
 from partc.verify.reference import (
     build_reference,
+    family_sizes,
     load_config,
     reference_config,
     require_libraries,
@@ -68,7 +70,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
                   tensor_parallel_sizes: Sequence[int] | None = None,
                   pipeline_parallel_size: int | None = None, stage_units: StageUnits = None,
                   policy: ShardingPolicy | None = None, seed: int = 0,
-                  experts: ExpertTopology | None = None) -> VerifyReport:
+                  experts: ExpertTopology | None = None,
+                  memory_budget: int = DEFAULT_MEMORY_BUDGET) -> VerifyReport:
     """Verify a family's split against transformers' modeling code for `config`'s architecture.
 
     `tensor_parallel_sizes`: the T to check (default: every T up to 8 that compiles, the others
@@ -78,6 +81,8 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     then shrunk keeping its layers, which the counts name). Raises a VerifyError when torch or
     transformers is missing or the model cannot be built. `experts`: the expert parallelism
     checked too (`--ep`), at each T that divides its E x X ranks (`ExpertParallelRanks`).
+    `memory_budget`: bytes the run may need (`partc.verify.budget`); a reference model whose
+    estimate exceeds it is refused, a VerifyError, before it is built.
     """
     require_libraries()
     if stage_units and pipeline_parallel_size is None:
@@ -87,7 +92,9 @@ def verify_family(family: str | Path | None, config: str | Path, *,
     reference, notes = reference_config(
         user.data, tensor_parallel_size=max(user.tensor_parallel_sizes, default=1),
         pipeline_parallel_size=user.pipeline_parallel_size,
-        keep_layers=user.stage_units is not None)
+        keep_layers=user.stage_units is not None, sizes=user.sizes)
+    notes.append(within_budget(reference, _ranks(user, experts), memory_budget, notes,
+                               SourceLocation(str(config))))
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
@@ -294,6 +301,8 @@ class CheckedConfig:
     """Where the pipeline check cuts (None: balanced)."""
     skipped: tuple[dict[str, object], ...]
     """The topologies not checked, each with the reason."""
+    sizes: dict[str, tuple[str, ...]]
+    """The family's `int` config fields and their sources (`family_sizes`)."""
 
 
 def checked_config(family: str | Path | None, config: Path,
@@ -342,7 +351,13 @@ def checked_config(family: str | Path | None, config: Path,
     return CheckedConfig(data=data, family=bound.family, model_type=bound.model_type,
                          tensor_parallel_sizes=sizes, pipeline_parallel_size=stages,
                          stage_units=stage_units if stages > 1 else None,
-                         skipped=tuple(skipped))
+                         skipped=tuple(skipped), sizes=family_sizes(decl.config))
+
+
+def _ranks(user: CheckedConfig, experts: ExpertTopology | None) -> int:
+    """The ranks of the largest build the run loads at once (an expert build: its E x X)."""
+    ep = experts.expert_parallel_size * experts.expert_tensor_parallel_size if experts else 1
+    return max(max(user.tensor_parallel_sizes, default=1), ep, user.pipeline_parallel_size)
 
 
 def _reference_session(reference: dict[str, Any], folder: Path, work: Path, seed: int,
