@@ -451,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JSON placement {\"ranks\": [[expert ids of EP rank 0], ...]} of "
                              "the expert check, for the reference model's experts (needs --ep)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random model")
+    verify.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="the user's checkpoint (folder, index.json or .safetensors): "
+                             "first check the family's names, dtypes and shapes against its "
+                             "header, as `check --checkpoint` does (no weight is read)"
+                             + REPO_ID_HELP)
     _add_format(verify)
 
     completion = commands.add_parser(
