@@ -51,7 +51,8 @@ def test_the_image_has_as_many_tokens_as_the_projector_gives_features(gemma3):
     `get_image_features` gives for the seeded image; no text id is the image token."""
     import torch
 
-    from partc.verify.reference import load_model, model_inputs
+    from partc.verify.inputs import model_inputs
+    from partc.verify.reference import load_model
 
     folder, _ = gemma3
     inputs = model_inputs(folder, 131, 0, set())
