@@ -470,7 +470,7 @@ OTHER_JSON_READERS = {
     ("partc.output", "read_marker"): "an output folder's marker file",
     ("partc.scaffold.survey", "_read_config"): "config.json",
     ("partc.verify.reference", "load_config"): "config.json",
-    ("partc.verify.reference", "model_inputs"): "config.json",
+    ("partc.verify.inputs", "model_inputs"): "config.json",
 }
 """Functions outside the plan stage that decode JSON, and what they decode: anything else that
 decodes JSON could be reading plan.json behind `read_plan`'s back."""

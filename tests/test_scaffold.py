@@ -389,8 +389,10 @@ def test_a_vision_language_scaffold_compiles_with_its_encoder_group_before_the_d
 def test_the_llava_scaffold_verifies_against_transformers(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]
                                                           ) -> None:
-    """As written, its splits and stages agree with HF's LlavaForConditionalGeneration, also
-    at S = 3 where a cut falls after the vision layers (their boundary's placeholder shape)."""
+    """As written, its splits and stages agree with HF's LlavaForConditionalGeneration. At
+    S = 3 the cut falls after the last vision layer, which the scaffold makes a unit (marked
+    CHECK: `vision_feature_layer: -2` leaves it unread): its boundary's placeholder shape
+    holds, but the value it hands off reaches no logit, and verify refuses that cut alone."""
     from partc.verify.run import verify_family
 
     family = tmp_path / "llava.yaml"
@@ -399,8 +401,9 @@ def test_the_llava_scaffold_verifies_against_transformers(tmp_path: Path,
     two = verify_family(family, config, tensor_parallel_sizes=[1, 2], pipeline_parallel_size=2)
     assert two.ok, two.first_failure
     three = verify_family(family, config, tensor_parallel_sizes=[1], pipeline_parallel_size=3)
-    assert three.ok, three.first_failure
-    assert any(c.group == "vision" and c.pp == 3 for c in three.checks)  # the vision cut
+    assert [(c.pp, c.module, c.group) for c in three.checks if not c.ok] == [
+        (3, "model.vision_tower.encoder.layers.2", "vision")]  # the vision cut, by value
+    assert "which the full model's logits do not depend on" in str(three.first_failure)
 
 
 def test_several_repetitions_none_beside_an_embedding_are_refused_with_the_file_named(

@@ -107,7 +107,7 @@ def test_the_inputs_carry_an_image_as_the_fixture_generator_made_it(reports):
     name = reports[0]
     # the fixture's ids and pixel shapes come from HF's processor conventions (fixtures-gen);
     # verify builds the same from the config alone (image block after the third text token)
-    from partc.verify.reference import model_inputs
+    from partc.verify.inputs import model_inputs
 
     reference = np.load(hf(name) / "reference.npz")
     inputs = model_inputs(hf(name), 131, 0, {"mm_token_type_ids"} if name == "qwen2_vl"

@@ -408,11 +408,21 @@ def run_verify(args: argparse.Namespace) -> int:
     experts = None if args.ep is None else ExpertTopology(
         expert_parallel_size=args.ep, expert_tensor_parallel_size=args.etp or 1,
         placement=Path(args.expert_placement) if args.expert_placement else None)
+    if args.checkpoint is not None:
+        from partc.verify.checkpoint_check import checkpoint_errors
+
+        refused = checkpoint_errors(args.family, args.config, args.checkpoint)
+        if refused:
+            return report_errors(refused, args.format, _builtin_hint(args, refused))
     report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
                            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
                            policy=_policy(args.policy), seed=args.seed, experts=experts,
                            memory_budget=args.memory_budget or DEFAULT_MEMORY_BUDGET)
     report = replace(report, checks=_declared(report.checks, args.family, report.plans))
+    if args.checkpoint is not None:
+        report = replace(report, notes=(f"checkpoint {args.checkpoint}: every tensor's name, "
+                                        "dtype and shape is the family's (header only, as "
+                                        "`check --checkpoint` checks it)",) + report.notes)
     if args.format == "json":
         print(json.dumps(report.to_json(), indent=1))
         return EXIT_OK if report.ok else EXIT_ERRORS

@@ -124,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = yaml_file_problem(args.copy[1])
         if problem is not None:
             usage.error(f"argument --copy: {problem}")
-    if args.command in ("compile", "check", "init") and args.checkpoint is not None and \
-            not os.path.lexists(args.checkpoint):
+    if args.command in ("compile", "check", "init", "verify") and \
+            args.checkpoint is not None and not os.path.lexists(args.checkpoint):
         return _missing_checkpoint(args.checkpoint, fmt)
     if args.command in ("compile", "check"):
         _config_beside(args, usage)

@@ -455,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory the run may need, e.g. 8GiB (default 4GiB): a reference "
                              "model whose estimate exceeds it is refused before it is built "
                              "(docs/verify.md)")
+    verify.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="the user's checkpoint (folder, index.json or .safetensors): "
+                             "first check the family's names, dtypes and shapes against its "
+                             "header, as `check --checkpoint` does (no weight is read)"
+                             + REPO_ID_HELP)
     _add_format(verify)
 
     completion = commands.add_parser(

@@ -744,7 +744,10 @@ def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcEr
     if group.role is not ParameterRole.ATTENTION_HEADS:
         return
     for module in _split_modules(group):
-        if not module.heads:
+        if not module.heads and module.segments and \
+                module.layout is FusedLayout.COMPONENT_MAJOR:
+            yield known.error(_fused_without_heads(group, module), module.pointer)
+        elif not module.heads:
             yield known.error(
                 f"this `attention_heads` group splits `{module.module.text}` "
                 f"({module.sharding.value if module.sharding else ''}) over `units: "
@@ -757,6 +760,20 @@ def _attention_heads_stated(known: _Known, group: GroupDecl) -> Iterator[PartcEr
                 f"this `attention_heads` group partitions `{member.name.text}` but it states "
                 "no `heads:`; expected its head count, found none, so a partition unit could "
                 "cut a head", member.pointer)
+
+
+def _fused_without_heads(group: GroupDecl, module: ModuleDecl) -> str:
+    """The message of a split fused projection of the default layout without `heads:`: one
+    head count per segment, and which layout its rows may be, for a single count such as
+    `heads: num_attention_heads` can pass a few T by luck on rows grouped per KV head."""
+    sharding = module.sharding.value if module.sharding else ""
+    return (f"this `attention_heads` group splits the fused `{module.module.text}` ({sharding})"
+            f" over `units: {group.units_text}` but it states no `heads:`; expected one head "
+            f"count per segment ({len(module.segments)} segments), and the layout of its rows: "
+            "the default `[all q | all k | all v]`, `layout: per_head` for `[q k v]` per head, "
+            "or `layout: grouped_per_kv` with `heads: [num_attention_heads, KV heads, KV "
+            "heads]` for the query heads, k and v of each KV head together (Falcon's new "
+            "decoder), docs/layouts.md; found none, so a partition unit could cut a head")
 
 
 def _per_head_modules(known: _Known, group: GroupDecl) -> Iterator[PartcError]:

@@ -341,12 +341,15 @@ class PlanFile:
 
     def pipeline_cuts(self) -> tuple[PlanCut, ...]:
         """Every cut of the build: `cuts` (a graph of several groups), else one after each
-        stage but the last, each carrying the family's one boundary in the graph's last
-        group."""
+        stage but the last, each carrying the family's one boundary, in the group of the
+        stage's last unit (a cut inside a vision tower is in `vision`, one inside a decoder
+        followed by an MTP group in `decoder`; the graph's last group for a stage of none)."""
         if self.cuts is not None:
             return self.cuts
-        group = self.graph[-1].group if self.graph else ""
-        return tuple(PlanCut(after_stage=stage, group=group, boundary=self.boundary)
+        last = self.graph[-1].group if self.graph else ""
+        ends = {rank.pipeline_stage: rank.units[-1].group for rank in self.ranks if rank.units}
+        return tuple(PlanCut(after_stage=stage, group=ends.get(stage, last),
+                             boundary=self.boundary)
                      for stage in range(self.shape.pipeline_parallel_size - 1))
 
 

@@ -263,19 +263,31 @@ class TensorParallelRanks:
             for x in layouts:
                 widths.update(g for g, loc in zip(x.global_shape, x.local_shape, strict=True)
                               if g != loc)
-        found = []
+        found: dict[str, str] = {}  # path -> its group
         for target in targets:
             path = target.rsplit(".", 1)[0]
             if target in split or not self.whole[target] or "norm" not in path.rsplit(".", 1)[-1]:
                 continue
             shape = self.session.shapes[target]
             if len(shape) == 1 and shape[0] in widths:
-                found.append(f"`{path}` (group `{', '.join(self._groups([target]))}`)")
-        if not found:
+                found.setdefault(path, ", ".join(self._groups([target])))
+        if not found or not self._norms_explain(module, list(found)):
             return ""
-        return (f"; the module also runs {' and '.join(found)}, kept whole although as wide as "
+        named = " and ".join(f"`{path}` (group `{group}`)" for path, group in found.items())
+        return (f"; the module also runs {named}, kept whole although as wide as "
                 "the split: a norm whose statistic spans split rows goes in that group, split "
                 "with them and declared `reduction: tensor_parallel` (docs/verify.md)")
+
+    def _norms_explain(self, module: str, norms: list[str]) -> bool:
+        """Whether the module's ranks add up once the statistic of each of `norms` is taken
+        over all ranks (the all-reduce `reduction: tensor_parallel` asks for): only then is a
+        whole norm the cause of a failure, not, say, a fused projection's wrong layout."""
+        session, tp = self.session, self.build.tp
+        want = session.captured[module][2]
+        total = sum(self._run_reduced(module, norms))
+        if self.shared_model is not None:
+            total = total - (tp - 1) * session.run(self.shared_model, module)
+        return bool(largest_error(total, want) <= tolerance_of(want))
 
     def _fail(self, module: str, group: str, rank: int | None, error: float,
               tolerance: float, why: str) -> Check:

@@ -4,15 +4,13 @@ The config is shrunk (when large) to a tiny model of the same structure, built w
 class transformers maps the config to (`AutoModelForCausalLM`, or `AutoModelForImageTextToText`
 for a vision-language model) with `from_config`, given seeded noise on every weight and saved
 with `save_pretrained`, so the checkpoint has exactly the on-disk names and layout that
-transformers writes and reads back. `model_inputs` gives the seeded inputs every check runs on:
-token ids, and for a model with a `vision_config` one image (pixel values of the shape its
-vision tower takes) and the image tokens it needs in the ids.
+transformers writes and reads back. The seeded inputs every check runs on are
+`partc.verify.inputs.model_inputs`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -28,10 +26,6 @@ NOISE = 0.1
 """Standard deviation of the seeded noise added to every weight (norms and biases included)."""
 HEAD_DIM = 16
 """Head width of a shrunk model."""
-INPUT_IDS = (1, 5, 9, 17, 33, 64, 100, 130)
-"""The token ids every module's inputs are captured from (clipped to the vocabulary)."""
-IMAGE_AFTER = 3
-"""The image's tokens follow this many text tokens (then the rest of INPUT_IDS)."""
 AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
 """The transformers auto classes a reference model is built with, the first that maps the
 config's class: text-only causal LMs, then vision-language models."""
@@ -475,66 +469,6 @@ def load_model(folder: Path) -> Any:
     model = auto.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.train(False)  # inference mode: dropout off
     return model
-
-
-# ---------------------------------------------------------------- inputs
-
-
-def _image_token(config: dict[str, Any]) -> int | None:
-    for name in ("image_token_id", "image_token_index"):
-        if isinstance(config.get(name), int):
-            return int(config[name])
-    return None
-
-
-def _image(torch: Any, vision: dict[str, Any], generator: Any) -> tuple[dict[str, Any], int]:
-    """One seeded image in the layout the vision tower takes, and its image-token count.
-
-    A tower with a `temporal_patch_size` takes rows of flattened patches and a (t, h, w) grid
-    (Qwen2-VL): a 2 x 3 grid of merged patches. Otherwise a square image of `image_size`
-    (CLIP): one token per patch, and the CLS token too under `vision_feature_select_strategy`
-    `full` (read by the caller).
-    """
-    channels = int(vision.get("in_channels") or vision.get("num_channels") or 3)
-    patch = int(vision["patch_size"])
-    if "temporal_patch_size" in vision:
-        temporal, merge = int(vision["temporal_patch_size"]), int(vision.get(
-            "spatial_merge_size") or 1)
-        grid = (1, 2 * merge, 3 * merge)
-        rows = grid[0] * grid[1] * grid[2]
-        pixels = torch.randn((rows, channels * temporal * patch * patch), generator=generator)
-        return ({"pixel_values": pixels, "image_grid_thw": torch.tensor([list(grid)])},
-                rows // (merge * merge))
-    size = int(vision["image_size"])
-    pixels = torch.randn((1, channels, size, size), generator=generator)
-    return {"pixel_values": pixels}, (size // patch) ** 2
-
-
-def model_inputs(folder: Path, vocab: int, seed: int, accepted: set[str]) -> dict[str, Any]:
-    """The seeded inputs of every forward pass: `input_ids`, and for a vision-language config
-    (a `vision_config` and an image token) one image and its tokens after IMAGE_AFTER text ids.
-
-    `accepted` is the model's forward parameters: `mm_token_type_ids` (1 at image tokens) is
-    given only to a model that takes it (Qwen2-VL's M-RoPE needs it with an image grid).
-    """
-    torch, _ = require_libraries()
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    text = [min(i, vocab - 1) for i in INPUT_IDS]
-    vision, token = config.get("vision_config"), _image_token(config)
-    if not isinstance(vision, dict) or token is None:
-        return {"input_ids": torch.tensor([text])}
-    inputs, count = _image(torch, vision, torch.Generator().manual_seed(seed + 2))
-    if "temporal_patch_size" not in vision and config.get(
-            "vision_feature_select_strategy") == "full":
-        count += 1
-    start, end = config.get("vision_start_token_id"), config.get("vision_end_token_id")
-    block = ([start] if isinstance(start, int) else []) + [token] * count + (
-        [end] if isinstance(end, int) else [])
-    ids = text[:IMAGE_AFTER] + block + text[IMAGE_AFTER:]
-    inputs["input_ids"] = torch.tensor([ids])
-    if "mm_token_type_ids" in accepted:
-        inputs["mm_token_type_ids"] = torch.tensor([[int(i == token) for i in ids]])
-    return inputs
 
 
 def parameter_sources(folder: Path, names: list[str]) -> dict[str, tuple[str, ...]]:

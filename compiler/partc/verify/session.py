@@ -18,9 +18,9 @@ import numpy as np
 from partc.api import CompileOptions, compile_family
 from partc.plan.plan_file import PlanFile, read_plan
 from partc.plan.topology import Topology
+from partc.verify.inputs import model_inputs
 from partc.verify.reference import (
     load_model,
-    model_inputs,
     parameter_sources,
     require_libraries,
     tensor_shapes,

@@ -308,6 +308,63 @@ def _stage_tail(session: Session, placement: _Placement, stage: int, sender: str
                 None)
 
 
+def _hand_off(session: Session, placement: _Placement, sender: str, receiver: str,
+              sent: Any, received: dict[str, Any]) -> str:
+    """Why the value a cut hands off (`sent`, the output of `sender`) is not what the next
+    stage computes from, by value in the full model's run; '' when it is, or cannot be told.
+
+    The logits must depend on it (`_logits_read`): a
+    vision layer the model never reads (LLaVA's last one under `vision_feature_layer: -2`)
+    hands off nothing the next stage can use. And when no module with parameters runs between
+    the two, the next stage's first unit (`receiver`) must receive exactly it, as its first
+    positional or `hidden_states` argument (`received`), where the shapes agree.
+    """
+    if not _logits_read(session, sender):
+        return (f"it hands the next stage the output of `{sender}`, which the full model's "
+                "logits do not depend on (run but never read: the model reads an earlier "
+                "value, as LLaVA's `vision_feature_layer: -2` reads the layer before the last);"
+                " the next stage needs a value this cut does not carry: declare as units only "
+                "the layers the model reads (the built-in llava's `vision_used`), or cut before "
+                f"`{sender}`")
+    got = received.get("hidden", received.get("hidden_states"))
+    if sent is None or got is None or not hasattr(got, "shape") or \
+            tuple(got.shape) != tuple(sent.shape):
+        return ""
+    ran = placement.ran
+    after = max((i for m, i in ran.items() if m == sender or m.startswith(sender + ".")),
+                default=None)
+    before = min((i for m, i in ran.items() if m.startswith(receiver + ".")), default=None)
+    if after is None or before is None or any(after < i < before for i in ran.values()):
+        return ""
+    error, tolerance = largest_error(got, sent), tolerance_of(sent)
+    if error <= tolerance:
+        return ""
+    return (f"`{receiver}`, the next stage's first unit, receives a value other than the output "
+            f"of `{sender}` that the cut carries (max abs error {error:.3g}, tolerance "
+            f"{tolerance:.3g})")
+
+
+def _logits_read(session: Session, module: str) -> bool:
+    """Whether the full model's logits depend on `module`: run again with its parameters
+    doubled plus one. (Perturbing its output with a hook, as `Session.reaches_logits` does, is
+    not seen by transformers' own recorders of layer outputs, which a vision tower's
+    `vision_feature_layer` reads.) True for a module without parameters."""
+    torch = session.torch
+    params = list(session.model.get_submodule(module).parameters())
+    saved = [p.detach().clone() for p in params]
+    if not params:
+        return True
+    with torch.no_grad():
+        try:
+            for p in params:
+                p.mul_(2).add_(1)
+            got = session.model(**session.inputs, use_cache=False).logits
+        finally:
+            for p, kept in zip(params, saved, strict=True):
+                p.copy_(kept)
+    return bool(largest_error(got, session.logits) > tolerance_of(session.logits))
+
+
 def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[Check]:
     """Each cut's declared boundary against what really crosses it: the primary tensor against
     the output of the stage's last unit, or of the module after it the stage runs last and the
@@ -345,6 +402,9 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
                 failure = (f"{where} declares `{spec.role}` as {_spell(declared)}, but "
                            f"module `{module}` gives it as {_spell(value.shape)}: {why}")
                 break
+        handed = "" if failure else _hand_off(session, placement, sender, receiver,
+                                              outputs.get(sender), inputs.get(receiver, {}))
+        failure = failure or (f"{where}: {handed}" if handed else "")
         checks.append(Check(tp=1, pp=stages, module=sender, group=cut.group, rank=stage,
                             ok=not failure, max_error=float("inf") if failure else 0.0,
                             tolerance=0.0, message=failure))

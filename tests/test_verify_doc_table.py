@@ -1,0 +1,178 @@
+"""docs/verify.md's table of what verify proves and what it does not, kept true: each row's
+case is run here and must give the row's verdict (issue 38).
+
+A case returns what it observes: `caught: verify` (a failed check), `caught: verify
+--checkpoint`, `caught: check` (refused statically) or `not caught` (the blind spot is still
+there). To add a row, add a line to the table and a function to CASES; the verify runs the
+cases share are made once (`Runs`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+
+from partc.api import check_family
+from partc.verify.checkpoint_check import checkpoint_errors
+from partc.verify.reference import reference_config
+from partc.verify.results import VerifyReport
+from partc.verify.run import verify_family
+
+from support import ROOT, edited_family, hf
+
+DOC = ROOT / "docs" / "verify.md"
+HEADING = "## What verify proves and what it does not"
+VERDICTS = ("caught: verify", "caught: verify --checkpoint", "caught: check", "not caught")
+
+
+def table() -> dict[str, str]:
+    """The table's rows: case -> verdict, read from docs/verify.md (one row per line)."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        found = re.fullmatch(r"\| `([\w-]+)` \| .+ \| ([^|]+) \|", line)
+        if found:
+            assert found.group(1) not in rows, f"case `{found.group(1)}` is listed twice"
+            rows[found.group(1)] = found.group(2).strip()
+    return rows
+
+
+class Runs:
+    """The verify runs and files the cases share, each made once."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @cached_property
+    def llama_o_proj_column(self) -> VerifyReport:
+        """llama with `o_proj` declared column, at T = 2 and S = 2."""
+        family = edited_family(self.folder, "llama", 'self_attn.o_proj"\n        sharding: row',
+                               'self_attn.o_proj"\n        sharding: column')
+        return verify_family(family, hf("llama") / "config.json", tensor_parallel_sizes=[2],
+                             pipeline_parallel_size=2)
+
+
+def _verified(report: VerifyReport) -> str:
+    return "not caught" if report.ok else "caught: verify"
+
+
+def _checked(case: str) -> str:
+    folder = ROOT / "tests" / "cases" / case
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        errors = check_family("family.yaml", "config.json")
+    finally:
+        os.chdir(previous)
+    return "caught: check" if errors else "not caught"
+
+
+def wrong_split(runs: Runs) -> str:
+    """The o_proj's ranks do not add up: the attention module fails."""
+    failure = runs.llama_o_proj_column.first_failure
+    assert failure is None or failure.module == "model.layers.0.self_attn", failure
+    return _verified(runs.llama_o_proj_column)
+
+
+def unread_cut(runs: Runs) -> str:
+    """Every llava vision layer a unit, cut after the last one, which the projector never
+    reads (it reads `vision_feature_layer: -2`)."""
+    family = edited_family(runs.folder, "llava", "  vision_used: >-\n    vision_feature_layer "
+                           "if vision_feature_layer >= 0\n    else vision_layers + 1 + "
+                           "vision_feature_layer\n", "  vision_used: vision_layers\n")
+    report = verify_family(family, hf("llava") / "config.json", tensor_parallel_sizes=[1],
+                           stage_units=((("vision", 3),), (("projector", 1), ("decoder", 2))))
+    failed = [c for c in report.checks if not c.ok]
+    assert all((c.pp, c.module, c.group, c.rank) == (
+        2, "model.vision_tower.encoder.layers.2", "vision", 0) for c in failed), failed
+    assert all("which the full model's logits do not depend on" in c.message for c in failed)
+    assert any(c.module == "logits" and c.ok for c in report.checks)  # the logits agree
+    return _verified(report)
+
+
+def released_names(runs: Runs) -> str:
+    """llava in llava-hf's released naming, the family declaring transformers' prefix only."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "gen"))
+    from gen_renamed import write_renamed
+
+    released = write_renamed(hf("llava"), runs.folder / "released", "llava")
+    family = edited_family(runs.folder, "llava", "candidates: [vision_tower.vision_model, "
+                           "vision_tower]", "candidates: [vision_tower]")
+    assert checkpoint_errors(None, released / "config.json", released) == []
+    refused = checkpoint_errors(family, released / "config.json", released)
+    return "caught: verify --checkpoint" if refused else "not caught"
+
+
+def quantized_formats(runs: Runs) -> str:
+    """The reference config of an FP8 checkpoint has no quantization left to check."""
+    config = json.loads((hf("deepseek_v3") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    reference, notes = reference_config(config)
+    dropped = "quantization_config" not in reference and any(
+        n.startswith("dropped quantization_config") for n in notes)
+    return "not caught" if dropped else "caught: verify"
+
+
+def mtp_layers(runs: Runs) -> str:
+    """DeepSeek-V3's released config has an MTP layer; the reference model has none."""
+    config = json.loads((ROOT / "tests" / "fixtures" / "fullsize" / "DeepSeek-V3" /
+                         "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    reference, _ = reference_config(config)
+    return "not caught" if reference.get("num_nextn_predict_layers") == 0 else "caught: verify"
+
+
+def tp_with_pp(runs: Runs) -> str:
+    """No check of a T = 2, S = 2 run is at T > 1 and S > 1 together."""
+    checks = runs.llama_o_proj_column.checks
+    assert {c.tp for c in checks} == {1, 2} and {c.pp for c in checks} == {1, 2}
+    return "caught: verify" if any(c.tp > 1 and c.pp > 1 for c in checks) else "not caught"
+
+
+def large_vision_language(runs: Runs) -> str:
+    """A llava config with a large decoder in `text_config` is built at full size."""
+    config = json.loads((hf("llava") / "config.json").read_text())
+    config["text_config"] = dict(config["text_config"], hidden_size=4096, num_hidden_layers=32)
+    reference, notes = reference_config(config)
+    kept = reference["text_config"]["hidden_size"] == 4096 and any(
+        n.startswith("not shrunk") for n in notes)
+    return "not caught" if kept else "caught: verify"
+
+
+CASES: dict[str, Callable[[Runs], str]] = {
+    "wrong-split": wrong_split,
+    "unread-cut": unread_cut,
+    "released-names": released_names,
+    "row-bias-split": lambda runs: _checked("row_bias_split_in_its_own_group"),
+    "per-head-norms-whole": lambda runs: _checked("per_head_norms_kept_whole"),
+    "quantized-formats": quantized_formats,
+    "mtp-layers": mtp_layers,
+    "tp-with-pp": tp_with_pp,
+    "large-vision-language": large_vision_language,
+}
+"""Each row's case: what it observes, one of VERDICTS."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("doc-table"))
+
+
+def test_every_row_has_a_case_and_every_case_a_row():
+    rows = table()
+    assert set(rows) == set(CASES)
+    assert all(verdict in VERDICTS for verdict in rows.values()), rows
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_row_says_what_the_case_observes(case: str, runs: Runs):
+    assert CASES[case](runs) == table()[case]
