@@ -22,6 +22,7 @@ that is not the model's, a fused `[E * I, H]` axis taken for `E * I` experts, is
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,10 @@ ROUTING_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 by the names this check gives them."""
 ROUTING_SPELLINGS = (ROUTING_ARGUMENTS, ("hidden_states", "router_indices", "routing_weights"))
 """How experts modules name their first three arguments (GptOssExperts: the second)."""
+_CAPTURED: weakref.WeakKeyDictionary[Session, dict[str, dict[str, Any]]] = \
+    weakref.WeakKeyDictionary()
+"""The routing arguments of a session's experts modules, captured once per reference model
+(every stage and build of a run drives the same inputs)."""
 
 
 def _routing_names(module: Any) -> tuple[str, ...] | None:
@@ -76,7 +81,9 @@ class ExpertParallelRanks:
         self.every = _experts_modules(session.model)
         self.modules = [m for m in self.every if modules is None or any(
             m == x or m.startswith(x + ".") for x in modules)]
-        self.captured = self._capture() if self.modules else {}
+        if self.modules and session not in _CAPTURED:
+            _CAPTURED[session] = self._capture()
+        self.captured = _CAPTURED.get(session, {})
         zeros = {t: np.zeros(session.shapes[t], session.full[t].dtype) for t in self.targets}
         self.models = [session.model_of({**session.full, **zeros, **c})
                        for c in self.contributions] if self.modules else []
@@ -150,10 +157,11 @@ class ExpertParallelRanks:
         return out
 
     def _capture(self) -> dict[str, dict[str, Any]]:
-        """The routing arguments every experts module received in the full model."""
+        """The routing arguments every experts module of the model received in the full
+        model."""
         captured: dict[str, dict[str, Any]] = {}
         handles = []
-        for path in self.modules:
+        for path in self.every:
             module = self.session.model.get_submodule(path)
             signature = inspect.signature(module.forward)
             names = dict(zip(tuple(signature.parameters)[:3], ROUTING_ARGUMENTS, strict=True))
