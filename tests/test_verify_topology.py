@@ -16,6 +16,7 @@ from test_verify_experts import _swapped
 
 from partc.cli.main import main
 from partc.verify.combined import topology_checks
+from partc.verify.mtp import MtpSession, mtp_layers
 from partc.verify.reference import reference_config
 from partc.verify.results import Check
 from partc.verify.run import _reference_session
@@ -27,16 +28,17 @@ from support import edited_family, hf
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory):
     """The reference model of a fixture (sized for T <= 2 and S = 2), built once per module."""
-    built: dict[str, tuple[Session, Path]] = {}
+    built: dict[str, tuple[Session, MtpSession | None, Path]] = {}
 
-    def session(name: str) -> tuple[Session, Path]:
+    def session(name: str) -> tuple[Session, MtpSession | None, Path]:
         if name not in built:
             work = tmp_path_factory.mktemp(name)
             config = hf(name) / "config.json"
             reference, _ = reference_config(json.loads(config.read_text()),
                                             tensor_parallel_size=2, pipeline_parallel_size=2)
-            built[name] = (_reference_session(reference, work / "reference", work, 0, config),
-                           work)
+            main = _reference_session(reference, work / "reference", work, 0, config)
+            mtp = MtpSession(main, reference) if mtp_layers(reference) else None
+            built[name] = (main, mtp, work)
         return built[name]
     return session
 
@@ -52,22 +54,22 @@ def _placement(kind: str, experts: int, ep: int) -> list[list[int]] | None:
     return [sorted({0, *range(r * per, (r + 1) * per)}) for r in range(ep)]
 
 
-def _checked(sessions, name: str, tp: int, ep: int, kind: str = "balanced",
+def _checked(sessions, name: str, tp: int, ep: int | None, kind: str = "balanced",
              family: Path | None = None) -> tuple[list[Check], object]:
-    """Every check of the T x 2 x E build of fixture `name` (placement `kind`)."""
-    session, work = sessions(name)
+    """Every check of the T x 2 (x E) build of fixture `name` (placement `kind`)."""
+    session, mtp, work = sessions(name)
     experts = session.model.config.to_dict()
     count = next(experts[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
                  if experts.get(k))
-    ranks = _placement(kind, count, ep)
+    ranks = _placement(kind, count, ep or 1)
     placement = None
     if ranks is not None:
         placement = work / f"{kind}{ep}.json"
         placement.write_text(json.dumps({"ranks": ranks}))
     out = work / f"{family.stem if family else 'built_in'}_{tp}_{ep}_{kind}"
     build = compile_build(family, work / "reference", out, tp, 2, None, experts=ExpertTopology(
-        expert_parallel_size=ep, placement=placement))
-    return topology_checks(session, build), build
+        expert_parallel_size=ep, placement=placement) if ep else None)
+    return topology_checks(session, build, mtp), build
 
 
 # each family at one topology; together T in {1, 2}, E in {2, 4}, every kind of placement
@@ -85,14 +87,21 @@ def test_a_moe_family_verifies_at_one_whole_topology(sessions, name, tp, ep, kin
     assert {(c.tp, c.pp, c.ep, c.etp) for c in checks} == {(tp, 2, ep, 1)}
     kinds = {c.kind for c in checks}
     assert {"module", "experts", "cut", "logits"} <= kinds, kinds
-    session, _ = sessions(name)
+    session, mtp, _ = sessions(name)
     layers = session.model.config.num_hidden_layers
-    modules = {c.module for c in checks if c.kind == "module"}
+    modules = [c.module for c in checks if c.kind == "module"]
     # the attention of the first and of the last layer: both stages' modules were checked
-    assert {"model.layers.0.self_attn", f"model.layers.{layers - 1}.self_attn"} <= modules
+    assert {"model.layers.0.self_attn", f"model.layers.{layers - 1}.self_attn"} <= set(modules)
     experts = [c.module for c in checks if c.kind == "experts"]
     moe = [m for m in (f"model.layers.{u}.mlp.experts" for u in range(layers))
            if any(n.startswith(m + ".") for n in session.sources)]
+    if mtp is not None:  # deepseek_v3's MTP layer, checked like a decoder layer's
+        moe.append(f"model.layers.{layers}.mlp.experts")
+        assert [m for m in modules if m.startswith(f"model.layers.{layers}.")] == [
+            f"model.layers.{layers}.{m}" for m in (
+                "self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                "embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm",
+                "shared_head.head")]
     assert experts == moe and len(experts) >= 2  # one per MoE layer, on either stage
     if kind != "balanced":
         assert build.file.expert_parallel.explicit_placement  # the file was compiled in
@@ -163,3 +172,20 @@ def test_the_cli_checks_the_build_of_tp_pp_and_ep_together(tmp_path, capsys):
         "...}`) is not the model's")
     assert any(c["kind"] == "cut" and c["ok"] for c in report["checks"])
     assert "the T=1 x S=2 build cut decoder*1|decoder*1" in " ".join(report["notes"])
+
+
+def test_the_mtp_layer_s_split_is_checked_on_its_own_stage(sessions, tmp_path):
+    # o_proj split on its output axis: refused in every decoder layer and in the MTP layer
+    # (model.layers.3, after the 3 decoder layers), whose attention runs on stage 1
+    family = edited_family(tmp_path, "deepseek_v3", '.o_proj"\n        sharding: row',
+                           '.o_proj"\n        sharding: column')
+    checks, _ = _checked(sessions, "deepseek_v3", 2, None, family=family)
+    failed = [c for c in checks if not c.ok]
+    assert [(c.module, c.rank) for c in failed] == [
+        ("model.layers.0.self_attn", 0), ("model.layers.1.self_attn", 0),
+        ("model.layers.2.self_attn", 2), ("model.layers.3.self_attn", 2)]
+    assert failed[-1].message.startswith(
+        "T=2 x S=2: module `model.layers.3.self_attn` (group "
+        "`model.layers.3.attention.heads`), rank 2: ")
+    assert all(c.ok for c in checks if c.module.startswith("model.layers.3.")
+               and c.module != "model.layers.3.self_attn")

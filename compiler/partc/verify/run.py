@@ -42,9 +42,10 @@ from partc.api import (
 )
 from partc.errors import PartcError, PartcErrors, SourceLocation, VerifyError, raise_if_any
 from partc.plan.topology import Topology
-from partc.verify.combined import topology_checks
+from partc.verify.combined import mtp_checks, topology_checks
 from partc.verify.expert_checks import ExpertParallelRanks
 from partc.verify.modules import TensorParallelRanks
+from partc.verify.mtp import MtpSession, add_mtp_layers, keep_mtp, mtp_layers
 from partc.verify.reference import (
     build_reference,
     load_config,
@@ -94,15 +95,17 @@ def verify_family(family: str | Path | None, config: str | Path, *,
         user.data, tensor_parallel_size=max(user.tensor_parallel_sizes, default=1),
         pipeline_parallel_size=user.pipeline_parallel_size,
         keep_layers=user.stage_units is not None)
+    keep_mtp(user.data, reference, notes)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partc-verify-") as scratch:
         work = Path(scratch)
         folder = work / "reference"
         session = _reference_session(reference, folder, work, seed, Path(config))
+        mtp = MtpSession(session, reference) if mtp_layers(reference) else None
         seconds["reference"] = time.perf_counter() - start
         run = _Run(family=family, folder=folder, work=work, policy=policy, session=session,
-                   notes=notes, seconds=seconds)
+                   mtp=mtp, notes=notes, seconds=seconds)
         if combined:
             run.whole_topologies(user, experts)
         else:
@@ -125,6 +128,8 @@ class _Run:
     work: Path
     policy: ShardingPolicy | None
     session: Session
+    mtp: MtpSession | None
+    """The MTP layers of the reference model, if it has any."""
     notes: list[str]
     seconds: dict[str, float]
     checks: list[Check] = field(default_factory=list)
@@ -137,6 +142,12 @@ class _Run:
     def _built(self, build: Build) -> None:
         self.family_name = self.family_name or build.file.family
         self.plans.append(build.file)
+        if self.mtp is not None and not any(n in state.layout for state in build.states
+                                             for n in self.mtp.names):
+            note = (f"the {self.family_name} build loads none of the reference checkpoint's "
+                    "MTP layers: they were not checked")
+            if note not in self.notes:
+                self.notes.append(note)
 
     def whole_topologies(self, user: CheckedConfig, experts: ExpertTopology | None) -> None:
         """One build per T at T x S (x E x X), every check made on it."""
@@ -153,7 +164,7 @@ class _Run:
                 self.checks.append(_not_compiled(tp, pp, error, self.notes, experts))
                 continue
             self._built(build)
-            self.checks.extend(topology_checks(self.session, build))
+            self.checks.extend(topology_checks(self.session, build, self.mtp))
             self.cuts.append(_cut_entry((tp,), pp, build.file, given=bool(user.stage_units)))
             self.notes.append(_cut_note(self.cuts[-1], whole=True))
             self.seconds[f"tp{tp}_pp{pp}" + suffix] = time.perf_counter() - begin
@@ -176,11 +187,14 @@ class _Run:
             ranks = TensorParallelRanks(self.session, build)
             self.checks.extend(ranks.load_checks())
             self.checks.extend(ranks.check(module) for module in self.session.modules)
+            if self.mtp is not None:
+                self.checks.extend(mtp_checks(self.mtp, build, experts=False))
             self.seconds[f"tp{tp}"] = time.perf_counter() - begin
         if experts is not None:
             begin = time.perf_counter()
             self.checks.extend(_expert_checks(family, folder, work, user.tensor_parallel_sizes,
-                                              policy, experts, self.session, self.notes))
+                                              policy, experts, self.session, self.notes,
+                                              self.mtp))
             self.seconds["ep"] = time.perf_counter() - begin
         pp = user.pipeline_parallel_size
         if pp == 1:
@@ -209,7 +223,8 @@ class _Run:
 
 def _expert_checks(family: str | Path | None, folder: Path, work: Path,
                    tensor_parallel_sizes: Sequence[int], policy: ShardingPolicy | None,
-                   experts: ExpertTopology, session: Session, notes: list[str]) -> list[Check]:
+                   experts: ExpertTopology, session: Session, notes: list[str],
+                   mtp: MtpSession | None = None) -> list[Check]:
     """The expert-parallel checks at each T of `tensor_parallel_sizes` that divides the E x X
     ranks of a stage (the others noted); a build that does not compile is a failed check."""
     ep, etp = experts.expert_parallel_size, experts.expert_tensor_parallel_size
@@ -234,6 +249,8 @@ def _expert_checks(family: str | Path | None, folder: Path, work: Path,
             checks.append(_not_compiled(tp, 1, error, notes, experts))
             continue
         checks.extend(ExpertParallelRanks(session, build).checks())
+        if mtp is not None:
+            checks.extend(mtp_checks(mtp, build, modules=False))
     return checks
 
 
@@ -416,6 +433,7 @@ def _reference_session(reference: dict[str, Any], folder: Path, work: Path, seed
     """The reference model built and run once; a VerifyError at the user's config when
     transformers builds a model of it that it cannot run."""
     build_reference(reference, folder, seed, SourceLocation(str(config)))
+    add_mtp_layers(reference, folder, seed)
     try:
         return Session(folder, work, seed)
     except RuntimeError as error:  # torch: the config's sizes do not fit each other
