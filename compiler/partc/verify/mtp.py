@@ -29,6 +29,7 @@ MTP output's accuracy — the weights are random.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -82,8 +83,11 @@ def keep_mtp(config: dict[str, Any], reference: dict[str, Any], notes: list[str]
     asked = int(config.get(MTP_FIELD) or 0)
     if asked and not reference.get(MTP_FIELD):
         reference[MTP_FIELD] = 1
-        notes[:] = [n.replace(f"{MTP_FIELD} {asked} -> 0", f"{MTP_FIELD} {asked} -> 1")
-                    for n in notes]
+        item = f"{MTP_FIELD} {asked} -> 0"
+        dropped = re.compile(rf"{item}, |, {item}|{item}")
+        notes[:] = [dropped.sub("", n) for n in notes]
+        if asked > 1:
+            notes.append(f"shrunk MTP layers: {MTP_FIELD} {asked} -> 1")
 
 
 def add_mtp_layers(config: dict[str, Any], folder: Path, seed: int) -> list[str]:

@@ -389,11 +389,17 @@ def checked_config(family: str | Path | None, config: Path,
 
     def compiles(tp: int, pp: int, given: bool, experts: ExpertTopology | None = None) -> bool:
         staged = pp > 1
-        found = topology_errors(bound, decl, Topology(
-            tensor_parallel_size=tp, pipeline_parallel_size=pp, policy=policy,
-            stage_units=counts if staged else None, stage_layout=layout if staged else None,
-            expert_parallel_size=experts.expert_parallel_size if experts else None,
-            expert_tensor_parallel_size=experts.expert_tensor_parallel_size if experts else 1))
+        try:  # the sizes themselves may not fit (T not dividing E x X)
+            topology = Topology(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp, policy=policy,
+                stage_units=counts if staged else None, stage_layout=layout if staged else None,
+                expert_parallel_size=experts.expert_parallel_size if experts else None,
+                expert_tensor_parallel_size=experts.expert_tensor_parallel_size if experts
+                else 1)
+        except PartcError as error:
+            found = [error]
+        else:
+            found = topology_errors(bound, decl, topology)
         if found and given:
             errors.extend(found)
         elif found:
