@@ -168,7 +168,7 @@ class _Run:
             self.cuts.append(_cut_entry((tp,), pp, build.file, given=bool(user.stage_units)))
             self.notes.append(_cut_note(self.cuts[-1], whole=True))
             self.seconds[f"tp{tp}_pp{pp}" + suffix] = time.perf_counter() - begin
-        missed = unexercised_boundaries([p for p in self.plans])
+        missed = unexercised_boundaries(self.plans)
         if missed is not None:
             self.notes.append(missed)
 

@@ -298,7 +298,8 @@ def unexercised_boundaries(plans: Sequence[PlanFile]) -> str | None:
     names = [f"`{g}`" + (f" ({plan.boundary.identity})" if g == last else "")
              for g in missed]
     stages = plan.shape.pipeline_parallel_size
-    layouts = [p.pipeline.layout for p in plans if p.pipeline is not None and p.pipeline.layout]
+    layouts = list(dict.fromkeys(p.pipeline.layout for p in plans
+                                 if p.pipeline is not None and p.pipeline.layout))
     several = len(names) > 1
     listed = ", ".join(names[:-1]) + " and " + names[-1] if several else names[0]
     return (f"the boundar{'ies' if several else 'y'} of {listed} crossed no cut at S={stages}"
