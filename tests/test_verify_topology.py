@@ -9,6 +9,7 @@ modules, and its logits). One reference model per family, shared by the module's
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,19 @@ def test_the_mtp_layer_s_split_is_checked_on_its_own_stage(sessions, tmp_path):
         "`model.layers.3.attention.heads`), rank 2: ")
     assert all(c.ok for c in checks if c.module.startswith("model.layers.3.")
                and c.module != "model.layers.3.self_attn")
+
+
+def test_a_dense_replica_holding_other_elements_is_refused(sessions):
+    # T=2 x E=4: ranks 2, 3 of a stage repeat the dense parts of ranks 0, 1; rank 2 given
+    # rank 3's state holds the other half of every split dense tensor
+    session, mtp, work = sessions("qwen3_moe")
+    build = compile_build(None, work / "reference", work / "replicas", 2, 2, None,
+                          experts=ExpertTopology(expert_parallel_size=4))
+    states = list(build.states)
+    states[2], states[3] = states[3], states[2]
+    checks = topology_checks(session, replace(build, states=tuple(states)), mtp)
+    replicas = [c for c in checks if c.kind == "load" and not c.ok]
+    assert replicas and {c.rank for c in replicas} == {2, 3}
+    assert replicas[0].message == (
+        "T=2 x S=2 x EP=4: rank 2's loader holds other elements of "
+        "`model.embed_tokens.weight` than rank 0, whose dense replica it is")
