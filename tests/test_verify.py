@@ -206,7 +206,8 @@ def test_the_cli_reports_json_and_exits_0_when_every_check_holds(capsys):
     report = json.loads(capsys.readouterr().out)
     assert status == 0 and report["ok"] is True
     assert report["family"] == "qwen3" and report["model_type"] == "qwen3"
-    assert {(c["tp"], c["pp"]) for c in report["checks"]} == {(1, 1), (2, 1), (1, 2)}
+    # --pp with --tp: each T x S build checked as one (docs/verify.md)
+    assert {(c["tp"], c["pp"]) for c in report["checks"]} == {(1, 2), (2, 2)}
     assert {"tp", "pp", "module", "group", "rank", "ok", "max_error", "tolerance"} <= set(
         report["checks"][0])
 

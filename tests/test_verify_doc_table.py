@@ -24,7 +24,7 @@ from partc.verify.reference import reference_config
 from partc.verify.results import VerifyReport
 from partc.verify.run import verify_family
 
-from support import ROOT, edited_family, hf
+from support import QUANTIZED, ROOT, edited_family, fp8_scales_family, hf
 
 DOC = ROOT / "docs" / "verify.md"
 HEADING = "## What verify proves and what it does not"
@@ -52,11 +52,11 @@ class Runs:
 
     @cached_property
     def llama_o_proj_column(self) -> VerifyReport:
-        """llama with `o_proj` declared column, at T = 2 and S = 2."""
+        """llama with `o_proj` declared column, at T = 2 x S = 2 checked as one build."""
         family = edited_family(self.folder, "llama", 'self_attn.o_proj"\n        sharding: row',
                                'self_attn.o_proj"\n        sharding: column')
         return verify_family(family, hf("llama") / "config.json", tensor_parallel_sizes=[2],
-                             pipeline_parallel_size=2)
+                             pipeline_parallel_size=2, combined=True)
 
 
 def _verified(report: VerifyReport) -> str:
@@ -113,29 +113,34 @@ def released_names(runs: Runs) -> str:
 
 
 def quantized_formats(runs: Runs) -> str:
-    """The reference config of an FP8 checkpoint has no quantization left to check."""
-    config = json.loads((hf("deepseek_v3") / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    reference, notes = reference_config(config)
-    dropped = "quantization_config" not in reference and any(
-        n.startswith("dropped quantization_config") for n in notes)
-    return "not caught" if dropped else "caught: verify"
+    """Qwen3 FP8 with `down_proj`'s `weight_scale_inv` split on the other axis than its
+    weight: each rank's stored slices no longer decode to its part of the weight."""
+    family = fp8_scales_family(runs.folder, down_scale_axis=0, gate_segments=False)
+    report = verify_family(family, QUANTIZED / "qwen3_fp8" / "config.json",
+                           tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    failure = report.first_failure
+    assert failure is None or "weight_scale_inv" in failure.message, failure
+    return _verified(report)
 
 
 def mtp_layers(runs: Runs) -> str:
-    """DeepSeek-V3's released config has an MTP layer; the reference model has none."""
-    config = json.loads((ROOT / "tests" / "fixtures" / "fullsize" / "DeepSeek-V3" /
-                         "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 1
-    reference, _ = reference_config(config)
-    return "not caught" if reference.get("num_nextn_predict_layers") == 0 else "caught: verify"
+    """deepseek_v3 with `o_proj` declared column: the MTP layer (model.layers.3, after the
+    fixture's three decoder layers) is refused too, not only the decoder's."""
+    family = edited_family(runs.folder, "deepseek_v3", '.o_proj"\n        sharding: row',
+                           '.o_proj"\n        sharding: column')
+    report = verify_family(family, hf("deepseek_v3") / "config.json",
+                           tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    assert not report.ok
+    refused = {c.module for c in report.checks if not c.ok}
+    return "caught: verify" if "model.layers.3.self_attn" in refused else "not caught"
 
 
 def tp_with_pp(runs: Runs) -> str:
-    """No check of a T = 2, S = 2 run is at T > 1 and S > 1 together."""
+    """The T = 2 x S = 2 run's module checks are made on that one build."""
     checks = runs.llama_o_proj_column.checks
-    assert {c.tp for c in checks} == {1, 2} and {c.pp for c in checks} == {1, 2}
-    return "caught: verify" if any(c.tp > 1 and c.pp > 1 for c in checks) else "not caught"
+    assert {(c.tp, c.pp) for c in checks} == {(2, 2)}
+    return "caught: verify" if any(not c.ok and c.module == "model.layers.0.self_attn"
+                                   for c in checks) else "not caught"
 
 
 def large_vision_language(runs: Runs) -> str:

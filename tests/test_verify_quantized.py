@@ -24,7 +24,7 @@ from partc.verify.reference import build_reference, load_model, reference_config
 from partc.verify.run import verify_family
 from partc.verify.session import ExpertTopology
 
-from support import QUANTIZED, ROOT
+from support import QUANTIZED, fp8_scales_family
 
 FIXTURES = {"deepseek_v3_fp8": "block_fp8", "qwen3_fp8": "block_fp8",
             "gpt_oss_mxfp4": "mxfp4", "llama_mlx4": "mlx_affine"}
@@ -110,45 +110,17 @@ def test_quantized_fixtures_verify_from_each_rank_s_own_slices(name: str) -> Non
     assert sum(c.module.startswith("model.") for c in report.checks) >= 8  # the module checks
 
 
-def _explicit_scales(folder: Path, *, down_scale_axis: int, gate_segments: bool) -> Path:
-    """Qwen3 with its MLP's FP8 weights and `weight_scale_inv` companions declared as members
-    (so the family, not the linear format, says how each scale is split)."""
-    text = (ROOT / "architectures" / "qwen3.yaml").read_text()
-    start = text.index('  - name: "layers.{unit}.mlp"')
-    end = text.index("  - name: final_norm")
-
-    def member(proj: str, shape: str, sharding: str, scale_axis: int) -> str:
-        scales = shape.replace("intermediate_size", "intermediate_size // 16").replace(
-            "hidden_size]", "hidden_size // 16]").replace("[hidden_size,", "[hidden_size // 16,")
-        return (f'      - {{target: "model.layers.{{unit}}.mlp.{proj}.weight", shape: {shape}, '
-                f"sharding: {sharding}, dtype: F8_E4M3}}\n"
-                f'      - {{target: "model.layers.{{unit}}.mlp.{proj}.weight_scale_inv", '
-                f"shape: {scales}, sharding: {{partitioned: {scale_axis}}}, dtype: F32}}\n")
-
-    gate = ('{partitioned_segments: {axis: 0, segments: "[intermediate_size // 2] * 2"}}'
-            if gate_segments else "{partitioned: 0}")
-    group = ('  - name: "layers.{unit}.mlp"\n    role: feed_forward_intermediate\n'
-             "    owner: {unit: decoder}\n    units: intermediate_size // 32\n    members:\n"
-             + member("gate_proj", "[intermediate_size, hidden_size]", gate, 0)
-             + member("up_proj", "[intermediate_size, hidden_size]", "{partitioned: 0}", 0)
-             + member("down_proj", "[hidden_size, intermediate_size]", "{partitioned: 1}",
-                      down_scale_axis) + "\n")
-    path = folder / "qwen3.yaml"
-    path.write_text(text[:start] + group + text[end:])
-    return path
-
-
 def test_scales_declared_as_members_split_with_their_weights_verify(tmp_path: Path) -> None:
     """The control of the two refusals below: the same members, each scale split on its
     weight's axis, verify."""
-    family = _explicit_scales(tmp_path, down_scale_axis=1, gate_segments=False)
+    family = fp8_scales_family(tmp_path, down_scale_axis=1, gate_segments=False)
     report = verify_family(family, QUANTIZED / "qwen3_fp8" / "config.json",
                            tensor_parallel_sizes=[2], pipeline_parallel_size=1)
     assert report.ok, report.first_failure
 
 
 def test_a_scale_split_on_the_other_axis_is_refused(tmp_path: Path, capsys) -> None:
-    family = _explicit_scales(tmp_path, down_scale_axis=0, gate_segments=False)
+    family = fp8_scales_family(tmp_path, down_scale_axis=0, gate_segments=False)
     line = family.read_text().splitlines().index('  - name: "layers.{unit}.mlp"') + 1
     status = main(["verify", str(family), "--config",
                    str(QUANTIZED / "qwen3_fp8" / "config.json"), "--tp", "2", "--pp", "1"])
@@ -166,7 +138,7 @@ def test_a_scale_split_on_the_other_axis_is_refused(tmp_path: Path, capsys) -> N
 def test_a_scale_holding_other_blocks_is_refused(tmp_path: Path) -> None:
     """Shapes agree (rank 0 holds gate rows 0:32 and 64:96, and scale rows 0:4, the blocks of
     rows 0:64), values do not."""
-    family = _explicit_scales(tmp_path, down_scale_axis=1, gate_segments=True)
+    family = fp8_scales_family(tmp_path, down_scale_axis=1, gate_segments=True)
     report = verify_family(family, QUANTIZED / "qwen3_fp8" / "config.json",
                            tensor_parallel_sizes=[2], pipeline_parallel_size=1)
     failure = report.first_failure

@@ -59,6 +59,34 @@ def edited_family(folder: Path, name: str, old: str, new: str) -> Path:
     return path
 
 
+def fp8_scales_family(folder: Path, *, down_scale_axis: int, gate_segments: bool) -> Path:
+    """Qwen3 with its MLP's FP8 weights and `weight_scale_inv` companions declared as members
+    (so the family, not the linear format, says how each scale is split)."""
+    text = (ROOT / "architectures" / "qwen3.yaml").read_text()
+    start = text.index('  - name: "layers.{unit}.mlp"')
+    end = text.index("  - name: final_norm")
+
+    def member(proj: str, shape: str, sharding: str, scale_axis: int) -> str:
+        scales = shape.replace("intermediate_size", "intermediate_size // 16").replace(
+            "hidden_size]", "hidden_size // 16]").replace("[hidden_size,", "[hidden_size // 16,")
+        return (f'      - {{target: "model.layers.{{unit}}.mlp.{proj}.weight", shape: {shape}, '
+                f"sharding: {sharding}, dtype: F8_E4M3}}\n"
+                f'      - {{target: "model.layers.{{unit}}.mlp.{proj}.weight_scale_inv", '
+                f"shape: {scales}, sharding: {{partitioned: {scale_axis}}}, dtype: F32}}\n")
+
+    gate = ('{partitioned_segments: {axis: 0, segments: "[intermediate_size // 2] * 2"}}'
+            if gate_segments else "{partitioned: 0}")
+    group = ('  - name: "layers.{unit}.mlp"\n    role: feed_forward_intermediate\n'
+             "    owner: {unit: decoder}\n    units: intermediate_size // 32\n    members:\n"
+             + member("gate_proj", "[intermediate_size, hidden_size]", gate, 0)
+             + member("up_proj", "[intermediate_size, hidden_size]", "{partitioned: 0}", 0)
+             + member("down_proj", "[hidden_size, intermediate_size]", "{partitioned: 1}",
+                      down_scale_axis) + "\n")
+    path = folder / "qwen3.yaml"
+    path.write_text(text[:start] + group + text[end:])
+    return path
+
+
 def fixture_folder(name: str) -> Path:
     """Folder of one tiny fixture: `hf/<name>`, else `quantized/<name>`."""
     return hf(name) if (HF / name).is_dir() else QUANTIZED / name

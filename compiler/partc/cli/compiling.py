@@ -399,6 +399,7 @@ def _skipped_lines(skipped: Sequence[dict[str, object]]) -> list[tuple[str, str]
 def run_verify(args: argparse.Namespace) -> int:
     """`partc verify`: check the split against transformers' modeling code."""
     from partc.verify.budget import DEFAULT_MEMORY_BUDGET
+    from partc.verify.results import topology_name
     from partc.verify.run import verify_family
     from partc.verify.session import ExpertTopology
 
@@ -414,9 +415,13 @@ def run_verify(args: argparse.Namespace) -> int:
         refused = checkpoint_errors(args.family, args.config, args.checkpoint)
         if refused:
             return report_errors(refused, args.format, _builtin_hint(args, refused))
+    # --pp (or --pp-layers) given with --tp or --ep: the topology they make, checked as one
+    combined = (args.pp is not None or bool(args.pp_layers)) and (
+        args.tp is not None or args.ep is not None)
     report = verify_family(args.family, args.config, tensor_parallel_sizes=args.tp,
                            pipeline_parallel_size=args.pp, stage_units=args.pp_layers,
                            policy=_policy(args.policy), seed=args.seed, experts=experts,
+                           combined=combined,
                            memory_budget=args.memory_budget or DEFAULT_MEMORY_BUDGET)
     report = replace(report, checks=_declared(report.checks, args.family, report.plans))
     if args.checkpoint is not None:
@@ -434,15 +439,14 @@ def run_verify(args: argparse.Namespace) -> int:
 
     def spelled(tp: int, pp: int, ep: int = 0, etp: int = 0) -> str:
         cut = f" (--pp-layers {report.stage_units})" if pp > 1 and report.stage_units else ""
-        experts = (f" x EP={ep}" + (f" x ETP={etp}" if etp > 1 else "")) if ep else ""
-        return f"T={tp} x S={pp}{experts}{cut}"
+        return topology_name(tp, pp, ep or None, etp or None) + cut
 
     for topology in topologies:
         mine = [c for c in report.checks if (c.tp, c.pp, c.ep or 0, c.etp or 0) == topology]
         failed = sum(not c.ok for c in mine)
         print(f"{spelled(*topology)}: {len(mine) - failed}/{len(mine)} checks hold")
         if topology[2]:  # a line per expert group
-            for check in mine:
+            for check in (c for c in mine if c.kind == "experts"):
                 print(f"  `{check.module}` ({check.group}): "
                       + ("holds" if check.ok else "FAILS")
                       + (f", max abs error {check.max_error:.3g}" if check.ok else ""))

@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tensor-parallel sizes, e.g. 1,2,4 (default: every T up to 8 "
                              "that compiles)")
     _add_stages(verify, "pipeline stages of the pipeline check (default 2, or the number of "
-                        "--pp-layers counts; 1 skips it)",
+                        "--pp-layers counts; 1 skips it); given (or --pp-layers) with --tp or "
+                        "--ep: each T x S (x E) build is checked as one, every check on it",
                 "where the pipeline check cuts: units per stage, e.g. 3,5,4, or per stage and "
                 "execution group, e.g. 'vision*3,projector|decoder*2', as compile takes them "
                 "(a large config then keeps its layers when shrunk)")

@@ -22,12 +22,14 @@ that is not the model's, a fused `[E * I, H]` axis taken for `E * I` experts, is
 from __future__ import annotations
 
 import inspect
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from partc.verify.modules import _scatter as scatter
-from partc.verify.results import Check
+from partc.verify.results import Check, topology_name
 from partc.verify.session import Build, Session, largest_error, tolerance_of
 
 ROUTING_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
@@ -35,6 +37,10 @@ ROUTING_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 by the names this check gives them."""
 ROUTING_SPELLINGS = (ROUTING_ARGUMENTS, ("hidden_states", "router_indices", "routing_weights"))
 """How experts modules name their first three arguments (GptOssExperts: the second)."""
+_CAPTURED: weakref.WeakKeyDictionary[Session, dict[str, dict[str, Any]]] = \
+    weakref.WeakKeyDictionary()
+"""The routing arguments of a session's experts modules, captured once per reference model
+(every stage and build of a run drives the same inputs)."""
 
 
 def _routing_names(module: Any) -> tuple[str, ...] | None:
@@ -50,39 +56,54 @@ def _experts_modules(model: Any) -> list[str]:
     return [name for name, module in model.named_modules() if _routing_names(module)]
 
 
-def _spelled(tp: int, ep: int, etp: int) -> str:
-    return f"T={tp} x S=1 x EP={ep}" + (f" x ETP={etp}" if etp > 1 else "")
-
-
 class ExpertParallelRanks:
-    """The experts of one expert-parallel build (one stage), placed through its expert map."""
+    """The experts of one stage of an expert-parallel build (its N = E x X ranks), placed
+    through its expert map. `modules`: the modules the stage runs, whose experts modules are
+    checked (default: every experts module of the model)."""
 
-    def __init__(self, session: Session, build: Build) -> None:
+    def __init__(self, session: Session, build: Build, stage: int = 0,
+                 modules: Sequence[str] | None = None) -> None:
         self.session = session
         self.build = build
+        self.ranks = tuple(build.stage_ranks(stage))
+        """The build ranks of the stage."""
         experts = build.file.expert_parallel
         assert experts is not None, "an expert-parallel build records its layout"
         self.ep = experts.expert_parallel_size
         self.etp = experts.expert_tensor_parallel_size
         self.expert_groups: dict[str, int | None] = dict(experts.expert_groups)
-        self.where = _spelled(build.tp, self.ep, self.etp)
+        self.where = topology_name(build.tp, build.pp, self.ep, self.etp)
         self.faults: list[Check] = []
-        self.contributions = [self._contribution(rank, state, build.expert_maps[rank])
-                              for rank, state in enumerate(build.states)]
+        self.contributions = [self._contribution(rank, build.states[rank],
+                                                 build.expert_maps[rank])
+                              for rank in self.ranks]
         self.targets = sorted({t for c in self.contributions for t in c})
-        self.modules = _experts_modules(session.model)
-        self.captured = self._capture()
+        self.every = _experts_modules(session.model)
+        self.modules = [m for m in self.every if modules is None or any(
+            m == x or m.startswith(x + ".") for x in modules)]
+        if self.modules and session not in _CAPTURED:
+            _CAPTURED[session] = self._capture()
+        self.captured = _CAPTURED.get(session, {})
         zeros = {t: np.zeros(session.shapes[t], session.full[t].dtype) for t in self.targets}
         self.models = [session.model_of({**session.full, **zeros, **c})
-                       for c in self.contributions]
-        self.shared_model = session.model_of({**session.full, **zeros})
+                       for c in self.contributions] if self.modules else []
+        self.shared_model = session.model_of({**session.full, **zeros}) if self.modules \
+            else None
 
     def _fault(self, rank: int | None, module: str, why: str) -> None:
-        where = f"rank {rank}" if rank is not None else f"ranks 0-{len(self.build.states) - 1}"
-        self.faults.append(Check(tp=self.build.tp, pp=1, module=module, group="", rank=rank,
-                                 ok=False, max_error=float("inf"), tolerance=0.0,
-                                 message=f"{self.where}: {where}: {why}",
-                                 ep=self.ep, etp=self.etp))
+        where = f"rank {rank}" if rank is not None else self._all_ranks
+        self.faults.append(self._check(module=module, group="", rank=rank, ok=False,
+                                       max_error=float("inf"), tolerance=0.0,
+                                       message=f"{self.where}: {where}: {why}"))
+
+    @property
+    def _all_ranks(self) -> str:
+        return f"ranks {self.ranks[0]}-{self.ranks[-1]}"
+
+    def _check(self, **fields: Any) -> Check:
+        """An expert check of this build's topology."""
+        return Check(tp=self.build.tp, pp=self.build.pp, ep=self.ep, etp=self.etp,
+                     kind="experts", **fields)
 
     def _contribution(self, rank: int, state: Any, expert_map: Any) -> dict[str, np.ndarray]:
         """The experts rank `rank` computes, at the global experts its map names: its ETP
@@ -136,10 +157,11 @@ class ExpertParallelRanks:
         return out
 
     def _capture(self) -> dict[str, dict[str, Any]]:
-        """The routing arguments every experts module received in the full model."""
+        """The routing arguments every experts module of the model received in the full
+        model."""
         captured: dict[str, dict[str, Any]] = {}
         handles = []
-        for path in self.modules:
+        for path in self.every:
             module = self.session.model.get_submodule(path)
             signature = inspect.signature(module.forward)
             names = dict(zip(tuple(signature.parameters)[:3], ROUTING_ARGUMENTS, strict=True))
@@ -207,7 +229,7 @@ class ExpertParallelRanks:
     def checks(self) -> list[Check]:
         """One check per experts module (an expert group per layer), after the load faults."""
         out = list(self.faults)
-        if not self.modules:
+        if not self.every:
             self._fault(None, "", "the model has no experts module (transformers' experts take "
                                   f"{', '.join(ROUTING_ARGUMENTS)} or "
                                   f"{', '.join(ROUTING_SPELLINGS[1])}) to drive")
@@ -219,9 +241,9 @@ class ExpertParallelRanks:
             if not isinstance(real, int):  # no count to compare with: the map's own
                 real = max(counts)
             if counts != {real}:
-                out.append(Check(
-                    tp=self.build.tp, pp=1, module=module, group=group, rank=None, ok=False,
-                    max_error=float("inf"), tolerance=0.0, ep=self.ep, etp=self.etp,
+                out.append(self._check(
+                    module=module, group=group, rank=None, ok=False,
+                    max_error=float("inf"), tolerance=0.0,
                     message=f"{self.where}: module `{module}` (group `{group}`): the build's "
                             f"expert map routes over {sorted(counts)[0]} experts, but the "
                             f"model's module has {real}: the family's expert count (`for: "
@@ -235,14 +257,13 @@ class ExpertParallelRanks:
             total = sum(outputs) - (len(outputs) - 1) * shared
             error = largest_error(total, want)
             message = "" if error <= tolerance else (
-                f"{self.where}: module `{module}` (group `{group}`), ranks 0-"
-                f"{len(outputs) - 1}: the experts computed by each rank from its own slots, "
+                f"{self.where}: module `{module}` (group `{group}`), {self._all_ranks}: "
+                "the experts computed by each rank from its own slots, "
                 "placed through its expert map (redundant copies once), do not add up to the "
                 f"full module{self._culprit(module, inputs)}; max abs error "
                 f"{error:.3g}, tolerance {tolerance:.3g}")
-            out.append(Check(tp=self.build.tp, pp=1, module=module, group=group, rank=None,
-                             ok=not message, max_error=error, tolerance=tolerance,
-                             message=message, ep=self.ep, etp=self.etp))
+            out.append(self._check(module=module, group=group, rank=None, ok=not message,
+                                   max_error=error, tolerance=tolerance, message=message))
         return out
 
     def _culprit(self, module: str, inputs: dict[str, Any]) -> str:

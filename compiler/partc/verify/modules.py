@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from partc.verify.results import Check
+from partc.verify.results import Check, topology_name
 from partc.verify.session import Build, Session, largest_error, tolerance_of
 
 
@@ -32,31 +32,75 @@ def _scatter(shape: tuple[int, ...], selection: tuple[int | None, Sequence[tuple
 
 
 class TensorParallelRanks:
-    """The masks and masked models of one tensor-parallel build (one stage)."""
+    """The masks and masked models of one stage's tensor-parallel ranks: its first dense
+    replica (T ranks). `whole`: on-disk tensors taken whole on every rank (an expert-parallel
+    build's routed experts, which the expert check covers)."""
 
-    def __init__(self, session: Session, build: Build) -> None:
+    def __init__(self, session: Session, build: Build, stage: int = 0,
+                 whole: frozenset[str] = frozenset()) -> None:
         self.session = session
         self.build = build
+        self.ranks = tuple(build.dense_ranks(stage))
+        """The build ranks checked, by tensor-parallel rank."""
+        self.where = topology_name(build.tp, build.pp, build.ep, build.etp)
         self.masks: list[dict[str, np.ndarray]] = []
         self.parts: list[dict[str, np.ndarray]] = []
-        self.loader_faults: list[tuple[int, str]] = []
-        for rank, state in enumerate(build.states):
-            masks, parts = {}, {}
-            for layout in state.layout.tensors:
-                target, shape = layout.target, tuple(layout.global_shape)
-                local = np.asarray(state.tensors[target])
-                parts[target] = _scatter(shape, layout.selection, local)
-                masks[target] = _scatter(shape, layout.selection, np.ones(local.shape, bool))
-                if not np.array_equal(parts[target][masks[target]],
-                                      session.full[target][masks[target]]):
-                    self.loader_faults.append((rank, target))
+        self.loader_faults: list[tuple[int, str, str]] = []
+        """(rank, tensor, why) of every rank of the stage that loaded a tensor wrongly."""
+        for rank in self.ranks:
+            parts = self._read(rank, build.states[rank], whole)
+            masks = {t: m for t, (_, m) in parts.items()}
+            for target in whole:
+                parts[target] = (session.full[target],
+                                 np.ones(session.shapes[target], dtype=bool))
+                masks[target] = parts[target][1]
             self.masks.append(masks)
-            self.parts.append(parts)
+            self.parts.append({t: v for t, (v, _) in parts.items()})
+        for rank in build.stage_ranks(stage)[build.tp:]:  # the other dense replicas
+            first = self.ranks[(rank - self.ranks[0]) % build.tp]
+            theirs = self.masks[self.ranks.index(first)]
+            for target, (_, mask) in self._read(rank, build.states[rank], whole).items():
+                if target not in theirs or not np.array_equal(mask, theirs[target]):
+                    self.loader_faults.append((rank, target, f"holds other elements of "
+                                               f"`{target}` than rank {first}, whose dense "
+                                               "replica it is"))
         self.whole = {name: all(m.get(name) is not None and bool(m[name].all())
                                 for m in self.masks) for name in session.names}
         self.models = [session.model_of(p) for p in self.parts]
         self.shared_model = session.model_of(self._shared(session.names)) if build.tp > 1 \
             else None
+
+    def _read(self, rank: int, state: Any, whole: frozenset[str]
+              ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """What a rank loaded (but the `whole` tensors), each tensor scattered into a zeroed
+        global one, with the mask of the elements it holds; a tensor whose bytes differ from
+        the checkpoint's is a loader fault."""
+        full = self.session.full
+        out = {}
+        for layout in state.layout.tensors:
+            target, shape = layout.target, tuple(layout.global_shape)
+            if target in whole:
+                continue
+            local = np.asarray(state.tensors[target])
+            part = _scatter(shape, layout.selection, local)
+            mask = _scatter(shape, layout.selection, np.ones(local.shape, bool))
+            if not np.array_equal(part[mask], full[target][mask]):
+                self.loader_faults.append((rank, target, f"read `{target}` bytes that differ "
+                                                         "from the checkpoint's"))
+            out[target] = (part, mask)
+        return out
+
+    def load_checks(self) -> list[Check]:
+        """A failed check per tensor a rank of the stage loaded wrongly."""
+        return [self._check(module=target, group="", rank=rank, ok=False,
+                            max_error=float("inf"), tolerance=0.0, kind="load",
+                            message=f"{self.where}: rank {rank}'s loader {why}")
+                for rank, target, why in self.loader_faults]
+
+    def _check(self, **fields: Any) -> Check:
+        """A check of this build's topology."""
+        build = self.build
+        return Check(tp=build.tp, pp=build.pp, ep=build.ep, etp=build.etp, **fields)
 
     def _shared(self, targets: Sequence[str]) -> dict[str, np.ndarray]:
         """Only the elements every rank holds of `targets`; the other tensors whole."""
@@ -88,8 +132,8 @@ class TensorParallelRanks:
         omitted = [t for t in targets if not any(t in m for m in self.masks)]
         if omitted:  # no rank loads them (the family's `omit:`)
             if len(omitted) == len(targets) and session.reaches_logits(module) is False:
-                return Check(tp=tp, pp=1, module=module, group="", rank=None, ok=True,
-                             max_error=0.0, tolerance=tolerance)  # run, never used
+                return self._check(module=module, group="", rank=None, ok=True,
+                                   max_error=0.0, tolerance=tolerance)  # run, never used
             return self._fail(module, "", None, float("inf"), tolerance,
                               "no rank loads " + ", ".join(f"`{t}`" for t in omitted)
                               + " (the family omits " + ("it" if len(omitted) == 1 else "them")
@@ -100,11 +144,11 @@ class TensorParallelRanks:
             for rank, model in enumerate(self.models):
                 error = largest_error(session.run(model, module), want)
                 if error > tolerance:
-                    return self._fail(module, "", rank, error, tolerance,
+                    return self._fail(module, "", self.ranks[rank], error, tolerance,
                                       "its tensors are whole on every rank, but the rank's "
                                       "output differs from the full module's")
-            return Check(tp=tp, pp=1, module=module, group=", ".join(self._groups(targets)),
-                         rank=None, ok=True, max_error=0.0, tolerance=tolerance)
+            return self._check(module=module, group=", ".join(self._groups(targets)),
+                               rank=None, ok=True, max_error=0.0, tolerance=tolerance)
         norms = self._reduced_norms(module, split)
         outputs = self._reduced_outputs(module, split)
         if norms or outputs:  # the engine all-reduces these: so does the check
@@ -115,8 +159,8 @@ class TensorParallelRanks:
             total = total - (tp - 1) * session.run(self.shared_model, module)
         error = largest_error(total, want)
         if error <= tolerance:
-            return Check(tp=tp, pp=1, module=module, group=", ".join(groups), rank=None,
-                         ok=True, max_error=error, tolerance=tolerance)
+            return self._check(module=module, group=", ".join(groups), rank=None,
+                               ok=True, max_error=error, tolerance=tolerance)
         return self._narrow(module, groups, error, tolerance)
 
     def _reduced_norms(self, module: str, targets: Sequence[str]) -> list[str]:
@@ -241,7 +285,7 @@ class TensorParallelRanks:
                     if others else 0
                 separable = largest_error(outs[rank] + rest - shared, want) if others else alone
                 if separable > tolerance:
-                    return self._fail(module, group, rank, alone, tolerance,
+                    return self._fail(module, group, self.ranks[rank], alone, tolerance,
                                       "the rank's part of the group is not separable from the "
                                       "other ranks' (rank + the others - the shared part "
                                       f"differs by {separable:.3g})"
@@ -291,10 +335,10 @@ class TensorParallelRanks:
 
     def _fail(self, module: str, group: str, rank: int | None, error: float,
               tolerance: float, why: str) -> Check:
-        tp = self.build.tp
-        where = f"rank {rank}" if rank is not None else f"ranks 0-{tp - 1}"
-        return Check(tp=tp, pp=1, module=module, group=group, rank=rank, ok=False,
-                     max_error=error, tolerance=tolerance,
-                     message=f"T={tp} x S=1: module `{module}`"
-                             f"{f' (group `{group}`)' if group else ''}, {where}: {why}; max "
-                             f"abs error {error:.3g}, tolerance {tolerance:.3g}")
+        where = f"rank {rank}" if rank is not None else \
+            f"ranks {self.ranks[0]}-{self.ranks[-1]}"
+        return self._check(module=module, group=group, rank=rank, ok=False,
+                           max_error=error, tolerance=tolerance,
+                           message=f"{self.where}: module `{module}`"
+                                   f"{f' (group `{group}`)' if group else ''}, {where}: {why}; "
+                                   f"max abs error {error:.3g}, tolerance {tolerance:.3g}")

@@ -9,6 +9,25 @@ if TYPE_CHECKING:
     from partc.plan.plan_file import PlanFile
 
 
+CHECK_KINDS = {
+    "module": "a module's ranks add up to the full module (or each gives it, when whole)",
+    "load": "a rank's loader read the checkpoint's bytes (and a dense replica its first's)",
+    "experts": "an experts module's EP ranks, through the expert map, give the full module",
+    "ownership": "a stage owns a tensor it executes",
+    "cut": "a cut carries its declared boundary",
+    "input": "a model input read past stage 0 crosses the cuts before it",
+    "logits": "the model assembled from the stages' tensors gives the full logits",
+    "compile": "the reference model compiles at a topology the config compiles at",
+}
+"""The `kind` of a check, and what it claims."""
+
+
+def topology_name(tp: int, pp: int, ep: int | None = None, etp: int | None = None) -> str:
+    """A topology as reports spell it: `T=2 x S=2 x EP=4` (`x ETP=X` when X > 1)."""
+    experts = "" if ep is None else f" x EP={ep}" + (f" x ETP={etp}" if (etp or 1) > 1 else "")
+    return f"T={tp} x S={pp}{experts}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Check:
     """One verified claim: a module (or the logits, or a tensor's ownership) at one topology."""
@@ -35,16 +54,19 @@ class Check:
     """`file:line` of the family entry declaring the (first) group concerned, for a failed
     check ('' when ok, not narrowed to a group, or not found)."""
     ep: int | None = None
-    """Expert-parallel size E of an expert check (`verify --ep`); None otherwise."""
+    """Expert-parallel size E of the build checked (`verify --ep`); None for a build without
+    expert parallelism."""
     etp: int | None = None
-    """Expert-tensor-parallel size X of an expert check; None otherwise."""
+    """Expert-tensor-parallel size X of the build checked; None without expert parallelism."""
+    kind: str = "module"
+    """What is claimed (`CHECK_KINDS`)."""
 
     def to_json(self) -> dict[str, object]:
         """The check as a JSON object."""
         return {"tp": self.tp, "pp": self.pp, "module": self.module, "group": self.group,
                 "rank": self.rank, "ok": self.ok, "max_error": self.max_error,
                 "tolerance": self.tolerance, "message": self.message,
-                "declared": self.declared, "ep": self.ep, "etp": self.etp}
+                "declared": self.declared, "ep": self.ep, "etp": self.etp, "kind": self.kind}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

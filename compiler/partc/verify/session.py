@@ -62,6 +62,26 @@ class Build:
         """S."""
         return self.file.shape.pipeline_parallel_size
 
+    @property
+    def ep(self) -> int | None:
+        """E (None: no expert parallelism)."""
+        return self.file.shape.expert_parallel_size
+
+    @property
+    def etp(self) -> int | None:
+        """X (None: no expert parallelism)."""
+        return self.file.shape.expert_tensor_parallel_size if self.ep is not None else None
+
+    def stage_ranks(self, stage: int) -> range:
+        """The build ranks of a pipeline stage (N of them: E x X, or T)."""
+        per = self.file.shape.ranks_per_stage
+        return range(stage * per, (stage + 1) * per)
+
+    def dense_ranks(self, stage: int) -> range:
+        """The ranks of a stage's first dense replica: its T tensor-parallel ranks."""
+        first = self.stage_ranks(stage).start
+        return range(first, first + self.tp)
+
 
 @contextmanager
 def _imported(out: Path) -> Iterator[Any]:

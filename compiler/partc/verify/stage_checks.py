@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.verify.results import Check
+from partc.verify.modules import _scatter as scatter
+from partc.verify.results import Check, topology_name
 from partc.verify.session import Build, Session, first_tensor, largest_error, tolerance_of
 
 if TYPE_CHECKING:
@@ -126,10 +127,47 @@ class _Placement:
         return out
 
 
+def module_stages(session: Session, plan: PlanFile) -> dict[str, tuple[int, ...]]:
+    """Each checked module (`session.modules`) -> the stages of the build `plan` that run its
+    parameters (the stage of its unit, or where its static role is placed in the run's
+    window), in order."""
+    placement = _Placement(session, plan)
+    out = {}
+    for module in session.modules:
+        out[module] = tuple(sorted({stage for name in session.sources
+                                    if name.startswith(module + ".")
+                                    for stage in placement.stages(name).values()}))
+    return out
+
+
 def _owners(plan: PlanFile) -> dict[str, tuple[str, ...]]:
     """On-disk tensor -> the static roles owning it (none for a tensor a unit owns)."""
     roles = {g.name: g.owner.static_roles for g in plan.groups}
     return {t.target: roles.get(t.group, ()) for t in plan.tensors}
+
+
+def _check(build: Build, **fields: Any) -> Check:
+    """A check of the pipeline build's topology (T x S, x EP x ETP)."""
+    return Check(tp=build.tp, pp=build.pp, ep=build.ep, etp=build.etp, **fields)
+
+
+def _where(build: Build) -> str:
+    """The build's topology, as messages begin."""
+    return topology_name(build.tp, build.pp, build.ep, build.etp)
+
+
+def _gathered(build: Build, stage: int, target: str) -> np.ndarray:
+    """An on-disk tensor as the ranks of a stage hold it together: each rank's elements at
+    their global place (zeros where no rank of the stage holds any)."""
+    parts = [(state.layout[target], np.asarray(state.tensors[target]))
+             for state in (build.states[r] for r in build.stage_ranks(stage))
+             if target in state.layout]
+    shape = tuple(parts[0][0].global_shape)
+    out = np.zeros(shape, dtype=parts[0][1].dtype)
+    for layout, local in parts:
+        mask = scatter(shape, layout.selection, np.ones(local.shape, bool))
+        out[mask] = scatter(shape, layout.selection, local)[mask]
+    return out
 
 
 def pipeline_checks(session: Session, build: Build) -> list[Check]:
@@ -141,7 +179,8 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
         for target, stage in placement.stages(name).items():
             executing.setdefault(target, {}).setdefault(stage, name)
     checks, composite = [], {}
-    owned = [set(state.layout.targets) for state in build.states]
+    owned = [{t for r in build.stage_ranks(s) for t in build.states[r].layout.targets}
+             for s in range(stages)]
     for target in session.names:
         users = executing.get(target, {})
         missing = [s for s in sorted(users) if target not in owned[s]]
@@ -151,27 +190,27 @@ def pipeline_checks(session: Session, build: Build) -> list[Check]:
                                        for m in runners):
             continue  # run but never used (SigLIP's pooling head): the family may omit it
         for stage in missing:
-            checks.append(Check(
-                tp=1, pp=stages, module=target, group="", rank=stage, ok=False,
-                max_error=float("inf"), tolerance=0.0,
-                message=f"T=1 x S={stages}: stage {stage} executes `{users[stage]}`, made of "
+            checks.append(_check(
+                build, module=target, group="", rank=build.stage_ranks(stage).start, ok=False,
+                max_error=float("inf"), tolerance=0.0, kind="ownership",
+                message=f"{_where(build)}: stage {stage} executes `{users[stage]}`, made of "
                         f"`{target}`, but " + (
                             "no stage loads that tensor (the family omits it), and the logits "
                             "depend on it" if omitted else "does not own that tensor")))
         holders = [s for s in (sorted(users) or range(stages)) if target in owned[s]]
         if holders and not missing:
-            composite[target] = np.asarray(build.states[holders[0]].tensors[target])
+            composite[target] = _gathered(build, holders[0], target)
     checks.extend(_cut_checks(session, build, placement))
     checks.extend(_input_checks(session, build, placement))
     logits = session.model_of(composite)
     with session.torch.no_grad():
         got = logits(**session.inputs, use_cache=False).logits
     error, tolerance = largest_error(got, session.logits), tolerance_of(session.logits)
-    checks.append(Check(
-        tp=1, pp=stages, module="logits", group="", rank=None, ok=error <= tolerance,
-        max_error=error, tolerance=tolerance,
+    checks.append(_check(
+        build, module="logits", group="", rank=None, ok=error <= tolerance,
+        max_error=error, tolerance=tolerance, kind="logits",
         message="" if error <= tolerance else
-        f"T=1 x S={stages}: the model assembled from each stage's tensors gives logits that "
+        f"{_where(build)}: the model assembled from each stage's tensors gives logits that "
         f"differ from the full model's; max abs error {error:.3g}, tolerance {tolerance:.3g}"))
     return checks
 
@@ -259,7 +298,8 @@ def unexercised_boundaries(plans: Sequence[PlanFile]) -> str | None:
     names = [f"`{g}`" + (f" ({plan.boundary.identity})" if g == last else "")
              for g in missed]
     stages = plan.shape.pipeline_parallel_size
-    layouts = [p.pipeline.layout for p in plans if p.pipeline is not None and p.pipeline.layout]
+    layouts = list(dict.fromkeys(p.pipeline.layout for p in plans
+                                 if p.pipeline is not None and p.pipeline.layout))
     several = len(names) > 1
     listed = ", ".join(names[:-1]) + " and " + names[-1] if several else names[0]
     return (f"the boundar{'ies' if several else 'y'} of {listed} crossed no cut at S={stages}"
@@ -371,7 +411,6 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
     logits depend on (`_stage_tail`: a merger placed with the last vision unit), an auxiliary
     tensor against the model input or the next stage's first-unit argument of the same name
     (one of neither is not checked)."""
-    stages = build.pp
     ends = _unit_ends(build.file)
     cuts = [(c, _in_memory(session, ends[c.after_stage][1]),
              _in_memory(session, ends[c.after_stage + 1][0]))
@@ -386,7 +425,7 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
             outputs[tail] = session.captured[tail][2]
         stage, schema = cut.after_stage, cut.boundary
         bound = {"batch": int(session.ids.shape[0]), "sequence": int(session.ids.shape[1])}
-        where = (f"T=1 x S={stages}: the cut after stage {stage} (group `{cut.group}`, "
+        where = (f"{_where(build)}: the cut after stage {stage} (group `{cut.group}`, "
                  f"boundary `{schema.identity}`)")
         found = [(schema.primary, sender, outputs.get(sender))] + [
             (spec, receiver if spec.role in inputs.get(receiver, {}) else "the model input",
@@ -405,9 +444,10 @@ def _cut_checks(session: Session, build: Build, placement: _Placement) -> list[C
         handed = "" if failure else _hand_off(session, placement, sender, receiver,
                                               outputs.get(sender), inputs.get(receiver, {}))
         failure = failure or (f"{where}: {handed}" if handed else "")
-        checks.append(Check(tp=1, pp=stages, module=sender, group=cut.group, rank=stage,
-                            ok=not failure, max_error=float("inf") if failure else 0.0,
-                            tolerance=0.0, message=failure))
+        checks.append(_check(build, module=sender, group=cut.group,
+                             rank=build.stage_ranks(stage).start, ok=not failure,
+                             max_error=float("inf") if failure else 0.0, tolerance=0.0,
+                             message=failure, kind="cut"))
     return checks
 
 
@@ -417,7 +457,6 @@ def _input_checks(session: Session, build: Build, placement: _Placement) -> list
     vision-language model whose embedding sits where the decoder begins needs the token ids
     carried over the vision stages. (Which module reads an input is taken from the full
     model's run: an argument that is the input tensor itself.)"""
-    stages = build.pp
     cuts = {c.after_stage: c for c in build.file.pipeline_cuts()}
     needs: dict[str, tuple[int, str]] = {}  # input -> (the last stage reading it, the module)
     for module, (args, kwargs, _) in session.captured.items():
@@ -442,10 +481,10 @@ def _input_checks(session: Session, build: Build, placement: _Placement) -> list
             roles = [spec.role for spec in cut.boundary.auxiliary]
             if name in roles:
                 continue
-            checks.append(Check(
-                tp=1, pp=stages, module=module, group=cut.group, rank=after, ok=False,
-                max_error=float("inf"), tolerance=0.0,
-                message=f"T=1 x S={stages}: stage {stage} runs `{module}` on the model input "
+            checks.append(_check(
+                build, module=module, group=cut.group, rank=build.stage_ranks(after).start,
+                ok=False, max_error=float("inf"), tolerance=0.0, kind="input",
+                message=f"{_where(build)}: stage {stage} runs `{module}` on the model input "
                         f"`{name}`, but the cut after stage {after} (boundary "
                         f"`{cut.boundary.identity}`) does not carry it: expected an "
                         f"auxiliary tensor `{name}` in that boundary, found "
