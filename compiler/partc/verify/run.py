@@ -443,7 +443,8 @@ def checked_config(family: str | Path | None, config: Path,
         raise_if_any(errors)
         return CheckedConfig(data=data, family=bound.family, model_type=bound.model_type,
                              tensor_parallel_sizes=sizes, pipeline_parallel_size=stages,
-                             stage_units=stage_units, skipped=tuple(skipped))
+                             stage_units=stage_units, skipped=tuple(skipped),
+                             sizes=family_sizes(decl.config))
     sizes = tuple(tp for tp in candidates if compiles(tp, 1, tensor_parallel_sizes is not None))
     if stages == 1:
         skipped.append({"tp": 1, "pp": 1, "reason": "no pipeline split asked for (S=1)",
