@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from partc.errors import VerifyError
+from partc.runtime.headers import DTYPES
 from partc.verify.reference import require_libraries
 
 FP8_MAX = 448.0
@@ -124,11 +125,10 @@ def _torch_of(array: np.ndarray) -> Any:
 def numpy_of(value: Any) -> np.ndarray:
     """A torch tensor as partc's loader gives it: the same bits, FP8 and BF16 as ml_dtypes."""
     torch, _ = require_libraries()
-    for dtype, raw in (("float8_e4m3fn", torch.uint8), ("bfloat16", torch.int16)):
+    for dtype, raw, stored in (("float8_e4m3fn", torch.uint8, "F8_E4M3"),
+                               ("bfloat16", torch.int16, "BF16")):
         if value.dtype == getattr(torch, dtype):
-            import ml_dtypes
-
-            return np.asarray(value.view(raw).numpy()).view(getattr(ml_dtypes, dtype))
+            return np.asarray(value.view(raw).numpy()).view(DTYPES[stored])
     return np.asarray(value.numpy())
 
 
