@@ -35,9 +35,11 @@ def sessions(tmp_path_factory):
         if name not in built:
             work = tmp_path_factory.mktemp(name)
             config = hf(name) / "config.json"
-            reference, _ = reference_config(json.loads(config.read_text()),
-                                            tensor_parallel_size=2, pipeline_parallel_size=2)
-            main = _reference_session(reference, work / "reference", work, 0, config)
+            data = json.loads(config.read_text())
+            reference, notes = reference_config(data, tensor_parallel_size=2,
+                                                pipeline_parallel_size=2)
+            main, _ = _reference_session(reference, work / "reference", work, 0, config, data,
+                                         notes)
             mtp = MtpSession(main, reference) if mtp_layers(reference) else None
             built[name] = (main, mtp, work)
         return built[name]

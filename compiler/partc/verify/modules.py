@@ -8,27 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from partc.verify.arrays import scatter
 from partc.verify.results import Check, topology_name
 from partc.verify.session import Build, Session, largest_error, tolerance_of
-
-
-def _scatter(shape: tuple[int, ...], selection: tuple[int | None, Sequence[tuple[int, int]]],
-             local: np.ndarray) -> np.ndarray:
-    """A zeroed global array holding `local` at the global ranges it was read from."""
-    axis, ranges = selection
-    out = np.zeros(shape, dtype=local.dtype)
-    if axis is None:
-        out[...] = local
-        return out
-    offset = 0
-    for start, end in ranges:
-        index: list[slice] = [slice(None)] * len(shape)
-        index[axis] = slice(start, end)
-        source: list[slice] = [slice(None)] * len(shape)
-        source[axis] = slice(offset, offset + end - start)
-        out[tuple(index)] = local[tuple(source)]
-        offset += end - start
-    return out
 
 
 class TensorParallelRanks:
@@ -82,8 +64,8 @@ class TensorParallelRanks:
             if target in whole:
                 continue
             local = np.asarray(state.tensors[target])
-            part = _scatter(shape, layout.selection, local)
-            mask = _scatter(shape, layout.selection, np.ones(local.shape, bool))
+            part = scatter(shape, layout.selection, local)
+            mask = scatter(shape, layout.selection, np.ones(local.shape, bool))
             if not np.array_equal(part[mask], full[target][mask]):
                 self.loader_faults.append((rank, target, f"read `{target}` bytes that differ "
                                                          "from the checkpoint's"))

@@ -20,6 +20,7 @@ companions (scales, biases) the rank loaded beside it, as an engine's kernel rea
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from partc.verify.modules import _scatter as scatter
+from partc.verify.arrays import scatter
 from partc.verify.quantized_formats import (
     Selection,
     StorageFormat,
@@ -39,7 +40,7 @@ from partc.verify.quantized_formats import (
     quantization_keys,
     storage_format,
 )
-from partc.verify.reference import load_model, parameter_sources, require_libraries
+from partc.verify.reference import load_config, load_model, parameter_sources, require_libraries
 from partc.verify.results import Check
 
 DOC = "docs/verify.md#quantized-formats"
@@ -272,6 +273,24 @@ def _encoded_tensors(fmt: StorageFormat, model: Any,
     return sorted(found)
 
 
+def _mtp_counterparts(tensors: list[str], encoded: set[str], config: dict[str, Any]
+                      ) -> set[str]:
+    """The multi-token-prediction layers' tensors to encode (`model.layers.{N + i}`, which
+    transformers does not build, added by `partc.verify.mtp`): those whose counterpart in the
+    last decoder layer is encoded, as DeepSeek-V3's release stores its MTP block with the
+    decoder's FP8 convention (its `eh_proj`, embedding, norms and head stay dense)."""
+    layers = config.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        return set()
+    found = set()
+    for name in tensors:
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if match and int(match.group(1)) >= layers and \
+                f"model.layers.{layers - 1}.{match.group(2)}" in encoded:
+            found.add(name)
+    return found
+
+
 def stored_reference(config: dict[str, Any], folder: Path, work: Path,
                      notes: list[str]) -> StoredReference | None:
     """The reference checkpoint in folder re-stored in the storage format the user's `config`
@@ -288,6 +307,8 @@ def stored_reference(config: dict[str, Any], folder: Path, work: Path,
     tensors = load_file(str(source / "model.safetensors"))
     sources = parameter_sources(source, sorted(tensors))
     names = _encoded_tensors(fmt, load_model(source), sources)
+    names = sorted({*names, *_mtp_counterparts(sorted(tensors), set(names),
+                                               load_config(source / "config.json").data)})
     stored: dict[str, Any] = {k: v for k, v in tensors.items() if k not in names}
     encoded: dict[str, dict[str, str]] = {}
     dense = {k: v.numpy() for k, v in tensors.items()}
@@ -298,7 +319,7 @@ def stored_reference(config: dict[str, Any], folder: Path, work: Path,
         dense[name] = decode(fmt, {part: numpy_of(value) for part, value in parts.items()})
     out = work / "stored"
     out.mkdir()
-    data = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    data = dict(load_config(source / "config.json").data)
     data.update(quantization_keys(fmt, config))
     (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
                                      encoding="utf-8")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.verify.modules import _scatter as scatter
+from partc.verify.arrays import scatter
 from partc.verify.results import Check, topology_name
 from partc.verify.session import Build, Session, first_tensor, largest_error, tolerance_of
 
