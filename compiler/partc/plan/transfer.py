@@ -309,6 +309,7 @@ def _check_same_model(source: PlanFile, destination: PlanFile) -> None:
         raise refuse(f"the source plan holds {len(extra)} tensor(s) the destination plan does "
                      f"not: `{extra[0]}`{' ...' if len(extra) > 1 else ''}", "/tensors",
                      extra[0])
+    _check_block_scales(source)
     _check_block_scales(destination)
 
 
