@@ -191,3 +191,29 @@ def test_the_transfer_of_a_tensor_no_source_rank_holds_is_refused(
                                           r" of `lm_head.weight` \[131, 64\], which destination "
                                           r"rank 0 needs"):
         plan_transfer(read_plan(source), read_plan(builds("llama") / "plan.json"))
+
+
+def test_inspect_to_shows_the_pairs_the_busiest_ranks_and_the_naive_total(
+        builds: Builds, capsys: pytest.CaptureFixture[str]) -> None:
+    from partc.cli.main import main
+
+    a, b = builds("llama", tp=2, pp=2), builds("llama", tp=4)
+    assert main(["inspect", str(a), "--to", str(b), "--format", "json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    destination = read_plan(b / "plan.json")
+    assert found["kind"] == "transfer"
+    assert found["total_bytes"] == sum(r.info.local_parameter_bytes for r in destination.ranks)
+    with safe_open(str(fixture_folder("llama") / "model.safetensors"), "np") as handle:
+        whole = {n: handle.get_slice(n).get_shape() for n in handle.keys()}  # noqa: SIM118
+    per_rank = [{s.target for s in slices} for slices in rank_slices(b, destination)]
+    assert found["naive_bytes"] == sum(4 * int(np.prod(whole[n])) for names in per_rank
+                                       for n in names)  # F32
+    assert sum(p["bytes"] for p in found["pairs"]) == found["total_bytes"]
+    sent = found["source_bytes"]
+    assert sent[found["busiest_source"]] == max(sent) and len(sent) == 4
+    assert main(["inspect", str(a), "--to", str(b)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("transfer llama: TP=2 x PP=2 (plan ")
+    assert "gathering every tensor whole then slicing reads 1.95 MiB (3.61x)" in text[1]
+    assert text[4] == "source  destination  bytes"
+    assert len(text) == 5 + len(found["pairs"])

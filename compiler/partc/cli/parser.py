@@ -331,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoint: its inventory with layer and expert numbers collapsed.")
     inspect.add_argument("path", help="a build folder, a plan.json, or a checkpoint (folder or "
                                       ".safetensors file)" + REPO_ID_HELP)
+    inspect.add_argument("--to", default=None, metavar="BUILD",
+                         help="another build of the same model: show the transfer plan from "
+                              "this build to it (bytes per source -> destination rank pair, the "
+                              "busiest ranks, the total against gathering whole tensors)")
     inspect.add_argument("--rank", type=int, default=None,
                          help="list the tensors of this global rank")
     inspect.add_argument("--group", default=None,
