@@ -1,0 +1,86 @@
+"""In-memory resharding under torch.distributed (CPU, gloo): one `torchrun --nproc_per_node=4`
+launch in which every process plays a rank of a source build, hands its weights over with
+`partc.runtime.weight_transfer.reshard_weights`, then plays a rank of the destination build and
+serves it with the reference torch executor. The moved tensors must be the destination build's
+own `load()` bit for bit, and the output ranks' logits Hugging Face's reference.npz."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from partc.api import CompileOptions, compile_family
+from partc.emit.render import package_name
+from partc.plan.ir import canonical_json
+from partc.plan.plan_file import read_plan
+from partc.plan.topology import Topology
+from partc.plan.transfer import plan_transfer
+
+from support import hf
+
+WORKER = Path(__file__).resolve().parent / "distributed" / "reshard_worker.py"
+TOLERANCE = 1e-4
+RUNS = {  # name: (fixture, source (T, S), destination (T, S))
+    "llama-tp2pp2-to-tp4": ("llama", (2, 2), (4, 1)),  # KV heads repeated on the destination
+    "qwen3_moe-tp4-to-tp2pp2": ("qwen3_moe", (4, 1), (2, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Compile both builds of every run, launch the workers once; the reports folder."""
+    folder = tmp_path_factory.mktemp("reshard-serve")
+    runs: list[dict[str, Any]] = []
+    for name, (fixture, (stp, spp), (dtp, dpp)) in RUNS.items():
+        made = {}
+        for side, (tp, pp) in (("source", (stp, spp)), ("destination", (dtp, dpp))):
+            out = folder / f"{name}-{side}"
+            result = compile_family(None, hf(fixture) / "config.json",
+                                    Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                                    CompileOptions(checkpoint=hf(fixture), out=out))
+            made[side] = (out, package_name(result.plan))
+        transfer = plan_transfer(read_plan(made["source"][0] / "plan.json"),
+                                 read_plan(made["destination"][0] / "plan.json"))
+        (folder / f"{name}.json").write_text(canonical_json(transfer.to_json()))
+        runs.append({"name": name, "source": str(made["source"][0]),
+                     "source_package": made["source"][1],
+                     "destination": str(made["destination"][0]),
+                     "destination_package": made["destination"][1],
+                     "transfer": str(folder / f"{name}.json"), "checkpoint": str(hf(fixture)),
+                     "tp": dtp, "pp": dpp})
+    spec = folder / "runs.json"
+    spec.write_text(json.dumps(runs))
+    reports = folder / "reports"
+    reports.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER), str(spec)],
+        capture_output=True, text=True, timeout=240,
+        env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return reports
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_weights_moved_in_memory_are_the_destinations_own_load_and_give_hf_logits(
+        moved: Path, name: str) -> None:
+    fixture, _, (tp, pp) = RUNS[name]
+    with np.load(hf(fixture) / "reference.npz") as npz:
+        want = npz["logits"]
+    outputs = 0
+    for g in range(4):
+        report = json.loads((moved / f"{name}-rank-{g}.json").read_text())
+        assert report["identical"], (name, g)
+        with np.load(moved / f"{name}-rank-{g}.npz") as npz:
+            if "logits" in npz.files:
+                outputs += 1
+                assert float(np.max(np.abs(npz["logits"] - want))) < TOLERANCE, (name, g)
+    assert outputs == tp  # every TP rank of the last stage
