@@ -27,7 +27,7 @@ from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
 from partc.plan.plan_file import PlanFile
 from partc.plan.transfer import TensorTransfer, plan_selections, plan_transfer, transfer_between
-from partc.runtime import ReadOptions, TensorSelection, read_tensors
+from partc.runtime import ReadOptions, ReadRecorder, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.headers import DTYPES
 from partc.runtime.manifest import SHARD_MANIFEST, ShardManifest, read_shard_manifest
@@ -62,9 +62,10 @@ class MergeResult:
 class _Sources:
     """The rank files of a source shard set, opened on first use."""
 
-    def __init__(self, manifest: ShardManifest, workers: int | None) -> None:
+    def __init__(self, manifest: ShardManifest, workers: int | None,
+                 recorder: ReadRecorder | None = None) -> None:
         self.manifest = manifest
-        self.options = ReadOptions(workers=workers)
+        self.options = ReadOptions(workers=workers, recorder=recorder)
         self.opened: dict[int, Checkpoint] = {}
 
     def checkpoint(self, rank: int) -> Checkpoint:
@@ -140,10 +141,11 @@ def _source_set(build: Path, shards: Path) -> tuple[PlanFile, ShardManifest, dic
 def reshard_shards(source_build: str | os.PathLike[str], shards: str | os.PathLike[str],
                    destination_build: str | os.PathLike[str], out: str | os.PathLike[str], *,
                    workers: int | None = None, progress: bool | None = None,
-                   force: bool = False, report: ProgressCallback | None = None) -> ShardResult:
+                   force: bool = False, report: ProgressCallback | None = None,
+                   recorder: ReadRecorder | None = None) -> ShardResult:
     """Write the shard set of `destination_build` into `out` from `shards`, the shard set of
     `source_build` (or, when `shards` holds no shard manifest, from the original checkpoint:
-    then it is `partc shard`)."""
+    then it is `partc shard`); `recorder` is told of every byte run read from the set."""
     if read_shard_manifest(shards) is None:
         return shard_checkpoint(destination_build, shards, out, workers=workers,
                                 progress=progress, force=force, report=report)
@@ -155,7 +157,7 @@ def reshard_shards(source_build: str | os.PathLike[str], shards: str | os.PathLi
     inputs = [("shards", shards), ("source build", source_build),
               ("destination build", destination_build)]
     check_output(out, kind="shard", inputs=inputs, force=force)
-    sources = _Sources(manifest, workers)
+    sources = _Sources(manifest, workers, recorder)
     by_rank = [{t.target: t for t in r.tensors} for r in transfer.ranks]
 
     def reader(rank: int) -> Callable[[list[RankSlice]], dict[str, np.ndarray[Any, Any]]]:
