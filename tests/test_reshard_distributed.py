@@ -7,9 +7,6 @@ own `load()` bit for bit, and the output ranks' logits Hugging Face's reference.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from partc.plan.topology import Topology
 from partc.plan.transfer import plan_transfer
 
 from support import hf
+from support.distributed import torchrun
 
 WORKER = Path(__file__).resolve().parent / "distributed" / "reshard_worker.py"
 TOLERANCE = 1e-4
@@ -55,17 +53,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      "destination_package": made["destination"][1],
                      "transfer": str(folder / f"{name}.json"), "checkpoint": str(hf(fixture)),
                      "tp": dtp, "pp": dpp})
-    spec = folder / "runs.json"
-    spec.write_text(json.dumps(runs))
-    reports = folder / "reports"
-    reports.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER), str(spec)],
-        capture_output=True, text=True, timeout=240,
-        env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
+    reports = torchrun(WORKER, runs, folder)
     return reports
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from partc.cli.compiling import _progress_enabled
+from partc.cli.compiling import _progress_enabled, shard_set_report
 from partc.cli.parser import EXIT_OK
 
 
@@ -18,13 +18,7 @@ def run_reshard(args: argparse.Namespace) -> int:
     with terminal_progress(_progress_enabled(args)) as report:
         result = reshard_shards(args.source, args.shards, args.destination, args.out,
                                 force=args.force, progress=False, report=report)
-    if args.format == "json":
-        print(json.dumps({"ok": True, "out": str(result.out), "plan_hash": result.plan_hash,
-                          "files": list(result.files), "bytes": result.nbytes}, indent=1))
-        return EXIT_OK
-    print(f"resharded {args.shards} for plan {result.plan_hash[:16]} into {result.out}: "
-          f"{len(result.files)} rank files, {result.nbytes / 2**20:.1f} MiB")
-    return EXIT_OK
+    return shard_set_report(args.format, f"resharded {args.shards}", result)
 
 
 def run_merge(args: argparse.Namespace) -> int:
