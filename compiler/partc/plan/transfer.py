@@ -12,6 +12,7 @@ The result is a frozen value with a canonical JSON form; the same two plans give
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -229,7 +230,13 @@ def _box(value: Sequence[Sequence[int]]) -> Box:
 # ---------------------------------------------------------------- selections of a plan
 
 
-def rank_selection(plan: PlanFile, rank: PlanRank, tensor: PlanTensor) -> Selection | None:
+SelectionCache = dict[tuple[Any, ...], "Selection | None"]
+"""Each (compact placement, shape) already decoded into the selection it holds (a plan repeats
+a few hundred distinct placements across 10^5 tensors and their ranks)."""
+
+
+def rank_selection(plan: PlanFile, rank: PlanRank, tensor: PlanTensor,
+                   cache: SelectionCache | None = None) -> Selection | None:
     """The part of `tensor` that `rank` holds, or None when it holds none: its TP rank's
     placement, or under expert parallelism (docs/expert_parallel.md) its ETP rank's for a
     per-expert tensor of an expert in its slots, its stage-local rank's for a stacked one."""
@@ -247,16 +254,28 @@ def rank_selection(plan: PlanFile, rank: PlanRank, tensor: PlanTensor) -> Select
             row = rank.info.expert_tensor_parallel_rank or 0
     if row >= len(tensor.placements):
         return None, ()
+    key = (tensor.placements[row], tensor.shape)
+    if cache is not None and key in cache:
+        return cache[key]
     placement = placement_from_compact(tensor.placements[row])
-    if placement.kind is PlacementKind.OMIT:
-        return None
-    return placement.selection(tensor.shape)
+    found = None if placement.kind is PlacementKind.OMIT else placement.selection(tensor.shape)
+    if cache is not None:
+        cache[key] = found
+    return found
 
 
 def plan_selections(plan: PlanFile) -> list[dict[str, Selection]]:
-    """Every rank's tensors and the selection each holds, by build rank."""
-    return [{t.target: s for t in plan.tensors
-             if (s := rank_selection(plan, rank, t)) is not None} for rank in plan.ranks]
+    """Every rank's tensors and the selection each holds, by build rank (each tensor asked of
+    the ranks of its stages only)."""
+    found: list[dict[str, Selection]] = [{} for _ in plan.ranks]
+    cache: SelectionCache = {}
+    for tensor in plan.tensors:
+        for stage in tensor.stages:
+            for index in plan.shape.stage_ranks(stage):
+                held = rank_selection(plan, plan.ranks[index], tensor, cache)
+                if held is not None:
+                    found[index][tensor.target] = held
+    return found
 
 
 # ---------------------------------------------------------------- the transfer
@@ -322,12 +341,13 @@ def _check_block_scales(plan: PlanFile) -> None:
              if name.endswith("_scale_inv") and name[:-len("_scale_inv")] in tensors]
     if not pairs:
         return
+    cache: SelectionCache = {}
     for weight, scale in pairs:
         if len(weight.shape) != len(scale.shape) or 0 in scale.shape:
             continue
         blocks = [-(-w // s) for w, s in zip(weight.shape, scale.shape, strict=True)]
         for rank in plan.ranks:
-            held = rank_selection(plan, rank, weight)
+            held = rank_selection(plan, rank, weight, cache)
             if held is None:
                 continue
             axis, ranges = held
@@ -337,7 +357,7 @@ def _check_block_scales(plan: PlanFile) -> None:
             want = tuple((a // block, -(-b // block)) for a, b in ranges)
             cut = next(((a, b) for a, b in ranges
                         if a % block or (b % block and b != weight.shape[axis])), None)
-            scaled = rank_selection(plan, rank, scale)
+            scaled = rank_selection(plan, rank, scale, cache)
             if cut is None and scaled is not None and (
                     scaled[0] is None and want == ((0, scale.shape[axis]),)
                     or scaled == (axis, want)):
@@ -433,6 +453,12 @@ def _pieces(rank: int, target: str, shape: tuple[int, ...], selection: Selection
     """One destination tensor's pieces; `load` (bytes per source rank) is updated."""
     if not shape or math.prod(local_shape(shape, selection)) == 0:
         return ()
+    whole = _whole_holders(shape, selection, tuple(holders))
+    if whole is not None:  # one box single holders hold: read it from the least loaded one
+        destination, elements, holding = whole
+        chosen, source = min(holding, key=lambda item: (load[item[0]], item[0]))
+        load[chosen] += elements * bits // 8
+        return (TransferPiece(source_rank=chosen, source=source, destination=destination),)
     cuts = _cuts(shape, [selection, *(s for _, s in holders)])
     pieces: list[tuple[int, Box]] = []  # (source rank, global box)
     for cell in _cells(shape, selection, cuts):
@@ -451,6 +477,23 @@ def _pieces(rank: int, target: str, shape: tuple[int, ...], selection: Selection
     sources = dict(holders)
     return tuple(TransferPiece(source_rank=r, source=_local(sources[r], box),
                                destination=_local(selection, box)) for r, box in pieces)
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_holders(shape: tuple[int, ...], selection: Selection,
+                   holders: tuple[tuple[int, Selection], ...]
+                   ) -> tuple[Box, int, tuple[tuple[int, Box], ...]] | None:
+    """When the destination's part is one box that single holders hold whole: its local box,
+    its elements, and each such holder's rank and box in its local tensor; None otherwise (the
+    part is then cut into cells). Cached: the layers of a model repeat a few structures."""
+    axis, ranges = selection
+    if axis is not None and len(ranges) != 1:
+        return None
+    box = tuple((0, n) if d != axis else ranges[0] for d, n in enumerate(shape))
+    able = tuple((r, _local(s, box)) for r, s in holders if _holds(s, box))
+    if not able:
+        return None
+    return _local(selection, box), math.prod(b - a for a, b in box), able
 
 
 def _merge(last: tuple[int, Box], chosen: int, cell: Box, held: Selection,
