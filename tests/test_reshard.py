@@ -25,14 +25,17 @@ DENSE_TRIP = [(2, 2, None), (4, 1, None), (1, 1, None), (2, 2, None)]
 """tp2 x pp2 -> tp4 x pp1 (KV heads replicated over 4 ranks) -> tp1 x pp1 -> back."""
 EXPERT_TRIP = [(1, 1, 4), (2, 1, 2), (1, 1, 1), (1, 1, 4)]
 """EP=4 -> EP=2 x TP=2 -> EP=1 -> back (T, S, E)."""
+SPLIT_EXPERT_TRIP = [(2, 1, (2, 2)), (1, 2, (4, 1)), (2, 1, (2, 2))]
+"""EP=2 x ETP=2 (each expert split over 2 ranks) -> EP=4 over 2 stages -> back (T, S, (E, X))."""
 FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "deepseek_v3",
             "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "llava", "qwen2_vl"]
 """Every built-in family with a tiny fixture in the shared fixture set."""
 EXPERT_FAMILIES = ["deepseek_v3", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"]
 """Those of them with routed experts."""
 
-Key = tuple[str, int, int, "int | None"]
-Sets = Callable[[str, int, int, "int | None"], tuple[Path, Path]]
+Experts = "int | tuple[int, int] | None"
+Key = tuple[str, int, int, Experts]
+Sets = Callable[[str, int, int, Experts], tuple[Path, Path]]
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +43,15 @@ def sets(tmp_path_factory: pytest.TempPathFactory) -> Sets:
     """(build, `partc shard` set from the original) of each (fixture, T, S, E), made once."""
     made: dict[Key, tuple[Path, Path]] = {}
 
-    def get(name: str, tp: int, pp: int, ep: int | None) -> tuple[Path, Path]:
+    def get(name: str, tp: int, pp: int, ep: int | tuple[int, int] | None
+            ) -> tuple[Path, Path]:
         key = (name, tp, pp, ep)
         if key not in made:
             root = tmp_path_factory.mktemp(f"{name}_{tp}_{pp}_{ep}")
             folder = fixture_folder(name)
-            sizes = {} if ep is None else {"expert_parallel_size": ep}
+            e, x = (ep, 1) if not isinstance(ep, tuple) else ep
+            sizes = {} if e is None else {"expert_parallel_size": e,
+                                          "expert_tensor_parallel_size": x}
             compile_family(None, folder / "config.json",
                            Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp, **sizes),
                            CompileOptions(out=root / "build", checkpoint=folder,
@@ -64,7 +70,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def round_trip(sets: Sets, tmp_path: Path, name: str,
-               trip: list[tuple[int, int, int | None]]) -> None:
+               trip: list[tuple[int, int, int | tuple[int, int] | None]]) -> None:
     """Reshard along `trip`, each set equal to `partc shard`'s; the last one merged gives the
     original checkpoint back."""
     original = fixture_folder(name) / "model.safetensors"
@@ -90,6 +96,11 @@ def test_a_dense_round_trip_reshards_as_partc_shard_does_and_merges_to_the_origi
 def test_an_expert_parallel_round_trip_reshards_as_partc_shard_does(
         sets: Sets, tmp_path: Path, name: str) -> None:
     round_trip(sets, tmp_path, name, EXPERT_TRIP)
+
+
+def test_experts_split_over_expert_tensor_parallel_ranks_reshard_as_partc_shard_does(
+        sets: Sets, tmp_path: Path) -> None:
+    round_trip(sets, tmp_path, "qwen3_moe", SPLIT_EXPERT_TRIP)
 
 
 def test_a_sharded_checkpoint_merges_back_into_its_files_and_index(tmp_path: Path) -> None:

@@ -34,15 +34,17 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Builds:
     """A build folder per (fixture, T, S, E, options), compiled once against the fixture."""
     made: dict[tuple[Any, ...], Path] = {}
 
-    def get(name: str, tp: int = 1, pp: int = 1, ep: int | None = None, **options: Any) -> Path:
-        key = (name, tp, pp, ep, *sorted(options.items()))
+    def get(name: str, tp: int = 1, pp: int = 1, ep: int | None = None, etp: int = 1,
+            **options: Any) -> Path:
+        key = (name, tp, pp, ep, etp, *sorted(options.items()))
         if key not in made:
             root = tmp_path_factory.mktemp(name)
             folder = fixture_folder(name)
             if options.get("expert_placement") == "redundant":
                 (root / "placement.json").write_text(json.dumps(PLACEMENT))
                 options = {**options, "expert_placement": root / "placement.json"}
-            sizes = {} if ep is None else {"expert_parallel_size": ep}
+            sizes = {} if ep is None else {"expert_parallel_size": ep,
+                                           "expert_tensor_parallel_size": etp}
             compile_family(None, folder / "config.json",
                            Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp, **sizes),
                            CompileOptions(out=root / "build", checkpoint=folder,
@@ -74,6 +76,8 @@ PAIRS = [
     ("qwen3_moe", dict(ep=4), dict(tp=2, ep=2)),
     ("qwen3_moe", dict(ep=2, expert_placement="redundant"), dict(tp=2, pp=2)),
     ("gpt_oss", dict(tp=2, ep=2), dict(pp=2)),  # stacked experts, interleaved gate_up
+    ("qwen3_moe", dict(tp=2, ep=2, etp=2), dict(ep=4)),  # each expert split over X=2
+    ("deepseek_v3", dict(ep=2, etp=2), dict(tp=2, pp=2)),
 ]
 
 

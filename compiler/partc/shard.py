@@ -316,13 +316,15 @@ def _safetensors_header(slices: list[RankSlice], metadata: dict[str, str]) -> by
     return len(text).to_bytes(8, "little") + text
 
 
-def write_rank_file(read: RankReader, mismatch: Callable[[RankSlice, str], CheckpointError],
-                slices: list[RankSlice], metadata: dict[str, str],
-                update: Callable[[int], None] | None, digests: dict[str, str],
-                handle: BinaryIO) -> None:
+def write_rank_file(read: RankReader,
+                    mismatch: Callable[[RankSlice, str], CheckpointError] | None,
+                    slices: list[RankSlice], metadata: dict[str, str],
+                    update: Callable[[int], None] | None, digests: dict[str, str],
+                    handle: BinaryIO) -> None:
     """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
     record the digest of each into `digests`; a slice whose digest is not the one the build
-    records (`--digests`) is refused before it is written (the output is then discarded)."""
+    records (`--digests`) is refused before it is written, with `mismatch`'s error (the output is
+    then discarded; None: the slices record no digest)."""
     handle.write(_safetensors_header(slices, metadata))
     if update is not None:
         update(0)  # the file is begun, even when it holds no bytes
@@ -335,6 +337,8 @@ def write_rank_file(read: RankReader, mismatch: Callable[[RankSlice, str], Check
                                       f"plan expects {list(s.local_shape)}", tensor=s.target)
             digest = tensor_digest(array)
             if s.digest is not None and digest != s.digest:
+                assert mismatch is not None, "a slice with a digest needs its mismatch error"
+                assert mismatch is not None, "a slice with a digest needs its error"
                 raise mismatch(s, digest)
             if array.size:
                 handle.write(array.reshape(-1).view("u1").data)
