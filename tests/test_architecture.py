@@ -471,6 +471,7 @@ OTHER_JSON_READERS = {
     ("partc.output", "read_marker"): "an output folder's marker file",
     ("partc.reshard", "_source_set"): "a shard manifest's recorded source layout",
     ("partc.scaffold.survey", "_read_config"): "config.json",
+    ("partc.shard", "_header_spelling"): "a validated safetensors header",
     ("partc.shard", "source_layout"): "a checkpoint index's metadata",
     ("partc.verify.reference", "load_config"): "config.json",
     ("partc.verify.reference", "model_inputs"): "config.json",

@@ -98,6 +98,14 @@ def test_an_expert_parallel_round_trip_reshards_as_partc_shard_does(
     round_trip(sets, tmp_path, name, EXPERT_TRIP)
 
 
+@pytest.mark.parametrize("name", ["qwen3_fp8", "deepseek_v3_fp8", "gpt_oss_mxfp4", "llama_mlx4"])
+def test_a_quantized_checkpoint_reshards_and_merges_back_byte_for_byte(
+        sets: Sets, tmp_path: Path, name: str) -> None:
+    # packed weights and scales move as stored bytes; MLX's header (sorted entry keys, no
+    # padding) is written back as MLX wrote it
+    round_trip(sets, tmp_path, name, [(2, 1, None), (1, 1, None)])
+
+
 def test_experts_split_over_expert_tensor_parallel_ranks_reshard_as_partc_shard_does(
         sets: Sets, tmp_path: Path) -> None:
     round_trip(sets, tmp_path, "qwen3_moe", SPLIT_EXPERT_TRIP)

@@ -36,6 +36,7 @@ from partc.shard import (
     ShardResult,
     rank_slices,
     read_build_plan,
+    safetensors_header,
     shard_checkpoint,
     write_rank_file,
     write_shard_set,
@@ -216,8 +217,10 @@ def merge_shards(shards: str | os.PathLike[str], build: str | os.PathLike[str],
     for entry in layout["files"]:
         slices = [RankSlice(target=n, dtype=whole[n].dtype, local_shape=whole[n].local_shape,
                             selection=TensorSelection()) for n in entry["tensors"]]
+        header = safetensors_header(slices, dict(entry["metadata"]),
+                                    spelling=entry if "entry_keys" in entry else None)
         files[entry["file"]] = partial(write_rank_file, lambda batch: sources.read(
-            [whole[s.target] for s in batch]), None, slices, dict(entry["metadata"]), None, {})
+            [whole[s.target] for s in batch]), None, slices, header, None, {})
     if len(layout["files"]) > 1 or layout.get("index_metadata") is not None:
         files["model.safetensors.index.json"] = _index(layout, whole)
     write_atomically(Path(out), files, kind="checkpoint", inputs=inputs, force=force)

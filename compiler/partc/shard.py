@@ -34,7 +34,7 @@ from partc.plan.plan_file import PlanFile, read_plan
 from partc.runtime import ReadOptions, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
-from partc.runtime.headers import DTYPES
+from partc.runtime.headers import DTYPES, FileHeader
 from partc.runtime.loader import (
     header_fingerprint,
     plan_difference,
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from partc.runtime.progress import ProgressCallback
 
 __all__ = ["RankSlice", "ShardResult", "rank_file_name", "rank_slices", "read_build_plan",
-           "shard_checkpoint", "write_rank_file", "write_shard_set"]
+           "safetensors_header", "shard_checkpoint", "write_rank_file",
+           "write_shard_set"]
 
 
 
@@ -126,16 +127,31 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
 
 def source_layout(checkpoint: Checkpoint) -> dict[str, Any]:
     """How the original checkpoint lays its tensors out, for `partc merge` to write it back:
-    each file's name, `__metadata__` and tensor names in data order, and the index's
-    `metadata` (None for a single file)."""
+    the index's `metadata` (None for a single file) and each file's name, `__metadata__`, tensor
+    names in data order and how its header is spelled (`_header_spelling`)."""
     index: Any = None
     if checkpoint.index_path is not None:
         index = json.loads(Path(checkpoint.index_path).read_bytes()).get("metadata")
-    return {"files": [{"file": os.path.basename(header.path), "metadata": dict(header.metadata),
-                       "tensors": sorted(header.tensors,
-                                         key=lambda name: header.tensors[name].begin)}
-                      for header in checkpoint.files],
-            "index_metadata": index}
+    files = []
+    for header in checkpoint.files:
+        order = sorted(header.tensors, key=lambda name: header.tensors[name].begin)
+        files.append({"file": os.path.basename(header.path), "metadata": dict(header.metadata),
+                      "tensors": order, **_header_spelling(header, order)})
+    return {"files": files, "index_metadata": index}
+
+
+def _header_spelling(header: FileHeader, order: list[str]) -> dict[str, Any]:
+    """How a (validated) header is written, beyond its values: its stored size (the padding),
+    the key order of a tensor's entry, and its top-level key order when it is not
+    `__metadata__` then the tensors in data order (the safetensors library's)."""
+    with open(header.path, "rb") as handle:
+        handle.seek(8)
+        document = json.loads(handle.read(header.header_size))
+    keys = list(document)
+    first = next((document[k] for k in keys if k != "__metadata__"), {})
+    default = (["__metadata__"] if "__metadata__" in document else []) + order
+    return {"header_size": header.header_size, "entry_keys": list(first),
+            **({} if keys == default else {"header_keys": keys})}
 
 
 RankReader = Callable[[list["RankSlice"]], "dict[str, np.ndarray[Any, Any]]"]
@@ -165,8 +181,8 @@ def write_shard_set(out: str | os.PathLike[str], plan: PlanFile, ranks: list[lis
             metadata = {"format": "pt", "partc_plan_hash": plan_hash, "partc_rank": str(rank),
                         "partc_world_size": str(world)}
             tick = update if report is None else _file_bytes(report, name, slices)
-            files[name] = partial(write_rank_file, reader(rank), mismatch, slices, metadata, tick,
-                                  digests[rank])
+            files[name] = partial(write_rank_file, reader(rank), mismatch, slices,
+                                  safetensors_header(slices, metadata), tick, digests[rank])
         manifest: dict[str, Any] = {
             "format": SHARD_FORMAT, "version": 1, "plan_hash": plan_hash,
             "family": plan.family, "model_type": plan.model_type,
@@ -303,29 +319,41 @@ def _check_header(plan: PlanFile, checkpoint: Checkpoint, verify_fingerprint: bo
     return []
 
 
-def _safetensors_header(slices: list[RankSlice], metadata: dict[str, str]) -> bytes:
-    """The 8-byte length and JSON header of a file holding `slices` back to back."""
-    table: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+def safetensors_header(slices: list[RankSlice], metadata: dict[str, str], *,
+                       spelling: Mapping[str, Any] | None = None) -> bytes:
+    """The 8-byte length and JSON header of a file holding `slices` back to back, as the
+    safetensors library writes it (8-byte aligned), or as `spelling` records an original's
+    (`source_layout`: its key orders and stored size)."""
+    entries: dict[str, Any] = {}
     offset = 0
+    order = ("dtype", "shape", "data_offsets") if spelling is None else spelling["entry_keys"]
     for s in slices:
-        table[s.target] = {"dtype": s.dtype, "shape": list(s.local_shape),
-                           "data_offsets": [offset, offset + s.nbytes]}
+        entry = {"dtype": s.dtype, "shape": list(s.local_shape),
+                 "data_offsets": [offset, offset + s.nbytes]}
+        entries[s.target] = {key: entry[key] for key in order}
         offset += s.nbytes
-    text = json.dumps(table, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data region starts 8-byte aligned
+    if metadata:
+        entries["__metadata__"] = metadata
+    keys = (["__metadata__"] if metadata else []) + [s.target for s in slices]
+    if spelling is not None:
+        keys = spelling.get("header_keys", keys)
+    text = json.dumps({key: entries[key] for key in keys}, separators=(",", ":")).encode()
+    size = len(text) + (-len(text) % 8) if spelling is None else max(spelling["header_size"],
+                                                                      len(text))
+    text += b" " * (size - len(text))  # the library's: the data region starts 8-byte aligned
     return len(text).to_bytes(8, "little") + text
 
 
 def write_rank_file(read: RankReader,
                     mismatch: Callable[[RankSlice, str], CheckpointError] | None,
-                    slices: list[RankSlice], metadata: dict[str, str],
+                    slices: list[RankSlice], header: bytes,
                     update: Callable[[int], None] | None, digests: dict[str, str],
                     handle: BinaryIO) -> None:
-    """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
-    record the digest of each into `digests`; a slice whose digest is not the one the build
-    records (`--digests`) is refused before it is written, with `mismatch`'s error (the output is
-    then discarded; None: the slices record no digest)."""
-    handle.write(_safetensors_header(slices, metadata))
+    """Stream `header`, then one rank's slices into `handle`, reading one batch of tensors at a
+    time, and record the digest of each into `digests`; a slice whose digest is not the one the
+    build records (`--digests`) is refused before it is written, with `mismatch`'s error (the
+    output is then discarded; None: the slices record no digest)."""
+    handle.write(header)
     if update is not None:
         update(0)  # the file is begun, even when it holds no bytes
     for batch in byte_batches(slices, lambda s: s.nbytes):
