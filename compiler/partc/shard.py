@@ -148,7 +148,7 @@ def _header_spelling(header: FileHeader, order: list[str]) -> dict[str, Any]:
         handle.seek(8)
         document = json.loads(handle.read(header.header_size))
     keys = list(document)
-    first = next((document[k] for k in keys if k != "__metadata__"), {})
+    first: Any = next((document[k] for k in keys if k != "__metadata__"), {})
     default = (["__metadata__"] if "__metadata__" in document else []) + order
     return {"header_size": header.header_size, "entry_keys": list(first),
             **({} if keys == default else {"header_keys": keys})}
