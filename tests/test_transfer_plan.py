@@ -221,3 +221,26 @@ def test_inspect_to_shows_the_pairs_the_busiest_ranks_and_the_naive_total(
     assert "gathering every tensor whole then slicing reads 1.95 MiB (3.61x)" in text[1]
     assert text[4] == "source  destination  bytes"
     assert len(text) == 5 + len(found["pairs"])
+
+
+def test_report_to_writes_a_page_of_the_pair_matrix_the_same_twice(
+        builds: Builds, tmp_path: Path) -> None:
+    import re
+
+    from partc.cli.main import main
+
+    a, b = builds("llama", tp=2, pp=2), builds("llama", tp=4)
+    pages = []
+    for name in ("one.html", "two.html"):
+        assert main(["report", str(a), "--to", str(b), "--out", str(tmp_path / name),
+                     "--format", "json"]) == 0
+        pages.append((tmp_path / name).read_text())
+    assert pages[0] == pages[1]
+    plan = plan_transfer(read_plan(a / "plan.json"), read_plan(b / "plan.json"))
+    matrix = pages[0].split('<table id="pairs">')[1].split("</table>")[0]
+    rows = re.findall(r"<tr><th>(\d+)</th>(.*?)</tr>", matrix)
+    assert [int(r) for r, _ in rows] == [0, 1, 2, 3]
+    filled = {(int(r), d) for r, cells in rows
+              for d, text in enumerate(re.findall(r"<td [^>]*>([^<]*)</td>", cells)[:4]) if text}
+    assert filled == set(plan.pair_bytes())
+    assert "<title>partc transfer: llama: TP=2 x PP=2 -&gt; TP=4 x PP=1</title>" in pages[0]

@@ -211,7 +211,12 @@ def run_report(args: argparse.Namespace) -> int:
     from partc.inspect.plan_summary import read_build
 
     build = read_build(args.build)
-    html = render_report(build, _origins(build, args))
+    if args.to is not None:
+        from partc.inspect.transfer_summary import render_transfer_report, transfer_summary
+
+        html = render_transfer_report(transfer_summary(build.file, read_build(args.to).file))
+    else:
+        html = render_report(build, _origins(build, args))
     out = Path(args.out)
     write_text_file(out, html, marker=REPORT_MARKER)
     if args.format == "json":

@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--family", default=None,
                         help="the family file the build was compiled from (for its lines; found "
                               "by itself as for inspect)")
+    report.add_argument("--to", default=None, metavar="BUILD",
+                        help="another build of the same model: a page of the transfer plan from "
+                             "this build to it instead (totals and bytes per rank pair)")
     _add_format(report)
 
     init = commands.add_parser(

@@ -55,3 +55,33 @@ def transfer_lines(summary: Mapping[str, Any]) -> list[str]:
     out += [f"{p['source']:>6}  {p['destination']:>11}  {byte_text(p['bytes'])}"
             for p in summary["pairs"]]
     return out
+
+
+def render_transfer_report(summary: Mapping[str, Any]) -> str:
+    """The transfer plan's HTML page (`partc report A --to B`): totals and the source x
+    destination matrix of bytes, self-contained and deterministic."""
+    from partc import __version__
+    from partc.inspect.html_report import _environment
+
+    pairs = {(p["source"], p["destination"]): p["bytes"] for p in summary["pairs"]}
+    sent, received = summary["source_bytes"], summary["destination_bytes"]
+    largest = max(pairs.values(), default=0) or 1
+    total, naive = summary["total_bytes"], summary["naive_bytes"]
+    rows = [{"rank": s, "sends": byte_text(sent[s]), "busiest": s == summary["busiest_source"],
+             "cells": [{"text": byte_text(pairs[s, d]) if (s, d) in pairs else "",
+                        "shade": f"{0.6 * pairs.get((s, d), 0) / largest:.3f}"}
+                       for d in range(len(received))]} for s in range(len(sent))]
+    source, destination = summary["source"], summary["destination"]
+    busy_source, busy_destination = summary["busiest_source"], summary["busiest_destination"]
+    return _environment().get_template("transfer.html.jinja2").render(
+        title=f"{summary['family']}: {topology_text(source['topology'])} -> "
+              f"{topology_text(destination['topology'])}",
+        version=__version__, source_hash=source["plan_hash"],
+        destination_hash=destination["plan_hash"], total=byte_text(total),
+        naive=byte_text(naive), ratio=f"{naive / total:.2f}x" if total else "-",
+        model=byte_text(summary["global_bytes"]), pieces=summary["pieces"],
+        busiest_source=f"{busy_source} ({byte_text(sent[busy_source])})",
+        busiest_destination=f"{busy_destination} ({byte_text(received[busy_destination])})",
+        destinations=list(range(len(received))), rows=rows,
+        received=[{"text": byte_text(n), "busiest": d == summary["busiest_destination"]}
+                  for d, n in enumerate(received)])
