@@ -29,6 +29,7 @@ from partc.plan.plan_file import PlanFile
 from partc.plan.transfer import TensorTransfer, plan_selections, plan_transfer, transfer_between
 from partc.runtime import ReadOptions, ReadRecorder, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
+from partc.runtime.digests import byte_batches
 from partc.runtime.headers import DTYPES
 from partc.runtime.manifest import SHARD_MANIFEST, ShardManifest, read_shard_manifest
 from partc.shard import (
@@ -60,6 +61,11 @@ class MergeResult:
     """Tensor bytes written."""
 
 
+PIECE_BYTES = 32 << 20
+"""Pieces are read from a source file in reads of about this many bytes, so that what is read
+and not yet copied into the destination's arrays stays small beside them."""
+
+
 class _Sources:
     """The rank files of a source shard set, opened on first use."""
 
@@ -77,8 +83,9 @@ class _Sources:
         return found
 
     def read(self, tensors: list[TensorTransfer]) -> dict[str, np.ndarray[Any, Any]]:
-        """Each tensor assembled from its pieces: one read per source rank and round (a round
-        asks each tensor once), the pieces copied into the destination arrays."""
+        """Each tensor assembled from its pieces: reads of about PIECE_BYTES per source rank
+        and round (a round asks each tensor once), the pieces copied into the destination
+        arrays."""
         out = {t.target: np.empty(t.local_shape, DTYPES[t.dtype]) for t in tensors}
         wanted: dict[int, list[list[tuple[str, Any]]]] = {}
         for tensor in tensors:
@@ -90,9 +97,11 @@ class _Sources:
                 if turn == len(rounds):
                     rounds.append([])
                 rounds[turn].append((tensor.target, piece))
+        sizes = {t.target: DTYPES[t.dtype].itemsize for t in tensors}
         for rank in sorted(wanted):
             checkpoint = self.checkpoint(rank)
-            for requests in wanted[rank]:
+            for requests in (chunk for turn in wanted[rank] for chunk in byte_batches(
+                    turn, lambda item: item[1].elements * sizes[item[0]], PIECE_BYTES)):
                 selections = [(target, _selection(checkpoint, target, piece.source))
                               for target, piece in requests]
                 arrays = read_tensors(checkpoint, [(t, s) for t, (s, _) in selections],
