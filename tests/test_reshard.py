@@ -111,6 +111,30 @@ def test_experts_split_over_expert_tensor_parallel_ranks_reshard_as_partc_shard_
     round_trip(sets, tmp_path, "qwen3_moe", SPLIT_EXPERT_TRIP)
 
 
+@pytest.mark.parametrize(("name", "source", "destination"), [
+    ("llama", (2, 2, None), (4, 1, None)), ("qwen3_moe", (1, 1, 4), (2, 1, 2))])
+def test_a_reshard_reads_each_destination_byte_once_from_the_source_files(
+        sets: Sets, tmp_path: Path, name: str, source: tuple[Any, ...],
+        destination: tuple[Any, ...]) -> None:
+    from partc.plan.plan_file import read_plan
+    from partc.plan.transfer import plan_transfer
+
+    from support import Recorder
+
+    build, shards = sets(name, *source)
+    target, _ = sets(name, *destination)
+    recorder = Recorder()
+    reshard_shards(build, shards, target, tmp_path / "out", recorder=recorder)
+    files = {str(shards / f) for f in os.listdir(shards) if f.endswith(".safetensors")}
+    assert {path for path, _, _ in recorder.runs} <= files
+    wanted = sum(os.path.getsize(tmp_path / "out" / f) - 8 - int.from_bytes(
+        (tmp_path / "out" / f).read_bytes()[:8], "little")
+        for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors"))
+    assert sum(length for _, _, length in recorder.runs) == wanted
+    plan = plan_transfer(read_plan(build / "plan.json"), read_plan(target / "plan.json"))
+    assert plan.total_bytes == wanted
+
+
 def test_a_sharded_checkpoint_merges_back_into_its_files_and_index(tmp_path: Path) -> None:
     folder = hf("llama")
     compile_family(None, folder / "config.json", Topology(tensor_parallel_size=2),
