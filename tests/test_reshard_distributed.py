@@ -2,7 +2,8 @@
 launch in which every process plays a rank of a source build, hands its weights over with
 `partc.runtime.weight_transfer.reshard_weights`, then plays a rank of the destination build and
 serves it with the reference torch executor. The moved tensors must be the destination build's
-own `load()` bit for bit, and the output ranks' logits Hugging Face's reference.npz."""
+own `load()` bit for bit, and the output ranks' logits Hugging Face's reference.npz (an
+expert-parallel destination, which the executor does not run, is checked by its tensors)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from support.distributed import torchrun
 
 WORKER = Path(__file__).resolve().parent / "distributed" / "reshard_worker.py"
 TOLERANCE = 1e-4
-RUNS = {  # name: (fixture, source (T, S), destination (T, S))
-    "llama-tp2pp2-to-tp4": ("llama", (2, 2), (4, 1)),  # KV heads repeated on the destination
-    "qwen3_moe-tp4-to-tp2pp2": ("qwen3_moe", (4, 1), (2, 2)),
+RUNS = {  # name: (fixture, source (T, S, E), destination (T, S, E))
+    "llama-tp2pp2-to-tp4": ("llama", (2, 2, None), (4, 1, None)),  # KV heads repeated
+    "qwen3_moe-tp4-to-tp2pp2": ("qwen3_moe", (4, 1, None), (2, 2, None)),
+    "qwen3_moe-tp2pp2-to-ep4": ("qwen3_moe", (2, 2, None), (1, 1, 4)),  # tensors checked only
 }
 
 
@@ -36,12 +38,13 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Compile both builds of every run, launch the workers once; the reports folder."""
     folder = tmp_path_factory.mktemp("reshard-serve")
     runs: list[dict[str, Any]] = []
-    for name, (fixture, (stp, spp), (dtp, dpp)) in RUNS.items():
+    for name, (fixture, source, (dtp, dpp, dep)) in RUNS.items():
         made = {}
-        for side, (tp, pp) in (("source", (stp, spp)), ("destination", (dtp, dpp))):
+        for side, (tp, pp, ep) in (("source", source), ("destination", (dtp, dpp, dep))):
             out = folder / f"{name}-{side}"
             result = compile_family(None, hf(fixture) / "config.json",
-                                    Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                                    Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                             expert_parallel_size=ep),
                                     CompileOptions(checkpoint=hf(fixture), out=out))
             made[side] = (out, package_name(result.plan))
         transfer = plan_transfer(read_plan(made["source"][0] / "plan.json"),
@@ -52,7 +55,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
                      "destination": str(made["destination"][0]),
                      "destination_package": made["destination"][1],
                      "transfer": str(folder / f"{name}.json"), "checkpoint": str(hf(fixture)),
-                     "tp": dtp, "pp": dpp})
+                     "tp": dtp, "pp": dpp, "serve": dep is None})
     reports = torchrun(WORKER, runs, folder)
     return reports
 
@@ -60,7 +63,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("name", list(RUNS))
 def test_weights_moved_in_memory_are_the_destinations_own_load_and_give_hf_logits(
         moved: Path, name: str) -> None:
-    fixture, _, (tp, pp) = RUNS[name]
+    fixture, _, (tp, pp, ep) = RUNS[name]
     with np.load(hf(fixture) / "reference.npz") as npz:
         want = npz["logits"]
     outputs = 0
@@ -71,4 +74,4 @@ def test_weights_moved_in_memory_are_the_destinations_own_load_and_give_hf_logit
             if "logits" in npz.files:
                 outputs += 1
                 assert float(np.max(np.abs(npz["logits"] - want))) < TOLERANCE, (name, g)
-    assert outputs == tp  # every TP rank of the last stage
+    assert outputs == (tp if ep is None else 0)  # every TP rank of the last stage served
