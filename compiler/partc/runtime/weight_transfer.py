@@ -1,7 +1,8 @@
 """In-memory resharding under torch.distributed: the weights of one build's ranks handed to
 another build's ranks, point to point, following a transfer plan (docs/reshard.md).
 
-`reshard_weights(transfer, tensors)` runs on every process of a group at once. A process that
+`reshard_weights(transfer, tensors)` runs on every process of a gloo group at once (the bytes
+travel in CPU tensors; a job on NCCL passes a gloo `group` of its processes). A process that
 plays a source rank passes that rank's local tensors; one that plays a destination rank gets that
 rank's tensors back. Each piece of the plan goes from the process of its source rank to the
 process of its destination rank: the pieces one process sends another are packed into one byte
