@@ -39,6 +39,7 @@ STAGE_RANK = {
     "output": 6,
     "api": 7,
     "shard": 7,
+    "reshard": 8,  # over shard's writer
     "verify": 8,  # over the api (compile_family); cli reports it
     "inspect": 8,
     "scaffold": 8,
@@ -53,7 +54,7 @@ LIBRARY_OWNERS = {
     "yaml": {"front", "scaffold"},  # scaffold: `partc init` writes its family with PyYAML
     "jsonschema": {"front"},
     "safetensors": {"verify"},
-    "numpy": {"runtime", "partition", "shard", "api", "verify"},
+    "numpy": {"runtime", "partition", "shard", "reshard", "api", "verify"},
     "ml_dtypes": {"runtime", "partition", "shard"},
     "torch": {"runtime", "verify"},
     # `partc verify` only: the reference implementation it checks against, and the masked
@@ -468,7 +469,10 @@ OTHER_JSON_READERS = {
     ("partc.front.schema", "load_schema"): "a schema shipped with partc",
     ("partc.inspect.origins", "group_origins"): "the config document it writes itself",
     ("partc.output", "read_marker"): "an output folder's marker file",
+    ("partc.reshard", "_source_set"): "a shard manifest's recorded source layout",
     ("partc.scaffold.survey", "_read_config"): "config.json",
+    ("partc.shard", "_header_spelling"): "a validated safetensors header",
+    ("partc.shard", "source_layout"): "a checkpoint index's metadata",
     ("partc.verify.reference", "load_config"): "config.json",
     ("partc.verify.inputs", "model_inputs"): "config.json",
 }

@@ -8,9 +8,6 @@ sent at each pipeline cut HF's output of the stage's last layer."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +22,7 @@ from partc.plan.topology import Topology
 from partc.runtime.mesh import BuildTopology
 
 from support import hf, import_build
+from support.distributed import torchrun
 from torch_executor import TensorParallel, run_stage
 from torch_executor.model import ShardingError
 
@@ -57,17 +55,7 @@ def served(tmp_path_factory):
                      "package": package_name(result.plan), "checkpoint": str(hf(fixture)),
                      "tp": tp, "pp": pp, "dp": dp})
     assert len({r["package"] for r in runs}) == len(runs)  # one launch imports them all
-    spec = folder / "runs.json"
-    spec.write_text(json.dumps(runs))
-    reports = folder / "reports"
-    reports.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(WORKER), str(spec)],
-        capture_output=True, text=True, timeout=240,
-        env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
+    reports = torchrun(WORKER, runs, folder)
     return plans, reports
 
 

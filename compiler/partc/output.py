@@ -42,7 +42,7 @@ __all__ = ["MARKER", "OUTPUT_KINDS", "Marker", "check_output", "destination", "f
 
 MARKER = ".partc-build.json"
 """Name of the marker file partc writes into every build and shard set."""
-OUTPUT_KINDS = {"build": "build", "shard": "shard set"}
+OUTPUT_KINDS = {"build": "build", "shard": "shard set", "checkpoint": "merged checkpoint"}
 """Marker kinds and how messages name them."""
 MAX_MARKER_BYTES = 4 << 20
 """Largest marker file partc reads (a 4096-rank build lists about 4100 paths)."""

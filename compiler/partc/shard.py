@@ -17,11 +17,13 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
 
 from partc.emit.render import rank_module_name
 from partc.errors import CheckpointError, LoadError, PartcError, SourceLocation, raise_if_any
@@ -32,7 +34,7 @@ from partc.plan.plan_file import PlanFile, read_plan
 from partc.runtime import ReadOptions, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest
-from partc.runtime.headers import DTYPES
+from partc.runtime.headers import DTYPES, FileHeader
 from partc.runtime.loader import (
     header_fingerprint,
     plan_difference,
@@ -48,7 +50,9 @@ from partc.runtime.progress import progress_bar
 if TYPE_CHECKING:
     from partc.runtime.progress import ProgressCallback
 
-__all__ = ["ShardResult", "rank_file_name", "shard_checkpoint"]
+__all__ = ["RankSlice", "ShardResult", "rank_file_name", "rank_slices", "read_build_plan",
+           "safetensors_header", "shard_checkpoint", "write_rank_file",
+           "write_shard_set"]
 
 
 
@@ -67,7 +71,7 @@ class ShardResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _Slice:
+class RankSlice:
     """One tensor of one rank: where it comes from and what it becomes."""
 
     target: str
@@ -102,13 +106,70 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     """
     if workers is not None and (problem := size_problem("workers", workers)) is not None:
         raise CheckpointError(problem)
-    plan = _read_plan(Path(build) / "plan.json")
-    ranks = _rank_slices(Path(build), plan)
+    plan = read_build_plan(Path(build))
+    ranks = rank_slices(Path(build), plan)
     opened = open_checkpoint(Path(checkpoint))
     errors: list[PartcError] = list(_check_header(plan, opened, verify_fingerprint))
     raise_if_any(errors)
     inputs = [("checkpoint", checkpoint), ("build", build)]
     check_output(out, kind="shard", inputs=inputs, force=force)
+
+    def read(batch: list[RankSlice]) -> dict[str, np.ndarray[Any, Any]]:
+        """One batch of a rank's slices, read from the checkpoint."""
+        return read_tensors(opened, [(s.target, s.selection) for s in batch],
+                            ReadOptions(workers=workers))
+
+    return write_shard_set(out, plan, ranks, header_fingerprint(opened),
+                           lambda rank: read, partial(_digest_mismatch, opened),
+                           source_layout=source_layout(opened), inputs=inputs, force=force,
+                           progress=progress, report=report)
+
+
+def source_layout(checkpoint: Checkpoint) -> dict[str, Any]:
+    """How the original checkpoint lays its tensors out, for `partc merge` to write it back:
+    the index's `metadata` (None for a single file) and each file's name, `__metadata__`, tensor
+    names in data order and how its header is spelled (`_header_spelling`)."""
+    index: Any = None
+    if checkpoint.index_path is not None:
+        index = json.loads(Path(checkpoint.index_path).read_bytes()).get("metadata")
+    files = []
+    for header in checkpoint.files:
+        order = sorted(header.tensors, key=lambda name: header.tensors[name].begin)
+        files.append({"file": os.path.basename(header.path), "metadata": dict(header.metadata),
+                      "tensors": order, **_header_spelling(header, order)})
+    return {"files": files, "index_metadata": index}
+
+
+def _header_spelling(header: FileHeader, order: list[str]) -> dict[str, Any]:
+    """How a (validated) header is written, beyond its values: its stored size (the padding),
+    the key order of a tensor's entry, and its top-level key order when it is not
+    `__metadata__` then the tensors in data order (the safetensors library's)."""
+    with open(header.path, "rb") as handle:
+        handle.seek(8)
+        document = json.loads(handle.read(header.header_size))
+    keys = list(document)
+    first: Any = next((document[k] for k in keys if k != "__metadata__"), {})
+    default = (["__metadata__"] if "__metadata__" in document else []) + order
+    return {"header_size": header.header_size, "entry_keys": list(first),
+            **({} if keys == default else {"header_keys": keys})}
+
+
+RankReader = Callable[[list["RankSlice"]], "dict[str, np.ndarray[Any, Any]]"]
+"""Reads one batch of one rank's slices: target -> the rank-local array."""
+
+
+def write_shard_set(out: str | os.PathLike[str], plan: PlanFile, ranks: list[list[RankSlice]],
+                    source_fingerprint: str | None, reader: Callable[[int], RankReader],
+                    mismatch: Callable[[RankSlice, str], CheckpointError], *,
+                    source_layout: Mapping[str, Any] | None,
+                    inputs: list[tuple[str, str | os.PathLike[str]]], force: bool = False,
+                    progress: bool | None = None, report: ProgressCallback | None = None
+                    ) -> ShardResult:
+    """Write one safetensors file per rank of `plan` and the manifest into `out`, atomically:
+    each rank's slices (`rank_slices`) read a batch at a time by `reader(rank)`, each checked
+    against the digest the build records (`mismatch` makes the error), as `partc shard` and
+    `partc reshard` both write a set. `source_layout` is the original checkpoint's file layout
+    (`source_layout`), recorded for `partc merge`."""
     world = len(ranks)
     plan_hash = plan.plan_hash
     names = [rank_file_name(r, world) for r in range(world)]
@@ -120,16 +181,18 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
             metadata = {"format": "pt", "partc_plan_hash": plan_hash, "partc_rank": str(rank),
                         "partc_world_size": str(world)}
             tick = update if report is None else _file_bytes(report, name, slices)
-            files[name] = partial(_write_rank, opened, slices, metadata, workers, tick,
-                                  digests[rank])
-        manifest = {
+            files[name] = partial(write_rank_file, reader(rank), mismatch, slices,
+                                  safetensors_header(slices, metadata), tick, digests[rank])
+        manifest: dict[str, Any] = {
             "format": SHARD_FORMAT, "version": 1, "plan_hash": plan_hash,
             "family": plan.family, "model_type": plan.model_type,
-            "topology": dict(plan.topology_json), "source_fingerprint": header_fingerprint(opened),
+            "topology": dict(plan.topology_json), "source_fingerprint": source_fingerprint,
             "ranks": [{"rank": r, "file": names[r], "bytes": sum(s.nbytes for s in ranks[r]),
                        "tensors": [s.target for s in ranks[r]], "digests": digests[r]}
                       for r in range(world)],
         }
+        if source_layout is not None:
+            manifest["source_layout"] = source_layout
 
         def write_manifest(handle: BinaryIO) -> None:
             """The manifest, once every rank file (and so every digest) is written."""
@@ -140,7 +203,7 @@ def shard_checkpoint(build: str | os.PathLike[str], checkpoint: str | os.PathLik
     return ShardResult(out=Path(out), plan_hash=plan_hash, files=tuple(names), nbytes=total)
 
 
-def _file_bytes(report: ProgressCallback, name: str, slices: list[_Slice]
+def _file_bytes(report: ProgressCallback, name: str, slices: list[RankSlice]
                 ) -> Callable[[int], None]:
     """A byte counter for one rank file that reports `write <name>` done of its bytes."""
     total = sum(s.nbytes for s in slices)
@@ -153,15 +216,16 @@ def _file_bytes(report: ProgressCallback, name: str, slices: list[_Slice]
     return update
 
 
-def _read_plan(path: Path) -> PlanFile:
-    """The build's plan.json, read back typed."""
+def read_build_plan(build: Path) -> PlanFile:
+    """The plan.json of a build folder, read back typed."""
+    path = build / "plan.json"
     if not os.path.lexists(path):
         raise LoadError(f"no plan.json in {path.parent}; expected a folder written by "
                         "`partc compile`", location=SourceLocation(str(path)))
     return read_plan(path, label="the build's plan.json")
 
 
-def _rank_slices(build: Path, plan: PlanFile) -> list[list[_Slice]]:
+def rank_slices(build: Path, plan: PlanFile) -> list[list[RankSlice]]:
     """Each rank's tensors and selections, from the build's generated rank modules.
 
     Slices are sorted widest item first, then by name, so every tensor of a rank file is
@@ -187,7 +251,7 @@ def _rank_slices(build: Path, plan: PlanFile) -> list[list[_Slice]]:
                             f"plan.json is {plan.plan_hash[:16]}",
                             location=SourceLocation(str(path)))
         recorded = compiled_digests(rank, module.TARGETS, getattr(module, "DIGESTS", None))
-        slices = [_Slice(target=item.target, dtype=item.dtype, local_shape=item.local_shape,
+        slices = [RankSlice(target=item.target, dtype=item.dtype, local_shape=item.local_shape,
                          selection=TensorSelection(*item.selection),
                          digest=None if recorded is None else recorded.get(item.target, ""))
                   for item in module.layout().tensors]
@@ -255,31 +319,45 @@ def _check_header(plan: PlanFile, checkpoint: Checkpoint, verify_fingerprint: bo
     return []
 
 
-def _safetensors_header(slices: list[_Slice], metadata: dict[str, str]) -> bytes:
-    """The 8-byte length and JSON header of a file holding `slices` back to back."""
-    table: dict[str, Any] = {"__metadata__": metadata}
+def safetensors_header(slices: list[RankSlice], metadata: dict[str, str], *,
+                       spelling: Mapping[str, Any] | None = None) -> bytes:
+    """The 8-byte length and JSON header of a file holding `slices` back to back, as the
+    safetensors library writes it (8-byte aligned), or as `spelling` records an original's
+    (`source_layout`: its key orders and stored size)."""
+    entries: dict[str, Any] = {}
     offset = 0
+    order = ("dtype", "shape", "data_offsets") if spelling is None else spelling["entry_keys"]
     for s in slices:
-        table[s.target] = {"dtype": s.dtype, "shape": list(s.local_shape),
-                           "data_offsets": [offset, offset + s.nbytes]}
+        entry = {"dtype": s.dtype, "shape": list(s.local_shape),
+                 "data_offsets": [offset, offset + s.nbytes]}
+        entries[s.target] = {key: entry[key] for key in order}
         offset += s.nbytes
-    text = json.dumps(table, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data region starts 8-byte aligned
+    if metadata:
+        entries["__metadata__"] = metadata
+    keys = (["__metadata__"] if metadata else []) + [s.target for s in slices]
+    if spelling is not None:
+        keys = spelling.get("header_keys", keys)
+    text = json.dumps({key: entries[key] for key in keys}, separators=(",", ":")).encode()
+    size = len(text) + (-len(text) % 8) if spelling is None else max(spelling["header_size"],
+                                                                      len(text))
+    text += b" " * (size - len(text))  # the library's: the data region starts 8-byte aligned
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str, str],
-                workers: int | None, update: Callable[[int], None] | None,
-                digests: dict[str, str], handle: BinaryIO) -> None:
-    """Stream one rank's slices into `handle`, reading one batch of tensors at a time, and
-    record the digest of each into `digests`; a slice whose digest is not the one the build
-    records (`--digests`) is refused before it is written (the output is then discarded)."""
-    handle.write(_safetensors_header(slices, metadata))
+def write_rank_file(read: RankReader,
+                    mismatch: Callable[[RankSlice, str], CheckpointError] | None,
+                    slices: list[RankSlice], header: bytes,
+                    update: Callable[[int], None] | None, digests: dict[str, str],
+                    handle: BinaryIO) -> None:
+    """Stream `header`, then one rank's slices into `handle`, reading one batch of tensors at a
+    time, and record the digest of each into `digests`; a slice whose digest is not the one the
+    build records (`--digests`) is refused before it is written, with `mismatch`'s error (the
+    output is then discarded; None: the slices record no digest)."""
+    handle.write(header)
     if update is not None:
         update(0)  # the file is begun, even when it holds no bytes
     for batch in byte_batches(slices, lambda s: s.nbytes):
-        arrays = read_tensors(checkpoint, [(s.target, s.selection) for s in batch],
-                              ReadOptions(workers=workers))
+        arrays = read(batch)
         for s in batch:
             array = arrays.pop(s.target)
             if array.shape != s.local_shape:
@@ -287,7 +365,9 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
                                       f"plan expects {list(s.local_shape)}", tensor=s.target)
             digest = tensor_digest(array)
             if s.digest is not None and digest != s.digest:
-                raise _digest_mismatch(checkpoint, s, digest)
+                assert mismatch is not None, "a slice with a digest needs its mismatch error"
+                assert mismatch is not None, "a slice with a digest needs its error"
+                raise mismatch(s, digest)
             if array.size:
                 handle.write(array.reshape(-1).view("u1").data)
             if update is not None:
@@ -296,7 +376,7 @@ def _write_rank(checkpoint: Checkpoint, slices: list[_Slice], metadata: dict[str
             del array
 
 
-def _digest_mismatch(checkpoint: Checkpoint, s: _Slice, found: str) -> CheckpointError:
+def _digest_mismatch(checkpoint: Checkpoint, s: RankSlice, found: str) -> CheckpointError:
     """The error for a slice whose payload is not the one the build was compiled against."""
     header, _ = checkpoint.tensor(s.target)
     expected = s.digest or "none (the build's DIGESTS table lacks it)"

@@ -23,9 +23,15 @@ kills torchrun, not its workers).
 from __future__ import annotations
 
 import gc
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -48,3 +54,22 @@ def joined_process_group(backend: str = "gloo") -> Iterator[None]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def torchrun(worker: Path, runs: list[dict[str, Any]], folder: Path) -> Path:
+    """Launch `worker` on 4 CPU processes under torchrun with `runs` (written to
+    `folder/runs.json`, its argument); returns the folder the workers reported into
+    (PARTC_TEST_REPORTS). A free rendezvous port, one thread per process; fails with the
+    workers' stderr when torchrun does."""
+    spec = folder / "runs.json"
+    spec.write_text(json.dumps(runs))
+    reports = folder / "reports"
+    reports.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+         "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(worker), str(spec)],
+        capture_output=True, text=True, timeout=240,
+        env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return reports

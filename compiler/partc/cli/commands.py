@@ -111,6 +111,8 @@ def run_inspect(args: argparse.Namespace) -> int:
             _print(inventory_lines(found))
         return EXIT_OK
     build = read_build(path)
+    if args.to is not None:
+        return _inspect_transfer(build.file, read_build(args.to).file, args.format)
     if args.rank is not None or args.group or args.target:
         lines, note = _inspect_origins(build, args)
         rows = tensor_rows(build, rank=args.rank, group=args.group, target=args.target,
@@ -126,6 +128,18 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(json.dumps({"ok": True, "kind": "build"} | found, indent=1))
     else:
         _print(summary_lines(found))
+    return EXIT_OK
+
+
+def _inspect_transfer(source: Any, destination: Any, form: str) -> int:
+    """`partc inspect A --to B`: the transfer plan between two builds."""
+    from partc.inspect.transfer_summary import transfer_lines, transfer_summary
+
+    found = transfer_summary(source, destination)
+    if form == "json":
+        print(json.dumps({"ok": True, "kind": "transfer"} | found, indent=1))
+    else:
+        _print(transfer_lines(found))
     return EXIT_OK
 
 
@@ -197,7 +211,12 @@ def run_report(args: argparse.Namespace) -> int:
     from partc.inspect.plan_summary import read_build
 
     build = read_build(args.build)
-    html = render_report(build, _origins(build, args))
+    if args.to is not None:
+        from partc.inspect.transfer_summary import render_transfer_report, transfer_summary
+
+        html = render_transfer_report(transfer_summary(build.file, read_build(args.to).file))
+    else:
+        html = render_report(build, _origins(build, args))
     out = Path(args.out)
     write_text_file(out, html, marker=REPORT_MARKER)
     if args.format == "json":

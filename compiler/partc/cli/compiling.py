@@ -19,6 +19,7 @@ from partc.errors import LoadError, PartcError
 
 if TYPE_CHECKING:
     from partc.plan.plan_file import PlanFile
+    from partc.shard import ShardResult
     from partc.verify.results import Check
 
 
@@ -335,11 +336,16 @@ def run_shard(args: argparse.Namespace) -> int:
         result = shard_checkpoint(args.build, args.checkpoint, args.out,
                                   verify_fingerprint=not args.no_verify_fingerprint,
                                   force=args.force, progress=False, report=report)
-    if args.format == "json":
+    return shard_set_report(args.format, f"sharded {args.checkpoint}", result)
+
+
+def shard_set_report(form: str, done: str, result: ShardResult) -> int:
+    """Print what a shard or reshard wrote (`done`: what was done, e.g. `sharded CKPT`)."""
+    if form == "json":
         print(json.dumps({"ok": True, "out": str(result.out), "plan_hash": result.plan_hash,
                           "files": list(result.files), "bytes": result.nbytes}, indent=1))
         return EXIT_OK
-    print(f"sharded {args.checkpoint} for plan {result.plan_hash[:16]} into {result.out}: "
+    print(f"{done} for plan {result.plan_hash[:16]} into {result.out}: "
           f"{len(result.files)} rank files, {result.nbytes / 2**20:.1f} MiB")
     return EXIT_OK
 

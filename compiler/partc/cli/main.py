@@ -27,6 +27,7 @@ from partc.cli.parser import (
     build_parser,
     yaml_file_problem,
 )
+from partc.cli.resharding import run_merge, run_reshard
 from partc.errors import (
     MACHINE_ERRNOS,
     LoadError,
@@ -39,7 +40,8 @@ _COMMANDS: dict[str, Any] = {
     "compile": run_compile, "check": run_check, "demo": run_demo, "families": commands.run_families,
     "shard": run_shard, "inspect": commands.run_inspect, "explain": commands.run_explain,
     "report": commands.run_report, "init": commands.run_init, "schema": commands.run_schema,
-    "docs": commands.run_docs, "verify": run_verify, "completion": run_completion}
+    "docs": commands.run_docs, "verify": run_verify, "completion": run_completion,
+    "reshard": run_reshard, "merge": run_merge}
 """Each command's function: it takes the parsed arguments and returns the exit status."""
 
 

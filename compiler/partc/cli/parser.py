@@ -235,6 +235,40 @@ def _add_quiet(parser: argparse.ArgumentParser) -> None:
                              "a terminal and --format is text; errors are always reported)")
 
 
+def _add_resharding(commands: Any) -> None:
+    """`partc reshard` and `partc merge`."""
+    reshard = commands.add_parser(
+        "reshard", help="rewrite a shard set of one build as the shard set of another build of "
+                        "the same model (any TP, PP, EP), equal to `partc shard` of it")
+    reshard.add_argument("--from", dest="source", required=True,
+                         help="the build the shard set was cut for (a `partc compile` folder)")
+    reshard.add_argument("--shards", required=True,
+                         help="its shard set (a `partc shard` folder); an original checkpoint "
+                              "is sharded for --to directly")
+    reshard.add_argument("--to", dest="destination", required=True,
+                         help="the build to write the shard set of")
+    reshard.add_argument("--out", required=True, help=_OUT_HELP)
+    reshard.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    _add_format(reshard)
+    _add_quiet(reshard)
+    merge = commands.add_parser(
+        "merge", help="write the Hugging Face safetensors checkpoint back from a shard set")
+    merge.add_argument("shards", help="a shard set (a `partc shard` or `partc reshard` folder)")
+    merge.add_argument("--build", required=True, help="the build the shard set was cut for")
+    merge.add_argument("--out", required=True,
+                       help="output folder: new, empty, or a checkpoint partc merged; replaced "
+                            "atomically")
+    merge.add_argument("--force", action="store_true", help=_FORCE_HELP)
+    _add_format(merge)
+    _add_quiet(merge)
+
+
+_OUT_HELP = ("output folder: new (missing parents are created), empty, or a shard set partc "
+             "wrote (marked by .partc-build.json); replaced atomically")
+_FORCE_HELP = ("write through a symbolic link --out into its target folder (kept as the link), "
+               "or replace another partc output; never deletes files partc did not write")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the `partc` command line and every command."""
     parser = Parser(
@@ -297,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpoint: its inventory with layer and expert numbers collapsed.")
     inspect.add_argument("path", help="a build folder, a plan.json, or a checkpoint (folder or "
                                       ".safetensors file)" + REPO_ID_HELP)
+    inspect.add_argument("--to", default=None, metavar="BUILD",
+                         help="another build of the same model: show the transfer plan from "
+                              "this build to it (bytes per source -> destination rank pair, the "
+                              "busiest ranks, the total against gathering whole tensors)")
     inspect.add_argument("--rank", type=int, default=None,
                          help="list the tensors of this global rank")
     inspect.add_argument("--group", default=None,
@@ -334,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--family", default=None,
                         help="the family file the build was compiled from (for its lines; found "
                               "by itself as for inspect)")
+    report.add_argument("--to", default=None, metavar="BUILD",
+                        help="another build of the same model: a page of the transfer plan from "
+                             "this build to it instead (totals and bytes per rank pair)")
     _add_format(report)
 
     init = commands.add_parser(
@@ -424,6 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
                             " (names, dtypes and shapes are still checked)")
     _add_format(shard)
     _add_quiet(shard)
+
+    _add_resharding(commands)
 
     verify = commands.add_parser("verify", help="check the split against Hugging Face "
                                  "transformers' modeling code (needs partc[verify])")

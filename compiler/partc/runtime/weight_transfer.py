@@ -1,0 +1,175 @@
+"""In-memory resharding under torch.distributed: the weights of one build's ranks handed to
+another build's ranks, point to point, following a transfer plan (docs/reshard.md).
+
+`reshard_weights(transfer, tensors)` runs on every process of a gloo group at once (the bytes
+travel in CPU tensors; a job on NCCL passes a gloo `group` of its processes). A process that
+plays a source rank passes that rank's local tensors; one that plays a destination rank gets that
+rank's tensors back. Each piece of the plan goes from the process of its source rank to the
+process of its destination rank: the pieces one process sends another are packed into one byte
+buffer (in the plan's order, which both sides know), exchanged with one isend/irecv per pair of
+processes, and unpacked into the destination tensors; a piece whose source and destination are
+the same process is copied without a message. Every byte moves as it is stored (bf16, fp8,
+packed quantized bytes alike), so the destination's tensors are bit-identical to what
+`load()` of the destination build reads from the checkpoint.
+
+The plan is the JSON form of `partc.plan.transfer.TransferPlan` (`partc inspect A --to B
+--format json` shows its totals; `TransferPlan.to_json()` is the schedule), so that a serving
+process needs only the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from partc.errors import CheckpointError
+from partc.runtime.frameworks import import_torch
+
+__all__ = ["reshard_weights"]
+
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+                "F8_E8M0": "float8_e8m0fnu", "I64": "int64", "I32": "int32", "I16": "int16",
+                "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
+                "BOOL": "bool"}
+"""Safetensors dtype -> the torch dtype of that name."""
+
+Piece = tuple[int, str, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
+"""(source rank, target, source box, destination box) of one copy."""
+
+
+def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | None, *,
+                    group: Any = None, source_processes: Sequence[int] | None = None,
+                    destination_processes: Sequence[int] | None = None) -> dict[str, Any]:
+    """This process's destination rank's tensors (empty when it plays none), moved from the
+    source ranks' `tensors` (this process's source rank's local tensors, torch or numpy; None
+    when it plays none) following `transfer`. Source rank r is process `source_processes[r]`
+    of `group` (default: process r), destination rank r `destination_processes[r]` (default
+    r); every process of the group must call it."""
+    torch = import_torch("reshard_weights")
+    import torch.distributed as dist  # type: ignore[import-not-found, unused-ignore]
+
+    sources = _processes(transfer, "source_world_size", source_processes)
+    destinations = _processes(transfer, "destination_world_size", destination_processes)
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    mine = [r for r, p in enumerate(sources) if p == me]
+    held = {} if tensors is None else {n: _as_bytes(torch, t) for n, t in tensors.items()}
+    if sum(p == me for p in destinations) > 1:
+        raise CheckpointError(f"process {me} plays several destination ranks of the transfer "
+                              "plan; one process receives one rank's tensors")
+    if len(mine) > 1 or (mine and tensors is None):
+        raise CheckpointError(f"process {me} plays source rank(s) {mine} of the transfer plan: "
+                              "it must pass exactly one source rank's tensors")
+    outgoing: dict[int, list[Any]] = {}
+    incoming: dict[int, list[tuple[Any, tuple[slice, ...], int]]] = {}
+    out: dict[str, Any] = {}
+    for entry in transfer["ranks"]:
+        rank, target_process = int(entry["rank"]), destinations[int(entry["rank"])]
+        receiving = target_process == me
+        for tensor in entry["tensors"]:
+            target, dtype = str(tensor["target"]), str(tensor["dtype"])
+            itemsize = _itemsize(torch, dtype)
+            if receiving:
+                shape = [int(n) for n in tensor["local_shape"]] or [1]
+                shape[-1] *= itemsize
+                out[target] = torch.empty(shape, dtype=torch.uint8)
+            for source_rank, source_box, destination_box in tensor["pieces"]:
+                sender = sources[int(source_rank)]
+                into = _bytes_box(destination_box, itemsize)
+                if sender == me:
+                    part = _piece(held, target, source_box, itemsize, me, rank)
+                    if receiving:
+                        out[target][into] = part
+                    else:
+                        outgoing.setdefault(target_process, []).append(part.reshape(-1))
+                elif receiving:
+                    size = math.prod(b - a for a, b in destination_box) * itemsize
+                    incoming.setdefault(sender, []).append((out[target], into, size))
+    _exchange(torch, dist, group, outgoing, incoming)
+    return {t["target"]: _typed(torch, out[t["target"]], t)
+            for entry in transfer["ranks"] if destinations[int(entry["rank"])] == me
+            for t in entry["tensors"]}
+
+
+def _processes(transfer: Mapping[str, Any], key: str, given: Sequence[int] | None
+               ) -> list[int]:
+    """The process of each rank of one side of the plan: `given`, or rank r on process r."""
+    size = int(transfer[key])
+    if given is None:
+        return list(range(size))
+    if len(given) != size:
+        raise CheckpointError(f"the transfer plan has {size} ranks on its "
+                              f"{key.split('_')[0]} side; {len(given)} processes were given")
+    return [int(p) for p in given]
+
+
+def _itemsize(torch: Any, dtype: str) -> int:
+    """Bytes of one element of safetensors dtype `dtype`."""
+    name = _TORCH_NAMES.get(dtype)
+    found = None if name is None else getattr(torch, name, None)
+    if found is None:
+        raise CheckpointError(f"torch {torch.__version__} has no dtype for {dtype}")
+    return int(torch.empty((), dtype=found).element_size())
+
+
+def _as_bytes(torch: Any, tensor: Any) -> Any:
+    """A local tensor as contiguous bytes, its last axis widened by its item size."""
+    if not isinstance(tensor, torch.Tensor):
+        import numpy as np
+
+        array = np.ascontiguousarray(tensor)
+        tensor = torch.from_numpy(array.reshape(array.shape or (1,)).view(np.uint8))
+        return tensor
+    tensor = tensor.detach().to("cpu").contiguous()
+    return (tensor.reshape(1) if tensor.dim() == 0 else tensor).view(torch.uint8)
+
+
+def _bytes_box(box: Sequence[Sequence[int]], itemsize: int) -> tuple[slice, ...]:
+    """A box of a tensor as slices of its byte view (last axis scaled by the item size)."""
+    if not box:
+        return (slice(0, itemsize),)
+    *lead, (a, b) = box
+    return (*(slice(int(x), int(y)) for x, y in lead), slice(int(a) * itemsize,
+                                                            int(b) * itemsize))
+
+
+def _piece(held: Mapping[str, Any], target: str, box: Sequence[Sequence[int]], itemsize: int,
+           me: int, rank: int) -> Any:
+    """The bytes of one piece of a tensor this process holds as a source rank."""
+    tensor = held.get(target)
+    if tensor is None:
+        raise CheckpointError(f"process {me} holds no `{target}`, which the transfer plan reads "
+                              f"from it for destination rank {rank}", tensor=target)
+    return tensor[_bytes_box(box, itemsize)]
+
+
+def _exchange(torch: Any, dist: Any, group: Any,
+              outgoing: Mapping[int, list[Any]],
+              incoming: Mapping[int, list[tuple[Any, tuple[slice, ...], int]]]) -> None:
+    """One message per (sender, receiver) pair: each outgoing list packed and sent, each
+    incoming buffer received and unpacked into its destination slices."""
+    buffers = {peer: torch.empty(sum(size for _, _, size in parts), dtype=torch.uint8)
+               for peer, parts in sorted(incoming.items())}
+    work = [dist.irecv(buffer, src=_global(dist, group, peer), group=group)
+            for peer, buffer in buffers.items()]
+    work += [dist.isend(torch.cat(parts), dst=_global(dist, group, peer), group=group)
+             for peer, parts in sorted(outgoing.items())]
+    for request in work:
+        request.wait()
+    for peer, parts in incoming.items():
+        offset = 0
+        for tensor, into, size in parts:
+            tensor[into] = buffers[peer][offset:offset + size].view(tensor[into].shape)
+            offset += size
+
+
+def _global(dist: Any, group: Any, process: int) -> int:
+    """The global rank of `group`'s process `process` (the default group: itself)."""
+    return process if group is None else int(dist.get_global_rank(group, process))
+
+
+def _typed(torch: Any, data: Any, tensor: Mapping[str, Any]) -> Any:
+    """A received byte tensor viewed as its dtype and local shape."""
+    dtype = getattr(torch, _TORCH_NAMES[str(tensor["dtype"])])
+    return data.view(dtype).reshape([int(n) for n in tensor["local_shape"]])

@@ -1,0 +1,77 @@
+"""In-memory resharding under torch.distributed (CPU, gloo): one `torchrun --nproc_per_node=4`
+launch in which every process plays a rank of a source build, hands its weights over with
+`partc.runtime.weight_transfer.reshard_weights`, then plays a rank of the destination build and
+serves it with the reference torch executor. The moved tensors must be the destination build's
+own `load()` bit for bit, and the output ranks' logits Hugging Face's reference.npz (an
+expert-parallel destination, which the executor does not run, is checked by its tensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from partc.api import CompileOptions, compile_family
+from partc.emit.render import package_name
+from partc.plan.ir import canonical_json
+from partc.plan.plan_file import read_plan
+from partc.plan.topology import Topology
+from partc.plan.transfer import plan_transfer
+
+from support import hf
+from support.distributed import torchrun
+
+WORKER = Path(__file__).resolve().parent / "distributed" / "reshard_worker.py"
+TOLERANCE = 1e-4
+RUNS = {  # name: (fixture, source (T, S, E), destination (T, S, E))
+    "llama-tp2pp2-to-tp4": ("llama", (2, 2, None), (4, 1, None)),  # KV heads repeated
+    "qwen3_moe-tp4-to-tp2pp2": ("qwen3_moe", (4, 1, None), (2, 2, None)),
+    "qwen3_moe-tp2pp2-to-ep4": ("qwen3_moe", (2, 2, None), (1, 1, 4)),  # tensors checked only
+}
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Compile both builds of every run, launch the workers once; the reports folder."""
+    folder = tmp_path_factory.mktemp("reshard-serve")
+    runs: list[dict[str, Any]] = []
+    for name, (fixture, source, (dtp, dpp, dep)) in RUNS.items():
+        made = {}
+        for side, (tp, pp, ep) in (("source", source), ("destination", (dtp, dpp, dep))):
+            out = folder / f"{name}-{side}"
+            result = compile_family(None, hf(fixture) / "config.json",
+                                    Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                             expert_parallel_size=ep),
+                                    CompileOptions(checkpoint=hf(fixture), out=out))
+            made[side] = (out, package_name(result.plan))
+        transfer = plan_transfer(read_plan(made["source"][0] / "plan.json"),
+                                 read_plan(made["destination"][0] / "plan.json"))
+        (folder / f"{name}.json").write_text(canonical_json(transfer.to_json()))
+        runs.append({"name": name, "source": str(made["source"][0]),
+                     "source_package": made["source"][1],
+                     "destination": str(made["destination"][0]),
+                     "destination_package": made["destination"][1],
+                     "transfer": str(folder / f"{name}.json"), "checkpoint": str(hf(fixture)),
+                     "tp": dtp, "pp": dpp, "serve": dep is None})
+    reports = torchrun(WORKER, runs, folder)
+    return reports
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_weights_moved_in_memory_are_the_destinations_own_load_and_give_hf_logits(
+        moved: Path, name: str) -> None:
+    fixture, _, (tp, pp, ep) = RUNS[name]
+    with np.load(hf(fixture) / "reference.npz") as npz:
+        want = npz["logits"]
+    outputs = 0
+    for g in range(4):
+        report = json.loads((moved / f"{name}-rank-{g}.json").read_text())
+        assert report["identical"], (name, g)
+        with np.load(moved / f"{name}-rank-{g}.npz") as npz:
+            if "logits" in npz.files:
+                outputs += 1
+                assert float(np.max(np.abs(npz["logits"] - want))) < TOLERANCE, (name, g)
+    assert outputs == (tp if ep is None else 0)  # every TP rank of the last stage served
