@@ -215,12 +215,18 @@ def config_beside(checkpoint: Path) -> Path:
 
 
 def run_init(args: argparse.Namespace) -> int:
-    """`partc init --checkpoint DIR [--config FILE] [--out FILE]`."""
+    """`partc init --checkpoint DIR [--config FILE] [--out FILE] [--prove]`."""
     from partc.scaffold.family_text import scaffold
 
     checkpoint = Path(args.checkpoint)
     config = Path(args.config) if args.config else config_beside(checkpoint)
-    result = scaffold(checkpoint, config, name=args.name)
+    if args.prove:
+        from partc.scaffold.prove import prove
+
+        result = prove(checkpoint, config, name=args.name, progress=None if args.format ==
+                       "json" else lambda line: print(f"prove: {line}", file=sys.stderr))
+    else:
+        result = scaffold(checkpoint, config, name=args.name)
     if args.out:
         write_text_file(Path(args.out), result.text)
     if args.format == "json":

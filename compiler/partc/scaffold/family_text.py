@@ -51,6 +51,7 @@ from partc.scaffold.decisions import (
     _sized_like,
     _Writer,
 )
+from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.survey import (
     _ATTENTION,
     _DIMENSIONS,
@@ -58,6 +59,7 @@ from partc.scaffold.survey import (
     _ENCODER_HEADS,
     _ENCODER_WIDTHS,
     _MLP,
+    _PACKED,
     _Encoder,
     _is_norm,
     _layer_table,
@@ -112,11 +114,18 @@ class Scaffold:
     """What the user should know before running `partc check` (said on the console too)."""
     document: dict[str, Any] = field(default_factory=dict, repr=False)
     """The family as data: what `text` holds, without its comments."""
+    open: tuple[OpenLayout, ...] = ()
+    """The groups whose layout the header leaves open, with their candidates
+    (`partc.scaffold.prove` tries them)."""
 
 
-def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) -> Scaffold:
+def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
+             choices: Mapping[str, int] | None = None,
+             proofs: Mapping[str, Proof] | None = None) -> Scaffold:
     """A family for the checkpoint: Llama-like parts recognised, the rest marked CHECK; with
-    several layer repetitions, encoder groups and a projector before the decoder."""
+    several layer repetitions, encoder groups and a projector before the decoder. `choices`:
+    the candidate written for each open group by name (default the first); `proofs`: what
+    `partc init --prove` found for them."""
     s = survey_checkpoint(checkpoint, config_path, name=name)
     config, model_type, family, layers = s.config, s.model_type, s.family, s.layers
     prefix, by_layer, roles, values, sources = s.prefix, s.by_layer, s.roles, s.values, s.sources
@@ -134,7 +143,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                                 "model_types": FlowList([model_type])}
     table = _layer_table(by_layer)
     body: list[dict[str, Any]] = []
-    _layer_groups(w, body, prefix, table)
+    blocks = Blocks(w, f"{prefix}.{{unit}}", table, choices or {}, proofs or {})
+    _layer_groups(w, body, prefix, table, others=blocks)
     tables = [table]
     static = _static_groups(w, decoder_modules, roles, {} if projector else loose)
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
@@ -224,7 +234,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                         "outside the layers are too many or too long)",
                         location=SourceLocation(str(checkpoint)))
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes),
-                    document=document)
+                    document=document, open=tuple(blocks.open))
 
 
 def _sections(encoders: Sequence[_Encoder]) -> dict[str, set[str]]:
@@ -402,11 +412,6 @@ def _config_field(key: str, source: str) -> str | Flow:
     return declared
 
 
-_PACKED = frozenset({"scales", "biases", "qweight", "qzeros", "g_idx"})
-"""Params of a packed quantized linear (MLX's `scales`/`biases`, GPTQ/AWQ's): its columns are
-not the matrix's, so the scaffold cannot split it by heads as a dense one."""
-
-
 def _block_groups(table: Mapping[str, _Module], block: str,
                   projections: Sequence[str]) -> bool:
     """Whether every projection of `block` is a dense module of the same layers and experts."""
@@ -417,9 +422,11 @@ def _block_groups(table: Mapping[str, _Module], block: str,
 
 
 def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
-                  table: Mapping[str, _Module], kinds: _Kinds = _DECODER) -> None:
+                  table: Mapping[str, _Module], kinds: _Kinds = _DECODER,
+                  others: Blocks | None = None) -> None:
     """The groups of a repetition's layers (appended to `groups`): its attention and MLP
-    blocks split by heads and intermediate units, every other module replicated."""
+    blocks split by heads and intermediate units (`others`: also those not named the Llama
+    way), every other module replicated."""
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
     attention_projections: list[dict[str, Any]] | None = None
@@ -450,6 +457,9 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         w.scope(group, block, first,
                 [n for p in spec_table for n in table[f"{block}.{p}"].differs])
         group["units"] = _entry(units)
+        if spec_table is attention and not kinds.encoder and w.values.get(units, 0) < \
+                w.values.get("num_attention_heads", 0):
+            group["kv_replication"] = True  # T > KV heads: repeat them (docs/kv_replication.md)
         if kinds.encoder and units not in w.values:
             w.check(group, "units", f"the intermediate size of `{block}` ({units}) is "
                     "no field of the encoder's config section: write it as an expression "
@@ -476,6 +486,8 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
                 cols_of = units if spec[0] == "row" else spec[2]
             w.params(projection, _signature_params(w, module, table[module].params, rows_of,
                                                    cols_of), module)
+    if others is not None:
+        others.write(groups, done)
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]

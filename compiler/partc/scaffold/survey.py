@@ -241,6 +241,11 @@ _MLP = {
 }
 
 
+_PACKED = frozenset({"scales", "biases", "qweight", "qzeros", "g_idx"})
+"""Params of a packed quantized linear (MLX's `scales`/`biases`, GPTQ/AWQ's): its columns are
+not the matrix's, so the scaffold cannot split it by heads as a dense one."""
+
+
 _ENCODER_WIDTHS = ("hidden_size", "embed_dim", "intermediate_size")
 """Fields of an encoder's config section a literal dimension inside the tower is matched
 against, and only these (a decoder width of the same size would be a coincidence): CLIP's
