@@ -159,12 +159,15 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
     prefixed = {n for e in encoders for n in e.names}
+    for key, over in _DEFAULTS.items():  # a default is declared over fields declared too
+        if key in w.used and key not in sources:
+            w.used.update(n for n in over if n in values)
     # a field read from a guess is declared (and marked) also when no shape uses it
     used = sorted((w.used - prefixed) | {"num_hidden_layers"} | set(marked))
     fields: dict[str, Any] = {}
     document["config"] = fields
     for key in used:
-        fields[key] = _config_field(key, sources.get(key, key))
+        fields[key] = _config_field(key, sources.get(key, key), used)
         if key in marked:
             w.check(fields, key, marked[key])
     if values.get("num_hidden_layers") != count:
@@ -173,7 +176,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     for section, names in _sections(encoders).items():
         written = sorted(names & w.used)
         for key in written:
-            fields[key] = _config_field(key, sources[key])
+            fields[key] = _config_field(key, sources[key], ())
         if written:
             w.comments.note(fields, written[0], "# " + ", ".join(
                 e.group for e in encoders if e.section == section) + f" ({section})",
@@ -398,18 +401,27 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                       "image_mask)")})
 
 
-def _config_field(key: str, source: str) -> str | Flow:
-    """The declaration of config field `key`, read from `source` (a dotted path)."""
+_DEFAULTS = {"num_key_value_heads": ("num_attention_heads",),
+             "head_dim": ("hidden_size", "num_attention_heads")}
+"""The fields declared with a default (transformers'), and the fields it is computed from."""
+
+
+def _config_field(key: str, source: str, declared: Sequence[str]) -> str | Flow:
+    """The declaration of config field `key`, read from `source` (a dotted path), with its
+    default (`_DEFAULTS`) when every field that reads is `declared` too (a default over a
+    field the family lacks fails `partc check`)."""
+    over = _DEFAULTS.get(key, ("-",))
     default = {"num_key_value_heads": "num_attention_heads",
-               "head_dim": "hidden_size // num_attention_heads"}.get(key)
+               "head_dim": "hidden_size // num_attention_heads"}.get(key) \
+        if all(n in declared for n in over) else None
     if source == key and not default:
         return "int"
-    declared = Flow(type="int")
+    declared_field = Flow(type="int")
     if source != key:
-        declared["from"] = source
+        declared_field["from"] = source
     if default:
-        declared["default"] = default
-    return declared
+        declared_field["default"] = default
+    return declared_field
 
 
 def _block_groups(table: Mapping[str, _Module], block: str,

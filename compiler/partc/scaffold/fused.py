@@ -50,6 +50,8 @@ class Candidate:
     @property
     def label(self) -> str:
         """How the candidate is named in comments and reports."""
+        if self.layout == "plain":
+            return "[in, out]" if self.in_out else "[out, in]"
         text = self.layout + (f" ({self.groups} groups)" if self.groups else "")
         return text + (", [in, out]" if self.in_out else "")
 
@@ -258,6 +260,8 @@ class Blocks:
             spec["layout"] = c.layout
         if c.groups is not None:
             spec["groups"] = c.groups
+            w.note(spec, "groups", "# no config field holds the group count: the model's "
+                   "code fixes it (CodeGen's mp_num)")
         if c.in_out:
             spec["orientation"] = "in_out"
         spec["segments"] = FlowList(segments)

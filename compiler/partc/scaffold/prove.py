@@ -3,7 +3,7 @@
 The scaffold lists the groups whose declaration the checkpoint's shapes do not decide
 (`Scaffold.open`: a fused projection's row order, a square weight's orientation) with the
 candidates the language has. Each round writes the scaffold with every undecided group at its
-next candidate, checks it at T = 2 and 4 (`check_family`, as `partc check --tp T`), and verifies
+next candidate, checks it at T = 2, 3 and 4 (`check_family`, as `partc check --tp T`), and verifies
 it against transformers' modeling code at the sizes that compile (`verify_family`, S = 1). A
 group no failing check names is decided; one a check names (or a compile error at T = 2) moves
 to its next candidate. The groups are independent modules, so the rounds are as many as the
@@ -13,17 +13,24 @@ marked CHECK with verify's finding.
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partc.scaffold.family_text import Scaffold, scaffold
 from partc.scaffold.fused import OpenLayout, Proof
 
-PROVE_SIZES = (2, 4)
-"""The tensor-parallel sizes each candidate is verified at (those that compile)."""
+if TYPE_CHECKING:
+    from partc.plan.ir import Plan
+
+PROVE_SIZES = (2, 3, 4)
+"""The tensor-parallel sizes each candidate is verified at (those that compile). T = 3 is
+among them because candidates can put the same rows on every rank at T = 2 and 4 (CodeGen's
+16 heads in 4 groups read as per-head rows) and differ only at an odd T."""
 
 _FINDING = 240
 """The longest finding quoted in a comment (verify's first message, cut)."""
@@ -125,3 +132,19 @@ def prove(checkpoint: Path, config: Path, *, name: str | None = None,
                     proofs[group] = Proof(None, f"every candidate refused; with the first, "
                                           f"{findings[group]}")
     return scaffold(checkpoint, config, name=name, choices=chosen, proofs=proofs)
+
+
+def read_share(plan: Plan) -> float:
+    """The elements the ranks of a plan's first stage read together over the checkpoint's
+    elements (1.0: one rank's worth, everything split; T: everything replicated)."""
+    from partc.parallel.placements import PlacementKind
+
+    total = sum(math.prod(t.shape) for t in plan.tensors)
+    read = 0
+    for group in plan.groups:
+        if 0 not in group.stages:
+            continue
+        for layouts in plan.kinds[group.kind].layouts:
+            read += sum(math.prod(layout.local_shape) for layout in layouts
+                        if layout.placement.kind is not PlacementKind.OMIT)
+    return read / total

@@ -1,0 +1,102 @@
+"""`partc init --prove`: the layouts a checkpoint's shapes leave open (a fused q/k/v's row order,
+a square Conv1D weight's orientation, a fused gate_up) decided by `partc verify` against
+transformers' modeling code. The proven scaffold of GPT-2 (Conv1D, fused `c_attn`), Phi-3
+(fused GQA `qkv_proj` and `gate_up_proj`) and Llama (KV heads repeated at T = 4) checks and
+verifies at every T <= 4 its built-in family checks at, as written, and its ranks read exactly
+the elements the built-in family's read (the built-in families are verified on their own in
+tests/test_verify.py). What no candidate explains is marked CHECK with verify's finding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import partc.scaffold.fused as fused
+from partc.api import check_family, plan_family
+from partc.cli.main import main
+from partc.plan.topology import Topology
+from partc.scaffold.family_text import scaffold
+from partc.scaffold.prove import prove, read_share
+from partc.verify.run import verify_family
+
+from support import hf
+
+pytest.importorskip("transformers")
+
+CHECK = "# partc init: CHECK:"
+PROVEN = {"gpt2": {"layers.{unit}.attention": "component_major, [in, out]"},
+          "phi3": {"layers.{unit}.attention": "component_major",
+                   "layers.{unit}.mlp": "component_major"},
+          "llama": {}}
+"""The fixtures proven here and the layout each open group is proven to have."""
+
+
+@pytest.fixture(scope="module")
+def proven(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each fixture's scaffold as `partc init --prove` writes it."""
+    folder = tmp_path_factory.mktemp("proven")
+    out = {}
+    for name in PROVEN:
+        path = folder / f"{name}.yaml"
+        assert main(["init", "--checkpoint", str(hf(name)), "--out", str(path), "--prove",
+                     "--format", "json"]) == 0
+        out[name] = path
+    return out
+
+
+def _legal(family: Path | None, name: str) -> list[int]:
+    return [tp for tp in (1, 2, 3, 4) if not check_family(
+        family, hf(name) / "config.json", hf(name), topology=Topology(tensor_parallel_size=tp))]
+
+
+@pytest.mark.parametrize("name", sorted(PROVEN))
+def test_a_proven_scaffold_checks_verifies_and_splits_as_the_builtin_family(
+        name: str, proven: dict[str, Path]) -> None:
+    text = proven[name].read_text()
+    assert CHECK not in text
+    sizes = _legal(proven[name], name)
+    assert sizes == _legal(None, name)
+    for group, label in PROVEN[name].items():
+        block = text[text.index(f'name: "{group}"'):]
+        assert f"# partc init --prove: {label}: verified against transformers at T=" + \
+            ", ".join(map(str, sizes[1:])) + "\n" in block[:block.index("\n\n") + 1]
+    assert 4 in sizes  # Llama's 2 KV heads over 4 ranks: kv_replication, as the built-in
+    report = verify_family(proven[name], hf(name) / "config.json",
+                           tensor_parallel_sizes=sizes, pipeline_parallel_size=2)
+    assert [c.message for c in report.checks if not c.ok] == []
+    for tp in sizes[1:]:
+        shares = [read_share(plan_family(f, hf(name) / "config.json",
+                                         Topology(tensor_parallel_size=tp), checkpoint=hf(name)))
+                  for f in (proven[name], None)]
+        assert shares[0] == shares[1], (tp, shares)
+        assert shares[0] < tp - 0.5  # the layers are split, not replicated
+
+
+def test_without_prove_an_open_layout_is_written_as_its_first_candidate_and_marked() -> None:
+    result = scaffold(hf("gpt_neox"), hf("gpt_neox") / "config.json")
+    (layout,) = result.open
+    assert layout.module == "attention.query_key_value"
+    assert [c.label for c in layout.candidates][:2] == ["component_major", "per_head"]
+    line = next(x for x in result.text.splitlines() if "# component_major guessed" in x)
+    assert f"{CHECK} the header leaves the layout of `attention.query_key_value` open " \
+        "(component_major; per_head; grouped (2 groups))" in line
+
+
+def test_what_no_candidate_explains_is_marked_with_verifys_finding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-NeoX's per-head q/k/v offered as component-major only: verify refuses it, and
+    the scaffold keeps it marked CHECK with verify's message."""
+    only = fused.attention_candidates
+
+    def component_major_only(heads: int, kv: int, orientations: list[bool]
+                             ) -> tuple[fused.Candidate, ...]:
+        return only(heads, kv, orientations)[:1] + (fused.Candidate("component_major", None,
+                                                                    True),)
+
+    monkeypatch.setattr(fused, "attention_candidates", component_major_only)
+    result = prove(hf("gpt_neox"), hf("gpt_neox") / "config.json")
+    line = next(x for x in result.text.splitlines() if "# component_major written" in x)
+    assert f"{CHECK} no layout partc verify accepts: every candidate refused; with the " \
+        "first, T=2 x S=1: module `gpt_neox.layers.0.attention` (group " \
+        "`layers.0.attention`), rank 0: the rank's part of the group is not separable" in line
