@@ -1,15 +1,19 @@
-"""`partc init --prove`: the layouts a checkpoint's shapes leave open (a fused q/k/v's row order,
-a square Conv1D weight's orientation, a fused gate_up) decided by `partc verify` against
-transformers' modeling code. The proven scaffold of GPT-2 (Conv1D, fused `c_attn`), Phi-3
-(fused GQA `qkv_proj` and `gate_up_proj`) and Llama (KV heads repeated at T = 4) checks and
-verifies at every T <= 4 its built-in family checks at, as written, and its ranks read exactly
-the elements the built-in family's read (the built-in families are verified on their own in
-tests/test_verify.py). What no candidate explains is marked CHECK with verify's finding."""
+"""`partc init`: every fixture's scaffold checks as written wherever its built-in family does,
+whatever its config's spelling; `partc init --prove`: the layouts a checkpoint's shapes leave
+open (a fused q/k/v's row order, a square Conv1D weight's orientation, a fused gate_up)
+decided by `partc verify` against transformers' modeling code. The proven scaffold of GPT-2
+(Conv1D, fused `c_attn`), Phi-3 (fused GQA `qkv_proj` and `gate_up_proj`) and Llama (KV heads
+repeated at T = 4) checks and verifies at every T <= 4 its built-in family checks at, as
+written, and its ranks read exactly the elements the built-in family's read (the built-in
+families are verified on their own in tests/test_verify.py). What no candidate explains is
+marked CHECK with verify's finding."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import partc.scaffold.fused as fused
@@ -20,7 +24,7 @@ from partc.scaffold.family_text import scaffold
 from partc.scaffold.prove import prove, read_share
 from partc.verify.run import verify_family
 
-from support import hf
+from support import HF, QUANTIZED, ROOT, hf
 
 pytest.importorskip("transformers")
 
@@ -43,6 +47,49 @@ def proven(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                      "--format", "json"]) == 0
         out[name] = path
     return out
+
+
+SHARED = ROOT.parent / "shared" / "fixtures" / "hf"
+FIXTURES = sorted([*HF.iterdir(), *QUANTIZED.iterdir(), *(SHARED.iterdir() if SHARED.is_dir()
+                                                            else ())])
+"""Every tiny fixture checkpoint: tests/fixtures/{hf,quantized} and the shared ones."""
+
+
+@pytest.mark.parametrize("folder", [f for f in FIXTURES if (f / "model.safetensors").is_file()],
+                         ids=lambda f: f"{'shared/' * (SHARED in f.parents)}"
+                                       f"{f.parent.name}/{f.name}")
+def test_every_fixtures_scaffold_checks_as_written_at_t_1_and_where_the_builtin_checks_at_4(
+        folder: Path, tmp_path: Path) -> None:
+    family = tmp_path / "family.yaml"
+    family.write_text(scaffold(folder, folder / "config.json").text)
+    for tp in (1, 4):
+        topology = Topology(tensor_parallel_size=tp)
+        if tp == 1 or not check_family(None, folder / "config.json", folder, topology=topology):
+            assert check_family(family, folder / "config.json", folder, topology=topology) == []
+
+
+def test_a_default_is_declared_over_fields_the_scaffold_declares(tmp_path: Path) -> None:
+    """A per-head norm sized `[head_dim]` in a block the scaffold does not split: `head_dim`
+    comes from its default, over `num_attention_heads`, which nothing else reads."""
+    from safetensors.numpy import save_file
+
+    zeros = np.zeros
+    tensors = {"model.embed_tokens.weight": zeros((131, 64), np.float32),
+               "model.norm.weight": zeros(64, np.float32),
+               "lm_head.weight": zeros((131, 64), np.float32)}
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.q_norm.weight"] = zeros(16, np.float32)
+        tensors[f"model.layers.{layer}.self_attn.mixer.weight"] = zeros((80, 64), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 131}))
+    family = tmp_path / "family.yaml"
+    text = scaffold(tmp_path, tmp_path / "config.json").text
+    assert "  head_dim: {type: int, default: hidden_size // num_attention_heads}\n" in text
+    assert "  num_attention_heads: int\n" in text
+    family.write_text(text)
+    assert check_family(family, tmp_path / "config.json", tmp_path) == []
 
 
 def _legal(family: Path | None, name: str) -> list[int]:

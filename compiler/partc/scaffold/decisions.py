@@ -27,14 +27,14 @@ CHECK = "# partc init: CHECK"
 
 def _evaluate(expression: str, values: Mapping[str, int]) -> int | None:
     """The value of an expression the scaffold writes over config names (`a * b`,
-    `(a + 2 * b) * c`, `a // b * c`), None when it reads a name `values` lacks."""
+    `(a + 2 * b) * c`, `a // b * c`), None when it reads a name `values` lacks, or none."""
     from partc.errors import PartcError
     from partc.family.expr import parse
 
     try:
         parsed = parse(expression)
-        if not parsed.names <= set(values):
-            return None
+        if not parsed.names or not parsed.names <= set(values):
+            return None  # a literal is no expression over the config
         return parsed.evaluate_int(values)
     except PartcError:
         return None

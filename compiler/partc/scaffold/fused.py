@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from partc.family.expr import parse
 from partc.scaffold.decisions import _signature_params, _Writer
 from partc.scaffold.survey import _HEADS, _PACKED, _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
@@ -193,7 +194,7 @@ class Blocks:
                                  "owner": Flow(unit="decoder")}
         self.w.scope(group, name.split(".", 2)[-1], entry)
         group["units"] = units
-        self.w.used.add(units)
+        self.w.used.update(parse(units).names)
         groups.append(group)
         return group
 
@@ -325,7 +326,9 @@ class Blocks:
         width = dw[0] if orientations[0] else dw[1]
         names, prefer = self.w.vocabulary(block)
         units, why = self.w.resolve("intermediate_size", width, names=names, prefer=prefer)
-        if not units.isidentifier():
+        if not units.isidentifier() and width == 4 * hidden:
+            units, why = "4 * hidden_size", None  # hard-wired (BLOOM), transformers' default
+        elif not units.isidentifier():
             return []
         group = self._group(groups, f"layers.{{unit}}.{block}", "feed_forward_intermediate",
                             units, entries[0])

@@ -45,7 +45,7 @@ class Round:
 
 
 def _group_pattern(template: str) -> re.Pattern[str]:
-    """The names of a group template's groups (`layers.{unit}.attention` -> `layers.3.attention`)."""
+    """The names of a group template's groups: `layers.{unit}.attention` -> `layers.3.attention`."""
     return re.compile(re.escape(template).replace(re.escape("{unit}"), r"\d+") + "$")
 
 
