@@ -98,8 +98,11 @@ class _Kinds:
     encoder: bool = False
 
 
+_EXPERT_W = {"w1": _MLP["gate_proj"], "w3": _MLP["up_proj"], "w2": _MLP["down_proj"]}
+"""Mixtral's expert projections: `w1` gate, `w3` up, `w2` down."""
+
 _DECODER = _Kinds("decoder", "layers", (_ATTENTION,), "num_key_value_heads",
-                  (("gate_proj", _MLP),), "intermediate_size")
+                  (("gate_proj", _MLP), ("w1", _EXPERT_W)), "intermediate_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,6 +445,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
     attention_projections: list[dict[str, Any]] | None = None
+    attention_group: dict[str, Any] = {}
     attention = next((spec for spec in kinds.attention
                       if _block_groups(table, "self_attn", list(spec))), None)
     blocks: list[tuple[str, Mapping[str, tuple[str | None, ...]]]] = [
@@ -482,7 +486,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         projections: list[dict[str, Any]] = []
         group["projections"] = projections
         if spec_table is attention:
-            attention_projections = projections
+            attention_projections, attention_group = projections, group
         for proj, spec in spec_table.items():
             module = f"{block}.{proj}"
             done.add(module)
@@ -498,8 +502,14 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
                 cols_of = units if spec[0] == "row" else spec[2]
             w.params(projection, _signature_params(w, module, table[module].params, rows_of,
                                                    cols_of), module)
+    reduced: set[str] = set()  # whole-width norms split with the attention (OLMo 2's)
     if others is not None:
         others.write(groups, done)
+        spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
+                    and _sized_like(w, table, m, m.rsplit(".", 1)[-1], table[m])[1]]
+        if spanning and others.reduction(attention_group, spanning):
+            reduced = set(spanning)
+            attention_group.pop("kv_replication", None)  # refused beside a reduced norm
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
@@ -514,6 +524,13 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         params = _signature_params(w, module, entry.params, size_rows, size_cols,
                                    axes=sized, prefer=prefer)
         heads = _per_head_axis(params, module, attention_projections)
+        if module in reduced and attention_projections is not None and spans is not None:
+            projection = {"module": Quoted(f"{unit}.{module}"), "sharding": "column",
+                          "reduction": "tensor_parallel", "linear": False,
+                          "heads": _ATTENTION[spans][1]}
+            attention_projections.append(projection)
+            w.params(projection, params, module)
+            continue
         if heads is not None and attention_projections is not None:
             # one row per head of its projection (Cohere's q_norm [heads, head_dim]): a rank
             # computing some of the heads holds their rows, split with the attention's heads

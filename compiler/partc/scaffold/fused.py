@@ -36,6 +36,12 @@ _UPS = ("fc1", "fc_in", "c_fc", "dense_h_to_4h", "up_proj", "w1")
 _DOWNS = ("fc2", "fc_out", "c_proj", "dense_4h_to_h", "down_proj", "w2")
 """Names of an MLP's down (row) projection."""
 
+_NORMS = {"norms": "whole-width norms replicated",
+          "reduced": "whole-width norms in the group, reduction: tensor_parallel"}
+"""The candidates of an attention group beside norms as wide as a projection's output
+(OLMo 2's q_norm and k_norm), by layout name."""
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """One declaration of an open group: its fused layout and its weights' orientation."""
@@ -53,6 +59,8 @@ class Candidate:
         """How the candidate is named in comments and reports."""
         if self.layout == "plain":
             return "[in, out]" if self.in_out else "[out, in]"
+        if self.layout in _NORMS:
+            return _NORMS[self.layout]
         text = self.layout + (f" ({self.groups} groups)" if self.groups else "")
         return text + (", [in, out]" if self.in_out else "")
 
@@ -199,7 +207,7 @@ class Blocks:
         return group
 
     def _choose(self, group: dict[str, Any], module: str,
-                candidates: tuple[Candidate, ...]) -> Candidate:
+                candidates: tuple[Candidate, ...], key: str | None = None) -> Candidate:
         """The candidate written for `group` (the chosen one, else the first), with its
         comment: what --prove found, else a CHECK when there are several."""
         name = str(group["name"])
@@ -208,7 +216,7 @@ class Blocks:
         proof = self.proofs.get(name)
         index = self.choices.get(name, 0)
         chosen = candidates[index if 0 <= index < len(candidates) else 0]
-        last = list(group)[-1]
+        last = key or list(group)[-1]
         if proof is not None and proof.chosen is not None:
             self.w.note(group, last, f"# partc init --prove: {chosen.label}: {proof.text}")
         elif proof is not None:
@@ -220,6 +228,12 @@ class Blocks:
                         f"layout of `{module}` open ({tried}): `partc init --prove` tries "
                         "each against transformers")
         return chosen
+
+    def reduction(self, group: dict[str, Any], norms: Sequence[str]) -> bool:
+        """Whether the attention `group` holds its whole-width `norms` (split with their
+        projections, `reduction: tensor_parallel`) rather than leaving them replicated."""
+        candidates = (Candidate("norms"), Candidate("reduced"))
+        return self._choose(group, ", ".join(norms), candidates, "units").layout == "reduced"
 
     def _attention(self, groups: list[dict[str, Any]], block: str,
                    leaves: Mapping[str, _Module]) -> list[str]:
