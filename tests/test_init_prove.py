@@ -18,6 +18,7 @@ import pytest
 
 import partc.scaffold.fused as fused
 from partc.api import check_family, plan_family
+from partc.cli.commands import verify_failures
 from partc.cli.main import main
 from partc.plan.topology import Topology
 from partc.scaffold.family_text import scaffold
@@ -142,7 +143,7 @@ def test_what_no_candidate_explains_is_marked_with_verifys_finding(
                                                                     True),)
 
     monkeypatch.setattr(fused, "attention_candidates", component_major_only)
-    result = prove(hf("gpt_neox"), hf("gpt_neox") / "config.json")
+    result = prove(hf("gpt_neox"), hf("gpt_neox") / "config.json", verify_failures)
     line = next(x for x in result.text.splitlines() if "# component_major written" in x)
     assert f"{CHECK} no layout partc verify accepts: every candidate refused; with the " \
         "first, T=2 x S=1: module `gpt_neox.layers.0.attention` (group " \

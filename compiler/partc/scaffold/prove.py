@@ -27,6 +27,11 @@ from partc.scaffold.fused import OpenLayout, Proof
 if TYPE_CHECKING:
     from partc.plan.ir import Plan
 
+Verifier = Callable[[Path, Path, Sequence[int]], Sequence[tuple[str, str]]]
+"""`partc verify` as prove calls it: (family file, config, T sizes) -> the failing checks'
+(group, message). The command line passes `partc.cli.commands.verify_failures` (partc.verify
+lies above this package)."""
+
 PROVE_SIZES = (2, 3, 4)
 """The tensor-parallel sizes each candidate is verified at (those that compile). T = 3 is
 among them because candidates can put the same rows on every rank at T = 2 and 4 (CodeGen's
@@ -68,12 +73,11 @@ def _blamed(open_layouts: Sequence[OpenLayout], messages: Sequence[tuple[str, st
     return found
 
 
-def _try(family: Path, checkpoint: Path, config: Path, open_layouts: Sequence[OpenLayout]
-         ) -> Round:
+def _try(family: Path, checkpoint: Path, config: Path, open_layouts: Sequence[OpenLayout],
+         verify: Verifier) -> Round:
     """Check the written scaffold at `PROVE_SIZES` and verify it at those that compile."""
     from partc.api import check_family
     from partc.plan.topology import Topology
-    from partc.verify.run import verify_family
 
     sizes: list[int] = []
     messages: list[tuple[str, str]] = []
@@ -87,15 +91,13 @@ def _try(family: Path, checkpoint: Path, config: Path, open_layouts: Sequence[Op
     if not sizes:
         return Round((), _blamed(open_layouts, messages) or {
             layout.group: messages[0][1] for layout in open_layouts})
-    report = verify_family(family, config, tensor_parallel_sizes=sizes,
-                           pipeline_parallel_size=1)
-    messages += [(check.group, check.message) for check in report.checks if not check.ok]
+    messages += verify(family, config, sizes)
     return Round(tuple(sizes), _blamed(open_layouts, messages))
 
 
-def prove(checkpoint: Path, config: Path, *, name: str | None = None,
+def prove(checkpoint: Path, config: Path, verify: Verifier, *, name: str | None = None,
           progress: Callable[[str], None] | None = None) -> Scaffold:
-    """The scaffold with every open layout decided by verify (`Scaffold.open`), or marked
+    """The scaffold with every open layout decided by `verify` (`Scaffold.open`), or marked
     CHECK with verify's finding where no candidate passes."""
     first = scaffold(checkpoint, config, name=name)
     if not first.open:
@@ -111,7 +113,7 @@ def prove(checkpoint: Path, config: Path, *, name: str | None = None,
             pending = [open_layouts[g] for g in open_layouts if g not in proofs]
             family.write_text(scaffold(checkpoint, config, name=name, choices=chosen).text,
                               encoding="utf-8")
-            tried = _try(family, checkpoint, config, pending)
+            tried = _try(family, checkpoint, config, pending, verify)
             for layout in pending:
                 group, label = layout.group, layout.candidates[chosen[layout.group]].label
                 if group not in tried.refused:
