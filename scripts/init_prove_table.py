@@ -66,7 +66,7 @@ def row(name: str, checkpoint: Path, out: Path) -> dict[str, Any]:
     family.write_text(result.text, encoding="utf-8")
     entry: dict[str, Any] = {
         "fixture": name, "check_lines": len(result.undecided), "prove_seconds": round(proved, 1),
-        "decided": [line.split("--prove: ", 1)[1].split(":")[0] for line in
+        "decided": [line.split("--prove: ", 1)[1].split(": verified")[0] for line in
                     result.text.splitlines() if "# partc init --prove:" in line],
         "scaffold_tp": legal(family, checkpoint), "builtin_tp": [], "verify": None,
         "shares": {}}
