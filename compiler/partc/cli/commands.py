@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -233,13 +233,31 @@ def config_beside(checkpoint: Path) -> Path:
     return (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "config.json"
 
 
+def verify_failures(family: Path, config: Path, sizes: Sequence[int]
+                    ) -> list[tuple[str, str]]:
+    """`partc verify` of a family at T = `sizes` (S = 1): each failing check's (group,
+    message); what `partc init --prove` decides by."""
+    from partc.verify.run import verify_family
+
+    report = verify_family(family, config, tensor_parallel_sizes=sizes,
+                           pipeline_parallel_size=1)
+    return [(check.group, check.message) for check in report.checks if not check.ok]
+
+
 def run_init(args: argparse.Namespace) -> int:
-    """`partc init --checkpoint DIR [--config FILE] [--out FILE]`."""
+    """`partc init --checkpoint DIR [--config FILE] [--out FILE] [--prove]`."""
     from partc.scaffold.family_text import scaffold
 
     checkpoint = Path(args.checkpoint)
     config = Path(args.config) if args.config else config_beside(checkpoint)
-    result = scaffold(checkpoint, config, name=args.name)
+    if args.prove:
+        from partc.scaffold.prove import prove
+
+        result = prove(checkpoint, config, verify_failures, name=args.name,
+                       progress=None if args.format == "json" else
+                       lambda line: print(f"prove: {line}", file=sys.stderr))
+    else:
+        result = scaffold(checkpoint, config, name=args.name)
     if args.out:
         write_text_file(Path(args.out), result.text)
     if args.format == "json":

@@ -393,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--name", default=None, type=_family_name,
                       help="the family name: letters, digits and `_`, not starting with a "
                            "digit (default: the model type)")
+    init.add_argument("--prove", action="store_true",
+                      help="decide each layout the header leaves open (a fused projection's "
+                           "row order, a square weight's orientation) by trying the "
+                           "candidates with `partc verify` at T=2, 3 and 4 against transformers "
+                           "(needs partc[verify]); what none explains is marked CHECK with "
+                           "verify's finding")
     _add_format(init)
 
     demo = commands.add_parser(

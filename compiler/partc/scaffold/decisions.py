@@ -26,13 +26,18 @@ CHECK = "# partc init: CHECK"
 
 
 def _evaluate(expression: str, values: Mapping[str, int]) -> int | None:
-    """The value of `a` or `a * b` over config names (the only forms the scaffold writes)."""
-    result = 1
-    for name in expression.split(" * "):
-        if name not in values:
-            return None
-        result *= values[name]
-    return result
+    """The value of an expression the scaffold writes over config names (`a * b`,
+    `(a + 2 * b) * c`, `a // b * c`), None when it reads a name `values` lacks, or none."""
+    from partc.errors import PartcError
+    from partc.family.expr import parse
+
+    try:
+        parsed = parse(expression)
+        if not parsed.names or not parsed.names <= set(values):
+            return None  # a literal is no expression over the config
+        return parsed.evaluate_int(values)
+    except PartcError:
+        return None
 
 
 class _Writer:
@@ -80,7 +85,9 @@ class _Writer:
         ambiguous; else the number, said unexplained. An axis of 1 is no dimension (a gate's
         single row): written 1, unmarked."""
         if expected is not None and _evaluate(expected, self.values) == actual:
-            self.used.update(expected.split(" * "))
+            from partc.family.expr import parse
+
+            self.used.update(parse(expected).names)
             return expected, None
         if actual == 1:
             return "1", None

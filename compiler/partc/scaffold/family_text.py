@@ -51,6 +51,7 @@ from partc.scaffold.decisions import (
     _sized_like,
     _Writer,
 )
+from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.survey import (
     _ATTENTION,
     _DIMENSIONS,
@@ -58,6 +59,7 @@ from partc.scaffold.survey import (
     _ENCODER_HEADS,
     _ENCODER_WIDTHS,
     _MLP,
+    _PACKED,
     _Encoder,
     _is_norm,
     _layer_table,
@@ -96,8 +98,11 @@ class _Kinds:
     encoder: bool = False
 
 
+_EXPERT_W = {"w1": _MLP["gate_proj"], "w3": _MLP["up_proj"], "w2": _MLP["down_proj"]}
+"""Mixtral's expert projections: `w1` gate, `w3` up, `w2` down."""
+
 _DECODER = _Kinds("decoder", "layers", (_ATTENTION,), "num_key_value_heads",
-                  (("gate_proj", _MLP),), "intermediate_size")
+                  (("gate_proj", _MLP), ("w1", _EXPERT_W)), "intermediate_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +117,18 @@ class Scaffold:
     """What the user should know before running `partc check` (said on the console too)."""
     document: dict[str, Any] = field(default_factory=dict, repr=False)
     """The family as data: what `text` holds, without its comments."""
+    open: tuple[OpenLayout, ...] = ()
+    """The groups whose layout the header leaves open, with their candidates
+    (`partc.scaffold.prove` tries them)."""
 
 
-def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) -> Scaffold:
+def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
+             choices: Mapping[str, int] | None = None,
+             proofs: Mapping[str, Proof] | None = None) -> Scaffold:
     """A family for the checkpoint: Llama-like parts recognised, the rest marked CHECK; with
-    several layer repetitions, encoder groups and a projector before the decoder."""
+    several layer repetitions, encoder groups and a projector before the decoder. `choices`:
+    the candidate written for each open group by name (default the first); `proofs`: what
+    `partc init --prove` found for them."""
     s = survey_checkpoint(checkpoint, config_path, name=name)
     config, model_type, family, layers = s.config, s.model_type, s.family, s.layers
     prefix, by_layer, roles, values, sources = s.prefix, s.by_layer, s.roles, s.values, s.sources
@@ -134,7 +146,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                                 "model_types": FlowList([model_type])}
     table = _layer_table(by_layer)
     body: list[dict[str, Any]] = []
-    _layer_groups(w, body, prefix, table)
+    blocks = Blocks(w, f"{prefix}.{{unit}}", table, choices or {}, proofs or {})
+    _layer_groups(w, body, prefix, table, others=blocks)
     tables = [table]
     static = _static_groups(w, decoder_modules, roles, {} if projector else loose)
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
@@ -149,12 +162,15 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
     prefixed = {n for e in encoders for n in e.names}
+    for key, over in _DEFAULTS.items():  # a default is declared over fields declared too
+        if key in w.used and key not in sources:
+            w.used.update(n for n in over if n in values)
     # a field read from a guess is declared (and marked) also when no shape uses it
     used = sorted((w.used - prefixed) | {"num_hidden_layers"} | set(marked))
     fields: dict[str, Any] = {}
     document["config"] = fields
     for key in used:
-        fields[key] = _config_field(key, sources.get(key, key))
+        fields[key] = _config_field(key, sources.get(key, key), used)
         if key in marked:
             w.check(fields, key, marked[key])
     if values.get("num_hidden_layers") != count:
@@ -163,7 +179,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
     for section, names in _sections(encoders).items():
         written = sorted(names & w.used)
         for key in written:
-            fields[key] = _config_field(key, sources[key])
+            fields[key] = _config_field(key, sources[key], ())
         if written:
             w.comments.note(fields, written[0], "# " + ", ".join(
                 e.group for e in encoders if e.section == section) + f" ({section})",
@@ -224,7 +240,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None) ->
                         "outside the layers are too many or too long)",
                         location=SourceLocation(str(checkpoint)))
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes),
-                    document=document)
+                    document=document, open=tuple(blocks.open))
 
 
 def _sections(encoders: Sequence[_Encoder]) -> dict[str, set[str]]:
@@ -388,23 +404,27 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                       "image_mask)")})
 
 
-def _config_field(key: str, source: str) -> str | Flow:
-    """The declaration of config field `key`, read from `source` (a dotted path)."""
+_DEFAULTS = {"num_key_value_heads": ("num_attention_heads",),
+             "head_dim": ("hidden_size", "num_attention_heads")}
+"""The fields declared with a default (transformers'), and the fields it is computed from."""
+
+
+def _config_field(key: str, source: str, declared: Sequence[str]) -> str | Flow:
+    """The declaration of config field `key`, read from `source` (a dotted path), with its
+    default (`_DEFAULTS`) when every field that reads is `declared` too (a default over a
+    field the family lacks fails `partc check`)."""
+    over = _DEFAULTS.get(key, ("-",))
     default = {"num_key_value_heads": "num_attention_heads",
-               "head_dim": "hidden_size // num_attention_heads"}.get(key)
+               "head_dim": "hidden_size // num_attention_heads"}.get(key) \
+        if all(n in declared for n in over) else None
     if source == key and not default:
         return "int"
-    declared = Flow(type="int")
+    declared_field = Flow(type="int")
     if source != key:
-        declared["from"] = source
+        declared_field["from"] = source
     if default:
-        declared["default"] = default
-    return declared
-
-
-_PACKED = frozenset({"scales", "biases", "qweight", "qzeros", "g_idx"})
-"""Params of a packed quantized linear (MLX's `scales`/`biases`, GPTQ/AWQ's): its columns are
-not the matrix's, so the scaffold cannot split it by heads as a dense one."""
+        declared_field["default"] = default
+    return declared_field
 
 
 def _block_groups(table: Mapping[str, _Module], block: str,
@@ -417,12 +437,15 @@ def _block_groups(table: Mapping[str, _Module], block: str,
 
 
 def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
-                  table: Mapping[str, _Module], kinds: _Kinds = _DECODER) -> None:
+                  table: Mapping[str, _Module], kinds: _Kinds = _DECODER,
+                  others: Blocks | None = None) -> None:
     """The groups of a repetition's layers (appended to `groups`): its attention and MLP
-    blocks split by heads and intermediate units, every other module replicated."""
+    blocks split by heads and intermediate units (`others`: also those not named the Llama
+    way), every other module replicated."""
     unit = f"{prefix}.{{unit}}"
     done: set[str] = set()
     attention_projections: list[dict[str, Any]] | None = None
+    attention_group: dict[str, Any] = {}
     attention = next((spec for spec in kinds.attention
                       if _block_groups(table, "self_attn", list(spec))), None)
     blocks: list[tuple[str, Mapping[str, tuple[str | None, ...]]]] = [
@@ -450,6 +473,9 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         w.scope(group, block, first,
                 [n for p in spec_table for n in table[f"{block}.{p}"].differs])
         group["units"] = _entry(units)
+        if spec_table is attention and not kinds.encoder and w.values.get(units, 0) < \
+                w.values.get("num_attention_heads", 0):
+            group["kv_replication"] = True  # T > KV heads: repeat them (docs/kv_replication.md)
         if kinds.encoder and units not in w.values:
             w.check(group, "units", f"the intermediate size of `{block}` ({units}) is "
                     "no field of the encoder's config section: write it as an expression "
@@ -460,7 +486,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         projections: list[dict[str, Any]] = []
         group["projections"] = projections
         if spec_table is attention:
-            attention_projections = projections
+            attention_projections, attention_group = projections, group
         for proj, spec in spec_table.items():
             module = f"{block}.{proj}"
             done.add(module)
@@ -476,6 +502,14 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
                 cols_of = units if spec[0] == "row" else spec[2]
             w.params(projection, _signature_params(w, module, table[module].params, rows_of,
                                                    cols_of), module)
+    reduced: set[str] = set()  # whole-width norms split with the attention (OLMo 2's)
+    if others is not None:
+        others.write(groups, done)
+        spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
+                    and _sized_like(w, table, m, m.rsplit(".", 1)[-1], table[m])[1]]
+        if spanning and others.reduction(attention_group, spanning):
+            reduced = set(spanning)
+            attention_group.pop("kv_replication", None)  # refused beside a reduced norm
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
@@ -490,6 +524,13 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         params = _signature_params(w, module, entry.params, size_rows, size_cols,
                                    axes=sized, prefer=prefer)
         heads = _per_head_axis(params, module, attention_projections)
+        if module in reduced and attention_projections is not None and spans is not None:
+            projection = {"module": Quoted(f"{unit}.{module}"), "sharding": "column",
+                          "reduction": "tensor_parallel", "linear": False,
+                          "heads": _ATTENTION[spans][1]}
+            attention_projections.append(projection)
+            w.params(projection, params, module)
+            continue
         if heads is not None and attention_projections is not None:
             # one row per head of its projection (Cohere's q_norm [heads, head_dim]): a rank
             # computing some of the heads holds their rows, split with the attention's heads

@@ -241,6 +241,11 @@ _MLP = {
 }
 
 
+_PACKED = frozenset({"scales", "biases", "qweight", "qzeros", "g_idx"})
+"""Params of a packed quantized linear (MLX's `scales`/`biases`, GPTQ/AWQ's): its columns are
+not the matrix's, so the scaffold cannot split it by heads as a dense one."""
+
+
 _ENCODER_WIDTHS = ("hidden_size", "embed_dim", "intermediate_size")
 """Fields of an encoder's config section a literal dimension inside the tower is matched
 against, and only these (a decoder width of the same size would be a coincidence): CLIP's
@@ -314,7 +319,14 @@ def _values(config: Mapping[str, Any], matches: Callable[[str, int], bool | None
            "num_key_value_heads": number("num_key_value_heads", heads),
            "intermediate_size": number("intermediate_size"),
            "num_hidden_layers": number("num_hidden_layers"), "vocab_size": number("vocab_size")}
-    out["head_dim"] = number("head_dim", hidden // heads if hidden and heads else None)
+    # transformers' default head width, unless the config spells head widths of its own
+    # (MLA's v_head_dim, qk_nope_head_dim): `check` takes a missing head_dim beside those for
+    # a misspelling of one, and the default's value is one of theirs by coincidence only
+    others = any(isinstance(k, str) and k.endswith("head_dim") and k != "head_dim"
+                 for section in (config, config.get("text_config")) if isinstance(section, Mapping)
+                 for k in section)
+    out["head_dim"] = number("head_dim", hidden // heads if hidden and heads and not others
+                             else None)
     for key in (*_DIMENSIONS, *_EXPERT_COUNTS):
         out.setdefault(key, number(key))
     known = {*out, *(a for names in _ALIASES.values() for a in names)}
