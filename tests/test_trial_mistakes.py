@@ -119,11 +119,11 @@ def test_verify_checks_the_pipeline_cut_compile_makes_at_the_asked_tensor_parall
              for r in staged.ranks}
     assert "|".join(units[s] for s in sorted(units)) == _stage_units(compiled[2])
 
-    # both T: each distinct cut is checked once, and the CLI says which
+    # both T from the command line: each T x S build is checked as one, at its own cut
     assert main(["verify", "--config", str(config), "--tp", "1,2", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     for tp in (1, 2):
-        assert re.search(rf"^note: the pipeline check \(at T=1\) cut "
+        assert re.search(rf"^note: the T={tp} x S=2 build cut "
                          rf"{re.escape(_stage_units(compiled[tp]))} \(after stage 0 in "
                          rf"`{compiled[tp]['cuts'][0]['group']}`\): the cut compile chooses "
                          rf"at T={tp} x S=2$", out, re.M), out
