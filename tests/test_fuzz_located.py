@@ -1,10 +1,11 @@
-"""Hypothesis over the surfaces issue 39 hardened: family documents (with `extends:` chains) and
-expert placement files, built from hostile values (control characters, 5000-digit and negative
-integers, NaN, YAML tags and aliases, over-long and escaping paths). Every example ends in
-success or in located errors: each a PartcError naming a file, and on the command line exit 1
-or 2 with every `error:` line naming that file; never a traceback, exit 70 or a hang.
+"""Hypothesis over the surfaces issue 39 hardened: family documents (with `extends:` chains),
+expert placement files and a build's plan.json, built from hostile values (control characters,
+5000-digit and negative integers, NaN, YAML tags and aliases, over-long and escaping paths).
+Every example ends in success or in located errors: each a PartcError naming a file, and on the
+command line exit 1 or 2 with every `error:` line naming a file; never a traceback, exit 70 or
+a hang.
 
-The budget is PARTC_FUZZ_LOCATED_EXAMPLES (total examples, default 240 for CI, about 15 s);
+The budget is PARTC_FUZZ_LOCATED_EXAMPLES (total examples, default 240 for CI, about 12 s);
 `python scripts/hostile_table.py` runs more and prints the outcome table. PARTC_FUZZ_RANDOM=1
 draws fresh random examples instead of the derandomized CI sequence.
 """
@@ -29,7 +30,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partc.api import bind, check_family, with_expert_placement
+from partc.api import CompileOptions, bind, check_family, compile_family, with_expert_placement
 from partc.cli.main import main
 from partc.errors import PartcError
 from partc.plan.realize import realize_plan
@@ -39,7 +40,7 @@ from support import hf
 from support.families import MINI, MINI_CONFIG
 
 BUDGET = int(os.environ.get("PARTC_FUZZ_LOCATED_EXAMPLES", "240"))
-SHARES = {"family": 0.35, "placement": 0.45, "cli": 0.2}
+SHARES = {"family": 0.3, "placement": 0.35, "cli": 0.15, "plan": 0.2}
 OUTCOMES: dict[str, Counter[str]] = {target: Counter() for target in SHARES}
 """How each target's examples ended (`ok`, or the error class), for scripts/hostile_table.py."""
 QWEN = hf("qwen3_moe") / "config.json"
@@ -77,11 +78,17 @@ def _paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
 
 
 def _replaced(document: Any, path: tuple[Any, ...], value: object) -> Any:
-    """`document` with the node at `path` replaced by `value` (the root: `value` itself)."""
+    """`document` with the node at `path` replaced by `value` (the root: `value` itself); as
+    it is when an earlier replacement took the path away."""
     if not path:
         return value
     head, *rest = path
-    copy = dict(document) if isinstance(document, dict) else list(document)
+    if isinstance(document, dict) and head in document:
+        copy: Any = dict(document)
+    elif isinstance(document, list) and isinstance(head, int) and head < len(document):
+        copy = list(document)
+    else:
+        return document
     copy[head] = _replaced(copy[head], tuple(rest), value)
     return copy
 
@@ -238,3 +245,33 @@ def test_the_cli_exits_0_1_or_2_with_each_error_line_naming_a_file(
         OUTCOMES["cli"][_cli(["check", "--config", str(QWEN), "--ep", str(EP),
                               "--expert-placement", str(folder / "placement.json")])] += 1
 
+
+
+@functools.cache
+def llama_plan() -> tuple[Any, list[tuple[Any, ...]]]:
+    """A tiny Llama TP 2 x PP 2 build's plan document and every path into it."""
+    out = WORK / "llama-build"
+    compile_family(None, hf("llama") / "config.json",
+                   Topology(tensor_parallel_size=2, pipeline_parallel_size=2),
+                   CompileOptions(out=out))
+    document = json.loads((out / "plan.json").read_text())
+    return document, _paths(document)
+
+
+@st.composite
+def plan_texts(draw: st.DrawFn) -> str:
+    """The tiny build's plan.json with one to three nodes replaced by hostile values, written
+    as JSON (NaN and Infinity included)."""
+    document, paths = llama_plan()
+    for _ in range(draw(st.integers(1, 3))):
+        document = _replaced(document, draw(st.sampled_from(paths)), draw(hostile_values))
+    return json.dumps(document)
+
+
+@fuzz_settings("plan")
+@given(plan_texts(), st.sampled_from([["inspect"], ["explain", "lm_head.weight"],
+                                      ["inspect", "--rank", "1"]]))
+def test_a_tampered_plan_is_shown_or_refused_with_located_errors(text: str,
+                                                                 command: list[str]) -> None:
+    with files(plan_json=text) as folder:
+        OUTCOMES["plan"][_cli([command[0], str(folder / "plan.json"), *command[1:]])] += 1
