@@ -132,13 +132,21 @@ def placement_texts(draw: st.DrawFn) -> str:
     ids = st.integers(-3, EXPERTS + 2) | st.sampled_from([2 ** 62, -(2 ** 62), 10 ** 30, 1.5,
                                                           float("nan"), True, None, "3", []])
     ranks = st.lists(st.lists(ids, max_size=EXPERTS + 2), max_size=EP + 2)
-    document = draw(st.one_of(
-        st.builds(lambda r: {"ranks": r}, ranks),
-        st.builds(lambda r, k, v: {"ranks": r, k: v}, ranks, hostile_strings, hostile_values),
-        st.recursive(hostile_values, lambda inner: st.lists(inner, max_size=3)
-                     | st.dictionaries(hostile_strings, inner, max_size=3), max_leaves=6)))
-    text = json.dumps(document)
-    if draw(st.booleans()):
+    order = draw(st.permutations(range(EXPERTS)))
+    cut = draw(st.integers(1, EXPERTS - 1))
+    placed: list[list[Any]] = [list(order[:cut]), list(order[cut:])]  # valid, or nearly
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
+        placed[draw(st.integers(0, EP - 1))].append(draw(ids))
+    kind = draw(st.sampled_from(["placed", "placed", "ranks", "extra key", "any"]))
+    document = {"placed": st.just({"ranks": placed}),
+                "ranks": st.builds(lambda r: {"ranks": r}, ranks),
+                "extra key": st.builds(lambda r, k, v: {"ranks": r, k: v}, ranks,
+                                       hostile_strings, hostile_values),
+                "any": st.recursive(hostile_values, lambda inner: st.lists(inner, max_size=3)
+                                    | st.dictionaries(hostile_strings, inner, max_size=3),
+                                    max_leaves=6)}[kind]
+    text = json.dumps(draw(document))
+    if draw(st.sampled_from([False, False, True])):
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.sampled_from(["9" * 5000, "\x00", "\ufeff", "NaN", "-",
                                                  ",", "]]", "\"\x1b\""])) + text[at:]
