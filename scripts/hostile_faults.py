@@ -163,8 +163,10 @@ def hostile_limits() -> list[tuple[str, str, str]]:
         ("plan.json size", f"{plan_file.MAX_PLAN_BYTES} bytes", "partc.front.load.MAX_PLAN_BYTES"),
         ("T, S, E, X and `kv_replicas` in a plan.json", str(plan_file.MAX_PARALLEL_SIZE),
          "partc.plan.plan_file.MAX_PARALLEL_SIZE"),
-        ("a tensor dimension in a plan.json", "2**40", "partc.plan.plan_file.MAX_DIMENSION"),
-        ("elements of a tensor in a plan.json", "2**50", "partc.plan.plan_file.MAX_ELEMENTS"),
+        ("a tensor dimension in a plan.json", f"2**{plan_file.MAX_DIMENSION.bit_length() - 1}",
+         "partc.plan.plan_file.MAX_DIMENSION"),
+        ("elements of a tensor in a plan.json", f"2**{plan_file.MAX_ELEMENTS.bit_length() - 1}",
+         "partc.plan.plan_file.MAX_ELEMENTS"),
         ("expert placement file size", f"{expert_placement.PLACEMENT_BASE_BYTES} bytes + "
          f"{expert_placement.PLACEMENT_BYTES_PER_SLOT} per slot (experts x E)",
          "partc.plan.expert_placement.placement_byte_limit"),
