@@ -134,7 +134,7 @@ def placement_texts(draw: st.DrawFn) -> str:
     ranks = st.lists(st.lists(ids, max_size=EXPERTS + 2), max_size=EP + 2)
     order = draw(st.permutations(range(EXPERTS)))
     cut = draw(st.sampled_from([EXPERTS // 2] * 3 + [1, EXPERTS - 1]))  # equal slots: valid
-    placed: list[list[Any]] = [list(order[:cut]), list(order[cut:])]
+    placed: list[list[Any]] = [sorted(order[:cut]), sorted(order[cut:])]  # ascending
     for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
         placed[draw(st.integers(0, EP - 1))].append(draw(ids))
     kind = draw(st.sampled_from(["placed", "placed", "ranks", "extra key", "any"]))
