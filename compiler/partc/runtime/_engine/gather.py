@@ -65,8 +65,8 @@ class Gather:
     costs every runtime import about a millisecond (issue 18).
     """
 
-    __slots__ = ("base", "direct", "fd", "file", "name", "nbytes", "out", "path", "pieces",
-                 "prefetch", "row_bytes", "rows", "source")
+    __slots__ = ("base", "direct", "fd", "file", "merge", "name", "nbytes", "out", "path",
+                 "pieces", "prefetch", "row_bytes", "rows", "source")
 
     def __init__(self, *, file: int, path: str, name: str, out: np.ndarray[Any, Any], base: int,
                  row_bytes: int, rows: tuple[int, int],
@@ -83,6 +83,9 @@ class Gather:
         self.prefetch = False  # not in the page cache and the node's ranks load together: the
         # whole rows are asked of storage first (POSIX_FADV_WILLNEED), in large reads, since
         # the node's other ranks read the rest of them
+        self.merge: bool | np.ndarray[Any, Any] | None = None  # the read planner's choice
+        # (`spans.plan_spans`): None, every piece by itself; True, the rows whole in large
+        # requests; a mask, which gaps between consecutive pieces are read through
 
     def span(self) -> tuple[int, int]:
         """The absolute file bytes [start, end) of the job's rows."""
@@ -160,6 +163,8 @@ class GatherFile:
             abort(header.path, f"cannot map tensor data: {exc.strerror or exc}", name)
         if hasattr(mmap, "MADV_RANDOM"):
             self.mapping.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not its neighbours
+        self.device = os.fstat(fd).st_dev
+        """The storage device holding the file (its read planner's model: `storage_model`)."""
         view = np.frombuffer(self.mapping, dtype=np.uint8)  # for its address only: never read
         self.address = int(view.ctypes.data)
         """Where the mapping starts."""
@@ -219,7 +224,7 @@ class GatherFile:
 
 
 def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
-                 alone: bool = True) -> bool:
+                 alone: bool = True, share: int = 0, cap: float | None = None) -> bool:
     """Attach each job to its file's `GatherFile`, in the calling thread before any read;
     whether any job's rows are cold (fewer than `_COLD_FRACTION` of their pages cached).
 
@@ -230,6 +235,9 @@ def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
     the cache fetches each page once for the whole node rather than a sector run per rank
     (measured at T=8: 2.2x faster than O_DIRECT per rank, and 1.000x the union's bytes fetched
     instead of 1.154x).
+
+    Then the read planner chooses, per file and way of reading, which jobs read their rows
+    whole (`spans.plan_spans`; `cap`: the most bytes read over the pieces', None for none).
     """
     cold = False
     for job in jobs:
@@ -240,16 +248,27 @@ def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
                 job.direct = True
             else:
                 job.prefetch = not alone
+    from partc.runtime._engine.spans import plan_spans
+
+    plan_spans(jobs, share, cap)
     return cold
 
 
 def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
     """Copy the selected columns of a block of rows: O_DIRECT when cold, the kernel's copy
     from the mapping when warm, preadv per piece otherwise. Never a SIGBUS."""
-    if job.direct and _direct_gather(job, recorder):
-        return
     if job.prefetch:
         _prefetch(job)
+    if job.merge is not None:
+        from partc.runtime._engine.spans import span_gather
+
+        if span_gather(job, recorder):
+            return
+        job.direct = False  # O_DIRECT refused: the same spans through the page cache
+        if span_gather(job, recorder):
+            return
+    if job.direct and _direct_gather(job, recorder):
+        return
     if job.source is not None and job.source.in_process:
         _numpy_gather(job)
         if recorder is not None:

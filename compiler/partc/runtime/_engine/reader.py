@@ -87,6 +87,11 @@ class CheckpointReader:
         `ReadOptions.zero_copy` and `_view_of`)."""
         self.dtypes = options.dtypes
         """Safetensors dtype -> the numpy dtype of the arrays read (see `ReadOptions.bits`)."""
+        from partc.runtime.read_plan import environment_cap, fetch_cap
+
+        cap = options.max_fetch_ratio
+        self.max_fetch_ratio = fetch_cap(cap) if cap is not None else environment_cap()
+        """The most bytes read over the share's (see `ReadOptions.max_fetch_ratio`)."""
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
 
@@ -237,7 +242,8 @@ class CheckpointReader:
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name,
                                                in_process=self.zero_copy is not ZeroCopy.OFF)
         try:
-            cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
+            cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1, share=nbytes,
+                                cap=self.max_fetch_ratio)
             workers = self._cold_workers if cold else self.workers
             if len(jobs) < 2 or workers < 2 or nbytes < THREADED_BYTES:
                 for job in jobs:

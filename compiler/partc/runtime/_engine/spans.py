@@ -1,0 +1,157 @@
+"""Column gathers read as planned spans: the read planner (`partc.runtime.read_plan`) decides
+for every gap between a gather job's pieces whether it is read through; a job whose gaps are
+all read through reads its rows whole, in large sequential requests, into a reused bounce
+buffer and copies its columns out with numpy (cold and alone: O_DIRECT, sector-aligned; a node's
+ranks together: the page cache, whole rows asked for first; warm: the page cache). A read that
+comes back short is a truncated file: a CheckpointError, never a SIGBUS (no mapping is touched).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from partc.runtime._engine.memory import populate
+from partc.runtime._engine.runs import fill
+from partc.runtime.headers import abort
+from partc.runtime.read_plan import WARM, StorageModel, plan_merges, storage_model
+
+if TYPE_CHECKING:
+    from partc.runtime._engine.gather import Gather
+    from partc.runtime._engine.selection import ReadRecorder
+
+BOUNCE_BYTES = 1 << 20
+"""Bytes one request of a coalesced gather reads (the bounce buffer each reader thread reuses;
+rows wider than this are read one at a time)."""
+DIRECT_ALIGN = 512
+"""Alignment of O_DIRECT reads (the logical sector of the disks this runs on)."""
+PAGE_ALIGN = 4096
+"""What a read through the page cache fetches from storage: whole pages."""
+
+_LOCAL = threading.local()
+"""Each reader thread's bounce buffer."""
+
+
+def _bounce(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """This thread's bounce buffer, at least `nbytes` long, page-aligned (O_DIRECT needs it)."""
+    have = getattr(_LOCAL, "buffer", None)
+    if have is None or len(have) < nbytes:
+        size = -(-max(nbytes, BOUNCE_BYTES) // mmap.PAGESIZE) * mmap.PAGESIZE
+        have = _LOCAL.buffer = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+    return have
+
+
+def job_runs(job: Gather) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """Absolute (start, end) file offsets of every piece of `job`, row by row (file order when
+    its ranges are in column order)."""
+    first, last = job.rows
+    rows = (job.base + np.arange(first, last, dtype=np.int64) * job.row_bytes)[:, None]
+    starts = (rows + np.array([src for src, _, _ in job.pieces], np.int64)).ravel()
+    ends = starts + np.tile(np.array([w for _, _, w in job.pieces], np.int64), last - first)
+    return starts, ends
+
+
+def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
+    """Set every job's `merge` (see `Gather.merge`) by the read planner, one plan per file and
+    way of reading (O_DIRECT, the page cache cold, the page cache warm), each under its part
+    of the cap (`cap` x its pieces' bytes; `share`: the rank's bytes, unused without a cap)."""
+    groups: dict[tuple[int, str], list[Gather]] = {}
+    for job in jobs:
+        if job.source is not None and job.source.in_process and not job.direct:
+            continue  # the zero-copy modes copy from the mapping, piece by piece
+        way = "direct" if job.direct else "cold" if job.prefetch else "warm"
+        groups.setdefault((job.file, way), []).append(job)
+    del share
+    for (_, way), members in sorted(groups.items(), key=lambda item: item[0]):
+        members.sort(key=lambda job: job.span()[0])
+        model: StorageModel = WARM if way == "warm" else storage_model(members[0].source.device
+                                                                       if members[0].source
+                                                                       else 0)
+        align = DIRECT_ALIGN if way == "direct" else PAGE_ALIGN if way == "cold" else 1
+        runs = [job_runs(job) for job in members]
+        if not all(bool(np.all(s[1:] >= e[:-1])) for s, e in runs):
+            continue  # ranges out of column order: read piece by piece
+        starts = np.concatenate([s for s, _ in runs])
+        ends = np.concatenate([e for _, e in runs])
+        budget = None if cap is None else cap * float((ends - starts).sum())
+        merged = plan_merges(starts, ends, model, align=align, budget=budget)
+        at = 0
+        for job, (s, _) in zip(members, runs, strict=True):
+            inside = merged[at:at + len(s) - 1]
+            at += len(s)
+            job.merge = True if inside.all() else None if not inside.any() else inside.copy()
+
+
+def span_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
+    """Run a job whose `merge` is set: its coalesced spans read into this thread's bounce
+    buffer (O_DIRECT when `job.direct`), its pieces copied out by numpy; False when the file
+    system refuses the first O_DIRECT read (the caller reads through the page cache)."""
+    source = job.source
+    assert source is not None and job.merge is not None
+    direct = job.direct
+    fd, align = (source.direct_fd, DIRECT_ALIGN) if direct else (job.fd, 1)
+    first, last = job.rows
+    populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
+    if job.merge is True:
+        step = max(1, BOUNCE_BYTES // job.row_bytes)
+        low = min(src for src, _, _ in job.pieces)
+        high = max(src + width for src, _, width in job.pieces)
+        for row in range(first, last, step):
+            stop = min(last, row + step)
+            begin = job.base + row * job.row_bytes
+            start, end = begin + low, begin + (stop - 1 - row) * job.row_bytes + high
+            buffer, at = _read(job, fd, align, start, end, recorder)
+            if buffer is None:
+                return False
+            at -= low
+            for src, dst, width in job.pieces:
+                job.out[row:stop, dst:dst + width] = np.lib.stride_tricks.as_strided(
+                    buffer[at + src:], (stop - row, width), (job.row_bytes, 1))
+        return True
+    starts, ends = job_runs(job)
+    merged = np.asarray(job.merge)
+    cuts = [0, *(np.flatnonzero(~merged) + 1).tolist(), len(starts)]
+    count = len(job.pieces)
+    for i, j in zip(cuts, cuts[1:], strict=False):
+        start, end = int(starts[i]), int(ends[j - 1])
+        buffer, at = _read(job, fd, align, start, end, recorder)
+        if buffer is None:
+            return False
+        for k in range(i, j):
+            row, (_, dst, width) = first + k // count, job.pieces[k % count]
+            piece = at + int(starts[k]) - start
+            job.out[row, dst:dst + width] = buffer[piece:piece + width]
+    return True
+
+
+def _read(job: Gather, fd: int, align: int, start: int, end: int,
+          recorder: ReadRecorder | None) -> tuple[np.ndarray[Any, Any] | None, int]:
+    """File bytes [start, end) in this thread's bounce buffer, read as one request aligned to
+    `align`: (the buffer, where `start` lies in it); (None, 0) when an O_DIRECT read is
+    refused at the job's first request."""
+    low = start - start % align
+    need = -(-end // align) * align - low
+    buffer = _bounce(need)
+    view = buffer.data
+    if align == 1:
+        fill(fd, job.path, job.name, [view[:need]], low, None)
+    else:
+        try:
+            got = os.preadv(fd, [view[:need]], low)
+        except OSError as exc:
+            import errno
+
+            if exc.errno == errno.EINVAL:
+                return None, 0
+            abort(job.path, f"cannot read tensor data: {exc.strerror or exc}", job.name)
+        if got < end - low:
+            abort(job.path, f"file changed since its header was read (truncated file?): "
+                            f"tensor data at byte {low + max(got, 0)} could not be read",
+                  job.name)
+    if recorder is not None:
+        recorder.record(job.path, start, end - start)
+    return buffer, start - low
