@@ -25,8 +25,13 @@ if TYPE_CHECKING:
     from partc.runtime._engine.selection import ReadRecorder
 
 BOUNCE_BYTES = 1 << 20
-"""Bytes one request of a coalesced gather reads (the bounce buffer each reader thread reuses;
-rows wider than this are read one at a time)."""
+"""Bytes one O_DIRECT request of a coalesced gather reads (the bounce buffer each reader thread
+reuses; rows wider than this are read one at a time): 1 MiB requests, 8 in flight, measured
+1.4 GB/s here, as fast as 8 MiB ones."""
+CACHED_BYTES = 256 << 10
+"""Bytes one read through the page cache copies into the bounce buffer: small enough to stay in
+the core's cache for numpy's copy out (measured warm at T=2: 30 ms for 109 MiB of column
+slices in 256 KiB reads, against 75 ms by process_vm_writev a piece)."""
 DIRECT_ALIGN = 512
 """Alignment of O_DIRECT reads (the logical sector of the disks this runs on)."""
 PAGE_ALIGN = 4096
@@ -57,15 +62,17 @@ def job_runs(job: Gather) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
 
 def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
     """Set every job's `merge` (see `Gather.merge`) by the read planner, one plan per file and
-    way of reading (O_DIRECT, the page cache cold, the page cache warm), each under its part
-    of the cap (`cap` x its pieces' bytes; `share`: the rank's bytes, unused without a cap)."""
+    way of reading (O_DIRECT, the page cache cold, the page cache warm). Under a cap the rank
+    may read `(cap - 1) x share` bytes over its `share` (whose other runs are read exactly):
+    each plan gets its pieces' bytes plus its pro rata part of that room."""
     groups: dict[tuple[int, str], list[Gather]] = {}
     for job in jobs:
         if job.source is not None and job.source.in_process and not job.direct:
             continue  # the zero-copy modes copy from the mapping, piece by piece
         way = "direct" if job.direct else "cold" if job.prefetch else "warm"
         groups.setdefault((job.file, way), []).append(job)
-    del share
+    pieces = sum(job.nbytes for members in groups.values() for job in members)
+    room = 0.0 if cap is None else (cap - 1) * share
     for (_, way), members in sorted(groups.items(), key=lambda item: item[0]):
         members.sort(key=lambda job: job.span()[0])
         model: StorageModel = WARM if way == "warm" else storage_model(members[0].source.device
@@ -77,7 +84,8 @@ def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
             continue  # ranges out of column order: read piece by piece
         starts = np.concatenate([s for s, _ in runs])
         ends = np.concatenate([e for _, e in runs])
-        budget = None if cap is None else cap * float((ends - starts).sum())
+        mine = float((ends - starts).sum())
+        budget = None if cap is None else mine + room * mine / max(1, pieces)
         merged = plan_merges(starts, ends, model, align=align, budget=budget)
         at = 0
         for job, (s, _) in zip(members, runs, strict=True):
@@ -97,7 +105,7 @@ def span_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
     first, last = job.rows
     populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
     if job.merge is True:
-        step = max(1, BOUNCE_BYTES // job.row_bytes)
+        step = max(1, (BOUNCE_BYTES if direct else CACHED_BYTES) // job.row_bytes)
         low = min(src for src, _, _ in job.pieces)
         high = max(src + width for src, _, width in job.pieces)
         for row in range(first, last, step):
