@@ -263,12 +263,14 @@ def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
             base = header.data_start + entry.begin
             spans.append((base, base + entry.nbytes))
     assert spans, "the llama fixture's rank 1 has column slices"
-    wanted = [(o, n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
-    covered = sorted((o, o + n) for o, n in wanted)
-    assert covered and all(any(a <= o and e <= b for a, b in spans) for o, e in covered), \
-        "whole rows of gathered tensors only"
-    assert sum(e - o for o, e in covered) == sum(b - a for a, b in spans), \
+    wanted = [(o, o + n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
+    rows = sorted(w for w in wanted if any(a <= w[0] and w[1] <= b for a, b in spans))
+    assert rows, "whole rows of gathered tensors asked for"
+    assert sum(e - o for o, e in rows) == sum(b - a for a, b in spans), \
         "every row of every gathered tensor, once"
+    read = {b for _, o, n in recorder.runs for b in range(o, o + n)}
+    assert all(set(range(o, e)) <= read for o, e in wanted if (o, e) not in rows), \
+        "the other advice asks for the rank's own row-slice runs ahead of their reads"
     alone = Recorder()
     advice.clear()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -276,8 +278,11 @@ def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
     assert sorted(recorder.runs) == sorted(alone.runs), "the same byte runs either way"
     if direct_supported(copy / "model.safetensors"):
         assert seen, "a rank alone reads its cold column runs with O_DIRECT"
-        assert not [a for a in advice if a[2] == os.POSIX_FADV_WILLNEED], \
-            "a rank alone fetches its own sectors only"
+        asked = [(o, o + n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
+        assert asked, "a rank alone asks for its cold row slices ahead of their reads"
+        assert all(set(range(o, e)) <= read for o, e in asked) and not any(
+            a <= o and e <= b for o, e in asked for a, b in spans), \
+            "a rank alone asks for its own row-slice runs only: its column runs are O_DIRECT"
 
 
 def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> None:

@@ -38,12 +38,15 @@ from partc.runtime._engine.runs import (
     populate_job,
 )
 from partc.runtime._engine.selection import READ, WHOLE, ReadOptions, TensorSelection
+from partc.runtime._engine.spans import ask_ahead, cold_runs
 from partc.runtime._engine.workers import environment_count, node_ranks, shared_cores
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.files import FileStamp, no_readahead
 from partc.runtime.headers import ITEMSIZE, FileHeader, TensorEntry, abort
 from partc.runtime.options import ZeroCopy
 
+_USE_ADVICE = hasattr(os, "posix_fadvise")
+"""Whether cold plain jobs are asked of storage ahead of their reads (`spans.ask_ahead`)."""
 _SPAN_LIMIT = 8 << 20
 """Most bytes one coalesced span (`max_gap`) reads."""
 
@@ -241,9 +244,14 @@ class CheckpointReader:
                 header = files[job.file]
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name,
                                                in_process=self.zero_copy is not ZeroCopy.OFF)
+        ahead = None
         try:
             cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1, share=nbytes,
                                 cap=self.max_fetch_ratio)
+            plain = [job for job in jobs if not isinstance(job, Gather)]
+            ahead = ask_ahead(cold_runs(plain, {job.fd: files[job.file].file_size
+                                                for job in plain})) if _USE_ADVICE else None
+            cold = cold or ahead is not None
             workers = self._cold_workers if cold else self.workers
             if len(jobs) < 2 or workers < 2 or nbytes < THREADED_BYTES:
                 for job in jobs:
@@ -253,6 +261,8 @@ class CheckpointReader:
             else:
                 self._run_threaded(jobs, progress, workers)
         finally:
+            if ahead is not None:
+                ahead.join()
             for source in sources.values():
                 source.close()
         mapped = [i for i, h in enumerate(files) if h.path in self._maps]

@@ -163,3 +163,56 @@ def _read(job: Gather, fd: int, align: int, start: int, end: int,
     if recorder is not None:
         recorder.record(job.path, start, end - start)
     return buffer, start - low
+
+
+def cold_runs(jobs: list[Any], sizes: dict[int, int]) -> list[tuple[int, int, int]]:
+    """(descriptor, start, length) of the file-contiguous runs of every plain job (`runs.Job`:
+    row slices and whole tensors, read through the page cache) whose pages are mostly not
+    cached, in the order given; `sizes`: each descriptor's file size (for the mapping mincore is
+    asked of)."""
+    from partc.runtime._engine.gather import _COLD_FRACTION, _resident
+
+    found: list[tuple[int, int, int]] = []
+    maps: dict[int, tuple[mmap.mmap, int]] = {}
+    try:
+        for job in jobs:
+            start = int(job.src[0])
+            end = int(job.src[-1] + job.length[-1])
+            if job.fd not in maps:
+                mapping = mmap.mmap(job.fd, sizes[job.fd], prot=mmap.PROT_READ)
+                view = np.frombuffer(mapping, dtype=np.uint8)  # its address only: never read
+                maps[job.fd] = (mapping, int(view.ctypes.data))
+                del view
+            if _resident(maps[job.fd][1], start, end) < _COLD_FRACTION:
+                src, length = job.src, job.length
+                cuts = [0, *(np.flatnonzero(src[1:] != src[:-1] + length[:-1]) + 1).tolist(),
+                        len(src)]
+                found.extend((job.fd, int(src[i]), int(src[j - 1] + length[j - 1] - src[i]))
+                             for i, j in zip(cuts, cuts[1:], strict=False))
+    except (OSError, ValueError):  # no mapping (a file that shrank): no advice; reads tell
+        return []
+    finally:
+        for mapping, _ in maps.values():
+            mapping.close()
+    return found
+
+
+def ask_ahead(runs: list[tuple[int, int, int]]) -> threading.Thread | None:
+    """Ask storage for `runs` (POSIX_FADV_WILLNEED), one after another on a thread of their
+    own, so that the reader threads, which read them in the same order, find large requests
+    already in flight (a cold read through the page cache with readahead off otherwise has one
+    request per reader thread in flight: measured at T=1, 1.8 s where asking first took 1.2 s);
+    None when there is nothing to ask for."""
+    if not runs or not hasattr(os, "POSIX_FADV_WILLNEED"):
+        return None
+
+    def ask() -> None:
+        for fd, start, length in runs:
+            try:
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+            except OSError:  # advice only (a descriptor closed by a failed load)
+                return
+
+    thread = threading.Thread(target=ask, name="partc-ask-ahead", daemon=True)
+    thread.start()
+    return thread
