@@ -468,6 +468,7 @@ OTHER_JSON_READERS = {
     ("partc.front.schema", "load_schema"): "a schema shipped with partc",
     ("partc.inspect.origins", "group_origins"): "the config document it writes itself",
     ("partc.output", "read_marker"): "an output folder's marker file",
+    ("partc.runtime.read_planner", "_cached"): "the storage calibrations partc caches itself",
     ("partc.scaffold.survey", "_read_config"): "config.json",
     ("partc.verify.reference", "load_config"): "config.json",
     ("partc.verify.reference", "model_inputs"): "config.json",

@@ -533,7 +533,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             through the ring.
         max_fetch_ratio: The most bytes read from the checkpoint files over the rank's share
             (a number >= 1; None: `PARTC_MAX_FETCH_RATIO`, else no cap). Without a cap the
-            read planner (`partc.runtime.read_plan`) reads column slices as whole row blocks
+            read planner (`partc.runtime.read_planner`) reads column slices as whole row blocks
             wherever its storage model says that is faster (cold: on the project's disk,
             always); 1.0 reads exactly the share's byte runs (O_DIRECT sectors when cold).
             Network storage that bills bytes wants a cap.

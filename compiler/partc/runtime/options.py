@@ -59,6 +59,17 @@ def count_option(name: str, value: object) -> int | None:
     return value
 
 
+def fetch_cap(value: object, source: str = "max_fetch_ratio") -> float | None:
+    """A cap on bytes read over the share: None (no cap) or a number >= 1; a LaunchError naming
+    `source` and the value otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+        raise option_error(f"{source} must be None or a number >= 1 (bytes read over the "
+                           f"rank's share), found {value!r:.80}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadOptions:
     """Every keyword option of `load_rank` (and so of a generated package's `load()`), checked:
@@ -99,8 +110,6 @@ class LoadOptions:
                                   f" found {self.reader!r:.80}")
         count_option("workers", self.workers)
         count_option("local_ranks", self.local_ranks)
-        from partc.runtime.read_plan import fetch_cap
-
         fetch_cap(self.max_fetch_ratio)
         if not isinstance(self.verify_fingerprint, bool):
             raise option_error(f"verify_fingerprint must be True or False, found "

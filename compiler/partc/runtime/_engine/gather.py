@@ -224,7 +224,7 @@ class GatherFile:
 
 
 def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
-                 alone: bool = True, share: int = 0, cap: float | None = None) -> bool:
+                 alone: bool = True) -> bool:
     """Attach each job to its file's `GatherFile`, in the calling thread before any read;
     whether any job's rows are cold (fewer than `_COLD_FRACTION` of their pages cached).
 
@@ -236,8 +236,8 @@ def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
     (measured at T=8: 2.2x faster than O_DIRECT per rank, and 1.000x the union's bytes fetched
     instead of 1.154x).
 
-    Then the read planner chooses, per file and way of reading, which jobs read their rows
-    whole (`spans.plan_spans`; `cap`: the most bytes read over the pieces', None for none).
+    The reader then lets the read planner choose which jobs read their rows whole
+    (`spans.plan_spans`).
     """
     cold = False
     for job in jobs:
@@ -248,27 +248,16 @@ def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
                 job.direct = True
             else:
                 job.prefetch = not alone
-    from partc.runtime._engine.spans import plan_spans
-
-    plan_spans(jobs, share, cap)
     return cold
 
 
 def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
     """Copy the selected columns of a block of rows: O_DIRECT when cold, the kernel's copy
     from the mapping when warm, preadv per piece otherwise. Never a SIGBUS."""
-    if job.prefetch:
-        _prefetch(job)
-    if job.merge is not None:
-        from partc.runtime._engine.spans import span_gather
-
-        if span_gather(job, recorder):
-            return
-        job.direct = False  # O_DIRECT refused: the same spans through the page cache
-        if span_gather(job, recorder):
-            return
     if job.direct and _direct_gather(job, recorder):
         return
+    if job.prefetch:
+        ask_rows(job)
     if job.source is not None and job.source.in_process:
         _numpy_gather(job)
         if recorder is not None:
@@ -282,7 +271,7 @@ def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
         _record_pieces(job, recorder)
 
 
-def _prefetch(job: Gather) -> None:
+def ask_rows(job: Gather) -> None:
     """Ask storage for the job's whole rows now, in large reads (advice only)."""
     start, end = job.span()
     if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED"):
@@ -451,6 +440,12 @@ _PROBE_WINDOWS = 8
 """Windows of pages `_resident` asks mincore about, spread evenly over the range."""
 _PROBE_PAGES = 8
 """Pages in each window."""
+
+
+def is_cold(address: int, start: int, end: int) -> bool:
+    """Whether fewer than `_COLD_FRACTION` of the pages of file bytes [start, end), mapped at
+    `address`, are in the page cache (`_resident`)."""
+    return _resident(address, start, end) < _COLD_FRACTION
 
 
 def _resident(address: int, start: int, end: int) -> float:

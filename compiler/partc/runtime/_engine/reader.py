@@ -38,7 +38,7 @@ from partc.runtime._engine.runs import (
     populate_job,
 )
 from partc.runtime._engine.selection import READ, WHOLE, ReadOptions, TensorSelection
-from partc.runtime._engine.spans import ask_ahead, cold_runs
+from partc.runtime._engine.spans import ask_ahead, cold_runs, plan_spans, run_spans
 from partc.runtime._engine.workers import environment_count, node_ranks, shared_cores
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.files import FileStamp, no_readahead
@@ -90,7 +90,8 @@ class CheckpointReader:
         `ReadOptions.zero_copy` and `_view_of`)."""
         self.dtypes = options.dtypes
         """Safetensors dtype -> the numpy dtype of the arrays read (see `ReadOptions.bits`)."""
-        from partc.runtime.read_plan import environment_cap, fetch_cap
+        from partc.runtime.options import fetch_cap
+        from partc.runtime.read_planner import environment_cap
 
         cap = options.max_fetch_ratio
         self.max_fetch_ratio = fetch_cap(cap) if cap is not None else environment_cap()
@@ -246,8 +247,8 @@ class CheckpointReader:
                                                in_process=self.zero_copy is not ZeroCopy.OFF)
         ahead = None
         try:
-            cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1, share=nbytes,
-                                cap=self.max_fetch_ratio)
+            cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
+            plan_spans(gathers, nbytes, self.max_fetch_ratio)
             plain = [job for job in jobs if not isinstance(job, Gather)]
             ahead = ask_ahead(cold_runs(plain, {job.fd: files[job.file].file_size
                                                 for job in plain})) if _USE_ADVICE else None
@@ -365,7 +366,10 @@ class CheckpointReader:
     def _run_job(self, job: Job | Gather) -> None:
         """Read one job's runs (sorted by file offset); one preadv per file-contiguous batch."""
         if isinstance(job, Gather):
-            run_gather(job, self.recorder)
+            if job.merge is not None:  # the read planner coalesced it
+                run_spans(job, self.recorder)
+            else:
+                run_gather(job, self.recorder)
             return
         path, names, views = job.path, job.names, job.views
         populate_job(job)

@@ -71,7 +71,7 @@ class ReadOptions:
     """Whether finely cut selections are gathered from read-only mappings."""
     max_fetch_ratio: float | None = None
     """The most bytes read from the files over the share's, or None: `PARTC_MAX_FETCH_RATIO`,
-    else no cap (the read planner's least modelled time; see `partc.runtime.read_plan`)."""
+    else no cap (the read planner's least modelled time; see `partc.runtime.read_planner`)."""
 
     @property
     def dtypes(self) -> Mapping[str, np.dtype[Any]]:

@@ -1,4 +1,4 @@
-"""Column gathers read as planned spans: the read planner (`partc.runtime.read_plan`) decides
+"""Column gathers read as planned spans: the read planner (`partc.runtime.read_planner`) decides
 for every gap between a gather job's pieces whether it is read through; a job whose gaps are
 all read through reads its rows whole, in large sequential requests, into a reused bounce
 buffer and copies its columns out with numpy (cold and alone: O_DIRECT, sector-aligned; a node's
@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from partc.runtime._engine.gather import ask_rows, is_cold
 from partc.runtime._engine.memory import populate
 from partc.runtime._engine.runs import fill
 from partc.runtime.headers import abort
-from partc.runtime.read_plan import WARM, StorageModel, plan_merges, storage_model
+from partc.runtime.read_planner import WARM, StorageModel, plan_merges, storage_model
 
 if TYPE_CHECKING:
     from partc.runtime._engine.gather import Gather
@@ -92,6 +93,16 @@ def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
             inside = merged[at:at + len(s) - 1]
             at += len(s)
             job.merge = True if inside.all() else None if not inside.any() else inside.copy()
+
+
+def run_spans(job: Gather, recorder: ReadRecorder | None) -> None:
+    """Run a job whose `merge` is set (`span_gather`), its whole rows first asked of storage
+    when it is a node's cold job, through the page cache where O_DIRECT is refused."""
+    if job.prefetch:
+        ask_rows(job)
+    if not span_gather(job, recorder):
+        job.direct = False  # O_DIRECT refused: the same spans through the page cache
+        span_gather(job, recorder)
 
 
 def span_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
@@ -170,8 +181,6 @@ def cold_runs(jobs: list[Any], sizes: dict[int, int]) -> list[tuple[int, int, in
     row slices and whole tensors, read through the page cache) whose pages are mostly not
     cached, in the order given; `sizes`: each descriptor's file size (for the mapping mincore is
     asked of)."""
-    from partc.runtime._engine.gather import _COLD_FRACTION, _resident
-
     found: list[tuple[int, int, int]] = []
     maps: dict[int, tuple[mmap.mmap, int]] = {}
     try:
@@ -183,7 +192,7 @@ def cold_runs(jobs: list[Any], sizes: dict[int, int]) -> list[tuple[int, int, in
                 view = np.frombuffer(mapping, dtype=np.uint8)  # its address only: never read
                 maps[job.fd] = (mapping, int(view.ctypes.data))
                 del view
-            if _resident(maps[job.fd][1], start, end) < _COLD_FRACTION:
+            if is_cold(maps[job.fd][1], start, end):
                 src, length = job.src, job.length
                 cuts = [0, *(np.flatnonzero(src[1:] != src[:-1] + length[:-1]) + 1).tolist(),
                         len(src)]

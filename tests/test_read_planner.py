@@ -1,4 +1,4 @@
-"""The read planner (`partc.runtime.read_plan`): its plans against the brute-force optimum of
+"""The read planner (`partc.runtime.read_planner`): its plans against the brute-force optimum of
 the same cost model on small inputs, the byte cap, and the cached calibration."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from partc.errors import LaunchError
-from partc.runtime import read_plan
-from partc.runtime.read_plan import StorageModel, plan_merges, plan_time
+from partc.runtime import read_planner
+from partc.runtime.read_planner import StorageModel, plan_merges, plan_time
 
 
 def brute_force(starts: np.ndarray, ends: np.ndarray, model: StorageModel, align: int,
@@ -69,43 +69,43 @@ def test_the_default_cold_model_reads_a_column_slice_whole_and_the_cap_keeps_it_
     row = 2816 * 2
     starts = np.arange(64, dtype=np.int64) * row + 1000
     ends = starts + row // 2
-    assert plan_merges(starts, ends, read_plan.COLD, align=512).all()
+    assert plan_merges(starts, ends, read_planner.COLD, align=512).all()
     share = int((ends - starts).sum())
-    capped = plan_merges(starts, ends, read_plan.COLD, align=512, budget=1.05 * share)
-    exact = plan_time(starts, ends, np.zeros(63, bool), read_plan.COLD, 512)[1]  # sectors
-    assert plan_time(starts, ends, capped, read_plan.COLD, 512)[1] <= max(1.05 * share, exact)
+    capped = plan_merges(starts, ends, read_planner.COLD, align=512, budget=1.05 * share)
+    exact = plan_time(starts, ends, np.zeros(63, bool), read_planner.COLD, 512)[1]  # sectors
+    assert plan_time(starts, ends, capped, read_planner.COLD, 512)[1] <= max(1.05 * share, exact)
     assert not capped.all(), "under a 1.05 cap most rows are read as exact runs"
 
 
 def test_the_cap_option_and_variable_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert read_plan.fetch_cap(None) is None and read_plan.fetch_cap(2) == 2.0
+    assert read_planner.fetch_cap(None) is None and read_planner.fetch_cap(2) == 2.0
     for bad in (0.5, True, "2", float("nan")):
         with pytest.raises(LaunchError, match="max_fetch_ratio must be None or a number >= 1"):
-            read_plan.fetch_cap(bad)
-    monkeypatch.setenv(read_plan.ENVIRONMENT, " 1.05 ")
-    assert read_plan.environment_cap() == 1.05
-    monkeypatch.setenv(read_plan.ENVIRONMENT, "lots")
+            read_planner.fetch_cap(bad)
+    monkeypatch.setenv(read_planner.ENVIRONMENT, " 1.05 ")
+    assert read_planner.environment_cap() == 1.05
+    monkeypatch.setenv(read_planner.ENVIRONMENT, "lots")
     with pytest.raises(LaunchError, match="environment PARTC_MAX_FETCH_RATIO must be"):
-        read_plan.environment_cap()
-    monkeypatch.setenv(read_plan.ENVIRONMENT, "")
-    assert read_plan.environment_cap() is None
+        read_planner.environment_cap()
+    monkeypatch.setenv(read_planner.ENVIRONMENT, "")
+    assert read_planner.environment_cap() is None
 
 
 def test_a_calibration_is_cached_per_device_and_read_back(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(read_plan, "_MODELS", {})
+    monkeypatch.setattr(read_planner, "_MODELS", {})
     data = tmp_path / "data.bin"
     data.write_bytes(os.urandom(2 << 20))
     device = data.stat().st_dev
-    assert read_plan.storage_model(device) is read_plan.COLD, "no calibration: the defaults"
-    monkeypatch.setattr(read_plan, "_MODELS", {})
+    assert read_planner.storage_model(device) is read_planner.COLD, "no calibration: the defaults"
+    monkeypatch.setattr(read_planner, "_MODELS", {})
     try:
-        model = read_plan.calibrate(str(data), requests=32, large=2 << 20, depth=2)
+        model = read_planner.calibrate(str(data), requests=32, large=2 << 20, depth=2)
     except OSError:  # a file system refusing O_DIRECT: nothing is cached
         pytest.skip("O_DIRECT refused here")
     assert model.latency >= 0 and model.bandwidth > 0
     assert (tmp_path / "cache" / "partc" / "storage.json").is_file()
-    monkeypatch.setattr(read_plan, "_MODELS", {})
-    again = read_plan.storage_model(device)
+    monkeypatch.setattr(read_planner, "_MODELS", {})
+    again = read_planner.storage_model(device)
     assert (again.latency, again.bandwidth) == (model.latency, model.bandwidth)

@@ -15,7 +15,7 @@ bytes and the time of a plan are sums over the gaps it reads through, and the be
 byte budget is a 0/1 knapsack whose items' savings fall as their weights grow: every gap of
 weight <= 0 is taken, then gaps by ascending weight while they save time and fit the budget.
 Any feasible set of k positive gaps is dominated item by item by the k lightest gaps, so this
-is optimal, not a heuristic (`tests/test_read_plan.py` checks it against brute force).
+is optimal, not a heuristic (`tests/test_read_planner.py` checks it against brute force).
 
 The defaults were measured on the project's machine (virtio disk, ext4); `calibrate` measures a
 device and `storage_model` reads what it cached (never required: without a cache the defaults
@@ -29,6 +29,8 @@ import os
 from typing import Any
 
 import numpy as np
+
+from partc.runtime.options import fetch_cap
 
 
 class StorageModel:
@@ -68,19 +70,6 @@ into a reused bounce buffer). Gaps up to ~8 KB are read through."""
 
 ENVIRONMENT = "PARTC_MAX_FETCH_RATIO"
 """The environment variable giving the default `max_fetch_ratio`."""
-
-
-def fetch_cap(value: object, source: str = "max_fetch_ratio") -> float | None:
-    """A cap on bytes read over the share: None (no cap) or a number >= 1; a LaunchError naming
-    `source` and the value otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
-        from partc.runtime.options import option_error
-
-        raise option_error(f"{source} must be None or a number >= 1 (bytes read over the "
-                         f"rank's share), found {value!r:.80}")
-    return float(value)
 
 
 def environment_cap() -> float | None:
