@@ -54,6 +54,7 @@ neighbour hits them alike; the load average is printed with each table. Usage:
     python benchmarks/load.py --preset reference   # the 777.7 MiB model of BENCHMARKS.md
     python benchmarks/load.py --page-cache small   # the checkpoint cached in 4 KiB pages
     python benchmarks/load.py --layers 8 --tp 2,4 --shards 4 --dir /tmp/ckpt
+    python benchmarks/load.py --preset reference --vs-safetensors --repeats 5   # cold floors
 """
 
 from __future__ import annotations
@@ -636,6 +637,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="loader threads (PARTC_READ_THREADS; default: the cores shared "
                              "among the node's loading ranks, max 8)")
+    parser.add_argument("--vs-safetensors", action="store_true",
+                        help="only the cold and warm comparison of benchmarks/load_compare.py: "
+                             "partc against the cold floors and safetensors get_slice, "
+                             "interleaved, bytes fetched beside every time")
     args = parser.parse_args()
     hidden, intermediate, heads, kv, vocab, layers = PRESETS[args.preset]
     config = llama_config(args.hidden or hidden, args.intermediate or intermediate, heads, kv,
@@ -661,6 +666,12 @@ def main() -> None:
           f"{config['num_hidden_layers']} layers, vocab {config['vocab_size']}; rank 0 of each "
           f"T, median of {args.repeats}; {os.cpu_count()} CPUs; loader threads "
           f"{args.workers or 'default'} ({threads} alone)", flush=True)
+    if args.vs_safetensors:
+        import load_compare
+
+        load_compare.compare(folder, {tp: {**builds[tp], "files": [str(f) for f in files]}
+                                      for tp in tps}, args.repeats)
+        return
     cache = args.page_cache
     huge_before = settle(files, cache)
     print(f"page cache: {cache} (the checkpoint evicted, then read once "

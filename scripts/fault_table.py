@@ -77,7 +77,7 @@ class Fault:
     """One mistake or broken input and how to provoke it."""
 
     area: str
-    """family, config, topology, output, checkpoint."""
+    """family, family_file, config, topology, output, checkpoint, plan, placement, init."""
     name: str
     """Short identifier."""
     what: str
@@ -592,6 +592,10 @@ def _faults() -> Iterator[Fault]:
     yield Fault("checkpoint", "fingerprint_mismatch", "build compiled against one checkpoint, "
                 "loaded with another whose header differs", _fingerprinted_build,
                 _load_other_checkpoint)
+    from hostile_faults import hostile_faults
+
+    for area, name, what, setup in hostile_faults():
+        yield Fault(area, name, what, setup)
 
 
 # ---------------------------------------------------------------- running
@@ -735,6 +739,8 @@ def passed(outcome: Outcome) -> bool:
 
 def _limits() -> list[str]:
     """The bounds partc enforces on its inputs, read from the code (so they cannot drift)."""
+    from hostile_faults import hostile_limits
+
     from partc.bind import binder as bind
     from partc.bind import meanings as hfconfig
     from partc.cli import parser as cli_parser
@@ -773,7 +779,7 @@ def _limits() -> list[str]:
         cli_parser, bind, hfconfig, expr, expr_values, load, checkpoint, headers)}
     modules.update(bind=bind.__name__, hfconfig=hfconfig.__name__)
     spelled = [(what, value, f"{modules[name.split('.')[0]]}.{name.split('.', 1)[1]}")
-               for what, value, name in rows]
+               for what, value, name in rows] + hostile_limits()
     return ["## Limits", "", "| input | at most | constant |", "|---|---|---|",
             *(f"| {what} | {value} | `{name}` |" for what, value, name in spelled), "",
             "## Faults", ""]

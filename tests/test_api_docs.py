@@ -80,7 +80,7 @@ def test_every_option_of_a_packages_load_is_a_documented_parameter(site):
     page = _page(site, "package")
     documented = _parameters(page, "partc.runtime.loader.load_rank")
     assert list(documented) == _options(load_rank)
-    assert len(documented) == 14  # table, checkpoint, 11 keyword options, **unknown
+    assert len(documented) == 15  # table, checkpoint, 12 keyword options, **unknown
     for name, meaning in documented.items():
         assert len(meaning) > 20, (name, meaning)
     assert "'private'" in documented["zero_copy"] or '"private"' in documented["zero_copy"]

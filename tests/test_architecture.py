@@ -470,6 +470,7 @@ OTHER_JSON_READERS = {
     ("partc.inspect.origins", "group_origins"): "the config document it writes itself",
     ("partc.output", "read_marker"): "an output folder's marker file",
     ("partc.reshard", "_source_set"): "a shard manifest's recorded source layout",
+    ("partc.runtime.read_planner", "_cached"): "the storage calibrations partc caches itself",
     ("partc.scaffold.survey", "_read_config"): "config.json",
     ("partc.shard", "_header_spelling"): "a validated safetensors header",
     ("partc.shard", "source_layout"): "a checkpoint index's metadata",

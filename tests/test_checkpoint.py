@@ -228,7 +228,7 @@ def test_an_instrumented_reader_sees_exactly_the_bytes_of_the_selected_elements(
         header, e = ckpt.tensor(name)
         for sel in selections(e.shape):
             rec = Recorder()
-            out = read_tensor(ckpt, name, sel, ReadOptions(recorder=rec))
+            out = read_tensor(ckpt, name, sel, ReadOptions(recorder=rec, max_fetch_ratio=1.0))
             lo, hi = header.data_start + e.begin, header.data_start + e.end
             assert all(p == str(header.path) and lo <= o and o + n <= hi for p, o, n in rec.runs)
             assert sum(n for _, _, n in rec.runs) == out.nbytes
@@ -236,20 +236,25 @@ def test_an_instrumented_reader_sees_exactly_the_bytes_of_the_selected_elements(
             assert got == owned_bytes(ckpt, name, sel)
 
 
+def exact_read(recorder: Recorder) -> ReadOptions:
+    """A read told of to `recorder`, capped at the share's bytes (every run by itself)."""
+    return ReadOptions(recorder=recorder, max_fetch_ratio=1.0)
+
+
 def test_a_column_slice_reads_one_run_per_row_and_a_row_slice_reads_one_run() -> None:
     ckpt = open_checkpoint(LLAMA)
     name = "model.layers.0.mlp.down_proj.weight"  # [64, 128] f32
     rows, cols = ckpt.tensor(name)[1].shape
     col = Recorder()
-    read_tensor(ckpt, name, TensorSelection(1, ((0, cols // 2),)), ReadOptions(recorder=col))
+    read_tensor(ckpt, name, TensorSelection(1, ((0, cols // 2),)), exact_read(col))
     assert len(col.runs) == rows and {n for _, _, n in col.runs} == {cols // 2 * 4}
     row = Recorder()
     read_tensor(ckpt, name, TensorSelection(0, ((0, 8), (8, 16), (16, rows))),
-                ReadOptions(recorder=row))
+                exact_read(row))
     assert len(row.runs) == 1 and row.runs[0][2] == rows * cols * 4
     both = Recorder()
     read_tensor(ckpt, name, TensorSelection(1, ((cols // 2, cols), (0, cols // 2))),
-                ReadOptions(recorder=both))
+                exact_read(both))
     assert len(both.runs) == 1, "file-contiguous pieces are read by one preadv"
 
 
@@ -609,7 +614,7 @@ def test_random_selections_of_random_tensors_equal_numpy_slicing(
         save_file({"pad": np.arange(3, dtype=np.uint8), "t": full}, path)
         ckpt = open_checkpoint(path)
         rec = Recorder()
-        got = read_tensor(ckpt, "t", sel, ReadOptions(recorder=rec))
+        got = read_tensor(ckpt, "t", sel, ReadOptions(recorder=rec, max_fetch_ratio=1.0))
         assert_same(got, expected(full, sel))
         assert {o + k for _, o, n in rec.runs for k in range(n)} == owned_bytes(ckpt, "t", sel)
         with CheckpointReader(ckpt, ReadOptions(max_gap=max_gap)) as reader:
@@ -751,7 +756,8 @@ def test_a_batch_of_random_selections_reads_like_numpy_under_every_strategy(
         ckpt = open_checkpoint(path)
         rec = Recorder()
         requests = [(f"t{i}", sel) for i, (_, sel) in reversed(list(enumerate(cases)))]
-        got = read_tensors(ckpt, requests, ReadOptions(recorder=rec, workers=3))
+        got = read_tensors(ckpt, requests, ReadOptions(recorder=rec, workers=3,
+                                                       max_fetch_ratio=1.0))
         assert list(got) == [name for name, _ in requests]
         for name, sel in requests:
             assert_same(got[name], expected(tensors[name], sel))

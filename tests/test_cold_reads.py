@@ -1,5 +1,7 @@
-"""Cold column gathers: rows not in the page cache are read with O_DIRECT, one sector-aligned
-read per run, and a load reads exactly the byte runs of the rank's share on every path."""
+"""Cold column gathers: rows not in the page cache are read with O_DIRECT, as the read planner
+says (whole rows in large requests by default; one sector-aligned read per run under a byte cap
+of 1.0), and a load capped at 1.0 reads exactly the byte runs of the rank's share on every
+path."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from partc.runtime._engine import gather, runs, workers
+from partc.runtime._engine import gather, runs, spans, workers
 from partc.runtime._engine.reader import CheckpointReader
 from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
@@ -68,8 +70,17 @@ def copy(tmp_path: Path) -> Path:
     return folder
 
 
+def sectors_of(runs: list[tuple[int, int]]) -> list[int]:
+    """The 512-byte sectors (their numbers, with repeats) that reading each (offset, length)
+    as one sector-aligned request fetches."""
+    return sorted(s for o, n in runs for s in range(o // 512, -(-(o + n) // 512)))
+
+
 def test_a_cold_column_slice_reads_the_sectors_of_its_runs_and_nothing_else(
         monkeypatch: pytest.MonkeyPatch, copy: Path) -> None:
+    # capped at 1.0: the planner reads through only gaps that cost no sector (this fixture's
+    # 128-byte runs share sectors with their neighbours), so storage sends each sector of the
+    # runs once and nothing else
     path = copy / "model.safetensors"
     direct = direct_supported(path)  # a file system that refuses it reads through the cache
     monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
@@ -82,15 +93,20 @@ def test_a_cold_column_slice_reads_the_sectors_of_its_runs_and_nothing_else(
     sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
     assert gather.gatherable(entry, sel)
     recorder = Recorder()
-    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, workers=1)) as r:
+    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, workers=1,
+                                            max_fetch_ratio=1.0)) as r:
         got = r.read_many([(name, sel)])[name]
     base = header.data_start + entry.begin
     width = (cols // 2 - cols // 4) * item
     want_runs = [(base + (row * cols + cols // 4) * item, width) for row in range(rows)]
-    assert sorted(recorder.runs) == sorted((str(path), o, n) for o, n in want_runs)
-    sectors = [(o - o % 512, -(-(o + n) // 512) * 512 - (o - o % 512)) for o, n in want_runs]
+    wanted = sorted(set(sectors_of(want_runs)))
+    read = sectors_of([(o, n) for _, o, n in recorder.runs])
+    assert sorted(set(read)) == wanted and len(read) == len(set(read)), \
+        "the runs' sectors, each once, and no other"
+    owned = {b for o, n in want_runs for b in range(o, o + n)}
+    assert owned <= {b for _, o, n in recorder.runs for b in range(o, o + n)}
     if direct:
-        assert sorted(seen) == sorted(sectors), "one aligned read per run, covering its sectors"
+        assert sectors_of(seen) == wanted, "aligned reads fetching each sector once"
     else:
         assert seen == [], "a refused O_DIRECT falls back to reads through the page cache"
     np.testing.assert_array_equal(got.view(np.uint8), load_file(str(path))[name]
@@ -113,6 +129,38 @@ def test_warm_rows_are_not_read_with_o_direct(monkeypatch: pytest.MonkeyPatch,
                                   load_file(str(path))[name][:, :cols // 2].view(np.uint8))
 
 
+def test_a_cold_column_slice_reads_whole_rows_in_large_aligned_requests_by_default(
+        monkeypatch: pytest.MonkeyPatch, copy: Path) -> None:
+    # the storage model says a request costs more than the gaps between a row's runs: the rows
+    # are read whole, in sector-aligned O_DIRECT requests of up to the bounce buffer's size
+    path = copy / "model.safetensors"
+    if not direct_supported(path):
+        pytest.skip("this file system refuses O_DIRECT")
+    monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
+    monkeypatch.setattr(spans, "BOUNCE_BYTES", 4096)  # several requests on the tiny fixture
+    seen = direct_reads(monkeypatch)
+    ckpt = open_checkpoint(path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    header, entry = ckpt.tensor(name)
+    rows, cols = entry.shape
+    item = DTYPES[entry.dtype].itemsize
+    sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
+    recorder = Recorder()
+    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, workers=1)) as r:
+        got = r.read_many([(name, sel)])[name]
+    np.testing.assert_array_equal(got.view(np.uint8), load_file(str(path))[name]
+                                  [:, cols // 4:cols // 2].view(np.uint8))
+    base = header.data_start + entry.begin
+    first, last = base + cols // 4 * item, base + ((rows - 1) * cols + cols // 2) * item
+    spans_read = sorted((o, o + n) for _, o, n in recorder.runs)
+    assert spans_read[0][0] == first and spans_read[-1][1] == last
+    assert all(a[1] <= b[0] for a, b in zip(spans_read, spans_read[1:], strict=False)), \
+        "each byte once"
+    assert len(seen) == len(spans_read) < rows, "fewer requests than rows"
+    assert all(o % 512 == 0 and n % 512 == 0 for o, n in seen), "sector-aligned"
+    assert all(any(o <= a and b <= o + n for o, n in seen) for a, b in spans_read)
+
+
 @pytest.mark.parametrize("path", ["warm", "cold", "preadv"])
 def test_a_rank_reads_exactly_the_byte_runs_of_its_share_on_every_path(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, copy: Path, path: str) -> None:
@@ -125,7 +173,7 @@ def test_a_rank_reads_exactly_the_byte_runs_of_its_share_on_every_path(
     full = load_file(str(copy / "model.safetensors"))
     for rank in range(2):
         recorder = Recorder()
-        state = module.load(copy, rank=rank, reader=recorder)
+        state = module.load(copy, rank=rank, reader=recorder, max_fetch_ratio=1.0)
         expected: set[tuple[str, int, int]] = set()
         for item in state.layout.tensors:
             header, entry = ckpt.tensor(item.target)
@@ -155,9 +203,15 @@ def test_a_rank_reads_exactly_the_byte_runs_of_its_share_on_every_path(
         owned: dict[str, set[int]] = {}
         for file, offset, length in expected:
             owned.setdefault(file, set()).update(range(offset, offset + length))
-        assert covered == owned, f"rank {rank} read exactly its share ({path})"
-        assert sum(n for _, _, n in recorder.runs) == sum(len(v) for v in owned.values()), \
+        assert sum(n for _, _, n in recorder.runs) == sum(len(v) for v in covered.values()), \
             "no byte read twice"
+        if path != "cold":
+            assert covered == owned, f"rank {rank} read exactly its share ({path})"
+            continue
+        # O_DIRECT fetches sectors: gaps that cost no sector are read through, nothing else
+        assert all(owned[f] <= covered[f] for f in owned) and covered.keys() == owned.keys()
+        assert all({b // 512 for b in covered[f]} == {b // 512 for b in owned[f]}
+                   for f in owned), f"rank {rank} read the sectors of its share only"
 
 
 def test_cold_loads_match_warm_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -209,12 +263,14 @@ def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
             base = header.data_start + entry.begin
             spans.append((base, base + entry.nbytes))
     assert spans, "the llama fixture's rank 1 has column slices"
-    wanted = [(o, n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
-    covered = sorted((o, o + n) for o, n in wanted)
-    assert covered and all(any(a <= o and e <= b for a, b in spans) for o, e in covered), \
-        "whole rows of gathered tensors only"
-    assert sum(e - o for o, e in covered) == sum(b - a for a, b in spans), \
+    wanted = [(o, o + n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
+    rows = sorted(w for w in wanted if any(a <= w[0] and w[1] <= b for a, b in spans))
+    assert rows, "whole rows of gathered tensors asked for"
+    assert sum(e - o for o, e in rows) == sum(b - a for a, b in spans), \
         "every row of every gathered tensor, once"
+    read = {b for _, o, n in recorder.runs for b in range(o, o + n)}
+    assert all(set(range(o, e)) <= read for o, e in wanted if (o, e) not in rows), \
+        "the other advice asks for the rank's own row-slice runs ahead of their reads"
     alone = Recorder()
     advice.clear()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -222,8 +278,11 @@ def test_ranks_loading_together_read_cold_rows_through_the_page_cache(
     assert sorted(recorder.runs) == sorted(alone.runs), "the same byte runs either way"
     if direct_supported(copy / "model.safetensors"):
         assert seen, "a rank alone reads its cold column runs with O_DIRECT"
-        assert not [a for a in advice if a[2] == os.POSIX_FADV_WILLNEED], \
-            "a rank alone fetches its own sectors only"
+        asked = [(o, o + n) for o, n, how in advice if how == os.POSIX_FADV_WILLNEED]
+        assert asked, "a rank alone asks for its cold row slices ahead of their reads"
+        assert all(set(range(o, e)) <= read for o, e in asked) and not any(
+            a <= o and e <= b for o, e in asked for a, b in spans), \
+            "a rank alone asks for its own row-slice runs only: its column runs are O_DIRECT"
 
 
 def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> None:

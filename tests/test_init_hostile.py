@@ -21,10 +21,12 @@ from partc.cli.main import main
 
 from support import hf
 
-META = 'x: y #z "q" \\b {unit} }{ {{ true null 1e3 02 \u0663 \''
+META = ('x: y #z "q" \\b {unit} }{ {{ true null 1e3 02 \u0663 \' '
+        '!!python/object/apply:exec ["open(\'planted\', \'w\')"] &a *a ? - | > % @ `')
 """Every metacharacter the scaffold must carry in a name: `: `, ` #`, quotes, a backslash,
 template braces (a field `{unit}`, unbalanced, doubled), YAML words and numbers, a leading zero,
-a non-ASCII digit; no `.` (a name's parts are split at dots)."""
+a non-ASCII digit, a Python tag PyYAML's unsafe_load would run (it writes `planted`), anchors,
+aliases and indicators; no `.` (a name's parts are split at dots)."""
 PLAIN = "QQQQ"
 """The plain stand-in for META: the scaffolds of the two checkpoints differ only in it."""
 

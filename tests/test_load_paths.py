@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.errors import CheckpointError
-from partc.runtime._engine import gather, runs, workers
+from partc.runtime._engine import gather, runs, spans, workers
 from partc.runtime._engine import reader as checkpoint
 from partc.runtime._engine.reader import CheckpointReader
 from partc.runtime._engine.selection import ReadOptions, TensorSelection
@@ -142,7 +142,7 @@ def test_column_runs_are_read_exactly_with_readahead_off(
     item = DTYPES[entry.dtype].itemsize
     sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
     recorder = Recorder()
-    with CheckpointReader(ckpt, ReadOptions(recorder=recorder)) as r:
+    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, max_fetch_ratio=1.0)) as r:
         got = r.read_many([(name, sel)])[name]
     base = header.data_start + entry.begin
     want = {(str(header.path), base + (row * cols + cols // 4) * item, (cols // 2 - cols // 4)
@@ -167,6 +167,7 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
 
     monkeypatch.setattr(runs, "populate", populate)
     monkeypatch.setattr(gather, "populate", populate)
+    monkeypatch.setattr(spans, "populate", populate)  # column slices read as whole rows
     monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
     monkeypatch.setattr(checkpoint, "JOB_BYTES", 4096)
     monkeypatch.setattr(gather, "_GATHER_BLOCK", 4096)
@@ -178,9 +179,9 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
         got = r.read_many(requests)
     assert calls and {name for name, *_ in calls} <= {f"partc-read-{i}" for i in range(3)}
     covered = {id(a): np.zeros(a.nbytes, bool) for a in got.values()}
-    spans = [(int(a.ctypes.data), a.nbytes, id(a)) for a in got.values() if a.nbytes]
+    extents = [(int(a.ctypes.data), a.nbytes, id(a)) for a in got.values() if a.nbytes]
     for _, address, start, end in calls:
-        base, size, key = next(s for s in spans if s[0] <= address + start < s[0] + s[1])
+        base, size, key = next(s for s in extents if s[0] <= address + start < s[0] + s[1])
         assert address + end <= base + size, "a populate stays inside its destination"
         covered[key][address - base + start:address - base + end] = True
     for name, array in got.items():

@@ -114,7 +114,8 @@ def test_a_loader_never_reads_a_byte_outside_the_elements_it_owns(
     plan, package = llama_build
     for rank in range(plan.topology.world_size):
         recorder = Recorder()
-        state = package.load(source, rank=rank, reader=recorder, workers=3)
+        state = package.load(source, rank=rank, reader=recorder, workers=3,
+                             max_fetch_ratio=1.0)
         assert_reads_exactly_the_owned_bytes(recorder.runs, owned_byte_masks(state, source))
 
 
@@ -127,7 +128,7 @@ def test_fused_segments_are_read_as_one_run_per_segment_and_nothing_else(
     full = load_file(str(PHI3 / "model.safetensors"))
     for rank in range(plan.topology.world_size):
         recorder = Recorder()
-        state = package.load(PHI3, rank=rank, reader=recorder)
+        state = package.load(PHI3, rank=rank, reader=recorder, max_fetch_ratio=1.0)
         assert_reads_exactly_the_owned_bytes(recorder.runs, owned_byte_masks(state, PHI3))
         ckpt = open_checkpoint(PHI3)
         name = "model.layers.0.self_attn.qkv_proj.weight"

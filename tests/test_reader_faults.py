@@ -87,7 +87,10 @@ took = min(took)
 rng = random.Random(16)
 outcomes = []
 for trial in range(trials):
-    gather._USE_VM_COPY = trial % 2 == 0
+    # column slices: piece by piece through process_vm_writev (capped at the share), or by
+    # preadv, or as the read planner coalesces them (whole rows read into a bounce buffer)
+    gather._USE_VM_COPY = trial % 3 == 0
+    os.environ["PARTC_MAX_FETCH_RATIO"] = "" if trial % 3 == 2 else "1"
     cut = rng.randrange(4096, size)
     timer = threading.Timer(rng.uniform(0, took), os.truncate, (path, cut))
     timer.start()
@@ -204,11 +207,15 @@ def test_a_file_replaced_between_its_header_and_its_payload_is_named(tmp_path: P
         read_tensor(ckpt, "lm_head.weight")
 
 
-@pytest.mark.parametrize("vm", [True, False], ids=["process_vm_writev", "preadv"])
+@pytest.mark.parametrize("how", ["process_vm_writev", "preadv", "whole rows", "cold rows"])
 def test_a_gather_from_a_file_cut_after_mapping_fails_cleanly(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vm: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     """The cut happens between the checks and the copy: only the copy itself can notice."""
-    monkeypatch.setattr(gather, "_USE_VM_COPY", vm)
+    monkeypatch.setattr(gather, "_USE_VM_COPY", how == "process_vm_writev")
+    if how in ("process_vm_writev", "preadv"):  # piece by piece
+        monkeypatch.setenv("PARTC_MAX_FETCH_RATIO", "1")
+    if how == "cold rows":  # O_DIRECT where the file system has it
+        monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
     path = private_copy(tmp_path)
     ckpt = open_checkpoint(path)
     name = "model.layers.2.mlp.down_proj.weight"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Self
@@ -41,6 +42,14 @@ def error_line(where: str, message: str, *, tensor: str | None = None, pointer: 
         shown = tensor if tensor.isprintable() else repr(tensor)
         where = f"{where} (tensor {shown})" if where else f"tensor {shown}"
     return (f"{where}: " if where else "") + message + (f" [at {pointer}]" if pointer else "")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every control character (ESC, NUL, a newline, C1 codes, DEL) spelled as its
+    escape (`\\x1b`, `\\n`): a name from a file or a tensor cannot move the cursor, recolor
+    the terminal or start a forged `error:` line. A tab is kept."""
+    return "".join(ch if ch == "\t" or unicodedata.category(ch) != "Cc"
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def plural(count: int, word: str, words: str | None = None) -> str:

@@ -566,8 +566,9 @@ def bind_family(family: FamilyDecl, config: RawDocument,
                                                                              "units"))
         paths = tuple(binder.render(node.path, {**values, "unit": u},
                                     join_pointer(node.pointer, "path")) for u in range(count))
-        groups.append(ExecutionGroupSpec(name=node.name, unit_paths=paths,
-                                         carries_state=node.carries_state, dependencies=node.after))
+        groups.append(_located(family, lambda n=node, p=paths: ExecutionGroupSpec(
+            name=n.name, unit_paths=p, carries_state=n.carries_state, dependencies=n.after),
+            join_pointer(node.pointer, "path")))
     graph = _located(family, lambda: ExecutionGraph(groups=tuple(groups)), "/graph")
     owned: list[OwnedParameterGroupSpec] = []
     pointers: dict[str, str] = {}

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import re
 import sys
-import unicodedata
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
 from partc.cli import commands
 from partc.cli.parser import EXIT_ERRORS
-from partc.errors import PartcError, PartcErrors
+from partc.errors import PartcError, PartcErrors, terminal_safe
 
 BUILTIN_FILES = "architectures/"
 """How messages name a built-in family file (read from the package's resources)."""
@@ -122,14 +121,6 @@ def _others(group: Sequence[PartcError]) -> str:
         return ""
     more = len(labels) - _LISTED
     return f"; the others: {'; '.join(labels[:_LISTED])}{f' and {more} more' if more > 0 else ''}"
-
-
-def terminal_safe(text: str) -> str:
-    """`text` with every control character (ESC, NUL, a newline, C1 codes, DEL) spelled as its
-    escape (`\\x1b`, `\\n`): a name from a file or a tensor cannot move the cursor, recolor
-    the terminal or start a forged `error:` line. A tab is kept."""
-    return "".join(ch if ch == "\t" or unicodedata.category(ch) != "Cc"
-                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def _error_json(error: PartcError) -> dict[str, object]:

@@ -107,13 +107,26 @@ def _patched(merged: _Merged, base: RawDocument, i: int, child: RawDocument, j: 
     return group
 
 
+def _listed(document: RawDocument, key: str, what: str) -> list[Any]:
+    """`document`'s `key` (a list of `what`; [] when absent), or a LoadError at the key: the
+    merge walks it, so a scalar or a mapping cannot wait for the schema pass."""
+    value = document.data.get(key, [])
+    if not isinstance(value, list):
+        found = {dict: "a mapping", str: "a string", bool: "a boolean", int: "an integer",
+                 float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+        raise LoadError(f"`{key}` of a family in an `extends:` chain must be a list of {what}, "
+                        f"found {found}", location=document.locate(join_pointer("", key)),
+                        pointer=join_pointer("", key))
+    return value
+
+
 def _parameters(merged: _Merged, base: RawDocument, child: RawDocument) -> None:
     """Base groups, replaced by name or removed, then the child's new groups."""
-    base_groups = base.data.get("parameters", [])
-    child_groups = child.data.get("parameters", [])
-    removed = child.data.get("remove", [])
+    base_groups = _listed(base, "parameters", "parameter groups")
+    child_groups = _listed(child, "parameters", "parameter groups")
+    removed = _listed(child, "remove", "parameter group names")
     names = [_group_name(g) for g in base_groups]
-    for i, name in enumerate(removed if isinstance(removed, list) else []):
+    for i, name in enumerate(removed):
         if name not in names:
             raise LoadError(f"`remove` names parameter group {name!r}, which base family "
                             f"`{base.data.get('family')}` does not declare; its groups: "

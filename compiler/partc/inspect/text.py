@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec
 
-from partc.errors import plural
+from partc.errors import plural, terminal_safe
 from partc.inspect.plan_summary import byte_text, topology_text
+
+_P = ParamSpec("_P")
+
+
+def _terminal_safe_lines(render: Callable[_P, list[str]]) -> Callable[_P, list[str]]:
+    """`render` with every control character of its lines escaped (`terminal_safe`): the names
+    it shows come from a plan or a checkpoint header, which may have been tampered with."""
+    @functools.wraps(render)
+    def escaped(*args: _P.args, **kwargs: _P.kwargs) -> list[str]:
+        return [terminal_safe(line) for line in render(*args, **kwargs)]
+    return escaped
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
           right: Sequence[bool] | None = None) -> list[str]:
     """Columns padded to their widest cell; `right` marks right-aligned (numeric) columns."""
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    cells = [[terminal_safe(str(c)) for c in header]] + [[terminal_safe(str(c)) for c in row]
+                                                         for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     align = right or [False] * len(header)
     out = []
@@ -130,6 +143,7 @@ def pipeline_lines(pipeline: Mapping[str, Any] | None) -> list[str]:
     return [f"pipeline layout ({how}): {pipeline['layout']}", f"group modes: {modes}"]
 
 
+@_terminal_safe_lines
 def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     """The whole build: header, stages, ranks, fallbacks."""
     topology = summary["topology"]
@@ -266,6 +280,7 @@ def id_ranges(ids: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in id_runs(ids))
 
 
+@_terminal_safe_lines
 def tensor_lines(rows: Sequence[Mapping[str, Any]], note: str) -> list[str]:
     """The tensor table of `inspect --rank/--group/--target`."""
     body = [(r["rank"], r["target"], r["dtype"], r["global_shape"], r["local_shape"],
@@ -278,6 +293,7 @@ def tensor_lines(rows: Sequence[Mapping[str, Any]], note: str) -> list[str]:
     return out
 
 
+@_terminal_safe_lines
 def inventory_lines(inv: Mapping[str, Any]) -> list[str]:
     """The collapsed checkpoint inventory."""
     out = [f"checkpoint {inv['path']}: {inv['tensors']} tensors in {len(inv['files'])} file(s), "
@@ -301,6 +317,7 @@ def _family_line(e: Mapping[str, Any]) -> str:
     return group or own or f"? ({e['origin_note']})"
 
 
+@_terminal_safe_lines
 def explain_lines(e: Mapping[str, Any]) -> list[str]:
     """What `partc explain` prints: one explanation, or each of a glob's matches in turn."""
     if "matches" not in e:

@@ -481,7 +481,7 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
               progress: bool | None = None, verify: str | None = None,
               zero_copy: bool | str = False, local_ranks: int | None = None,
               device: Any = None, staging_bytes: int | None = None,
-              **unknown: Any) -> RankState:
+              max_fetch_ratio: float | None = None, **unknown: Any) -> RankState:
     """Check the checkpoint header against the plan, then read only this rank's slices.
 
     A generated rank module's `load(checkpoint, **options)` and its build package's
@@ -531,6 +531,12 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
             pinned, two buffers for each reader thread, `workers`); a GPU load never holds
             the shard in host memory, and `verify="digest"` hashes the blocks as they pass
             through the ring.
+        max_fetch_ratio: The most bytes read from the checkpoint files over the rank's share
+            (a number >= 1; None: `PARTC_MAX_FETCH_RATIO`, else no cap). Without a cap the
+            read planner (`partc.runtime.read_planner`) reads column slices as whole row blocks
+            wherever its storage model says that is faster (cold: on the project's disk,
+            always); 1.0 reads exactly the share's byte runs (O_DIRECT sectors when cold).
+            Network storage that bills bytes wants a cap.
         **unknown: Refused: any other keyword is an unknown option.
 
     Returns:
@@ -549,7 +555,8 @@ def load_rank(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     options = LoadOptions.from_keywords(
         verify_fingerprint=verify_fingerprint, dtype=dtype, reader=reader, framework=framework,
         workers=workers, progress=progress, verify=verify, zero_copy=zero_copy,
-        local_ranks=local_ranks, device=device, staging_bytes=staging_bytes)
+        local_ranks=local_ranks, device=device, staging_bytes=staging_bytes,
+        max_fetch_ratio=max_fetch_ratio)
     return _load(table, checkpoint, options)
 
 
@@ -602,7 +609,8 @@ def _load(table: RankTable, checkpoint: str | os.PathLike[str] | Checkpoint,
     with progress_bar(total, f"rank {table.rank}", options.progress) as update:
         tensors = read_tensors(opened, requests, ReadOptions(
             recorder=options.reader, workers=options.workers, local_ranks=options.local_ranks,
-            zero_copy=options.zero_copy, bits=as_bits, progress=update))
+            zero_copy=options.zero_copy, bits=as_bits, progress=update,
+            max_fetch_ratio=options.max_fetch_ratio))
     if recorded is not None:
         _verify_payloads(recorded, opened, tensors, options.workers)
     if target_dtype is not None:

@@ -59,6 +59,17 @@ def count_option(name: str, value: object) -> int | None:
     return value
 
 
+def fetch_cap(value: object, source: str = "max_fetch_ratio") -> float | None:
+    """A cap on bytes read over the share: None (no cap) or a number >= 1; a LaunchError naming
+    `source` and the value otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+        raise option_error(f"{source} must be None or a number >= 1 (bytes read over the "
+                           f"rank's share), found {value!r:.80}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadOptions:
     """Every keyword option of `load_rank` (and so of a generated package's `load()`), checked:
@@ -88,6 +99,9 @@ class LoadOptions:
     device path), or None."""
     staging_bytes: int | None = None
     """The host ring size of a load to a CUDA device, or None: 64 MiB."""
+    max_fetch_ratio: float | None = None
+    """The most bytes read from the files over the share's (None: `PARTC_MAX_FETCH_RATIO`,
+    else no cap: the read planner's least modelled time)."""
 
     def __post_init__(self) -> None:
         if self.reader is not None and not callable(getattr(self.reader, "record", None)):
@@ -96,6 +110,7 @@ class LoadOptions:
                                   f" found {self.reader!r:.80}")
         count_option("workers", self.workers)
         count_option("local_ranks", self.local_ranks)
+        fetch_cap(self.max_fetch_ratio)
         if not isinstance(self.verify_fingerprint, bool):
             raise option_error(f"verify_fingerprint must be True or False, found "
                                   f"{self.verify_fingerprint!r:.80}")
@@ -132,8 +147,8 @@ class LoadOptions:
     def from_keywords(cls, *, verify_fingerprint: Any = True, dtype: Any = None,
                       reader: Any = None, framework: Any = None, workers: Any = None,
                       progress: Any = None, verify: Any = None, zero_copy: Any = False,
-                      local_ranks: Any = None, device: Any = None, staging_bytes: Any = None
-                      ) -> LoadOptions:
+                      local_ranks: Any = None, device: Any = None, staging_bytes: Any = None,
+                      max_fetch_ratio: Any = None) -> LoadOptions:
         """The options of `load_rank`'s keywords, spelled as `load()` takes them (strings and
         bools), each refused with a LaunchError naming it, what it must be and the value
         found."""
@@ -152,4 +167,5 @@ class LoadOptions:
                    dtype=None if dtype is None else float_dtype(dtype), reader=reader,
                    framework=Framework(framework), workers=workers, progress=progress,
                    verify=Verify(verify), zero_copy=ZeroCopy(zero_copy),
-                   local_ranks=local_ranks, device=device, staging_bytes=staging_bytes)
+                   local_ranks=local_ranks, device=device, staging_bytes=staging_bytes,
+                   max_fetch_ratio=max_fetch_ratio)

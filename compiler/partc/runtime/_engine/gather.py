@@ -65,8 +65,8 @@ class Gather:
     costs every runtime import about a millisecond (issue 18).
     """
 
-    __slots__ = ("base", "direct", "fd", "file", "name", "nbytes", "out", "path", "pieces",
-                 "prefetch", "row_bytes", "rows", "source")
+    __slots__ = ("base", "direct", "fd", "file", "merge", "name", "nbytes", "out", "path",
+                 "pieces", "prefetch", "row_bytes", "rows", "source")
 
     def __init__(self, *, file: int, path: str, name: str, out: np.ndarray[Any, Any], base: int,
                  row_bytes: int, rows: tuple[int, int],
@@ -83,6 +83,9 @@ class Gather:
         self.prefetch = False  # not in the page cache and the node's ranks load together: the
         # whole rows are asked of storage first (POSIX_FADV_WILLNEED), in large reads, since
         # the node's other ranks read the rest of them
+        self.merge: bool | np.ndarray[Any, Any] | None = None  # the read planner's choice
+        # (`spans.plan_spans`): None, every piece by itself; True, the rows whole in large
+        # requests; a mask, which gaps between consecutive pieces are read through
 
     def span(self) -> tuple[int, int]:
         """The absolute file bytes [start, end) of the job's rows."""
@@ -160,6 +163,8 @@ class GatherFile:
             abort(header.path, f"cannot map tensor data: {exc.strerror or exc}", name)
         if hasattr(mmap, "MADV_RANDOM"):
             self.mapping.madvise(mmap.MADV_RANDOM)  # a fault reads its page, not its neighbours
+        self.device = os.fstat(fd).st_dev
+        """The storage device holding the file (its read planner's model: `storage_model`)."""
         view = np.frombuffer(self.mapping, dtype=np.uint8)  # for its address only: never read
         self.address = int(view.ctypes.data)
         """Where the mapping starts."""
@@ -230,6 +235,9 @@ def plan_gathers(jobs: list[Gather], sources: dict[int, GatherFile], *,
     the cache fetches each page once for the whole node rather than a sector run per rank
     (measured at T=8: 2.2x faster than O_DIRECT per rank, and 1.000x the union's bytes fetched
     instead of 1.154x).
+
+    The reader then lets the read planner choose which jobs read their rows whole
+    (`spans.plan_spans`).
     """
     cold = False
     for job in jobs:
@@ -249,7 +257,7 @@ def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
     if job.direct and _direct_gather(job, recorder):
         return
     if job.prefetch:
-        _prefetch(job)
+        ask_rows(job)
     if job.source is not None and job.source.in_process:
         _numpy_gather(job)
         if recorder is not None:
@@ -263,7 +271,7 @@ def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
         _record_pieces(job, recorder)
 
 
-def _prefetch(job: Gather) -> None:
+def ask_rows(job: Gather) -> None:
     """Ask storage for the job's whole rows now, in large reads (advice only)."""
     start, end = job.span()
     if hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_WILLNEED"):
@@ -432,6 +440,12 @@ _PROBE_WINDOWS = 8
 """Windows of pages `_resident` asks mincore about, spread evenly over the range."""
 _PROBE_PAGES = 8
 """Pages in each window."""
+
+
+def is_cold(address: int, start: int, end: int) -> bool:
+    """Whether fewer than `_COLD_FRACTION` of the pages of file bytes [start, end), mapped at
+    `address`, are in the page cache (`_resident`)."""
+    return _resident(address, start, end) < _COLD_FRACTION
 
 
 def _resident(address: int, start: int, end: int) -> float:

@@ -38,12 +38,15 @@ from partc.runtime._engine.runs import (
     populate_job,
 )
 from partc.runtime._engine.selection import READ, WHOLE, ReadOptions, TensorSelection
+from partc.runtime._engine.spans import ask_ahead, cold_runs, plan_spans, run_spans
 from partc.runtime._engine.workers import environment_count, node_ranks, shared_cores
 from partc.runtime.checkpoint import Checkpoint
 from partc.runtime.files import FileStamp, no_readahead
 from partc.runtime.headers import ITEMSIZE, FileHeader, TensorEntry, abort
 from partc.runtime.options import ZeroCopy
 
+_USE_ADVICE = hasattr(os, "posix_fadvise")
+"""Whether cold plain jobs are asked of storage ahead of their reads (`spans.ask_ahead`)."""
 _SPAN_LIMIT = 8 << 20
 """Most bytes one coalesced span (`max_gap`) reads."""
 
@@ -87,6 +90,12 @@ class CheckpointReader:
         `ReadOptions.zero_copy` and `_view_of`)."""
         self.dtypes = options.dtypes
         """Safetensors dtype -> the numpy dtype of the arrays read (see `ReadOptions.bits`)."""
+        from partc.runtime.options import fetch_cap
+        from partc.runtime.read_planner import environment_cap
+
+        cap = options.max_fetch_ratio
+        self.max_fetch_ratio = fetch_cap(cap) if cap is not None else environment_cap()
+        """The most bytes read over the share's (see `ReadOptions.max_fetch_ratio`)."""
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
 
@@ -236,8 +245,14 @@ class CheckpointReader:
                 header = files[job.file]
                 sources[job.file] = GatherFile(header, self._fds[header.path], job.name,
                                                in_process=self.zero_copy is not ZeroCopy.OFF)
+        ahead = None
         try:
             cold = plan_gathers(gathers, sources, alone=self.node_ranks == 1)
+            plan_spans(gathers, nbytes, self.max_fetch_ratio)
+            plain = [job for job in jobs if not isinstance(job, Gather)]
+            ahead = ask_ahead(cold_runs(plain, {job.fd: files[job.file].file_size
+                                                for job in plain})) if _USE_ADVICE else None
+            cold = cold or ahead is not None
             workers = self._cold_workers if cold else self.workers
             if len(jobs) < 2 or workers < 2 or nbytes < THREADED_BYTES:
                 for job in jobs:
@@ -247,6 +262,8 @@ class CheckpointReader:
             else:
                 self._run_threaded(jobs, progress, workers)
         finally:
+            if ahead is not None:
+                ahead.join()
             for source in sources.values():
                 source.close()
         mapped = [i for i, h in enumerate(files) if h.path in self._maps]
@@ -349,7 +366,10 @@ class CheckpointReader:
     def _run_job(self, job: Job | Gather) -> None:
         """Read one job's runs (sorted by file offset); one preadv per file-contiguous batch."""
         if isinstance(job, Gather):
-            run_gather(job, self.recorder)
+            if job.merge is not None:  # the read planner coalesced it
+                run_spans(job, self.recorder)
+            else:
+                run_gather(job, self.recorder)
             return
         path, names, views = job.path, job.names, job.views
         populate_job(job)

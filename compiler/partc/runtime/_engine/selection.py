@@ -69,6 +69,9 @@ class ReadOptions:
     """Runs this close (bytes) are read as one span (gaps included) and gathered; 0: exact."""
     mapped: bool = True
     """Whether finely cut selections are gathered from read-only mappings."""
+    max_fetch_ratio: float | None = None
+    """The most bytes read from the files over the share's, or None: `PARTC_MAX_FETCH_RATIO`,
+    else no cap (the read planner's least modelled time; see `partc.runtime.read_planner`)."""
 
     @property
     def dtypes(self) -> Mapping[str, np.dtype[Any]]:
