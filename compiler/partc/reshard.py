@@ -72,7 +72,9 @@ class _Sources:
     def __init__(self, manifest: ShardManifest, workers: int | None,
                  recorder: ReadRecorder | None = None) -> None:
         self.manifest = manifest
-        self.options = ReadOptions(workers=workers, recorder=recorder)
+        # exact reads: a reshard reads each destination byte once and nothing else (the
+        # read planner's coalescing would also read the gaps between a rank file's pieces)
+        self.options = ReadOptions(workers=workers, recorder=recorder, max_fetch_ratio=1.0)
         self.opened: dict[int, Checkpoint] = {}
 
     def checkpoint(self, rank: int) -> Checkpoint:
