@@ -75,3 +75,22 @@ def test_weights_moved_in_memory_are_the_destinations_own_load_and_give_hf_logit
                 outputs += 1
                 assert float(np.max(np.abs(npz["logits"] - want))) < TOLERANCE, (name, g)
     assert outputs == (tp if ep is None else 0)  # every TP rank of the last stage served
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_bytes_sent_and_copied_in_memory_are_each_destination_byte_once(
+        moved: Path, name: str) -> None:
+    """What `reshard_weights` measured (buffers sent, pieces copied locally) adds up to every
+    destination rank's local parameter bytes as the destination plan lists them: no byte
+    twice; every sender's count is its receiver's, and the plan's source x destination pairs."""
+    folder = moved.parent
+    destination = read_plan(folder / f"{name}-destination" / "plan.json")
+    minimum = sum(rank.info.local_parameter_bytes for rank in destination.ranks)
+    reports = [json.loads((moved / f"{name}-rank-{g}.json").read_text()) for g in range(4)]
+    sent = {(a, b): n for r in reports for a, b, n in r["sent"]}
+    received = {(a, b): n for r in reports for a, b, n in r["received"]}
+    copied = {r["rank"]: r["copied"] for r in reports}
+    assert sum(sent.values()) + sum(copied.values()) == minimum
+    assert sent == received
+    transfer = plan_transfer(read_plan(folder / f"{name}-source" / "plan.json"), destination)
+    assert {**sent, **{(r, r): n for r, n in copied.items() if n}} == transfer.pair_bytes()

@@ -8,7 +8,8 @@ loads its rank of the source build from the checkpoint, hands the weights over w
 `partc.runtime.weight_transfer.reshard_weights` (process r plays source rank r and destination
 rank r), checks them against the destination build's own `load()` of its rank, and runs its
 destination stage with the reference torch executor; it writes `<name>-rank-<g>.json` (the names
-received, whether every tensor is bit-identical to the destination's load) and
+received, whether every tensor is bit-identical to the destination's load, the bytes
+`reshard_weights` says it sent to, received from each process and copied locally) and
 `<name>-rank-<g>.npz` (logits on output ranks) to PARTC_TEST_REPORTS.
 """
 
@@ -72,7 +73,8 @@ def main() -> None:
         checkpoint = run["checkpoint"]
         transfer = json.loads(Path(run["transfer"]).read_text())
         mine = source.load(checkpoint, rank=me).tensors  # type: ignore[attr-defined]
-        moved = reshard_weights(transfer, mine)
+        result = reshard_weights(transfer, mine)
+        moved = result.tensors
         own = destination.load(checkpoint, rank=me)  # type: ignore[attr-defined]
         same = sorted(moved) == sorted(own.tensors) and all(
             np.array_equal(moved[n].numpy().view(np.uint8),
@@ -85,7 +87,10 @@ def main() -> None:
                 arrays["logits"] = logits
         np.savez(reports / f"{run['name']}-rank-{me}.npz", **arrays)
         (reports / f"{run['name']}-rank-{me}.json").write_text(json.dumps({
-            "rank": me, "names": sorted(moved), "identical": same}))
+            "rank": me, "names": sorted(moved), "identical": same,
+            "sent": [[a, b, n] for (a, b), n in sorted(result.sent.items())],
+            "received": [[a, b, n] for (a, b), n in sorted(result.received.items())],
+            "copied": result.copied}))
         dist.barrier()
 
 

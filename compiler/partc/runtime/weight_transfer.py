@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from partc.errors import CheckpointError
 from partc.runtime.frameworks import import_torch
 
-__all__ = ["reshard_weights"]
+__all__ = ["MovedWeights", "reshard_weights"]
 
 _TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
@@ -35,18 +36,34 @@ _TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "BOOL": "bool"}
 """Safetensors dtype -> the torch dtype of that name."""
 
+
+
+@dataclass
+class MovedWeights:
+    """What `reshard_weights` gave this process and what it moved, in bytes as measured."""
+
+    tensors: dict[str, Any]
+    """This process's destination rank's tensors (empty when it plays none)."""
+    sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(this process, receiving process) -> bytes of the buffer this process sent it."""
+    received: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(sending process, this process) -> bytes of the buffer this process received."""
+    copied: int = 0
+    """Bytes copied from this process's source tensors into its destination tensors."""
+
+
 Piece = tuple[int, str, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
 """(source rank, target, source box, destination box) of one copy."""
 
 
 def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | None, *,
                     group: Any = None, source_processes: Sequence[int] | None = None,
-                    destination_processes: Sequence[int] | None = None) -> dict[str, Any]:
-    """This process's destination rank's tensors (empty when it plays none), moved from the
-    source ranks' `tensors` (this process's source rank's local tensors, torch or numpy; None
-    when it plays none) following `transfer`. Source rank r is process `source_processes[r]`
-    of `group` (default: process r), destination rank r `destination_processes[r]` (default
-    r); every process of the group must call it."""
+                    destination_processes: Sequence[int] | None = None) -> MovedWeights:
+    """This process's destination rank's tensors (empty when it plays none) and the bytes it
+    moved, from the source ranks' `tensors` (this process's source rank's local tensors, torch
+    or numpy; None when it plays none) following `transfer`. Source rank r is process
+    `source_processes[r]` of `group` (default: process r), destination rank r
+    `destination_processes[r]` (default r); every process of the group must call it."""
     torch = import_torch("reshard_weights")
     import torch.distributed as dist  # type: ignore[import-not-found, unused-ignore]
 
@@ -64,6 +81,7 @@ def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | No
     outgoing: dict[int, list[Any]] = {}
     incoming: dict[int, list[tuple[Any, tuple[slice, ...], int]]] = {}
     out: dict[str, Any] = {}
+    moved = MovedWeights({})
     for entry in transfer["ranks"]:
         rank, target_process = int(entry["rank"]), destinations[int(entry["rank"])]
         receiving = target_process == me
@@ -81,15 +99,17 @@ def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | No
                     part = _piece(held, target, source_box, itemsize, me, rank)
                     if receiving:
                         out[target][into] = part
+                        moved.copied += int(part.numel())
                     else:
                         outgoing.setdefault(target_process, []).append(part.reshape(-1))
                 elif receiving:
                     size = math.prod(b - a for a, b in destination_box) * itemsize
                     incoming.setdefault(sender, []).append((out[target], into, size))
-    _exchange(torch, dist, group, outgoing, incoming)
-    return {t["target"]: _typed(torch, out[t["target"]], t)
-            for entry in transfer["ranks"] if destinations[int(entry["rank"])] == me
-            for t in entry["tensors"]}
+    _exchange(torch, dist, group, me, outgoing, incoming, moved)
+    moved.tensors = {t["target"]: _typed(torch, out[t["target"]], t)
+                     for entry in transfer["ranks"] if destinations[int(entry["rank"])] == me
+                     for t in entry["tensors"]}
+    return moved
 
 
 def _processes(transfer: Mapping[str, Any], key: str, given: Sequence[int] | None
@@ -144,17 +164,23 @@ def _piece(held: Mapping[str, Any], target: str, box: Sequence[Sequence[int]], i
     return tensor[_bytes_box(box, itemsize)]
 
 
-def _exchange(torch: Any, dist: Any, group: Any,
+def _exchange(torch: Any, dist: Any, group: Any, me: int,
               outgoing: Mapping[int, list[Any]],
-              incoming: Mapping[int, list[tuple[Any, tuple[slice, ...], int]]]) -> None:
+              incoming: Mapping[int, list[tuple[Any, tuple[slice, ...], int]]],
+              moved: MovedWeights) -> None:
     """One message per (sender, receiver) pair: each outgoing list packed and sent, each
-    incoming buffer received and unpacked into its destination slices."""
+    incoming buffer received and unpacked into its destination slices; the bytes of every
+    buffer sent and received recorded on `moved`."""
     buffers = {peer: torch.empty(sum(size for _, _, size in parts), dtype=torch.uint8)
                for peer, parts in sorted(incoming.items())}
     work = [dist.irecv(buffer, src=_global(dist, group, peer), group=group)
             for peer, buffer in buffers.items()]
-    work += [dist.isend(torch.cat(parts), dst=_global(dist, group, peer), group=group)
-             for peer, parts in sorted(outgoing.items())]
+    for peer, buffer in buffers.items():
+        moved.received[(peer, me)] = int(buffer.numel())
+    for peer, parts in sorted(outgoing.items()):
+        packed = torch.cat(parts)
+        moved.sent[(me, peer)] = int(packed.numel())
+        work.append(dist.isend(packed, dst=_global(dist, group, peer), group=group))
     for request in work:
         request.wait()
     for peer, parts in incoming.items():
