@@ -33,31 +33,60 @@ RUNS = {  # name: (fixture, source (T, S, E), destination (T, S, E))
 }
 
 
+RL_SYNC = ("qwen3_moe", (4, 2, None), (2, 1, 4))
+"""docs/reshard.md's RL-style weight sync: trainer TP=4 x PP=2 (8 processes) -> inference
+TP=2 x EP=4 (4 ranks, on processes 4-7 of the same launch)."""
+RL_DESTINATION_PROCESSES = [4, 5, 6, 7]
+
+
+def prepare(folder: Path, name: str, fixture: str, source: tuple[int, int, int | None],
+            destination: tuple[int, int, int | None]) -> dict[str, Any]:
+    """Compile both builds of one run and write its transfer plan; the run for the worker."""
+    made = {}
+    for side, (tp, pp, ep) in (("source", source), ("destination", destination)):
+        out = folder / f"{name}-{side}"
+        result = compile_family(None, hf(fixture) / "config.json",
+                                Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                         expert_parallel_size=ep),
+                                CompileOptions(checkpoint=hf(fixture), out=out))
+        made[side] = (out, package_name(result.plan))
+    transfer = plan_transfer(read_plan(made["source"][0] / "plan.json"),
+                             read_plan(made["destination"][0] / "plan.json"))
+    (folder / f"{name}.json").write_text(canonical_json(transfer.to_json()))
+    return {"name": name, "source": str(made["source"][0]), "source_package": made["source"][1],
+            "destination": str(made["destination"][0]),
+            "destination_package": made["destination"][1],
+            "transfer": str(folder / f"{name}.json"), "checkpoint": str(hf(fixture)),
+            "tp": destination[0], "pp": destination[1], "serve": destination[2] is None}
+
+
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Compile both builds of every run, launch the workers once; the reports folder."""
     folder = tmp_path_factory.mktemp("reshard-serve")
-    runs: list[dict[str, Any]] = []
-    for name, (fixture, source, (dtp, dpp, dep)) in RUNS.items():
-        made = {}
-        for side, (tp, pp, ep) in (("source", source), ("destination", (dtp, dpp, dep))):
-            out = folder / f"{name}-{side}"
-            result = compile_family(None, hf(fixture) / "config.json",
-                                    Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                             expert_parallel_size=ep),
-                                    CompileOptions(checkpoint=hf(fixture), out=out))
-            made[side] = (out, package_name(result.plan))
-        transfer = plan_transfer(read_plan(made["source"][0] / "plan.json"),
-                                 read_plan(made["destination"][0] / "plan.json"))
-        (folder / f"{name}.json").write_text(canonical_json(transfer.to_json()))
-        runs.append({"name": name, "source": str(made["source"][0]),
-                     "source_package": made["source"][1],
-                     "destination": str(made["destination"][0]),
-                     "destination_package": made["destination"][1],
-                     "transfer": str(folder / f"{name}.json"), "checkpoint": str(hf(fixture)),
-                     "tp": dtp, "pp": dpp, "serve": dep is None})
-    reports = torchrun(WORKER, runs, folder)
-    return reports
+    runs = [prepare(folder, name, *run) for name, run in RUNS.items()]
+    return torchrun(WORKER, runs, folder)
+
+
+@pytest.fixture(scope="module")
+def rl_synced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The RL-style sync in its own launch of 8 processes; the reports folder."""
+    folder = tmp_path_factory.mktemp("reshard-rl")
+    run = prepare(folder, "rl-sync", *RL_SYNC)
+    return torchrun(WORKER, [run | {"destination_processes": RL_DESTINATION_PROCESSES}], folder,
+                    processes=8)
+
+
+def test_rl_weight_sync_trainer_tp4_pp2_to_inference_tp2_ep4_is_the_inference_load(
+        rl_synced: Path) -> None:
+    """Every inference rank's tensors, moved from the 8 trainer processes, are its build's own
+    load() bit for bit; the trainer-only processes receive nothing."""
+    reports = [json.loads((rl_synced / f"rl-sync-rank-{g}.json").read_text()) for g in range(8)]
+    assert all(r["identical"] for r in reports)
+    assert [r["destination_rank"] for r in reports] == [None] * 4 + [0, 1, 2, 3]
+    assert all(r["names"] for r in reports[4:]) and not any(r["names"] for r in reports[:4])
+    folder = rl_synced.parent
+    check_bytes(folder, "rl-sync", reports, RL_DESTINATION_PROCESSES)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -83,14 +112,24 @@ def test_bytes_sent_and_copied_in_memory_are_each_destination_byte_once(
     """What `reshard_weights` measured (buffers sent, pieces copied locally) adds up to every
     destination rank's local parameter bytes as the destination plan lists them: no byte
     twice; every sender's count is its receiver's, and the plan's source x destination pairs."""
-    folder = moved.parent
+    reports = [json.loads((moved / f"{name}-rank-{g}.json").read_text()) for g in range(4)]
+    check_bytes(moved.parent, name, reports, list(range(4)))
+
+
+def check_bytes(folder: Path, name: str, reports: list[dict[str, Any]], placed: list[int]
+                ) -> None:
+    """Sent + copied over all processes is the destination plan's local parameter bytes;
+    senders' and receivers' counts agree, and with the plan's pairs (destination rank r on
+    process placed[r], source rank r on process r)."""
     destination = read_plan(folder / f"{name}-destination" / "plan.json")
     minimum = sum(rank.info.local_parameter_bytes for rank in destination.ranks)
-    reports = [json.loads((moved / f"{name}-rank-{g}.json").read_text()) for g in range(4)]
     sent = {(a, b): n for r in reports for a, b, n in r["sent"]}
     received = {(a, b): n for r in reports for a, b, n in r["received"]}
     copied = {r["rank"]: r["copied"] for r in reports}
     assert sum(sent.values()) + sum(copied.values()) == minimum
     assert sent == received
     transfer = plan_transfer(read_plan(folder / f"{name}-source" / "plan.json"), destination)
-    assert {**sent, **{(r, r): n for r, n in copied.items() if n}} == transfer.pair_bytes()
+    want: dict[tuple[int, int], int] = {}
+    for (source, rank), n in transfer.pair_bytes().items():
+        want[(source, placed[rank])] = want.get((source, placed[rank]), 0) + n
+    assert {**sent, **{(r, r): n for r, n in copied.items() if n}} == want
