@@ -6,8 +6,9 @@ argv[1] is a JSON file listing runs ({"name", "source", "destination" (build fol
 destination the executor does not run, its tensors checked only)}). For each run every process
 loads its rank of the source build from the checkpoint, hands the weights over with
 `partc.runtime.weight_transfer.reshard_weights` (process r plays source rank r and destination
-rank r, or the destination rank whose process "destination_processes" names it, if given), checks them against the destination build's own `load()` of its rank, and runs its
-destination stage with the reference torch executor; it writes `<name>-rank-<g>.json` (the names
+rank r, or the destination rank whose process "destination_processes" names it, if given),
+checks them against the destination build's own `load()` of its rank, and runs its destination
+stage with the reference torch executor; it writes `<name>-rank-<g>.json` (the names
 received, whether every tensor is bit-identical to the destination's load, the bytes
 `reshard_weights` says it sent to, received from each process and copied locally) and
 `<name>-rank-<g>.npz` (logits on output ranks) to PARTC_TEST_REPORTS.
