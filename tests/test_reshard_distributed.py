@@ -3,7 +3,10 @@ launch in which every process plays a rank of a source build, hands its weights 
 `partc.runtime.weight_transfer.reshard_weights`, then plays a rank of the destination build and
 serves it with the reference torch executor. The moved tensors must be the destination build's
 own `load()` bit for bit, and the output ranks' logits Hugging Face's reference.npz (an
-expert-parallel destination, which the executor does not run, is checked by its tensors)."""
+expert-parallel destination, which the executor does not run, is checked by its tensors). A
+second launch of 8 processes runs docs/reshard.md's RL-style sync; the bytes each process
+measured are checked against the minimum; the transport device's choice by backend is checked
+without a launch."""
 
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import pytest
 
 from partc.api import CompileOptions, compile_family
 from partc.emit.render import package_name
+from partc.errors import CheckpointError
 from partc.plan.ir import canonical_json
 from partc.plan.plan_file import read_plan
 from partc.plan.topology import Topology
 from partc.plan.transfer import plan_transfer
+from partc.runtime import weight_transfer
 
 from support import hf
 from support.distributed import torchrun
@@ -133,3 +138,47 @@ def check_bytes(folder: Path, name: str, reports: list[dict[str, Any]], placed: 
     for (source, rank), n in transfer.pair_bytes().items():
         want[(source, placed[rank])] = want.get((source, placed[rank]), 0) + n
     assert {**sent, **{(r, r): n for r, n in copied.items() if n}} == want
+
+
+ONE_PIECE = {"source_world_size": 1, "destination_world_size": 1, "ranks": [
+    {"rank": 0, "tensors": [{"target": "w", "dtype": "F32", "local_shape": [2, 3],
+                             "pieces": [[0, [[0, 2], [0, 3]], [[0, 2], [0, 3]]]]}]}]}
+"""One process, one tensor copied whole: no message, so no process group is needed."""
+
+
+def test_the_transport_device_follows_the_groups_backend(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """NCCL (alone or beside gloo) moves on the current CUDA device, gloo on the CPU; another
+    backend, or NCCL without CUDA, is one clear error (the NCCL path itself is not run here)."""
+    import torch
+
+    def backend(name: str) -> Any:
+        return type("Dist", (), {"get_backend": staticmethod(lambda group=None: name)})
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("nccl", "cpu:gloo,cuda:nccl"):
+        assert weight_transfer.transport_device(torch, backend(name)) == torch.device("cuda", 3)
+    assert weight_transfer.transport_device(torch, backend("gloo")) == torch.device("cpu")
+    with pytest.raises(CheckpointError, match="backend is 'mpi'"):
+        weight_transfer.transport_device(torch, backend("mpi"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(CheckpointError, match="NCCL but torch sees no CUDA device"):
+        weight_transfer.reshard_weights(ONE_PIECE, {"w": np.zeros((2, 3), np.float32)})
+
+
+def test_tensors_are_moved_and_returned_on_the_transport_device(monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """Whatever device the backend chooses, the source bytes are put on it and the destination
+    tensors built there (the meta device stands in for CUDA)."""
+    import torch
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(weight_transfer, "transport_device",
+                        lambda torch, dist, group=None: torch.device("meta"))
+    moved = weight_transfer.reshard_weights(ONE_PIECE, {"w": np.ones((2, 3), np.float32)})
+    assert moved.tensors["w"].device.type == "meta"
+    assert (moved.tensors["w"].shape, moved.tensors["w"].dtype) == ((2, 3), torch.float32)
+    assert moved.copied == 24 and not moved.sent and not moved.received

@@ -1,8 +1,9 @@
 """In-memory resharding under torch.distributed: the weights of one build's ranks handed to
 another build's ranks, point to point, following a transfer plan (docs/reshard.md).
 
-`reshard_weights(transfer, tensors)` runs on every process of a gloo group at once (the bytes
-travel in CPU tensors; a job on NCCL passes a gloo `group` of its processes). A process that
+`reshard_weights(transfer, tensors)` runs on every process of a group at once: on a gloo group
+the bytes travel in CPU tensors, on an NCCL group in CUDA tensors on the process's current
+device (`transport_device`); other backends are refused. A process that
 plays a source rank passes that rank's local tensors; one that plays a destination rank gets that
 rank's tensors back. Each piece of the plan goes from the process of its source rank to the
 process of its destination rank: the pieces one process sends another are packed into one byte
@@ -27,7 +28,7 @@ from typing import Any
 from partc.errors import CheckpointError
 from partc.runtime.frameworks import import_torch
 
-__all__ = ["MovedWeights", "reshard_weights"]
+__all__ = ["MovedWeights", "reshard_weights", "transport_device"]
 
 _TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                 "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
@@ -70,8 +71,10 @@ def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | No
     sources = _processes(transfer, "source_world_size", source_processes)
     destinations = _processes(transfer, "destination_world_size", destination_processes)
     me = dist.get_rank(group) if group is not None else dist.get_rank()
+    device = transport_device(torch, dist, group)
     mine = [r for r, p in enumerate(sources) if p == me]
-    held = {} if tensors is None else {n: _as_bytes(torch, t) for n, t in tensors.items()}
+    held = {} if tensors is None else {n: _as_bytes(torch, t, device)
+                                            for n, t in tensors.items()}
     if sum(p == me for p in destinations) > 1:
         raise CheckpointError(f"process {me} plays several destination ranks of the transfer "
                               "plan; one process receives one rank's tensors")
@@ -91,7 +94,7 @@ def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | No
             if receiving:
                 shape = [int(n) for n in tensor["local_shape"]] or [1]
                 shape[-1] *= itemsize
-                out[target] = torch.empty(shape, dtype=torch.uint8)
+                out[target] = torch.empty(shape, dtype=torch.uint8, device=device)
             for source_rank, source_box, destination_box in tensor["pieces"]:
                 sender = sources[int(source_rank)]
                 into = _bytes_box(destination_box, itemsize)
@@ -105,7 +108,7 @@ def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | No
                 elif receiving:
                     size = math.prod(b - a for a, b in destination_box) * itemsize
                     incoming.setdefault(sender, []).append((out[target], into, size))
-    _exchange(torch, dist, group, me, outgoing, incoming, moved)
+    _exchange(torch, dist, group, me, device, outgoing, incoming, moved)
     moved.tensors = {t["target"]: _typed(torch, out[t["target"]], t)
                      for entry in transfer["ranks"] if destinations[int(entry["rank"])] == me
                      for t in entry["tensors"]}
@@ -133,15 +136,33 @@ def _itemsize(torch: Any, dtype: str) -> int:
     return int(torch.empty((), dtype=found).element_size())
 
 
-def _as_bytes(torch: Any, tensor: Any) -> Any:
-    """A local tensor as contiguous bytes, its last axis widened by its item size."""
+def transport_device(torch: Any, dist: Any, group: Any = None) -> Any:
+    """The device the bytes travel on over `group`'s backend: the CPU for gloo, the current
+    CUDA device for NCCL; any other backend, or NCCL without CUDA, is refused."""
+    backend = str(dist.get_backend(group)).lower()
+    names = {part.split(":")[-1] for part in backend.split(",")}
+    if "nccl" in names:
+        if not torch.cuda.is_available():
+            raise CheckpointError("reshard_weights: the process group's backend is NCCL but "
+                                  "torch sees no CUDA device; expected a CUDA device per "
+                                  "process (or pass a gloo `group`)")
+        return torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in names:
+        return torch.device("cpu")
+    raise CheckpointError(f"reshard_weights moves tensors over gloo (CPU) or nccl (CUDA); the "
+                          f"process group's backend is {backend!r}: pass a gloo or nccl `group`")
+
+
+def _as_bytes(torch: Any, tensor: Any, device: Any) -> Any:
+    """A local tensor as contiguous bytes on `device`, its last axis widened by its item
+    size."""
     if not isinstance(tensor, torch.Tensor):
         import numpy as np
 
         array = np.ascontiguousarray(tensor)
         tensor = torch.from_numpy(array.reshape(array.shape or (1,)).view(np.uint8))
-        return tensor
-    tensor = tensor.detach().to("cpu").contiguous()
+        return tensor.to(device)
+    tensor = tensor.detach().to(device).contiguous()
     return (tensor.reshape(1) if tensor.dim() == 0 else tensor).view(torch.uint8)
 
 
@@ -164,14 +185,15 @@ def _piece(held: Mapping[str, Any], target: str, box: Sequence[Sequence[int]], i
     return tensor[_bytes_box(box, itemsize)]
 
 
-def _exchange(torch: Any, dist: Any, group: Any, me: int,
+def _exchange(torch: Any, dist: Any, group: Any, me: int, device: Any,
               outgoing: Mapping[int, list[Any]],
               incoming: Mapping[int, list[tuple[Any, tuple[slice, ...], int]]],
               moved: MovedWeights) -> None:
     """One message per (sender, receiver) pair: each outgoing list packed and sent, each
     incoming buffer received and unpacked into its destination slices; the bytes of every
     buffer sent and received recorded on `moved`."""
-    buffers = {peer: torch.empty(sum(size for _, _, size in parts), dtype=torch.uint8)
+    buffers = {peer: torch.empty(sum(size for _, _, size in parts), dtype=torch.uint8,
+                                 device=device)
                for peer, parts in sorted(incoming.items())}
     work = [dist.irecv(buffer, src=_global(dist, group, peer), group=group)
             for peer, buffer in buffers.items()]
