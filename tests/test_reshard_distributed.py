@@ -42,6 +42,8 @@ RL_SYNC = ("qwen3_moe", (4, 2, None), (2, 1, 4))
 """docs/reshard.md's RL-style weight sync: trainer TP=4 x PP=2 (8 processes) -> inference
 TP=2 x EP=4 (4 ranks, on processes 4-7 of the same launch)."""
 RL_DESTINATION_PROCESSES = [4, 5, 6, 7]
+SMALL_CHUNK = 999
+"""Message size of the Llama and RL runs: streams cut mid-piece, mid-element, many rounds."""
 
 
 def prepare(folder: Path, name: str, fixture: str, source: tuple[int, int, int | None],
@@ -70,6 +72,7 @@ def moved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Compile both builds of every run, launch the workers once; the reports folder."""
     folder = tmp_path_factory.mktemp("reshard-serve")
     runs = [prepare(folder, name, *run) for name, run in RUNS.items()]
+    runs[0]["chunk_bytes"] = SMALL_CHUNK
     return torchrun(WORKER, runs, folder)
 
 
@@ -78,8 +81,8 @@ def rl_synced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The RL-style sync in its own launch of 8 processes; the reports folder."""
     folder = tmp_path_factory.mktemp("reshard-rl")
     run = prepare(folder, "rl-sync", *RL_SYNC)
-    return torchrun(WORKER, [run | {"destination_processes": RL_DESTINATION_PROCESSES}], folder,
-                    processes=8)
+    run |= {"destination_processes": RL_DESTINATION_PROCESSES, "chunk_bytes": SMALL_CHUNK}
+    return torchrun(WORKER, [run], folder, processes=8)
 
 
 def test_rl_weight_sync_trainer_tp4_pp2_to_inference_tp2_ep4_is_the_inference_load(

@@ -6,7 +6,8 @@ argv[1] is a JSON file listing runs ({"name", "source", "destination" (build fol
 destination the executor does not run, its tensors checked only)}). For each run every process
 loads its rank of the source build from the checkpoint, hands the weights over with
 `partc.runtime.weight_transfer.reshard_weights` (process r plays source rank r and destination
-rank r, or the destination rank whose process "destination_processes" names it, if given),
+rank r, or the destination rank whose process "destination_processes" names it, if given;
+messages of "chunk_bytes" if given),
 checks them against the destination build's own `load()` of its rank, and runs its destination
 stage with the reference torch executor; it writes `<name>-rank-<g>.json` (the names
 received, whether every tensor is bit-identical to the destination's load, the bytes
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from partc.runtime import weight_transfer
 from partc.runtime.mesh import BuildTopology
 from partc.runtime.weight_transfer import reshard_weights
 
@@ -74,6 +76,7 @@ def main() -> None:
         checkpoint = run["checkpoint"]
         transfer = json.loads(Path(run["transfer"]).read_text())
         mine = source.load(checkpoint, rank=me).tensors  # type: ignore[attr-defined]
+        weight_transfer.CHUNK_BYTES = run.get("chunk_bytes", 16 * 2 ** 20)
         placed = run.get("destination_processes")  # default: destination rank r on process r
         result = reshard_weights(transfer, mine, destination_processes=placed)
         moved = result.tensors

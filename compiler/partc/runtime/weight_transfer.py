@@ -104,7 +104,7 @@ def reshard_weights(transfer: Mapping[str, Any], tensors: Mapping[str, Any] | No
                         out[target][into] = part
                         moved.copied += int(part.numel())
                     else:
-                        outgoing.setdefault(target_process, []).append(part.reshape(-1))
+                        outgoing.setdefault(target_process, []).append(part)
                 elif receiving:
                     size = math.prod(b - a for a, b in destination_box) * itemsize
                     incoming.setdefault(sender, []).append((out[target], into, size))
@@ -185,31 +185,103 @@ def _piece(held: Mapping[str, Any], target: str, box: Sequence[Sequence[int]], i
     return tensor[_bytes_box(box, itemsize)]
 
 
+CHUNK_BYTES = 16 * 2 ** 20
+"""The most bytes of one message: the stream of pieces one process sends another goes in
+chunks of this size, so a process holds a chunk per peer, not everything it sends or receives."""
+
+Incoming = tuple[Any, tuple[slice, ...], int]
+"""(destination tensor's bytes, the slices of one piece in it, the piece's bytes)."""
+
+
 def _exchange(torch: Any, dist: Any, group: Any, me: int, device: Any,
-              outgoing: Mapping[int, list[Any]],
-              incoming: Mapping[int, list[tuple[Any, tuple[slice, ...], int]]],
+              outgoing: Mapping[int, list[Any]], incoming: Mapping[int, list[Incoming]],
               moved: MovedWeights) -> None:
-    """One message per (sender, receiver) pair: each outgoing list packed and sent, each
-    incoming buffer received and unpacked into its destination slices; the bytes of every
-    buffer sent and received recorded on `moved`."""
-    buffers = {peer: torch.empty(sum(size for _, _, size in parts), dtype=torch.uint8,
-                                 device=device)
-               for peer, parts in sorted(incoming.items())}
-    work = [dist.irecv(buffer, src=_global(dist, group, peer), group=group)
-            for peer, buffer in buffers.items()]
-    for peer, buffer in buffers.items():
-        moved.received[(peer, me)] = int(buffer.numel())
-    for peer, parts in sorted(outgoing.items()):
-        packed = torch.cat(parts)
-        moved.sent[(me, peer)] = int(packed.numel())
-        work.append(dist.isend(packed, dst=_global(dist, group, peer), group=group))
-    for request in work:
-        request.wait()
+    """The pieces each (sender, receiver) pair exchanges, as one stream of bytes in the plan's
+    order cut into `CHUNK_BYTES` messages: in round k every process posts the k-th chunk
+    from and to each of its peers, waits for them, and unpacks what it received into the
+    destination slices; the bytes sent and received recorded on `moved`."""
+    for peer, parts in outgoing.items():
+        moved.sent[(me, peer)] = sum(int(part.numel()) for part in parts)
     for peer, parts in incoming.items():
-        offset = 0
-        for tensor, into, size in parts:
-            tensor[into] = buffers[peer][offset:offset + size].view(tensor[into].shape)
-            offset += size
+        moved.received[(peer, me)] = sum(size for _, _, size in parts)
+    senders = {peer: _chunks(parts, _buffer(torch, device, moved.sent[(me, peer)]))
+               for peer, parts in sorted(outgoing.items()) if moved.sent[(me, peer)]}
+    receivers = {peer: (_Unpacker(parts), _buffer(torch, device, moved.received[(peer, me)]))
+                 for peer, parts in sorted(incoming.items()) if moved.received[(peer, me)]}
+    while senders or receivers:  # the buffers reused round after round
+        work = [dist.irecv(buffer[:unpacker.next_size()], src=_global(dist, group, peer),
+                           group=group) for peer, (unpacker, buffer) in receivers.items()]
+        chunks = {peer: next(chunks, None) for peer, chunks in senders.items()}
+        work += [dist.isend(chunk, dst=_global(dist, group, peer), group=group)
+                 for peer, chunk in chunks.items() if chunk is not None]
+        for request in work:
+            request.wait()
+        for unpacker, buffer in receivers.values():
+            unpacker.take(torch, buffer[:unpacker.next_size()])
+        receivers = {peer: r for peer, r in receivers.items() if r[0].left}
+        senders = {peer: senders[peer] for peer, chunk in chunks.items() if chunk is not None}
+
+
+def _buffer(torch: Any, device: Any, total: int) -> Any:
+    """The message buffer of a stream of `total` bytes: one chunk, or less."""
+    return torch.empty(min(CHUNK_BYTES, total), dtype=torch.uint8, device=device)
+
+
+def _chunks(parts: Sequence[Any], buffer: Any) -> Any:
+    """The bytes of `parts` (byte views, in order) as one stream cut into chunks of `buffer`'s
+    size, the last shorter, each packed into `buffer` (a part is flattened, so copied when not
+    contiguous, as it comes)."""
+    filled, size = 0, int(buffer.numel())
+    for part in parts:
+        flat, start = part.reshape(-1), 0
+        while start < flat.numel():
+            take = min(size - filled, int(flat.numel()) - start)
+            buffer[filled:filled + take] = flat[start:start + take]
+            filled, start = filled + take, start + take
+            if filled == size:
+                yield buffer
+                filled = 0
+    if filled:
+        yield buffer[:filled]
+
+
+class _Unpacker:
+    """Writes the chunks of one sender's stream into the destination slices they fill."""
+
+    def __init__(self, parts: Sequence[Incoming]) -> None:
+        """The pieces the stream carries, in order."""
+        self.parts = [p for p in parts if p[2]]
+        self.left = sum(size for _, _, size in self.parts)
+        self.index = self.offset = 0
+        self.partial: Any = None
+
+    def next_size(self) -> int:
+        """Bytes of the next chunk."""
+        return min(CHUNK_BYTES, self.left)
+
+    def take(self, torch: Any, buffer: Any) -> None:
+        """Unpack one chunk: whole pieces straight into their slices, so is a piece cut by a
+        chunk boundary whose slice is contiguous; one whose slice is not is gathered first."""
+        start, end = 0, int(buffer.numel())
+        while start < end:
+            tensor, into, size = self.parts[self.index]
+            take = min(size - self.offset, end - start)
+            region = tensor[into]
+            if take == size:
+                tensor[into] = buffer[start:start + take].view(region.shape)
+            elif region.is_contiguous():  # written in place, chunk by chunk
+                region.view(-1)[self.offset:self.offset + take] = buffer[start:start + take]
+            else:
+                if self.partial is None:
+                    self.partial = torch.empty(size, dtype=torch.uint8, device=buffer.device)
+                self.partial[self.offset:self.offset + take] = buffer[start:start + take]
+                if self.offset + take == size:
+                    tensor[into] = self.partial.view(region.shape)
+                    self.partial = None
+            self.offset, start = self.offset + take, start + take
+            if self.offset == size:
+                self.index, self.offset = self.index + 1, 0
+        self.left -= end
 
 
 def _global(dist: Any, group: Any, process: int) -> int:
