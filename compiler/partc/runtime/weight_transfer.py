@@ -3,13 +3,14 @@ another build's ranks, point to point, following a transfer plan (docs/reshard.m
 
 `reshard_weights(transfer, tensors)` runs on every process of a group at once: on a gloo group
 the bytes travel in CPU tensors, on an NCCL group in CUDA tensors on the process's current
-device (`transport_device`); other backends are refused. A process that
-plays a source rank passes that rank's local tensors; one that plays a destination rank gets that
-rank's tensors back. Each piece of the plan goes from the process of its source rank to the
-process of its destination rank: the pieces one process sends another are packed into one byte
-buffer (in the plan's order, which both sides know), exchanged with one isend/irecv per pair of
-processes, and unpacked into the destination tensors; a piece whose source and destination are
-the same process is copied without a message. Every byte moves as it is stored (bf16, fp8,
+device (`transport_device`); other backends are refused. A process that plays a source rank
+passes that rank's local tensors; one that plays a destination rank gets that rank's tensors back
+(`MovedWeights`, with the bytes it sent, received and copied). Each piece of the plan goes from
+the process of its source rank to the process of its destination rank: the pieces one process
+sends another form one stream of bytes (in the plan's order, which both sides know) cut into
+`CHUNK_BYTES` messages, exchanged round by round through one reused send and receive buffer
+per peer, and written into the destination tensors as they come; a piece whose source and
+destination are the same process is copied without a message. Every byte moves as it is stored (bf16, fp8,
 packed quantized bytes alike), so the destination's tensors are bit-identical to what
 `load()` of the destination build reads from the checkpoint.
 
@@ -46,9 +47,9 @@ class MovedWeights:
     tensors: dict[str, Any]
     """This process's destination rank's tensors (empty when it plays none)."""
     sent: dict[tuple[int, int], int] = field(default_factory=dict)
-    """(this process, receiving process) -> bytes of the buffer this process sent it."""
+    """(this process, receiving process) -> bytes of the messages this process sent it."""
     received: dict[tuple[int, int], int] = field(default_factory=dict)
-    """(sending process, this process) -> bytes of the buffer this process received."""
+    """(sending process, this process) -> bytes of the messages this process received."""
     copied: int = 0
     """Bytes copied from this process's source tensors into its destination tensors."""
 
@@ -199,25 +200,30 @@ def _exchange(torch: Any, dist: Any, group: Any, me: int, device: Any,
     """The pieces each (sender, receiver) pair exchanges, as one stream of bytes in the plan's
     order cut into `CHUNK_BYTES` messages: in round k every process posts the k-th chunk
     from and to each of its peers, waits for them, and unpacks what it received into the
-    destination slices; the bytes sent and received recorded on `moved`."""
-    for peer, parts in outgoing.items():
-        moved.sent[(me, peer)] = sum(int(part.numel()) for part in parts)
-    for peer, parts in incoming.items():
-        moved.received[(peer, me)] = sum(size for _, _, size in parts)
-    senders = {peer: _chunks(parts, _buffer(torch, device, moved.sent[(me, peer)]))
-               for peer, parts in sorted(outgoing.items()) if moved.sent[(me, peer)]}
-    receivers = {peer: (_Unpacker(parts), _buffer(torch, device, moved.received[(peer, me)]))
-                 for peer, parts in sorted(incoming.items()) if moved.received[(peer, me)]}
+    destination slices; the bytes of every message sent and received counted on `moved`."""
+    stream = {peer: sum(int(part.numel()) for part in parts) for peer, parts in outgoing.items()}
+    senders = {peer: _chunks(parts, _buffer(torch, device, stream[peer]))
+               for peer, parts in sorted(outgoing.items()) if stream[peer]}
+    unpackers = {peer: _Unpacker(parts) for peer, parts in sorted(incoming.items())}
+    receivers = {peer: (unpacker, _buffer(torch, device, unpacker.left))
+                 for peer, unpacker in unpackers.items() if unpacker.left}
+    moved.sent.update({(me, peer): 0 for peer in outgoing})
+    moved.received.update({(peer, me): 0 for peer in incoming})
     while senders or receivers:  # the buffers reused round after round
-        work = [dist.irecv(buffer[:unpacker.next_size()], src=_global(dist, group, peer),
-                           group=group) for peer, (unpacker, buffer) in receivers.items()]
+        messages = {peer: buffer[:unpacker.next_size()]
+                    for peer, (unpacker, buffer) in receivers.items()}
+        work = [dist.irecv(message, src=_global(dist, group, peer), group=group)
+                for peer, message in messages.items()]
         chunks = {peer: next(chunks, None) for peer, chunks in senders.items()}
         work += [dist.isend(chunk, dst=_global(dist, group, peer), group=group)
                  for peer, chunk in chunks.items() if chunk is not None]
         for request in work:
             request.wait()
-        for unpacker, buffer in receivers.values():
-            unpacker.take(torch, buffer[:unpacker.next_size()])
+        for peer, chunk in chunks.items():
+            moved.sent[(me, peer)] += 0 if chunk is None else int(chunk.numel())
+        for peer, message in messages.items():
+            moved.received[(peer, me)] += int(message.numel())
+            receivers[peer][0].take(torch, message)
         receivers = {peer: r for peer, r in receivers.items() if r[0].left}
         senders = {peer: senders[peer] for peer, chunk in chunks.items() if chunk is not None}
 
