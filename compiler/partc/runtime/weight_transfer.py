@@ -10,9 +10,9 @@ the process of its source rank to the process of its destination rank: the piece
 sends another form one stream of bytes (in the plan's order, which both sides know) cut into
 `CHUNK_BYTES` messages, exchanged round by round through one reused send and receive buffer
 per peer, and written into the destination tensors as they come; a piece whose source and
-destination are the same process is copied without a message. Every byte moves as it is stored (bf16, fp8,
-packed quantized bytes alike), so the destination's tensors are bit-identical to what
-`load()` of the destination build reads from the checkpoint.
+destination are the same process is copied without a message. Every byte moves as it is
+stored (bf16, fp8, packed quantized bytes alike), so the destination's tensors are
+bit-identical to what `load()` of the destination build reads from the checkpoint.
 
 The plan is the JSON form of `partc.plan.transfer.TransferPlan` (`partc inspect A --to B
 --format json` shows its totals; `TransferPlan.to_json()` is the schedule), so that a serving
