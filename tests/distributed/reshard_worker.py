@@ -6,9 +6,12 @@ argv[1] is a JSON file listing runs ({"name", "source", "destination" (build fol
 destination the executor does not run, its tensors checked only)}). For each run every process
 loads its rank of the source build from the checkpoint, hands the weights over with
 `partc.runtime.weight_transfer.reshard_weights` (process r plays source rank r and destination
-rank r), checks them against the destination build's own `load()` of its rank, and runs its
-destination stage with the reference torch executor; it writes `<name>-rank-<g>.json` (the names
-received, whether every tensor is bit-identical to the destination's load) and
+rank r, or the destination rank whose process "destination_processes" names it, if given;
+messages of "chunk_bytes" if given),
+checks them against the destination build's own `load()` of its rank, and runs its destination
+stage with the reference torch executor; it writes `<name>-rank-<g>.json` (the names
+received, whether every tensor is bit-identical to the destination's load, the bytes
+`reshard_weights` says it sent to, received from each process and copied locally) and
 `<name>-rank-<g>.npz` (logits on output ranks) to PARTC_TEST_REPORTS.
 """
 
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from partc.runtime import weight_transfer
 from partc.runtime.mesh import BuildTopology
 from partc.runtime.weight_transfer import reshard_weights
 
@@ -72,12 +76,16 @@ def main() -> None:
         checkpoint = run["checkpoint"]
         transfer = json.loads(Path(run["transfer"]).read_text())
         mine = source.load(checkpoint, rank=me).tensors  # type: ignore[attr-defined]
-        moved = reshard_weights(transfer, mine)
-        own = destination.load(checkpoint, rank=me)  # type: ignore[attr-defined]
-        same = sorted(moved) == sorted(own.tensors) and all(
+        weight_transfer.CHUNK_BYTES = run.get("chunk_bytes", 16 * 2 ** 20)
+        placed = run.get("destination_processes")  # default: destination rank r on process r
+        result = reshard_weights(transfer, mine, destination_processes=placed)
+        moved = result.tensors
+        rank = me if placed is None else placed.index(me) if me in placed else None
+        own = {} if rank is None else destination.load(  # type: ignore[attr-defined]
+            checkpoint, rank=rank).tensors
+        same = sorted(moved) == sorted(own) and all(
             np.array_equal(moved[n].numpy().view(np.uint8),
-                           np.ascontiguousarray(own.tensors[n]).view(np.uint8))
-            for n in own.tensors)
+                           np.ascontiguousarray(own[n]).view(np.uint8)) for n in own)
         arrays = {}
         if run["serve"]:  # not an expert-parallel destination: its tensors are checked only
             logits = serve(destination, me, moved, run)
@@ -85,7 +93,10 @@ def main() -> None:
                 arrays["logits"] = logits
         np.savez(reports / f"{run['name']}-rank-{me}.npz", **arrays)
         (reports / f"{run['name']}-rank-{me}.json").write_text(json.dumps({
-            "rank": me, "names": sorted(moved), "identical": same}))
+            "rank": me, "destination_rank": rank, "names": sorted(moved), "identical": same,
+            "sent": [[a, b, n] for (a, b), n in sorted(result.sent.items())],
+            "received": [[a, b, n] for (a, b), n in sorted(result.received.items())],
+            "copied": result.copied}))
         dist.barrier()
 
 

@@ -56,8 +56,9 @@ def joined_process_group(backend: str = "gloo") -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def torchrun(worker: Path, runs: list[dict[str, Any]], folder: Path) -> Path:
-    """Launch `worker` on 4 CPU processes under torchrun with `runs` (written to
+def torchrun(worker: Path, runs: list[dict[str, Any]], folder: Path, processes: int = 4
+             ) -> Path:
+    """Launch `worker` on `processes` CPU processes under torchrun with `runs` (written to
     `folder/runs.json`, its argument); returns the folder the workers reported into
     (PARTC_TEST_REPORTS). A free rendezvous port, one thread per process; fails with the
     workers' stderr when torchrun does."""
@@ -67,7 +68,7 @@ def torchrun(worker: Path, runs: list[dict[str, Any]], folder: Path) -> Path:
     reports.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
          "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(worker), str(spec)],
         capture_output=True, text=True, timeout=240,
         env={**env, "PARTC_TEST_REPORTS": str(reports), "OMP_NUM_THREADS": "1"})
