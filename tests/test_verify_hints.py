@@ -9,6 +9,7 @@ from pathlib import Path
 from partc.api import check_family
 from partc.cli.main import main
 from partc.plan.plan_file import read_plan
+from partc.plan.topology import Topology
 from partc.verify.run import verify_family
 
 from support import edited_family, hf
@@ -107,3 +108,31 @@ def test_a_fused_qkv_without_heads_is_told_the_fused_layouts(tmp_path):
     assert "`layout: grouped_per_kv` with `heads: [num_attention_heads, KV heads, KV heads]`" \
         in message
     assert "e.g. `heads: num_attention_heads`" not in message
+
+
+def test_the_kv_replication_hint_on_a_fused_qkv_names_the_grouped_layout(tmp_path):
+    """Falcon's new-decoder QKV declared component-major (its `layout:` dropped) and without
+    KV replication, at T = 4 over 2 KV groups: the hint to repeat KV heads says it is right
+    only for component-major rows and names `layout: grouped_per_kv` (repeating KV heads of
+    rows grouped per KV head passes check and is wrong)."""
+    family = edited_family(tmp_path, "falcon", "      layout: grouped_per_kv            # per "
+                           "KV group [q …, k, v], docs/layouts.md\n", "")
+    text = family.read_text()
+    replication = "    kv_replication: true                # T > KV heads: vLLM's rule, " \
+                  "docs/kv_replication.md\n"
+    segments = ("        - num_attention_heads // kv_groups * head_dim\n        - head_dim\n"
+                "        - head_dim\n")
+    assert text.count(replication) == 1 and text.count(segments) == 1
+    family.write_text(text.replace(replication, "").replace(segments, (
+        "        - num_attention_heads * head_dim\n        - kv_groups * head_dim\n"
+        "        - kv_groups * head_dim\n")))  # widths of a component-major fused QKV
+    errors = check_family(family, hf("falcon") / "config.json",
+                          topology=Topology(tensor_parallel_size=4))
+    message = " ".join(e.message for e in errors)
+    assert "set `kv_replication: true` with `heads:`" in message
+    assert ("but `transformer.h.0.self_attention.query_key_value.weight` fuses its q, k and v "
+            "rows, and repeating KV heads is only right if they are component-major") in message
+    assert "need `layout: grouped_per_kv` with `heads:` per segment instead" in message
+    # the built-in family (grouped_per_kv, KV replication) checks at T = 4
+    assert check_family(None, hf("falcon") / "config.json",
+                        topology=Topology(tensor_parallel_size=4)) == []

@@ -260,8 +260,17 @@ def _problems(group: ParameterGroupSpec, tp: int, split: TensorSplit = TensorSpl
         split_members = [m for m in group.members if m.sharding.is_partitioned]
         kv = (_kv_problems(group, tp) if split_members and all(m.heads for m in split_members)
               else [])
+        fused = [m.target for m in group.members  # fused rows declared component-major
+                 if not isinstance(m.sharding, ReplicatedSharding)
+                 and len(m.sharding.segments) > 1 and m.sharding.groups == 1]
+        grouped = (f"; but `{fused[0]}` fuses its q, k and v rows, and repeating KV heads is "
+                   "only right if they are component-major: rows grouped per KV head (each "
+                   "group's queries, then its key and value, as Falcon's new decoder stores "
+                   "them) need `layout: grouped_per_kv` with `heads:` per segment instead, see "
+                   "`partc docs layouts`; `partc verify` at this size tells the two apart"
+                   ) if fused else ""
         hint = (" (or set `kv_replication: true` with `heads:` on its projections to repeat KV "
-                "heads, see `partc docs kv_replication`)") if not kv else (
+                f"heads, see `partc docs kv_replication`{grouped})") if not kv else (
                 f" (repeating KV heads cannot help here: {kv[0][1]})")
     problems.append(("", f"it (role {group.role.value}) has {units} partition units{label} but "
                          f"tensor_parallel_size is {tp}: every rank needs at least one unit; use a "
