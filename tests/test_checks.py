@@ -8,7 +8,6 @@ checked against Llama's per-projection biases, which it must reproduce exactly.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -16,7 +15,7 @@ from partc.api import bind, check_family, compile_family
 from partc.errors import PartcError
 from partc.plan.topology import Topology
 
-from support import ROOT, hf
+from support import ROOT, check_case, hf
 
 CASES = ROOT / "tests" / "cases"
 LLAMA = ROOT / "architectures" / "llama.yaml"
@@ -24,14 +23,7 @@ LLAMA = ROOT / "architectures" / "llama.yaml"
 
 def case(name: str) -> list[str]:
     """`file:line:col: message [at pointer]` of every error `partc check` gives for a case."""
-    folder = CASES / name
-    previous = os.getcwd()
-    os.chdir(folder)
-    try:
-        errors = check_family("family.yaml", "config.json")
-    finally:
-        os.chdir(previous)
-    return [str(e) for e in sorted(errors, key=PartcError.sort_key)]
+    return [str(e) for e in sorted(check_case(CASES / name), key=PartcError.sort_key)]
 
 
 def test_split_attention_without_heads_is_refused_at_each_projection():

@@ -10,7 +10,6 @@ cases share are made once (`Runs`).
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from functools import cached_property
@@ -18,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from partc.api import check_family
 from partc.verify.checkpoint_check import checkpoint_errors
 from partc.verify.reference import reference_config
 from partc.verify.results import VerifyReport
 from partc.verify.run import verify_family
 
-from support import QUANTIZED, ROOT, edited_family, fp8_scales_family, hf
+from support import QUANTIZED, ROOT, check_case, edited_family, fp8_scales_family, hf
 
 DOC = ROOT / "docs" / "verify.md"
 HEADING = "## What verify proves and what it does not"
@@ -64,14 +62,7 @@ def _verified(report: VerifyReport) -> str:
 
 
 def _checked(case: str) -> str:
-    folder = ROOT / "tests" / "cases" / case
-    previous = os.getcwd()
-    os.chdir(folder)
-    try:
-        errors = check_family("family.yaml", "config.json")
-    finally:
-        os.chdir(previous)
-    return "caught: check" if errors else "not caught"
+    return "caught: check" if check_case(ROOT / "tests" / "cases" / case) else "not caught"
 
 
 def wrong_split(runs: Runs) -> str:

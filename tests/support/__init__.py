@@ -87,6 +87,21 @@ def fp8_scales_family(folder: Path, *, down_scale_axis: int, gate_segments: bool
     return path
 
 
+def check_case(folder: Path) -> list[Any]:
+    """The errors `partc check` gives for a case folder's family.yaml and config.json, checked
+    from inside the folder (so their locations read `family.yaml:line`)."""
+    import os
+
+    from partc.api import check_family
+
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        return list(check_family("family.yaml", "config.json"))
+    finally:
+        os.chdir(previous)
+
+
 def fixture_folder(name: str) -> Path:
     """Folder of one tiny fixture: `hf/<name>`, else `quantized/<name>`."""
     return hf(name) if (HF / name).is_dir() else QUANTIZED / name
