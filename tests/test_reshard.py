@@ -28,9 +28,12 @@ EXPERT_TRIP = [(1, 1, 4), (2, 1, 2), (1, 1, 1), (1, 1, 4)]
 SPLIT_EXPERT_TRIP = [(2, 1, (2, 2)), (1, 2, (4, 1)), (2, 1, (2, 2))]
 """EP=2 x ETP=2 (each expert split over 2 ranks) -> EP=4 over 2 stages -> back (T, S, (E, X))."""
 FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "deepseek_v3",
-            "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "llava", "qwen2_vl"]
-"""Every built-in family with a tiny fixture in the shared fixture set."""
-EXPERT_FAMILIES = ["deepseek_v3", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe"]
+            "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "llava", "qwen2_vl", "bamba", "bloom",
+            "codegen", "dbrx", "deepseek_v2", "deepseek_v2_qlora", "falcon", "gpt2", "gpt_neox",
+            "granite", "jamba", "mamba", "olmo2", "phi", "qwen3_next", "stablelm", "stablelm_qk"]
+"""Every built-in family with a tiny fixture (the shared fixture set's and tests/fixtures')."""
+EXPERT_FAMILIES = ["deepseek_v3", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "dbrx",
+                   "deepseek_v2", "deepseek_v2_qlora", "jamba", "qwen3_next"]
 """Those of them with routed experts."""
 
 Experts = "int | tuple[int, int] | None"
