@@ -21,7 +21,7 @@ from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
 from partc.runtime.headers import DTYPES
 
-from support import Recorder, assert_same_tensors, compile_and_import, hf
+from support import ColumnQuarter, Recorder, assert_same_tensors, compile_and_import, hf
 
 LLAMA = hf("llama")
 
@@ -85,32 +85,20 @@ def test_a_cold_column_slice_reads_the_sectors_of_its_runs_and_nothing_else(
     direct = direct_supported(path)  # a file system that refuses it reads through the cache
     monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
     seen = direct_reads(monkeypatch)
-    ckpt = open_checkpoint(path)
-    name = "model.layers.0.mlp.down_proj.weight"
-    header, entry = ckpt.tensor(name)
-    rows, cols = entry.shape
-    item = DTYPES[entry.dtype].itemsize
-    sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
-    assert gather.gatherable(entry, sel)
-    recorder = Recorder()
-    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, workers=1,
-                                            max_fetch_ratio=1.0)) as r:
-        got = r.read_many([(name, sel)])[name]
-    base = header.data_start + entry.begin
-    width = (cols // 2 - cols // 4) * item
-    want_runs = [(base + (row * cols + cols // 4) * item, width) for row in range(rows)]
+    read = ColumnQuarter(path, workers=1, max_fetch_ratio=1.0)
+    assert gather.gatherable(read.entry, read.selection)
+    want_runs = read.runs()
     wanted = sorted(set(sectors_of(want_runs)))
-    read = sectors_of([(o, n) for _, o, n in recorder.runs])
-    assert sorted(set(read)) == wanted and len(read) == len(set(read)), \
+    fetched = sectors_of([(o, n) for _, o, n in read.recorder.runs])
+    assert sorted(set(fetched)) == wanted and len(fetched) == len(set(fetched)), \
         "the runs' sectors, each once, and no other"
     owned = {b for o, n in want_runs for b in range(o, o + n)}
-    assert owned <= {b for _, o, n in recorder.runs for b in range(o, o + n)}
+    assert owned <= {b for _, o, n in read.recorder.runs for b in range(o, o + n)}
     if direct:
         assert sectors_of(seen) == wanted, "aligned reads fetching each sector once"
     else:
         assert seen == [], "a refused O_DIRECT falls back to reads through the page cache"
-    np.testing.assert_array_equal(got.view(np.uint8), load_file(str(path))[name]
-                                  [:, cols // 4:cols // 2].view(np.uint8))
+    read.assert_equal_to_safetensors()
 
 
 def test_warm_rows_are_not_read_with_o_direct(monkeypatch: pytest.MonkeyPatch,
@@ -139,18 +127,9 @@ def test_a_cold_column_slice_reads_whole_rows_in_large_aligned_requests_by_defau
     monkeypatch.setattr(gather, "_resident", lambda address, start, end: 0.0)
     monkeypatch.setattr(spans, "BOUNCE_BYTES", 4096)  # several requests on the tiny fixture
     seen = direct_reads(monkeypatch)
-    ckpt = open_checkpoint(path)
-    name = "model.layers.0.mlp.down_proj.weight"
-    header, entry = ckpt.tensor(name)
-    rows, cols = entry.shape
-    item = DTYPES[entry.dtype].itemsize
-    sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
-    recorder = Recorder()
-    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, workers=1)) as r:
-        got = r.read_many([(name, sel)])[name]
-    np.testing.assert_array_equal(got.view(np.uint8), load_file(str(path))[name]
-                                  [:, cols // 4:cols // 2].view(np.uint8))
-    base = header.data_start + entry.begin
+    read = ColumnQuarter(path, workers=1)
+    read.assert_equal_to_safetensors()
+    base, rows, cols, item, recorder = read.base, read.rows, read.cols, read.item, read.recorder
     first, last = base + cols // 4 * item, base + ((rows - 1) * cols + cols // 2) * item
     spans_read = sorted((o, o + n) for _, o, n in recorder.runs)
     assert spans_read[0][0] == first and spans_read[-1][1] == last

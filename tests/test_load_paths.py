@@ -21,10 +21,9 @@ from partc.runtime._engine.reader import CheckpointReader
 from partc.runtime._engine.selection import ReadOptions, TensorSelection
 from partc.runtime._engine.workers import default_workers
 from partc.runtime.checkpoint import open_checkpoint
-from partc.runtime.headers import DTYPES
 from partc.runtime.options import ZeroCopy
 
-from support import Recorder, assert_same_tensors, compile_and_import, hf
+from support import ColumnQuarter, Recorder, assert_same_tensors, compile_and_import, hf
 
 LLAMA = hf("llama")
 
@@ -135,22 +134,10 @@ def test_column_runs_are_read_exactly_with_readahead_off(
 
     monkeypatch.setattr(os, "posix_fadvise", record)
     monkeypatch.setattr(gather, "_USE_VM_COPY", vm_read)
-    ckpt = open_checkpoint(LLAMA)
-    name = "model.layers.0.mlp.down_proj.weight"
-    header, entry = ckpt.tensor(name)
-    rows, cols = entry.shape
-    item = DTYPES[entry.dtype].itemsize
-    sel = TensorSelection(axis=1, ranges=((cols // 4, cols // 2),))
-    recorder = Recorder()
-    with CheckpointReader(ckpt, ReadOptions(recorder=recorder, max_fetch_ratio=1.0)) as r:
-        got = r.read_many([(name, sel)])[name]
-    base = header.data_start + entry.begin
-    want = {(str(header.path), base + (row * cols + cols // 4) * item, (cols // 2 - cols // 4)
-             * item) for row in range(rows)}
-    assert sorted(recorder.runs) == sorted(want), "one run per row: the selected columns only"
-    np.testing.assert_array_equal(got.view(np.uint8),
-                                  load_file(str(header.path))[name][:, cols // 4:cols // 2]
-                                  .view(np.uint8))
+    read = ColumnQuarter(LLAMA, max_fetch_ratio=1.0)
+    want = {(str(read.path), offset, length) for offset, length in read.runs()}
+    assert sorted(read.recorder.runs) == sorted(want), "one run per row: the selected columns only"
+    read.assert_equal_to_safetensors()
     # one advice for the descriptor that read the header, one for the reader's
     assert [(o, n, h) for _, o, n, h in advice] == [(0, 0, os.POSIX_FADV_RANDOM)] * 2
     assert len({fd for fd, _, _, _ in advice}) <= 2

@@ -102,6 +102,42 @@ def check_case(folder: Path) -> list[Any]:
         os.chdir(previous)
 
 
+class ColumnQuarter:
+    """The second quarter of the columns of a checkpoint's `model.layers.0.mlp.down_proj.weight`
+    read with a `CheckpointReader`: what came back, what was read, the runs that hold it."""
+
+    NAME = "model.layers.0.mlp.down_proj.weight"
+
+    def __init__(self, path: Path, **options: Any) -> None:
+        from partc.runtime._engine.reader import CheckpointReader
+        from partc.runtime._engine.selection import ReadOptions, TensorSelection
+        from partc.runtime.checkpoint import open_checkpoint
+        from partc.runtime.headers import DTYPES
+
+        checkpoint = open_checkpoint(path)
+        header, self.entry = checkpoint.tensor(self.NAME)
+        self.path = header.path
+        self.rows, self.cols = self.entry.shape
+        self.item = DTYPES[self.entry.dtype].itemsize
+        self.base = header.data_start + self.entry.begin
+        self.selection = TensorSelection(axis=1, ranges=((self.cols // 4, self.cols // 2),))
+        self.recorder = Recorder()
+        with CheckpointReader(checkpoint, ReadOptions(recorder=self.recorder, **options)) as r:
+            self.got = r.read_many([(self.NAME, self.selection)])[self.NAME]
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(offset, length) of each row's selected columns in the file."""
+        width = (self.cols // 2 - self.cols // 4) * self.item
+        return [(self.base + (row * self.cols + self.cols // 4) * self.item, width)
+                for row in range(self.rows)]
+
+    def assert_equal_to_safetensors(self) -> None:
+        """The bytes read are safetensors' own slice of the tensor."""
+        np.testing.assert_array_equal(
+            self.got.view(np.uint8),
+            load_file(str(self.path))[self.NAME][:, self.cols // 4:self.cols // 2].view(np.uint8))
+
+
 def fixture_folder(name: str) -> Path:
     """Folder of one tiny fixture: `hf/<name>`, else `quantized/<name>`."""
     return hf(name) if (HF / name).is_dir() else QUANTIZED / name
