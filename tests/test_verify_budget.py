@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from partc.cli.main import main
-from partc.verify.reference import reference_config
+from partc.verify.shrink import reference_config
 
 from support import FIXTURES, FULLSIZE, ROOT, hf
 

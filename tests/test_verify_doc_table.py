@@ -20,9 +20,9 @@ import pytest
 
 from partc.api import check_family
 from partc.verify.checkpoint_check import checkpoint_errors
-from partc.verify.reference import reference_config
 from partc.verify.results import VerifyReport
 from partc.verify.run import verify_family
+from partc.verify.shrink import reference_config
 
 from support import QUANTIZED, ROOT, edited_family, fp8_scales_family, hf
 
