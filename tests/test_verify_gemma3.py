@@ -79,3 +79,53 @@ def test_the_scaffolded_family_verifies_with_a_cut_inside_the_vision_tower(gemma
     assert {"model.multi_modal_projector", "model.vision_tower.encoder.layers.0.mlp",
             "model.language_model.layers.0.mlp"} <= modules
     assert any(c.pp == 3 for c in report.checks)
+
+
+GEMMA3_4B = {
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "vocab_size": 262208, "sliding_window": 1024,
+                    "max_position_embeddings": 131072},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                      "intermediate_size": 4304, "num_hidden_layers": 27,
+                      "num_attention_heads": 16, "image_size": 896, "patch_size": 14},
+    "mm_tokens_per_image": 256, "image_token_index": 262144, "boi_token_index": 255999,
+    "eoi_token_index": 256000}
+"""Gemma-3-4B's sizes (google/gemma-3-4b-it's config.json): a SigLIP tower of 64 x 64 patches
+pooled to 256 image tokens, whose ids are past the vocabulary a shrunk model keeps."""
+
+
+def test_a_gemma3_4b_config_is_shrunk_consistently(tmp_path):
+    """Its text and vision sizes shrunk, the image pooled to as many tokens as it has ids
+    for, the image tokens moved into the shrunk vocabulary: transformers' own forward of the
+    shrunk model on verify's inputs runs (it raises when image features and image tokens
+    differ) and its `get_image_features` rows are the image block's tokens."""
+    import json
+
+    import torch
+    from transformers import Gemma3Config
+
+    from partc.verify.inputs import model_inputs
+    from partc.verify.reference import build_reference, load_model
+    from partc.verify.shrink import reference_config
+
+    config = json.loads(Gemma3Config(**GEMMA3_4B).to_json_string())
+    reference, notes = reference_config(config, tensor_parallel_size=2,
+                                        pipeline_parallel_size=2)
+    said = " ".join(notes)
+    for change in ("text_config.hidden_size 2560 -> 64", "text_config.vocab_size 262208 -> 131",
+                   "vision_config.hidden_size 1152 -> 64", "vision_config.image_size 896 -> 56",
+                   "vision_config.num_hidden_layers 27 -> 3", "mm_tokens_per_image 256 -> 4",
+                   "image_token_index 262144 -> 130", "eoi_token_index 256000 -> 129",
+                   "boi_token_index 255999 -> 128"):
+        assert change in said, said
+    build_reference(reference, tmp_path / "model", seed=0)
+    inputs = model_inputs(tmp_path / "model", 131, 0, set())
+    model = load_model(tmp_path / "model")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        features = model.get_image_features(pixel_values=inputs["pixel_values"])
+    pooled = getattr(features, "pooler_output", features)
+    assert inputs["input_ids"][0].tolist().count(130) == pooled.reshape(
+        -1, pooled.shape[-1]).shape[0] == 4
+    assert logits.shape == (1, inputs["input_ids"].shape[1], 131)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from partc.verify.shrink_vision import shrunk_ties, shrunk_tower, vision_is_large
+
 HEAD_DIM = 16
 """Head width of a shrunk model."""
 
@@ -62,7 +64,20 @@ def _shrunk_heads(config: dict[str, Any], largest: Sizes) -> dict[str, Any]:
     if isinstance(rotary, int) and isinstance(width, int) and rotary > HEAD_DIM:
         # CodeGen's, GPT-J's partial rotary width: the same part of the narrower head (even)
         out["rotary_dim"] = max(2, rotary * HEAD_DIM * heads // width // 2 * 2)
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = config.get(name)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+            out[name] = {**rope, "mrope_section": _mrope_section(rope["mrope_section"])}
     return out
+
+
+def _mrope_section(parts: list[int]) -> list[int]:
+    """Qwen2-VL's M-RoPE sections (temporal, height, width: half a head's width together)
+    scaled to the shrunk head, each at least 1."""
+    total, half = sum(parts) or 1, HEAD_DIM // 2
+    small = [max(1, part * half // total) for part in parts]
+    small[-1] += half - sum(small)
+    return small
 
 
 def _shrunk_mla(config: dict[str, Any], _: Sizes) -> dict[str, Any]:
@@ -281,11 +296,23 @@ def _usual_view(config: dict[str, Any],
 
 def is_large(config: dict[str, Any], sizes: FamilySizes | None = None) -> bool:
     """Whether a config is shrunk before the reference model is built: one whose sizes, by
-    their usual names or as the config spells them (`spellings`), exceed LARGE, unless it is a
-    vision-language config (its sizes are in `text_config` and `vision_config`, which the
-    shrink rules do not rewrite; a top-level `hidden_size` beside them, as PaliGemma's legacy
-    one, is not the model's)."""
-    return not _composite(config) and _exceeds(_usual_view(config, spellings(config, sizes)))
+    their usual names or as the config spells them (`spellings`), exceed LARGE; a
+    vision-language config when its `text_config` does or its `vision_config` is a large tower
+    (`vision_is_large`); its top-level sizes are not its models' (PaliGemma's legacy
+    `hidden_size`)."""
+    if _composite(config):
+        text, vision = config.get("text_config"), config.get("vision_config")
+        return isinstance(text, dict) and is_large(text, _section_sizes(sizes, "text_config")) \
+            or isinstance(vision, dict) and vision_is_large(vision)
+    return _exceeds(_usual_view(config, spellings(config, sizes)))
+
+
+def _section_sizes(sizes: FamilySizes | None, section: str) -> FamilySizes:
+    """The family's fields read from inside a section, by their path in it."""
+    prefix = f"{section}."
+    return {name: tuple(s[len(prefix):] for s in sources if s.startswith(prefix))
+            for name, sources in (sizes or {}).items()
+            if any(s.startswith(prefix) for s in sources)}
 
 
 def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
@@ -295,7 +322,8 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
 
     Always: float32 weights, eager attention, no quantization. A large config (`is_large`) is
     shrunk by SHRINK_RULES to a tiny model of the same structure, which still compiles at the
-    largest T (`tensor_parallel_size`) and S (`pipeline_parallel_size`) the config compiles at.
+    largest T (`tensor_parallel_size`) and S (`pipeline_parallel_size`) the config compiles at;
+    a vision-language one section by section (`_shrunk_sections`).
     `keep_layers`: the shrunk model keeps the config's layers (the pipeline check's cut, given
     as unit counts, names them); only a multi-token-prediction layer, which transformers does
     not build, is dropped. `sizes`: the family's `int` fields, more spellings of the sizes
@@ -308,30 +336,81 @@ def reference_config(config: dict[str, Any], *, tensor_parallel_size: int = 1,
              for k in ("quantization_config", "quantization") if k in config]
     out["dtype"] = "float32"
     out.pop("torch_dtype", None)
-    if _composite(config) and any(_exceeds(config.get(n) or {}) for n in _SECTIONS):
-        notes.append("not shrunk: a vision-language config keeps its sizes in text_config and "
-                     "vision_config; the reference model is built at full size")
-    if is_large(config, sizes):
-        where = spellings(out, sizes)
-        view = _usual_view(out, where)
-        for what, applies, rule in SHRINK_RULES:
-            if not applies(view):
-                continue
-            changes = {k: v for k, v in rule(view, largest).items() if view.get(k) != v}
-            if keep_layers and rule is _shrunk_layers:
-                notes.append(f"kept all {view['num_hidden_layers']} layers: the pipeline "
-                             "check's stage units (--pp-layers) count them")
-                changes = {k: v for k, v in changes.items() if k == "num_nextn_predict_layers"}
-            if changes:
-                notes.append(f"shrunk {what}: " + ", ".join(
-                    f"{'.'.join(path)} {view.get(k)} -> {v}"
-                    for k, v in sorted(changes.items()) for path in where.get(k, ((k,),))))
-                view.update(changes)
-                for k, v in changes.items():
-                    for path in where.get(k, ((k,),)):
-                        _put(out, path, v)
+    if is_large(config, sizes) and _composite(config):
+        out = _shrunk_sections(out, largest, keep_layers, sizes, notes)
+    elif is_large(config, sizes):
+        out = _shrunk_text(out, largest, keep_layers, sizes, notes)
     notes.extend(kept_sizes(config, out, sizes or {}))
     return out, notes
+
+
+def _shrunk_text(config: dict[str, Any], largest: Sizes, keep_layers: bool,
+                 sizes: FamilySizes | None, notes: list[str],
+                 prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A text model's config shrunk by SHRINK_RULES (a note per rule that changed something,
+    its fields named under `prefix`: the section it is in)."""
+    out = dict(config)
+    where = spellings(out, sizes)
+    view = _usual_view(out, where)
+    for what, applies, rule in SHRINK_RULES:
+        if not applies(view):
+            continue
+        changes = {k: v for k, v in rule(view, largest).items() if view.get(k) != v}
+        if keep_layers and rule is _shrunk_layers:
+            notes.append(f"kept all {view['num_hidden_layers']} layers: the pipeline "
+                         "check's stage units (--pp-layers) count them")
+            changes = {k: v for k, v in changes.items() if k == "num_nextn_predict_layers"}
+        if changes:
+            notes.append(f"shrunk {what}: " + ", ".join(
+                f"{'.'.join(prefix + path)} {_shown(view.get(k))} -> {_shown(v)}"
+                for k, v in sorted(changes.items()) for path in where.get(k, ((k,),))))
+            view.update(changes)
+            for k, v in changes.items():
+                for path in where.get(k, ((k,),)):
+                    _put(out, path, v)
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A value as a note says it: a long list by its length."""
+    return f"[{len(value)} entries]" if isinstance(value, list) and len(value) > 4 else str(value)
+
+
+def _shrunk_sections(config: dict[str, Any], largest: Sizes, keep_layers: bool,
+                     sizes: FamilySizes | None, notes: list[str]) -> dict[str, Any]:
+    """A vision-language config shrunk: its `text_config` as a text model's, its
+    `vision_config` as a vision tower (`shrunk_tower`), then the top-level fields tying them
+    (`shrunk_ties`), a note for each."""
+    out = dict(config)
+    text = out.get("text_config")
+    if isinstance(text, dict):
+        out["text_config"] = text = _shrunk_text(
+            text, largest, keep_layers, _section_sizes(sizes, "text_config"), notes,
+            ("text_config",))
+    hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    vision = out.get("vision_config")
+    if isinstance(vision, dict):
+        changes = shrunk_tower(vision, config, hidden if isinstance(hidden, int) else None,
+                               tensor_parallel_size=largest.tensor_parallel_size,
+                               pipeline_parallel_size=largest.pipeline_parallel_size,
+                               keep_layers=keep_layers)
+        _changed(notes, "vision tower (heads, widths, layers, image)", vision, changes,
+                 "vision_config.")
+        out["vision_config"] = vision = {**vision, **changes}
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
+    ties = shrunk_ties(out, vision if isinstance(vision, dict) else {},
+                       vocab if isinstance(vocab, int) else None)
+    _changed(notes, "image tokens (ids in the shrunk vocabulary, pooled tokens)", out, ties, "")
+    out.update(ties)
+    return out
+
+
+def _changed(notes: list[str], what: str, before: dict[str, Any], changes: dict[str, Any],
+             prefix: str) -> None:
+    """One note on the `changes` made to a config (`before`), when there are any."""
+    if changes:
+        notes.append(f"shrunk {what}: " + ", ".join(
+            f"{prefix}{k} {before.get(k)} -> {v}" for k, v in sorted(changes.items())))
 
 
 def kept_sizes(config: dict[str, Any], reference: dict[str, Any],
