@@ -6,8 +6,9 @@ The hostile configs of issue 39 (a 2^31 `n_positions`, a 2^20 `head_dim`, a 2^26
 `moe_intermediate_size`, a 2^20 Mamba state, a 70B `text_config` inside a vision-language
 config and a ViT-L tower in its vision_config, shrunk section by section; a Qwen3-Next
 linear-attention key width of 2^20 that no shrink rule knows) and the released GPT-2,
-CodeGen-350M-mono and MPT-7B configs run in one child process whose address space is capped at 3 GiB (`RLIMIT_AS`): a run that allocated any of these models at full size
-would die there. Each run's outcome, message and the number of reference models it built are
+CodeGen-350M-mono and MPT-7B configs run in one child process whose address space is capped
+at 3 GiB (`RLIMIT_AS`): a run that allocated any of these models at full size would die
+there. Each run's outcome, message and the number of reference models it built are
 asserted.
 """
 
