@@ -19,8 +19,8 @@ from partc.api import check_family
 from partc.cli.main import main
 from partc.parallel.specs import ShardingPolicy
 from partc.plan.topology import Topology
-from partc.verify.shrink import is_large, reference_config
 from partc.verify.run import verify_family
+from partc.verify.shrink import is_large, reference_config
 
 from support import HF_MODELS, ROOT, hf
 

@@ -66,9 +66,29 @@ def _shrunk_heads(config: dict[str, Any], largest: Sizes) -> dict[str, Any]:
         out["rotary_dim"] = max(2, rotary * HEAD_DIM * heads // width // 2 * 2)
     for name in ("rope_parameters", "rope_scaling"):
         rope = config.get(name)
-        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
-            out[name] = {**rope, "mrope_section": _mrope_section(rope["mrope_section"])}
+        sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if sections is None and name == "rope_parameters" and isinstance(rope, dict) \
+                and _reads_mrope(config.get("model_type")):
+            sections = MROPE_DEFAULT
+        if isinstance(rope, dict) and isinstance(sections, list):
+            out[name] = {**rope, "mrope_section": _mrope_section(sections)}
     return out
+
+
+MROPE_DEFAULT = [16, 24, 24]
+"""The M-RoPE sections Qwen2-VL's and Qwen2.5-VL's rotary embeddings use when the config
+gives none (`modeling_qwen2_vl.py`: `rope_parameters.get("mrope_section", [16, 24, 24])`)."""
+
+
+def _reads_mrope(model_type: object) -> bool:
+    """Whether the config class of `model_type` declares `mrope_section` among its rope keys
+    (`ignore_keys_at_rope_validation`: Qwen2-VL's, Qwen2.5-VL's text configs)."""
+    try:
+        from transformers import CONFIG_MAPPING
+        keys = getattr(CONFIG_MAPPING[str(model_type)], "ignore_keys_at_rope_validation", ())
+    except (ImportError, KeyError, TypeError):
+        return False
+    return "mrope_section" in (keys or ())
 
 
 def _mrope_section(parts: list[int]) -> list[int]:
