@@ -77,3 +77,19 @@ def test_a_large_vision_language_config_shrinks_into_a_model_transformers_runs(
     token = reference.get("image_token_index", reference.get("image_token_id"))
     assert inputs["input_ids"][0].tolist().count(token) == image_tokens
     assert logits.shape == (1, inputs["input_ids"].shape[1], vocab)
+
+
+def test_stage_units_keep_every_layer_of_both_sections() -> None:
+    """With --pp-layers (`keep_layers`) the units counted are the config's: the decoder's and
+    the tower's layers are kept, each said in a note, while their widths shrink."""
+    from partc.verify.shrink import reference_config
+
+    config = _config("gemma3_4b")
+    reference, notes = reference_config(config, tensor_parallel_size=2,
+                                        pipeline_parallel_size=2, keep_layers=True)
+    assert reference["text_config"]["num_hidden_layers"] == 34
+    assert reference["vision_config"]["num_hidden_layers"] == 27
+    assert reference["vision_config"]["hidden_size"] == 64
+    assert "kept all 34 layers: the pipeline check's stage units (--pp-layers) count them" in notes
+    assert "kept all 27 vision layers: the pipeline check's stage units (--pp-layers) count " \
+           "them" in notes

@@ -414,6 +414,10 @@ def _shrunk_sections(config: dict[str, Any], largest: Sizes, keep_layers: bool,
                                tensor_parallel_size=largest.tensor_parallel_size,
                                pipeline_parallel_size=largest.pipeline_parallel_size,
                                keep_layers=keep_layers)
+        layers = vision.get("num_hidden_layers", vision.get("depth"))
+        if keep_layers and isinstance(layers, int):
+            notes.append(f"kept all {layers} vision layers: the pipeline check's stage units "
+                         "(--pp-layers) count them")
         _changed(notes, "vision tower (heads, widths, layers, image)", vision, changes,
                  "vision_config.")
         out["vision_config"] = vision = {**vision, **changes}
