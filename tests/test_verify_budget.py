@@ -25,47 +25,19 @@ import pytest
 from partc.cli.main import main
 from partc.verify.shrink import reference_config
 
-from support import FIXTURES, FULLSIZE, ROOT, hf
+from support import FIXTURES, ROOT, edited_config, hf, large_vision_language
 
 RELEASED = FIXTURES / "released"
 ADDRESS_SPACE = 3 * 2**30
 """The child's address-space cap: torch and transformers need about 1.5 GiB of it."""
-LLAMA_70B = {k: v for k, v in json.loads((FULLSIZE / "Llama-3.1-70B" / "config.json")
-                                         .read_text()).items()
-             if k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                      "num_key_value_heads", "num_hidden_layers", "vocab_size")}
-"""Llama-3.1-70B's sizes, written over a vision-language fixture's text_config."""
-VIT_L = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-         "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
-"""A ViT-L/14-336 vision tower's sizes (LLaVA-1.5's CLIP tower)."""
-
-
-def _edited(name: str, top: dict[str, Any], sections: dict[str, dict[str, Any]] | None = None,
-            drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A tiny fixture's config with sizes written over it (and section keys dropped)."""
-    config = json.loads((hf(name) / "config.json").read_text())
-    config.update(top)
-    for section, fields in (sections or {}).items():
-        config[section] = {k: v for k, v in {**config[section], **fields}.items()
-                           if k not in drop}
-    return config
-
-
 HOSTILE = {
-    "gpt2_positions": (_edited("gpt2", {"n_positions": 2**31}), None),
-    "llama_head_dim": (_edited("llama", {"head_dim": 2**20}), None),
-    "qwen3_moe_width": (_edited("qwen3_moe", {"moe_intermediate_size": 2**26}), None),
-    "llava_70b_text": (_edited("llava", {"image_token_index": 128000, "image_seq_length": 576},
-                               {"text_config": LLAMA_70B, "vision_config": VIT_L},
-                               drop=("head_dim",)), None),
-    "qwen2_vl_70b_text": (_edited("qwen2_vl", {}, {
-        "text_config": {**LLAMA_70B, "layer_types": ["full_attention"] * 80,
-                        "rope_parameters": {"mrope_section": [16, 24, 24], "rope_theta": 1e6,
-                                            "rope_type": "default"}},
-        "vision_config": {"hidden_size": LLAMA_70B["hidden_size"], "embed_dim": 1024,
-                          "depth": 24, "num_heads": 16}}), None),
-    "mamba_state": (_edited("mamba", {"state_size": 2**20}), None),
-    "qwen3_next_linear_keys": (_edited("qwen3_next", {"linear_key_head_dim": 2**20}), None),
+    "gpt2_positions": (edited_config("gpt2", {"n_positions": 2**31}), None),
+    "llama_head_dim": (edited_config("llama", {"head_dim": 2**20}), None),
+    "qwen3_moe_width": (edited_config("qwen3_moe", {"moe_intermediate_size": 2**26}), None),
+    "llava_70b_text": (large_vision_language("llava"), None),
+    "qwen2_vl_70b_text": (large_vision_language("qwen2_vl"), None),
+    "mamba_state": (edited_config("mamba", {"state_size": 2**20}), None),
+    "qwen3_next_linear_keys": (edited_config("qwen3_next", {"linear_key_head_dim": 2**20}), None),
     "gpt2_124m": (None, RELEASED / "gpt2" / "config.json"),
     "codegen_350m_mono": (None, RELEASED / "codegen-350M-mono" / "config.json"),
     "mpt_7b": (None, RELEASED / "mpt-7b" / "config.json"),
@@ -259,7 +231,7 @@ def test_a_config_its_own_class_refuses_is_one_error_at_the_config(tmp_path, cap
     # huggingface_hub's strict config dataclass refuses it (not a ValueError): it ended in
     # exit 70, "internal error"
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(_edited("qwen2_vl", {}, {"text_config": {
+    config.write_text(json.dumps(edited_config("qwen2_vl", {}, {"text_config": {
         "num_hidden_layers": 3}})))
     status = main(["verify", "--config", str(config), "--tp", "1", "--pp", "1"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]

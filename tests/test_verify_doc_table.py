@@ -23,6 +23,7 @@ from partc.verify.checkpoint_check import checkpoint_errors
 from partc.verify.results import VerifyReport
 from partc.verify.run import verify_family
 
+import support
 from support import QUANTIZED, ROOT, edited_family, fp8_scales_family, hf
 
 DOC = ROOT / "docs" / "verify.md"
@@ -142,27 +143,12 @@ def tp_with_pp(runs: Runs) -> str:
                                    for c in checks) else "not caught"
 
 
-LLAVA_70B = {
-    "image_token_index": 128000,
-    "text_config": {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
-                    "num_key_value_heads": 8, "num_hidden_layers": 80, "vocab_size": 128256},
-    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                      "num_attention_heads": 16, "image_size": 336, "patch_size": 14}}
-"""A llava config with Llama-3.1-70B's decoder and a ViT-L/14-336 tower (written over the
-tiny fixture's)."""
-
-
 def large_vision_language(runs: Runs) -> str:
     """A llava config with a 70B decoder and a ViT-L tower, its vision layers' `out_proj`
     declared column: shrunk section by section (a full-size model could not be built), and
     the shrunk tower's attention refused at T = 2."""
-    config = json.loads((hf("llava") / "config.json").read_text())
-    for section in ("text_config", "vision_config"):
-        config[section] = {k: v for k, v in config[section].items() if k != "head_dim"}
-        config[section].update(LLAVA_70B[section])
-    config["image_token_index"] = LLAVA_70B["image_token_index"]
     path = runs.folder / "llava-70b.json"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(support.large_vision_language("llava")))
     family = edited_family(runs.folder, "llava", '{module: "{path}.self_attn.out_proj", '
                            "sharding: row", '{module: "{path}.self_attn.out_proj", '
                            "sharding: column")

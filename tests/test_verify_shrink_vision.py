@@ -19,6 +19,12 @@ from typing import Any
 
 import pytest
 
+from partc.api import check_family
+from partc.plan.topology import Topology
+from partc.verify.shrink import reference_config
+
+from support import large_vision_language
+
 GEMMA3_4B = {
     "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
                     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
@@ -59,8 +65,6 @@ def test_a_large_vision_language_config_shrinks_into_a_model_transformers_runs(
 
     from partc.verify.inputs import model_inputs
     from partc.verify.reference import build_reference, load_model
-    from partc.verify.shrink import reference_config
-
     config = _config(case)
     reference, notes = reference_config(config, tensor_parallel_size=2,
                                         pipeline_parallel_size=2)
@@ -82,8 +86,6 @@ def test_a_large_vision_language_config_shrinks_into_a_model_transformers_runs(
 def test_stage_units_keep_every_layer_of_both_sections() -> None:
     """With --pp-layers (`keep_layers`) the units counted are the config's: the decoder's and
     the tower's layers are kept, each said in a note, while their widths shrink."""
-    from partc.verify.shrink import reference_config
-
     config = _config("gemma3_4b")
     reference, notes = reference_config(config, tensor_parallel_size=2,
                                         pipeline_parallel_size=2, keep_layers=True)
@@ -93,3 +95,24 @@ def test_stage_units_keep_every_layer_of_both_sections() -> None:
     assert "kept all 34 layers: the pipeline check's stage units (--pp-layers) count them" in notes
     assert "kept all 27 vision layers: the pipeline check's stage units (--pp-layers) count " \
            "them" in notes
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_a_shrunk_vision_language_reference_compiles_wherever_the_real_config_does(
+        tmp_path: Path, name: str) -> None:
+    """A 70B decoder with a ViT-L tower: the shrunk config compiles (`partc check` with the
+    built-in family) at every T up to 8 and at S = 4 where the real one does."""
+    def compiles(config: dict[str, Any], tp: int, pp: int = 1) -> bool:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        topology = Topology(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        return check_family(None, path, topology=topology) == []
+
+    real = large_vision_language(name)
+    sizes = [tp for tp in range(1, 9) if compiles(real, tp)]
+    assert sizes[:4] == [1, 2, 3, 4] and compiles(real, 1, 4), sizes
+    small, notes = reference_config(real, tensor_parallel_size=max(sizes),
+                                    pipeline_parallel_size=4)
+    assert any(n.startswith("shrunk vision tower") for n in notes), notes
+    assert [tp for tp in sizes if compiles(small, tp)] == sizes, notes
+    assert compiles(small, 1, 4), notes
