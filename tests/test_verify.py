@@ -19,8 +19,8 @@ from partc.api import check_family
 from partc.cli.main import main
 from partc.parallel.specs import ShardingPolicy
 from partc.plan.topology import Topology
-from partc.verify.reference import is_large, reference_config
 from partc.verify.run import verify_family
+from partc.verify.shrink import is_large, reference_config
 
 from support import HF_MODELS, ROOT, hf
 
@@ -253,7 +253,7 @@ def test_a_large_config_is_shrunk_keeping_its_structure():
     assert not is_large(tiny) and reference_config(tiny)[0]["hidden_size"] == tiny["hidden_size"]
 
 
-def test_a_vision_language_config_is_not_shrunk_by_its_top_level_legacy_sizes():
+def test_a_vision_language_config_is_shrunk_by_its_sections_not_its_legacy_sizes():
     """PaliGemma's config.json keeps a legacy top-level `hidden_size` (2048) and `vocab_size`
     beside text_config's: the model ignores them, and rewriting them (the shrink rules read the
     top level) only broke a family reading them and printed a shrink that did not happen."""
@@ -264,11 +264,16 @@ def test_a_vision_language_config_is_not_shrunk_by_its_top_level_legacy_sizes():
     assert notes == []
     assert {k: out[k] for k in legacy if k not in ("dtype", "torch_dtype")} == {
         k: v for k, v in legacy.items() if k not in ("dtype", "torch_dtype")}
-    large = {**config, "text_config": {**config["text_config"], "hidden_size": 4096}}
+    # a large text_config is shrunk in its section; the legacy top-level sizes stay, and a
+    # tiny tower is kept as it is
+    large = {**legacy, "text_config": {**config["text_config"], "hidden_size": 4096}}
+    assert is_large(large)
     out, notes = reference_config(large)
-    assert out["text_config"] == large["text_config"]
-    assert notes == ["not shrunk: a vision-language config keeps its sizes in text_config and "
-                     "vision_config; the reference model is built at full size"]
+    assert out["text_config"] == {**config["text_config"], "hidden_size": 64}
+    assert (out["hidden_size"], out["vocab_size"]) == (2048, 257152)
+    assert out["vision_config"] == config["vision_config"]
+    assert notes == ["shrunk attention heads (query heads per KV head kept, a KV head per "
+                     "rank): text_config.hidden_size 4096 -> 64"]
 
 
 def test_a_shrunk_deepseek_v3_verifies():

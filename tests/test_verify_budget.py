@@ -4,10 +4,11 @@ the meta device and refused over the memory budget before anything is allocated.
 
 The hostile configs of issue 39 (a 2^31 `n_positions`, a 2^20 `head_dim`, a 2^26
 `moe_intermediate_size`, a 2^20 Mamba state, a 70B `text_config` inside a vision-language
-config, a Qwen3-Next linear-attention key width of 2^20 that no shrink rule knows) and the
-released GPT-2, CodeGen-350M-mono and MPT-7B configs run in one child process whose address
-space is capped at 3 GiB (`RLIMIT_AS`): a run that allocated any of these models at full size
-would die there. Each run's outcome, message and the number of reference models it built are
+config and a ViT-L tower in its vision_config, shrunk section by section; a Qwen3-Next
+linear-attention key width of 2^20 that no shrink rule knows) and the released GPT-2,
+CodeGen-350M-mono and MPT-7B configs run in one child process whose address space is capped
+at 3 GiB (`RLIMIT_AS`): a run that allocated any of these models at full size would die
+there. Each run's outcome, message and the number of reference models it built are
 asserted.
 """
 
@@ -22,50 +23,31 @@ from typing import Any
 import pytest
 
 from partc.cli.main import main
-from partc.verify.reference import reference_config
+from partc.verify.shrink import reference_config
 
-from support import FIXTURES, FULLSIZE, ROOT, hf
+from support import FIXTURES, ROOT, edited_config, hf, large_vision_language
 
 RELEASED = FIXTURES / "released"
 ADDRESS_SPACE = 3 * 2**30
 """The child's address-space cap: torch and transformers need about 1.5 GiB of it."""
-LLAMA_70B = {k: v for k, v in json.loads((FULLSIZE / "Llama-3.1-70B" / "config.json")
-                                         .read_text()).items()
-             if k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                      "num_key_value_heads", "num_hidden_layers", "vocab_size")}
-"""Llama-3.1-70B's sizes, written over a vision-language fixture's text_config."""
-
-
-def _edited(name: str, top: dict[str, Any], sections: dict[str, dict[str, Any]] | None = None,
-            drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A tiny fixture's config with sizes written over it (and section keys dropped)."""
-    config = json.loads((hf(name) / "config.json").read_text())
-    config.update(top)
-    for section, fields in (sections or {}).items():
-        config[section] = {k: v for k, v in {**config[section], **fields}.items()
-                           if k not in drop}
-    return config
-
-
 HOSTILE = {
-    "gpt2_positions": (_edited("gpt2", {"n_positions": 2**31}), None),
-    "llama_head_dim": (_edited("llama", {"head_dim": 2**20}), None),
-    "qwen3_moe_width": (_edited("qwen3_moe", {"moe_intermediate_size": 2**26}), None),
-    "llava_70b_text": (_edited("llava", {}, {"text_config": LLAMA_70B}, drop=("head_dim",)), None),
-    "qwen2_vl_70b_text": (_edited("qwen2_vl", {}, {
-        "text_config": {**LLAMA_70B, "layer_types": ["full_attention"] * 80,
-                        "rope_parameters": {"mrope_section": [16, 24, 24], "rope_theta": 1e6,
-                                            "rope_type": "default"}},
-        "vision_config": {"hidden_size": LLAMA_70B["hidden_size"]}}), None),
-    "mamba_state": (_edited("mamba", {"state_size": 2**20}), None),
-    "qwen3_next_linear_keys": (_edited("qwen3_next", {"linear_key_head_dim": 2**20}), None),
+    "gpt2_positions": (edited_config("gpt2", {"n_positions": 2**31}), None),
+    "llama_head_dim": (edited_config("llama", {"head_dim": 2**20}), None),
+    "qwen3_moe_width": (edited_config("qwen3_moe", {"moe_intermediate_size": 2**26}), None),
+    "llava_70b_text": (large_vision_language("llava"), None),
+    "qwen2_vl_70b_text": (large_vision_language("qwen2_vl"), None),
+    "mamba_state": (edited_config("mamba", {"state_size": 2**20}), None),
+    "qwen3_next_linear_keys": (edited_config("qwen3_next", {"linear_key_head_dim": 2**20}), None),
     "gpt2_124m": (None, RELEASED / "gpt2" / "config.json"),
     "codegen_350m_mono": (None, RELEASED / "codegen-350M-mono" / "config.json"),
     "mpt_7b": (None, RELEASED / "mpt-7b" / "config.json"),
 }
 """Case -> (config written for it, or a released config file)."""
+HOSTILE["llava_70b_small_budget"] = HOSTILE["llava_70b_text"]
 FAMILIES = {"mpt_7b": RELEASED / "mpt.yaml"}
 """Cases verified with a family file (partc has no built-in MPT family)."""
+OPTIONS = {"llava_70b_small_budget": ["--memory-budget", "64MiB"]}
+"""Cases run with more options."""
 
 _CHILD = """
 import contextlib, io, json, resource, sys, time
@@ -104,7 +86,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if config is not None:
             path.write_text(json.dumps(config))
         family = [str(FAMILIES[case])] if case in FAMILIES else []
-        argv[case] = ["verify", *family, "--config", str(path), "--tp", "2", "--pp", "1"]
+        argv[case] = ["verify", *family, "--config", str(path), "--tp", "2", "--pp", "1",
+                      *OPTIONS.get(case, [])]
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
@@ -135,6 +118,23 @@ def _notes(text: str) -> str:
                            "vocab_size 51200 -> 131"]),
     ("mpt_7b", ["d_model 4096 -> 64", "n_heads 32 -> 4", "n_layers 32 -> 2",
                 "vocab_size 50432 -> 131"]),
+    # a 70B text_config shrunk as a text model's; a ViT-L tower to 4 heads of 16, 3 layers
+    # (vision_feature_layer -2) and 2 x 2 patches; the image token moved into the vocabulary
+    ("llava_70b_text", ["text_config.hidden_size 8192 -> 256",
+                        "text_config.num_hidden_layers 80 -> 2",
+                        "text_config.vocab_size 128256 -> 131",
+                        "vision_config.hidden_size 1024 -> 64",
+                        "vision_config.num_attention_heads 16 -> 4",
+                        "vision_config.num_hidden_layers 24 -> 3",
+                        "vision_config.image_size 336 -> 28",
+                        "vision_config.intermediate_size 4096 -> 128",
+                        "image_token_index 128000 -> 130", "image_seq_length 576 -> 4"]),
+    # the merger's output is the shrunk decoder's width; M-RoPE's sections half a 16-wide head
+    ("qwen2_vl_70b_text", ["text_config.hidden_size 8192 -> 256",
+                           "text_config.num_hidden_layers 80 -> 2",
+                           "'mrope_section': [2, 3, 3]", "vision_config.embed_dim 1024 -> 64",
+                           "vision_config.hidden_size 8192 -> 256",
+                           "vision_config.num_heads 16 -> 4", "vision_config.depth 24 -> 3"]),
 ])
 def test_a_config_with_huge_or_released_sizes_is_shrunk_and_verifies(runs, case, shrunk):
     result = runs[case]
@@ -146,25 +146,28 @@ def test_a_config_with_huge_or_released_sizes_is_shrunk_and_verifies(runs, case,
     assert "within the memory budget of 4 GiB" in notes, notes
 
 
-@pytest.mark.parametrize(("case", "kept"), [
-    ("llava_70b_text", "`text_config.hidden_size` 8192 (`hidden_size`)"),
-    ("qwen2_vl_70b_text", "`text_config.hidden_size` 8192 (`hidden_size`)"),
+@pytest.mark.parametrize(("case", "kept", "budget"), [
     ("qwen3_next_linear_keys", "kept at full size (no shrink rule rewrites them): "
-                               "`linear_key_head_dim` 1048576"),
+                               "`linear_key_head_dim` 1048576", "4 GiB"),
+    # the shrunk llava-70B at T=2 over a budget of 64 MiB: the estimate of the shrunk model
+    ("llava_70b_small_budget", "780,992 parameters, 2.98 MiB in float32, and a verify run at "
+                               "2 rank(s) holds 7 copies of it: estimated peak 84.9 MiB", "64 MiB"),
 ])
-def test_a_reference_model_over_the_budget_is_refused_before_it_is_built(runs, case, kept):
+def test_a_reference_model_over_the_budget_is_refused_before_it_is_built(runs, case, kept,
+                                                                         budget):
     result = runs[case]
     assert result["status"] == 1 and result["built"] == 0, result
     errors = [line for line in result["err"].splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result["err"]
     assert errors[0].startswith(f"error: {runs['configs'][case]}: the reference model would "
                                 "not fit the memory budget: "), errors
-    assert "over the budget of 4 GiB; no model was built" in errors[0], errors
+    assert f"over the budget of {budget}; no model was built" in errors[0], errors
     assert kept in errors[0], errors
 
 
 def test_the_child_process_stayed_small(runs):
-    # the 70B estimate and every shrunk model together: well under the 4 GB asked for
+    # every shrunk model and the 2^20 linear-attention estimate together: well under the
+    # 4 GB asked for
     assert runs["maxrss_kib"] < 2 * 2**20, runs["maxrss_kib"]
 
 
@@ -228,7 +231,7 @@ def test_a_config_its_own_class_refuses_is_one_error_at_the_config(tmp_path, cap
     # huggingface_hub's strict config dataclass refuses it (not a ValueError): it ended in
     # exit 70, "internal error"
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(_edited("qwen2_vl", {}, {"text_config": {
+    config.write_text(json.dumps(edited_config("qwen2_vl", {}, {"text_config": {
         "num_hidden_layers": 3}})))
     status = main(["verify", "--config", str(config), "--tp", "1", "--pp", "1"])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]

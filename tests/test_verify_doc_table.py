@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from partc.verify.checkpoint_check import checkpoint_errors
-from partc.verify.reference import reference_config
 from partc.verify.results import VerifyReport
 from partc.verify.run import verify_family
 
+import support
 from support import QUANTIZED, ROOT, check_case, edited_family, fp8_scales_family, hf
 
 DOC = ROOT / "docs" / "verify.md"
@@ -135,13 +135,22 @@ def tp_with_pp(runs: Runs) -> str:
 
 
 def large_vision_language(runs: Runs) -> str:
-    """A llava config with a large decoder in `text_config` is built at full size."""
-    config = json.loads((hf("llava") / "config.json").read_text())
-    config["text_config"] = dict(config["text_config"], hidden_size=4096, num_hidden_layers=32)
-    reference, notes = reference_config(config)
-    kept = reference["text_config"]["hidden_size"] == 4096 and any(
-        n.startswith("not shrunk") for n in notes)
-    return "not caught" if kept else "caught: verify"
+    """A llava config with a 70B decoder and a ViT-L tower, its vision layers' `out_proj`
+    declared column: shrunk section by section (a full-size model could not be built), and
+    the shrunk tower's attention refused at T = 2."""
+    path = runs.folder / "llava-70b.json"
+    path.write_text(json.dumps(support.large_vision_language("llava")))
+    family = edited_family(runs.folder, "llava", '{module: "{path}.self_attn.out_proj", '
+                           "sharding: row", '{module: "{path}.self_attn.out_proj", '
+                           "sharding: column")
+    report = verify_family(family, path, tensor_parallel_sizes=[2], pipeline_parallel_size=1)
+    notes = " ".join(report.notes)
+    assert "text_config.hidden_size 8192 -> 256" in notes, notes
+    assert "vision_config.hidden_size 1024 -> 64" in notes, notes
+    refused = {c.module for c in report.checks if not c.ok}
+    assert all(m.startswith("model.vision_tower.") for m in refused), refused
+    return "caught: verify" if "model.vision_tower.encoder.layers.0.self_attn" in refused \
+        else "not caught"
 
 
 CASES: dict[str, Callable[[Runs], str]] = {

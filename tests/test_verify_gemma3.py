@@ -79,3 +79,4 @@ def test_the_scaffolded_family_verifies_with_a_cut_inside_the_vision_tower(gemma
     assert {"model.multi_modal_projector", "model.vision_tower.encoder.layers.0.mlp",
             "model.language_model.layers.0.mlp"} <= modules
     assert any(c.pp == 3 for c in report.checks)
+

@@ -20,9 +20,10 @@ import torch
 from partc.cli.main import main
 from partc.verify.quantized import stored_reference
 from partc.verify.quantized_formats import decode, numpy_of, storage_format
-from partc.verify.reference import build_reference, load_model, reference_config
+from partc.verify.reference import build_reference, load_model
 from partc.verify.run import verify_family
 from partc.verify.session import ExpertTopology
+from partc.verify.shrink import reference_config
 
 from support import QUANTIZED, fp8_scales_family
 

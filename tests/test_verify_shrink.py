@@ -15,7 +15,7 @@ import pytest
 from partc.api import check_family
 from partc.cli.main import main
 from partc.plan.topology import Topology
-from partc.verify.reference import reference_config
+from partc.verify.shrink import reference_config
 
 from support import FULLSIZE, hf
 

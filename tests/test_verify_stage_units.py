@@ -18,8 +18,8 @@ from partc.api import check_family
 from partc.cli.main import main
 from partc.errors import PartcError
 from partc.plan.topology import Topology
-from partc.verify.reference import reference_config
 from partc.verify.run import verify_family
+from partc.verify.shrink import reference_config
 
 from support import ROOT, edited_family, hf
 

@@ -18,10 +18,10 @@ from test_verify_experts import _swapped
 from partc.cli.main import main
 from partc.verify.combined import topology_checks
 from partc.verify.mtp import MtpSession, mtp_layers
-from partc.verify.reference import reference_config
 from partc.verify.results import Check
 from partc.verify.run import _reference_session
 from partc.verify.session import ExpertTopology, Session, compile_build
+from partc.verify.shrink import reference_config
 
 from support import edited_family, hf
 

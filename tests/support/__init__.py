@@ -279,3 +279,40 @@ def file_mappings(path: Path) -> list[tuple[int, int, str]]:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 found.append((start, end, fields[1]))
     return found
+
+
+LLAMA_70B = {k: v for k, v in json.loads((FULLSIZE / "Llama-3.1-70B" / "config.json")
+                                         .read_text()).items()
+             if k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                      "num_key_value_heads", "num_hidden_layers", "vocab_size")}
+"""Llama-3.1-70B's sizes, written over a vision-language fixture's text_config."""
+VIT_L = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+         "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
+"""A ViT-L/14-336 vision tower's sizes (LLaVA-1.5's CLIP tower)."""
+
+
+def edited_config(name: str, top: dict[str, Any],
+                  sections: dict[str, dict[str, Any]] | None = None,
+                  drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A tiny fixture's config with sizes written over it (and section keys dropped)."""
+    config = json.loads((hf(name) / "config.json").read_text())
+    config.update(top)
+    for section, fields in (sections or {}).items():
+        config[section] = {k: v for k, v in {**config[section], **fields}.items()
+                           if k not in drop}
+    return dict(config)
+
+
+def large_vision_language(name: str) -> dict[str, Any]:
+    """The llava or qwen2_vl fixture with Llama-3.1-70B's decoder and a ViT-L-sized tower
+    (Qwen2-VL's spelled `embed_dim`, `depth`, `num_heads`, its merger out 8192 wide)."""
+    if name == "llava":
+        return edited_config("llava", {"image_token_index": 128000, "image_seq_length": 576},
+                             {"text_config": LLAMA_70B, "vision_config": VIT_L},
+                             drop=("head_dim",))
+    return edited_config("qwen2_vl", {}, {
+        "text_config": {**LLAMA_70B, "layer_types": ["full_attention"] * 80,
+                        "rope_parameters": {"mrope_section": [16, 24, 24], "rope_theta": 1e6,
+                                            "rope_type": "default"}},
+        "vision_config": {"hidden_size": LLAMA_70B["hidden_size"], "embed_dim": 1024,
+                          "depth": 24, "num_heads": 16}})

@@ -19,7 +19,7 @@ from typing import Any
 from partc.errors import SourceLocation, VerifyError
 from partc.verify.reference import new_model
 
-KEPT = ("kept at full size", "not shrunk")
+KEPT = ("kept at full size",)
 """How the notes on sizes the shrink left begin (repeated in the budget's error)."""
 DEFAULT_MEMORY_BUDGET = 4 * 2**30
 """The memory a verify run may need by default (bytes): 4 GiB."""

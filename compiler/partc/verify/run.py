@@ -48,15 +48,10 @@ from partc.verify.expert_checks import ExpertParallelRanks
 from partc.verify.modules import TensorParallelRanks
 from partc.verify.mtp import MtpSession, add_mtp_layers, keep_mtp, mtp_layers
 from partc.verify.quantized import StoredReference, stored_reference
-from partc.verify.reference import (
-    build_reference,
-    family_sizes,
-    load_config,
-    reference_config,
-    require_libraries,
-)
+from partc.verify.reference import build_reference, load_config, require_libraries
 from partc.verify.results import Check, VerifyReport, topology_name
 from partc.verify.session import Build, ExpertTopology, Session, compile_build
+from partc.verify.shrink import family_sizes, reference_config
 from partc.verify.stage_checks import pipeline_checks, unexercised_boundaries
 
 if TYPE_CHECKING:
