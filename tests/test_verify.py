@@ -277,10 +277,14 @@ def test_a_vision_language_config_is_shrunk_by_its_sections_not_its_legacy_sizes
 
 
 def test_a_shrunk_deepseek_v3_verifies():
+    """In its FP8 storage, at T = 8 too: the shrunk widths still hold a block per rank."""
     report = verify_family(None, ROOT / "tests" / "fixtures" / "fullsize" / "DeepSeek-V3"
-                           / "config.json", tensor_parallel_sizes=[2], pipeline_parallel_size=2)
+                           / "config.json", tensor_parallel_sizes=[2, 8], pipeline_parallel_size=2)
     assert report.ok, report.first_failure
+    assert {c.tp for c in report.checks} == {1, 2, 8}
     assert any(n.startswith("shrunk experts") for n in report.notes)
+    assert any(n.startswith("the reference checkpoint is stored as block_fp8") for n in
+               report.notes)
 
 
 # ---------------------------------------------------------------- static roles on the wrong stage

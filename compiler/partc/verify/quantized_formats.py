@@ -25,8 +25,9 @@ FP8_MAX = 448.0
 """Largest float8 e4m3fn value."""
 MXFP4_GROUP = 32
 """Elements per MXFP4 block (one E8M0 scale each)."""
-SHRUNK_FP8_BLOCK = 16
-"""Block size of a shrunk reference model's FP8 scales (the tiny fixtures' size)."""
+SHRUNK_FP8_BLOCK = 4
+"""Block size of a shrunk reference model's FP8 scales: its expert widths (32) still hold a
+block per rank at T = 8, as the released models' widths do at their block size."""
 SHRUNK_MLX_GROUP = 32
 """Group size of a shrunk reference model's MLX scales (mlx_lm's smallest)."""
 
