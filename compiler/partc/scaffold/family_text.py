@@ -52,6 +52,7 @@ from partc.scaffold.decisions import (
     _Writer,
 )
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
+from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
     _DIMENSIONS,
@@ -505,6 +506,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
     reduced: set[str] = set()  # whole-width norms split with the attention (OLMo 2's)
     if others is not None:
         others.write(groups, done)
+        stacked_experts(others, groups, done)
         spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
                     and _sized_like(w, table, m, m.rsplit(".", 1)[-1], table[m])[1]]
         if spanning and others.reduction(attention_group, spanning):
@@ -536,6 +538,8 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
             # computing some of the heads holds their rows, split with the attention's heads
             projection = {"module": Quoted(f"{unit}.{module}"), "sharding": "column",
                           "heads": heads}
+            if "weight" not in entry.params:  # gpt-oss's sinks: one logit per head
+                projection["linear"] = False
             attention_projections.append(projection)
             w.params(projection, params, module)
             continue
@@ -578,13 +582,15 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
 def _per_head_axis(params: Mapping[str, tuple[list[str], str, list[str]]], module: str,
                    attention: Sequence[Mapping[str, Any]] | None) -> str | None:
     """The head count a norm of the attention block is sized by on its first axis (every param
-    `[heads, ...]` with `heads` one the attention's projections state), else None: such a norm
-    holds a row per head and splits with the heads."""
-    if attention is None or not module.startswith("self_attn.") or not params:
+    `[heads, ...]` with `heads` one the attention's projections state; the block's own params,
+    gpt-oss's sinks, also `[heads]`), else None: such a norm holds a row per head and splits
+    with the heads."""
+    own = module == "self_attn"  # the block's own params: gpt-oss's sinks [heads]
+    if attention is None or not (own or module.startswith("self_attn.")) or not params:
         return None
     stated = {str(p["heads"]) for p in attention if "heads" in p}
-    firsts = {shape[0] for shape, _, _ in params.values() if len(shape) >= 2}
-    if len(firsts) == 1 and all(len(shape) >= 2 for shape, _, _ in params.values()):
+    firsts = {shape[0] for shape, _, _ in params.values() if shape}
+    if len(firsts) == 1 and all(len(shape) >= 2 - own for shape, _, _ in params.values()):
         (first,) = firsts
         if first in stated:
             return first
