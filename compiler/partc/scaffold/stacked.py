@@ -7,6 +7,12 @@ and up columns and down rows split by intermediate units, the down bias (added o
 reduction) replicated, `experts: {axis: 0}` for expert parallelism. Whether gate and up are
 interleaved (column 2i gate_i, 2i + 1 up_i) or component-major (all gates, then all ups) the
 shapes leave open: two candidates, for `partc init --prove`.
+
+DBRX's `ffn.experts.mlp` holds `w1` (gate), `v1` (up) and `w2` (down, used as `x @ w2`), each
+[E * I, hidden], expert e the rows [e * I, (e + 1) * I): one group whose units are the
+intermediate channels of every expert, each param split inside every expert's block of rows
+(`partitioned_segments`, architectures/dbrx.yaml); the layout is not open (the rows of an
+expert's block are its channels whichever way `w2` is used).
 """
 
 from __future__ import annotations
@@ -26,8 +32,46 @@ _STACKED = {"gate_up_proj": 3, "gate_up_proj_bias": 2, "down_proj": 3, "down_pro
 def stacked_experts(blocks: Blocks, groups: list[dict[str, Any]], done: set[str]) -> None:
     """Append a group per stacked-experts module not `done` (adding it to `done`)."""
     for module in sorted(m for m in blocks.table if m not in done):
-        if _stacked(blocks, groups, module, blocks.table[module]):
+        entry = blocks.table[module]
+        if _stacked(blocks, groups, module, entry) or _expert_rows(blocks, groups, module,
+                                                                   entry):
             done.add(module)
+
+
+_ROWS = ("w1", "v1", "w2")
+"""The params of DBRX's fused experts module: gate, up and down, each [E * I, hidden]."""
+
+
+def _expert_rows(blocks: Blocks, groups: list[dict[str, Any]], module: str, entry: _Module
+                 ) -> bool:
+    """The group of `module` when it is a DBRX-style experts module of [E * I, hidden] params."""
+    w, params = blocks.w, entry.params
+    parts = module.split(".")
+    shapes = {tuple(shape) for _, shape in params.values()}
+    if "experts" not in parts[:-1] or set(params) != set(_ROWS) or len(shapes) != 1 or \
+            entry.differs:
+        return False
+    ((rows, hidden, *rest),) = shapes
+    count = next((n for n in _EXPERT_COUNTS if w.values.get(n)), None)
+    experts = w.values.get(count or "", 0)
+    if rest or count is None or w.values.get("hidden_size") != hidden or rows % experts:
+        return False
+    names, prefer = w.vocabulary(module)
+    units, why = w.resolve(None, rows // experts, names=[
+        n for n in names if "intermediate" in n or "ffn" in n], prefer=prefer)
+    if why is not None or not units.isidentifier():
+        return False
+    group = blocks._group(groups, f"layers.{{unit}}.{module}", "expert_intermediate", units,
+                          entry)
+    w.used.update((count, "hidden_size"))
+    group["experts"] = Flow(axis=0, count=count)
+    split = Flow(partitioned_segments=Flow(axis=0, segments=Quoted(f"[{units}] * {count}")))
+    group["members"] = [
+        Flow(target=Quoted(f"{blocks.unit}.{module}.{param}"),
+             shape=FlowList([f"{count} * {units}", "hidden_size"]),
+             **({"dtype": params[param][0]} if params[param][0] != w.default_dtype else {}),
+             sharding=split) for param in _ROWS]
+    return True
 
 
 def _stacked(blocks: Blocks, groups: list[dict[str, Any]], module: str, entry: _Module
