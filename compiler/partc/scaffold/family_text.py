@@ -52,6 +52,7 @@ from partc.scaffold.decisions import (
     _Writer,
 )
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
+from partc.scaffold.mla import mla_attention
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
@@ -505,6 +506,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
                                                    cols_of), module)
     reduced: set[str] = set()  # whole-width norms split with the attention (OLMo 2's)
     if others is not None:
+        mla_attention(others, groups, done)
         others.write(groups, done)
         stacked_experts(others, groups, done)
         spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
