@@ -53,6 +53,7 @@ from partc.scaffold.decisions import (
 )
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
+from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
@@ -514,6 +515,8 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
         if spanning and others.reduction(attention_group, spanning):
             reduced = set(spanning)
             attention_group.pop("kv_replication", None)  # refused beside a reduced norm
+    if not kinds.encoder:
+        per_head_modules(w, unit, table, done, attention_projections)
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
