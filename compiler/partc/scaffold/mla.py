@@ -6,7 +6,9 @@ query compression) and `kv_b_proj` hold a block of rows per head and `o_proj` a 
 per head: one group split by heads (`attention.heads`), as architectures/deepseek_v2.yaml
 declares them. Every shape is written as the expression over the config's MLA widths
 (`qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`, `q_lora_rank`); a block
-whose shapes are not those is left to the other recognisers (replicated, marked).
+whose shapes are not those, or whose weights carry a quantized format's companions (FP8's
+`weight_scale_inv`, split by the family's linear format), is left to the other recognisers
+(replicated, marked).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def mla_attention(blocks: Blocks, groups: list[dict[str, Any]], done: set[str]) 
         return
     w, entries = blocks.w, [leaves[n] for n in names]
     if any(e.experts is not None or e.differs or e.layers != entries[0].layers
-           for e in entries):
-        return
+           or set(e.params) - {"weight", "bias"} for e in entries):
+        return  # a quantized format's companions (FP8's weight_scale_inv) are not split so
     latent = blocks._group(groups, "layers.{unit}.attention.latent", "replicated", "1",
                            entries[0])
     del latent["units"]
