@@ -54,6 +54,7 @@ from partc.scaffold.decisions import (
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
 from partc.scaffold.per_head import per_head_modules
+from partc.scaffold.projector import two_linear_projector
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
@@ -378,7 +379,8 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
     root, modules = projector
     w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
                                     if encoder.stem + k in w.values))
-    for module in sorted(modules):
+    written = two_linear_projector(w, root, modules, front)
+    for module in sorted(set(modules) - written):
         relative = module[len(root) + 1:]
         label = "projector" + (f".{relative}" if relative else "")
         group: dict[str, Any] = {"name": Quoted(label), "role": "replicated",
