@@ -166,14 +166,16 @@ def test_what_no_candidate_explains_is_marked_with_verifys_finding(
 SPLIT = {"gpt_oss": ("layers.{unit}.mlp.experts", "per_head"),
          "dbrx": ("layers.{unit}.ffn.experts.mlp", None),
          "deepseek_v2_qlora": ("layers.{unit}.attention.heads", None),
-         "stablelm_qk": ("layers.{unit}.attention", None)}
+         "stablelm_qk": ("layers.{unit}.attention", None),
+         "qwen2_vl": ("visual.{unit}.attention", "component_major")}
 """A fixture per kind of block the scaffold splits beside Llama's names, its group and the
 layout --prove decides for it: gpt-oss's stacked experts (gate/up interleaved), DBRX's fused
-[E * I, H] experts, DeepSeek's MLA heads, StableLM's per-head norm modules."""
+[E * I, H] experts, DeepSeek's MLA heads, StableLM's per-head norm modules, Qwen2-VL's fused
+vision qkv (and its merger's MLP, split too: the shares would differ otherwise)."""
 
 
 @pytest.mark.parametrize("name", sorted(SPLIT))
-def test_stacked_experts_mla_and_per_head_modules_split_as_the_builtin_family(
+def test_experts_mla_per_head_modules_and_vision_blocks_split_as_the_builtin_family(
         name: str, tmp_path: Path) -> None:
     """The proven scaffold checks where the built-in does, verifies against transformers at
     T = 2 and its ranks read the built-in's elements at every T it checks at."""

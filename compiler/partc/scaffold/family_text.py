@@ -71,6 +71,7 @@ from partc.scaffold.survey import (
     _positional,
     survey_checkpoint,
 )
+from partc.scaffold.vision import encoder_attention
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted, write_yaml
 
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
@@ -159,7 +160,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     for number, encoder in enumerate(encoders):
         tables.append(_encoder_groups(w, encoder, front, graph, family,
                                       chain[number - 1] if number else None,
-                                      config.get("vision_feature_layer")))
+                                      config.get("vision_feature_layer"), blocks))
     if projector is not None:
         _projector_groups(w, projector, encoders[-1], front, graph, family, loose)
     w.dimensions, w.all_layers = dimensions, set(by_layer)
@@ -265,11 +266,12 @@ def _before_layers(relative: str) -> bool:
 
 def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
                     graph: list[dict[str, Any]], family: str, after: str | None,
-                    feature: object) -> dict[str, _Module]:
+                    feature: object, blocks: Blocks) -> dict[str, _Module]:
     """An encoder's parameter groups (appended to `front`: its modules before the layers,
     its layers, its other modules) and its graph entry (to `graph`); its table of modules.
     `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
-    the projector reads), if any."""
+    the projector reads), if any; `blocks`: the decoder's, whose choices, proofs and open
+    layouts a fused attention of the encoder shares."""
     table = _layer_table(e.by_layer)
     counts = {e.stem + k for k in _ENCODER_COUNTS}
     w.dimensions = (*(e.stem + k for k in (*_ENCODER_WIDTHS, *_ENCODER_HEADS)
@@ -296,7 +298,11 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
                            "down_proj": ("row", width, inter)}))
     head, tail = _encoder_statics(w, e)
     layers: list[dict[str, Any]] = []
-    _layer_groups(w, layers, e.prefix, table, _Kinds(e.group, e.group, attention, heads or "",
+    mine = Blocks(w, f"{e.prefix}.{{unit}}", table, blocks.choices, blocks.proofs)
+    written = encoder_attention(mine, layers, table, e.group, e.group, heads, width)
+    blocks.open += mine.open
+    _layer_groups(w, layers, e.prefix, {m: t for m, t in table.items() if m not in written},
+                  _Kinds(e.group, e.group, attention, heads or "",
                                                      mlps, inter, encoder=True))
     front += head + layers + tail
     entry: dict[str, Any] = {"group": e.group}
@@ -351,7 +357,22 @@ def _encoder_statics(w: _Writer, e: _Encoder
     first unit (`<group>_embeddings`), the others with its last (`<group>_tail`), marked."""
     head: list[dict[str, Any]] = []
     tail: list[dict[str, Any]] = []
-    for module in sorted(e.modules):
+    parents: dict[str, dict[str, dict[str, Any]]] = {}  # a tail MLP's: Qwen2-VL's merger.mlp
+    for module in e.modules:
+        if not _before_layers(module[len(e.root) + 1:]):
+            parents.setdefault(module.rpartition(".")[0], {})[module] = e.modules[module]
+    written: set[str] = set()
+    for parent, modules in sorted(parents.items()):
+        if parent != e.root and parent.rsplit(".", 1)[-1] == "mlp":
+            done = two_linear_projector(w, f"{e.group}.{parent[len(e.root) + 1:]}", modules,
+                                        tail, Flow(static=f"{e.group}_tail"))
+            if done:
+                w.note(tail[-1], "owner", "# owner guessed", f"`{parent}` is under "
+                       f"`{e.root}` but not run before its layers: loaded with the last "
+                       f"`{e.group}` unit (Qwen2-VL's merger, an execution group after the "
+                       "tower in architectures/qwen2_vl.yaml)")
+            written |= done
+    for module in sorted(set(e.modules) - written):
         before = _before_layers(module[len(e.root) + 1:])
         role = f"{e.group}_embeddings" if before else f"{e.group}_tail"
         group: dict[str, Any] = {"name": Quoted(module), "role": "replicated",
