@@ -55,6 +55,7 @@ from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
+from partc.scaffold.ssm import mamba_mixers
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
@@ -531,6 +532,7 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
     reduced: set[str] = set()  # whole-width norms split with the attention (OLMo 2's)
     if others is not None:
         mla_attention(others, groups, done)
+        mamba_mixers(others, groups, done)
         others.write(groups, done)
         stacked_experts(others, groups, done)
         spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
