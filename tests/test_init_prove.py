@@ -167,11 +167,13 @@ SPLIT = {"gpt_oss": ("layers.{unit}.mlp.experts", "per_head"),
          "dbrx": ("layers.{unit}.ffn.experts.mlp", None),
          "deepseek_v2_qlora": ("layers.{unit}.attention.heads", None),
          "stablelm_qk": ("layers.{unit}.attention", None),
-         "qwen2_vl": ("visual.{unit}.attention", "component_major")}
+         "qwen2_vl": ("visual.{unit}.attention", "component_major"),
+         "mamba": ("layers.{unit}.mixer", None)}
 """A fixture per kind of block the scaffold splits beside Llama's names, its group and the
 layout --prove decides for it: gpt-oss's stacked experts (gate/up interleaved), DBRX's fused
 [E * I, H] experts, DeepSeek's MLA heads, StableLM's per-head norm modules, Qwen2-VL's fused
-vision qkv (and its merger's MLP, split too: the shares would differ otherwise)."""
+vision qkv (and its merger's MLP, split too: the shares would differ otherwise), Mamba's
+mixer."""
 
 
 @pytest.mark.parametrize("name", sorted(SPLIT))

@@ -202,16 +202,17 @@ against, after the widths (a per-head norm's [num_attention_heads, head_dim]).""
 
 
 _DIMENSION_NAME = re.compile(
-    r"^(?:num|n)_[a-z0-9_]+$|^[a-z0-9_]+_(?:size|dim|rank|heads|experts|channels|embeddings"
-    r"|positions)$")
+    r"^(?:num|n)_[a-z0-9_]+$|^[a-z0-9_]+_(?:size|dim|rank|heads|experts|channels|kernel"
+    r"|embeddings|positions)$")
 
 
 _NOT_DIMENSION = re.compile(
     r"(?:_ids?|_idx|_index|_layers?|_tok|_groups?|_replace|_freq|_steps?|_labels)$")
 """Which other integer config fields (DeepSeek's `q_lora_rank`, GPT-2's `n_positions`, CLIP's
-`patch_size`) a literal dimension is matched against too, by name: counts and sizes, not token
-ids, layer counts or routing settings. A dimension equal to one of them and to a known name is
-ambiguous (marked), one equal to one of them only is written as that field."""
+`patch_size`, Mamba's `conv_kernel`) a literal dimension is matched against too, by name:
+counts and sizes, not token ids, layer counts or routing settings. A dimension equal to one of
+them and to a known name is ambiguous (marked), one equal to one of them only is written as
+that field."""
 
 
 _NESTED = ("text_config",)
