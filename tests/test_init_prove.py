@@ -161,3 +161,42 @@ def test_what_no_candidate_explains_is_marked_with_verifys_finding(
     assert f"{CHECK} no layout partc verify accepts: every candidate refused; with the " \
         "first, T=2 x S=1: module `gpt_neox.layers.0.attention` (group " \
         "`layers.0.attention`), rank 0: the rank's part of the group is not separable" in line
+
+
+SPLIT = {"gpt_oss": ("layers.{unit}.mlp.experts", "per_head"),
+         "dbrx": ("layers.{unit}.ffn.experts.mlp", None),
+         "deepseek_v2_qlora": ("layers.{unit}.attention.heads", None),
+         "stablelm_qk": ("layers.{unit}.attention", None),
+         "qwen2_vl": ("visual.{unit}.attention", "component_major"),
+         "mamba": ("layers.{unit}.mixer", None)}
+"""A fixture per kind of block the scaffold splits beside Llama's names, its group and the
+layout --prove decides for it: gpt-oss's stacked experts (gate/up interleaved), DBRX's fused
+[E * I, H] experts, DeepSeek's MLA heads, StableLM's per-head norm modules, Qwen2-VL's fused
+vision qkv (and its merger's MLP, split too: the shares would differ otherwise), Mamba's
+mixer."""
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT))
+def test_experts_mla_per_head_modules_and_vision_blocks_split_as_the_builtin_family(
+        name: str, tmp_path: Path) -> None:
+    """The proven scaffold checks where the built-in does, verifies against transformers at
+    T = 2 and its ranks read the built-in's elements at every T it checks at."""
+    group, layout = SPLIT[name]
+    result = prove(hf(name), hf(name) / "config.json", verify_failures)
+    block = result.text[result.text.index(f'name: "{group}"'):]
+    block = block[:block.index("\n\n")]
+    assert CHECK not in block
+    if layout is not None:
+        assert f"# partc init --prove: {layout}: verified against transformers" in block
+    family = tmp_path / "family.yaml"
+    family.write_text(result.text)
+    sizes = _legal(family, name)
+    assert sizes == _legal(None, name)
+    report = verify_family(family, hf(name) / "config.json", tensor_parallel_sizes=[2],
+                           pipeline_parallel_size=1)
+    assert [c.message for c in report.checks if not c.ok] == []
+    for tp in sizes[1:]:
+        shares = [read_share(plan_family(f, hf(name) / "config.json",
+                                         Topology(tensor_parallel_size=tp), checkpoint=hf(name)))
+                  for f in (family, None)]
+        assert shares[0] == shares[1], (tp, shares)

@@ -378,8 +378,9 @@ def test_a_vision_language_scaffold_compiles_with_its_encoder_group_before_the_d
         assert "      weight: [hidden_size, vision_hidden_size]" in text  # linear_1
         projector = [t for t in keys if t.startswith("multi_modal_projector.")]
         assert {owners[by_target[t]]["group"] for t in projector} == {"projector"}
-    else:  # the fused qkv is kept whole, marked; the merger is owned with the last block
-        assert "`attn.qkv` looks like a fused [q | k | v] projection" in text
+    else:  # the fused qkv split by heads; the merger is owned with the last block
+        assert '    units: vision_num_heads\n' in text
+        assert '    fused:\n      module: "visual.blocks.{unit}.attn.qkv"\n' in text
         merger = [t for t in keys if t.startswith("visual.merger.")]
         assert merger and {owners[by_target[t]]["roles"][0] for t in merger} == {"visual_tail"}
         last = max(stages[f"{prefix}{max(layers)}.norm1.weight"])

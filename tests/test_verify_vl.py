@@ -227,8 +227,8 @@ def test_a_cut_after_a_module_placed_with_the_last_unit_is_checked_against_that_
     assert main(["init", "--checkpoint", str(hf("qwen2_vl")), "--out", str(family)]) == 0
     capsys.readouterr()
     scaffold = family.read_text()
-    groups = {g.get("module"): g for g in yaml.safe_load(scaffold)["parameters"]}
-    assert groups["visual.merger.mlp.0"]["owner"] == {"static": "visual_tail"}
+    groups = {g["name"]: g for g in yaml.safe_load(scaffold)["parameters"]}
+    assert groups["visual.merger.mlp"]["owner"] == {"static": "visual_tail"}  # split, as one
     placeholder = "shape: [visual_tokens, vision_embed_dim]"
     assert scaffold.count(placeholder) == 1
     report = verify_family(family, hf("qwen2_vl") / "config.json", tensor_parallel_sizes=[1],

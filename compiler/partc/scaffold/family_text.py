@@ -52,6 +52,11 @@ from partc.scaffold.decisions import (
     _Writer,
 )
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
+from partc.scaffold.mla import mla_attention
+from partc.scaffold.per_head import per_head_modules
+from partc.scaffold.projector import two_linear_projector
+from partc.scaffold.ssm import mamba_mixers
+from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
     _DIMENSIONS,
@@ -67,6 +72,7 @@ from partc.scaffold.survey import (
     _positional,
     survey_checkpoint,
 )
+from partc.scaffold.vision import encoder_attention
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted, write_yaml
 
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
@@ -155,7 +161,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     for number, encoder in enumerate(encoders):
         tables.append(_encoder_groups(w, encoder, front, graph, family,
                                       chain[number - 1] if number else None,
-                                      config.get("vision_feature_layer")))
+                                      config.get("vision_feature_layer"), blocks))
     if projector is not None:
         _projector_groups(w, projector, encoders[-1], front, graph, family, loose)
     w.dimensions, w.all_layers = dimensions, set(by_layer)
@@ -261,11 +267,12 @@ def _before_layers(relative: str) -> bool:
 
 def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
                     graph: list[dict[str, Any]], family: str, after: str | None,
-                    feature: object) -> dict[str, _Module]:
+                    feature: object, blocks: Blocks) -> dict[str, _Module]:
     """An encoder's parameter groups (appended to `front`: its modules before the layers,
     its layers, its other modules) and its graph entry (to `graph`); its table of modules.
     `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
-    the projector reads), if any."""
+    the projector reads), if any; `blocks`: the decoder's, whose choices, proofs and open
+    layouts a fused attention of the encoder shares."""
     table = _layer_table(e.by_layer)
     counts = {e.stem + k for k in _ENCODER_COUNTS}
     w.dimensions = (*(e.stem + k for k in (*_ENCODER_WIDTHS, *_ENCODER_HEADS)
@@ -292,7 +299,11 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
                            "down_proj": ("row", width, inter)}))
     head, tail = _encoder_statics(w, e)
     layers: list[dict[str, Any]] = []
-    _layer_groups(w, layers, e.prefix, table, _Kinds(e.group, e.group, attention, heads or "",
+    mine = Blocks(w, f"{e.prefix}.{{unit}}", table, blocks.choices, blocks.proofs)
+    written = encoder_attention(mine, layers, table, e.group, e.group, heads, width)
+    blocks.open += mine.open
+    _layer_groups(w, layers, e.prefix, {m: t for m, t in table.items() if m not in written},
+                  _Kinds(e.group, e.group, attention, heads or "",
                                                      mlps, inter, encoder=True))
     front += head + layers + tail
     entry: dict[str, Any] = {"group": e.group}
@@ -347,7 +358,22 @@ def _encoder_statics(w: _Writer, e: _Encoder
     first unit (`<group>_embeddings`), the others with its last (`<group>_tail`), marked."""
     head: list[dict[str, Any]] = []
     tail: list[dict[str, Any]] = []
-    for module in sorted(e.modules):
+    parents: dict[str, dict[str, dict[str, Any]]] = {}  # a tail MLP's: Qwen2-VL's merger.mlp
+    for module in e.modules:
+        if not _before_layers(module[len(e.root) + 1:]):
+            parents.setdefault(module.rpartition(".")[0], {})[module] = e.modules[module]
+    written: set[str] = set()
+    for parent, modules in sorted(parents.items()):
+        if parent != e.root and parent.rsplit(".", 1)[-1] == "mlp":
+            done = two_linear_projector(w, f"{e.group}.{parent[len(e.root) + 1:]}", modules,
+                                        tail, Flow(static=f"{e.group}_tail"))
+            if done:
+                w.note(tail[-1], "owner", "# owner guessed", f"`{parent}` is under "
+                       f"`{e.root}` but not run before its layers: loaded with the last "
+                       f"`{e.group}` unit (Qwen2-VL's merger, an execution group after the "
+                       "tower in architectures/qwen2_vl.yaml)")
+            written |= done
+    for module in sorted(set(e.modules) - written):
         before = _before_layers(module[len(e.root) + 1:])
         role = f"{e.group}_embeddings" if before else f"{e.group}_tail"
         group: dict[str, Any] = {"name": Quoted(module), "role": "replicated",
@@ -375,7 +401,8 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
     root, modules = projector
     w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
                                     if encoder.stem + k in w.values))
-    for module in sorted(modules):
+    written = two_linear_projector(w, root, modules, front)
+    for module in sorted(set(modules) - written):
         relative = module[len(root) + 1:]
         label = "projector" + (f".{relative}" if relative else "")
         group: dict[str, Any] = {"name": Quoted(label), "role": "replicated",
@@ -504,12 +531,17 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
                                                    cols_of), module)
     reduced: set[str] = set()  # whole-width norms split with the attention (OLMo 2's)
     if others is not None:
+        mla_attention(others, groups, done)
+        mamba_mixers(others, groups, done)
         others.write(groups, done)
+        stacked_experts(others, groups, done)
         spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
                     and _sized_like(w, table, m, m.rsplit(".", 1)[-1], table[m])[1]]
         if spanning and others.reduction(attention_group, spanning):
             reduced = set(spanning)
             attention_group.pop("kv_replication", None)  # refused beside a reduced norm
+    if not kinds.encoder:
+        per_head_modules(w, unit, table, done, attention_projections)
     for module in sorted(set(table) - done):
         entry = table[module]
         leaf = module.rsplit(".", 1)[-1]
@@ -536,6 +568,8 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
             # computing some of the heads holds their rows, split with the attention's heads
             projection = {"module": Quoted(f"{unit}.{module}"), "sharding": "column",
                           "heads": heads}
+            if "weight" not in entry.params:  # gpt-oss's sinks: one logit per head
+                projection["linear"] = False
             attention_projections.append(projection)
             w.params(projection, params, module)
             continue
@@ -578,13 +612,15 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
 def _per_head_axis(params: Mapping[str, tuple[list[str], str, list[str]]], module: str,
                    attention: Sequence[Mapping[str, Any]] | None) -> str | None:
     """The head count a norm of the attention block is sized by on its first axis (every param
-    `[heads, ...]` with `heads` one the attention's projections state), else None: such a norm
-    holds a row per head and splits with the heads."""
-    if attention is None or not module.startswith("self_attn.") or not params:
+    `[heads, ...]` with `heads` one the attention's projections state; the block's own params,
+    gpt-oss's sinks, also `[heads]`), else None: such a norm holds a row per head and splits
+    with the heads."""
+    own = module == "self_attn"  # the block's own params: gpt-oss's sinks [heads]
+    if attention is None or not (own or module.startswith("self_attn.")) or not params:
         return None
     stated = {str(p["heads"]) for p in attention if "heads" in p}
-    firsts = {shape[0] for shape, _, _ in params.values() if len(shape) >= 2}
-    if len(firsts) == 1 and all(len(shape) >= 2 for shape, _, _ in params.values()):
+    firsts = {shape[0] for shape, _, _ in params.values() if shape}
+    if len(firsts) == 1 and all(len(shape) >= 2 - own for shape, _, _ in params.values()):
         (first,) = firsts
         if first in stated:
             return first

@@ -192,7 +192,7 @@ _DIMENSIONS = ("hidden_size", "intermediate_size", "vocab_size", "moe_intermedia
 (`_decoder_dimensions`)."""
 
 
-_EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
+_EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
 """Config names an expert count is matched against."""
 
 
@@ -202,22 +202,29 @@ against, after the widths (a per-head norm's [num_attention_heads, head_dim]).""
 
 
 _DIMENSION_NAME = re.compile(
-    r"^(?:num|n)_[a-z0-9_]+$|^[a-z0-9_]+_(?:size|dim|rank|heads|experts|channels|embeddings"
-    r"|positions)$")
+    r"^(?:num|n)_[a-z0-9_]+$|^[a-z0-9_]+_(?:size|dim|rank|heads|experts|channels|kernel"
+    r"|embeddings|positions)$")
 
 
 _NOT_DIMENSION = re.compile(
     r"(?:_ids?|_idx|_index|_layers?|_tok|_groups?|_replace|_freq|_steps?|_labels)$")
 """Which other integer config fields (DeepSeek's `q_lora_rank`, GPT-2's `n_positions`, CLIP's
-`patch_size`) a literal dimension is matched against too, by name: counts and sizes, not token
-ids, layer counts or routing settings. A dimension equal to one of them and to a known name is
-ambiguous (marked), one equal to one of them only is written as that field."""
+`patch_size`, Mamba's `conv_kernel`) a literal dimension is matched against too, by name:
+counts and sizes, not token ids, layer counts or routing settings. A dimension equal to one of
+them and to a known name is ambiguous (marked), one equal to one of them only is written as
+that field."""
 
 
 _NESTED = ("text_config",)
 """Config sections whose fields are read (with `from:`) when the top level lacks them, or holds
 them too (PaliGemma's legacy top-level `hidden_size`): then the value that matches the header
 (`_nested_choice`)."""
+
+
+_BLOCK_SECTIONS = ("attn_config", "ffn_config")
+"""Config sections of the decoder's blocks (DBRX's `ffn_config.ffn_hidden_size`,
+`moe_num_experts`): their fields named like a dimension are read (`_other_dimensions`) when
+neither the top level nor `text_config` has one of that name."""
 
 
 _ALIASES = {"hidden_size": ("n_embd", "d_model"), "num_attention_heads": ("n_head", "n_heads"),
@@ -329,7 +336,8 @@ def _values(config: Mapping[str, Any], matches: Callable[[str, int], bool | None
                              else None)
     for key in (*_DIMENSIONS, *_EXPERT_COUNTS):
         out.setdefault(key, number(key))
-    known = {*out, *(a for names in _ALIASES.values() for a in names)}
+    known = {*(k for k, v in out.items() if v is not None),
+             *(a for names in _ALIASES.values() for a in names)}
     for key, (where, value) in _other_dimensions(config, known).items():
         out[key], sources[key] = value, where + key
     return {k: v for k, v in out.items() if v is not None}, sources, marked
@@ -343,12 +351,17 @@ def _other_dimensions(config: Mapping[str, Any], known: set[str]
     `text_config.`); a field both hold with different values is left out (which the decoder
     uses, the scaffold does not try to tell for these)."""
     found: dict[str, list[tuple[str, int]]] = {}
-    for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED)):
+    outer = [section for section in (config, *(config.get(n) for n in _NESTED))
+             if isinstance(section, Mapping)]
+    outer_keys = {k for section in outer for k in section}  # a block section's: after these
+    for where, section in (("", config), *((f"{n}.", config.get(n)) for n in _NESTED),
+                           *((f"{n}.", config.get(n)) for n in _BLOCK_SECTIONS)):
         if not isinstance(section, Mapping):
             continue
         for key, value in section.items():
             if isinstance(key, str) and isinstance(value, int) and not isinstance(value, bool) \
                     and key not in known and _DIMENSION_NAME.match(key) \
+                    and (where.rstrip(".") not in _BLOCK_SECTIONS or key not in outer_keys) \
                     and not _NOT_DIMENSION.search(key):
                 found.setdefault(key, []).append((where, value))
     return {key: places[-1] for key, places in sorted(found.items())
