@@ -7,7 +7,8 @@ the plan schema (`front.schema.plan_faults`: file, line and JSON pointer), and a
 the schema but disagrees with itself (its ranks against its topology) names the pointer and the
 values.
 
-Every read then checks the whole plan schema (enums, minimums, patterns, unknown keys), over the
+Every read then checks the whole plan schema (enums, minimums, patterns, unknown keys; where
+jsonschema is installed: a runtime-only install reads with the bounds below), over the
 tensor and group tables cut to one entry per distinct form (`_schema_problem`): validating every
 entry of DeepSeek-V3's 34 MB 8 x 4 plan takes ~53 s, the cut tables ~0.4 s of a ~4 s read.
 
@@ -484,8 +485,17 @@ def _schema_problem(document: Mapping[str, Any], view: PlanFile) -> tuple[str, s
     per distinct form (`_tensor_form`, `_group_form`: a few hundred of a 90,000-tensor plan):
     the names' text is free (a non-empty string, which the form records), and validating every
     entry of DeepSeek-V3's 34 MB 8 x 4 plan takes ~50 s against ~3 s for the whole read.
+
+    A runtime-only install (README "Serving images") has no jsonschema: there the check is
+    skipped, and the typed view, built field by field, and `_check_sane`'s bounds are what
+    hold (`tests/test_cli_first_day.py` runs inspect without the compiler's libraries).
     """
-    from partc.front.schema import first_data_error
+    try:
+        from partc.front.schema import first_data_error
+    except ModuleNotFoundError as missing:
+        if missing.name != "jsonschema":
+            raise
+        return None
 
     raw_tensors = list(document.get("tensors", []))
     tensors, tensor_rows = _distinct(raw_tensors, [
