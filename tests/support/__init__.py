@@ -138,6 +138,17 @@ class ColumnQuarter:
             load_file(str(self.path))[self.NAME][:, self.cols // 4:self.cols // 2].view(np.uint8))
 
 
+def direct_supported(path: Path) -> bool:
+    """Whether the file system holding `path` opens files with O_DIRECT."""
+    import os
+
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
 def fixture_folder(name: str) -> Path:
     """Folder of one tiny fixture: `hf/<name>`, else `quantized/<name>`."""
     return hf(name) if (HF / name).is_dir() else QUANTIZED / name
