@@ -476,7 +476,8 @@ def _resident(address: int, start: int, end: int) -> float:
 
 _SIGNATURES = {"process_vm_writev": ("ssize", ["int", "void*", "ulong", "void*", "ulong",
                                                "ulong"]),
-               "mincore": ("int", ["void*", "size", "void*"])}
+               "mincore": ("int", ["void*", "size", "void*"]),
+               "preadv": ("ssize", ["int", "void*", "int", "long"])}
 
 
 def _libc(name: str) -> Callable[..., int] | None:
@@ -487,7 +488,8 @@ def _libc(name: str) -> Callable[..., int] | None:
             try:
                 import ctypes
 
-                kinds = {"int": ctypes.c_int, "ssize": ctypes.c_ssize_t, "size": ctypes.c_size_t,
+                kinds = {"int": ctypes.c_int, "long": ctypes.c_long, "ssize": ctypes.c_ssize_t,
+                         "size": ctypes.c_size_t,
                          "ulong": ctypes.c_ulong, "void*": ctypes.c_void_p}
                 restype, argtypes = _SIGNATURES[name]
                 function = getattr(ctypes.CDLL(None, use_errno=True), name)
