@@ -19,13 +19,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from partc.scaffold.fused import Blocks
+from partc.scaffold.fused import Blocks, Candidate
 from partc.scaffold.ssm2 import children, declare, field, same_scope, segments, written
 from partc.scaffold.survey import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList
 
 _CHILDREN = frozenset({"in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"})
 """A gated DeltaNet's modules."""
+
+
+_CANDIDATES = (Candidate("per_head"), Candidate("component_major"))
+"""The row orders of in_proj_qkvz and in_proj_ba: one block per key head (Qwen3-Next's), or
+[all q | all k | all v | all z] and [all b | all a]."""
 
 
 def delta_nets(blocks: Blocks, groups: list[dict[str, Any]], done: set[str]) -> None:
@@ -73,11 +78,31 @@ def _delta_net(blocks: Blocks, groups: list[dict[str, Any]], module: str, entry:
     if len(pairs) != 1 or value_heads is None or value_dim is None or k is None:
         return False
     hk, dk = pairs[0]
+    axes = _axes(hk, dk, value_heads, value_dim, k, per_head=True)
+    tensors = {**shapes, **entry.params}
+    if written(w, blocks.unit, module, tensors, axes) is None:
+        return False
+    declare(w, [hk, dk, value_heads, value_dim, k])
+    group = blocks._group(groups, f"layers.{{unit}}.{module}", "channels", hk, entry)
+    chosen = blocks._choose(group, f"{module}.in_proj_qkvz", _CANDIDATES, key="units")
+    group["members"] = written(w, blocks.unit, module, tensors, _axes(
+        hk, dk, value_heads, value_dim, k, per_head=chosen.layout == "per_head"))
+    w.used.add("hidden_size")
+    return True
+
+
+def _axes(hk: str, dk: str, value_heads: str, value_dim: str, k: str, *, per_head: bool
+          ) -> dict[str, tuple[list[str], dict[str, Any], bool]]:
+    """Each tensor's shape, split and whether it is a linear weight, its input projections'
+    rows one block per key head (`per_head`) or component-major."""
     kd, vd = f"{hk} * {dk}", f"{value_heads} * {value_dim}"
     rows = {"sharding": Flow(partitioned=0), "heads": FlowList([hk])}
-    axes: dict[str, tuple[list[str], dict[str, Any], bool]] = {
-        "in_proj_qkvz.weight": ([f"2 * {kd} + 2 * {vd}", "hidden_size"], rows, True),
-        "in_proj_ba.weight": ([f"2 * {value_heads}", "hidden_size"], rows, True),
+    return {
+        "in_proj_qkvz.weight": ([f"2 * {kd} + 2 * {vd}", "hidden_size"], rows if per_head else
+                                segments([kd, kd, vd, vd], [hk, hk, value_heads, value_heads]),
+                                True),
+        "in_proj_ba.weight": ([f"2 * {value_heads}", "hidden_size"], rows if per_head else
+                              segments([value_heads] * 2, [value_heads] * 2), True),
         "conv1d.weight": ([f"2 * {kd} + {vd}", "1", k],
                           segments([kd, kd, vd], [hk, hk, value_heads]), False),
         "A_log": ([value_heads], {"sharding": Flow(partitioned=0)}, False),
@@ -85,13 +110,3 @@ def _delta_net(blocks: Blocks, groups: list[dict[str, Any]], module: str, entry:
         "norm.weight": ([value_dim], {"sharding": "replicated"}, False),
         "out_proj.weight": (["hidden_size", vd], {"sharding": Flow(partitioned=1),
                                                   "heads": FlowList([value_heads])}, True)}
-    members = written(w, blocks.unit, module, {**shapes, **entry.params}, axes)
-    if members is None:
-        return False
-    declare(w, [hk, dk, value_heads, value_dim, k])
-    group = blocks._group(groups, f"layers.{{unit}}.{module}", "channels", hk, entry)
-    w.note(group, "units", "# per key head: [q | k | v | z] rows of in_proj_qkvz and [b | a] "
-           "rows of in_proj_ba contiguous (transformers' fix_query_key_value_ordering)")
-    group["members"] = members
-    w.used.add("hidden_size")
-    return True

@@ -60,12 +60,14 @@ def same_scope(entry: _Module, found: Mapping[str, _Module]) -> bool:
 
 
 def member(w: _Writer, unit: str, tensor: str, signature: tuple[str, list[int]],
-           shape: Sequence[str], sharding: Any, **extra: Any) -> Flow | None:
-    """One `members:` entry (None when the shape's rank is not the expected one)."""
+           shape: Sequence[str], sharding: Any, **extra: Any) -> dict[str, Any] | None:
+    """One `members:` entry, a line per key (None when the shape's rank is not the expected
+    one)."""
     dtype, actual = signature
     if len(actual) != len(shape):
         return None
-    entry = Flow(target=Quoted(f"{unit}.{tensor}"), shape=FlowList(_entry(t) for t in shape))
+    entry: dict[str, Any] = {"target": Quoted(f"{unit}.{tensor}"),
+                             "shape": FlowList(_entry(t) for t in shape)}
     if dtype != w.default_dtype:
         entry["dtype"] = dtype
     entry["sharding"] = sharding
@@ -74,7 +76,8 @@ def member(w: _Writer, unit: str, tensor: str, signature: tuple[str, list[int]],
 
 
 def written(w: _Writer, unit: str, module: str, tensors: Mapping[str, tuple[str, list[int]]],
-            axes: Mapping[str, tuple[list[str], dict[str, Any], bool]]) -> list[Flow] | None:
+            axes: Mapping[str, tuple[list[str], dict[str, Any], bool]]
+            ) -> list[dict[str, Any]] | None:
     """The `members:` of a mixer's `tensors` (by name under `module`), each with its shape,
     split and `format: linear` as `axes` says, in the order of `axes`; None when the module
     holds a tensor `axes` lacks or one of another rank."""
@@ -97,8 +100,8 @@ def written(w: _Writer, unit: str, module: str, tensors: Mapping[str, tuple[str,
 
 def segments(sizes: Sequence[str], heads: Sequence[str] | None = None) -> dict[str, Any]:
     """A `partitioned_segments` split over axis 0, with its `heads:` when given."""
-    out: dict[str, Any] = {"sharding": Flow(partitioned_segments=Flow(
-        axis=0, segments=FlowList(_entry(s) for s in sizes)))}
+    out: dict[str, Any] = {"sharding": {"partitioned_segments": Flow(
+        axis=0, segments=FlowList(_entry(s) for s in sizes))}}
     if heads is not None:
         out["heads"] = FlowList(_entry(h) for h in heads)
     return out
