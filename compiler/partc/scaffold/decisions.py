@@ -58,6 +58,9 @@ class _Writer:
         self.dimensions = dimensions
         """Config names a literal dimension is matched against, in this order: the
         decoder's, or an encoder's own."""
+        self.config: Mapping[str, Any] = {}
+        """The config.json object (a mixer's sizes the survey does not read: Mamba2's
+        `mamba_n_groups`, `partc.scaffold.ssm2`)."""
 
     def vocabulary(self, module: str) -> tuple[list[str], tuple[str, ...]]:
         """The config names a literal dimension of `module` is matched against, and those

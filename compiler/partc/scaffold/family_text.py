@@ -51,11 +51,13 @@ from partc.scaffold.decisions import (
     _sized_like,
     _Writer,
 )
+from partc.scaffold.delta_net import delta_nets
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
 from partc.scaffold.ssm import mamba_mixers
+from partc.scaffold.ssm2 import mamba2_mixers
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
     _ATTENTION,
@@ -142,6 +144,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     decoder_modules, loose = s.decoder_modules, s.loose
     count = len(by_layer)
     w = _Writer(values, s.default_dtype, sorted(by_layer), dimensions)
+    w.config = config
     chain = [e.group for e in encoders] + (["projector"] if projector is not None else [])
     description = (f"{model_type} decoder" if not encoders else
                    f"{model_type} model, execution groups {', '.join([*chain, 'decoder'])}")
@@ -533,6 +536,8 @@ def _layer_groups(w: _Writer, groups: list[dict[str, Any]], prefix: str,
     if others is not None:
         mla_attention(others, groups, done)
         mamba_mixers(others, groups, done)
+        mamba2_mixers(others, groups, done)
+        delta_nets(others, groups, done)
         others.write(groups, done)
         stacked_experts(others, groups, done)
         spanning = [m for m in sorted(set(table) - done) if attention_projections is not None
