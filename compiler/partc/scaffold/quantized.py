@@ -106,12 +106,12 @@ def _fp8(header: Mapping[str, Signature], dense: str, block: tuple[int, int]
               "weight_block_size": Flow(type="int_list",
                                         **{"from": "quantization_config.weight_block_size"},
                                         default=FlowList([128, 128]))}
-    scale = scale_dtypes.pop()
-    if scale == dense:  # Qwen's: the scales in the model's dtype, whatever a config makes it
+    stored = scale_dtypes.pop()
+    if stored == dense:  # Qwen's: the scales in the model's dtype, whatever a config makes it
         fields["dtype"] = Flow(type="str", **{"from": FlowList(["dtype", "torch_dtype"])},
                                default="float32")
     entry = {"format": "block_fp8", "when": Quoted("quant_method == 'fp8'"),
-             "block": "weight_block_size", "scale_dtype": "dtype" if scale == dense else scale,
+             "block": "weight_block_size", "scale_dtype": "dtype" if stored == dense else stored,
              "applies_to": _patterns(out, encoded, lambda shape: True)}
     return out, Quantized(fields, entry, len(encoded))
 
@@ -177,7 +177,7 @@ def _patterns(dense: Mapping[str, Signature], encoded: list[str],
     others = [_real(n) for n, (_, shape) in dense.items()
               if n not in names and len(shape) >= 2 and eligible(shape)]
     if not others:
-        return FlowList(["*"])
+        return FlowList([Quoted("*")])
     found: set[str] = set()
     for name in encoded:
         real = _real(name)
