@@ -32,9 +32,11 @@ FIXTURES = {"deepseek_v3_fp8": ("deepseek_v3", "block_fp8", [1, 2]),
             "llama_mlx4": ("llama", "mlx_affine", [1, 2]),
             "qwen3_fp8": ("qwen3", "block_fp8", [1, 2, 4])}
 """Per quantized fixture: its built-in family (and dense twin), the linear format it stores and
-the T <= 4 that family checks at there. gpt-oss stops at 2: MXFP4 cuts `down_proj` on its
-input axis (96 intermediate channels) in whole 32-element blocks, so its expert group has 3
-units; Llama at 2: its MLX groups of 32 leave `o_proj`'s 64 inputs 2 groups."""
+the T <= 4 that family checks at there (T = 3 splits none of their 2 KV heads). gpt-oss stops
+at 2: MXFP4 cuts `down_proj` on its input axis (96 intermediate channels) in whole 32-element
+blocks, so its expert group has 3 units; Llama at 2: one 16-wide head of `o_proj`'s input per
+rank would cut its 32-wide MLX groups; DeepSeek-V3 at 2: its 4 attention heads align to 2 units
+of whole [16, 16] FP8 blocks (the built-in family's own refusals)."""
 
 
 def _legal(family: Path, checkpoint: Path) -> list[int]:
