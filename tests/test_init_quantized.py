@@ -107,3 +107,11 @@ def test_a_stored_weight_whose_companions_do_not_fit_is_left_as_the_header_has_i
                      "a.router.weight": ("BF16", [4, 32])}
     assert quantized is not None and quantized.entry["applies_to"] == ["*.q_proj"]
     assert dense_header(header, {}, "BF16") == (header, None)
+    plain = {"a.q_proj.weight": ("BF16", [64, 32])}  # the config says FP8, the header does not
+    assert dense_header(plain, config, "BF16") == (plain, None)
+    packed = {"a.q_proj.weight": ("U32", [64, 4]), "a.q_proj.scales": ("BF16", [64, 1]),
+              "a.q_proj.biases": ("BF16", [64, 1])}
+    assert dense_header(packed, {"quantization": {"bits": 4, "group_size": 32}}, "BF16")[0] == {
+        "a.q_proj.weight": ("BF16", [64, 32])}
+    assert dense_header(packed, {"quantization": {"bits": 5, "group_size": 32}}, "BF16") == (
+        packed, None)  # no MLX width: left as stored (and marked as packed)

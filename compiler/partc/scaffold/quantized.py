@@ -30,7 +30,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from partc.parallel.formats import MXFP4_BLOCK_BYTES, MXFP4_BLOCK_ELEMENTS, target_matches
+from partc.parallel.formats import (
+    MLX_BITS,
+    MLX_GROUP_SIZES,
+    MXFP4_BLOCK_BYTES,
+    MXFP4_BLOCK_ELEMENTS,
+    target_matches,
+)
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 Signature = tuple[str, list[int]]
@@ -70,8 +76,9 @@ def dense_header(header: Mapping[str, Signature], config: Mapping[str, Any], den
             return _fp8(header, dense, (size[0], size[1]))
     elif method == "mxfp4":
         return _mxfp4(header, dense)
-    elif isinstance(mlx, Mapping) and _positive(mlx.get("bits")) and _positive(
-            mlx.get("group_size")):
+    elif isinstance(mlx, Mapping) and mlx.get("bits") in MLX_BITS and mlx.get(
+            "group_size") in MLX_GROUP_SIZES and _positive(mlx["bits"]) and _positive(
+            mlx["group_size"]):
         return _mlx(header, int(mlx["bits"]), int(mlx["group_size"]))
     return dict(header), None
 
