@@ -217,6 +217,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     statics["output"] = Flow(stage="last")
     document["static"] = statics
     document["parameters"] = [*front, *static[0], *body, *static[1]]
+    if s.quantized is not None:
+        s.quantized.declare(fields, document)
     boundary: dict[str, Any] = {"identity": f"{family}.hidden", "primary": Flow(
         role="hidden", shape=FlowList(["batch", "sequence", "hidden_size" if "hidden_size" in
                                        values else "HIDDEN"]), dtype="activation"),

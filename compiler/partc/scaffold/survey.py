@@ -22,6 +22,7 @@ from partc.front.load import MAX_CONFIG_BYTES, decode_text, parse_json, read_byt
 from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
+from partc.scaffold.quantized import Quantized, dense_header
 
 Signature = tuple[str, list[int]]
 """A tensor's (dtype, shape) in the header."""
@@ -65,6 +66,8 @@ class Survey:
     """Why a field read from a guess is marked CHECK, by name."""
     dimensions: tuple[str, ...]
     """The config names a literal dimension of the decoder is matched against, in order."""
+    quantized: Quantized | None = None
+    """The linear format the checkpoint stores its weights in (`layers` hold them dense)."""
 
     @property
     def by_layer(self) -> dict[int, dict[str, Signature]]:
@@ -106,6 +109,8 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
     family = name or re.sub(r"^(?=\d)", "_", re.sub(r"[^A-Za-z0-9_]", "_", model_type))[:128]
     torch_dtype = config.get("torch_dtype") or config.get("dtype")
     default = TORCH_DTYPE_NAMES.get(str(torch_dtype)) if torch_dtype else None
+    stored = len(header)
+    header, quantized = dense_header(header, config, default or "F32")  # as the family declares
     layers: dict[str, dict[int, dict[str, Signature]]] = {}
     outside: dict[str, Signature] = {}
     for tensor, signature in header.items():
@@ -140,12 +145,12 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
         if encoders else None
     if projector is not None:
         decoder_modules = {m: p for m, p in decoder_modules.items() if m not in projector[1]}
-    return Survey(checkpoint=checkpoint, config=config, tensor_count=len(header),
+    return Survey(checkpoint=checkpoint, config=config, tensor_count=stored,
                   model_type=model_type, family=family, default_dtype=default or "F32",
                   layers=layers, prefix=prefix, encoders=encoders,
                   decoder_modules=decoder_modules, roles=roles, projector=projector,
                   loose=loose, values=values, sources=sources, marked=marked,
-                  dimensions=dimensions)
+                  dimensions=dimensions, quantized=quantized)
 
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h|blocks))\.(?P<n>0|[1-9][0-9]*)\."
