@@ -92,7 +92,7 @@ def test_a_stored_weight_whose_companions_do_not_fit_is_left_as_the_header_has_i
     """An F8 weight whose `weight_scale_inv` is not its [16, 16] block grid stays F8 (the
     scaffold marks its shape as any other it cannot explain), the others become dense and the
     format applies to them by name, leaving the dense router out."""
-    from partc.scaffold.quantized import dense_header
+    from partc.scaffold.dense_twin import dense_header
 
     header = {"a.q_proj.weight": ("F8_E4M3", [64, 32]),
               "a.q_proj.weight_scale_inv": ("F32", [4, 2]),

@@ -28,6 +28,7 @@ from partc.cli.parser import (
     yaml_file_problem,
 )
 from partc.cli.resharding import run_merge, run_reshard
+from partc.cli.storage import run_calibrate
 from partc.errors import (
     MACHINE_ERRNOS,
     LoadError,
@@ -41,7 +42,7 @@ _COMMANDS: dict[str, Any] = {
     "shard": run_shard, "inspect": commands.run_inspect, "explain": commands.run_explain,
     "report": commands.run_report, "init": commands.run_init, "schema": commands.run_schema,
     "docs": commands.run_docs, "verify": run_verify, "completion": run_completion,
-    "reshard": run_reshard, "merge": run_merge}
+    "reshard": run_reshard, "merge": run_merge, "calibrate": run_calibrate}
 """Each command's function: it takes the parsed arguments and returns the exit status."""
 
 

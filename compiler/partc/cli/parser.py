@@ -263,6 +263,22 @@ def _add_resharding(commands: Any) -> None:
     _add_quiet(merge)
 
 
+def _add_calibrate(commands: Any) -> None:
+    """`partc calibrate`."""
+    calibrate = commands.add_parser(
+        "calibrate", help="measure the storage holding a checkpoint for the read planner of "
+                          "cold loads (about a second), or show what was measured",
+        description="Time 4 KiB and 1 MiB O_DIRECT reads of a checkpoint file and cache the "
+                    "storage model (request latency, bandwidth) for its device; cold loads of "
+                    "files on that device then plan their reads with it.")
+    calibrate.add_argument("path", nargs="?", default=None,
+                           help="a checkpoint folder (its largest .safetensors file is read) or "
+                                "a file on the storage to measure")
+    calibrate.add_argument("--show", action="store_true",
+                           help="print the cached models and the default instead of measuring")
+    _add_format(calibrate)
+
+
 _OUT_HELP = ("output folder: new (missing parents are created), empty, or a shard set partc "
              "wrote (marked by .partc-build.json); replaced atomically")
 _FORCE_HELP = ("write through a symbolic link --out into its target folder (kept as the link), "
@@ -473,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(shard)
 
     _add_resharding(commands)
+    _add_calibrate(commands)
 
     verify = commands.add_parser("verify", help="check the split against Hugging Face "
                                  "transformers' modeling code (needs partc[verify])")

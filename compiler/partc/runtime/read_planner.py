@@ -123,7 +123,7 @@ def plan_time(starts: Ints, ends: Ints, merged: np.ndarray[Any, Any], model: Sto
     return model.cost(len(starts) - int(np.count_nonzero(merged)), nbytes), nbytes
 
 
-def _cache_file() -> str:
+def cache_file() -> str:
     """Where calibrations are kept: $XDG_CACHE_HOME/partc/storage.json (~/.cache by default)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "partc", "storage.json")
@@ -132,11 +132,23 @@ def _cache_file() -> str:
 def _cached() -> dict[str, Any]:
     """Every cached calibration by st_dev (empty when there is none or it cannot be read)."""
     try:
-        with open(_cache_file(), encoding="utf-8") as handle:
+        with open(cache_file(), encoding="utf-8") as handle:
             found = json.load(handle)
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
+
+
+def cached_models() -> dict[int, tuple[str, StorageModel]]:
+    """Every well-formed cached calibration: st_dev -> (the file measured, its model)."""
+    found: dict[int, tuple[str, StorageModel]] = {}
+    for device, entry in _cached().items():
+        try:
+            found[int(device)] = (str(entry["path"]),
+                                  StorageModel(entry["latency"], entry["bandwidth"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return found
 
 
 _MODELS: dict[int, StorageModel] = {}
@@ -210,9 +222,19 @@ def calibrate(path: str, *, requests: int = 512, large: int = 64 << 20, depth: i
     if save:
         cached = _cached()
         cached[str(st.st_dev)] = {"latency": latency, "bandwidth": bandwidth, "path": path}
-        target = _cache_file()
+        target = cache_file()
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target + ".tmp", "w", encoding="utf-8") as handle:
-            json.dump(cached, handle, indent=1, sort_keys=True)
-        os.replace(target + ".tmp", target)
+        import tempfile
+
+        # a temporary file of this call's own, renamed over the cache: two calibrations at
+        # once each leave a whole file, never a mixed one
+        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(target),
+                                             prefix=".storage-", suffix=".tmp", delete=False)
+        try:
+            with handle:
+                json.dump(cached, handle, indent=1, sort_keys=True)
+            os.replace(handle.name, target)
+        except BaseException:
+            os.unlink(handle.name)
+            raise
     return model

@@ -22,7 +22,7 @@ from partc.front.load import MAX_CONFIG_BYTES, decode_text, parse_json, read_byt
 from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
-from partc.scaffold.quantized import Quantized, dense_header
+from partc.scaffold.dense_twin import Quantized, dense_header
 
 Signature = tuple[str, list[int]]
 """A tensor's (dtype, shape) in the header."""
