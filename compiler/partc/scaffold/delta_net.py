@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.scaffold.fused import Blocks, Candidate
-from partc.scaffold.ssm2 import children, declare, field, same_scope, segments, written
+from partc.scaffold.ssm2 import declare, field, scan_mixers, segments, written
 from partc.scaffold.survey import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList
 
@@ -35,15 +35,8 @@ _CANDIDATES = (Candidate("per_head"), Candidate("component_major"))
 
 def delta_nets(blocks: Blocks, groups: list[dict[str, Any]], done: set[str]) -> None:
     """Append a group per gated DeltaNet of the layers not `done` (adding its modules)."""
-    table = blocks.table
-    for module in sorted(m for m in table if m not in done):
-        entry = table[module]
-        found = children(table, module, done)
-        if set(entry.params) != {"A_log", "dt_bias"} or set(found) != _CHILDREN or \
-                not same_scope(entry, found):
-            continue
-        if _delta_net(blocks, groups, module, entry, found):
-            done.update({module, *(f"{module}.{c}" for c in found)})
+    scan_mixers(blocks, groups, done, {"A_log", "dt_bias"}, lambda found: found == _CHILDREN,
+                _delta_net)
 
 
 def _delta_net(blocks: Blocks, groups: list[dict[str, Any]], module: str, entry: _Module,

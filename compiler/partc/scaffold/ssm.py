@@ -16,6 +16,7 @@ from typing import Any
 
 from partc.scaffold.decisions import _entry, _Writer
 from partc.scaffold.fused import Blocks
+from partc.scaffold.ssm2 import scan_mixers
 from partc.scaffold.survey import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
@@ -25,19 +26,8 @@ _NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
 
 def mamba_mixers(blocks: Blocks, groups: list[dict[str, Any]], done: set[str]) -> None:
     """Append a group per Mamba mixer of the layers not `done` (adding its modules)."""
-    table = blocks.table
-    for module in sorted(m for m in table if m not in done):
-        entry = table[module]
-        if set(entry.params) != {"A_log", "D"} or entry.experts is not None:
-            continue
-        children = {m.rpartition(".")[2]: table[m] for m in table
-                    if m.rpartition(".")[0] == module and m not in done}
-        if not set(_PROJECTIONS) <= set(children) <= {*_PROJECTIONS, *_NORMS} or any(
-                c.layers != entry.layers or c.differs or c.experts is not None
-                for c in children.values()) or entry.differs:
-            continue
-        if _mixer(blocks, groups, module, entry, children):
-            done.update({module, *(f"{module}.{c}" for c in children)})
+    scan_mixers(blocks, groups, done, {"A_log", "D"},
+                lambda found: set(_PROJECTIONS) <= found <= {*_PROJECTIONS, *_NORMS}, _mixer)
 
 
 def _mixer(blocks: Blocks, groups: list[dict[str, Any]], module: str, entry: _Module,

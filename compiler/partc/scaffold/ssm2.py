@@ -18,7 +18,7 @@ to the replicated groups (marked CHECK there).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from partc.scaffold.decisions import _entry, _Writer
@@ -109,14 +109,23 @@ def segments(sizes: Sequence[str], heads: Sequence[str] | None = None) -> dict[s
 
 def mamba2_mixers(blocks: Blocks, groups: list[dict[str, Any]], done: set[str]) -> None:
     """Append a group per Mamba2 mixer of the layers not `done` (adding its modules)."""
+    scan_mixers(blocks, groups, done, {"A_log", "D", "dt_bias"},
+                lambda found: found == _CHILDREN, _mixer)
+
+
+def scan_mixers(blocks: Blocks, groups: list[dict[str, Any]], done: set[str], params: set[str],
+                wanted: Callable[[set[str]], bool], build: Callable[..., bool]) -> None:
+    """Call `build(blocks, groups, module, entry, found)` on every module not `done` that holds
+    exactly `params` and child modules whose names `wanted` accepts, all in one scope
+    (`same_scope`); a module whose group `build` writes is `done`, with its children."""
     table = blocks.table
     for module in sorted(m for m in table if m not in done):
         entry = table[module]
         found = children(table, module, done)
-        if set(entry.params) != {"A_log", "D", "dt_bias"} or set(found) != _CHILDREN or \
+        if set(entry.params) != params or not wanted(set(found)) or \
                 not same_scope(entry, found):
             continue
-        if _mixer(blocks, groups, module, entry, found):
+        if build(blocks, groups, module, entry, found):
             done.update({module, *(f"{module}.{c}" for c in found)})
 
 
