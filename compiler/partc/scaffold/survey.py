@@ -65,6 +65,8 @@ class Survey:
     """Why a field read from a guess is marked CHECK, by name."""
     dimensions: tuple[str, ...]
     """The config names a literal dimension of the decoder is matched against, in order."""
+    mtp: dict[int, dict[str, Signature]]
+    """The MTP layers taken out of the decoder's repetition (`partc.scaffold.mtp`), from 0."""
 
     @property
     def by_layer(self) -> dict[int, dict[str, Signature]]:
@@ -129,6 +131,9 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
     prefix = _decoder_prefix(layers, modules, checkpoint)
     common = _common_parts(sorted(layers))
     by_layer = layers[prefix]
+    from partc.scaffold.mtp import split_mtp  # (it reads this module)
+
+    mtp = split_mtp(config, by_layer)
     roots = {_root_of(p, common) for p in layers if p != prefix}  # the encoders' (_encoders)
     decoder_modules = {m: p for m, p in modules.items()
                        if not any(_under(m, root) for root in roots)}
@@ -145,7 +150,7 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
                   layers=layers, prefix=prefix, encoders=encoders,
                   decoder_modules=decoder_modules, roles=roles, projector=projector,
                   loose=loose, values=values, sources=sources, marked=marked,
-                  dimensions=dimensions)
+                  dimensions=dimensions, mtp=mtp)
 
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h|blocks))\.(?P<n>0|[1-9][0-9]*)\."
