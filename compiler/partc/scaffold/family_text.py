@@ -53,7 +53,7 @@ from partc.scaffold.decisions import (
 )
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
-from partc.scaffold.mtp import mtp_groups
+from partc.scaffold.mtp_family import mtp_groups
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
 from partc.scaffold.ssm import mamba_mixers
@@ -155,7 +155,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     body: list[dict[str, Any]] = []
     blocks = Blocks(w, f"{prefix}.{{unit}}", table, choices or {}, proofs or {})
     _layer_groups(w, body, prefix, table, others=blocks)
-    mtp = mtp_groups(w, config, prefix, s.mtp, by_layer, blocks, body)
+    mtp = mtp_groups(w, config, prefix, s.mtp, by_layer, blocks, body, _layer_groups)
     tables = [table]
     static = _static_groups(w, decoder_modules, roles, {} if projector else loose)
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups

@@ -22,6 +22,7 @@ from partc.front.load import MAX_CONFIG_BYTES, decode_text, parse_json, read_byt
 from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
+from partc.scaffold.mtp_survey import split_mtp
 
 Signature = tuple[str, list[int]]
 """A tensor's (dtype, shape) in the header."""
@@ -66,7 +67,7 @@ class Survey:
     dimensions: tuple[str, ...]
     """The config names a literal dimension of the decoder is matched against, in order."""
     mtp: dict[int, dict[str, Signature]]
-    """The MTP layers taken out of the decoder's repetition (`partc.scaffold.mtp`), from 0."""
+    """The MTP layers taken out of the decoder's repetition (`mtp_survey.split_mtp`), by i."""
 
     @property
     def by_layer(self) -> dict[int, dict[str, Signature]]:
@@ -131,8 +132,6 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
     prefix = _decoder_prefix(layers, modules, checkpoint)
     common = _common_parts(sorted(layers))
     by_layer = layers[prefix]
-    from partc.scaffold.mtp import split_mtp  # (it reads this module)
-
     mtp = split_mtp(config, by_layer)
     roots = {_root_of(p, common) for p in layers if p != prefix}  # the encoders' (_encoders)
     decoder_modules = {m: p for m, p in modules.items()

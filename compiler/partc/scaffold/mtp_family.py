@@ -16,54 +16,21 @@ glue at the config's widths, marked CHECK.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from partc.scaffold.decisions import _signature_params, _Writer
 from partc.scaffold.fused import Blocks
+from partc.scaffold.mtp_survey import MTP_FIELD, _config_int, _is_glue
 from partc.scaffold.survey import Signature, _layer_table
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
-
-MTP_FIELD = "num_nextn_predict_layers"
-"""The config field counting the MTP layers."""
 
 PRESENT_FIELD = "mtp_in_checkpoint"
 """The family's bool field: whether the checkpoint holds the first MTP layer."""
 
-GLUE = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
-"""The MTP layer's modules beside its decoder block (their first name part), as DeepSeek names
-them."""
-
 _VOCABULARY = ("embed_tokens", "shared_head.head")
 """The glue modules split by vocabulary rows, as the decoder's embedding and head."""
-
-
-def _config_int(config: Mapping[str, Any], key: str) -> int:
-    """An int field of the config's top level, else of `text_config` (0 when neither)."""
-    for section in (config, config.get("text_config")):
-        value = section.get(key) if isinstance(section, Mapping) else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return 0
-
-
-def _is_glue(relative: str) -> bool:
-    """A tensor of the MTP glue, by its name relative to the layer."""
-    return relative.split(".", 1)[0] in GLUE
-
-
-def split_mtp(config: Mapping[str, Any], by_layer: dict[int, dict[str, Signature]]
-              ) -> dict[int, dict[str, Signature]]:
-    """Take the config's MTP layers out of the decoder's layers `by_layer` (those numbered
-    `num_hidden_layers + i`, i < `num_nextn_predict_layers`, holding MTP glue); them by i."""
-    base, count = _config_int(config, "num_hidden_layers"), _config_int(config, MTP_FIELD)
-    out = {}
-    for i in range(count):
-        tensors = by_layer.get(base + i)
-        if base and tensors is not None and any(_is_glue(t) for t in tensors):
-            out[i] = by_layer.pop(base + i)
-    return out
 
 
 @dataclass(slots=True)
@@ -99,12 +66,12 @@ def _synthesized(w: _Writer, last: Mapping[str, Signature]) -> dict[int, dict[st
 
 def mtp_groups(w: _Writer, config: Mapping[str, Any], prefix: str,
                layers: dict[int, dict[str, Signature]], decoder: Mapping[int, Any],
-               blocks: Blocks, groups: list[dict[str, Any]]) -> Mtp | None:
+               blocks: Blocks, groups: list[dict[str, Any]],
+               layer_groups: Callable[..., None]) -> Mtp | None:
     """The MTP layers' groups (appended to `groups`), graph entry and config fields, for a
     config declaring some (None otherwise): `layers` are the checkpoint's (`split_mtp`),
-    `decoder` the decoder's layers, `blocks` the decoder's (its layout choices and proofs)."""
-    from partc.scaffold.family_text import _layer_groups
-
+    `decoder` the decoder's layers, `blocks` the decoder's (its layout choices and proofs),
+    `layer_groups` what writes a layer's groups (`partc.scaffold.family_text._layer_groups`)."""
     count = _config_int(config, MTP_FIELD)
     if count <= 0 or not decoder:
         return None
@@ -120,7 +87,7 @@ def mtp_groups(w: _Writer, config: Mapping[str, Any], prefix: str,
     every, w.all_layers = w.all_layers, set(layers)
     start = len(groups)
     try:
-        _layer_groups(w, groups, prefix, block, others=mine)
+        layer_groups(w, groups, prefix, block, others=mine)
     finally:
         w.all_layers = every
     moved = f"{prefix}.{{num_hidden_layers + unit}}"
