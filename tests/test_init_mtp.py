@@ -154,3 +154,23 @@ def test_the_scaffold_verifies_with_its_mtp_layer_at_every_t_up_to_4_with_s_2(
     for tp in (1, 2, 3, 4):
         checked = {c.module for c in report.checks if c.tp == tp and c.pp == 2}
         assert {f"model.layers.3.{m}" for m in glue} <= checked
+
+
+def test_a_config_declaring_a_huge_mtp_count_reads_only_the_headers_layers(
+        tmp_path: Path) -> None:
+    """`num_nextn_predict_layers` = 10**12 over the saved fixture: the scaffold is written at
+    once, the MTP layer (which the checkpoint does not hold) marked; check refuses the field as
+    it refuses it under the built-in family."""
+    config = json.loads(CONFIG.read_text())
+    config["num_nextn_predict_layers"] = 10**12
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    shutil.copy(FIXTURE / "model.safetensors", folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    family = tmp_path / "f.yaml"
+    family.write_text(scaffold(folder, folder / "config.json").text)
+    assert f"num_nextn_predict_layers = {10**12} MTP layer(s)" in family.read_text()
+    refused = [check_family(f, folder / "config.json", folder) for f in (family, None)]
+    assert [[e.message for e in errors] for errors in refused] == [[
+        f"config field `num_nextn_predict_layers` must be an integer from 0 to 2147483647, "
+        f"found {10**12}"]] * 2

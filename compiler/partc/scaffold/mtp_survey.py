@@ -41,8 +41,7 @@ def split_mtp(config: Mapping[str, Any], by_layer: dict[int, dict[str, tuple[str
     `num_hidden_layers + i`, i < `num_nextn_predict_layers`, holding MTP glue); them by i."""
     base, count = _config_int(config, "num_hidden_layers"), _config_int(config, MTP_FIELD)
     out = {}
-    for i in range(count):
-        tensors = by_layer.get(base + i)
-        if base and tensors is not None and any(_is_glue(t) for t in tensors):
-            out[i] = by_layer.pop(base + i)
+    for number in sorted(n for n in by_layer if base and base <= n < base + count):
+        if any(_is_glue(t) for t in by_layer[number]):  # (the header's layers, not `count`)
+            out[number - base] = by_layer.pop(number)
     return out
