@@ -99,7 +99,6 @@ def mtp_groups(w: _Writer, config: Mapping[str, Any], prefix: str,
         groups.append(_glue_group(w, module, table[module].params, moved))
     tensors = sorted(t for t in layers[min(layers)] if _is_glue(t))
     present = "eh_proj.weight" if "eh_proj.weight" in tensors else tensors[0]
-    w.used.update(("num_hidden_layers", "hidden_size"))
     entry: dict[str, Any] = Flow(group="mtp", units=f"{MTP_FIELD} if {PRESENT_FIELD} else 0",
                                  path=Quoted(moved), state=True, after=FlowList(["decoder"]))
     out = Mtp(graph=[entry], fields={
@@ -107,10 +106,11 @@ def mtp_groups(w: _Writer, config: Mapping[str, Any], prefix: str,
         PRESENT_FIELD: Flow(type="bool", default=False,
                             present=Quoted(f"{prefix}.{{num_hidden_layers}}.{present}"))})
     if not held:
-        out.guessed = (f"the config declares {MTP_FIELD} = {count} MTP "
-                "layer(s) the checkpoint does not hold: planned only with a checkpoint that "
-                "holds them, each written as the decoder's last layer plus DeepSeek's "
-                "embed_tokens, enorm, hnorm, eh_proj and shared_head at the config's widths")
+        out.guessed = (f"the config declares {MTP_FIELD} = {count} MTP layer(s) the "
+                       "checkpoint does not hold: planned only with a checkpoint that holds "
+                       "them, each written as the decoder's last layer plus DeepSeek's "
+                       "embed_tokens, enorm, hnorm, eh_proj and shared_head at the config's "
+                       "widths")
     return out
 
 
@@ -134,8 +134,7 @@ def _glue_group(w: _Writer, module: str, params: Mapping[str, Signature], path: 
     group: dict[str, Any] = {"name": Quoted(f"mtp.{{unit}}.{module}"), "role": role,
                              "owner": Flow(unit="mtp")}
     if module in _VOCABULARY:
-        group.update(module=Quoted(f"{path}.{module}"),
-                     sharding=Flow(balanced=0))
+        group.update(module=Quoted(f"{path}.{module}"), sharding=Flow(balanced=0))
         w.params(group, _signature_params(w, module, params, "vocab_size", "hidden_size"),
                  module)
     elif module == "eh_proj":
@@ -147,8 +146,7 @@ def _glue_group(w: _Writer, module: str, params: Mapping[str, Signature], path: 
                                                "2 * hidden_size"), module)
         group["projections"] = [projection]
     else:
-        group.update(module=Quoted(f"{path}.{module}"),
-                     sharding="replicated")
+        group.update(module=Quoted(f"{path}.{module}"), sharding="replicated")
         w.params(group, _signature_params(w, module, params, None, None,
                                           prefer=("hidden_size",)), module)
     return group
