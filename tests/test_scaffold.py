@@ -304,7 +304,9 @@ def test_a_single_repetition_scaffold_has_the_decoder_as_its_only_graph_entry(
     family = tmp_path / "f.yaml"
     _, err, report = _init(hf(fixture), family, capsys)
     data = yaml.safe_load(family.read_text())
-    assert [g["group"] for g in data["graph"]] == ["decoder"]
+    config = json.loads((hf(fixture) / "config.json").read_text())
+    mtp = ["mtp"] if config.get("num_nextn_predict_layers") else []  # after it (test_init_mtp)
+    assert [g["group"] for g in data["graph"]] == ["decoder", *mtp]
     assert "after" not in data["graph"][0] and "boundary" not in data["graph"][0]
     assert "dimensions" not in data
     assert data["static"]["embedding"] == {"stage": "first"}

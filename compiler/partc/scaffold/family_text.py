@@ -54,6 +54,7 @@ from partc.scaffold.decisions import (
 from partc.scaffold.delta_net import delta_nets
 from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
+from partc.scaffold.mtp_family import mtp_groups
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
 from partc.scaffold.ssm import mamba_mixers
@@ -157,6 +158,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     body: list[dict[str, Any]] = []
     blocks = Blocks(w, f"{prefix}.{{unit}}", table, choices or {}, proofs or {})
     _layer_groups(w, body, prefix, table, others=blocks)
+    mtp = mtp_groups(w, config, prefix, s.mtp, by_layer, blocks, body, _layer_groups)
     tables = [table]
     static = _static_groups(w, decoder_modules, roles, {} if projector else loose)
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
@@ -182,6 +184,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
         fields[key] = _config_field(key, sources.get(key, key), used)
         if key in marked:
             w.check(fields, key, marked[key])
+    if mtp is not None:
+        mtp.declare(w, fields)
     if values.get("num_hidden_layers") != count:
         w.note(fields, used[-1], f"# the checkpoint has {count} layers", "num_hidden_layers "
                "differs from the header's layer count")
@@ -204,7 +208,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
                    state=True)
     if chain:
         decoder["after"] = FlowList([chain[-1]])
-    document["graph"] = [*graph, decoder]
+    document["graph"] = [*graph, decoder, *(mtp.graph if mtp else ())]
     statics: dict[str, Any] = {}
     for e in encoders:  # the roles its modules outside the layers have (_encoder_statics)
         before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules}

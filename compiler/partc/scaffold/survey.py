@@ -23,6 +23,7 @@ from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
 from partc.scaffold.dense_twin import Quantized, dense_header
+from partc.scaffold.mtp_survey import split_mtp
 
 Signature = tuple[str, list[int]]
 """A tensor's (dtype, shape) in the header."""
@@ -66,6 +67,8 @@ class Survey:
     """Why a field read from a guess is marked CHECK, by name."""
     dimensions: tuple[str, ...]
     """The config names a literal dimension of the decoder is matched against, in order."""
+    mtp: dict[int, dict[str, Signature]]
+    """The MTP layers taken out of the decoder's repetition (`mtp_survey.split_mtp`), by i."""
     quantized: Quantized | None = None
     """The linear format the checkpoint stores its weights in (`layers` hold them dense)."""
 
@@ -134,6 +137,7 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
     prefix = _decoder_prefix(layers, modules, checkpoint)
     common = _common_parts(sorted(layers))
     by_layer = layers[prefix]
+    mtp = split_mtp(config, by_layer)
     roots = {_root_of(p, common) for p in layers if p != prefix}  # the encoders' (_encoders)
     decoder_modules = {m: p for m, p in modules.items()
                        if not any(_under(m, root) for root in roots)}
@@ -150,7 +154,7 @@ def survey_checkpoint(checkpoint: Path, config_path: Path, *, name: str | None =
                   layers=layers, prefix=prefix, encoders=encoders,
                   decoder_modules=decoder_modules, roles=roles, projector=projector,
                   loose=loose, values=values, sources=sources, marked=marked,
-                  dimensions=dimensions, quantized=quantized)
+                  dimensions=dimensions, mtp=mtp, quantized=quantized)
 
 
 _LAYER = re.compile(r"^(?P<prefix>(?:.*?\.)??(?:layers|h|blocks))\.(?P<n>0|[1-9][0-9]*)\."
