@@ -151,3 +151,19 @@ def test_a_scale_holding_other_blocks_is_refused(tmp_path: Path) -> None:
             "weight_scale_inv` as [4, 4] (axis 0 0:4 of [8, 4]) differs from the reference "
             "weight on those elements") in failure.message
     assert failure.max_error > 0.01
+
+
+@pytest.mark.parametrize("bits", [3, 6])
+def test_mlx_widths_that_straddle_words_verify(tmp_path: Path, bits: int) -> None:
+    """mlx's 3- and 6-bit codes cross uint32 words (a bit stream: tests/test_mlx_packing.py
+    checks it against mlx itself); the llama fixture's config at those widths verifies at
+    T = 2 in that storage (before: an internal error)."""
+    config = json.loads((QUANTIZED / "llama_mlx4" / "config.json").read_text())
+    config["quantization"]["bits"] = bits
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = verify_family(None, tmp_path / "config.json", tensor_parallel_sizes=[2],
+                           pipeline_parallel_size=1)
+    assert report.ok, report.first_failure
+    stored = [c for c in report.checks if c.module == "mlx_affine storage"]
+    assert len(stored) == 2 and all(int(c.message.split()[0]) > 0 for c in stored)
+    assert any(f"mlx_affine ({bits}-bit" in n for n in report.notes), report.notes

@@ -179,11 +179,28 @@ def encode(fmt: StorageFormat, dense: Any) -> dict[str, Any]:
     low, high = groups.amin(-1), groups.amax(-1)
     scale = torch.where(high > low, (high - low) / levels, torch.ones_like(low))
     codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, levels)
-    per = 32 // fmt.bits
-    codes = codes.flatten(-2).to(torch.int64).unflatten(-1, (-1, per))
-    shifts = torch.arange(per, dtype=torch.int64) * fmt.bits
-    words = (codes << shifts).sum(-1)
-    return {"weight": words.to(torch.uint32), "scale": scale, "bias": low}
+    words = mlx_pack(codes.flatten(-2).to(torch.uint8).numpy(), fmt.bits)
+    return {"weight": torch.from_numpy(words), "scale": scale, "bias": low}
+
+
+def mlx_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """mlx's packing of `bits`-bit codes along the last axis into uint32 words: one
+    little-endian bit stream, code k at bits [k * bits, (k + 1) * bits) of the row (so 32 / bits
+    codes a word for 2, 4 and 8 bits; 8 codes in 3 or 5 bytes for 3 and 5 bits, 4 in 3 bytes
+    for 6, as mlx's kernels unpack them). The row's codes must fill whole words."""
+    stream = np.unpackbits(np.ascontiguousarray(codes, dtype=np.uint8)[..., None],
+                           axis=-1, count=bits, bitorder="little")
+    packed = np.packbits(stream.reshape(*codes.shape[:-1], -1), axis=-1, bitorder="little")
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
+
+
+def mlx_unpack(words: np.ndarray, bits: int) -> np.ndarray:
+    """The codes of `mlx_pack`'s words (uint8, the last axis `32 / bits` times as long)."""
+    raw = np.ascontiguousarray(np.asarray(words).astype("<u4")).view(np.uint8)
+    stream = np.unpackbits(raw, axis=-1, bitorder="little")
+    fields = stream.reshape(*stream.shape[:-1], -1, bits)
+    weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
+    return (fields.astype(np.uint16) * weights).sum(-1).astype(np.uint8)
 
 
 # ---------------------------------------------------------------- decoding
@@ -196,14 +213,15 @@ def expected_companion_shape(fmt: StorageFormat, weight: tuple[int, ...]) -> tup
                 math.ceil(weight[-1] / fmt.block[1]))
     if fmt.kind == "mxfp4":
         return weight[:-1]
-    return (*weight[:-1], weight[-1] * (32 // fmt.bits) // fmt.group_size)
+    return (*weight[:-1], weight[-1] * 32 // (fmt.bits * fmt.group_size))
 
 
 def decode(fmt: StorageFormat, parts: dict[str, np.ndarray]) -> np.ndarray:
     """The dense float32 tensor of stored parts, as the format's implementation computes it:
     transformers' `_dequantize_fp8_weight` (block FP8: its `weight_block_size`, partial edge
     blocks included), `convert_moe_packed_tensors` (MXFP4, then `[E, in, out]`), and mlx's
-    affine `w = scale * q + bias` per group (codes little-endian in uint32 words)."""
+    affine `w = scale * q + bias` per group (codes a little-endian bit stream in uint32
+    words, `mlx_unpack`)."""
     torch, _ = require_libraries()
     if fmt.kind == "block_fp8":
         dequantize = _transformers_function("finegrained_fp8", "_dequantize_fp8_weight")
@@ -215,10 +233,7 @@ def decode(fmt: StorageFormat, parts: dict[str, np.ndarray]) -> np.ndarray:
         dense = convert(_torch_of(parts["weight"]), _torch_of(parts["scale"]),
                         dtype=torch.float32)
         return np.asarray(dense.numpy(), dtype=np.float32)
-    per, mask = 32 // fmt.bits, (1 << fmt.bits) - 1
-    words = np.asarray(parts["weight"]).astype(np.uint32)
-    shifts = np.arange(per, dtype=np.uint32) * fmt.bits
-    codes = ((words[..., None] >> shifts) & mask).reshape(*words.shape[:-1], -1)
+    codes = mlx_unpack(np.asarray(parts["weight"]), fmt.bits)
     scale = np.repeat(np.asarray(parts["scale"], dtype=np.float32), fmt.group_size, -1)
     bias = np.repeat(np.asarray(parts["bias"], dtype=np.float32), fmt.group_size, -1)
     return (scale * codes.astype(np.float32) + bias).astype(np.float32)
@@ -226,16 +241,18 @@ def decode(fmt: StorageFormat, parts: dict[str, np.ndarray]) -> np.ndarray:
 
 def dense_selection(fmt: StorageFormat, stored: Selection, ndim: int) -> Selection | None:
     """The dense weight's elements (of `ndim` axes) a rank's slice of the stored weight decodes
-    to: FP8 keeps the axes; MLX packs `32 / bits` codes per word on the last axis; MXFP4 stores
-    `[..., out, in/32, 16]` for a dense `[..., in, out]`. None: a slice that cuts a block's
-    bytes (no rank can decode it)."""
+    to: FP8 keeps the axes; MLX packs `32 / bits` codes a word on the last axis (a bit stream);
+    MXFP4 stores `[..., out, in/32, 16]` for a dense `[..., in, out]`. None: a slice that cuts
+    a block's bytes, or a code (no rank can decode it)."""
     axis, ranges = stored
     if axis is None or fmt.kind == "block_fp8":
         return stored
     if fmt.kind == "mlx_affine":
-        per = 32 // fmt.bits
-        return (axis, tuple((a * per, b * per) for a, b in ranges)) if axis == ndim - 1 \
-            else stored
+        if axis != ndim - 1:
+            return stored
+        if any(a * 32 % fmt.bits or b * 32 % fmt.bits for a, b in ranges):
+            return None  # a cut inside a code (3, 5 and 6 bits straddle words)
+        return (axis, tuple((a * 32 // fmt.bits, b * 32 // fmt.bits) for a, b in ranges))
     if axis == ndim - 2:  # the output axis
         return (ndim - 1, ranges)
     if axis == ndim - 1:  # the blocks axis: 32 inputs each
