@@ -73,6 +73,15 @@ from partc.scaffold.survey import (
     survey_checkpoint,
 )
 from partc.scaffold.vision import encoder_attention
+from partc.scaffold.vision_boundary import (
+    DIMENSIONS,
+    VisionParts,
+    boundary,
+    merger_root,
+    position_rows,
+    reads_grid,
+    used_layers,
+)
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted, write_yaml
 
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
@@ -142,7 +151,10 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     decoder_modules, loose = s.decoder_modules, s.loose
     count = len(by_layer)
     w = _Writer(values, s.default_dtype, sorted(by_layer), dimensions)
-    chain = [e.group for e in encoders] + (["projector"] if projector is not None else [])
+    parts = VisionParts()
+    mergers = {e.group: _merger_name(e, encoders) for e in encoders}
+    chain = [g for e in encoders for g in (e.group, mergers[e.group]) if g] + (
+        ["projector"] if projector is not None else [])
     description = (f"{model_type} decoder" if not encoders else
                    f"{model_type} model, execution groups {', '.join([*chain, 'decoder'])}")
     header = [f"# Family scaffold written by `partc init` from {checkpoint.name} "
@@ -159,11 +171,14 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
     graph: list[dict[str, Any]] = []  # and their graph entries
     for number, encoder in enumerate(encoders):
-        tables.append(_encoder_groups(w, encoder, front, graph, family,
-                                      chain[number - 1] if number else None,
-                                      config.get("vision_feature_layer"), blocks))
+        before = encoders[number - 1] if number else None
+        tables.append(_encoder_groups(w, encoder, front, graph, family, None if before is None
+                                      else mergers[before.group] or before.group,
+                                      config.get("vision_feature_layer"), blocks, parts,
+                                      mergers[encoder.group]))
     if projector is not None:
-        _projector_groups(w, projector, encoders[-1], front, graph, family, loose)
+        _projector_groups(w, projector, encoders[-1], front, graph, family, loose, parts,
+                          chain[-2])
     w.dimensions, w.all_layers = dimensions, set(by_layer)
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
@@ -190,12 +205,14 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
             w.comments.note(fields, written[0], "# " + ", ".join(
                 e.group for e in encoders if e.section == section) + f" ({section})",
                 before=True)
+    fields.update(parts.config)
+    if parts.derived:
+        document["derived"] = dict(parts.derived)
     if encoders:
         dims = {f"{e.group}_tokens": f"the rows of what crosses a cut inside `{e.group}` (its "
-                "units' output; written by partc init, see its boundary)" for e in encoders}
-        if projector is not None:
-            dims["image_tokens"] = ("the image-token positions of the request (the "
-                                    "projector's output rows)")
+                "units' output; written by partc init, see its boundary)" for e in encoders
+                if f"{e.group}_tokens" in parts.dimensions}
+        dims.update((d, DIMENSIONS[d]) for d in DIMENSIONS if d in parts.dimensions)
         document["dimensions"] = dims
     decoder = Flow(group="decoder", units="num_hidden_layers", path=Quoted(f"{prefix}.{{unit}}"),
                    state=True)
@@ -204,10 +221,13 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     document["graph"] = [*graph, decoder]
     statics: dict[str, Any] = {}
     for e in encoders:  # the roles its modules outside the layers have (_encoder_statics)
-        before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules}
+        merger = merger_root(e) if mergers[e.group] else None
+        before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules
+                  if merger is None or not m.startswith(merger + ".")}
         for role, unit, holds in (("embeddings", "first", True), ("tail", "last", False)):
             if holds in before:
                 statics[f"{e.group}_{role}"] = Flow(stage=Flow({"with": e.group, "unit": unit}))
+    statics.update(parts.statics)
     statics["embedding"] = Flow(stage=Flow({"with": "decoder", "unit": "first"})) \
         if encoders else Flow(stage="first")
     statics["final_norm"] = Flow(stage="last")
@@ -267,12 +287,15 @@ def _before_layers(relative: str) -> bool:
 
 def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
                     graph: list[dict[str, Any]], family: str, after: str | None,
-                    feature: object, blocks: Blocks) -> dict[str, _Module]:
+                    feature: object, blocks: Blocks, parts: VisionParts, merger: str | None
+                    ) -> dict[str, _Module]:
     """An encoder's parameter groups (appended to `front`: its modules before the layers,
-    its layers, its other modules) and its graph entry (to `graph`); its table of modules.
-    `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
-    the projector reads), if any; `blocks`: the decoder's, whose choices, proofs and open
-    layouts a fused attention of the encoder shares."""
+    its layers, its other modules) and its graph entry (to `graph`), with its merger's
+    (execution group `merger`, if any); its table of modules. `feature`: the config's
+    `vision_feature_layer` (LLaVA's: the vision layer whose output the projector reads), if
+    any; `blocks`: the decoder's, whose choices, proofs and open layouts a fused attention of
+    the encoder shares; `parts`: the derived values, roles and dimensions the boundaries add
+    (partc.scaffold.vision_boundary)."""
     table = _layer_table(e.by_layer)
     counts = {e.stem + k for k in _ENCODER_COUNTS}
     w.dimensions = (*(e.stem + k for k in (*_ENCODER_WIDTHS, *_ENCODER_HEADS)
@@ -297,7 +320,7 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
             ("gate_proj", {"gate_proj": ("column", inter, width),
                            "up_proj": ("column", inter, width),
                            "down_proj": ("row", width, inter)}))
-    head, tail = _encoder_statics(w, e)
+    head, tail = _encoder_statics(w, e, parts, merger)
     layers: list[dict[str, Any]] = []
     mine = Blocks(w, f"{e.prefix}.{{unit}}", table, blocks.choices, blocks.proofs)
     written = encoder_attention(mine, layers, table, e.group, e.group, heads, width)
@@ -305,11 +328,17 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
     _layer_groups(w, layers, e.prefix, {m: t for m, t in table.items() if m not in written},
                   _Kinds(e.group, e.group, attention, heads or "",
                                                      mlps, inter, encoder=True))
-    front += head + layers + tail
     entry: dict[str, Any] = {"group": e.group}
     graph.append(entry)
     count = next((e.stem + k for k in _ENCODER_COUNTS if e.stem + k in w.values), None)
-    if count is not None and w.values[count] == len(e.by_layer) and feature is not None \
+    units = None if count is None or w.values[count] != len(e.by_layer) or \
+        feature is None or e.section != "vision_config" else \
+        used_layers(w, e, count, feature, e.group, layers, parts)
+    front += head + layers + tail
+    if units is not None and count is not None:
+        w.used.add(count)
+        entry["units"] = units
+    elif count is not None and w.values[count] == len(e.by_layer) and feature is not None \
             and e.section == "vision_config":
         w.used.add(count)
         entry["units"] = count
@@ -329,13 +358,52 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
     if after is not None:
         entry["after"] = FlowList([after])
     out_width = w.dim(None, norm) if norm is not None else (width or "hidden_size")
-    entry["boundary"] = _placeholder_boundary(
-        w, f"{family}.{e.group}", "hidden", FlowList([f"{e.group}_tokens", _entry(out_width)]),
-        f"what crosses a cut inside `{e.group}` is not in the checkpoint: `{e.group}_tokens` "
-        "takes the leading axes of its layers' output (CLIP's [images, positions, width]); "
-        "write the shape, and the tensors the next stage needs besides "
-        "(architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
+    grid, rows = reads_grid(w, e), position_rows(w, e, parts)
+    if rows is not None or grid:  # CLIP's [images, positions, width], Qwen2-VL's patches
+        entry["boundary"] = boundary(parts, f"{family}.{e.group}", "hidden", [
+            *(["images", rows[1]] if rows is not None else ["patches"]), _entry(out_width)],
+            grid)
+    else:
+        parts.dimensions.add(f"{e.group}_tokens")
+        entry["boundary"] = _placeholder_boundary(
+            w, f"{family}.{e.group}", "hidden",
+            FlowList([f"{e.group}_tokens", _entry(out_width)]),
+            f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
+            f"`{e.group}_tokens` takes the leading axes of its layers' output (CLIP's "
+            "[images, positions, width]); write the shape, and the tensors the next stage "
+            "needs besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
+    root = merger_root(e)
+    if merger is not None and root is not None:
+        graph.append(_merger_entry(w, e, root, merger, family, grid, parts))
     return table
+
+
+def _merger_name(e: _Encoder, encoders: Sequence[_Encoder]) -> str | None:
+    """The execution group of the encoder's merger (`merger_root`), None without one."""
+    root = merger_root(e)
+    if root is None:
+        return None
+    name, taken = root.rsplit(".", 1)[-1], {"decoder", "projector", *(x.group for x in encoders)}
+    return name if name.isidentifier() and name not in taken else None
+
+
+def _merger_entry(w: _Writer, e: _Encoder, root: str, name: str, family: str, grid: bool,
+                  parts: VisionParts) -> dict[str, Any]:
+    """The graph entry of a merger inside the tower: one unit after it, handing over its
+    last linear's rows, `[image_tokens, hidden_size]` (the decoder's width)."""
+    last = max((m for m in e.modules if m.startswith(root + ".") and
+                len(e.modules[m].get("weight", ("", []))[1]) == 2),
+               key=lambda m: [int(p) if p.isdigit() else -1 for p in m.split(".")])
+    out = e.modules[last]["weight"][1][0]
+    hidden, why = w.resolve("hidden_size" if "hidden_size" in w.values else None, out,
+                            lookup=False)
+    entry: dict[str, Any] = {"group": name, "units": 1, "path": root,
+                             "after": FlowList([e.group]), "boundary": boundary(
+                                 parts, f"{family}.{name}", "image_features",
+                                 ["image_tokens", _entry(hidden)], grid)}
+    if why is not None:
+        w.check(entry["boundary"], "primary", f"the merger's output `{last}`: {why}")
+    return entry
 
 
 def _placeholder_boundary(w: _Writer, identity: str, role: str, shape: FlowList, why: str
@@ -352,10 +420,17 @@ def _placeholder_boundary(w: _Writer, identity: str, role: str, shape: FlowList,
     return boundary
 
 
-def _encoder_statics(w: _Writer, e: _Encoder
+def _encoder_statics(w: _Writer, e: _Encoder, parts: VisionParts, merger: str | None
                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The groups of an encoder's modules outside its layers: those run before them with its
-    first unit (`<group>_embeddings`), the others with its last (`<group>_tail`), marked."""
+    first unit (`<group>_embeddings`), the merger's with its unit (execution group `merger`),
+    the others with its last unit (`<group>_tail`), marked."""
+    root = merger_root(e) if merger is not None else None
+
+    def inside(module: str) -> bool:
+        return root is not None and module.startswith(root + ".")
+
+    positions = position_rows(w, e, parts)
     head: list[dict[str, Any]] = []
     tail: list[dict[str, Any]] = []
     parents: dict[str, dict[str, dict[str, Any]]] = {}  # a tail MLP's: Qwen2-VL's merger.mlp
@@ -366,8 +441,9 @@ def _encoder_statics(w: _Writer, e: _Encoder
     for parent, modules in sorted(parents.items()):
         if parent != e.root and parent.rsplit(".", 1)[-1] == "mlp":
             done = two_linear_projector(w, f"{e.group}.{parent[len(e.root) + 1:]}", modules,
-                                        tail, Flow(static=f"{e.group}_tail"))
-            if done:
+                                        tail, Flow(unit=merger) if inside(parent + ".")
+                                        else Flow(static=f"{e.group}_tail"))
+            if done and not inside(parent + "."):
                 w.note(tail[-1], "owner", "# owner guessed", f"`{parent}` is under "
                        f"`{e.root}` but not run before its layers: loaded with the last "
                        f"`{e.group}` unit (Qwen2-VL's merger, an execution group after the "
@@ -377,9 +453,17 @@ def _encoder_statics(w: _Writer, e: _Encoder
         before = _before_layers(module[len(e.root) + 1:])
         role = f"{e.group}_embeddings" if before else f"{e.group}_tail"
         group: dict[str, Any] = {"name": Quoted(module), "role": "replicated",
-                                 "owner": Flow(static=role), "module": module,
+                                 "owner": Flow(unit=merger) if inside(module) and merger
+                                 else Flow(static=role), "module": module,
                                  "sharding": "replicated"}
-        if not before:
+        if positions is not None and module == positions[0]:
+            signature = _signature_params(w, module, e.modules[module],
+                                          parts.derived[positions[1]], None)
+            signature["weight"][0][0] = positions[1]  # the derived name of that expression
+            w.params(group, signature, module)
+            head.append(group)
+            continue
+        if not before and not inside(module):
             w.note(group, "owner", "# owner guessed", f"`{module}` is under `{e.root}` but not "
                    f"run before its layers: loaded with the last `{e.group}` unit; whether it "
                    "reaches the logits the scaffold cannot know (LLaVA's post_layernorm does "
@@ -393,9 +477,10 @@ def _encoder_statics(w: _Writer, e: _Encoder
 def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]]],
                       encoder: _Encoder, front: list[dict[str, Any]],
                       graph: list[dict[str, Any]], family: str,
-                      loose: Mapping[str, tuple[str, list[int]]]) -> None:
+                      loose: Mapping[str, tuple[str, list[int]]], parts: VisionParts,
+                      after: str) -> None:
     """The projector's groups (replicated, marked) and its graph entry after the last
-    encoder: its dimensions are matched against the decoder's config, then the encoder's
+    encoder (group `after`, its merger's when it has one): its dimensions are matched against the decoder's config, then the encoder's
     (it maps the tower's width to the decoder's). The tensors of no module (`loose`) are
     placed with it, marked: LLaVA-NeXT's `image_newline` is appended to its output."""
     root, modules = projector
@@ -421,14 +506,20 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                 "projector, whose output LLaVA-NeXT's `image_newline` is appended to (HF's "
                 "pack_image_features); whether this one is, the header does not say")
     hidden = "hidden_size" if "hidden_size" in w.values else "HIDDEN"
-    graph.append({"group": "projector", "units": 1, "path": root,
-                  "after": FlowList([encoder.group]), "boundary": _placeholder_boundary(
-                      w, f"{family}.projector", "image_features",
-                      FlowList(["image_tokens", hidden]),
-                      "what the projector hands the decoder is not in the checkpoint: "
-                      "`image_tokens` rows of the decoder's width is LLaVA's; write the shape, "
-                      "and the tensors the decoder needs besides (architectures/llava.yaml's "
-                      "image_mask)")})
+    entry = {"group": "projector", "units": 1, "path": root, "after": FlowList([after])}
+    graph.append(entry)
+    if written and "hidden_size" in w.values and \
+            modules[sorted(written)[-1]]["weight"][1][0] == w.values["hidden_size"]:
+        # a two-linear projector whose second linear gives the decoder's width: its rows cross
+        entry["boundary"] = boundary(parts, f"{family}.projector", "image_features",
+                                     ["image_tokens", hidden], reads_grid(w, encoder))
+        return
+    entry["boundary"] = _placeholder_boundary(
+        w, f"{family}.projector", "image_features", FlowList(["image_tokens", hidden]),
+        "what the projector hands the decoder is not in the checkpoint: `image_tokens` rows "
+        "of the decoder's width is LLaVA's; write the shape, and the tensors the decoder "
+        "needs besides (architectures/llava.yaml's image_mask)")
+    parts.dimensions.add("image_tokens")
 
 
 _DEFAULTS = {"num_key_value_heads": ("num_attention_heads",),
