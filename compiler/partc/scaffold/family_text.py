@@ -77,6 +77,8 @@ from partc.scaffold.vision_boundary import (
     DIMENSIONS,
     VisionParts,
     boundary,
+    merger_entry,
+    merger_name,
     merger_root,
     position_rows,
     reads_grid,
@@ -152,7 +154,7 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     count = len(by_layer)
     w = _Writer(values, s.default_dtype, sorted(by_layer), dimensions)
     parts = VisionParts()
-    mergers = {e.group: _merger_name(e, encoders) for e in encoders}
+    mergers = {e.group: merger_name(e, encoders) for e in encoders}
     chain = [g for e in encoders for g in (e.group, mergers[e.group]) if g] + (
         ["projector"] if projector is not None else [])
     description = (f"{model_type} decoder" if not encoders else
@@ -171,9 +173,9 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
     graph: list[dict[str, Any]] = []  # and their graph entries
     for number, encoder in enumerate(encoders):
-        before = encoders[number - 1] if number else None
-        tables.append(_encoder_groups(w, encoder, front, graph, family, None if before is None
-                                      else mergers[before.group] or before.group,
+        previous = encoders[number - 1].group if number else None
+        tables.append(_encoder_groups(w, encoder, front, graph, family, None if previous is None
+                                      else mergers[previous] or previous,
                                       config.get("vision_feature_layer"), blocks, parts,
                                       mergers[encoder.group]))
     if projector is not None:
@@ -251,10 +253,13 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
                      "holds it: the scaffold does not pass `partc check` until those groups "
                      "are split by layer (marked CHECK)")
     if encoders:
+        placeholders = [g["group"] for g in graph if any(
+            c is g["boundary"] and k == "primary" for c, k, _ in w.comments.marks)]
         notes.append(f"{len(layers)} layer repetitions: execution groups "
-                     f"{' -> '.join([*chain, 'decoder'])}; the boundaries of "
-                     f"{', '.join(chain)} are placeholders marked CHECK (what crosses a cut "
-                     "there is not in the checkpoint)")
+                     f"{' -> '.join([*chain, 'decoder'])}" + (
+                         f"; the boundaries of {', '.join(placeholders)} are placeholders "
+                         "marked CHECK (what crosses a cut there is not in the checkpoint)"
+                         if placeholders else ""))
     from importlib import resources
 
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
@@ -374,36 +379,8 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
             "needs besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
     root = merger_root(e)
     if merger is not None and root is not None:
-        graph.append(_merger_entry(w, e, root, merger, family, grid, parts))
+        graph.append(merger_entry(w, e, root, merger, family, grid, parts))
     return table
-
-
-def _merger_name(e: _Encoder, encoders: Sequence[_Encoder]) -> str | None:
-    """The execution group of the encoder's merger (`merger_root`), None without one."""
-    root = merger_root(e)
-    if root is None:
-        return None
-    name, taken = root.rsplit(".", 1)[-1], {"decoder", "projector", *(x.group for x in encoders)}
-    return name if name.isidentifier() and name not in taken else None
-
-
-def _merger_entry(w: _Writer, e: _Encoder, root: str, name: str, family: str, grid: bool,
-                  parts: VisionParts) -> dict[str, Any]:
-    """The graph entry of a merger inside the tower: one unit after it, handing over its
-    last linear's rows, `[image_tokens, hidden_size]` (the decoder's width)."""
-    last = max((m for m in e.modules if m.startswith(root + ".") and
-                len(e.modules[m].get("weight", ("", []))[1]) == 2),
-               key=lambda m: [int(p) if p.isdigit() else -1 for p in m.split(".")])
-    out = e.modules[last]["weight"][1][0]
-    hidden, why = w.resolve("hidden_size" if "hidden_size" in w.values else None, out,
-                            lookup=False)
-    entry: dict[str, Any] = {"group": name, "units": 1, "path": root,
-                             "after": FlowList([e.group]), "boundary": boundary(
-                                 parts, f"{family}.{name}", "image_features",
-                                 ["image_tokens", _entry(hidden)], grid)}
-    if why is not None:
-        w.check(entry["boundary"], "primary", f"the merger's output `{last}`: {why}")
-    return entry
 
 
 def _placeholder_boundary(w: _Writer, identity: str, role: str, shape: FlowList, why: str
@@ -479,10 +456,11 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                       graph: list[dict[str, Any]], family: str,
                       loose: Mapping[str, tuple[str, list[int]]], parts: VisionParts,
                       after: str) -> None:
-    """The projector's groups (replicated, marked) and its graph entry after the last
-    encoder (group `after`, its merger's when it has one): its dimensions are matched against the decoder's config, then the encoder's
-    (it maps the tower's width to the decoder's). The tensors of no module (`loose`) are
-    placed with it, marked: LLaVA-NeXT's `image_newline` is appended to its output."""
+    """The projector's groups (replicated, marked) and its graph entry after `after` (the
+    last encoder, or its merger): its dimensions are matched against the decoder's config,
+    then the encoder's (it maps the tower's width to the decoder's). The tensors of no module
+    (`loose`) are placed with it, marked: LLaVA-NeXT's `image_newline` is appended to its
+    output."""
     root, modules = projector
     w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
                                     if encoder.stem + k in w.values))

@@ -20,7 +20,7 @@ decoder unit, later), and the image grid where the tower reads one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +30,12 @@ if TYPE_CHECKING:
     from partc.scaffold.decisions import _Writer
     from partc.scaffold.survey import _Encoder
 
-_AUXILIARY = (("input_ids", ["batch", "sequence"], "int32"),
+_AUXILIARY: tuple[tuple[str, list[str | int], str], ...] = (
+    ("input_ids", ["batch", "sequence"], "int32"),
               ("image_mask", ["batch", "sequence"], "bool"))
 """What every vision-side boundary carries besides its primary (architectures/llava.yaml)."""
 
-_GRID = ("image_grid_thw", ["images", 3], "int32")
+_GRID: tuple[str, list[str | int], str] = ("image_grid_thw", ["images", 3], "int32")
 """Qwen2-VL's per-image (t, h, w) patch grid, which the tower's rotary positions and the
 merger read."""
 
@@ -67,7 +68,8 @@ def boundary(parts: VisionParts, identity: str, role: str, shape: list[str | int
     """A vision-side boundary: `shape` of the primary, the token ids and image mask beside it
     (and the image grid when `grid`); its per-request dimensions recorded in `parts`."""
     parts.dimensions.update(d for d in shape if isinstance(d, str) and d in DIMENSIONS)
-    auxiliary = [*([_GRID] if grid else []), *_AUXILIARY]
+    auxiliary: list[tuple[str, list[str | int], str]] = [*([_GRID] if grid else []),
+                                                          *_AUXILIARY]
     parts.dimensions.update(d for _, s, _ in auxiliary for d in s
                             if isinstance(d, str) and d in DIMENSIONS)
     return {"identity": identity,
@@ -114,11 +116,55 @@ def position_rows(w: _Writer, e: _Encoder, parts: VisionParts) -> tuple[str, str
 
 
 def merger_root(e: _Encoder) -> str | None:
-    """The module inside the tower, run after its layers, that holds a two-linear MLP
-    (Qwen2-VL's `visual.merger` with `mlp.0` / `mlp.2`), None when there is none."""
+    """The module inside the tower, run after its layers, that merges patches: a norm and a
+    two-linear MLP whose first linear reads k > 1 norm widths (Qwen2-VL's `visual.merger`:
+    `ln_q` [width], `mlp.0` [.., width * merge^2]); None when there is none. (SigLIP's pooling
+    `head` reads one width: it is no merger.)"""
     found = {m.rpartition(".")[0] for m in e.modules if m.rpartition(".")[0].endswith(".mlp")}
     roots = sorted({m.rpartition(".")[0] for m in found} - {e.root})
-    return roots[0] if len(roots) == 1 and roots[0].startswith(e.root + ".") else None
+    if len(roots) != 1 or not roots[0].startswith(e.root + "."):
+        return None
+    inside = {m: p.get("weight", ("", []))[1] for m, p in e.modules.items()
+              if m.startswith(roots[0] + ".")}
+    norms = {s[0] for s in inside.values() if len(s) == 1}
+    first = min((m for m, s in inside.items() if len(s) == 2 and ".mlp." in m),
+                key=_numbered, default=None)
+    reads = inside[first][1] if first is not None else 0
+    return roots[0] if any(reads > n and reads % n == 0 for n in norms) else None
+
+
+def _numbered(module: str) -> list[int]:
+    """A module's sort key in numeric order of its numbered parts (`mlp.2` after `mlp.0`)."""
+    return [int(p) if p.isdigit() else -1 for p in module.split(".")]
+
+
+def merger_name(e: _Encoder, encoders: Sequence[_Encoder]) -> str | None:
+    """The execution group of the encoder's merger (`merger_root`), None without one."""
+    root = merger_root(e)
+    if root is None:
+        return None
+    name, taken = root.rsplit(".", 1)[-1], {"decoder", "projector", *(x.group for x in encoders)}
+    return name if name.isidentifier() and name not in taken else None
+
+
+def merger_entry(w: _Writer, e: _Encoder, root: str, name: str, family: str, grid: bool,
+                 parts: VisionParts) -> dict[str, Any]:
+    """The graph entry of a merger inside the tower: one unit after it, handing over its
+    last linear's rows, `[image_tokens, hidden_size]` (the decoder's width)."""
+    last = max((m for m in e.modules if m.startswith(root + ".") and
+                len(e.modules[m].get("weight", ("", []))[1]) == 2),
+               key=_numbered)
+    out = e.modules[last]["weight"][1][0]
+    hidden, why = w.resolve("hidden_size" if "hidden_size" in w.values else None, out,
+                            lookup=False)
+    width: str | int = int(hidden) if hidden.isdigit() else hidden
+    entry: dict[str, Any] = {"group": name, "units": 1, "path": root,
+                             "after": FlowList([e.group]), "boundary": boundary(
+                                 parts, f"{family}.{name}", "image_features",
+                                 ["image_tokens", width], grid)}
+    if why is not None:
+        w.check(entry["boundary"], "primary", f"the merger's output `{last}`: {why}")
+    return entry
 
 
 def used_layers(w: _Writer, e: _Encoder, count: str, feature: object, group: str,
