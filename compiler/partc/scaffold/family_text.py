@@ -343,6 +343,9 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
     if units is not None and count is not None:
         w.used.add(count)
         entry["units"] = units
+        if units != count:
+            w.comments.note(entry, "units", f"# the layers vision_feature_layer ({feature}) "
+                            f"reads; the rest never reach the logits: {e.group}_unused")
     elif count is not None and w.values[count] == len(e.by_layer) and feature is not None \
             and e.section == "vision_config":
         w.used.add(count)
