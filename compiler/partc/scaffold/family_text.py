@@ -55,6 +55,7 @@ from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
+from partc.scaffold.prove_boundary import OpenBoundary, tried_widths
 from partc.scaffold.ssm import mamba_mixers
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
@@ -137,6 +138,8 @@ class Scaffold:
     open: tuple[OpenLayout, ...] = ()
     """The groups whose layout the header leaves open, with their candidates
     (`partc.scaffold.prove` tries them)."""
+    boundaries: tuple[OpenBoundary, ...] = ()
+    """The placeholder boundaries, with the widths `partc.scaffold.prove_boundary` tries."""
 
 
 def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
@@ -271,7 +274,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
                         "outside the layers are too many or too long)",
                         location=SourceLocation(str(checkpoint)))
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes),
-                    document=document, open=tuple(blocks.open))
+                    document=document, open=tuple(blocks.open),
+                    boundaries=tuple(parts.open))
 
 
 def _sections(encoders: Sequence[_Encoder]) -> dict[str, set[str]]:
@@ -373,13 +377,16 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
             grid)
     else:
         parts.dimensions.add(f"{e.group}_tokens")
+        why = (f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
+               f"`{e.group}_tokens` takes the leading axes of its layers' output (CLIP's "
+               "[images, positions, width]); write the shape, and the tensors the next stage "
+               "needs besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
         entry["boundary"] = _placeholder_boundary(
             w, f"{family}.{e.group}", "hidden",
-            FlowList([f"{e.group}_tokens", _entry(out_width)]),
-            f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
-            f"`{e.group}_tokens` takes the leading axes of its layers' output (CLIP's "
-            "[images, positions, width]); write the shape, and the tensors the next stage "
-            "needs besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
+            FlowList([f"{e.group}_tokens", _entry(out_width)]), why)
+        parts.open.append(OpenBoundary(e.group, f"{family}.{e.group}", why, tuple(
+            (f"{e.group}_tokens", x) for x in tried_widths(
+                out_width, width, "hidden_size" if "hidden_size" in w.values else None))))
     root = merger_root(e)
     if merger is not None and root is not None:
         graph.append(merger_entry(w, e, root, merger, family, grid, parts))
@@ -495,12 +502,15 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
         entry["boundary"] = boundary(parts, f"{family}.projector", "image_features",
                                      ["image_tokens", hidden], reads_grid(w, encoder))
         return
+    why = ("what the projector hands the decoder is not in the checkpoint: `image_tokens` rows "
+           "of the decoder's width is LLaVA's; write the shape, and the tensors the decoder "
+           "needs besides (architectures/llava.yaml's image_mask)")
     entry["boundary"] = _placeholder_boundary(
-        w, f"{family}.projector", "image_features", FlowList(["image_tokens", hidden]),
-        "what the projector hands the decoder is not in the checkpoint: `image_tokens` rows "
-        "of the decoder's width is LLaVA's; write the shape, and the tensors the decoder "
-        "needs besides (architectures/llava.yaml's image_mask)")
+        w, f"{family}.projector", "image_features", FlowList(["image_tokens", hidden]), why)
     parts.dimensions.add("image_tokens")
+    tower = (encoder.stem + k for k in _ENCODER_WIDTHS if encoder.stem + k in w.values)
+    parts.open.append(OpenBoundary("projector", f"{family}.projector", why, tuple(
+        ("image_tokens", x) for x in tried_widths(hidden, *tower))))
 
 
 _DEFAULTS = {"num_key_value_heads": ("num_attention_heads",),

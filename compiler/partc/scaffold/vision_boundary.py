@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from partc.scaffold.prove_boundary import OpenBoundary
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class VisionParts:
     """The per-request dimensions the boundaries use (keys of `DIMENSIONS`)."""
     config: dict[str, Flow] = field(default_factory=dict)
     """Config fields read outside the prefixed sections (`vision_feature_layer`)."""
+    open: list[OpenBoundary] = field(default_factory=list)
+    """The placeholder boundaries written, for `partc init --prove`."""
 
 
 def boundary(parts: VisionParts, identity: str, role: str, shape: list[str | int],
