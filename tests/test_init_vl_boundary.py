@@ -14,6 +14,8 @@ output width); the scaffolds are written once per module.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -135,12 +137,10 @@ def test_the_llava_scaffold_keeps_the_unread_layer_in_a_static_role(
     assert len(vision.unit_paths) == config["vision_config"]["num_hidden_layers"]
 
 
-def test_a_siglip_position_embedding_has_the_patch_count_rows(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Gemma-3's SigLIP tower (16-pixel images of 4-pixel patches: 16 positions, equal to
-    its image_size by chance) gets `[vision_positions, vision_hidden_size]`, `vision_positions`
-    derived as (image_size // patch_size)^2, which transformers' module has; with another
-    image size the scaffold's shape follows it."""
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Gemma-3 written by transformers: a SigLIP tower of 16-pixel images in 4-pixel
+    patches (16 positions, equal to its image_size by chance) and a pooling projector."""
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -154,11 +154,19 @@ def test_a_siglip_position_embedding_has_the_patch_count_rows(
                      "vocab_size": 131, "sliding_window": 16, "max_position_embeddings": 128},
         mm_tokens_per_image=4, image_token_index=130, boi_token_index=128, eoi_token_index=129)
     model = Gemma3ForConditionalGeneration(config)
-    rows = model.model.vision_tower.embeddings.num_positions
-    assert rows == config.vision_config.image_size == 16
-    model.save_pretrained(tmp_path / "model")
+    assert model.model.vision_tower.embeddings.num_positions == 16 == 4 ** 2
+    folder = tmp_path_factory.mktemp("gemma3") / "model"
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_siglip_position_embedding_has_the_patch_count_rows(
+        gemma3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma-3's SigLIP tower gets `[vision_positions, vision_hidden_size]`, `vision_positions`
+    derived as (image_size // patch_size)^2, the rows transformers' module has (16, not
+    image_size: with another image size the scaffold's shape follows the patch count)."""
     family = tmp_path / "gemma3.yaml"
-    assert main(["init", "--checkpoint", str(tmp_path / "model"), "--out", str(family)]) == 0
+    assert main(["init", "--checkpoint", str(gemma3), "--out", str(family)]) == 0
     capsys.readouterr()
     data = yaml.safe_load(family.read_text())
     group = next(g for g in data["parameters"]
@@ -168,9 +176,63 @@ def test_a_siglip_position_embedding_has_the_patch_count_rows(
         "(vision_image_size // vision_patch_size) * (vision_image_size // vision_patch_size)")
     assert not any("CHECK" in line for line in family.read_text().splitlines()
                    if "vision_positions, vision_hidden_size" in line)
-    saved = json.loads((tmp_path / "model" / "config.json").read_text())
+    saved = json.loads((gemma3 / "config.json").read_text())
     saved["vision_config"]["image_size"] = 32  # 64 positions: the shape follows the config
     (tmp_path / "other.json").write_text(json.dumps(saved))
     bound, _, _ = bind(family, tmp_path / "other.json")
     values = dict(bound.config_values)
     assert values["vision_positions"] == (32 // 4) ** 2 != values["vision_image_size"]
+
+
+def test_prove_verifies_a_boundary_no_rule_derives_and_writes_its_proof(
+        gemma3: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma-3's pooling projector is no two-linear projector: its boundary is a placeholder
+    marked CHECK; `--prove` verifies it at T = 1 with a stage per unit (every cut crossed)
+    and writes the proof in place of the mark."""
+    family = tmp_path / "proven.yaml"
+    assert main(["init", "--checkpoint", str(gemma3), "--out", str(family), "--prove"]) == 0
+    err = capsys.readouterr().err
+    assert "prove: boundary gemma3.projector: [image_tokens, hidden_size] verified at T=1 x S=" \
+        in err
+    line = next(line for line in family.read_text().splitlines()
+                if "role: image_features" in line)
+    assert line.endswith("shape: [image_tokens, hidden_size], dtype: activation}  # partc init "
+                         "--prove: verified against transformers at T=1 x S=3 (a stage per "
+                         "unit: every cut crossed)")  # a vision, projector and decoder unit
+
+
+def test_prove_tries_the_next_width_and_marks_what_no_width_explains(gemma3: Path) -> None:
+    """A cut check naming the boundary's group moves it to its next width (the decoder's,
+    then the tower's); when every width is refused the first is kept, marked CHECK with the
+    finding. (A stand-in verifier refuses by the shape written.)"""
+    from partc.scaffold.family_text import scaffold
+    from partc.scaffold.prove_boundary import prove_boundaries
+
+    first = scaffold(gemma3, gemma3 / "config.json")
+    assert [(b.group, b.candidates) for b in first.boundaries] == [
+        ("projector", (("image_tokens", "hidden_size"), ("image_tokens", "vision_hidden_size")))]
+    tried: list[str] = []
+
+    def refusing(refused: set[str]) -> Callable[[Path, Path, int], list[tuple[str, str]]]:
+        def verify(family: Path, config: Path, stages: int) -> list[tuple[str, str]]:
+            shape = re.search(r"role: image_features, shape: (\[[^]]*\])",
+                              family.read_text()).group(1)
+            tried.append(shape)
+            return [("projector", f"the cut declares {shape}, wrong")] if shape in refused \
+                else []
+        return verify
+
+    second = prove_boundaries(first, gemma3 / "config.json",
+                              refusing({"[image_tokens, hidden_size]"}))
+    assert tried == ["[image_tokens, hidden_size]", "[image_tokens, vision_hidden_size]"]
+    assert "shape: [image_tokens, vision_hidden_size], dtype: activation}  # partc init " \
+        "--prove: verified" in second.text
+    assert len(second.undecided) == len(first.undecided) - 1
+    tried.clear()
+    none = prove_boundaries(first, gemma3 / "config.json", refusing(
+        {"[image_tokens, hidden_size]", "[image_tokens, vision_hidden_size]"}))
+    assert tried == ["[image_tokens, hidden_size]", "[image_tokens, vision_hidden_size]"]
+    assert ("shape: [image_tokens, hidden_size], dtype: activation}  # partc init: CHECK: every "
+            "width refused by verify; with the first, the cut declares [image_tokens, "
+            "hidden_size], wrong") in none.text
+    assert len(none.undecided) == len(first.undecided)

@@ -508,7 +508,7 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
     entry["boundary"] = _placeholder_boundary(
         w, f"{family}.projector", "image_features", FlowList(["image_tokens", hidden]), why)
     parts.dimensions.add("image_tokens")
-    tower = (encoder.stem + k for k in _ENCODER_WIDTHS if encoder.stem + k in w.values)
+    tower = (encoder.stem + k for k in _ENCODER_WIDTHS[:2] if encoder.stem + k in w.values)
     parts.open.append(OpenBoundary("projector", f"{family}.projector", why, tuple(
         ("image_tokens", x) for x in tried_widths(hidden, *tower))))
 
