@@ -55,7 +55,7 @@ from partc.scaffold.fused import Blocks, OpenLayout, Proof
 from partc.scaffold.mla import mla_attention
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
-from partc.scaffold.prove_boundary import OpenBoundary, tried_widths
+from partc.scaffold.prove_boundary import OpenBoundary
 from partc.scaffold.ssm import mamba_mixers
 from partc.scaffold.stacked import stacked_experts
 from partc.scaffold.survey import (
@@ -77,11 +77,13 @@ from partc.scaffold.vision import encoder_attention
 from partc.scaffold.vision_boundary import (
     DIMENSIONS,
     VisionParts,
-    boundary,
+    encoder_boundary,
     merger_entry,
     merger_name,
     merger_root,
+    position_params,
     position_rows,
+    projector_boundary,
     reads_grid,
     used_layers,
 )
@@ -370,41 +372,11 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
     if after is not None:
         entry["after"] = FlowList([after])
     out_width = w.dim(None, norm) if norm is not None else (width or "hidden_size")
-    grid, rows = reads_grid(w, e), position_rows(w, e, parts)
-    if rows is not None or grid:  # CLIP's [images, positions, width], Qwen2-VL's patches
-        entry["boundary"] = boundary(parts, f"{family}.{e.group}", "hidden", [
-            *(["images", rows[1]] if rows is not None else ["patches"]), _entry(out_width)],
-            grid)
-    else:
-        parts.dimensions.add(f"{e.group}_tokens")
-        why = (f"what crosses a cut inside `{e.group}` is not in the checkpoint: "
-               f"`{e.group}_tokens` takes the leading axes of its layers' output (CLIP's "
-               "[images, positions, width]); write the shape, and the tensors the next stage "
-               "needs besides (architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
-        entry["boundary"] = _placeholder_boundary(
-            w, f"{family}.{e.group}", "hidden",
-            FlowList([f"{e.group}_tokens", _entry(out_width)]), why)
-        parts.open.append(OpenBoundary(e.group, f"{family}.{e.group}", why, tuple(
-            (f"{e.group}_tokens", x) for x in tried_widths(
-                out_width, width, "hidden_size" if "hidden_size" in w.values else None))))
+    entry["boundary"] = encoder_boundary(w, e, family, out_width, width, parts)
     root = merger_root(e)
     if merger is not None and root is not None:
-        graph.append(merger_entry(w, e, root, merger, family, grid, parts))
+        graph.append(merger_entry(w, e, root, merger, family, reads_grid(w, e), parts))
     return table
-
-
-def _placeholder_boundary(w: _Writer, identity: str, role: str, shape: FlowList, why: str
-                          ) -> dict[str, Any]:
-    """An encoder's or the projector's boundary: its primary a placeholder marked `why`, the
-    token ids beside it (the text embedding runs with the first decoder unit, later)."""
-    boundary: dict[str, Any] = {
-        "identity": identity, "primary": Flow(role=role, shape=shape, dtype="activation"),
-        "auxiliary": [Flow(role="input_ids", shape=FlowList(["batch", "sequence"]),
-                           dtype="int32")]}
-    w.check(boundary, "primary", why)
-    w.comments.note(boundary, "auxiliary", "# the text embedding runs with the first decoder "
-                    "unit, on a later stage: its token ids cross this cut", before=True)
-    return boundary
 
 
 def _encoder_statics(w: _Writer, e: _Encoder, parts: VisionParts, merger: str | None
@@ -444,10 +416,7 @@ def _encoder_statics(w: _Writer, e: _Encoder, parts: VisionParts, merger: str | 
                                  else Flow(static=role), "module": module,
                                  "sharding": "replicated"}
         if positions is not None and module == positions[0]:
-            signature = _signature_params(w, module, e.modules[module],
-                                          parts.derived[positions[1]], None)
-            signature["weight"][0][0] = positions[1]  # the derived name of that expression
-            w.params(group, signature, module)
+            w.params(group, position_params(w, e, module, positions[1], parts), module)
             head.append(group)
             continue
         if not before and not inside(module):
@@ -493,24 +462,9 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                 f"`{tensor}` is a tensor of no module, outside the layers: owned with the "
                 "projector, whose output LLaVA-NeXT's `image_newline` is appended to (HF's "
                 "pack_image_features); whether this one is, the header does not say")
-    hidden = "hidden_size" if "hidden_size" in w.values else "HIDDEN"
-    entry = {"group": "projector", "units": 1, "path": root, "after": FlowList([after])}
-    graph.append(entry)
-    if written and "hidden_size" in w.values and \
-            modules[sorted(written)[-1]]["weight"][1][0] == w.values["hidden_size"]:
-        # a two-linear projector whose second linear gives the decoder's width: its rows cross
-        entry["boundary"] = boundary(parts, f"{family}.projector", "image_features",
-                                     ["image_tokens", hidden], reads_grid(w, encoder))
-        return
-    why = ("what the projector hands the decoder is not in the checkpoint: `image_tokens` rows "
-           "of the decoder's width is LLaVA's; write the shape, and the tensors the decoder "
-           "needs besides (architectures/llava.yaml's image_mask)")
-    entry["boundary"] = _placeholder_boundary(
-        w, f"{family}.projector", "image_features", FlowList(["image_tokens", hidden]), why)
-    parts.dimensions.add("image_tokens")
-    tower = (encoder.stem + k for k in _ENCODER_WIDTHS[:2] if encoder.stem + k in w.values)
-    parts.open.append(OpenBoundary("projector", f"{family}.projector", why, tuple(
-        ("image_tokens", x) for x in tried_widths(hidden, *tower))))
+    out = modules[sorted(written)[-1]]["weight"][1][0] if written else None
+    graph.append({"group": "projector", "units": 1, "path": root, "after": FlowList([after]),
+                  "boundary": projector_boundary(w, encoder, family, out, parts)})
 
 
 _DEFAULTS = {"num_key_value_heads": ("num_attention_heads",),

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from partc.scaffold.prove_boundary import OpenBoundary
+from partc.scaffold.decisions import _entry, _signature_params
+from partc.scaffold.prove_boundary import OpenBoundary, tried_widths
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 if TYPE_CHECKING:
@@ -78,6 +79,73 @@ def boundary(parts: VisionParts, identity: str, role: str, shape: list[str | int
     return {"identity": identity,
             "primary": Flow(role=role, shape=FlowList(shape), dtype="activation"),
             "auxiliary": [Flow(role=r, shape=FlowList(s), dtype=t) for r, s, t in auxiliary]}
+
+
+def placeholder_boundary(w: _Writer, identity: str, role: str, shape: list[str | int],
+                         why: str) -> dict[str, Any]:
+    """A boundary no rule derives: its primary a placeholder marked `why`, the token ids
+    beside it (the text embedding runs with the first decoder unit, later)."""
+    written: dict[str, Any] = {
+        "identity": identity, "primary": Flow(role=role, shape=FlowList(shape),
+                                              dtype="activation"),
+        "auxiliary": [Flow(role="input_ids", shape=FlowList(["batch", "sequence"]),
+                           dtype="int32")]}
+    w.check(written, "primary", why)
+    w.comments.note(written, "auxiliary", "# the text embedding runs with the first decoder "
+                    "unit, on a later stage: its token ids cross this cut", before=True)
+    return written
+
+
+def encoder_boundary(w: _Writer, e: _Encoder, family: str, out_width: str, width: str | None,
+                     parts: VisionParts) -> dict[str, Any]:
+    """What crosses a cut inside tower `e` (of output width `out_width`): CLIP's
+    `[images, positions, width]`, Qwen2-VL's `[patches, width]` with the image grid, else a
+    placeholder over `<group>_tokens` marked CHECK, whose widths `--prove` tries."""
+    grid, rows = reads_grid(w, e), position_rows(w, e, parts)
+    identity, last = f"{family}.{e.group}", _entry(out_width)
+    if rows is not None or grid:
+        return boundary(parts, identity, "hidden",
+                        [*(["images", rows[1]] if rows is not None else ["patches"]), last],
+                        grid)
+    tokens = f"{e.group}_tokens"
+    parts.dimensions.add(tokens)
+    why = (f"what crosses a cut inside `{e.group}` is not in the checkpoint: `{tokens}` takes "
+           "the leading axes of its layers' output (CLIP's [images, positions, width]); write "
+           "the shape, and the tensors the next stage needs besides (architectures/llava.yaml, "
+           "qwen2_vl.yaml's image_grid_thw)")
+    parts.open.append(OpenBoundary(e.group, identity, why, tuple(
+        (tokens, x) for x in tried_widths(
+            out_width, width, "hidden_size" if "hidden_size" in w.values else None))))
+    return placeholder_boundary(w, identity, "hidden", [tokens, last], why)
+
+
+def projector_boundary(w: _Writer, e: _Encoder, family: str, out: int | None,
+                       parts: VisionParts) -> dict[str, Any]:
+    """What the projector after tower `e` hands the decoder: `[image_tokens, hidden_size]`
+    when it is a two-linear MLP whose second linear gives `out` = the decoder's width, else
+    that shape as a placeholder marked CHECK, whose widths `--prove` tries."""
+    hidden, identity = "hidden_size" if "hidden_size" in w.values else "HIDDEN", \
+        f"{family}.projector"
+    if out is not None and out == w.values.get("hidden_size"):
+        return boundary(parts, identity, "image_features", ["image_tokens", hidden],
+                        reads_grid(w, e))
+    why = ("what the projector hands the decoder is not in the checkpoint: `image_tokens` rows "
+           "of the decoder's width is LLaVA's; write the shape, and the tensors the decoder "
+           "needs besides (architectures/llava.yaml's image_mask)")
+    parts.dimensions.add("image_tokens")
+    tower = (e.stem + k for k in ("hidden_size", "embed_dim") if e.stem + k in w.values)
+    parts.open.append(OpenBoundary("projector", identity, why, tuple(
+        ("image_tokens", x) for x in tried_widths(hidden, *tower))))
+    return placeholder_boundary(w, identity, "image_features", ["image_tokens", hidden], why)
+
+
+def position_params(w: _Writer, e: _Encoder, module: str, name: str, parts: VisionParts
+                    ) -> dict[str, tuple[list[str], str, list[str]]]:
+    """The params of the tower's position embedding `module`, its rows the derived `name`
+    (`position_rows`), matched against the header as the expression it stands for."""
+    signature = _signature_params(w, module, e.modules[module], parts.derived[name], None)
+    signature["weight"][0][0] = name
+    return signature
 
 
 def reads_grid(w: _Writer, e: _Encoder) -> bool:
@@ -160,11 +228,10 @@ def merger_entry(w: _Writer, e: _Encoder, root: str, name: str, family: str, gri
     out = e.modules[last]["weight"][1][0]
     hidden, why = w.resolve("hidden_size" if "hidden_size" in w.values else None, out,
                             lookup=False)
-    width: str | int = int(hidden) if hidden.isdigit() else hidden
     entry: dict[str, Any] = {"group": name, "units": 1, "path": root,
                              "after": FlowList([e.group]), "boundary": boundary(
                                  parts, f"{family}.{name}", "image_features",
-                                 ["image_tokens", width], grid)}
+                                 ["image_tokens", _entry(hidden)], grid)}
     if why is not None:
         w.check(entry["boundary"], "primary", f"the merger's output `{last}`: {why}")
     return entry
