@@ -216,31 +216,39 @@ def test_the_cli_names_the_module_of_a_wrong_boundary(tmp_path, capsys):
 
 def test_a_cut_after_a_module_placed_with_the_last_unit_is_checked_against_that_modules_output(
         tmp_path, capsys):
-    """`partc init` places Qwen2-VL's merger with the last vision block (static role
-    `visual_tail`): it runs on the vision stage after that block, so what crosses the cut is the
-    merger's output (the decoder's width), not the block's (the vision width). A boundary of the
-    block's width passed verify before; the same boundary of the merger's width passes."""
+    """Qwen2-VL's merger placed with the last vision block (a static role `visual_tail`, as
+    `partc init` wrote it before the merger became its own execution group): it runs on the
+    vision stage after that block, so what crosses the cut is the merger's output (the
+    decoder's width), not the block's (the vision width). A boundary of the block's shape fails
+    verify with the merger named; the same boundary of the merger's shape passes."""
     config = json.loads((hf("qwen2_vl") / "config.json").read_text())
     vision, text = config["vision_config"]["embed_dim"], config["text_config"]["hidden_size"]
     assert vision != text
     family = tmp_path / "qv.yaml"
     assert main(["init", "--checkpoint", str(hf("qwen2_vl")), "--out", str(family)]) == 0
     capsys.readouterr()
-    scaffold = family.read_text()
-    groups = {g["name"]: g for g in yaml.safe_load(scaffold)["parameters"]}
-    assert groups["visual.merger.mlp"]["owner"] == {"static": "visual_tail"}  # split, as one
-    placeholder = "shape: [visual_tokens, vision_embed_dim]"
-    assert scaffold.count(placeholder) == 1
+    data = yaml.safe_load(family.read_text())
+    assert [g["group"] for g in data["graph"]] == ["visual", "merger", "decoder"]
+    data["graph"] = [g for g in data["graph"] if g["group"] != "merger"]
+    data["graph"][-1]["after"] = ["visual"]
+    data["static"]["visual_tail"] = {"stage": {"with": "visual", "unit": "last"}}
+    for group in data["parameters"]:
+        if group["owner"] == {"unit": "merger"}:
+            group["owner"] = {"static": "visual_tail"}
+    primary = data["graph"][0]["boundary"]["primary"]
+    assert primary["shape"] == ["patches", "vision_embed_dim"]
+    family.write_text(yaml.safe_dump(data, sort_keys=False))
     report = verify_family(family, hf("qwen2_vl") / "config.json", tensor_parallel_sizes=[1],
                            pipeline_parallel_size=2)
     failure = report.first_failure
     assert not report.ok and failure is not None
     assert (failure.module, failure.group, failure.pp) == ("model.visual.merger", "visual", 2)
-    assert re.search(rf"declares `hidden` as \[visual_tokens, {vision}\], but module "
+    assert re.search(rf"declares `hidden` as \[patches, {vision}\], but module "
                      rf"`model\.visual\.merger` gives it as \[\d+, {text}\]: axis 1 has {text} "
                      rf"elements, the boundary declares {vision}$", failure.message), \
         failure.message
-    family.write_text(scaffold.replace(placeholder, "shape: [visual_tokens, hidden_size]"))
+    primary["shape"] = ["image_tokens", "hidden_size"]
+    family.write_text(yaml.safe_dump(data, sort_keys=False))
     fixed = verify_family(family, hf("qwen2_vl") / "config.json", tensor_parallel_sizes=[1],
                           pipeline_parallel_size=2)
     assert fixed.ok, fixed.first_failure

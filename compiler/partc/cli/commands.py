@@ -244,6 +244,16 @@ def verify_failures(family: Path, config: Path, sizes: Sequence[int]
     return [(check.group, check.message) for check in report.checks if not check.ok]
 
 
+def verify_cut_failures(family: Path, config: Path, stages: int) -> list[tuple[str, str]]:
+    """`partc verify` of a family at T = 1 and S = `stages`: each failing check's (group,
+    message); what `partc init --prove` decides a placeholder boundary by."""
+    from partc.verify.run import verify_family
+
+    report = verify_family(family, config, tensor_parallel_sizes=[1],
+                           pipeline_parallel_size=stages)
+    return [(check.group, check.message) for check in report.checks if not check.ok]
+
+
 def run_init(args: argparse.Namespace) -> int:
     """`partc init --checkpoint DIR [--config FILE] [--out FILE] [--prove]`."""
     from partc.scaffold.family_text import scaffold
@@ -255,7 +265,8 @@ def run_init(args: argparse.Namespace) -> int:
 
         result = prove(checkpoint, config, verify_failures, name=args.name,
                        progress=None if args.format == "json" else
-                       lambda line: print(f"prove: {line}", file=sys.stderr))
+                       lambda line: print(f"prove: {line}", file=sys.stderr),
+                       pipeline=verify_cut_failures)
     else:
         result = scaffold(checkpoint, config, name=args.name)
     if args.out:

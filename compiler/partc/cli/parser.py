@@ -413,8 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="decide each layout the header leaves open (a fused projection's "
                            "row order, a square weight's orientation) by trying the "
                            "candidates with `partc verify` at T=2, 3 and 4 against transformers "
-                           "(needs partc[verify]); what none explains is marked CHECK with "
-                           "verify's finding")
+                           "(needs partc[verify]), and each placeholder vision-language "
+                           "boundary by verify's cut checks at T=1 with a stage per unit; what "
+                           "none explains is marked CHECK with verify's finding")
     _add_format(init)
 
     demo = commands.add_parser(

@@ -57,6 +57,7 @@ from partc.scaffold.mla import mla_attention
 from partc.scaffold.mtp_family import mtp_groups
 from partc.scaffold.per_head import per_head_modules
 from partc.scaffold.projector import two_linear_projector
+from partc.scaffold.prove_boundary import OpenBoundary
 from partc.scaffold.ssm import mamba_mixers
 from partc.scaffold.ssm2 import mamba2_mixers
 from partc.scaffold.stacked import stacked_experts
@@ -76,6 +77,19 @@ from partc.scaffold.survey import (
     survey_checkpoint,
 )
 from partc.scaffold.vision import encoder_attention
+from partc.scaffold.vision_boundary import (
+    DIMENSIONS,
+    VisionParts,
+    encoder_boundary,
+    merger_entry,
+    merger_name,
+    merger_root,
+    position_params,
+    position_rows,
+    projector_boundary,
+    reads_grid,
+    used_layers,
+)
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted, write_yaml
 
 SCHEMA_COMMENT = "# yaml-language-server: $schema="
@@ -129,6 +143,8 @@ class Scaffold:
     open: tuple[OpenLayout, ...] = ()
     """The groups whose layout the header leaves open, with their candidates
     (`partc.scaffold.prove` tries them)."""
+    boundaries: tuple[OpenBoundary, ...] = ()
+    """The placeholder boundaries, with the widths `partc.scaffold.prove_boundary` tries."""
 
 
 def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
@@ -146,7 +162,10 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     count = len(by_layer)
     w = _Writer(values, s.default_dtype, sorted(by_layer), dimensions)
     w.config = config
-    chain = [e.group for e in encoders] + (["projector"] if projector is not None else [])
+    parts = VisionParts()
+    mergers = {e.group: merger_name(e, encoders) for e in encoders}
+    chain = [g for e in encoders for g in (e.group, mergers[e.group]) if g] + (
+        ["projector"] if projector is not None else [])
     description = (f"{model_type} decoder" if not encoders else
                    f"{model_type} model, execution groups {', '.join([*chain, 'decoder'])}")
     header = [f"# Family scaffold written by `partc init` from {checkpoint.name} "
@@ -164,11 +183,14 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     front: list[dict[str, Any]] = []  # the encoders' and the projector's groups
     graph: list[dict[str, Any]] = []  # and their graph entries
     for number, encoder in enumerate(encoders):
-        tables.append(_encoder_groups(w, encoder, front, graph, family,
-                                      chain[number - 1] if number else None,
-                                      config.get("vision_feature_layer"), blocks))
+        previous = encoders[number - 1].group if number else None
+        tables.append(_encoder_groups(w, encoder, front, graph, family, None if previous is None
+                                      else mergers[previous] or previous,
+                                      config.get("vision_feature_layer"), blocks, parts,
+                                      mergers[encoder.group]))
     if projector is not None:
-        _projector_groups(w, projector, encoders[-1], front, graph, family, loose)
+        _projector_groups(w, projector, encoders[-1], front, graph, family, loose, parts,
+                          chain[-2])
     w.dimensions, w.all_layers = dimensions, set(by_layer)
     if "hidden_size" in values:
         w.used.add("hidden_size")  # the boundary's hidden dimension
@@ -197,12 +219,14 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
             w.comments.note(fields, written[0], "# " + ", ".join(
                 e.group for e in encoders if e.section == section) + f" ({section})",
                 before=True)
+    fields.update(parts.config)
+    if parts.derived:
+        document["derived"] = dict(parts.derived)
     if encoders:
         dims = {f"{e.group}_tokens": f"the rows of what crosses a cut inside `{e.group}` (its "
-                "units' output; written by partc init, see its boundary)" for e in encoders}
-        if projector is not None:
-            dims["image_tokens"] = ("the image-token positions of the request (the "
-                                    "projector's output rows)")
+                "units' output; written by partc init, see its boundary)" for e in encoders
+                if f"{e.group}_tokens" in parts.dimensions}
+        dims.update((d, DIMENSIONS[d]) for d in DIMENSIONS if d in parts.dimensions)
         document["dimensions"] = dims
     decoder = Flow(group="decoder", units="num_hidden_layers", path=Quoted(f"{prefix}.{{unit}}"),
                    state=True)
@@ -211,10 +235,13 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
     document["graph"] = [*graph, decoder, *(mtp.graph if mtp else ())]
     statics: dict[str, Any] = {}
     for e in encoders:  # the roles its modules outside the layers have (_encoder_statics)
-        before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules}
+        merger = merger_root(e) if mergers[e.group] else None
+        before = {_before_layers(m[len(e.root) + 1:]) for m in e.modules
+                  if merger is None or not m.startswith(merger + ".")}
         for role, unit, holds in (("embeddings", "first", True), ("tail", "last", False)):
             if holds in before:
                 statics[f"{e.group}_{role}"] = Flow(stage=Flow({"with": e.group, "unit": unit}))
+    statics.update(parts.statics)
     statics["embedding"] = Flow(stage=Flow({"with": "decoder", "unit": "first"})) \
         if encoders else Flow(stage="first")
     statics["final_norm"] = Flow(stage="last")
@@ -240,10 +267,13 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
                      "holds it: the scaffold does not pass `partc check` until those groups "
                      "are split by layer (marked CHECK)")
     if encoders:
+        placeholders = [g["group"] for g in graph if any(
+            c is g["boundary"] and k == "primary" for c, k, _ in w.comments.marks)]
         notes.append(f"{len(layers)} layer repetitions: execution groups "
-                     f"{' -> '.join([*chain, 'decoder'])}; the boundaries of "
-                     f"{', '.join(chain)} are placeholders marked CHECK (what crosses a cut "
-                     "there is not in the checkpoint)")
+                     f"{' -> '.join([*chain, 'decoder'])}" + (
+                         f"; the boundaries of {', '.join(placeholders)} are placeholders "
+                         "marked CHECK (what crosses a cut there is not in the checkpoint)"
+                         if placeholders else ""))
     from importlib import resources
 
     schema = Path(str(resources.files("partc.schemas").joinpath("architecture.schema.json")))
@@ -255,7 +285,8 @@ def scaffold(checkpoint: Path, config_path: Path, *, name: str | None = None,
                         "outside the layers are too many or too long)",
                         location=SourceLocation(str(checkpoint)))
     return Scaffold(text=text, undecided=tuple(w.undecided), notes=tuple(notes),
-                    document=document, open=tuple(blocks.open))
+                    document=document, open=tuple(blocks.open),
+                    boundaries=tuple(parts.open))
 
 
 def _sections(encoders: Sequence[_Encoder]) -> dict[str, set[str]]:
@@ -276,12 +307,15 @@ def _before_layers(relative: str) -> bool:
 
 def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
                     graph: list[dict[str, Any]], family: str, after: str | None,
-                    feature: object, blocks: Blocks) -> dict[str, _Module]:
+                    feature: object, blocks: Blocks, parts: VisionParts, merger: str | None
+                    ) -> dict[str, _Module]:
     """An encoder's parameter groups (appended to `front`: its modules before the layers,
-    its layers, its other modules) and its graph entry (to `graph`); its table of modules.
-    `feature`: the config's `vision_feature_layer` (LLaVA's: the vision layer whose output
-    the projector reads), if any; `blocks`: the decoder's, whose choices, proofs and open
-    layouts a fused attention of the encoder shares."""
+    its layers, its other modules) and its graph entry (to `graph`), with its merger's
+    (execution group `merger`, if any); its table of modules. `feature`: the config's
+    `vision_feature_layer` (LLaVA's: the vision layer whose output the projector reads), if
+    any; `blocks`: the decoder's, whose choices, proofs and open layouts a fused attention of
+    the encoder shares; `parts`: the derived values, roles and dimensions the boundaries add
+    (partc.scaffold.vision_boundary)."""
     table = _layer_table(e.by_layer)
     counts = {e.stem + k for k in _ENCODER_COUNTS}
     w.dimensions = (*(e.stem + k for k in (*_ENCODER_WIDTHS, *_ENCODER_HEADS)
@@ -306,7 +340,7 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
             ("gate_proj", {"gate_proj": ("column", inter, width),
                            "up_proj": ("column", inter, width),
                            "down_proj": ("row", width, inter)}))
-    head, tail = _encoder_statics(w, e)
+    head, tail = _encoder_statics(w, e, parts, merger)
     layers: list[dict[str, Any]] = []
     mine = Blocks(w, f"{e.prefix}.{{unit}}", table, blocks.choices, blocks.proofs)
     written = encoder_attention(mine, layers, table, e.group, e.group, heads, width)
@@ -314,11 +348,20 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
     _layer_groups(w, layers, e.prefix, {m: t for m, t in table.items() if m not in written},
                   _Kinds(e.group, e.group, attention, heads or "",
                                                      mlps, inter, encoder=True))
-    front += head + layers + tail
     entry: dict[str, Any] = {"group": e.group}
     graph.append(entry)
     count = next((e.stem + k for k in _ENCODER_COUNTS if e.stem + k in w.values), None)
-    if count is not None and w.values[count] == len(e.by_layer) and feature is not None \
+    units = None if count is None or w.values[count] != len(e.by_layer) or \
+        feature is None or e.section != "vision_config" else \
+        used_layers(w, e, count, feature, e.group, layers, parts)
+    front += head + layers + tail
+    if units is not None and count is not None:
+        w.used.add(count)
+        entry["units"] = units
+        if units != count:
+            w.comments.note(entry, "units", f"# the layers vision_feature_layer ({feature}) "
+                            f"reads; the rest never reach the logits: {e.group}_unused")
+    elif count is not None and w.values[count] == len(e.by_layer) and feature is not None \
             and e.section == "vision_config":
         w.used.add(count)
         entry["units"] = count
@@ -338,33 +381,24 @@ def _encoder_groups(w: _Writer, e: _Encoder, front: list[dict[str, Any]],
     if after is not None:
         entry["after"] = FlowList([after])
     out_width = w.dim(None, norm) if norm is not None else (width or "hidden_size")
-    entry["boundary"] = _placeholder_boundary(
-        w, f"{family}.{e.group}", "hidden", FlowList([f"{e.group}_tokens", _entry(out_width)]),
-        f"what crosses a cut inside `{e.group}` is not in the checkpoint: `{e.group}_tokens` "
-        "takes the leading axes of its layers' output (CLIP's [images, positions, width]); "
-        "write the shape, and the tensors the next stage needs besides "
-        "(architectures/llava.yaml, qwen2_vl.yaml's image_grid_thw)")
+    entry["boundary"] = encoder_boundary(w, e, family, out_width, width, parts)
+    root = merger_root(e)
+    if merger is not None and root is not None:
+        graph.append(merger_entry(w, e, root, merger, family, reads_grid(w, e), parts))
     return table
 
 
-def _placeholder_boundary(w: _Writer, identity: str, role: str, shape: FlowList, why: str
-                          ) -> dict[str, Any]:
-    """An encoder's or the projector's boundary: its primary a placeholder marked `why`, the
-    token ids beside it (the text embedding runs with the first decoder unit, later)."""
-    boundary: dict[str, Any] = {
-        "identity": identity, "primary": Flow(role=role, shape=shape, dtype="activation"),
-        "auxiliary": [Flow(role="input_ids", shape=FlowList(["batch", "sequence"]),
-                           dtype="int32")]}
-    w.check(boundary, "primary", why)
-    w.comments.note(boundary, "auxiliary", "# the text embedding runs with the first decoder "
-                    "unit, on a later stage: its token ids cross this cut", before=True)
-    return boundary
-
-
-def _encoder_statics(w: _Writer, e: _Encoder
+def _encoder_statics(w: _Writer, e: _Encoder, parts: VisionParts, merger: str | None
                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The groups of an encoder's modules outside its layers: those run before them with its
-    first unit (`<group>_embeddings`), the others with its last (`<group>_tail`), marked."""
+    first unit (`<group>_embeddings`), the merger's with its unit (execution group `merger`),
+    the others with its last unit (`<group>_tail`), marked."""
+    root = merger_root(e) if merger is not None else None
+
+    def inside(module: str) -> bool:
+        return root is not None and module.startswith(root + ".")
+
+    positions = position_rows(w, e, parts)
     head: list[dict[str, Any]] = []
     tail: list[dict[str, Any]] = []
     parents: dict[str, dict[str, dict[str, Any]]] = {}  # a tail MLP's: Qwen2-VL's merger.mlp
@@ -375,8 +409,9 @@ def _encoder_statics(w: _Writer, e: _Encoder
     for parent, modules in sorted(parents.items()):
         if parent != e.root and parent.rsplit(".", 1)[-1] == "mlp":
             done = two_linear_projector(w, f"{e.group}.{parent[len(e.root) + 1:]}", modules,
-                                        tail, Flow(static=f"{e.group}_tail"))
-            if done:
+                                        tail, Flow(unit=merger) if inside(parent + ".")
+                                        else Flow(static=f"{e.group}_tail"))
+            if done and not inside(parent + "."):
                 w.note(tail[-1], "owner", "# owner guessed", f"`{parent}` is under "
                        f"`{e.root}` but not run before its layers: loaded with the last "
                        f"`{e.group}` unit (Qwen2-VL's merger, an execution group after the "
@@ -386,9 +421,14 @@ def _encoder_statics(w: _Writer, e: _Encoder
         before = _before_layers(module[len(e.root) + 1:])
         role = f"{e.group}_embeddings" if before else f"{e.group}_tail"
         group: dict[str, Any] = {"name": Quoted(module), "role": "replicated",
-                                 "owner": Flow(static=role), "module": module,
+                                 "owner": Flow(unit=merger) if inside(module) and merger
+                                 else Flow(static=role), "module": module,
                                  "sharding": "replicated"}
-        if not before:
+        if positions is not None and module == positions[0]:
+            w.params(group, position_params(w, e, module, positions[1], parts), module)
+            head.append(group)
+            continue
+        if not before and not inside(module):
             w.note(group, "owner", "# owner guessed", f"`{module}` is under `{e.root}` but not "
                    f"run before its layers: loaded with the last `{e.group}` unit; whether it "
                    "reaches the logits the scaffold cannot know (LLaVA's post_layernorm does "
@@ -402,11 +442,13 @@ def _encoder_statics(w: _Writer, e: _Encoder
 def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]]],
                       encoder: _Encoder, front: list[dict[str, Any]],
                       graph: list[dict[str, Any]], family: str,
-                      loose: Mapping[str, tuple[str, list[int]]]) -> None:
-    """The projector's groups (replicated, marked) and its graph entry after the last
-    encoder: its dimensions are matched against the decoder's config, then the encoder's
-    (it maps the tower's width to the decoder's). The tensors of no module (`loose`) are
-    placed with it, marked: LLaVA-NeXT's `image_newline` is appended to its output."""
+                      loose: Mapping[str, tuple[str, list[int]]], parts: VisionParts,
+                      after: str) -> None:
+    """The projector's groups (replicated, marked) and its graph entry after `after` (the
+    last encoder, or its merger): its dimensions are matched against the decoder's config,
+    then the encoder's (it maps the tower's width to the decoder's). The tensors of no module
+    (`loose`) are placed with it, marked: LLaVA-NeXT's `image_newline` is appended to its
+    output."""
     root, modules = projector
     w.dimensions = (*_DIMENSIONS, *(encoder.stem + k for k in _ENCODER_WIDTHS
                                     if encoder.stem + k in w.values))
@@ -429,15 +471,9 @@ def _projector_groups(w: _Writer, projector: tuple[str, dict[str, dict[str, Any]
                 f"`{tensor}` is a tensor of no module, outside the layers: owned with the "
                 "projector, whose output LLaVA-NeXT's `image_newline` is appended to (HF's "
                 "pack_image_features); whether this one is, the header does not say")
-    hidden = "hidden_size" if "hidden_size" in w.values else "HIDDEN"
-    graph.append({"group": "projector", "units": 1, "path": root,
-                  "after": FlowList([encoder.group]), "boundary": _placeholder_boundary(
-                      w, f"{family}.projector", "image_features",
-                      FlowList(["image_tokens", hidden]),
-                      "what the projector hands the decoder is not in the checkpoint: "
-                      "`image_tokens` rows of the decoder's width is LLaVA's; write the shape, "
-                      "and the tensors the decoder needs besides (architectures/llava.yaml's "
-                      "image_mask)")})
+    out = modules[sorted(written)[-1]]["weight"][1][0] if written else None
+    graph.append({"group": "projector", "units": 1, "path": root, "after": FlowList([after]),
+                  "boundary": projector_boundary(w, encoder, family, out, parts)})
 
 
 _DEFAULTS = {"num_key_value_heads": ("num_attention_heads",),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from partc.scaffold.family_text import Scaffold, scaffold
 from partc.scaffold.fused import OpenLayout, Proof
+from partc.scaffold.prove_boundary import PipelineVerifier, prove_boundaries
 
 if TYPE_CHECKING:
     from partc.plan.ir import Plan
@@ -96,9 +97,20 @@ def _try(family: Path, checkpoint: Path, config: Path, open_layouts: Sequence[Op
 
 
 def prove(checkpoint: Path, config: Path, verify: Verifier, *, name: str | None = None,
-          progress: Callable[[str], None] | None = None) -> Scaffold:
+          progress: Callable[[str], None] | None = None,
+          pipeline: PipelineVerifier | None = None) -> Scaffold:
     """The scaffold with every open layout decided by `verify` (`Scaffold.open`), or marked
-    CHECK with verify's finding where no candidate passes."""
+    CHECK with verify's finding where no candidate passes; with `pipeline`, every placeholder
+    boundary too (`partc.scaffold.prove_boundary`)."""
+    proven = _layouts(checkpoint, config, verify, name, progress)
+    if pipeline is None:
+        return proven
+    return prove_boundaries(proven, config, pipeline, progress)
+
+
+def _layouts(checkpoint: Path, config: Path, verify: Verifier, name: str | None,
+             progress: Callable[[str], None] | None) -> Scaffold:
+    """The scaffold with every open layout decided (`prove` without its boundaries)."""
     first = scaffold(checkpoint, config, name=name)
     if not first.open:
         return first

@@ -200,7 +200,8 @@ def mlx_unpack(words: np.ndarray, bits: int) -> np.ndarray:
     stream = np.unpackbits(raw, axis=-1, bitorder="little")
     fields = stream.reshape(*stream.shape[:-1], -1, bits)
     weights = (1 << np.arange(bits, dtype=np.uint16)).astype(np.uint16)
-    return (fields.astype(np.uint16) * weights).sum(-1).astype(np.uint8)
+    codes: np.ndarray = (fields.astype(np.uint16) * weights).sum(-1).astype(np.uint8)
+    return codes
 
 
 # ---------------------------------------------------------------- decoding
