@@ -206,7 +206,7 @@ def test_prove_tries_the_next_width_and_marks_what_no_width_explains(gemma3: Pat
     then the tower's); when every width is refused the first is kept, marked CHECK with the
     finding. (A stand-in verifier refuses by the shape written.)"""
     from partc.scaffold.family_text import scaffold
-    from partc.scaffold.prove_boundary import prove_boundaries
+    from partc.scaffold.prove import prove_boundaries
 
     first = scaffold(gemma3, gemma3 / "config.json")
     assert [(b.group, b.candidates) for b in first.boundaries] == [

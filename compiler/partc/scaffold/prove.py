@@ -13,17 +13,18 @@ marked CHECK with verify's finding.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from partc.scaffold.family_text import Scaffold, scaffold
 from partc.scaffold.fused import OpenLayout, Proof
-from partc.scaffold.prove_boundary import PipelineVerifier, prove_boundaries
+from partc.scaffold.prove_boundary import PipelineVerifier, _stages, _written
 
 if TYPE_CHECKING:
     from partc.plan.ir import Plan
@@ -162,3 +163,64 @@ def read_share(plan: Plan) -> float:
             read += sum(math.prod(layout.local_shape) for layout in layouts
                         if layout.placement.kind is not PlacementKind.OMIT)
     return read / total
+
+
+def prove_boundaries(result: Scaffold, config: Path, verify: PipelineVerifier,
+                     progress: Callable[[str], None] | None = None) -> Scaffold:
+    """`result` with each placeholder boundary (`Scaffold.boundaries`) decided by `verify`'s
+    cut checks, or marked CHECK with its finding where no width passes."""
+    open_boundaries = {b.group: b for b in result.boundaries}
+    if not open_boundaries:
+        return result
+    chosen = dict.fromkeys(open_boundaries, 0)
+    findings: dict[str, str] = {}
+    decided: dict[str, str | None] = {}  # group -> None (verified) or the finding
+    shapes = {b.identity: b.candidates[0] for b in open_boundaries.values()}
+    with tempfile.TemporaryDirectory(prefix="partc-init-") as scratch:
+        family = Path(scratch) / "family.yaml"
+        family.write_text(result.text, encoding="utf-8")
+        stages = _stages(family, config)
+        while len(decided) < len(open_boundaries):
+            pending = [b for g, b in open_boundaries.items() if g not in decided]
+            shapes.update((b.identity, b.candidates[chosen[b.group]]) for b in pending)
+            family.write_text(_written(result.text, shapes, {}), encoding="utf-8")
+            failures = verify(family, config, stages)
+            for b in pending:
+                shape = f"[{', '.join(b.candidates[chosen[b.group]])}]"
+                message = next((m for g, m in failures if g == b.group), None)
+                if message is None:
+                    decided[b.group] = None
+                    if progress is not None:
+                        progress(f"boundary {b.identity}: {shape} verified at T=1 x S={stages}")
+                    continue
+                findings.setdefault(b.group, " ".join(message.split())[:_FINDING])
+                if progress is not None:
+                    progress(f"boundary {b.identity}: {shape} refused: {findings[b.group]}")
+                chosen[b.group] += 1
+                if chosen[b.group] == len(b.candidates):
+                    chosen[b.group] = 0
+                    shapes[b.identity] = b.candidates[0]
+                    decided[b.group] = findings[b.group]
+    comments, undecided = {}, list(result.undecided)
+    for group, finding in decided.items():
+        b = open_boundaries[group]
+        undecided.remove(b.why)
+        if finding is None:
+            comments[b.identity] = (f"# partc init --prove: verified against transformers at "
+                                    f"T=1 x S={stages} (a stage per unit: every cut crossed)")
+        else:
+            why = f"every width refused by verify; with the first, {finding}"
+            comments[b.identity] = f"# partc init: CHECK: {why}"
+            undecided.append(why)
+    shaped = copy.deepcopy(result.document)
+    for entry in shaped.get("graph", ()):
+        schema = entry.get("boundary") if isinstance(entry, dict) else None
+        if schema is not None and schema["identity"] in shapes:
+            schema["primary"]["shape"] = type(schema["primary"]["shape"])(
+                int(x) if x.isdigit() else x for x in shapes[schema["identity"]])
+    refused = ", ".join(g for g, finding in decided.items() if finding is not None)
+    notes = tuple(re.sub(r"; the boundaries of .* are placeholders marked CHECK .*", (
+        f"; the boundaries of {refused} are placeholders marked CHECK (verify refused every "
+        "width)") if refused else "", note) for note in result.notes)
+    return replace(result, text=_written(result.text, shapes, comments), document=shaped,
+                   undecided=tuple(undecided), notes=notes, boundaries=())
