@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from partc.api import check_family, plan_family
-from partc.cli.commands import verify_failures
+from partc.cli.commands import verify_cut_failures, verify_failures
 from partc.errors import PartcError
 from partc.plan.topology import Topology
 from partc.scaffold.prove import prove, read_share
@@ -60,7 +60,7 @@ def row(name: str, checkpoint: Path, out: Path) -> dict[str, Any]:
 
     config = checkpoint / "config.json"
     start = time.perf_counter()
-    result = prove(checkpoint, config, verify_failures)
+    result = prove(checkpoint, config, verify_failures, pipeline=verify_cut_failures)
     proved = time.perf_counter() - start
     family = out / f"{name.replace('/', '_')}.yaml"
     family.write_text(result.text, encoding="utf-8")

@@ -102,7 +102,7 @@ def prove(checkpoint: Path, config: Path, verify: Verifier, *, name: str | None 
           pipeline: PipelineVerifier | None = None) -> Scaffold:
     """The scaffold with every open layout decided by `verify` (`Scaffold.open`), or marked
     CHECK with verify's finding where no candidate passes; with `pipeline`, every placeholder
-    boundary too (`partc.scaffold.prove_boundary`)."""
+    boundary too (`prove_boundaries`)."""
     proven = _layouts(checkpoint, config, verify, name, progress)
     if pipeline is None:
         return proven
