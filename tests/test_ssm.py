@@ -17,32 +17,33 @@ import pytest
 
 from partc.verify.run import verify_family
 
-from executor import RankShard, forward, forward_pipeline, load_fixture
-from support import compile_and_load, hf
+from support import hf
+from support.state_space import TOLERANCE, rel_err, run_ranks, stage_layers, whole_model_run
 
-TOLERANCE = 1e-4
 MAMBA = hf("mamba")
 NEXT = hf("qwen3_next")
 
 
-def stage_layers(plan, stage: int) -> range:
-    """The decoder layers the plan gives pipeline stage `stage`."""
-    tp = plan.topology.tensor_parallel_size
-    start, end = {g.group: g.unit_range
-                  for g in plan.ranks[stage * tp].partition.groups}["decoder"]
-    return range(start, end)
+def _runs(tmp_path_factory, name: str):
+    """A module fixture's getter: (T, S) -> (plan, loaded states, executor result, reference)
+    of fixture `name`, each built once; `get.folders[T, S]` is the build's folder."""
+    cache = {}
+    folders = {}
 
+    def get(tp, pp):
+        if (tp, pp) not in cache:
+            out = tmp_path_factory.mktemp(f"{name}_tp{tp}_pp{pp}")
+            cache[tp, pp] = run_ranks(name, out, tp, pp)
+            folders[tp, pp] = out
+        return cache[tp, pp]
 
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+    get.folders = folders
+    return get
 
 
 def test_the_executor_reproduces_hf_mamba_logits_layers_and_cache_state() -> None:
-    config, tensors, ref = load_fixture("mamba")
-    result = forward(config, tensors, ref["input_ids"])
-    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
+    result, ref = whole_model_run("mamba", 2)
     for layer in range(2):
-        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
         (state,) = result.states[layer]
         assert state.conv_state.shape == ref["conv_state"][layer].shape == (1, 128, 4)
         assert state.ssm_state.shape == ref["ssm_state"][layer].shape == (1, 128, 16)
@@ -53,27 +54,7 @@ def test_the_executor_reproduces_hf_mamba_logits_layers_and_cache_state() -> Non
 @pytest.fixture(scope="module")
 def mamba_runs(tmp_path_factory):
     """(T, S) -> (plan, loaded states, executor result, reference)."""
-    cache = {}
-    folders = {}
-    with np.load(MAMBA / "reference.npz") as npz:
-        reference = {k: npz[k] for k in npz.files}
-    config = json.loads((MAMBA / "config.json").read_text())
-
-    def get(tp, pp):
-        if (tp, pp) not in cache:
-            out = tmp_path_factory.mktemp(f"mamba_tp{tp}_pp{pp}")
-            plan, states = compile_and_load(None, MAMBA / "config.json", out,
-                                            MAMBA / "model.safetensors", tp=tp, pp=pp)
-            stages = [[RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]]
-                      for p in range(pp)]
-            layers = [stage_layers(plan, p) for p in range(pp)]
-            result = forward_pipeline(config, stages, layers, reference["input_ids"])
-            cache[tp, pp] = (plan, states, result, reference)
-            folders[tp, pp] = out
-        return cache[tp, pp]
-
-    get.folders = folders
-    return get
+    return _runs(tmp_path_factory, "mamba")
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -198,11 +179,7 @@ def test_verify_passes_the_mamba_split_at_every_t_up_to_8_and_a_pipeline_split()
 
 
 def test_the_executor_reproduces_hf_qwen3_next_logits_layers_and_cache_state() -> None:
-    config, tensors, ref = load_fixture("qwen3_next")
-    result = forward(config, tensors, ref["input_ids"])
-    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
-    for layer in range(4):
-        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
+    result, ref = whole_model_run("qwen3_next", 4)
     assert ref["state_layers"].tolist() == [0, 2]  # the linear-attention layers
     assert [len(states) for states in result.states] == [1, 0, 1, 0]
     for index, layer in enumerate(ref["state_layers"]):
@@ -216,28 +193,7 @@ def test_the_executor_reproduces_hf_qwen3_next_logits_layers_and_cache_state() -
 @pytest.fixture(scope="module")
 def next_runs(tmp_path_factory):
     """(T, S) -> (plan, loaded states, executor result, reference) for qwen3_next."""
-    cache = {}
-    with np.load(NEXT / "reference.npz") as npz:
-        reference = {k: npz[k] for k in npz.files}
-    config = json.loads((NEXT / "config.json").read_text())
-
-    folders = {}
-
-    def get(tp, pp):
-        if (tp, pp) not in cache:
-            out = tmp_path_factory.mktemp(f"next_tp{tp}_pp{pp}")
-            plan, states = compile_and_load(None, NEXT / "config.json", out,
-                                            NEXT / "model.safetensors", tp=tp, pp=pp)
-            stages = [[RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]]
-                      for p in range(pp)]
-            layers = [stage_layers(plan, p) for p in range(pp)]
-            result = forward_pipeline(config, stages, layers, reference["input_ids"])
-            cache[tp, pp] = (plan, states, result, reference)
-            folders[tp, pp] = out
-        return cache[tp, pp]
-
-    get.folders = folders
-    return get
+    return _runs(tmp_path_factory, "qwen3_next")
 
 
 @pytest.mark.parametrize("pp", [1, 2])
