@@ -24,56 +24,70 @@ MAMBA = hf("mamba")
 NEXT = hf("qwen3_next")
 
 
-def _runs(tmp_path_factory, name: str):
-    """A module fixture's getter: (T, S) -> (plan, loaded states, executor result, reference)
-    of fixture `name`, each built once; `get.folders[T, S]` is the build's folder."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(fixture, T, S) -> (plan, loaded states, executor result, reference), each built once;
+    `runs.folders[fixture, T, S]` is the build's folder."""
     cache = {}
     folders = {}
 
-    def get(tp, pp):
-        if (tp, pp) not in cache:
+    def get(name, tp, pp):
+        if (name, tp, pp) not in cache:
             out = tmp_path_factory.mktemp(f"{name}_tp{tp}_pp{pp}")
-            cache[tp, pp] = run_ranks(name, out, tp, pp)
-            folders[tp, pp] = out
-        return cache[tp, pp]
+            cache[name, tp, pp] = run_ranks(name, out, tp, pp)
+            folders[name, tp, pp] = out
+        return cache[name, tp, pp]
 
     get.folders = folders
     return get
 
 
-def test_the_executor_reproduces_hf_mamba_logits_layers_and_cache_state() -> None:
-    result, ref = whole_model_run("mamba", 2)
-    for layer in range(2):
+@pytest.mark.parametrize(("name", "layers", "state_layers", "second", "shapes"), [
+    ("mamba", 2, [0, 1], "ssm_state", ((1, 128, 4), (1, 128, 16))),
+    ("qwen3_next", 4, [0, 2], "recurrent_state", ((1, 256, 4), (1, 16, 8, 8))),
+])
+def test_the_executor_reproduces_hf_logits_layers_and_cache_state(
+        name, layers, state_layers, second, shapes) -> None:
+    """Whole weights: HF's logits and layer outputs, and on each stateful layer (qwen3_next:
+    its linear-attention layers) the conv state and the SSM / recurrent state of HF's cache."""
+    result, ref = whole_model_run(name, layers)
+    if name == "qwen3_next":
+        assert ref["state_layers"].tolist() == state_layers  # the linear-attention layers
+    assert [len(states) for states in result.states] == [
+        int(layer in state_layers) for layer in range(layers)]
+    for index, layer in enumerate(state_layers):
         (state,) = result.states[layer]
-        assert state.conv_state.shape == ref["conv_state"][layer].shape == (1, 128, 4)
-        assert state.ssm_state.shape == ref["ssm_state"][layer].shape == (1, 128, 16)
-        assert rel_err(state.conv_state, ref["conv_state"][layer]) < TOLERANCE
-        assert rel_err(state.ssm_state, ref["ssm_state"][layer]) < TOLERANCE
-
-
-@pytest.fixture(scope="module")
-def mamba_runs(tmp_path_factory):
-    """(T, S) -> (plan, loaded states, executor result, reference)."""
-    return _runs(tmp_path_factory, "mamba")
+        for key, shape in zip(("conv_state", second), shapes, strict=True):
+            assert getattr(state, key).shape == ref[key][index].shape == shape
+            assert rel_err(getattr(state, key), ref[key][index]) < TOLERANCE
 
 
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_the_ranks_of_the_built_in_mamba_family_reproduce_hf_logits(mamba_runs, tp, pp):
-    plan, states, result, reference = mamba_runs(tp, pp)
-    assert plan.family == "mamba"
+@pytest.mark.parametrize(("name", "boundary"), [("mamba", 0), ("qwen3_next", 1)])
+def test_the_ranks_of_the_built_in_family_reproduce_hf_logits(runs, name, boundary, tp, pp):
+    """The ranks' pipeline gives HF's logits; at S=2 stage 0 sends HF's output of its last
+    layer (`boundary`)."""
+    plan, _, result, reference = runs(name, tp, pp)
+    assert plan.family == name
     assert rel_err(result.logits, reference["logits"]) < TOLERANCE
     if pp == 2:
-        assert rel_err(result.sent[0], reference["layer_outputs"][0]) < TOLERANCE
-    if tp > 1:  # really split by channel: each rank holds I / T channels of x and of z
-        layout = states[0].layout["backbone.layers.0.mixer.in_proj.weight"]
-        width = 128 // tp
-        assert layout.selection == (0, ((0, width), (128, 128 + width)))
+        assert rel_err(result.sent[0], reference["layer_outputs"][boundary]) < TOLERANCE
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_mamba_ranks_really_split_by_channel(runs, tp, pp):
+    """Each rank holds I / T channels of x and of z."""
+    _, states, _, _ = runs("mamba", tp, pp)
+    layout = states[0].layout["backbone.layers.0.mixer.in_proj.weight"]
+    width = 128 // tp
+    assert layout.selection == (0, ((0, width), (128, 128 + width)))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_each_rank_state_equals_hf_cache_on_the_rank_channels(mamba_runs, tp):
-    _, _, result, reference = mamba_runs(tp, 1)
+def test_each_rank_state_equals_hf_cache_on_the_rank_channels(runs, tp):
+    _, _, result, reference = runs("mamba", tp, 1)
     for layer, ranks in enumerate(result.stages[0].states):
         channels = np.concatenate([s.channels for s in ranks])
         assert sorted(channels.tolist()) == list(range(128))
@@ -97,14 +111,14 @@ def _selected(layout, axis_length: int) -> np.ndarray:
 
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_each_rank_declared_state_is_the_hf_cache_on_the_rank_channels(mamba_runs, tp, pp):
+def test_each_rank_declared_state_is_the_hf_cache_on_the_rank_channels(runs, tp, pp):
     """The rank module's PartitionState (the family's `state:` realized for the rank) names,
     per layer of its stage, the conv and SSM state HF's cache holds on the rank's channels:
     same whole shape as HF's cache, local shape and channels those of the state the rank's
     forward produced (which equals HF's cache on those channels)."""
     from partc.runtime import partition_state
 
-    plan, states, result, reference = mamba_runs(tp, pp)
+    plan, states, result, reference = runs("mamba", tp, pp)
     for stage in range(pp):
         layers = stage_layers(plan, stage)
         for t in range(tp):
@@ -127,11 +141,11 @@ def test_each_rank_declared_state_is_the_hf_cache_on_the_rank_channels(mamba_run
                 4 * (128 // tp) * (4 + 16) for _ in layers)
 
 
-def test_mamba_state_is_recorded_in_plan_json_and_shown_by_inspect(mamba_runs, capsys):
+def test_mamba_state_is_recorded_in_plan_json_and_shown_by_inspect(runs, capsys):
     from partc.cli.main import main
 
-    mamba_runs(2, 1)
-    build = mamba_runs.folders[2, 1]
+    runs("mamba", 2, 1)
+    build = runs.folders["mamba", 2, 1]
     folder = next(build.rglob("plan.json")).parent
     plan_json = json.loads((folder / "plan.json").read_text())
     tensors = plan_json["ranks"][1]["partition"]["state"]["tensors"]
@@ -151,9 +165,9 @@ def test_mamba_state_is_recorded_in_plan_json_and_shown_by_inspect(mamba_runs, c
         (0, 10240, [[0, 2]]), (1, 10240, [[0, 2]])]
 
 
-def test_x_proj_is_recorded_as_reduced_inside_the_mixer_in_plan_and_rank_tables(mamba_runs):
-    plan, states, _, _ = mamba_runs(2, 1)
-    build = mamba_runs.folders[2, 1]
+def test_x_proj_is_recorded_as_reduced_inside_the_mixer_in_plan_and_rank_tables(runs):
+    plan, states, _, _ = runs("mamba", 2, 1)
+    build = runs.folders["mamba", 2, 1]
     plan_json = json.loads(next(build.rglob("plan.json")).read_text())
     reduced = sorted(t["target"] for t in plan_json["tensors"]
                      if t.get("needs_tp_output_reduction"))
@@ -178,45 +192,22 @@ def test_verify_passes_the_mamba_split_at_every_t_up_to_8_and_a_pipeline_split()
 # ---------------------------------------------------------------- qwen3_next (gated DeltaNet)
 
 
-def test_the_executor_reproduces_hf_qwen3_next_logits_layers_and_cache_state() -> None:
-    result, ref = whole_model_run("qwen3_next", 4)
-    assert ref["state_layers"].tolist() == [0, 2]  # the linear-attention layers
-    assert [len(states) for states in result.states] == [1, 0, 1, 0]
-    for index, layer in enumerate(ref["state_layers"]):
-        (state,) = result.states[layer]
-        assert state.conv_state.shape == ref["conv_state"][index].shape == (1, 256, 4)
-        assert state.recurrent_state.shape == ref["recurrent_state"][index].shape == (1, 16, 8, 8)
-        assert rel_err(state.conv_state, ref["conv_state"][index]) < TOLERANCE
-        assert rel_err(state.recurrent_state, ref["recurrent_state"][index]) < TOLERANCE
-
-
-@pytest.fixture(scope="module")
-def next_runs(tmp_path_factory):
-    """(T, S) -> (plan, loaded states, executor result, reference) for qwen3_next."""
-    return _runs(tmp_path_factory, "qwen3_next")
-
-
 @pytest.mark.parametrize("pp", [1, 2])
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_the_ranks_of_the_built_in_qwen3_next_family_reproduce_hf_logits(next_runs, tp, pp):
-    plan, states, result, reference = next_runs(tp, pp)
-    assert plan.family == "qwen3_next"
-    assert rel_err(result.logits, reference["logits"]) < TOLERANCE
-    if pp == 2:
-        assert rel_err(result.sent[0], reference["layer_outputs"][1]) < TOLERANCE
-    if tp > 1:  # split by key heads: 8 / T key-head blocks of 48 rows; conv in three blocks
-        layout = states[1].layout
-        heads = 8 // tp
-        assert layout["model.layers.0.linear_attn.in_proj_qkvz.weight"].selection == (
-            0, ((heads * 48, 2 * heads * 48),))
-        assert layout["model.layers.0.linear_attn.conv1d.weight"].selection == (
-            0, ((heads * 8, 2 * heads * 8), (64 + heads * 8, 64 + 2 * heads * 8),
-                (128 + heads * 16, 128 + 2 * heads * 16)))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_qwen3_next_ranks_split_by_key_heads(runs, tp, pp):
+    """8 / T key-head blocks of 48 rows of in_proj_qkvz; the conv in three blocks."""
+    layout = runs("qwen3_next", tp, pp)[1][1].layout
+    heads = 8 // tp
+    assert layout["model.layers.0.linear_attn.in_proj_qkvz.weight"].selection == (
+        0, ((heads * 48, 2 * heads * 48),))
+    assert layout["model.layers.0.linear_attn.conv1d.weight"].selection == (
+        0, ((heads * 8, 2 * heads * 8), (64 + heads * 8, 64 + 2 * heads * 8),
+            (128 + heads * 16, 128 + 2 * heads * 16)))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_each_qwen3_next_rank_state_equals_hf_cache_on_the_rank_heads(next_runs, tp):
-    _, _, result, reference = next_runs(tp, 1)
+def test_each_qwen3_next_rank_state_equals_hf_cache_on_the_rank_heads(runs, tp):
+    _, _, result, reference = runs("qwen3_next", tp, 1)
     assert rel_err(result.logits, reference["logits"]) < TOLERANCE  # T = 8: one key head each
     states = result.stages[0].states
     for index, layer in enumerate(reference["state_layers"]):
@@ -270,7 +261,7 @@ def _next_hf_state_on_rank(reference, result, loaded, stage: int, layers: range,
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_each_qwen3_next_rank_declares_the_hf_cache_on_its_heads_in_plan_module_and_inspect(
-        next_runs, tp, pp, capsys):
+        runs, tp, pp, capsys):
     """Each rank's declared state (its rank module's `state()`, plan.json and `partc inspect
     --format json`) is, per layer of its stage, HF's cache for that layer's kind: on a
     linear-attention layer the conv state on the [q | k | v] channels and the recurrent state on
@@ -280,8 +271,8 @@ def test_each_qwen3_next_rank_declares_the_hf_cache_on_its_heads_in_plan_module_
     from partc.cli.main import main
     from partc.runtime import partition_state
 
-    plan, states, result, reference = next_runs(tp, pp)
-    folder = next(next_runs.folders[tp, pp].rglob("plan.json")).parent
+    plan, states, result, reference = runs("qwen3_next", tp, pp)
+    folder = next(runs.folders["qwen3_next", tp, pp].rglob("plan.json")).parent
     plan_json = json.loads((folder / "plan.json").read_text())
     assert main(["inspect", str(folder), "--format", "json"]) == 0
     shown = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["state"]}
