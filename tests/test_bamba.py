@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from partc.runtime import partition_state
@@ -20,6 +19,7 @@ from partc.verify.run import verify_family
 from support import compile_and_load, hf
 from support.state_space import (
     TOLERANCE,
+    assert_hf_cache_on,
     indices,
     reference,
     rel_err,
@@ -90,10 +90,8 @@ def test_the_ranks_of_the_built_in_bamba_family_reproduce_hf_logits_and_state(tm
                 declared = {x.name: x for x in partition_state(states[p * tp + t].table).tensors
                             if x.unit == layer}
                 conv, ssm = ref[f"conv_state_{layer}"], ref[f"ssm_state_{layer}"]
-                np.testing.assert_allclose(state.conv_state, conv[:, state.conv_channels],
-                                           rtol=1e-4, atol=1e-5)
-                np.testing.assert_allclose(state.ssm_state, ssm[:, state.heads],
-                                           rtol=1e-4, atol=1e-5)
+                assert_hf_cache_on(state.conv_state, conv, state.conv_channels)
+                assert_hf_cache_on(state.ssm_state, ssm, state.heads)
                 for name, ids, whole in (("conv", state.conv_channels, conv),
                                          ("ssm", state.heads, ssm)):
                     x = declared[name]

@@ -18,7 +18,14 @@ import pytest
 from partc.verify.run import verify_family
 
 from support import hf
-from support.state_space import TOLERANCE, rel_err, run_ranks, stage_layers, whole_model_run
+from support.state_space import (
+    TOLERANCE,
+    assert_hf_cache_on,
+    rel_err,
+    run_ranks,
+    stage_layers,
+    whole_model_run,
+)
 
 MAMBA = hf("mamba")
 NEXT = hf("qwen3_next")
@@ -93,12 +100,8 @@ def test_each_rank_state_equals_hf_cache_on_the_rank_channels(runs, tp):
         assert sorted(channels.tolist()) == list(range(128))
         for state in ranks:
             assert state.conv_state.shape == (1, 128 // tp, 4)
-            np.testing.assert_allclose(state.conv_state,
-                                       reference["conv_state"][layer][:, state.channels],
-                                       rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(state.ssm_state,
-                                       reference["ssm_state"][layer][:, state.channels],
-                                       rtol=1e-4, atol=1e-5)
+            assert_hf_cache_on(state.conv_state, reference["conv_state"][layer], state.channels)
+            assert_hf_cache_on(state.ssm_state, reference["ssm_state"][layer], state.channels)
 
 
 def _selected(layout, axis_length: int) -> np.ndarray:
@@ -135,7 +138,7 @@ def test_each_rank_declared_state_is_the_hf_cache_on_the_rank_channels(runs, tp,
                 channels = _selected(x, x.global_shape[0])
                 assert channels.tolist() == ran.channels.tolist()
                 assert hf_cache[:, channels].shape[1:] == x.local_shape
-                np.testing.assert_allclose(produced, hf_cache[:, channels], rtol=1e-4, atol=1e-5)
+                assert_hf_cache_on(produced, hf_cache, channels)
                 assert x.dtype == "F32" and x.local_bytes == 4 * int(np.prod(x.local_shape))
             assert loaded.info.local_state_bytes == declared.local_bytes == sum(
                 4 * (128 // tp) * (4 + 16) for _ in layers)
@@ -181,12 +184,19 @@ def test_x_proj_is_recorded_as_reduced_inside_the_mixer_in_plan_and_rank_tables(
     assert all("'output'" in p.read_text() or '"output"' in p.read_text() for p in modules)
 
 
-def test_verify_passes_the_mamba_split_at_every_t_up_to_8_and_a_pipeline_split():
-    report = verify_family(None, MAMBA / "config.json", tensor_parallel_sizes=[1, 2, 4, 8],
+@pytest.mark.parametrize(("name", "modules"), [
+    ("mamba", {"backbone.layers.0.mixer"}),
+    ("qwen3_next", {"model.layers.0.linear_attn", "model.layers.1.self_attn"}),
+])
+def test_verify_passes_the_split_at_every_t_up_to_8_and_a_pipeline_split(name, modules):
+    """`partc verify` checks each module of the family (`modules` among them) at T = 1, 2, 4, 8
+    and at S = 2, and every check passes."""
+    report = verify_family(None, hf(name) / "config.json", tensor_parallel_sizes=[1, 2, 4, 8],
                            pipeline_parallel_size=2)
     assert report.ok, report.first_failure
     assert {c.tp for c in report.checks} == {1, 2, 4, 8}
     assert any(c.pp == 2 for c in report.checks)
+    assert modules <= {c.module for c in report.checks}
 
 
 # ---------------------------------------------------------------- qwen3_next (gated DeltaNet)
@@ -220,12 +230,9 @@ def test_each_qwen3_next_rank_state_equals_hf_cache_on_the_rank_heads(runs, tp):
         for state in ranks:
             assert state.conv_state.shape == (1, 256 // tp, 4)
             assert state.recurrent_state.shape == (1, 16 // tp, 8, 8)
-            np.testing.assert_allclose(state.conv_state,
-                                       reference["conv_state"][index][:, state.channels],
-                                       rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(state.recurrent_state,
-                                       reference["recurrent_state"][index][:, state.value_heads],
-                                       rtol=1e-4, atol=1e-5)
+            assert_hf_cache_on(state.conv_state, reference["conv_state"][index], state.channels)
+            assert_hf_cache_on(state.recurrent_state, reference["recurrent_state"][index],
+                               state.value_heads)
 
 
 def _next_hf_state_on_rank(reference, result, loaded, stage: int, layers: range, t: int):
@@ -325,16 +332,6 @@ def test_qwen3_next_state_dtypes_at_bfloat16_are_those_of_hf_cache(tmp_path):
     assert dtypes == {f"{k.removesuffix('_state')}": names[v] for k, v in hf_dtypes.items()}
 
 
-def test_verify_passes_the_qwen3_next_split_at_every_legal_t_up_to_8_and_a_pipeline_split():
-    report = verify_family(None, NEXT / "config.json", tensor_parallel_sizes=[1, 2, 4, 8],
-                           pipeline_parallel_size=2)
-    assert report.ok, report.first_failure
-    assert {c.tp for c in report.checks} == {1, 2, 4, 8}
-    assert any(c.pp == 2 for c in report.checks)
-    modules = {c.module for c in report.checks}
-    assert {"model.layers.0.linear_attn", "model.layers.1.self_attn"} <= modules
-
-
 MAMBA2 = hf("mamba").parent.parent / "mamba2_style"  # a config and a family, no weights
 CONV_SEGMENTS = ("sharding: {partitioned_segments: {axis: 0, segments: [inner, n_groups * "
                  "state_size, n_groups * state_size]}}\n")
@@ -373,4 +370,3 @@ def test_a_conv_state_over_x_b_c_follows_its_group_in_segments(tmp_path):
     assert conv[0].placement.selection(conv[0].global_shape) == (
         0, ((64, 128), (144, 160), (176, 192)))
     assert conv[0].local_shape == (96, 4)
-

@@ -22,6 +22,12 @@ def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
 
 
+def assert_hf_cache_on(produced: np.ndarray, cache: np.ndarray, held: Any) -> None:
+    """`produced` (a rank's state) equals HF's `cache` [batch, ...] on the indices `held` of
+    its first axis after the batch (rtol 1e-4, atol 1e-5)."""
+    np.testing.assert_allclose(produced, cache[:, held], rtol=1e-4, atol=1e-5)
+
+
 def indices(selection: tuple[Any, Any], length: int) -> list[int]:
     """The indices along the split axis a (axis, ranges) selection takes (all when whole)."""
     axis, ranges = selection
