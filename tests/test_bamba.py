@@ -11,36 +11,26 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from partc.runtime import partition_state
 from partc.verify.run import verify_family
 
-from executor import RankShard, forward, forward_pipeline, load_fixture
 from support import compile_and_load, hf
+from support.state_space import (
+    TOLERANCE,
+    assert_hf_cache_on,
+    indices,
+    reference,
+    rel_err,
+    run_ranks,
+    stage_layers,
+    whole_model_run,
+)
 
 BAMBA = hf("bamba")
 ATTENTION = {1}
-TOLERANCE = 1e-4
 INNER, N, HEADS, P = 128, 16, 8, 16  # Mamba2 channels, state size, heads, head_dim
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
-
-
-def _indices(selection, length: int) -> list[int]:
-    """The indices along the split axis a (axis, ranges) selection takes (all when whole)."""
-    axis, ranges = selection
-    if axis is None:
-        return list(range(length))
-    return [i for a, b in ranges for i in range(a, b)]
-
-
-def _reference() -> dict[str, np.ndarray]:
-    with np.load(BAMBA / "reference.npz") as npz:
-        return {k: npz[k] for k in npz.files}
 
 
 def test_the_fixture_is_hf_bamba_with_one_attention_layer_and_one_mamba2_group():
@@ -51,15 +41,11 @@ def test_the_fixture_is_hf_bamba_with_one_attention_layer_and_one_mamba2_group()
                                              "linear_attention", "linear_attention"]
     assert (config["mamba_n_groups"], config["mamba_n_heads"], config["mamba_d_head"]) == (
         1, HEADS, P)
-    assert _reference()["conv_state_0"].shape == (1, INNER + 2 * N, 4)
+    assert reference(BAMBA)["conv_state_0"].shape == (1, INNER + 2 * N, 4)
 
 
 def test_the_executor_reproduces_hf_bamba_logits_and_every_layer():
-    config, tensors, ref = load_fixture("bamba")
-    result = forward(config, tensors, ref["input_ids"])
-    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
-    for layer in range(4):
-        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
+    whole_model_run("bamba", 4)
 
 
 def test_at_t4_each_rank_takes_two_heads_and_the_whole_group_of_in_proj_as_vllm(tmp_path):
@@ -74,10 +60,10 @@ def test_at_t4_each_rank_takes_two_heads_and_the_whole_group_of_in_proj_as_vllm(
         want = (x + [INNER + c for c in x] + list(range(2 * INNER, 2 * INNER + 2 * N))
                 + [2 * INNER + 2 * N + h for h in heads])
         layout = loaded.layout["model.layers.0.mamba.in_proj.weight"]
-        assert _indices(layout.selection, layout.global_shape[0]) == want
+        assert indices(layout.selection, layout.global_shape[0]) == want
         conv = loaded.layout["model.layers.2.mamba.conv1d.weight"]
         xbc = x + list(range(INNER, INNER + 2 * N))
-        assert _indices(conv.selection, conv.global_shape[0]) == xbc
+        assert indices(conv.selection, conv.global_shape[0]) == xbc
         assert loaded.layout["model.layers.3.mamba.norm.weight"].needs_tp_reduction
 
 
@@ -88,22 +74,13 @@ def test_the_ranks_of_the_built_in_bamba_family_reproduce_hf_logits_and_state(tm
     and C repeated, the gated norm's statistic all-reduced, attention KV heads repeated at
     T=4), give HF's logits; each rank's conv and SSM state is HF's cache on its channels and
     heads, and the state partc declares for it has that shape and selection."""
-    reference = _reference()
-    config = json.loads((BAMBA / "config.json").read_text())
-    plan, states = compile_and_load(None, BAMBA / "config.json", tmp_path,
-                                    BAMBA / "model.safetensors", tp=tp, pp=pp)
+    plan, states, result, ref = run_ranks("bamba", tmp_path, tp, pp)
     assert plan.family == "bamba"
-    stages, layers = [], []
-    for p in range(pp):
-        stages.append([RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]])
-        start, end = {g.group: g.unit_range
-                      for g in plan.ranks[p * tp].partition.groups}["decoder"]
-        layers.append(range(start, end))
-    result = forward_pipeline(config, stages, layers, reference["input_ids"])
-    assert rel_err(result.logits, reference["logits"]) < TOLERANCE
+    layers = [stage_layers(plan, p) for p in range(pp)]
+    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
     checked = 0
-    for p, stage_layers in enumerate(layers):
-        for offset, layer in enumerate(stage_layers):
+    for p, layers_of_stage in enumerate(layers):
+        for offset, layer in enumerate(layers_of_stage):
             ran = result.stages[p].states[offset]
             if layer in ATTENTION:
                 assert ran == []
@@ -112,16 +89,14 @@ def test_the_ranks_of_the_built_in_bamba_family_reproduce_hf_logits_and_state(tm
             for t, state in enumerate(ran):
                 declared = {x.name: x for x in partition_state(states[p * tp + t].table).tensors
                             if x.unit == layer}
-                conv, ssm = reference[f"conv_state_{layer}"], reference[f"ssm_state_{layer}"]
-                np.testing.assert_allclose(state.conv_state, conv[:, state.conv_channels],
-                                           rtol=1e-4, atol=1e-5)
-                np.testing.assert_allclose(state.ssm_state, ssm[:, state.heads],
-                                           rtol=1e-4, atol=1e-5)
+                conv, ssm = ref[f"conv_state_{layer}"], ref[f"ssm_state_{layer}"]
+                assert_hf_cache_on(state.conv_state, conv, state.conv_channels)
+                assert_hf_cache_on(state.ssm_state, ssm, state.heads)
                 for name, ids, whole in (("conv", state.conv_channels, conv),
                                          ("ssm", state.heads, ssm)):
                     x = declared[name]
                     assert x.global_shape == whole.shape[1:]
-                    assert _indices(x.placement.selection(x.global_shape),
+                    assert indices(x.placement.selection(x.global_shape),
                                     whole.shape[1]) == sorted(ids.tolist())
                     assert x.local_shape == (len(ids), *whole.shape[2:])
                 checked += 1

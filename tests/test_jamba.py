@@ -9,32 +9,25 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from partc.runtime import partition_state
 from partc.verify.run import verify_family
 
-from executor import RankShard, forward, forward_pipeline, load_fixture
 from support import compile_and_load, hf
+from support.state_space import (
+    TOLERANCE,
+    assert_hf_cache_on,
+    indices,
+    reference,
+    rel_err,
+    run_ranks,
+    stage_layers,
+    whole_model_run,
+)
 
 JAMBA = hf("jamba")
 KINDS = ["mamba", "attention", "mamba", "mamba"]  # HF's layers_block_type for the fixture
-
-
-TOLERANCE = 1e-4
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
-
-
-def _indices(selection, length: int) -> list[int]:
-    """The indices along the split axis a (axis, ranges) selection takes (all when whole)."""
-    axis, ranges = selection
-    if axis is None:
-        return list(range(length))
-    return [i for a, b in ranges for i in range(a, b)]
 
 
 def test_the_fixture_has_the_layer_kinds_the_family_selects_by_period_and_offset():
@@ -49,8 +42,7 @@ def test_each_rank_declared_state_is_the_hf_cache_on_its_channels_or_kv_heads(tm
     """Per layer of its stage, each rank declares the state HF's cache holds for that layer's
     kind (keys / values on attention, conv / SSM on Mamba), of HF's whole shape, restricted to
     the channels (or KV heads) of the parameters the rank loaded."""
-    with np.load(JAMBA / "reference.npz") as npz:
-        reference = {k: npz[k] for k in npz.files}
+    ref = reference(JAMBA)
     plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
                                     JAMBA / "model.safetensors", tp=tp, pp=pp)
     assert plan.family == "jamba"
@@ -64,21 +56,21 @@ def test_each_rank_declared_state_is_the_hf_cache_on_its_channels_or_kv_heads(tm
             prefix = f"model.layers.{x.unit}"
             if kind == "attention":
                 assert x.name in ("key", "value")
-                cache = reference[f"{x.name}_{x.unit}"]  # [batch, K, sequence, d]
+                cache = ref[f"{x.name}_{x.unit}"]  # [batch, K, sequence, d]
                 whole = (cache.shape[1], cache.shape[3])
                 proj = layout[f"{prefix}.self_attn.{x.name[0]}_proj.weight"]
-                rows = _indices(proj.selection, proj.global_shape[0])
+                rows = indices(proj.selection, proj.global_shape[0])
                 held = sorted({r // cache.shape[3] for r in rows})  # the KV heads it loaded
                 local = cache[:, held][:, :, 0]
             else:
                 assert x.name in ("conv", "ssm")
-                cache = reference[f"{x.name}_state_{x.unit}"]  # [batch, I, K or N]
+                cache = ref[f"{x.name}_state_{x.unit}"]  # [batch, I, K or N]
                 whole = cache.shape[1:]
                 conv = layout[f"{prefix}.mamba.conv1d.weight"]
-                held = _indices(conv.selection, conv.global_shape[0])  # its channels
+                held = indices(conv.selection, conv.global_shape[0])  # its channels
                 local = cache[:, held]
             assert x.global_shape == whole
-            assert _indices(x.placement.selection(x.global_shape), whole[0]) == held
+            assert indices(x.placement.selection(x.global_shape), whole[0]) == held
             assert x.local_shape == local.shape[1:]
         assert loaded.info.local_state_bytes == declared.local_bytes > 0
         assert loaded.info.local_state_bytes_per_token == declared.local_bytes_per_token
@@ -111,11 +103,7 @@ def test_verify_passes_the_jamba_split_at_every_legal_t_up_to_8_and_a_pipeline_s
 
 
 def test_the_executor_reproduces_hf_jamba_logits_and_every_layer_kind():
-    config, tensors, ref = load_fixture("jamba")
-    result = forward(config, tensors, ref["input_ids"])
-    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
-    for layer in range(4):
-        assert rel_err(result.layer_outputs[layer], ref["layer_outputs"][layer]) < TOLERANCE
+    whole_model_run("jamba", 4)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -125,23 +113,13 @@ def test_the_ranks_of_the_built_in_jamba_family_reproduce_hf_logits_and_mamba_st
     """partc's rank shards, run by the numpy executor (attention heads, Mamba channels and
     expert channels split; x_proj summed inside the mixer; KV heads repeated at T=4), give HF's
     logits, and each rank's conv / SSM state is HF's cache on its channels."""
-    with np.load(JAMBA / "reference.npz") as npz:
-        reference = {k: npz[k] for k in npz.files}
-    config = json.loads((JAMBA / "config.json").read_text())
-    plan, states = compile_and_load(None, JAMBA / "config.json", tmp_path,
-                                    JAMBA / "model.safetensors", tp=tp, pp=pp)
-    stages, layers = [], []
-    for p in range(pp):
-        stages.append([RankShard.of_state(s) for s in states[p * tp:(p + 1) * tp]])
-        start, end = {g.group: g.unit_range
-                      for g in plan.ranks[p * tp].partition.groups}["decoder"]
-        layers.append(range(start, end))
-    result = forward_pipeline(config, stages, layers, reference["input_ids"])
-    assert rel_err(result.logits, reference["logits"]) < TOLERANCE
+    plan, states, result, ref = run_ranks("jamba", tmp_path, tp, pp)
+    layers = [stage_layers(plan, p) for p in range(pp)]
+    assert rel_err(result.logits, ref["logits"]) < TOLERANCE
     if pp == 2:
-        assert rel_err(result.sent[0], reference["layer_outputs"][layers[0].stop - 1]) < TOLERANCE
-    for p, stage_layers in enumerate(layers):
-        for offset, layer in enumerate(stage_layers):
+        assert rel_err(result.sent[0], ref["layer_outputs"][layers[0].stop - 1]) < TOLERANCE
+    for p, layers_of_stage in enumerate(layers):
+        for offset, layer in enumerate(layers_of_stage):
             ran = result.stages[p].states[offset]
             if KINDS[layer] != "mamba":
                 assert ran == []
@@ -151,8 +129,7 @@ def test_the_ranks_of_the_built_in_jamba_family_reproduce_hf_logits_and_mamba_st
                 declared = {x.name: x for x in partition_state(states[p * tp + t].table).tensors
                             if x.unit == layer}
                 for name, produced in (("conv", state.conv_state), ("ssm", state.ssm_state)):
-                    cache = reference[f"{name}_state_{layer}"]
+                    cache = ref[f"{name}_state_{layer}"]
                     assert declared[name].local_shape == produced.shape[1:]
-                    np.testing.assert_allclose(produced, cache[:, state.channels],
-                                               rtol=1e-4, atol=1e-5)
+                    assert_hf_cache_on(produced, cache, state.channels)
 

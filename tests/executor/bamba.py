@@ -21,24 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from . import ops, ssm
+from . import hybrid, ops, ssm
 from .model import _gated_mlp
 from .shard import (
     F32,
     RankShard,
     ShardingError,
     all_reduce,
-    column,
     positions,
-    replicated,
-    row,
-    split_heads,
 )
 
 Array = np.ndarray
 SUPPORTED = {"bamba"}
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.final_layernorm.weight"
 
 
 @dataclass(frozen=True)
@@ -91,29 +85,10 @@ def describe(config: Mapping[str, Any]) -> tuple[ssm.Arch, Mixer2]:
 def _attention(config: Mapping[str, Any], ranks: Sequence[RankShard], prefix: str, x: Array
                ) -> Array:
     """GQA attention with partial rotary, heads split over the ranks; o_proj all-reduced."""
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    d = int(config["hidden_size"]) // heads
+    d = int(config["hidden_size"]) // int(config["num_attention_heads"])
     partial = float((config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5))
-    cos, sin = ops.rope_tables(config, int(d * partial), x.shape[1])
-    parts = []
-    for rank in ranks:
-        q, q_idx = column(rank, f"{prefix}.q_proj", x)
-        k, k_idx = column(rank, f"{prefix}.k_proj", x)
-        v, v_idx = column(rank, f"{prefix}.v_proj", x)
-        q, q_heads = split_heads(q, q_idx, d, f"{prefix}.q_proj")
-        k, k_heads = split_heads(k, k_idx, d, f"{prefix}.k_proj")
-        v, v_heads = split_heads(v, v_idx, d, f"{prefix}.v_proj")
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        kv_of_q = q_heads // (heads // kv_heads)  # each query head's KV head
-        k = k[:, positions(kv_of_q, k_heads, f"{prefix}.k_proj")]
-        v = v[:, positions(kv_of_q, v_heads, f"{prefix}.v_proj")]
-        out = ops.attend(q, k, v, scaling=d ** -0.5)
-        batch, local, seq, _ = out.shape
-        features = (q_heads[:, None] * d + np.arange(d)).ravel()
-        merged = out.transpose(0, 2, 1, 3).reshape(batch, seq, local * d)
-        parts.append((row(rank, f"{prefix}.o_proj", merged, features), features))
-    return all_reduce(parts, heads * d, f"{prefix}.o_proj")
+    rope = ops.rope_tables(config, int(d * partial), x.shape[1])
+    return hybrid.attention(config, ranks, prefix, x, rope)
 
 
 def _rows(rank: RankShard, name: str, wanted: Array) -> Array:
@@ -212,30 +187,16 @@ def run(config: Mapping[str, Any], ranks: Sequence[RankShard], input_ids: Array,
     ``states`` holds each layer's rank states (empty for an attention layer)."""
     arch, mixer = describe(config)
     attention_layers = set(config.get("attn_layer_indices") or [])
-    hidden = ssm._embed(arch, ranks, input_ids, EMBED) if hidden_in is None else hidden_in
-    out = ssm.Pass(None, hidden, None)
     act = SimpleNamespace(act=ops.silu)
     inter = int(config["intermediate_size"])
-    for layer in layers:
-        out.layer_inputs.append(hidden)
-        prefix = f"model.layers.{layer}"
-        normed = ops.rms_norm(hidden, replicated(ranks, f"{prefix}.input_layernorm.weight"),
-                              arch.eps)
-        states: list[Any]
+
+    def mix(layer: int, prefix: str, normed: Array) -> tuple[Array, list[Any]]:
         if layer in attention_layers:
-            mixed, states = _attention(config, ranks, f"{prefix}.self_attn", normed), []
-        else:
-            mixed, states = _mixer(mixer, ranks, f"{prefix}.mamba", normed)
-        hidden = (hidden + mixed).astype(F32)
-        normed = ops.rms_norm(hidden, replicated(ranks, f"{prefix}.pre_ff_layernorm.weight"),
-                              arch.eps)
+            return _attention(config, ranks, f"{prefix}.self_attn", normed), []
+        return _mixer(mixer, ranks, f"{prefix}.mamba", normed)
+
+    def feed_forward(layer: int, prefix: str, normed: Array) -> Array:
         names = tuple(f"{prefix}.feed_forward.{n}" for n in ("gate_proj", "up_proj", "down_proj"))
-        hidden = (hidden + _gated_mlp(act, ranks, names, normed, inter)  # type: ignore[arg-type]
-                  ).astype(F32)
-        out.layer_outputs.append(hidden)
-        out.states.append(states)
-    out.hidden = hidden
-    if layers.stop == arch.n_layers:
-        out.normed = ops.rms_norm(hidden, replicated(ranks, FINAL_NORM), arch.eps)
-        out.logits = ssm._lm_head(arch, ranks, out.normed, EMBED)
-    return out
+        return _gated_mlp(act, ranks, names, normed, inter)  # type: ignore[arg-type]
+
+    return hybrid.run_layers(arch, ranks, input_ids, layers, hidden_in, mix, feed_forward)

@@ -16,14 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from . import ops, ssm
+from . import hybrid, ops, ssm
 from .model import _gated_mlp, _routed_experts
-from .shard import F32, RankShard, all_reduce, column, positions, replicated, row, split_heads
+from .shard import F32, RankShard, replicated
 
 Array = np.ndarray
 SUPPORTED = {"jamba"}
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.final_layernorm.weight"
 
 
 def describe(config: Mapping[str, Any]) -> ssm.Arch:
@@ -39,31 +37,6 @@ def describe(config: Mapping[str, Any]) -> ssm.Arch:
                     dt_rank=-(-hidden // 16) if rank == "auto" else int(rank),
                     vocab=int(config["vocab_size"]), eps=float(config["rms_norm_eps"]),
                     tied=bool(config.get("tie_word_embeddings", False)))
-
-
-def _attention(config: Mapping[str, Any], ranks: Sequence[RankShard], prefix: str, x: Array
-               ) -> Array:
-    """GQA attention without positions, heads split over the ranks; o_proj all-reduced."""
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    d = int(config["hidden_size"]) // heads
-    parts = []
-    for rank in ranks:
-        q, q_idx = column(rank, f"{prefix}.q_proj", x)
-        k, k_idx = column(rank, f"{prefix}.k_proj", x)
-        v, v_idx = column(rank, f"{prefix}.v_proj", x)
-        q, q_heads = split_heads(q, q_idx, d, f"{prefix}.q_proj")
-        k, k_heads = split_heads(k, k_idx, d, f"{prefix}.k_proj")
-        v, v_heads = split_heads(v, v_idx, d, f"{prefix}.v_proj")
-        kv_of_q = q_heads // (heads // kv_heads)  # each query head's KV head
-        k = k[:, positions(kv_of_q, k_heads, f"{prefix}.k_proj")]
-        v = v[:, positions(kv_of_q, v_heads, f"{prefix}.v_proj")]
-        out = ops.attend(q, k, v, scaling=d ** -0.5)
-        batch, local, seq, _ = out.shape
-        features = (q_heads[:, None] * d + np.arange(d)).ravel()
-        merged = out.transpose(0, 2, 1, 3).reshape(batch, seq, local * d)
-        parts.append((row(rank, f"{prefix}.o_proj", merged, features), features))
-    return all_reduce(parts, heads * d, f"{prefix}.o_proj")
 
 
 def _feed_forward(config: Mapping[str, Any], ranks: Sequence[RankShard], layer: int, x: Array
@@ -92,25 +65,13 @@ def run(config: Mapping[str, Any], ranks: Sequence[RankShard], input_ids: Array,
     """Run ``layers`` on the tensor-parallel ``ranks`` (see ``model.forward_tensor_parallel``);
     ``states`` holds each layer's rank states (empty for an attention layer)."""
     arch = describe(config)
-    hidden = ssm._embed(arch, ranks, input_ids, EMBED) if hidden_in is None else hidden_in
-    out = ssm.Pass(None, hidden, None)
-    for layer in layers:
-        out.layer_inputs.append(hidden)
-        prefix = f"model.layers.{layer}"
-        normed = ops.rms_norm(hidden, replicated(ranks, f"{prefix}.input_layernorm.weight"),
-                              arch.eps)
+
+    def mix(layer: int, prefix: str, normed: Array) -> tuple[Array, list[Any]]:
         if layer % int(config["attn_layer_period"]) == int(config["attn_layer_offset"]):
-            mixed, states = _attention(config, ranks, f"{prefix}.self_attn", normed), []
-        else:
-            mixed, states = ssm._mixer(arch, ranks, f"{prefix}.mamba", normed)
-        hidden = (hidden + mixed).astype(F32)
-        normed = ops.rms_norm(hidden, replicated(ranks, f"{prefix}.pre_ff_layernorm.weight"),
-                              arch.eps)
-        hidden = (hidden + _feed_forward(config, ranks, layer, normed)).astype(F32)
-        out.layer_outputs.append(hidden)
-        out.states.append(states)
-    out.hidden = hidden
-    if layers.stop == arch.n_layers:
-        out.normed = ops.rms_norm(hidden, replicated(ranks, FINAL_NORM), arch.eps)
-        out.logits = ssm._lm_head(arch, ranks, out.normed, EMBED)
-    return out
+            return hybrid.attention(config, ranks, f"{prefix}.self_attn", normed), []
+        return ssm._mixer(arch, ranks, f"{prefix}.mamba", normed)
+
+    def feed_forward(layer: int, prefix: str, normed: Array) -> Array:
+        return _feed_forward(config, ranks, layer, normed)
+
+    return hybrid.run_layers(arch, ranks, input_ids, layers, hidden_in, mix, feed_forward)

@@ -28,7 +28,6 @@ from .shard import (
     RankShard,
     ShardingError,
     align,
-    all_gather,
     all_reduce,
     all_reduce_distinct,
     column,
@@ -37,6 +36,7 @@ from .shard import (
     replicated_optional,
     row,
     split_heads,
+    vocab_parallel_logits,
 )
 
 F32 = np.float32
@@ -116,22 +116,11 @@ class _Mla:
 
 
 @dataclass(frozen=True)
-class _Arch:
+class _Arch(ops.DecoderArch):
     """The config values the forward pass needs, normalised across families."""
 
-    config: Mapping[str, Any]
     model_type: str
-    hidden: int
-    vocab: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     v_head_dim: int
-    eps: float
-    act: Callable[[Array], Array]
-    rotary_dim: int
-    scaling: float
     norm_offset: float = 0.0
     embed_scale: float | None = None
     sandwich_norms: bool = False
@@ -419,13 +408,7 @@ def _lm_head(arch: _Arch, ranks: Sequence[RankShard], x: Array) -> Array:
         name = EMBED
     else:
         raise ShardingError(f"a rank of the last stage lacks {LM_HEAD}")
-    parts = []
-    for rank in ranks:
-        sel = rank.selection(name)
-        if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{name}: lm_head must be vocab-parallel (axis 0)")
-        parts.append(((x @ rank.array(name).T).astype(F32), rank.indices(name, 0)))
-    logits = all_gather(parts, arch.vocab, name)
+    logits = vocab_parallel_logits(ranks, name, x, arch.vocab)
     if arch.final_softcap is not None:
         cap = F32(arch.final_softcap)
         logits = np.tanh(logits / cap) * cap

@@ -4,12 +4,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 F32 = np.float32
 Array = np.ndarray
+
+
+@dataclass(frozen=True)
+class DecoderArch:
+    """The config values every attention decoder's forward reads, under one set of names."""
+
+    config: Mapping[str, Any]
+    hidden: int
+    vocab: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    act: Callable[[Array], Array]
+    rotary_dim: int
+    scaling: float
 
 
 # --------------------------------------------------------------------------- activations

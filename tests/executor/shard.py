@@ -219,6 +219,37 @@ def all_gather(
     return full
 
 
+def vocab_parallel_embedding(
+    ranks: Sequence[RankShard], name: str, ids: np.ndarray, vocab: int
+) -> np.ndarray:
+    """Lookup of ``ids`` in the embedding ``name`` split by vocabulary rows, summed over ranks."""
+    parts = []
+    for rank in ranks:
+        sel = rank.selection(name)
+        if sel is not None and sel.axis != 0:
+            raise ShardingError(f"{name}: embedding must be vocab-parallel (axis 0)")
+        rows = rank.indices(name, 0)
+        lookup = np.full(vocab, -1)
+        lookup[rows] = np.arange(len(rows))
+        local = lookup[ids]
+        vectors = np.where((local >= 0)[..., None], rank.array(name)[np.maximum(local, 0)], 0)
+        parts.append((vectors.astype(F32), rows))
+    return all_reduce(parts, vocab, name)
+
+
+def vocab_parallel_logits(
+    ranks: Sequence[RankShard], name: str, x: np.ndarray, vocab: int
+) -> np.ndarray:
+    """``x`` times each rank's vocabulary rows of ``name`` (the head), gathered over ranks."""
+    parts = []
+    for rank in ranks:
+        sel = rank.selection(name)
+        if sel is not None and sel.axis != 0:
+            raise ShardingError(f"{name}: lm_head must be vocab-parallel (axis 0)")
+        parts.append(((x @ rank.array(name).T).astype(F32), rank.indices(name, 0)))
+    return all_gather(parts, vocab, name)
+
+
 def replicated(ranks: Sequence[RankShard], name: str) -> np.ndarray:
     """A tensor every rank must hold whole and identically (norms, routers, row biases)."""
     values = [rank.whole(name) for rank in ranks]

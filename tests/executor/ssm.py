@@ -22,11 +22,12 @@ from .shard import (
     F32,
     RankShard,
     ShardingError,
-    all_gather,
     all_reduce,
     positions,
     replicated,
     replicated_optional,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
 )
 
 Array = np.ndarray
@@ -111,18 +112,7 @@ def run(config: Mapping[str, Any], ranks: Sequence[RankShard], input_ids: Array,
 
 def _embed(arch: Arch, ranks: Sequence[RankShard], ids: Array, name: str = EMBED) -> Array:
     """Vocab-parallel embedding lookup, summed over ranks."""
-    parts = []
-    for rank in ranks:
-        sel = rank.selection(name)
-        if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{name}: must be vocab-parallel (axis 0)")
-        rows = rank.indices(name, 0)
-        lookup = np.full(arch.vocab, -1)
-        lookup[rows] = np.arange(len(rows))
-        local = lookup[ids]
-        vectors = np.where((local >= 0)[..., None], rank.array(name)[np.maximum(local, 0)], 0)
-        parts.append((vectors.astype(F32), rows))
-    return all_reduce(parts, arch.vocab, name)
+    return vocab_parallel_embedding(ranks, name, ids, arch.vocab)
 
 
 def _lm_head(arch: Arch, ranks: Sequence[RankShard], x: Array, embed: str = EMBED) -> Array:
@@ -130,13 +120,7 @@ def _lm_head(arch: Arch, ranks: Sequence[RankShard], x: Array, embed: str = EMBE
     name = LM_HEAD if all(rank.has(LM_HEAD) for rank in ranks) else embed
     if name == embed and not arch.tied:
         raise ShardingError(f"a rank of the last stage lacks {LM_HEAD}")
-    parts = []
-    for rank in ranks:
-        sel = rank.selection(name)
-        if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{name}: lm_head must be vocab-parallel (axis 0)")
-        parts.append(((x @ rank.array(name).T).astype(F32), rank.indices(name, 0)))
-    return all_gather(parts, arch.vocab, name)
+    return vocab_parallel_logits(ranks, name, x, arch.vocab)
 
 
 def softplus(x: Array) -> Array:

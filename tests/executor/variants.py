@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from .shard import (
     replicated_optional,
     row,
     split_heads,
+    vocab_parallel_embedding,
 )
 
 F32 = np.float32
@@ -150,22 +151,11 @@ _FIXED = [
 
 
 @dataclass(frozen=True)
-class Arch:
+class Arch(ops.DecoderArch):
     """Config values of one variant family, under one set of names."""
 
     spec: Spec
-    config: Mapping[str, Any]
-    hidden: int
-    vocab: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
     intermediate: int
-    eps: float
-    act: Callable[[Array], Array]
-    rotary_dim: int
-    scaling: float
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -321,18 +311,7 @@ def _embed(arch: Arch, ranks: Sequence[RankShard], ids: Array) -> Array:
     name = arch.spec.embed
     if ids.min() < 0 or ids.max() >= arch.vocab:
         raise ValueError("input id outside the vocabulary")
-    parts = []
-    for rank in ranks:
-        sel = rank.selection(name)
-        if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{name}: embedding must be vocab-parallel (axis 0)")
-        rows = rank.indices(name, 0)
-        lookup = np.full(arch.vocab, -1)
-        lookup[rows] = np.arange(len(rows))
-        local = lookup[ids]
-        vectors = np.where((local >= 0)[..., None], rank.array(name)[np.maximum(local, 0)], 0)
-        parts.append((vectors.astype(F32), rows))
-    hidden = all_reduce(parts, arch.vocab, name)
+    hidden = vocab_parallel_embedding(ranks, name, ids, arch.vocab)
     if arch.spec.wpe is not None:
         hidden = hidden + replicated(ranks, arch.spec.wpe)[np.arange(ids.shape[1])][None]
     if arch.spec.embed_norm is not None:
