@@ -98,7 +98,7 @@ def one_run(entry: TensorEntry, sel: TensorSelection) -> tuple[int, int]:
     return (len(src), int(src[0])) if len(src) == 1 else (min(len(src), 2), 0)
 
 
-JOB_BYTES = int(os.environ.get("PARTC_X_JOB", 16 << 20))
+JOB_BYTES = 16 << 20
 """Bytes of one unit of work handed to a reader thread (long runs are cut to this size)."""
 THREADED_BYTES = 16 << 20
 """Reads smaller than this run in the calling thread."""

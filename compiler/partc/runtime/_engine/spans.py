@@ -85,8 +85,12 @@ def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
                                                                        else 0)
         align = DIRECT_ALIGN if way == "direct" else PAGE_ALIGN if way == "cold" else 1
         if align == 1 and cap is None:
+            plans: dict[tuple[Any, ...], Any] = {}  # a layer's jobs repeat its structure
             for job in members:
-                job.merge = _row_merge(job, model)
+                key = (job.pieces, job.row_bytes, job.rows[1] - job.rows[0])
+                if key not in plans:
+                    plans[key] = _row_merge(job, model)
+                job.merge = plans[key]
             continue
         runs = [job_runs(job) for job in members]
         if not all(bool(np.all(s[1:] >= e[:-1])) for s, e in runs):
