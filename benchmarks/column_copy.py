@@ -1,13 +1,18 @@
-"""Measure the two ways a loader can copy column slices out of a mapped checkpoint.
+"""Measure the ways a loader can copy column slices out of a checkpoint in the page cache.
 
 A tensor split on its last axis (o_proj and down_proj under tensor parallelism) is one run of
-`row bytes / T` per row: thousands of short pieces a tensor. partc's default load copies them
-with `process_vm_writev` from a read-only mapping of the file (a file truncated meanwhile then
-fails the copy, which becomes a CheckpointError), the zero-copy modes with numpy from the mapping
-(where truncation raises SIGBUS). This script times both for rank 0's column slices of the
-synthetic Llama of benchmarks/load.py, one thread, each variant in a fresh process (so that the
-mapping's pages are faulted in by the copy, as in a load), alternating, destinations faulted in
-beforehand (MADV_POPULATE_WRITE) in both, and prints the median of each. Linux only. Usage:
+`row bytes / T` per row: thousands of short pieces a tensor. The zero-copy modes copy them with
+numpy from a mapping of the file (where a truncation raises SIGBUS); under
+`max_fetch_ratio=1.0` partc copies them piece by piece with `process_vm_writev` from a
+read-only mapping (a truncation fails the copy: a CheckpointError); by default, warm, it reads
+the rows whole with one vectored preadv per 1024 buffers, the columns straight into place and
+the rest into a scratch buffer (`rows.vector_gather`, partc's own function here), where it
+used to read them into a 256 KiB bounce buffer and copy the columns out with numpy (`bounce`:
+`spans.span_gather` with the vectored read turned off). This script times the four for rank
+0's column slices of the synthetic Llama of benchmarks/load.py, one thread, each variant in a
+fresh process (so that the mapping's pages are faulted in by the copy, as in a load), in turn,
+destinations faulted in beforehand (MADV_POPULATE_WRITE) in all, and prints the median of each.
+Linux only. Usage:
 
     python benchmarks/column_copy.py --dir /tmp/ckpt --tp 8 --repeats 5
 """
@@ -42,6 +47,33 @@ copy = libc.process_vm_writev
 copy.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
                  ctypes.c_ulong, ctypes.c_ulong]
 copy.restype = ctypes.c_ssize_t
+from partc.runtime._engine.gather import Gather
+from partc.runtime._engine import spans
+from partc.runtime._engine.rows import vector_gather
+from partc.runtime._engine.spans import span_gather
+fd = os.open(path, os.O_RDONLY)
+
+
+class _Source:  # what span_gather asks of a job's file: its descriptor, read through the cache
+    direct_fd = -1
+
+
+source = _Source()
+
+
+def gathers(name, out, rows, row, width):
+    """The tensor's rows in blocks of 8 MiB, rank 0's columns of each, as partc's jobs."""
+    begin = base + header[name]["data_offsets"][0]
+    step = max(1, (8 << 20) // row)
+    for r in range(0, rows, step):
+        job = Gather(file=0, path=path, name=name, out=out, base=begin, row_bytes=row,
+                     rows=(r, min(rows, r + step)), pieces=((0, 0, width),),
+                     nbytes=(min(rows, r + step) - r) * width)
+        job.fd = fd
+        job.source = source
+        yield job
+
+
 seconds, nbytes, kept = 0.0, 0, []
 for name in sorted(k for k in header if k.endswith(("o_proj.weight", "down_proj.weight"))):
     begin, end = header[name]["data_offsets"]
@@ -55,6 +87,14 @@ for name in sorted(k for k in header if k.endswith(("o_proj.weight", "down_proj.
     start = time.perf_counter()
     if mode == "numpy":
         out[:] = source[:, :width]
+    elif mode == "vectored":  # partc's own warm whole-row read (rows.vector_gather)
+        for job in gathers(name, out, rows, row, width):
+            vector_gather(job, None)
+    elif mode == "bounce":  # the earlier default: a bounce buffer, numpy copying the columns
+        spans._VECTORED = False
+        for job in gathers(name, out, rows, row, width):
+            job.merge = True
+            span_gather(job, None)
     else:  # one iovec a row piece, at most 1024 a call (IOV_MAX), into the contiguous rows
         pieces = np.empty((rows, 2), np.uint64)
         pieces[:, 0] = np.uint64(source.ctypes.data) + np.arange(rows, dtype=np.uint64) * row
@@ -91,10 +131,12 @@ def main() -> None:
         print(f"writing the synthetic checkpoint to {args.dir} ...", flush=True)
         write_checkpoint(args.dir, config, 1)
     files = checkpoint_files(args.dir)
-    times: dict[str, list[float]] = {"numpy": [], "process_vm_writev": []}
+    times: dict[str, list[float]] = {"numpy": [], "process_vm_writev": [], "bounce": [],
+                                     "vectored": []}
     size = 0
     for repeat in range(args.repeats):
-        for mode in (list(times) if repeat % 2 == 0 else list(times)[::-1]):
+        turn = repeat % len(times)
+        for mode in list(times)[turn:] + list(times)[:turn]:
             warm(files)
             done = subprocess.run([sys.executable, "-c", WORKER, str(files[0]), str(args.tp),
                                    mode], capture_output=True, text=True, check=True)
@@ -106,8 +148,9 @@ def main() -> None:
     for mode, found in times.items():
         print(f"  {mode:18s} {statistics.median(found) * 1e3:7.1f} ms "
               f"(range {min(found) * 1e3:.1f}-{max(found) * 1e3:.1f})")
-    ratio = statistics.median(times["process_vm_writev"]) / statistics.median(times["numpy"])
-    print(f"  process_vm_writev / numpy: {ratio:.2f}")
+    for mode in ("process_vm_writev", "bounce", "vectored"):
+        ratio = statistics.median(times[mode]) / statistics.median(times["numpy"])
+        print(f"  {mode} / numpy: {ratio:.2f}")
 
 
 if __name__ == "__main__":
