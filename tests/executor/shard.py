@@ -225,10 +225,7 @@ def vocab_parallel_embedding(
     """Lookup of ``ids`` in the embedding ``name`` split by vocabulary rows, summed over ranks."""
     parts = []
     for rank in ranks:
-        sel = rank.selection(name)
-        if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{name}: embedding must be vocab-parallel (axis 0)")
-        rows = rank.indices(name, 0)
+        rows = _vocab_rows(rank, name, "embedding")
         lookup = np.full(vocab, -1)
         lookup[rows] = np.arange(len(rows))
         local = lookup[ids]
@@ -241,13 +238,17 @@ def vocab_parallel_logits(
     ranks: Sequence[RankShard], name: str, x: np.ndarray, vocab: int
 ) -> np.ndarray:
     """``x`` times each rank's vocabulary rows of ``name`` (the head), gathered over ranks."""
-    parts = []
-    for rank in ranks:
-        sel = rank.selection(name)
-        if sel is not None and sel.axis != 0:
-            raise ShardingError(f"{name}: lm_head must be vocab-parallel (axis 0)")
-        parts.append(((x @ rank.array(name).T).astype(F32), rank.indices(name, 0)))
+    parts = [((x @ rank.array(name).T).astype(F32), _vocab_rows(rank, name, "lm_head"))
+             for rank in ranks]
     return all_gather(parts, vocab, name)
+
+
+def _vocab_rows(rank: RankShard, name: str, what: str) -> np.ndarray:
+    """The vocabulary rows `rank` holds of `name`, refused unless it is split by rows."""
+    sel = rank.selection(name)
+    if sel is not None and sel.axis != 0:
+        raise ShardingError(f"{name}: {what} must be vocab-parallel (axis 0)")
+    return rank.indices(name, 0)
 
 
 def replicated(ranks: Sequence[RankShard], name: str) -> np.ndarray:
