@@ -277,7 +277,7 @@ def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> Non
         os.fsync(fd)
         ckpt_header = type("Header", (), {"path": path, "file_size": size})()
         source = gather.GatherFile(ckpt_header, fd, "data")  # type: ignore[arg-type]
-        if gather._libc("mincore") is None:
+        if gather.libc_function("mincore") is None:
             assert source.resident(0, size) == 1.0, "unknown residency counts as cached"
             return
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

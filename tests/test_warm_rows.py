@@ -83,7 +83,7 @@ def test_warm_whole_rows_land_straight_in_the_destination(
 
 
 def test_short_reads_are_read_again_until_complete(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = gather._libc("preadv")
+    real = gather.libc_function("preadv")
     assert real is not None
     calls = {"short": 0}
 

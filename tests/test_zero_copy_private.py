@@ -185,13 +185,13 @@ def test_private_column_slices_are_copied_in_process_with_exact_reads(
     from partc.runtime._engine import gather
 
     asked: list[str] = []
-    lookup = gather._libc
+    lookup = gather.libc_function
 
     def recording(name: str) -> Any:
         asked.append(name)
         return lookup(name)
 
-    monkeypatch.setattr(gather, "_libc", recording)
+    monkeypatch.setattr(gather, "libc_function", recording)
     monkeypatch.setattr(gather, "_USE_DIRECT", False)  # warm or not, the page-cache paths
     full = load_file(str(hf(family) / "model.safetensors"))
 

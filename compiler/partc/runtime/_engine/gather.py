@@ -263,7 +263,7 @@ def run_gather(job: Gather, recorder: ReadRecorder | None) -> None:
         if recorder is not None:
             _record_pieces(job, recorder)
         return
-    copy = _libc("process_vm_writev") if _USE_VM_COPY and job.source is not None else None
+    copy = libc_function("process_vm_writev") if _USE_VM_COPY and job.source is not None else None
     if copy is None or not _vm_gather(job, copy):
         _pread_gather(job, recorder)  # records its own reads
         return
@@ -457,7 +457,7 @@ def _resident(address: int, start: int, end: int) -> float:
     spread evenly over it: the answer only chooses between two ways of reading a job, and
     asking about every page of every gather job cost ~7% of a small rank's warm load.
     """
-    probe = _libc("mincore")
+    probe = libc_function("mincore")
     if probe is None or end <= start:
         return 1.0
     page = mmap.PAGESIZE
@@ -480,7 +480,7 @@ _SIGNATURES = {"process_vm_writev": ("ssize", ["int", "void*", "ulong", "void*",
                "preadv": ("ssize", ["int", "void*", "int", "long"])}
 
 
-def _libc(name: str) -> Callable[..., int] | None:
+def libc_function(name: str) -> Callable[..., int] | None:
     """libc's `name` (see `_SIGNATURES`), looked up once; None where there is none."""
     if name not in _LIBC:
         found: Callable[..., int] | None = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.runtime._engine.gather import _libc
+from partc.runtime._engine.gather import libc_function
 from partc.runtime._engine.runs import IOV_MAX, fill
 from partc.runtime.headers import abort
 
@@ -68,7 +68,7 @@ def vector_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
     """Run a job whose rows are read whole (`merge` True) through the page cache: one preadv
     of up to `IOV_MAX` buffers at a time; False where libc's preadv is not at hand (the
     caller uses the bounce buffer). The destination must be faulted in by the caller."""
-    read = _libc("preadv")
+    read = libc_function("preadv")
     if read is None or not job.pieces:
         return False
     widest = max(job.row_bytes, 1)
