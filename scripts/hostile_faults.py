@@ -155,18 +155,19 @@ def hostile_faults() -> Iterator[tuple[str, str, str, Setup]]:
 
 def hostile_limits() -> list[tuple[str, str, str]]:
     """(input, at most, constant) of every bound issue 39's surfaces enforce."""
-    from partc.plan import expert_placement, plan_file
+    from partc.front import load
+    from partc.plan import expert_placement, plan_checks
     from partc.runtime import rank_env
     from partc.scaffold import survey
 
     return [
-        ("plan.json size", f"{plan_file.MAX_PLAN_BYTES} bytes", "partc.front.load.MAX_PLAN_BYTES"),
-        ("T, S, E, X and `kv_replicas` in a plan.json", str(plan_file.MAX_PARALLEL_SIZE),
-         "partc.plan.plan_file.MAX_PARALLEL_SIZE"),
-        ("a tensor dimension in a plan.json", f"2**{plan_file.MAX_DIMENSION.bit_length() - 1}",
-         "partc.plan.plan_file.MAX_DIMENSION"),
-        ("elements of a tensor in a plan.json", f"2**{plan_file.MAX_ELEMENTS.bit_length() - 1}",
-         "partc.plan.plan_file.MAX_ELEMENTS"),
+        ("plan.json size", f"{load.MAX_PLAN_BYTES} bytes", "partc.front.load.MAX_PLAN_BYTES"),
+        ("T, S, E, X and `kv_replicas` in a plan.json", str(plan_checks.MAX_PARALLEL_SIZE),
+         "partc.plan.plan_checks.MAX_PARALLEL_SIZE"),
+        ("a tensor dimension in a plan.json", f"2**{plan_checks.MAX_DIMENSION.bit_length() - 1}",
+         "partc.plan.plan_checks.MAX_DIMENSION"),
+        ("elements of a tensor in a plan.json", f"2**{plan_checks.MAX_ELEMENTS.bit_length() - 1}",
+         "partc.plan.plan_checks.MAX_ELEMENTS"),
         ("expert placement file size", f"{expert_placement.PLACEMENT_BASE_BYTES} bytes + "
          f"{expert_placement.PLACEMENT_BYTES_PER_SLOT} per slot (experts x E)",
          "partc.plan.expert_placement.placement_byte_limit"),

@@ -178,13 +178,13 @@ def test_a_billion_stages_are_refused_before_anything_per_rank_is_built(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """S = 10^9 in an 11 KB plan is refused from the topology alone: the rank arithmetic (the
     ParallelShape) and the per-rank entries are never built (they sent inspect to 7.8 GB)."""
-    import partc.plan.plan_file as plan_file
+    import partc.plan.plan_decode as plan_decode
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("built a per-rank value of a plan of 10^9 stages")
 
-    monkeypatch.setattr(plan_file, "ParallelShape", never)
-    monkeypatch.setattr(plan_file, "_rank", never)
+    monkeypatch.setattr(plan_decode, "ParallelShape", never)
+    monkeypatch.setattr(plan_decode, "_rank", never)
     copy = _tampered(built, tmp_path, _set(("topology", "pipeline_parallel_size"), 10 ** 9))
     status = main(["inspect", str(copy), "--format", "json"])
     (error,) = json.loads(capsys.readouterr().out)["errors"]

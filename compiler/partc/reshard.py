@@ -25,7 +25,7 @@ import numpy as np
 from partc.errors import CheckpointError, LoadError, SourceLocation
 from partc.output import check_output, write_atomically
 from partc.plan.ir import canonical_json
-from partc.plan.plan_file import PlanFile
+from partc.plan.plan_records import PlanFile
 from partc.plan.transfer import TensorTransfer, plan_selections, plan_transfer, transfer_between
 from partc.runtime import ReadOptions, ReadRecorder, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint

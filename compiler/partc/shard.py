@@ -30,7 +30,8 @@ from partc.errors import CheckpointError, LoadError, PartcError, SourceLocation,
 from partc.output import check_output, write_atomically
 from partc.parallel.shape import size_problem
 from partc.plan.ir import canonical_json
-from partc.plan.plan_file import PlanFile, read_plan
+from partc.plan.plan_file import read_plan
+from partc.plan.plan_records import PlanFile
 from partc.runtime import ReadOptions, TensorSelection, read_tensors
 from partc.runtime.checkpoint import Checkpoint, open_checkpoint
 from partc.runtime.digests import byte_batches, compiled_digests, tensor_digest

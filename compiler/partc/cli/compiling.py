@@ -18,7 +18,7 @@ from partc.cli.parser import EXIT_ERRORS, EXIT_OK
 from partc.errors import LoadError, PartcError
 
 if TYPE_CHECKING:
-    from partc.plan.plan_file import PlanFile
+    from partc.plan.plan_records import PlanFile
     from partc.shard import ShardResult
     from partc.verify.results import Check
 
@@ -39,7 +39,7 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
     """Per-stage summary, fallbacks and KV replication of a Plan, as `partc inspect` gives them."""
     from partc.inspect.plan_summary import kv_replicated, pipeline_facts, plan_summary, tp_reduced
     from partc.parallel.placements import tensor_bytes
-    from partc.plan.plan_file import plan_view
+    from partc.plan.plan_decode import plan_view
 
     view = plan_view(plan.document[0], Path("plan.json"))  # the plan's body, no tensor table
     sizes: dict[str, int] = {}

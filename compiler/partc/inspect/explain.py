@@ -8,7 +8,7 @@ from typing import Any
 from partc.errors import LoadError, SourceLocation, plural
 from partc.inspect.origins import Origins
 from partc.inspect.plan_summary import Build, names_hint, placement_text, rank_placement
-from partc.plan.plan_file import ExpertParallelLayout, PlanGroup, PlanTensor
+from partc.plan.plan_records import ExpertParallelLayout, PlanGroup, PlanTensor
 
 
 def _suggest(name: str, names: list[str]) -> str:

@@ -38,7 +38,7 @@ from partc.inspect.plan_summary import (
 from partc.inspect.text import id_ranges, id_runs
 from partc.parallel.placements import tensor_bytes
 from partc.parallel.shape import ParallelShape
-from partc.plan.plan_file import PlanFile, PlanRank, PlanTensor
+from partc.plan.plan_records import PlanFile, PlanRank, PlanTensor
 
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7",
                  "#000000")

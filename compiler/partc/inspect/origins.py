@@ -28,7 +28,7 @@ from partc.library import read_family_source
 if TYPE_CHECKING:
     from partc.family.declaration import GroupDecl
     from partc.family.expr import Template
-    from partc.plan.plan_file import PlanFile
+    from partc.plan.plan_records import PlanFile
 
 BUILTIN_SUFFIX = " (built-in)"
 """How plan.json's sources name a built-in family."""

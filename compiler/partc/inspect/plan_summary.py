@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from partc.errors import LoadError, SourceLocation
 from partc.parallel.placements import tensor_bytes
-from partc.plan.plan_file import PlanFile, PlanGroup, PlanRank, PlanTensor, read_plan
+from partc.plan.plan_file import read_plan
+from partc.plan.plan_records import PlanFile, PlanGroup, PlanRank, PlanTensor
 
 if TYPE_CHECKING:
     from partc.inspect.origins import FamilyLines

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.inspect.plan_summary import byte_text, topology_text
-from partc.plan.plan_file import PlanFile
+from partc.plan.plan_records import PlanFile
 from partc.plan.transfer import plan_transfer
 
 

@@ -28,7 +28,7 @@ from partc.parallel.placements import (
     local_shape,
     placement_from_compact,
 )
-from partc.plan.plan_file import PlanFile, PlanRank, PlanTensor
+from partc.plan.plan_records import PlanFile, PlanRank, PlanTensor
 
 __all__ = ["Box", "RankTransfer", "TensorTransfer", "TransferPiece", "TransferPlan",
            "plan_selections", "plan_transfer", "transfer_between"]

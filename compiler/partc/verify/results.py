@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from partc.plan.plan_file import PlanFile
+    from partc.plan.plan_records import PlanFile
 
 
 CHECK_KINDS = {

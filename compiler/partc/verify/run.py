@@ -57,7 +57,7 @@ from partc.verify.stage_checks import pipeline_checks, unexercised_boundaries
 if TYPE_CHECKING:
     from partc.parallel.specs import ShardingPolicy
     from partc.plan.ir import Plan
-    from partc.plan.plan_file import PlanFile
+    from partc.plan.plan_records import PlanFile
 
 MAX_TENSOR_PARALLEL = 8
 """By default every T from 1 to this that compiles is checked."""

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from partc.api import CompileOptions, compile_family
-from partc.plan.plan_file import PlanFile, read_plan
+from partc.plan.plan_file import read_plan
+from partc.plan.plan_records import PlanFile
 from partc.plan.topology import Topology
 from partc.verify.inputs import model_inputs
 from partc.verify.reference import (

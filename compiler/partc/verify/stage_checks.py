@@ -13,7 +13,7 @@ from partc.verify.results import Check, topology_name
 from partc.verify.session import Build, Session, first_tensor, largest_error, tolerance_of
 
 if TYPE_CHECKING:
-    from partc.plan.plan_file import PlanFile
+    from partc.plan.plan_records import PlanFile
 
 
 def _unit_stages(plan: PlanFile) -> dict[str, int]:
