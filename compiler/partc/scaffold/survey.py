@@ -1,12 +1,10 @@
 """`partc init`, first half: a checkpoint header and its config.json read into a `Survey`.
 
 The survey is what the scaffold knows before it writes a line: the tensors grouped into layer
-repetitions and modules (`_layer_table`), which repetition is the decoder and which are encoders
-(`partc.scaffold.repetitions`: `_decoder_prefix`, `_encoders`), the modules outside the layers
-and their static roles (`_static_roles`), the projector between them (`_projector`), and the
-config fields that may explain a dimension, with where each is read and why a guessed one is
-marked (`partc.scaffold.config_values._values`). `_layer_table` is
-`partc.scaffold.layer_table`'s.
+repetitions and modules (`partc.scaffold.layer_table`), which repetition is the decoder and which
+are encoders, the modules outside the layers and their static roles, the projector between them
+(`partc.scaffold.repetitions`), and the config fields that may explain a dimension, with where
+each is read and why a guessed one is marked (`partc.scaffold.config_values`).
 `partc.scaffold.family_text` writes the family from it.
 """
 
