@@ -11,14 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partc.scaffold.survey import (
-    _ATTENTION,
-    _EXPERT_COUNTS,
-    _HEADS,
-    _is_norm,
-    _Module,
-    _positional,
-)
+from partc.scaffold.config_values import _EXPERT_COUNTS, _HEADS
+from partc.scaffold.layer_table import _ATTENTION, _is_norm, _Module, _positional
 from partc.scaffold.yaml_writer import Comments, Container, Flow, FlowList, Quoted
 
 CHECK = "# partc init: CHECK"

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.scaffold.fused import Blocks, Candidate
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.ssm2 import declare, field, scan_mixers, segments, written
-from partc.scaffold.survey import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList
 
 _CHILDREN = frozenset({"in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"})

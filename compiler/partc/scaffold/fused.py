@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from partc.family.expr import parse
+from partc.scaffold.config_values import _HEADS
 from partc.scaffold.decisions import _signature_params, _Writer
-from partc.scaffold.survey import _HEADS, _PACKED, _Module
+from partc.scaffold.layer_table import _PACKED, _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 _FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "Wqkv", "qkv", "W_pack")

@@ -18,7 +18,7 @@ from typing import Any
 
 from partc.scaffold.decisions import _evaluate, _signature_params
 from partc.scaffold.fused import Blocks, _projection, _weight
-from partc.scaffold.survey import _Module
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.yaml_writer import Quoted
 
 _HEADS = "num_attention_heads"

@@ -22,8 +22,9 @@ from typing import Any
 
 from partc.scaffold.decisions import _signature_params, _Writer
 from partc.scaffold.fused import Blocks
+from partc.scaffold.layer_table import _layer_table
 from partc.scaffold.mtp_survey import MTP_FIELD, _config_int, _is_glue
-from partc.scaffold.survey import Signature, _layer_table
+from partc.scaffold.survey import Signature
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 PRESENT_FIELD = "mtp_in_checkpoint"
@@ -71,7 +72,7 @@ def mtp_groups(w: _Writer, config: Mapping[str, Any], prefix: str,
     """The MTP layers' groups (appended to `groups`), graph entry and config fields, for a
     config declaring some (None otherwise): `layers` are the checkpoint's (`split_mtp`),
     `decoder` the decoder's layers, `blocks` the decoder's (its layout choices and proofs),
-    `layer_groups` what writes a layer's groups (`partc.scaffold.family_text._layer_groups`)."""
+    `layer_groups` what writes a layer's groups (`partc.scaffold.layer_groups._layer_groups`)."""
     count = _config_int(config, MTP_FIELD)
     if count <= 0 or not decoder:
         return None

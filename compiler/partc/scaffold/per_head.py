@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.scaffold.decisions import _signature_params, _Writer
-from partc.scaffold.survey import _Module
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.yaml_writer import Quoted
 
 _NUMBERED = re.compile(r"^(?P<stem>self_attn\.[A-Za-z0-9_]+\.norms)\.(?P<h>0|[1-9][0-9]*)$")

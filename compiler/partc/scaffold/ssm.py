@@ -16,8 +16,8 @@ from typing import Any
 
 from partc.scaffold.decisions import _entry, _Writer
 from partc.scaffold.fused import Blocks
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.ssm2 import scan_mixers
-from partc.scaffold.survey import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 _PROJECTIONS = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")

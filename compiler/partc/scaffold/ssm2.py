@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from partc.scaffold.config_values import _HEADS
 from partc.scaffold.decisions import _entry, _Writer
 from partc.scaffold.fused import Blocks
-from partc.scaffold.survey import _HEADS, _Module
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 _CHILDREN = frozenset({"in_proj", "conv1d", "norm", "out_proj"})

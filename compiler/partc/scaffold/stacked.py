@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from partc.scaffold.config_values import _EXPERT_COUNTS
 from partc.scaffold.decisions import _evaluate
 from partc.scaffold.fused import Blocks, Candidate
-from partc.scaffold.survey import _EXPERT_COUNTS, _Module
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 _STACKED = {"gate_up_proj": 3, "gate_up_proj_bias": 2, "down_proj": 3, "down_proj_bias": 2}

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from partc.scaffold.fused import Blocks, _oriented, _projection, _weight, attention_candidates
-from partc.scaffold.survey import _Module
+from partc.scaffold.layer_table import _Module
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 _QKV, _OUT = "attn.qkv", "attn.proj"

@@ -30,7 +30,7 @@ from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 if TYPE_CHECKING:
     from partc.scaffold.decisions import _Writer
-    from partc.scaffold.survey import _Encoder
+    from partc.scaffold.repetitions import _Encoder
 
 _AUXILIARY: tuple[tuple[str, list[str | int], str], ...] = (
     ("input_ids", ["batch", "sequence"], "int32"),
