@@ -26,8 +26,6 @@ from partc.verify.run import verify_family
 
 from support import ROOT, hf
 
-pytest.importorskip("transformers")
-
 FIXTURE = hf("deepseek_v3")
 CONFIG = FIXTURE / "config.json"
 BUILTIN = yaml.safe_load((ROOT / "architectures" / "deepseek_v3.yaml").read_text())

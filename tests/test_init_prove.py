@@ -27,8 +27,6 @@ from partc.verify.run import verify_family
 
 from support import FULLSIZE, HF, QUANTIZED, ROOT, fullsize_checkpoint, hf
 
-pytest.importorskip("transformers")
-
 CHECK = "# partc init: CHECK:"
 PROVEN = {"gpt2": {"layers.{unit}.attention": "component_major, [in, out]"},
           "phi3": {"layers.{unit}.attention": "component_major",

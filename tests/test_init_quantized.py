@@ -24,8 +24,6 @@ from partc.verify.run import verify_family
 
 from support import HF, QUANTIZED, ROOT
 
-pytest.importorskip("transformers")
-
 FIXTURES = {"deepseek_v3_fp8": ("deepseek_v3", "block_fp8", [1, 2]),
             "gpt_oss_mxfp4": ("gpt_oss", "mxfp4", [1, 2]),
             "llama_mlx4": ("llama", "mlx_affine", [1, 2]),

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import transformers
 
 from partc.api import check_family, plan_family
 from partc.cli.main import main
@@ -21,8 +22,6 @@ from partc.scaffold.prove import read_share
 from partc.verify.run import verify_family
 
 from support import ROOT, hf
-
-transformers = pytest.importorskip("transformers")
 
 CHECK = "# partc init: CHECK:"
 MAMBA2 = ROOT / "tests" / "fixtures" / "mamba2_style"
