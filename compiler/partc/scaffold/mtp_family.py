@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partc.scaffold.decisions import _signature_params, _Writer
+from partc.scaffold.dense_twin import Signature
 from partc.scaffold.fused import Blocks
 from partc.scaffold.layer_table import _layer_table
 from partc.scaffold.mtp_survey import MTP_FIELD, _config_int, _is_glue
-from partc.scaffold.survey import Signature
 from partc.scaffold.yaml_writer import Flow, FlowList, Quoted
 
 PRESENT_FIELD = "mtp_in_checkpoint"

@@ -22,7 +22,7 @@ from partc.front.schema import IDENTIFIER
 from partc.parallel.placements import TORCH_DTYPE_NAMES
 from partc.runtime.checkpoint import open_checkpoint
 from partc.scaffold.config_values import _decoder_dimensions, _header_matches, _values
-from partc.scaffold.dense_twin import Quantized, dense_header
+from partc.scaffold.dense_twin import Quantized, Signature, dense_header
 from partc.scaffold.layer_table import _modules
 from partc.scaffold.mtp_survey import split_mtp
 from partc.scaffold.repetitions import (
@@ -35,9 +35,6 @@ from partc.scaffold.repetitions import (
     _static_roles,
     _under,
 )
-
-Signature = tuple[str, list[int]]
-"""A tensor's (dtype, shape) in the header."""
 
 
 @dataclass(slots=True, kw_only=True)
