@@ -320,48 +320,66 @@ class CheckpointReader:
 
     def _run_threaded(self, jobs: list[Job | Gather], progress: Callable[[int], None] | None,
                       workers: int) -> None:
-        """Run jobs on `workers` threads taking them in order; the first error is re-raised.
+        """Run jobs on `workers` threads, the calling thread one of them, each taking the next
+        job in order; the first error is re-raised once every thread has stopped.
 
-        Plain threads and a queue: concurrent.futures costs ~12 ms to import, a tenth of a
-        small rank's load.
+        The calling thread reads too and waits for the others only at the end, and `progress`
+        is called in it, between its own jobs, with the bytes of every job finished so far.
+        A calling thread that slept until each job finished woke once per job and took a core
+        from a reader every time: measured warm, T=8 rank of benchmarks/load.py, ~300 context
+        switches a load against safetensors' ~5 (see docs/performance.md, "Warm loads").
+        Plain threads: concurrent.futures costs ~12 ms to import, a tenth of a small rank's
+        load.
         """
         import queue
         import threading
 
         todo = iter(jobs)
         lock = threading.Lock()
-        finished: queue.SimpleQueue[tuple[int, BaseException | None]] = queue.SimpleQueue()
+        finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # bytes of others' jobs
+        errors: list[BaseException] = []
         failed = threading.Event()
 
+        def take() -> Job | Gather | None:
+            with lock:
+                return None if failed.is_set() else next(todo, None)
+
         def work() -> None:
-            while not failed.is_set():
-                with lock:
-                    job = next(todo, None)
-                if job is None:
-                    return
+            while (job := take()) is not None:
                 try:
                     self._run_job(job)
-                except BaseException as error:  # handed to the calling thread
+                except BaseException as error:  # re-raised in the calling thread
+                    errors.append(error)
                     failed.set()
-                    finished.put((0, error))
                     return
-                finished.put((job.nbytes, None))
+                if progress is not None:
+                    finished.put(job.nbytes)
+
+        def report() -> None:
+            assert progress is not None
+            while not finished.empty():
+                progress(finished.get())
 
         threads = [threading.Thread(target=work, name=f"partc-read-{i}", daemon=True)
-                   for i in range(min(workers, len(jobs)))]
+                   for i in range(min(workers, len(jobs)) - 1)]
         for thread in threads:
             thread.start()
         try:
-            for _ in jobs:
-                nbytes, error = finished.get()
-                if error is not None:
-                    raise error
+            while (job := take()) is not None:
+                self._run_job(job)
                 if progress is not None:
-                    progress(nbytes)
-        finally:
+                    progress(job.nbytes)
+                    report()
+        except BaseException:
             failed.set()
+            raise
+        finally:
             for thread in threads:
                 thread.join()
+        if errors:
+            raise errors[0]
+        if progress is not None:
+            report()
 
     def _run_job(self, job: Job | Gather) -> None:
         """Read one job's runs (sorted by file offset); one preadv per file-contiguous batch."""
