@@ -436,7 +436,7 @@ def _position_of(pieces: np.ndarray[Any, Any], done: int, base: int) -> int:
     return int(pieces[i, 0]) - base + done - before
 
 
-_PROBE_WINDOWS = 8
+_PROBE_WINDOWS = 4
 """Windows of pages `_resident` asks mincore about, spread evenly over the range."""
 _PROBE_PAGES = 8
 """Pages in each window."""
@@ -455,7 +455,9 @@ def _resident(address: int, start: int, end: int) -> float:
 
     A range longer than `_PROBE_WINDOWS` x `_PROBE_PAGES` pages is sampled in that many windows
     spread evenly over it: the answer only chooses between two ways of reading a job, and
-    asking about every page of every gather job cost ~7% of a small rank's warm load.
+    asking about every page of every gather job cost ~7% of a small rank's warm load (eight
+    windows a job were still ~20% of the calling thread's part of a warm T=8 load: each
+    mincore call costs ~5 us here).
     """
     probe = libc_function("mincore")
     if probe is None or end <= start:
@@ -467,7 +469,7 @@ def _resident(address: int, start: int, end: int) -> float:
     count = min(_PROBE_WINDOWS, pages // window)
     vector = np.zeros(count * window, dtype=np.uint8)
     step = (pages - window) // max(1, count - 1) if count > 1 else 0
-    at = vector.ctypes.data
+    at = vector.__array_interface__["data"][0]
     for i in range(count):
         if probe(first + i * step * page, window * page, at + i * window) != 0:
             return 1.0

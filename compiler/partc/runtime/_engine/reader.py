@@ -233,7 +233,7 @@ class CheckpointReader:
             assert runs is not None
             src, dst, length = runs
             if len(src):
-                plan.add(file, begin, name, array, src, dst, length)
+                plan.add(file, begin, name, array, src, dst, length, array.nbytes)
         jobs: list[Job | Gather] = [*plan.jobs(files, JOB_BYTES), *gathers]
         for job in jobs:
             job.fd = self._fd(files[job.file])
