@@ -156,3 +156,25 @@ def test_one_rows_plan_repeated_is_the_per_piece_plan(seed: int) -> None:
         np.testing.assert_array_equal(got, want)
     else:
         assert got is want
+
+
+def test_jobs_of_one_structure_share_their_buffers_and_each_lands_in_its_own_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # every layer's down_proj, cut in blocks of rows: one structure of job (worked out once),
+    # offset per job by its destination, its first row and its tensor's place in the file
+    no_bounce(monkeypatch)
+    monkeypatch.setattr(gather, "_GATHER_BLOCK", 4096)
+    rows._TEMPLATES.clear()
+    tensors = load_file(str(LLAMA / "model.safetensors"))
+    names = sorted(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+    sel = TensorSelection(1, ((16, 48),))
+    ckpt = open_checkpoint(LLAMA)
+    with CheckpointReader(ckpt) as reader:
+        got = reader.read_many([(name, sel) for name in names])
+    assert len(names) > 1
+    for name in names:
+        np.testing.assert_array_equal(got[name].view(np.uint8),
+                                      expected(tensors[name], sel).view(np.uint8), name)
+    blocks = {key[0] for key in rows._TEMPLATES}
+    assert len(rows._TEMPLATES) <= 2 and max(blocks) < ckpt.tensor(names[0])[1].shape[0], \
+        "a few structures of job (full blocks and the last), each worked out once"
