@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,3 +115,55 @@ def test_a_calibration_is_cached_per_device_and_read_back(
     monkeypatch.setattr(read_planner, "_MODELS", {})
     again = read_planner.storage_model(device)
     assert (again.latency, again.bandwidth) == (model.latency, model.bandwidth)
+
+
+class _Source:
+    """What `plan_spans` asks of a job's file: its device (for the storage model) and whether
+    the zero-copy modes copy from its mapping."""
+    device = 0
+    in_process = False
+
+
+def _random_jobs(rng: np.random.Generator, way: str) -> list[Any]:
+    from partc.runtime._engine.gather import Gather
+
+    jobs, base = [], 1000 + int(rng.integers(0, 4096))
+    for _ in range(int(rng.integers(1, 6))):
+        widths = rng.integers(1, 3000, size=int(rng.integers(1, 4)))
+        gaps = rng.choice([0, 1, 200, 5000, 40_000], size=len(widths))
+        pieces, at, out = [], int(rng.integers(0, 300)), 0
+        for width, gap in zip(widths.tolist(), gaps.tolist(), strict=True):
+            pieces.append((at, out, width))
+            at, out = at + width + gap, out + width
+        row_bytes = at + int(rng.integers(0, 3)) * 500
+        rows = int(rng.integers(1, 9))
+        for first in range(0, rows, 3):
+            job = Gather(file=0, path="f", name="t", out=np.empty((rows, out), np.uint8),
+                         base=base, row_bytes=row_bytes, rows=(first, min(rows, first + 3)),
+                         pieces=tuple(pieces), nbytes=(min(rows, first + 3) - first) * out)
+            job.source, job.direct, job.prefetch = _Source(), way == "direct", way == "cold"
+            jobs.append(job)
+        base += rows * row_bytes + int(rng.integers(0, 700))
+    return jobs
+
+
+@pytest.mark.parametrize("way", ["direct", "cold"])
+@pytest.mark.parametrize("seed", range(40))
+def test_a_job_read_whole_without_planning_its_pieces_is_what_the_planner_chooses(
+        way: str, seed: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # uncapped, aligned: the shortcut (every gap worth reading through, whatever the
+    # alignment) must give each job the merge the full per-piece plan gives it
+    from partc.runtime._engine import spans
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the default storage model
+    rng = np.random.default_rng(seed)
+    jobs = _random_jobs(rng, way)
+    twins = _random_jobs(np.random.default_rng(seed), way)
+    spans.plan_spans(jobs, sum(j.nbytes for j in jobs), None)
+    monkeypatch.setattr(spans, "all_gaps_worth", lambda job, model: False)
+    spans.plan_spans(twins, sum(j.nbytes for j in twins), None)
+    for job, twin in zip(jobs, twins, strict=True):
+        if isinstance(twin.merge, np.ndarray):
+            assert isinstance(job.merge, np.ndarray) and np.array_equal(job.merge, twin.merge)
+        else:
+            assert job.merge is twin.merge, (job.pieces, job.row_bytes, job.merge, twin.merge)
