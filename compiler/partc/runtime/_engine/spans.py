@@ -95,10 +95,10 @@ def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
         if cap is None:  # aligned: a job whose every gap is worth reading reads its rows whole
             whole: dict[tuple[Any, ...], bool] = {}
             for job in members:
-                key = (job.pieces, job.row_bytes)
-                if key not in whole:
-                    whole[key] = all_gaps_worth(job, model)
-                if whole[key]:
+                shape = (job.pieces, job.row_bytes)
+                if shape not in whole:
+                    whole[shape] = all_gaps_worth(job, model)
+                if whole[shape]:
                     job.merge = True
             members = [job for job in members if job.merge is not True]
             if not members:
