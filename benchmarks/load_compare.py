@@ -2,8 +2,11 @@
 (`python benchmarks/load.py --vs-safetensors`, or this file directly with load.py's options).
 
 Every figure is a fresh process, the median of --repeats, the variants interleaved repeat by
-repeat; bytes fetched from storage (/proc/self/io read_bytes over the rank's share) stand beside
-every time, and the load average before and after is printed. Each ratio names its floor:
+repeat (the cold ones of a T in an order rotated each repeat, `rotated`), each child idle for
+0.3 s after its imports before its clock starts (numpy's OpenBLAS threads spin ~0.1 s once
+numpy is imported: a child timed at once paid ~25 ms of CPU for them inside a 50 ms load);
+bytes fetched from storage (/proc/self/io read_bytes over the rank's share) stand beside every
+time, and the load average before and after is printed. Each ratio names its floor:
 
 - sectors ÷ share: the 512-byte sectors the rank's byte runs touch, the least any read from
   this disk fetches (what a cap of 1.05 can reach where it is above 1.05);
@@ -148,6 +151,20 @@ def resident(files: list[Path]) -> float:
     return have / total
 
 
+COLD_RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("partc", "partc", {}), ("partc 1.05", "partc", {"cap": 1.05}), ("floor rows", "rows", {}),
+    ("floor rows exact", "rows-exact", {}), ("safetensors", "safetensors", {}))
+"""The cold runs of one T: (row key, child mode, spec additions)."""
+
+
+def rotated(items: tuple[Any, ...], repeat: int) -> tuple[Any, ...]:
+    """`items` started `repeat` places on: each run follows each other one in turn over the
+    repeats (a cold read right after another of the same bytes can find them in storage's
+    own cache, which no eviction here reaches)."""
+    k = repeat % len(items)
+    return items[k:] + items[:k]
+
+
 def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int) -> None:
     """Run the interleaved comparison and print its table."""
     import load
@@ -168,11 +185,7 @@ def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int) -> Non
         print(f"repeat {repeat + 1} of {repeats} (load average {os.getloadavg()[0]:.2f})",
               file=sys.stderr, flush=True)
         for tp in tps:
-            for key, mode, extra in (("partc", "partc", {}), ("partc 1.05", "partc",
-                                                             {"cap": 1.05}),
-                                     ("floor rows", "rows", {}),
-                                     ("floor rows exact", "rows-exact", {}),
-                                     ("safetensors", "safetensors", {})):
+            for key, mode, extra in rotated(COLD_RUNS, repeat):
                 load.evict(files)
                 left_cached.append(resident(files))
                 runs.setdefault(("cold", tp, key), []).append(run(mode, {**specs[tp], **extra}))
