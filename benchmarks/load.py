@@ -641,6 +641,9 @@ def main() -> None:
                         help="only the cold and warm comparison of benchmarks/load_compare.py: "
                              "partc against the cold floors and safetensors get_slice, "
                              "interleaved, bytes fetched beside every time")
+    parser.add_argument("--raw", type=Path,
+                        help="with --vs-safetensors: also write every run's result to this "
+                             "JSON file, in the order run")
     args = parser.parse_args()
     hidden, intermediate, heads, kv, vocab, layers = PRESETS[args.preset]
     config = llama_config(args.hidden or hidden, args.intermediate or intermediate, heads, kv,
@@ -670,7 +673,7 @@ def main() -> None:
         import load_compare
 
         load_compare.compare(folder, {tp: {**builds[tp], "files": [str(f) for f in files]}
-                                      for tp in tps}, args.repeats)
+                                      for tp in tps}, args.repeats, args.raw)
         return
     cache = args.page_cache
     huge_before = settle(files, cache)

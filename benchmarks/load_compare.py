@@ -2,7 +2,7 @@
 (`python benchmarks/load.py --vs-safetensors`, or this file directly with load.py's options).
 
 Every figure is a fresh process, the median of --repeats, the variants interleaved repeat by
-repeat (the cold ones of a T in an order rotated each repeat, `rotated`), each child idle for
+repeat (the cold ones of a T in an order drawn afresh each repeat, `shuffled`), each child idle for
 0.3 s after its imports before its clock starts (numpy's OpenBLAS threads spin ~0.1 s once
 numpy is imported: a child timed at once paid ~25 ms of CPU for them inside a 50 ms load);
 bytes fetched from storage (/proc/self/io read_bytes over the rank's share) stand beside every
@@ -157,16 +157,22 @@ COLD_RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 """The cold runs of one T: (row key, child mode, spec additions)."""
 
 
-def rotated(items: tuple[Any, ...], repeat: int) -> tuple[Any, ...]:
-    """`items` started `repeat` places on: each run follows each other one in turn over the
-    repeats (a cold read right after another of the same bytes can find them in storage's
-    own cache, which no eviction here reaches)."""
-    k = repeat % len(items)
-    return items[k:] + items[:k]
+def shuffled(items: tuple[Any, ...], repeat: int) -> list[Any]:
+    """`items` in an order drawn afresh each repeat (seeded by the repeat: the same run after
+    run), so that no run always follows the same other: a cold read right after another of
+    the same bytes can find them in the storage's own cache below this VM, which no eviction
+    here reaches (measured at T=8: the exact floor right after the readahead floor, which
+    reads a superset of its bytes, 146-216 ms, as a fixed order had it; partc right after
+    safetensors, 209-278 ms; each right after the readahead floor, 148-206 and 180-231 ms)."""
+    import random
+
+    return random.Random(repeat).sample(items, len(items))
 
 
-def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int) -> None:
-    """Run the interleaved comparison and print its table."""
+def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int,
+            raw: Path | None = None) -> None:
+    """Run the interleaved comparison and print its table; `raw`: also write every run's
+    result there (JSON: each row's runs in the order they were run)."""
     import load
 
     files = load.checkpoint_files(folder)
@@ -185,7 +191,7 @@ def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int) -> Non
         print(f"repeat {repeat + 1} of {repeats} (load average {os.getloadavg()[0]:.2f})",
               file=sys.stderr, flush=True)
         for tp in tps:
-            for key, mode, extra in rotated(COLD_RUNS, repeat):
+            for key, mode, extra in shuffled(COLD_RUNS, repeat):
                 load.evict(files)
                 left_cached.append(resident(files))
                 runs.setdefault(("cold", tp, key), []).append(run(mode, {**specs[tp], **extra}))
@@ -203,6 +209,9 @@ def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int) -> Non
             for key, mode in (("partc", "partc"), ("safetensors", "safetensors")):
                 runs.setdefault(("warm", tp, key), []).append(run(mode, specs[tp]))
     after = os.getloadavg()
+    if raw is not None:
+        raw.write_text(json.dumps({" ".join(map(str, key)): found
+                                   for key, found in runs.items()}, indent=1))
 
     def med(*key: Any, field: str = "seconds") -> float:
         return statistics.median(r[field] for r in runs[key])
