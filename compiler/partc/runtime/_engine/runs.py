@@ -111,15 +111,25 @@ class Job:
     costs every runtime import about a millisecond (issue 18).
     """
 
-    __slots__ = ("addresses", "dst", "fd", "file", "length", "names", "nbytes", "owner", "path",
-                 "src", "views")
+    __slots__ = ("arrays", "dst", "fd", "file", "length", "names", "nbytes", "owner", "path",
+                 "src")
 
-    def __init__(self, *, file: int, path: str, names: list[str], views: list[memoryview],
-                 addresses: list[int], src: Ints, dst: Ints, length: Ints, owner: Ints,
-                 nbytes: int) -> None:
-        self.file, self.path, self.names, self.views = file, path, names, views
-        self.addresses, self.nbytes, self.fd = addresses, nbytes, -1
+    def __init__(self, *, file: int, path: str, names: list[str],
+                 arrays: list[np.ndarray[Any, Any]], src: Ints, dst: Ints, length: Ints,
+                 owner: Ints, nbytes: int) -> None:
+        self.file, self.path, self.names, self.arrays = file, path, names, arrays
+        self.nbytes, self.fd = nbytes, -1
         self.src, self.dst, self.length, self.owner = src, dst, length, owner
+
+
+def byte_view(array: np.ndarray[Any, Any]) -> memoryview:
+    """The bytes of a C-contiguous array, as a writable memoryview a read can fill."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def address_of(array: np.ndarray[Any, Any]) -> int:
+    """Where an array's first byte is."""
+    return int(array.__array_interface__["data"][0])
 
 
 class ReadPlan:
@@ -132,8 +142,7 @@ class ReadPlan:
 
     def __init__(self) -> None:
         self.names: list[str] = []
-        self.views: list[memoryview] = []
-        self.addresses: list[int] = []
+        self.arrays: list[np.ndarray[Any, Any]] = []
         self.parts: dict[int, list[tuple[int, int, Ints, Ints, Ints]]] = {}
         """Per file: (base, index in `names`, src, dst, length) of each tensor added."""
         self.nbytes = 0
@@ -144,8 +153,7 @@ class ReadPlan:
         `nbytes`: their total length, when the caller knows it."""
         self.parts.setdefault(file, []).append((base, len(self.names), src, dst, length))
         self.names.append(name)
-        self.views.append(array.reshape(-1).view(np.uint8).data)
-        self.addresses.append(array.__array_interface__["data"][0])
+        self.arrays.append(array)  # its bytes and address are taken by the job's reader thread
         self.nbytes += int(length.sum()) if nbytes is None else nbytes
 
     def jobs(self, files: tuple[FileHeader, ...], limit: int) -> list[Job]:
@@ -169,7 +177,7 @@ class ReadPlan:
             cuts = [0, *(np.flatnonzero(bucket[1:] != bucket[:-1]) + 1).tolist(), len(src)]
             for i, j in zip(cuts, cuts[1:], strict=False):
                 jobs.append(Job(file=file, path=files[file].path, names=self.names,
-                                views=self.views, addresses=self.addresses, src=src[i:j],
+                                arrays=self.arrays, src=src[i:j],
                                 dst=dst[i:j], length=length[i:j], owner=owner[i:j],
                                 nbytes=int(ends[j - 1] - ends[i] + length[i])))
         return jobs
@@ -191,7 +199,7 @@ def populate_job(job: Job) -> None:
     """Fault in every destination range of a job (per array: from its first to its last byte)."""
     if len(job.owner) == 1:
         d = int(job.dst[0])
-        populate(job.addresses[int(job.owner[0])], d, d + int(job.length[0]))
+        populate(address_of(job.arrays[int(job.owner[0])]), d, d + int(job.length[0]))
         return
     owners = job.owner
     if bool(np.all(owners[1:] >= owners[:-1])):
@@ -202,7 +210,7 @@ def populate_job(job: Job) -> None:
         groups = [(int(o), job.dst[owners == o], job.length[owners == o])
                   for o in np.unique(owners).tolist()]
     for owner, dst, length in groups:
-        populate(job.addresses[owner], int(dst.min()), int((dst + length).max()))
+        populate(address_of(job.arrays[owner]), int(dst.min()), int((dst + length).max()))
 
 
 
