@@ -296,6 +296,50 @@ def test_page_cache_residency_is_measured_from_the_kernel(tmp_path: Path) -> Non
     assert small == 1.0
 
 
+def test_residency_asks_the_two_end_windows_first_and_the_rest_only_when_they_differ(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "data.bin"
+    page = os.sysconf("SC_PAGE_SIZE")
+    size = 4096 * page
+    path.write_bytes(np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    real = gather.libc_function("mincore")
+    if real is None:
+        os.close(fd)
+        pytest.fail("mincore is missing on this Linux machine")
+    asked: list[int] = []
+    try:
+        os.fsync(fd)
+        source = gather.GatherFile(type("Header", (), {"path": path, "file_size": size})(),
+                                   fd, "data")  # type: ignore[arg-type]
+
+        def counted(address: int, length: int, vector: int) -> int:
+            asked.append(length)
+            return real(address, length, vector)
+
+        monkeypatch.setitem(gather._LIBC, "mincore", counted)
+        answers = {}
+        for state, evict in (("cached", None), ("evicted", (0, 0)),
+                             ("last half evicted", (size // 2, 0)),
+                             ("middle evicted", (size // 4, size // 2))):
+            os.pread(fd, size, 0)
+            if evict is not None:
+                os.posix_fadvise(fd, *evict, os.POSIX_FADV_DONTNEED)
+            asked.clear()
+            answers[state] = (source.resident(0, size), len(asked))
+        source.close()
+    finally:
+        os.close(fd)
+    if answers["evicted"][0] == 1.0:
+        pytest.fail("this file system kept the file cached after POSIX_FADV_DONTNEED")
+    windows = gather._PROBE_WINDOWS
+    assert answers["cached"] == (1.0, 2), "both ends cached: two calls, cached"
+    assert answers["evicted"] == (0.0, 2), "both ends evicted: two calls, cold"
+    assert answers["last half evicted"][1] == windows
+    assert 0.3 <= answers["last half evicted"][0] <= 0.7, "ends differ: every window asked"
+    assert answers["middle evicted"] == (1.0, 2), "both ends cached: read as cached (sampled)"
+
+
 def test_reading_a_header_does_not_read_ahead_into_the_tensor_data(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # a cold rank that opens a checkpoint must not fetch the readahead window (MiBs of other
