@@ -475,11 +475,12 @@ def _resident(address: int, start: int, end: int) -> float:
         if probe(first + i * step * page, window * page, at + i * window) != 0:
             return 1.0
         if done == 1 and count > 2:  # the first and last windows agree: the rest would,
-            ends = sum(b & 1 for b in vector[:window]) + sum(  # but for a hole between
+            ends: int = sum(b & 1 for b in vector[:window]) + sum(  # but for a hole between
                 b & 1 for b in vector[i * window:(i + 1) * window])
             if ends in (0, 2 * window):
                 return ends / (2 * window)
-    return sum(b & 1 for b in vector[:count * window]) / (count * window)
+    cached: int = sum(b & 1 for b in vector[:count * window])
+    return cached / (count * window)
 
 
 _PROBES = threading.local()
