@@ -178,3 +178,15 @@ def test_jobs_of_one_structure_share_their_buffers_and_each_lands_in_its_own_row
     blocks = {key[0] for key in rows._TEMPLATES}
     assert len(rows._TEMPLATES) <= 2 and max(blocks) < ckpt.tensor(names[0])[1].shape[0], \
         "a few structures of job (full blocks and the last), each worked out once"
+
+
+def test_ranges_given_as_lists_are_gathered_like_tuples(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the gather layout of a selection is kept by its (hashable) ranges; lists are worked out
+    # each time, to the same columns
+    no_bounce(monkeypatch)
+    tensor = load_file(str(LLAMA / "model.safetensors"))[NAME]
+    ckpt = open_checkpoint(LLAMA)
+    with CheckpointReader(ckpt) as reader:
+        listed = reader.read_many([(NAME, TensorSelection(1, [[8, 20], [40, 52]]))])[NAME]
+    want = expected(tensor, TensorSelection(1, ((8, 20), (40, 52))))
+    np.testing.assert_array_equal(listed.view(np.uint8), want.view(np.uint8))

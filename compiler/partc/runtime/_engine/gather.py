@@ -114,6 +114,32 @@ def gatherable(entry: TensorEntry, sel: TensorSelection) -> bool:
 def column_gathers(file: int, header: FileHeader, entry: TensorEntry, sel: TensorSelection,
                    array: np.ndarray[Any, Any]) -> list[Gather]:
     """Gather jobs of a `gatherable` selection: blocks of about `_GATHER_BLOCK` file bytes."""
+    key: tuple[Any, ...] = (sel.axis, sel.ranges, entry.shape, entry.dtype, _GATHER_BLOCK)
+    try:
+        layout = _LAYOUTS.get(key)
+    except TypeError:  # ranges given as lists: worked out each time
+        layout = _gather_layout(entry, sel)
+    if layout is None:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _gather_layout(entry, sel)
+    outer, local_row, row_bytes, pieces, step = layout
+    out = array.reshape(-1).view(np.uint8).reshape(outer, local_row)
+    base = header.data_start + entry.begin
+    return [Gather(file=file, path=header.path, name=entry.name, out=out, base=base,
+                   row_bytes=row_bytes, rows=(r, min(outer, r + step)), pieces=pieces,
+                   nbytes=(min(outer, r + step) - r) * local_row)
+            for r in range(0, outer, step)]
+
+
+_LAYOUTS: dict[tuple[Any, ...], tuple[int, int, int, tuple[tuple[int, int, int], ...], int]] = {}
+"""`_gather_layout` of each structure of tensor and selection (a rank has a few; worked out
+per tensor, ~10% of the calling thread's planning of a warm T=8 rank)."""
+
+
+def _gather_layout(entry: TensorEntry, sel: TensorSelection
+                   ) -> tuple[int, int, int, tuple[tuple[int, int, int], ...], int]:
+    """(rows, local row bytes, file row bytes, pieces, rows a job) of a gathered selection."""
     k, shape, item = sel.axis or 0, entry.shape, ITEMSIZE[entry.dtype]
     outer = math.prod(shape[:k])
     inner = math.prod(shape[k + 1:]) * item
@@ -124,13 +150,7 @@ def column_gathers(file: int, header: FileHeader, entry: TensorEntry, sel: Tenso
     for a, b in ranges:
         pieces.append((a * inner, at, (b - a) * inner))
         at += (b - a) * inner
-    out = array.reshape(-1).view(np.uint8).reshape(outer, local_row)
-    step = max(1, _GATHER_BLOCK // row_bytes)
-    base = header.data_start + entry.begin
-    return [Gather(file=file, path=header.path, name=entry.name, out=out, base=base,
-                   row_bytes=row_bytes, rows=(r, min(outer, r + step)), pieces=tuple(pieces),
-                   nbytes=(min(outer, r + step) - r) * local_row)
-            for r in range(0, outer, step)]
+    return outer, local_row, row_bytes, tuple(pieces), max(1, _GATHER_BLOCK // row_bytes)
 
 
 class GatherFile:
