@@ -2,9 +2,14 @@
 (`python benchmarks/load.py --vs-safetensors`, or this file directly with load.py's options).
 
 Every figure is a fresh process, the median of --repeats, the variants interleaved repeat by
-repeat (the cold ones of a T in an order drawn afresh each repeat, `shuffled`), each child idle for
-0.3 s after its imports before its clock starts (numpy's OpenBLAS threads spin ~0.1 s once
-numpy is imported: a child timed at once paid ~25 ms of CPU for them inside a 50 ms load);
+repeat (the runs of a T in an order drawn afresh each repeat, `shuffled`). Before its clock
+starts, a loader's child imports torch (partc's as a serving process has, safetensors' because
+it needs it) and collects garbage, then idles 0.3 s: numpy's OpenBLAS threads spin ~0.1 s once
+numpy is imported (a child timed at once paid ~25 ms of CPU for them inside a 50 ms load), and
+a process that has freed the memory of torch's import faults fresh pages in ~20% cheaper on
+this VM (partc's warm T=8 load: 41 against 49 ms after importing torch, the same after
+allocating and freeing 300 MiB without it; the same number of page faults). The warm table
+also shows partc in a process that has not imported torch ("torch not imported");
 bytes fetched from storage (/proc/self/io read_bytes over the rank's share) stand beside every
 time, and the load average before and after is printed. Each ratio names its floor:
 
@@ -50,6 +55,9 @@ def io():
 
 result = {}
 if mode.startswith("partc"):
+    if not spec.get("bare"):  # as a serving process has (the module docstring)
+        import gc, torch
+        gc.collect()
     sys.path.insert(0, spec["build"])
     import importlib
     module = importlib.import_module(spec["module"])
@@ -59,8 +67,9 @@ if mode.startswith("partc"):
     state = module.load(spec["checkpoint"], max_fetch_ratio=spec.get("cap"))
     result["seconds"] = time.monotonic() - t0
 elif mode == "safetensors":
-    import torch
+    import gc, torch
     from safetensors import safe_open
+    gc.collect()
     time.sleep(IDLE)
     b0, t0 = io(), time.monotonic()
     mine = {}
@@ -151,6 +160,10 @@ def resident(files: list[Path]) -> float:
     return have / total
 
 
+WARM_RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("partc", "partc", {}), ("partc bare", "partc", {"bare": True}),
+    ("safetensors", "safetensors", {}))
+"""The warm runs of one T (as `COLD_RUNS`); "partc bare" has not imported torch."""
 COLD_RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("partc", "partc", {}), ("partc 1.05", "partc", {"cap": 1.05}), ("floor rows", "rows", {}),
     ("floor rows exact", "rows-exact", {}), ("safetensors", "safetensors", {}))
@@ -206,8 +219,8 @@ def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int,
             {"seconds": time.monotonic() - start, "read_bytes": size})
         load.warm(files)
         for tp in tps:
-            for key, mode in (("partc", "partc"), ("safetensors", "safetensors")):
-                runs.setdefault(("warm", tp, key), []).append(run(mode, specs[tp]))
+            for key, mode, extra in shuffled(WARM_RUNS, repeat):
+                runs.setdefault(("warm", tp, key), []).append(run(mode, {**specs[tp], **extra}))
     after = os.getloadavg()
     if raw is not None:
         raw.write_text(json.dumps({" ".join(map(str, key)): found
@@ -249,12 +262,14 @@ def compare(folder: Path, specs: dict[int, dict[str, Any]], repeats: int,
               f"{med('node', tp, 'partc', field='read_bytes') / size:.3f} | {ratio:.2f}"
               f"{'' if ratio <= 1.3 else ' MISSED'} | {cat / tp:.3f} |")
     print("\nwarm, one rank alone (s; fetched ÷ share in brackets)")
-    print("| T | partc | safetensors get_slice + clone | partc ÷ safetensors |")
-    print("|--:|--:|--:|--:|")
+    print("| T | partc | safetensors get_slice + clone | partc ÷ safetensors (target 1) | "
+          "partc, torch not imported | it ÷ safetensors |")
+    print("|--:|--:|--:|--:|--:|--:|")
     for tp in tps:
         share = specs[tp]["local"]
-        versus = med("warm", tp, "partc") / med("warm", tp, "safetensors")
+        st = med("warm", tp, "safetensors")
+        versus = med("warm", tp, "partc") / st
         print(f"| {tp} | {med('warm', tp, 'partc'):.3f} "
               f"({med('warm', tp, 'partc', field='read_bytes') / share:.3f}) | "
-              f"{med('warm', tp, 'safetensors'):.3f} | {versus:.2f}"
-              f"{'' if versus <= 1.0 else ' MISSED'} |")
+              f"{st:.3f} | {versus:.2f}{'' if versus <= 1.0 else ' MISSED'} | "
+              f"{med('warm', tp, 'partc bare'):.3f} | {med('warm', tp, 'partc bare') / st:.2f} |")
