@@ -6,10 +6,12 @@ repeat (the runs of a T in an order drawn afresh each repeat, `shuffled`). Befor
 starts, a loader's child imports torch (partc's as a serving process has, safetensors' because
 it needs it) and collects garbage, then idles 0.3 s: numpy's OpenBLAS threads spin ~0.1 s once
 numpy is imported (a child timed at once paid ~25 ms of CPU for them inside a 50 ms load), and
-a process that has freed the memory of torch's import faults fresh pages in ~20% cheaper on
-this VM (partc's warm T=8 load: 41 against 49 ms after importing torch, the same after
-allocating and freeing 300 MiB without it; the same number of page faults). The warm table
-also shows partc in a process that has not imported torch ("torch not imported");
+a process that has just freed memory (torch's import frees ~300 MB) faults fresh pages in
+cheaper on this VM (partc's warm T=8 load, children run one after another with nothing
+between: 41 against 49 ms after importing torch, the same after allocating and freeing
+300 MiB without it, the same number of page faults; in this benchmark, where each child
+follows another's exit, 0.038 against 0.039 s). The warm table also shows partc in a process
+that has not imported torch ("torch not imported");
 bytes fetched from storage (/proc/self/io read_bytes over the rank's share) stand beside every
 time, and the load average before and after is printed. Each ratio names its floor:
 
