@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.errors import CheckpointError
-from partc.runtime._engine import gather, runs, spans, workers
+from partc.runtime._engine import gather, rows, spans, workers
 from partc.runtime._engine import reader as checkpoint
 from partc.runtime._engine.reader import CheckpointReader
 from partc.runtime._engine.selection import ReadOptions, TensorSelection
@@ -152,9 +152,10 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
         with lock:
             calls.append((threading.current_thread().name, address, start, end))
 
-    monkeypatch.setattr(runs, "populate", populate)
+    monkeypatch.setattr(checkpoint, "populate", populate)
     monkeypatch.setattr(gather, "populate", populate)
     monkeypatch.setattr(spans, "populate", populate)  # column slices read as whole rows
+    monkeypatch.setattr(rows, "populate", populate)  # those rows by vectored preadv
     monkeypatch.setattr(checkpoint, "THREADED_BYTES", 0)
     monkeypatch.setattr(checkpoint, "JOB_BYTES", 4096)
     monkeypatch.setattr(gather, "_GATHER_BLOCK", 4096)
@@ -174,6 +175,43 @@ def test_destinations_are_faulted_in_by_the_reader_threads_that_fill_them(
         covered[key][address - base + start:address - base + end] = True
     for name, array in got.items():
         assert covered[id(array)].all(), f"every destination byte of {name} is faulted in"
+
+
+def test_each_read_follows_the_faulting_in_of_its_own_destination_in_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a run longer than FAULT_STEP is read in steps, each step's destination faulted in right
+    # before its read (while the zeroed pages are still in the core's cache), and never more
+    step = 3000
+    monkeypatch.setattr(checkpoint, "FAULT_STEP", step)
+    faults: list[tuple[int, int]] = []  # since the last read: (first address, end address)
+    reads: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []  # (buffers, faults)
+    real_preadv = os.preadv
+
+    def populate(address: int, start: int, end: int) -> None:
+        faults.append((address + start, address + end))
+
+    def preadv(fd: int, buffers: list[Any], offset: int) -> int:
+        spans = [(int(np.frombuffer(b, np.uint8).ctypes.data), len(b)) for b in buffers]
+        reads.append(([(a, a + n) for a, n in spans], faults[:]))
+        faults.clear()
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(checkpoint, "populate", populate)
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(checkpoint, "THREADED_BYTES", 1 << 40)  # one thread: one order
+    ckpt = open_checkpoint(LLAMA)
+    names = [n for n in ckpt.names if ckpt.tensor(n)[1].nbytes > 2 * step]
+    with CheckpointReader(ckpt) as r:
+        got = r.read_many([(n, TensorSelection()) for n in names])
+    want = load_file(str(LLAMA / "model.safetensors"))
+    for name in names:
+        np.testing.assert_array_equal(got[name], want[name])
+    assert len(reads) > len(names), "the long runs were read in several steps"
+    for buffers, faulted in reads:
+        assert sum(b - a for a, b in buffers) <= step
+        for first, end in buffers:
+            assert any(a <= first and end <= b for a, b in faulted), \
+                "each destination faulted in since the read before"
 
 
 def test_reader_threads_share_the_cores_among_the_node_ranks(

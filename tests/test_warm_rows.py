@@ -1,8 +1,8 @@
 """Warm column gathers read whole rows with one vectored preadv per 1024 buffers, pieces
 straight into the destination, gaps into a thread's scratch buffer (`_engine.rows`): checked
 against the safetensors library's slices, with the bounce-buffer path forbidden, across
-IOV_MAX boundaries, short reads and a truncated file; and the planner's one-row plan of a warm
-job against the full per-piece plan."""
+IOV_MAX boundaries, short reads and a truncated file; and the planner's choice, per warm job,
+between whole rows and pieces copied by themselves."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from partc.runtime._engine import gather, rows, spans
 from partc.runtime._engine.reader import CheckpointReader
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
-from partc.runtime.read_planner import WARM, StorageModel, plan_merges
 
 from support import Recorder, hf
 
@@ -29,10 +28,12 @@ NAME = "model.layers.1.mlp.down_proj.weight"
 
 
 def no_bounce(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the bounce-buffer and per-piece paths fail: only `rows.vector_gather` may run."""
+    """Read warm rows whole and make the bounce-buffer and per-piece paths fail: only
+    `rows.vector_gather` may run."""
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("a warm whole-row gather went through another path")
 
+    monkeypatch.setattr(spans, "warm_rows_whole", lambda *_args: True)
     monkeypatch.setattr(spans, "_read", refuse)
     monkeypatch.setattr(gather, "run_gather", refuse)
     monkeypatch.setattr("partc.runtime._engine.reader.run_gather", refuse)
@@ -123,6 +124,7 @@ def test_the_bounce_path_still_reads_what_the_vectored_one_does(
     tensor = load_file(str(LLAMA / "model.safetensors"))[NAME]
     sel = TensorSelection(1, ((0, 4), (60, 64), (90, 97)))
     monkeypatch.setattr(spans, "_VECTORED", False)
+    monkeypatch.setattr(spans, "warm_rows_whole", lambda *_args: True)
     used = []
     real = spans._read
     monkeypatch.setattr(spans, "_read", lambda *a, **k: used.append(1) or real(*a, **k))
@@ -132,30 +134,56 @@ def test_the_bounce_path_still_reads_what_the_vectored_one_does(
     np.testing.assert_array_equal(got.view(np.uint8), expected(tensor, sel).view(np.uint8))
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_one_rows_plan_repeated_is_the_per_piece_plan(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    row_bytes = int(rng.integers(64, 40000))
-    cuts = np.sort(rng.choice(np.arange(1, row_bytes), size=2 * int(rng.integers(1, 4)),
-                              replace=False))
+def warm_job(row_bytes: int, ranges: list[tuple[int, int]]) -> gather.Gather:
+    """A warm gather job of 8 rows of `row_bytes`, its pieces the byte `ranges` of each row."""
     pieces, at = [], 0
-    for a, b in zip(cuts[::2].tolist(), cuts[1::2].tolist(), strict=True):
+    for a, b in ranges:
         pieces.append((a, at, b - a))
         at += b - a
-    out = np.empty((int(rng.integers(1, 9)), at), np.uint8)
-    job = gather.Gather(file=0, path="x", name="t", out=out, base=int(rng.integers(0, 999)),
-                        row_bytes=row_bytes, rows=(0, out.shape[0]), pieces=tuple(pieces),
-                        nbytes=out.nbytes)
-    model = StorageModel(float(rng.choice([0.2e-6, 1e-6, 3e-6])), WARM.bandwidth)
-    starts, ends = spans.job_runs(job)
-    full = plan_merges(starts, ends, model)
-    want = True if full.all() else None if not full.any() else full
-    got = spans._row_merge(job, model)
-    if isinstance(want, np.ndarray):
-        assert isinstance(got, np.ndarray)
-        np.testing.assert_array_equal(got, want)
-    else:
-        assert got is want
+    out = np.empty((8, at), np.uint8)
+    return gather.Gather(file=0, path="x", name="t", out=out, base=0, row_bytes=row_bytes,
+                         rows=(0, 8), pieces=tuple(pieces), nbytes=out.nbytes)
+
+
+@pytest.mark.parametrize(("row_bytes", "share", "whole"), [
+    (5632, 2, True), (5632, 4, None), (5632, 8, None),   # down_proj of the reference model
+    (2048, 2, True), (2048, 4, None), (2048, 8, None),   # o_proj
+])
+def test_a_warm_job_reads_a_wide_share_of_its_rows_whole_and_a_narrow_one_by_piece(
+        row_bytes: int, share: int, whole: bool | None) -> None:
+    # measured (benchmarks/warm_gathers.py, one thread, ms a MiB of the rank's columns):
+    # down_proj whole rows 0.32 / 0.63 / 1.21 at T=2 / 4 / 8, by piece 0.43 / 0.53 / 0.73;
+    # o_proj 0.50 / 0.95 / 1.75 against 0.56 / 0.88 / 1.29
+    job = warm_job(row_bytes, [(0, row_bytes // share)])
+    assert spans._warm_way(job) is whole
+    # where the rank's share is in the row does not matter, only its width and the row's
+    middle = warm_job(row_bytes, [(row_bytes // 4, row_bytes // 4 + row_bytes // share)])
+    assert spans._warm_way(middle) is whole
+
+
+def test_the_narrower_the_share_the_likelier_pieces_by_themselves() -> None:
+    # one switch from whole rows to pieces as the share narrows, for every row width
+    for row_bytes in (256, 1024, 4096, 16384, 65536):
+        ways = [spans._warm_way(warm_job(row_bytes, [(0, max(1, int(row_bytes / t)))]))
+                for t in (1.5, 2, 3, 4, 6, 8, 16, 32)]
+        switched = [w is None for w in ways]
+        assert switched == sorted(switched), (row_bytes, ways)
+
+
+def test_without_process_vm_writev_warm_rows_are_read_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # each piece would otherwise be a preadv call of its own
+    narrow = warm_job(5632, [(0, 704)])
+    assert spans._warm_way(narrow) is None
+    monkeypatch.setattr(gather, "_USE_VM_COPY", False)
+    assert spans._warm_way(narrow) is True
+    monkeypatch.setattr(gather, "_USE_VM_COPY", True)
+    monkeypatch.setitem(gather._LIBC, "process_vm_writev", None)  # refused earlier
+    assert spans._warm_way(narrow) is True
+
+
+def test_ranges_out_of_column_order_are_copied_piece_by_piece() -> None:
+    assert spans._warm_way(warm_job(4096, [(2048, 3072), (0, 1024)])) is None
 
 
 def test_jobs_of_one_structure_share_their_buffers_and_each_lands_in_its_own_rows(

@@ -63,10 +63,31 @@ COLD = StorageModel(25e-6, 1.4e9)
 """Storage (the default for a device never calibrated): measured on the project's machine with
 O_DIRECT, 8 requests in flight: 4 KiB reads 23-26 us each, 1-8 MiB reads 1.4 GB/s. The gap
 worth reading through is then up to ~35 KB: every gap of a column slice's rows."""
-WARM = StorageModel(1.0e-6, 8e9)
-"""The page cache: a piece copied by itself costs about a microsecond (process_vm_writev or a
-preadv call per piece, measured 0.7-1.3 us), a byte read through costs a kernel copy (~8 GB/s
-into a reused bounce buffer). Gaps up to ~8 KB are read through."""
+WARM_ROWS = StorageModel(0.105e-6, 9.4e9)
+"""A warm column gather reading its rows whole (`_engine.rows`: vectored preadv, each piece
+straight into its array, each gap into a scratch buffer): a buffer (a piece or a gap) costs
+~0.1 us and every byte of the rows a kernel copy, ~9.4 GB/s. Measured on the project's machine
+(one thread, destinations faulted in first, the column slices of the reference checkpoint at
+T=2, 4 and 8: `python benchmarks/warm_gathers.py`)."""
+WARM_PIECES = StorageModel(0.25e-6, 3.2e9)
+"""The same gather copying each piece by itself (`_engine.gather`: process_vm_writev out of the
+file's mapping, 1024 pieces a call): ~0.25 us a piece, and its bytes at ~3.2 GB/s (the kernel
+pins every destination page it writes). Measured as `WARM_ROWS`."""
+WARM = StorageModel(WARM_PIECES.latency, WARM_ROWS.bandwidth)
+"""The page cache under a byte cap (`plan_merges` with a budget): skipping a gap costs a piece
+(`WARM_PIECES`), reading it through its bytes (`WARM_ROWS`). Gaps up to ~2.3 KB are worth
+reading through."""
+
+
+def warm_rows_whole(row_bytes: int, widths: list[int]) -> bool:
+    """Whether a warm column gather with no cap reads its rows whole (`WARM_ROWS`: every byte of
+    a row, a buffer for each piece and each gap) rather than copying its pieces (`WARM_PIECES`:
+    a request for each piece, its bytes only), by the modelled time of one row (the same in
+    every row). At T=2 a rank's half of a row is cheaper read with the other half; at T=8 its
+    eighth is cheaper copied by itself (measured: `WARM_ROWS`)."""
+    return (WARM_ROWS.cost(2 * len(widths), row_bytes)
+            <= WARM_PIECES.cost(len(widths), sum(widths)))
+
 
 ENVIRONMENT = "PARTC_MAX_FETCH_RATIO"
 """The environment variable giving the default `max_fetch_ratio`."""

@@ -31,6 +31,13 @@ def empty_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any,
     return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
 
 
+FAULT_STEP = 1 << 20
+"""The most destination bytes faulted in (`populate`) ahead of the read that fills them. The
+kernel zeroes each fresh page as it faults it in; read right after, the zeroed lines are still
+in the core's cache (1 MiB of L2 a core here) and the copy writes over them there, where a
+whole job's destination faulted in first (16 MiB) has gone back to memory and is fetched again
+(measured, one thread, 96 MiB of warm checkpoint rows: 41-45 ms in 1 MiB steps, 48-53 ms all
+faulted in first, 46-52 ms in 8 MiB steps; docs/performance.md, "Warm loads")."""
 _MADV_POPULATE_WRITE = 23
 """Linux's madvise(MADV_POPULATE_WRITE) (5.14+): fault a writable range in, in one call."""
 _PAGE = mmap.PAGESIZE

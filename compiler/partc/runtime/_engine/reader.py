@@ -23,7 +23,7 @@ from partc.runtime._engine.gather import (
     plan_gathers,
     run_gather,
 )
-from partc.runtime._engine.memory import empty_array
+from partc.runtime._engine.memory import FAULT_STEP, empty_array, populate
 from partc.runtime._engine.runs import (
     IOV_MAX,
     JOB_BYTES,
@@ -31,12 +31,12 @@ from partc.runtime._engine.runs import (
     Ints,
     Job,
     ReadPlan,
+    address_of,
     byte_runs,
     byte_view,
     check_selection,
     fill,
     one_run,
-    populate_job,
 )
 from partc.runtime._engine.selection import READ, WHOLE, ReadOptions, TensorSelection
 from partc.runtime._engine.spans import ask_ahead, cold_runs, plan_spans, run_spans
@@ -385,7 +385,9 @@ class CheckpointReader:
             report()
 
     def _run_job(self, job: Job | Gather) -> None:
-        """Read one job's runs (sorted by file offset); one preadv per file-contiguous batch."""
+        """Read one job's runs (sorted by file offset): one preadv per file-contiguous batch
+        of at most `FAULT_STEP` bytes (a longer run in steps of it), each batch's destination
+        faulted in just before its read (`memory.FAULT_STEP`)."""
         if isinstance(job, Gather):
             if job.merge is not None:  # the read planner coalesced it
                 run_spans(job, self.recorder)
@@ -393,28 +395,34 @@ class CheckpointReader:
                 run_gather(job, self.recorder)
             return
         path, names, arrays = job.path, job.names, job.arrays
-        populate_job(job)
         src, dst, length, owner = (a.tolist() for a in (job.src, job.dst, job.length, job.owner))
         views = {k: byte_view(arrays[k]) for k in set(owner)}  # in the reader thread, not
         # the planner's: ~20% of the calling thread's planning of a warm T=8 rank
-        fd, recorder, preadv = job.fd, self.recorder, os.preadv
+        where = {k: address_of(arrays[k]) for k in views}
+        fd, recorder, preadv, step = job.fd, self.recorder, os.preadv, FAULT_STEP
         i, count = 0, len(src)
         try:
             while i < count:
                 j, end = i + 1, src[i] + length[i]
-                while j < count and j - i < IOV_MAX and src[j] == end:
+                while (j < count and j - i < IOV_MAX and src[j] == end
+                       and end + length[j] - src[i] <= step):
                     end, j = end + length[j], j + 1
-                if j == i + 1:  # hot path of column slices: one run straight into its array
-                    d, n = dst[i], length[i]
-                    bufs = [views[owner[i]][d:d + n]]
-                    got = preadv(fd, bufs, src[i])
-                    if recorder is not None and got > 0:
-                        recorder.record(path, src[i], got)
-                    if got != n:
-                        fill(fd, path, names[owner[i]], bufs, src[i], self.recorder, got)
+                if j == i + 1:  # one run (column slices: each straight into its array)
+                    o, d, n, at = owner[i], dst[i], length[i], src[i]
+                    for done in range(0, n, step):
+                        k = min(step, n - done)
+                        populate(where[o], d + done, d + done + k)
+                        bufs = [views[o][d + done:d + done + k]]
+                        got = preadv(fd, bufs, at + done)
+                        if recorder is not None and got > 0:
+                            recorder.record(path, at + done, got)
+                        if got != k:
+                            fill(fd, path, names[o], bufs, at + done, recorder, got)
                 else:
+                    for k in range(i, j):
+                        populate(where[owner[k]], dst[k], dst[k] + length[k])
                     bufs = [views[owner[k]][dst[k]:dst[k] + length[k]] for k in range(i, j)]
-                    fill(fd, path, names[owner[i]], bufs, src[i], self.recorder)
+                    fill(fd, path, names[owner[i]], bufs, src[i], recorder)
                 i = j
         except OSError as exc:
             abort(path, f"cannot read tensor data: {exc.strerror or exc}", names[owner[i]])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from partc.runtime._engine.gather import libc_function
+from partc.runtime._engine.memory import populate
 from partc.runtime._engine.runs import IOV_MAX, fill
 from partc.runtime.headers import abort
 
@@ -100,7 +101,8 @@ def _template(pieces: tuple[tuple[int, int, int], ...], rows: int, row_bytes: in
 def vector_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
     """Run a job whose rows are read whole (`merge` True) through the page cache: one preadv
     of up to `IOV_MAX` buffers at a time; False where libc's preadv is not at hand (the
-    caller uses the bounce buffer). The destination must be faulted in by the caller."""
+    caller uses the bounce buffer). Each call's destination is faulted in just before it
+    (`memory.FAULT_STEP`: a call's pieces are at most 1024 short rows)."""
     read = libc_function("preadv")
     if read is None or not job.pieces:
         return False
@@ -117,6 +119,9 @@ def vector_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
         at = offset + before
         want = int(ends[j - 1]) - before
         chunk = vectors[i:j]
+        low = int(chunk[i % 2, 0])  # the call's first piece (it starts on a gap when i is odd)
+        last = j - 1 - (j - 1) % 2  # and its last
+        populate(low, 0, int(vectors[last, 0] + vectors[last, 1]) - low)
         got = read(job.fd, chunk.__array_interface__["data"][0], j - i, at)
         if got != want:
             if got < 0:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.runtime._engine.memory import populate
 from partc.runtime.headers import ITEMSIZE, FileHeader, TensorEntry, abort
 
 if TYPE_CHECKING:
@@ -192,26 +191,6 @@ def _cut(src: Ints, dst: Ints, length: Ints, owner: Ints, limit: int
     step = (np.arange(len(index)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * limit
     return (src[index] + step, dst[index] + step, np.minimum(limit, length[index] - step),
             owner[index])
-
-
-
-def populate_job(job: Job) -> None:
-    """Fault in every destination range of a job (per array: from its first to its last byte)."""
-    if len(job.owner) == 1:
-        d = int(job.dst[0])
-        populate(address_of(job.arrays[int(job.owner[0])]), d, d + int(job.length[0]))
-        return
-    owners = job.owner
-    if bool(np.all(owners[1:] >= owners[:-1])):
-        cuts = [0, *(np.flatnonzero(owners[1:] != owners[:-1]) + 1).tolist(), len(owners)]
-        groups = [(int(owners[i]), job.dst[i:j], job.length[i:j])
-                  for i, j in zip(cuts, cuts[1:], strict=False)]
-    else:
-        groups = [(int(o), job.dst[owners == o], job.length[owners == o])
-                  for o in np.unique(owners).tolist()]
-    for owner, dst, length in groups:
-        populate(address_of(job.arrays[owner]), int(dst.min()), int((dst + length).max()))
-
 
 
 def fill(fd: int, path: str, name: str, bufs: list[memoryview], offset: int,

@@ -15,12 +15,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from partc.runtime._engine.gather import ask_rows, is_cold
+from partc.runtime._engine.gather import ask_rows, is_cold, vm_copy_usable
 from partc.runtime._engine.memory import populate
 from partc.runtime._engine.rows import vector_gather
 from partc.runtime._engine.runs import fill
 from partc.runtime.headers import abort
-from partc.runtime.read_planner import WARM, StorageModel, plan_merges, storage_model
+from partc.runtime.read_planner import (
+    WARM,
+    StorageModel,
+    plan_merges,
+    storage_model,
+    warm_rows_whole,
+)
 
 if TYPE_CHECKING:
     from partc.runtime._engine.gather import Gather
@@ -87,9 +93,9 @@ def plan_spans(jobs: list[Gather], share: int, cap: float | None) -> None:
         if align == 1 and cap is None:
             plans: dict[tuple[Any, ...], Any] = {}  # a layer's jobs repeat its structure
             for job in members:
-                key = (job.pieces, job.row_bytes, job.rows[1] - job.rows[0])
+                key = (job.pieces, job.row_bytes)
                 if key not in plans:
-                    plans[key] = _row_merge(job, model)
+                    plans[key] = _warm_way(job)
                 job.merge = plans[key]
             continue
         if cap is None:  # aligned: a job whose every gap is worth reading reads its rows whole
@@ -133,20 +139,19 @@ def all_gaps_worth(job: Gather, model: StorageModel) -> bool:
     return min(gaps) >= 0 and max(gaps) < model.latency * model.bandwidth
 
 
-def _row_merge(job: Gather, model: StorageModel) -> bool | np.ndarray[Any, Any] | None:
-    """`plan_spans`' plan of one job read through the page cache with no cap, from its first
-    row: unaligned and unbounded, a gap's choice depends on its length only, and every row has
-    the same gaps (a piece per range, then the gap to the next row's first piece), so the whole
-    job's plan is one row's repeated (building every piece's offsets cost ~9 ms of a T=8 load).
-    None also when the ranges are out of column order (read piece by piece)."""
-    src = np.array([s for s, _, _ in job.pieces], np.int64)
-    ends = src + np.array([w for _, _, w in job.pieces], np.int64)
-    if bool(np.any(src[1:] < ends[:-1])):
+def _warm_way(job: Gather) -> bool | None:
+    """`plan_spans`' choice for a job read through the page cache with no cap: True, its rows
+    whole (`rows.vector_gather`), where `read_planner.warm_rows_whole` models that faster than
+    copying its pieces by themselves, or where this process cannot copy them so
+    (`gather.vm_copy_usable`: each piece would be a preadv call); None, its pieces by themselves
+    (`gather.run_gather`), and always when the ranges are out of column order."""
+    src = [s for s, _, _ in job.pieces]
+    widths = [w for _, _, w in job.pieces]
+    if any(b < a + w for a, w, b in zip(src, widths, src[1:], strict=False)):
         return None
-    row = plan_merges(np.append(src, job.row_bytes + src[0]),
-                      np.append(ends, job.row_bytes + ends[0]), model)
-    merged = np.tile(row, job.rows[1] - job.rows[0])[:-1]
-    return True if merged.all() else None if not merged.any() else merged
+    if not vm_copy_usable() or warm_rows_whole(job.row_bytes, widths):
+        return True
+    return None
 
 
 def run_spans(job: Gather, recorder: ReadRecorder | None) -> None:
@@ -168,9 +173,9 @@ def span_gather(job: Gather, recorder: ReadRecorder | None) -> bool:
     direct = job.direct
     fd, align = (source.direct_fd, DIRECT_ALIGN) if direct else (job.fd, 1)
     first, last = job.rows
-    populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
     if job.merge is True and not direct and _VECTORED and vector_gather(job, recorder):
         return True
+    populate(int(job.out.ctypes.data), first * job.out.shape[1], last * job.out.shape[1])
     if job.merge is True:
         step = max(1, (BOUNCE_BYTES if direct else CACHED_BYTES) // job.row_bytes)
         low = min(src for src, _, _ in job.pieces)
