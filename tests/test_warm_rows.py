@@ -16,10 +16,12 @@ import pytest
 from safetensors.numpy import load_file
 
 from partc.errors import CheckpointError
+from partc.runtime import read_planner
 from partc.runtime._engine import gather, rows, spans
 from partc.runtime._engine.reader import CheckpointReader
 from partc.runtime._engine.selection import TensorSelection
 from partc.runtime.checkpoint import open_checkpoint
+from partc.runtime.read_planner import StorageModel
 
 from support import Recorder, hf
 
@@ -134,6 +136,13 @@ def test_the_bounce_path_still_reads_what_the_vectored_one_does(
     np.testing.assert_array_equal(got.view(np.uint8), expected(tensor, sel).view(np.uint8))
 
 
+@pytest.fixture(autouse=True)
+def default_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented models, whatever this machine has cached (`partc calibrate`)."""
+    monkeypatch.setattr(read_planner, "_WARM",
+                        [(read_planner.WARM_ROWS, read_planner.WARM_PIECES)])
+
+
 def warm_job(row_bytes: int, ranges: list[tuple[int, int]]) -> gather.Gather:
     """A warm gather job of 8 rows of `row_bytes`, its pieces the byte `ranges` of each row."""
     pieces, at = [], 0
@@ -180,6 +189,18 @@ def test_without_process_vm_writev_warm_rows_are_read_whole(
     monkeypatch.setattr(gather, "_USE_VM_COPY", True)
     monkeypatch.setitem(gather._LIBC, "process_vm_writev", None)  # refused earlier
     assert spans._warm_way(narrow) is True
+
+
+def test_a_calibrated_machine_chooses_by_its_own_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a machine whose kernel copies rows fast (rep movsb) reads even an eighth's rows whole;
+    # one whose pieces are cheap copies even a half's pieces by themselves
+    half, eighth = warm_job(5632, [(0, 2816)]), warm_job(5632, [(0, 704)])
+    fast_rows = (StorageModel(0.05e-6, 40e9), read_planner.WARM_PIECES)
+    monkeypatch.setattr(read_planner, "_WARM", [fast_rows])
+    assert spans._warm_way(eighth) is True and spans._warm_way(half) is True
+    cheap_pieces = (read_planner.WARM_ROWS, StorageModel(0.01e-6, 40e9))
+    monkeypatch.setattr(read_planner, "_WARM", [cheap_pieces])
+    assert spans._warm_way(eighth) is None and spans._warm_way(half) is None
 
 
 def test_ranges_out_of_column_order_are_copied_piece_by_piece() -> None:

@@ -266,11 +266,15 @@ def _add_resharding(commands: Any) -> None:
 def _add_calibrate(commands: Any) -> None:
     """`partc calibrate`."""
     calibrate = commands.add_parser(
-        "calibrate", help="measure the storage holding a checkpoint for the read planner of "
-                          "cold loads (about a second), or show what was measured",
+        "calibrate", help="measure the storage holding a checkpoint and this machine's page "
+                          "cache for the read planner (about a second), or show what was "
+                          "measured",
         description="Time 4 KiB and 1 MiB O_DIRECT reads of a checkpoint file and cache the "
                     "storage model (request latency, bandwidth) for its device; cold loads of "
-                    "files on that device then plan their reads with it.")
+                    "files on that device then plan their reads with it. Then time a warm "
+                    "column gather both ways on the same file (rows read whole, pieces copied "
+                    "by themselves) and cache the two models for this machine; warm loads "
+                    "choose between the ways with them.")
     calibrate.add_argument("path", nargs="?", default=None,
                            help="a checkpoint folder (its largest .safetensors file is read) or "
                                 "a file on the storage to measure")

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from partc.cli.parser import EXIT_OK
 from partc.errors import CheckpointError, MachineError, SourceLocation
@@ -52,16 +53,43 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise MachineError(f"cannot read the file to calibrate with: {exc.strerror or exc}",
                            location=SourceLocation(path)) from None
     device = os.stat(path).st_dev
+    try:
+        warm: tuple[Any, Any] | None = read_planner.calibrate_warm(path)
+        refused = ""
+    except ValueError as exc:  # process_vm_writev refused: warm rows are always read whole
+        warm, refused = None, str(exc).removeprefix(f"{path}: ")
     if args.format == "json":
         print(json.dumps({"device": device, "path": path, "latency_s": model.latency,
                           "bandwidth_bytes_per_s": model.bandwidth,
+                          "page_cache": None if warm is None else _warm_json(*warm),
                           "cache": read_planner.cache_file()}, indent=1))
         return EXIT_OK
     print(f"storage of {path} (device {device}): {model.latency * 1e6:.1f} us a request "
           f"(4 KiB, 8 in flight), {model.bandwidth / 1e9:.2f} GB/s (1 MiB requests)")
+    if warm is None:
+        print(f"page cache: not measured ({refused})")
+    else:
+        print(f"page cache (this machine): {_describe_warm(*warm)}")
     print(f"cached in {read_planner.cache_file()}: cold loads of files on this device plan "
-          f"with it (uncalibrated devices: {_describe(read_planner.COLD)})")
+          f"with it (uncalibrated devices: {_describe(read_planner.COLD)}), warm column "
+          f"gathers on this machine with the page cache's")
     return EXIT_OK
+
+
+def _describe_warm(rows: object, pieces: object) -> str:
+    """The two warm gather models in words."""
+    from partc.runtime.read_planner import StorageModel
+
+    assert isinstance(rows, StorageModel) and isinstance(pieces, StorageModel)
+    return (f"rows whole {rows.latency * 1e6:.3f} us a buffer, {rows.bandwidth / 1e9:.2f} GB/s; "
+            f"pieces by themselves {pieces.latency * 1e6:.3f} us a piece, "
+            f"{pieces.bandwidth / 1e9:.2f} GB/s")
+
+
+def _warm_json(rows: Any, pieces: Any) -> dict[str, Any]:
+    """The two warm gather models as JSON."""
+    return {"rows": {"latency_s": rows.latency, "bandwidth_bytes_per_s": rows.bandwidth},
+            "pieces": {"latency_s": pieces.latency, "bandwidth_bytes_per_s": pieces.bandwidth}}
 
 
 def _describe(model: object) -> str:
@@ -77,16 +105,25 @@ def _show(fmt: str) -> int:
     from partc.runtime import read_planner
 
     cached = read_planner.cached_models()
+    warm = read_planner.cached_warm()
+    default_warm = (read_planner.WARM_ROWS, read_planner.WARM_PIECES)
     if fmt == "json":
         print(json.dumps({"cache": read_planner.cache_file(),
                           "default": {"latency_s": read_planner.COLD.latency,
                                       "bandwidth_bytes_per_s": read_planner.COLD.bandwidth},
                           "devices": {str(d): {"path": p, "latency_s": m.latency,
                                                "bandwidth_bytes_per_s": m.bandwidth}
-                                      for d, (p, m) in sorted(cached.items())}}, indent=1))
+                                      for d, (p, m) in sorted(cached.items())},
+                          "page_cache_default": _warm_json(*default_warm),
+                          "page_cache": None if warm is None else {
+                              "path": warm[0], **_warm_json(*warm[1:])}}, indent=1))
         return EXIT_OK
     print(f"cache: {read_planner.cache_file()}")
     print(f"default (uncalibrated devices): {_describe(read_planner.COLD)}")
+    if warm is None:
+        print(f"page cache: not measured; the defaults: {_describe_warm(*default_warm)}")
+    else:
+        print(f"page cache: {_describe_warm(*warm[1:])} (measured on {warm[0]})")
     if not cached:
         print("no device calibrated (partc calibrate CHECKPOINT measures the one holding it)")
     for device, (path, model) in sorted(cached.items()):

@@ -68,7 +68,9 @@ WARM_ROWS = StorageModel(0.105e-6, 9.4e9)
 straight into its array, each gap into a scratch buffer): a buffer (a piece or a gap) costs
 ~0.1 us and every byte of the rows a kernel copy, ~9.4 GB/s. Measured on the project's machine
 (one thread, destinations faulted in first, the column slices of the reference checkpoint at
-T=2, 4 and 8: `python benchmarks/warm_gathers.py`)."""
+T=2, 4 and 8: `python benchmarks/warm_gathers.py`), an AMD EPYC whose kernel copies without
+`rep movsb` (no ERMS): where the kernel's copies are faster, rows whole win more often
+(`calibrate_warm` measures the machine; `warm_models` reads what it cached)."""
 WARM_PIECES = StorageModel(0.25e-6, 3.2e9)
 """The same gather copying each piece by itself (`_engine.gather`: process_vm_writev out of the
 file's mapping, 1024 pieces a call): ~0.25 us a piece, and its bytes at ~3.2 GB/s (the kernel
@@ -79,14 +81,16 @@ WARM = StorageModel(WARM_PIECES.latency, WARM_ROWS.bandwidth)
 reading through."""
 
 
-def warm_rows_whole(row_bytes: int, widths: list[int]) -> bool:
-    """Whether a warm column gather with no cap reads its rows whole (`WARM_ROWS`: every byte of
-    a row, a buffer for each piece and each gap) rather than copying its pieces (`WARM_PIECES`:
-    a request for each piece, its bytes only), by the modelled time of one row (the same in
-    every row). At T=2 a rank's half of a row is cheaper read with the other half; at T=8 its
-    eighth is cheaper copied by itself (measured: `WARM_ROWS`)."""
-    return (WARM_ROWS.cost(2 * len(widths), row_bytes)
-            <= WARM_PIECES.cost(len(widths), sum(widths)))
+def warm_rows_whole(row_bytes: int, widths: list[int],
+                    models: tuple[StorageModel, StorageModel] | None = None) -> bool:
+    """Whether a warm column gather with no cap reads its rows whole (the first of `models`,
+    by default `warm_models()`'s: every byte of a row, a buffer for each piece and each gap)
+    rather than copying its pieces (the second: a request for each piece, its bytes only), by
+    the modelled time of one row (the same in every row). On the project's machine a rank's
+    half of a row is cheaper read with the other half, its quarter or eighth cheaper copied
+    by itself (measured: `WARM_ROWS`)."""
+    rows, pieces = warm_models() if models is None else models
+    return rows.cost(2 * len(widths), row_bytes) <= pieces.cost(len(widths), sum(widths))
 
 
 ENVIRONMENT = "PARTC_MAX_FETCH_RATIO"
@@ -172,6 +176,40 @@ def cached_models() -> dict[int, tuple[str, StorageModel]]:
     return found
 
 
+PAGE_CACHE = "page cache"
+"""The cache's key for this machine's warm gather models (`calibrate_warm`; the other keys are
+storage devices' st_dev)."""
+_WARM: list[tuple[StorageModel, StorageModel]] = []
+"""The warm gather models once looked up in this process (empty before)."""
+
+
+def warm_models() -> tuple[StorageModel, StorageModel]:
+    """(whole rows, pieces by themselves): the models of a warm column gather's two ways on this
+    machine: its cached calibration (`calibrate_warm`), else `WARM_ROWS` and `WARM_PIECES`."""
+    if not _WARM:
+        _WARM.append(_warm_entry(_cached().get(PAGE_CACHE)) or (WARM_ROWS, WARM_PIECES))
+    return _WARM[0]
+
+
+def _warm_entry(entry: Any) -> tuple[StorageModel, StorageModel] | None:
+    """The two models of a cached page-cache entry; None when it is missing or malformed."""
+    try:
+        return (StorageModel(entry["rows"]["latency"], entry["rows"]["bandwidth"]),
+                StorageModel(entry["pieces"]["latency"], entry["pieces"]["bandwidth"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def cached_warm() -> tuple[str, StorageModel, StorageModel] | None:
+    """This machine's cached warm calibration as (the file measured, whole rows, pieces), or
+    None."""
+    entry = _cached().get(PAGE_CACHE)
+    found = _warm_entry(entry)
+    if found is None or not isinstance(entry, dict):
+        return None
+    return str(entry.get("path", "")), *found
+
+
 _MODELS: dict[int, StorageModel] = {}
 """Storage models already looked up in this process, by st_dev."""
 
@@ -241,21 +279,116 @@ def calibrate(path: str, *, requests: int = 512, large: int = 64 << 20, depth: i
     model = StorageModel(latency, bandwidth)
     _MODELS[st.st_dev] = model
     if save:
-        cached = _cached()
-        cached[str(st.st_dev)] = {"latency": latency, "bandwidth": bandwidth, "path": path}
-        target = cache_file()
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        import tempfile
-
-        # a temporary file of this call's own, renamed over the cache: two calibrations at
-        # once each leave a whole file, never a mixed one
-        handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(target),
-                                             prefix=".storage-", suffix=".tmp", delete=False)
-        try:
-            with handle:
-                json.dump(cached, handle, indent=1, sort_keys=True)
-            os.replace(handle.name, target)
-        except BaseException:
-            os.unlink(handle.name)
-            raise
+        _save(str(st.st_dev), {"latency": latency, "bandwidth": bandwidth, "path": path})
     return model
+
+
+def _save(key: str, entry: dict[str, Any]) -> None:
+    """Store `entry` under `key` in the cache file, the other keys kept."""
+    cached = _cached()
+    cached[key] = entry
+    target = cache_file()
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    import tempfile
+
+    # a temporary file of this call's own, renamed over the cache: two calibrations at once
+    # each leave a whole file, never a mixed one
+    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=os.path.dirname(target),
+                                         prefix=".storage-", suffix=".tmp", delete=False)
+    try:
+        with handle:
+            json.dump(cached, handle, indent=1, sort_keys=True)
+        os.replace(handle.name, target)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
+
+
+WARM_CASES = ((2048, 2), (2048, 8), (8192, 2), (8192, 8))
+"""(row bytes, share) of the gathers `calibrate_warm` times: a rank's half and eighth of rows
+as wide as a hidden size of 1024 and 4096 in bf16."""
+
+
+def calibrate_warm(path: str, *, region: int = 16 << 20, repeats: int = 3,
+                   save: bool = True) -> tuple[StorageModel, StorageModel]:
+    """Measure this machine's two ways of a warm column gather on the first `region` bytes of
+    the file `path` (read once first, so that the page cache holds them): each of
+    `WARM_CASES`, its rows read whole (`_engine.rows.vector_gather`) and its pieces copied by
+    themselves (`_engine.gather`, process_vm_writev), one thread, destinations faulted in first,
+    the fastest of `repeats`; the two models fitted by least squares (whole rows: a buffer's
+    cost and the rows' bandwidth; pieces: a piece's cost and the pieces' bandwidth) and kept in
+    the cache under `PAGE_CACHE` when `save`. ValueError where process_vm_writev is refused or
+    the file is shorter than 1 MiB. Takes well under a second."""
+    import time
+
+    from partc.runtime._engine.gather import (
+        Gather,
+        GatherFile,
+        _vm_gather,
+        libc_function,
+        vm_copy_usable,
+    )
+    from partc.runtime._engine.memory import empty_array, populate
+    from partc.runtime._engine.rows import vector_gather
+    from partc.runtime.headers import FileHeader, TensorTable
+
+    copy = libc_function("process_vm_writev")
+    if copy is None or not vm_copy_usable():
+        raise ValueError(f"{path}: process_vm_writev is refused here, so warm column gathers "
+                         f"always read their rows whole: nothing to calibrate")
+    fd = os.open(path, os.O_RDONLY)
+    source = None
+    try:
+        # any file's bytes will do: they stand for rows of a tensor, not read as one
+        header = FileHeader(path=path, header_size=0, data_start=0,
+                            file_size=os.fstat(fd).st_size, metadata=(),
+                            tensors=TensorTable([], [], [], {}))
+        size = min(region, header.file_size)
+        if size < 1 << 20:
+            raise ValueError(f"{path}: calibration needs a file of at least 1 MiB, found "
+                             f"{header.file_size} bytes")
+        scratch = bytearray(1 << 20)
+        for at in range(0, size, len(scratch)):  # into the page cache
+            os.preadv(fd, [memoryview(scratch)[:min(len(scratch), size - at)]], at)
+        source = GatherFile(header, fd, "calibration")
+        rows_a, rows_b, pieces_a, pieces_b = [], [], [], []
+        for row_bytes, share in WARM_CASES:
+            count, width = size // row_bytes, row_bytes // share
+            out = empty_array((count, width), np.dtype(np.uint8))
+            populate(int(out.ctypes.data), 0, out.nbytes)
+            job = Gather(file=0, path=path, name="calibration", out=out, base=0,
+                         row_bytes=row_bytes, rows=(0, count), pieces=((0, 0, width),),
+                         nbytes=out.nbytes)
+            job.source, job.fd = source, fd
+            for way in ("rows", "pieces"):
+                best = float("inf")
+                for _ in range(repeats):
+                    begin = time.perf_counter()
+                    done = vector_gather(job, None) if way == "rows" else _vm_gather(job, copy)
+                    best = min(best, time.perf_counter() - begin)
+                    if not done:
+                        raise ValueError(f"{path}: the {way} gather was refused here")
+                if way == "rows":  # a row: two buffers, row_bytes through the kernel
+                    rows_a.append([2.0, float(row_bytes)])
+                    rows_b.append(best / count)
+                else:  # a row: one piece, its width
+                    pieces_a.append([1.0, float(width)])
+                    pieces_b.append(best / count)
+    finally:
+        if source is not None:
+            source.close()
+        os.close(fd)
+    fitted = []
+    for a, b in ((rows_a, rows_b), (pieces_a, pieces_b)):
+        (latency, per_byte), *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
+        # noise can tip a fit past zero: a request is never free of cost nor a byte either
+        fitted.append(StorageModel(max(float(latency), 1e-9), 1 / max(float(per_byte), 1e-12)))
+    models = (fitted[0], fitted[1])
+    _WARM[:] = [models]
+    if save:
+        _save(PAGE_CACHE, {"path": path,
+                           "rows": {"latency": models[0].latency,
+                                    "bandwidth": models[0].bandwidth},
+                           "pieces": {"latency": models[1].latency,
+                                      "bandwidth": models[1].bandwidth}})
+    return models
