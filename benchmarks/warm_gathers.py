@@ -42,7 +42,7 @@ LAYERS = range(2, 8)
 
 def measure(folder: Path) -> dict[tuple[str, int, str], list[float]]:
     """ms per MiB of the rank's columns, per (tensor, T, way), one sample per layer."""
-    from partc.runtime._engine.gather import GatherFile, _vm_gather, column_gathers, libc_function
+    from partc.runtime._engine.gather import GatherFile, column_gathers, copy_pieces, vm_copy_usable
     from partc.runtime._engine.memory import populate
     from partc.runtime._engine.rows import vector_gather
     from partc.runtime._engine.selection import TensorSelection
@@ -51,8 +51,7 @@ def measure(folder: Path) -> dict[tuple[str, int, str], list[float]]:
     checkpoint = open_checkpoint(folder)
     path = load.checkpoint_files(folder)[0]
     fd = os.open(path, os.O_RDONLY)
-    copy = libc_function("process_vm_writev")
-    if copy is None:
+    if not vm_copy_usable():
         raise SystemExit("process_vm_writev is not available here: nothing to compare")
     found: dict[tuple[str, int, str], list[float]] = {}
     try:
@@ -73,7 +72,7 @@ def measure(folder: Path) -> dict[tuple[str, int, str], list[float]]:
                         start = time.perf_counter()
                         for job in jobs:
                             done = (vector_gather(job, None) if way == "rows"
-                                    else _vm_gather(job, copy))
+                                    else copy_pieces(job))
                             assert done, way
                         seconds = time.perf_counter() - start
                         found.setdefault((module.split(".")[1], tp, way), []).append(

@@ -321,19 +321,12 @@ def calibrate_warm(path: str, *, region: int = 16 << 20, repeats: int = 3,
     the file is shorter than 1 MiB. Takes well under a second."""
     import time
 
-    from partc.runtime._engine.gather import (
-        Gather,
-        GatherFile,
-        _vm_gather,
-        libc_function,
-        vm_copy_usable,
-    )
+    from partc.runtime._engine.gather import Gather, GatherFile, copy_pieces, vm_copy_usable
     from partc.runtime._engine.memory import empty_array, populate
     from partc.runtime._engine.rows import vector_gather
     from partc.runtime.headers import FileHeader, TensorTable
 
-    copy = libc_function("process_vm_writev")
-    if copy is None or not vm_copy_usable():
+    if not vm_copy_usable():
         raise ValueError(f"{path}: process_vm_writev is refused here, so warm column gathers "
                          f"always read their rows whole: nothing to calibrate")
     fd = os.open(path, os.O_RDONLY)
@@ -364,7 +357,7 @@ def calibrate_warm(path: str, *, region: int = 16 << 20, repeats: int = 3,
                 best = float("inf")
                 for _ in range(repeats):
                     begin = time.perf_counter()
-                    done = vector_gather(job, None) if way == "rows" else _vm_gather(job, copy)
+                    done = vector_gather(job, None) if way == "rows" else copy_pieces(job)
                     best = min(best, time.perf_counter() - begin)
                     if not done:
                         raise ValueError(f"{path}: the {way} gather was refused here")

@@ -298,6 +298,13 @@ def vm_copy_usable() -> bool:
     return _USE_VM_COPY and libc_function("process_vm_writev") is not None
 
 
+def copy_pieces(job: Gather) -> bool:
+    """Copy a warm job's pieces by themselves (process_vm_writev, as `run_gather` does warm);
+    False where the call is unavailable or refused here."""
+    copy = libc_function("process_vm_writev") if _USE_VM_COPY else None
+    return copy is not None and _vm_gather(job, copy)
+
+
 def ask_rows(job: Gather) -> None:
     """Ask storage for the job's whole rows now, in large reads (advice only)."""
     start, end = job.span()

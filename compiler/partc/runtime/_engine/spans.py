@@ -2,8 +2,11 @@
 for every gap between a gather job's pieces whether it is read through; a job whose gaps are
 all read through reads its rows whole, in large sequential requests, into a reused bounce
 buffer and copies its columns out with numpy (cold and alone: O_DIRECT, sector-aligned; a node's
-ranks together: the page cache, whole rows asked for first; warm: the page cache). A read that
-comes back short is a truncated file: a CheckpointError, never a SIGBUS (no mapping is touched).
+ranks together: the page cache, whole rows asked for first), or, warm, straight into the
+destination by vectored reads (`rows.vector_gather`). Warm with no cap, a job reads its rows
+whole or copies its pieces by themselves, whichever the page cache's models say is faster
+(`_warm_way`). A read that comes back short is a truncated file: a CheckpointError, never a
+SIGBUS (no mapping is touched).
 """
 
 from __future__ import annotations
