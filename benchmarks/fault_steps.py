@@ -17,7 +17,6 @@ core's cache and the copy writes over them there.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -62,15 +61,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="checkpoint folder (kept; reused if present)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    hidden, intermediate, heads, kv, vocab, layers = load.PRESETS["reference"]
-    config = load.llama_config(hidden, intermediate, heads, kv, vocab, layers)
     scratch = tempfile.TemporaryDirectory(prefix="partc-bench-")
-    folder = args.dir or Path(scratch.name) / "checkpoint"
-    existing = folder / "config.json"
-    if not existing.is_file() or json.loads(existing.read_text()) != config:
-        print(f"writing the synthetic checkpoint to {folder} ...", flush=True)
-        load.write_checkpoint(folder, config, 1)
-    files = load.checkpoint_files(folder)
+    files = load.checkpoint_files(load.reference_checkpoint(args.dir, scratch.name))
     load.settle(files, "large")
     found: dict[str, list[float]] = {}
     for repeat in range(args.repeats):

@@ -142,6 +142,19 @@ def write_checkpoint(folder: Path, config: dict[str, Any], shards: int) -> None:
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
+def reference_checkpoint(folder: Path | None, scratch: str) -> Path:
+    """The reference checkpoint (`PRESETS["reference"]`, one file) in `folder`, written there
+    unless it already holds it; in `scratch` when `folder` is None."""
+    hidden, intermediate, heads, kv, vocab, layers = PRESETS["reference"]
+    config = llama_config(hidden, intermediate, heads, kv, vocab, layers)
+    folder = folder or Path(scratch) / "checkpoint"
+    existing = folder / "config.json"
+    if not existing.is_file() or json.loads(existing.read_text()) != config:
+        print(f"writing the synthetic checkpoint to {folder} ...", flush=True)
+        write_checkpoint(folder, config, 1)
+    return folder
+
+
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

@@ -109,16 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dir", type=Path, help="checkpoint folder (kept; reused if present)")
     args = parser.parse_args()
-    hidden, intermediate, heads, kv, vocab, layers = load.PRESETS["reference"]
-    config = load.llama_config(hidden, intermediate, heads, kv, vocab, layers)
     scratch = tempfile.TemporaryDirectory(prefix="partc-bench-")
-    folder = args.dir or Path(scratch.name) / "checkpoint"
-    existing = folder / "config.json"
-    import json
-
-    if not existing.is_file() or json.loads(existing.read_text()) != config:
-        print(f"writing the synthetic checkpoint to {folder} ...", flush=True)
-        load.write_checkpoint(folder, config, 1)
+    folder = load.reference_checkpoint(args.dir, scratch.name)
     load.settle(load.checkpoint_files(folder), "large")
     found = measure(folder)
     (buffer, rows_bw), (latency, pieces_bw) = fit(found)
