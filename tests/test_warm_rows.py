@@ -160,9 +160,10 @@ def warm_job(row_bytes: int, ranges: list[tuple[int, int]]) -> gather.Gather:
 ])
 def test_a_warm_job_reads_a_wide_share_of_its_rows_whole_and_a_narrow_one_by_piece(
         row_bytes: int, share: int, whole: bool | None) -> None:
-    # measured (benchmarks/warm_gathers.py, one thread, ms a MiB of the rank's columns):
-    # down_proj whole rows 0.32 / 0.63 / 1.21 at T=2 / 4 / 8, by piece 0.43 / 0.53 / 0.73;
-    # o_proj 0.50 / 0.95 / 1.75 against 0.56 / 0.88 / 1.29
+    # measured (benchmarks/warm_gathers.py, one thread, ms a MiB of the rank's columns; the
+    # table of docs/performance.md, "Warm loads"): down_proj whole rows 0.29 / 0.56 / 1.07 at
+    # T=2 / 4 / 8, by piece 0.36 / 0.45 / 0.59; o_proj 0.43 / 0.93 / 1.76 against 0.49 / 0.79 /
+    # 1.09
     job = warm_job(row_bytes, [(0, row_bytes // share)])
     assert spans._warm_way(job) is whole
     # where the rank's share is in the row does not matter, only its width and the row's
